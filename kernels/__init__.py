@@ -1,0 +1,1 @@
+"""Attention kernels: the pure-jax.numpy reference (all backends) and, later, Pallas TPU kernels."""

@@ -1,0 +1,1 @@
+"""HTTP server, tokenizer manager and detokenizer processes."""

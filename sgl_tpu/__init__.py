@@ -1,0 +1,1 @@
+"""sgl-tpu: an LLM inference server for agentic workloads, on JAX."""

@@ -1,0 +1,150 @@
+"""The configuration tree: one flat, validated `ServerArgs` (what the CLI and `Engine(**kwargs)`
+accept, with SGLang's flag names) from which each component gets only its own frozen part:
+
+    ServerArgs ──► RunnerConfig     (model runner: weights, dtype, KV pool, shape buckets)
+              ├──► SchedulerConfig  (batching policy, token budgets, radix cache)
+              └──► HTTP settings    (host, port, api key; read directly by the server)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """lo, 2lo, 4lo, ... up to and including hi (hi appended if not a power-of-two step)."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    model_path: str | None
+    dtype: str  # resolved: "float32" or "bfloat16"
+    page_size: int
+    num_pages: int  # KV pool pages, including the reserved page 0
+    max_running_requests: int  # largest decode batch
+    max_extend_seqs: int  # most sequences in one EXTEND batch
+    context_len: int  # longest sequence (prompt + output); <= the model's
+    token_buckets: tuple[int, ...]  # EXTEND batch sizes in tokens
+    seq_buckets: tuple[int, ...]  # DECODE batch sizes in sequences
+    kv_tile: int  # tokens per KV tile in attention (multiple of page_size)
+    block_q: int  # query rows per EXTEND attention block
+    max_top_logprobs: int
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kv_tile % self.page_size:
+            raise ValueError(f"kv_tile ({self.kv_tile}) must be a multiple of page_size "
+                             f"({self.page_size})")
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        """Page-table width: whole KV tiles covering context_len, so tile reads never clamp."""
+        num_tiles = -(-self.context_len // self.kv_tile)
+        return num_tiles * (self.kv_tile // self.page_size)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    page_size: int
+    max_running_requests: int
+    max_extend_seqs: int
+    chunked_prefill_size: int  # token budget of one EXTEND batch
+    context_len: int
+    schedule_policy: str = "lpm"
+    disable_radix_cache: bool = False
+    max_top_logprobs: int = 20
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    dtype: str = "auto"
+    page_size: int = 16
+    max_total_tokens: int = 65536  # KV pool capacity in tokens
+    max_running_requests: int = 64
+    max_extend_seqs: int = 32
+    chunked_prefill_size: int = 2048
+    context_length: int | None = None  # None: the model's
+    schedule_policy: str = "lpm"
+    disable_radix_cache: bool = False
+    kv_tile: int = 256
+    block_q: int = 128
+    min_token_bucket: int = 64
+    max_top_logprobs: int = 20
+    skip_warmup: bool = False
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "max_total_tokens", "max_running_requests", "max_extend_seqs",
+                     "chunked_prefill_size", "kv_tile", "block_q", "min_token_bucket"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, "
+                             f"got {self.schedule_policy!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.max_total_tokens < 2 * self.page_size:
+            raise ValueError("max_total_tokens must hold at least two pages")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+
+    def replace(self, **changes) -> ServerArgs:
+        return dataclasses.replace(self, **changes)
+
+    def resolved_dtype(self) -> str:
+        # On XLA:CPU float32 measured faster than bfloat16 (bf16 dots do not use AMX there);
+        # TPUs and GPUs want bfloat16.
+        if self.dtype != "auto":
+            return self.dtype
+        import jax
+
+        return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+    def runner_config(self, model_context_len: int) -> RunnerConfig:
+        context_len = min(self.context_length or model_context_len, model_context_len)
+        kv_tile = max(self.kv_tile, self.page_size)
+        chunk = max(self.chunked_prefill_size, self.min_token_bucket)
+        return RunnerConfig(
+            model_path=self.model_path,
+            dtype=self.resolved_dtype(),
+            page_size=self.page_size,
+            num_pages=-(-self.max_total_tokens // self.page_size) + 1,
+            max_running_requests=self.max_running_requests,
+            max_extend_seqs=min(self.max_extend_seqs, self.max_running_requests),
+            context_len=context_len,
+            token_buckets=_pow2_buckets(self.min_token_bucket, chunk),
+            seq_buckets=_pow2_buckets(1, self.max_running_requests),
+            kv_tile=kv_tile,
+            block_q=self.block_q,
+            max_top_logprobs=self.max_top_logprobs,
+            warmup=not self.skip_warmup,
+        )
+
+    def scheduler_config(self, runner: RunnerConfig) -> SchedulerConfig:
+        return SchedulerConfig(
+            page_size=self.page_size,
+            max_running_requests=self.max_running_requests,
+            max_extend_seqs=runner.max_extend_seqs,
+            chunked_prefill_size=runner.token_buckets[-1],
+            context_len=runner.context_len,
+            schedule_policy=self.schedule_policy,
+            disable_radix_cache=self.disable_radix_cache,
+            max_top_logprobs=self.max_top_logprobs,
+        )

@@ -1,0 +1,197 @@
+"""ModelRunner: owns the device state (weights, paged KV pools, penalty counts) and every jitted
+entry point. The scheduler hands it host-side `SeqStep`s; it pads them to a bucket
+(`build_forward_batch`), runs one jitted step and returns host numpy results.
+
+Jitted entry points (all here, compiled per bucket at warm-up):
+
+    _step(params, kv_pools, token_counts, fb; mode)      -> (SampleOutput, hidden, kv_pools, counts)
+        donates kv_pools and token_counts, so the KV write and the count update are in place.
+    _token_logprobs(params, hidden, target_ids; T)        -> input log-probs for prompt positions
+
+`num_compilations()` counts XLA compilations of these functions, so tests can assert that mixed
+traffic after warm-up compiles nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from sgl_tpu.config import RunnerConfig
+from sgl_tpu.executor.forward_batch import (
+    BatchShape,
+    ForwardBatch,
+    ForwardMode,
+    SeqStep,
+    batch_shape_for,
+    build_forward_batch,
+)
+from sgl_tpu.executor.sampler import sample
+from sgl_tpu.models import llama
+from sgl_tpu.models.config import ModelConfig
+from sgl_tpu.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Host copies of one step's outputs, one row per real sequence."""
+
+    token_ids: np.ndarray  # i32[n]
+    logprobs: np.ndarray  # f32[n]
+    top_ids: np.ndarray  # i32[n, K]
+    top_logprobs: np.ndarray  # f32[n, K]
+    hidden: jax.Array | None  # [T, D] device array (EXTEND only), for input log-probs
+
+
+def _step_impl(params, kv_pools, token_counts, fb: ForwardBatch, *, cfg: ModelConfig,
+               mode: ForwardMode, kv_tile: int, num_top: int):
+    hidden, kv_pools = llama.forward(params, kv_pools, fb, cfg, mode, kv_tile=kv_tile)
+    logits = llama.compute_logits(params, hidden[fb.sample_idx], cfg)  # [S, V]
+    num_seqs, vocab = logits.shape
+
+    def gather_counts():
+        rows = token_counts[fb.counts_rows]  # [S, V]
+        return jnp.where(fb.counts_reset[:, None], 0, rows)
+
+    counts = lax.cond(fb.use_penalties, gather_counts,
+                      lambda: jnp.zeros((num_seqs, vocab), token_counts.dtype))
+    out = sample(logits, fb.sampling, counts, fb.vocab_bitmask, num_top_logprobs=num_top)
+    if mode == ForwardMode.EXTEND:
+        keep = (~fb.counts_reset).astype(token_counts.dtype)[:, None]
+        token_counts = token_counts.at[fb.counts_rows].multiply(keep)
+    token_counts = token_counts.at[fb.counts_rows, out.token_ids].add(
+        fb.sample_valid.astype(token_counts.dtype))
+    return out, hidden, kv_pools, token_counts
+
+
+def _token_logprobs_impl(params, hidden, target_ids, *, cfg: ModelConfig, num_top: int):
+    """hidden [T, D], target_ids [T] -> logprob of each target [T], top-K ids/logprobs [T, K]."""
+    logp = jax.nn.log_softmax(llama.compute_logits(params, hidden, cfg), axis=-1)  # [T, V]
+    chosen = jnp.take_along_axis(logp, target_ids[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = lax.top_k(logp, num_top) if num_top else (
+        jnp.zeros((logp.shape[0], 0), logp.dtype), jnp.zeros((logp.shape[0], 0), jnp.int32))
+    return chosen, top_ids.astype(jnp.int32), top_lp
+
+
+def params_to_device(params: dict, dtype) -> dict:
+    """numpy params -> device arrays; norms stay float32, matrices take the compute dtype."""
+
+    def conv(name: str, a: np.ndarray):
+        keep_f32 = name.endswith("norm") or a.ndim == 1
+        return jnp.asarray(a, jnp.float32 if keep_f32 else dtype)
+
+    return {
+        k: ([{n: conv(n, a) for n, a in layer.items()} for layer in v] if k == "layers"
+            else conv(k, v))
+        for k, v in params.items()
+    }
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, params: dict, config: RunnerConfig) -> None:
+        self.model_config = model_config
+        self.config = config
+        self.dtype = _DTYPES[config.dtype]
+        self.vocab_size = model_config.vocab_size
+        self.vocab_words = -(-self.vocab_size // 32)
+        self.params = params_to_device(params, self.dtype)
+        self.kv_pools = self._alloc_kv_pools()
+        # Row 0 is a scratch row for padding sequences; request rows are 1..max_running.
+        self.token_counts = jnp.zeros((config.max_running_requests + 1, self.vocab_size),
+                                      jnp.int32)
+        num_top = config.max_top_logprobs
+        self._step = jax.jit(
+            partial(_step_impl, cfg=model_config, kv_tile=config.kv_tile, num_top=num_top),
+            static_argnames=("mode",),
+            donate_argnames=("kv_pools", "token_counts"),
+        )
+        self._token_logprobs = jax.jit(
+            partial(_token_logprobs_impl, cfg=model_config, num_top=num_top))
+
+    # ---- device state -------------------------------------------------------------------
+    def _alloc_kv_pools(self) -> list:
+        c, m = self.config, self.model_config
+        shape = (c.num_pages, c.page_size, m.num_kv_heads, m.head_dim)
+        return [(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+                for _ in range(m.num_layers)]
+
+    @property
+    def kv_bytes(self) -> int:
+        k, _ = self.kv_pools[0]
+        return 2 * k.size * k.dtype.itemsize * len(self.kv_pools)
+
+    def num_compilations(self) -> int:
+        """Compiled variants of the jitted entry points so far."""
+        return self._step._cache_size() + self._token_logprobs._cache_size()
+
+    # ---- steps -------------------------------------------------------------------------
+    def batch_shape(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> BatchShape:
+        c = self.config
+        return batch_shape_for(
+            mode, steps, token_buckets=c.token_buckets, seq_buckets=c.seq_buckets,
+            max_extend_seqs=c.max_extend_seqs, max_pages=c.max_pages_per_seq,
+            block_q=c.block_q, vocab_words=self.vocab_words)
+
+    def forward(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> StepResult:
+        shape = self.batch_shape(mode, steps)
+        fb = build_forward_batch(steps, shape, self.config.page_size)
+        out, hidden, self.kv_pools, self.token_counts = self._step(
+            self.params, self.kv_pools, self.token_counts, fb, mode=mode)
+        n = len(steps)
+        token_ids, logprobs, top_ids, top_lp = jax.device_get(
+            (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs))
+        return StepResult(
+            token_ids=np.asarray(token_ids[:n]),
+            logprobs=np.asarray(logprobs[:n], np.float32),
+            top_ids=np.asarray(top_ids[:n]),
+            top_logprobs=np.asarray(top_lp[:n], np.float32),
+            hidden=hidden if mode == ForwardMode.EXTEND else None,
+        )
+
+    def token_logprobs(self, hidden: jax.Array, target_ids: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Log-probs of `target_ids[t]` under the prediction at row t of an EXTEND step's hidden
+        states (padded to the step's bucket; callers slice the rows they need)."""
+        targets = np.zeros(hidden.shape[0], np.int32)
+        targets[: len(target_ids)] = target_ids
+        lp, ids, top = jax.device_get(self._token_logprobs(self.params, hidden, targets))
+        return np.asarray(lp, np.float32), np.asarray(ids), np.asarray(top, np.float32)
+
+    # ---- warm-up -----------------------------------------------------------------------
+    def warmup(self) -> float:
+        """Compile every bucket by running dummy batches that write only into page 0."""
+        t0 = time.perf_counter()
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=1)
+        page0 = np.zeros(1, np.int32)
+        for n_tokens in self.config.token_buckets:
+            # A one-page dummy sequence; the bucket is chosen by the padded token count.
+            steps = [SeqStep(token_ids=[0], prefix_len=0, pages=page0, sampling=greedy, seed=0,
+                             num_output_tokens=0, sample_valid=False)]
+            shape = self.batch_shape(ForwardMode.EXTEND, steps)
+            shape = BatchShape(shape.mode, n_tokens, shape.num_seqs, shape.max_pages,
+                               shape.block_q, shape.vocab_words)
+            fb = build_forward_batch(steps, shape, self.config.page_size)
+            out, hidden, self.kv_pools, self.token_counts = self._step(
+                self.params, self.kv_pools, self.token_counts, fb, mode=ForwardMode.EXTEND)
+            self._token_logprobs(self.params, hidden, np.zeros(n_tokens, np.int32))
+        for n_seqs in self.config.seq_buckets:
+            steps = [SeqStep(token_ids=[0], prefix_len=0, pages=page0, sampling=greedy, seed=0,
+                             num_output_tokens=0, sample_valid=False)] * n_seqs
+            self.forward(ForwardMode.DECODE, steps)
+        jax.block_until_ready(self.kv_pools)
+        elapsed = time.perf_counter() - t0
+        logger.info("warm-up compiled %d step variants in %.1f s", self.num_compilations(),
+                    elapsed)
+        return elapsed

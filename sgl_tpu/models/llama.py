@@ -1,0 +1,137 @@
+"""Llama-family decoder (Llama / Llama 3, Qwen2 with qkv bias, Qwen3 with q/k norm) over a paged KV pool.
+
+A pure function of (params, kv pools, ForwardBatch). The layer loop is unrolled in Python over
+per-layer weight dicts and per-layer KV pools: on XLA:CPU that was 2-4x faster for decode than
+stacked weights under `lax.scan` (which copied each layer's slice every step), and it lets each
+layer's donated pool be updated in place.
+
+Data flow of one step (T = padded token count, S = padded sequence count):
+
+    input_ids [T] -> embed -> per layer: RMSNorm -> q/k/v [T, heads, d] -> RoPE(positions)
+      -> write k/v into the pool at out_slots -> attention (extend: aligned blocks; decode: one
+      query per sequence) -> o-proj + residual -> RMSNorm -> SwiGLU MLP + residual
+    -> final RMSNorm -> hidden [T, D]
+
+Logits are computed by the caller only for the rows it needs (`compute_logits`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sgl_tpu.executor.forward_batch import ForwardBatch, ForwardMode
+from sgl_tpu.kernels import paged_attention_ref as attn
+from sgl_tpu.models.config import ModelConfig
+
+Params = dict
+KVPools = list  # [(k_pool, v_pool)] per layer, each [num_pages, page_size, kvh, d]
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [d/2], with Llama-3 scaling when configured (computed at trace time)."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv_freq.astype(np.float32)
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor
+    )
+    scaled = np.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    scaled = np.where(mid, (1 - smooth) * inv_freq / rs.factor + smooth * inv_freq, scaled)
+    return scaled.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate-half RoPE (HF convention). x [T, heads, d], positions [T]."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, d/2]
+    cos = jnp.cos(freqs)[:, None, :]
+    sin = jnp.sin(freqs)[:, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def _attention(
+    cfg: ModelConfig,
+    mode: ForwardMode,
+    q: jax.Array,  # [T, H, d]
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    fb: ForwardBatch,
+    kv_tile: int,
+) -> jax.Array:
+    scale = cfg.head_dim**-0.5
+    if mode == ForwardMode.DECODE:
+        return attn.decode_attention(
+            q, k_pool, v_pool, fb.page_table, fb.seq_lens, kv_tile=kv_tile, scale=scale
+        )
+    return attn.extend_attention(
+        q, k_pool, v_pool, fb.page_table, fb.block_rows, fb.block_seq, fb.block_q_start,
+        fb.seq_lens, fb.num_blocks, kv_tile=kv_tile, scale=scale,
+    )
+
+
+def forward(
+    params: Params,
+    kv_pools: KVPools,
+    fb: ForwardBatch,
+    cfg: ModelConfig,
+    mode: ForwardMode,
+    *,
+    kv_tile: int,
+) -> tuple[jax.Array, KVPools]:
+    """Run the decoder; returns final-normed hidden states [T, D] and the updated pools."""
+    inv_freq = rope_inv_freq(cfg)
+    h = params["embed"][fb.input_ids]  # [T, D]
+    num_tokens = h.shape[0]
+    new_pools = []
+    for layer, (k_pool, v_pool) in zip(params["layers"], kv_pools, strict=True):
+        x = rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
+        q = x @ layer["wq"]  # [T, H*d]
+        k = x @ layer["wk"]  # [T, kvh*d]
+        v = x @ layer["wv"]
+        if cfg.attention_bias:
+            q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
+        q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+        q = apply_rope(q, fb.positions, inv_freq)
+        k = apply_rope(k, fb.positions, inv_freq)
+        k_pool, v_pool = attn.write_kv(k_pool, v_pool, k, v, fb.out_slots)
+        new_pools.append((k_pool, v_pool))
+        o = _attention(cfg, mode, q, k_pool, v_pool, fb, kv_tile)
+        h = h + o.reshape(num_tokens, cfg.q_size) @ layer["wo"]
+        x = rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
+        gate = x @ layer["w_gate"]  # [T, F]
+        up = x @ layer["w_up"]
+        h = h + (jax.nn.silu(gate) * up) @ layer["w_down"]
+    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), new_pools
+
+
+def compute_logits(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """hidden [N, D] -> float32 logits [N, V]."""
+    if cfg.tie_word_embeddings:
+        logits = jnp.einsum("nd,vd->nv", hidden, params["embed"],
+                            preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.dot(hidden, params["lm_head"], preferred_element_type=jnp.float32)
+    return logits

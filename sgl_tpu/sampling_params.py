@@ -1,0 +1,135 @@
+"""Per-request sampling parameters (SGLang's names and defaults), validated once at the edge.
+
+`SamplingParams.from_dict` is the single entry for user input (Engine, native API, OpenAI API);
+every problem raises `ValueError` with a message naming the field, which the HTTP layer turns
+into a 400.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+# Keys SGLang's frontend and native API send that change nothing here yet, or are handled by
+# the tokenizer side; accepted so that unmodified clients work.
+_ACCEPTED_NOOP_KEYS = frozenset({"spaces_between_special_tokens", "stop_regex", "logit_bias",
+                                 "sampling_seed", "custom_params", "stream_interval"})
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) = off
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    seed: int | None = None
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_int("max_new_tokens", self.max_new_tokens, lo=0)
+        _check_int("min_new_tokens", self.min_new_tokens, lo=0)
+        _check_int("n", self.n, lo=1, hi=64)
+        _check_int("top_k", self.top_k, lo=-1)
+        _check_float("temperature", self.temperature, lo=0.0, hi=100.0)
+        _check_float("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
+        _check_float("min_p", self.min_p, lo=0.0, hi=1.0)
+        _check_float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        _check_float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, lo=0.0, hi=2.0, lo_open=True)
+        if self.seed is not None:
+            _check_int("seed", self.seed, lo=0, hi=2**63 - 1)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError("stop: every stop string must be a non-empty string")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids[]", t, lo=0)
+        if sum(x is not None for x in (self.regex, self.json_schema, self.ebnf)) > 1:
+            raise ValueError("only one of regex, json_schema and ebnf may be set")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the output constraint, if any."""
+        for kind in ("regex", "json_schema", "ebnf"):
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> SamplingParams:
+        """Build from a JSON-like dict; nulls mean "default"; unknown keys are an error."""
+        if d is None:
+            return cls()
+        if not isinstance(d, Mapping):
+            raise ValueError("sampling_params must be an object")
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        unknown = set(d) - names - _ACCEPTED_NOOP_KEYS
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+        kwargs: dict[str, Any] = {}
+        for key, value in d.items():
+            if value is None or key in _ACCEPTED_NOOP_KEYS:
+                continue
+            if key == "stop":
+                value = (value,) if isinstance(value, str) else _as_tuple(key, value)
+            elif key == "stop_token_ids":
+                value = _as_tuple(key, value)
+            elif key == "json_schema" and not isinstance(value, str):
+                raise ValueError("json_schema must be a JSON string")
+            kwargs[key] = value
+        extra = {k: d[k] for k in _ACCEPTED_NOOP_KEYS & set(d) if d[k] is not None}
+        return cls(**kwargs, extra=extra)
+
+
+def _as_tuple(name: str, value: Any) -> tuple:
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"{name} must be a list")
+    return tuple(value)
+
+
+def _check_int(name: str, value: Any, *, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+def _check_float(name: str, value: Any, *, lo: float, hi: float, lo_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if math.isnan(value) or math.isinf(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    too_low = value <= lo if lo_open else value < lo
+    if too_low or value > hi:
+        left = "(" if lo_open else "["
+        raise ValueError(f"{name} must be in {left}{lo}, {hi}], got {value}")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 NEG_INF = -1e30
@@ -51,29 +52,19 @@ def _gather_tile(pool: jax.Array, pages: jax.Array) -> jax.Array:
     return tile.reshape(*pages.shape[:-1], -1, *pool.shape[2:])
 
 
-def _tile_scores(
-    q: jax.Array,  # [R, kvh, G, d] (already scaled)
-    k: jax.Array,  # [R or 1..., KT, kvh, d] broadcastable per caller
-    logit_cap: float | None,
-    batched: bool,
-) -> jax.Array:
-    if batched:  # one KV tile per query row (decode: row = sequence)
-        s = jnp.einsum("bhgd,bkhd->bhgk", q, k, preferred_element_type=jnp.float32)
-    else:  # one KV tile shared by all rows of the block
-        s = jnp.einsum("rhgd,khd->rhgk", q, k, preferred_element_type=jnp.float32)
-    if logit_cap is not None:
-        s = logit_cap * jnp.tanh(s / logit_cap)
-    return s  # [R, kvh, G, KT]
+def _online_softmax_step(carry, s, v):
+    """One KV tile of online softmax, head-major.
 
-
-def _online_softmax_step(carry, s, v, batched: bool):
-    m, l_sum, acc = carry  # [R, kvh, G], [R, kvh, G], [R, kvh, G, d]
+    carry: m, l [..., M], acc [..., M, d]; s [..., M, KT] masked scores; v [..., KT, d].
+    (Head-major batched dots ran ~3x faster than head-minor einsums on XLA:CPU.)
+    """
+    m, l_sum, acc = carry
     m_new = jnp.maximum(m, s.max(axis=-1))
     alpha = jnp.exp(m - m_new)
-    p = jnp.exp(s - m_new[..., None])  # [R, kvh, G, KT]
+    p = jnp.exp(s - m_new[..., None])
     l_new = l_sum * alpha + p.sum(axis=-1)
-    pv_eq = "bhgk,bkhd->bhgd" if batched else "rhgk,khd->rhgd"
-    pv = jnp.einsum(pv_eq, p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    pv = jnp.einsum("...mk,...kd->...md", p.astype(v.dtype), v,
+                    preferred_element_type=jnp.float32)
     return m_new, l_new, acc * alpha[..., None] + pv
 
 
@@ -83,12 +74,46 @@ def _finish(m, l_sum, acc, out_dtype) -> jax.Array:
     return (acc / safe[..., None]).astype(out_dtype)
 
 
+def _softcap(s: jax.Array, logit_cap: float | None) -> jax.Array:
+    return s if logit_cap is None else logit_cap * jnp.tanh(s / logit_cap)
+
+
 def _mask(q_pos, k_pos, kv_len, sliding_window: int | None):
     """q_pos [R, 1], k_pos [1, KT] or [R, KT], kv_len [R, 1] -> bool [R, KT]."""
     ok = (k_pos <= q_pos) & (k_pos < kv_len)
     if sliding_window is not None:
         ok &= k_pos > q_pos - sliding_window
     return ok
+
+
+def extend_work_items(
+    block_seq: np.ndarray,  # i32[nb_used]
+    block_q_start: np.ndarray,  # i32[nb_used]
+    seq_lens: np.ndarray,  # i32[S]
+    block_q: int,
+    kv_tile: int,
+    max_items: int,
+    sliding_window: int | None = None,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Host side: the (block, kv tile) pairs to visit, block by block, tiles in order.
+
+    Returns item_block i32[max_items], item_tile i32[max_items] and the number of items used.
+    Each block visits the tiles from its window start to its causal horizon only.
+    """
+    blocks, tiles = [], []
+    for b, (seq, q0) in enumerate(zip(block_seq, block_q_start, strict=True)):
+        horizon = min(int(q0) + block_q, int(seq_lens[seq]))
+        first = 0 if sliding_window is None else max(int(q0) - sliding_window + 1, 0) // kv_tile
+        last = -(-horizon // kv_tile)
+        blocks.extend([b] * (last - first))
+        tiles.extend(range(first, last))
+    n = len(blocks)
+    if n > max_items:
+        raise ValueError(f"extend attention needs {n} work items, more than {max_items}")
+    item_block = np.zeros(max_items, np.int32)
+    item_tile = np.zeros(max_items, np.int32)
+    item_block[:n], item_tile[:n] = blocks, tiles
+    return item_block, item_tile, n
 
 
 def extend_attention(
@@ -100,7 +125,9 @@ def extend_attention(
     block_seq: jax.Array,  # i32[NB] page-table row of each block
     block_q_start: jax.Array,  # i32[NB] position of each block's first row
     seq_lens: jax.Array,  # i32[S] KV length of each sequence (after this step's tokens)
-    num_blocks: jax.Array,  # i32[] blocks in use (the rest are skipped)
+    item_block: jax.Array,  # i32[W] block of each work item (see `extend_work_items`)
+    item_tile: jax.Array,  # i32[W] KV tile of each work item
+    num_items: jax.Array,  # i32[] work items in use
     *,
     kv_tile: int,
     scale: float,
@@ -109,11 +136,14 @@ def extend_attention(
 ) -> jax.Array:
     """Causal attention for sequence-aligned query blocks; returns [T, H, d].
 
-    Each block gathers its rows from the packed queries and scatters its output back, so the
-    aligned layout exists only as indices; padding rows read and write the extra row T.
+    One flat loop over (block, tile) work items (nested loops made XLA copy the KV pool per
+    outer iteration). The online-softmax state restarts at a block's first item and is written
+    out at its last: each block gathers its rows from the packed queries and scatters its
+    output back, so the aligned layout exists only as indices; padding rows use row T.
     """
-    page_table, block_rows, block_seq, block_q_start, seq_lens = map(
-        jnp.asarray, (page_table, block_rows, block_seq, block_q_start, seq_lens))
+    page_table, block_rows, block_seq, block_q_start, seq_lens, item_block, item_tile = map(
+        jnp.asarray,
+        (page_table, block_rows, block_seq, block_q_start, seq_lens, item_block, item_tile))
     num_tokens, num_heads, d = q.shape
     block_q = block_rows.shape[1]
     page_size, kvh = k_pool.shape[1], k_pool.shape[2]
@@ -121,41 +151,43 @@ def extend_attention(
     pages_per_tile = kv_tile // page_size
     q = (q.astype(jnp.float32) * scale).astype(q.dtype).reshape(num_tokens, kvh, group, d)
     q = jnp.concatenate([q, jnp.zeros((1, kvh, group, d), q.dtype)])  # row T = padding
-    out = jnp.zeros((num_tokens + 1, kvh, group, d), q.dtype)
+    q = q.transpose(1, 0, 2, 3)  # [kvh, T + 1, G, d]
+    m_rows = block_q * group
+    init = (
+        jnp.full((kvh, m_rows), NEG_INF, jnp.float32),
+        jnp.zeros((kvh, m_rows), jnp.float32),
+        jnp.zeros((kvh, m_rows, d), jnp.float32),
+    )
+    last_item = num_items - 1
 
-    def block_body(i, out):
-        seq = block_seq[i]
-        q_start = block_q_start[i]
+    def item_body(w, carry):
+        out, state = carry
+        b, j = item_block[w], item_tile[w]
+        is_first = (w == 0) | (item_block[jnp.maximum(w - 1, 0)] != b)
+        is_last = (w == last_item) | (item_block[jnp.minimum(w + 1, item_block.shape[0] - 1)]
+                                      != b)
+        state = jax.tree.map(lambda s, i: jnp.where(is_first, i, s), state, init)
+        seq = block_seq[b]
         kv_len = seq_lens[seq]
-        rows = block_rows[i]  # [BQ]
-        qb = q[rows]  # [BQ, kvh, G, d]
-        q_pos = (q_start + jnp.arange(block_q, dtype=jnp.int32))[:, None]  # [BQ, 1]
-        horizon = jnp.minimum(q_start + block_q, kv_len)
-        first_tile = 0
-        if sliding_window is not None:
-            first_tile = jnp.maximum(q_start - sliding_window + 1, 0) // kv_tile
-        last_tile = (horizon + kv_tile - 1) // kv_tile
-        page_row = page_table[seq]
+        rows = block_rows[b]  # [BQ]
+        qb = q[:, rows].reshape(kvh, m_rows, d)  # [kvh, BQ*G, d]
+        q_pos = (block_q_start[b] + jnp.arange(block_q, dtype=jnp.int32))[:, None]  # [BQ, 1]
+        pages = lax.dynamic_slice_in_dim(page_table[seq], j * pages_per_tile, pages_per_tile)
+        kt = _gather_tile(k_pool, pages).transpose(1, 0, 2)  # [kvh, KT, d]
+        vt = _gather_tile(v_pool, pages).transpose(1, 0, 2)
+        s = jnp.einsum("hmd,hkd->hmk", qb, kt, preferred_element_type=jnp.float32)
+        s = _softcap(s, logit_cap).reshape(kvh, block_q, group, kv_tile)
+        k_pos = (j * kv_tile + jnp.arange(kv_tile, dtype=jnp.int32))[None, :]
+        ok = _mask(q_pos, k_pos, kv_len, sliding_window)  # [BQ, KT]
+        s = jnp.where(ok[None, :, None, :], s, NEG_INF).reshape(kvh, m_rows, kv_tile)
+        state = _online_softmax_step(state, s, vt)
+        ob = _finish(*state, q.dtype).reshape(kvh, block_q, group, d)
+        ob = jnp.where(is_last, ob, out[:, rows])
+        return out.at[:, rows].set(ob), state
 
-        def tile_body(j, carry):
-            pages = lax.dynamic_slice_in_dim(page_row, j * pages_per_tile, pages_per_tile)
-            kt = _gather_tile(k_pool, pages)  # [KT, kvh, d]
-            vt = _gather_tile(v_pool, pages)
-            s = _tile_scores(qb, kt, logit_cap, batched=False)  # [BQ, kvh, G, KT]
-            k_pos = (j * kv_tile + jnp.arange(kv_tile, dtype=jnp.int32))[None, :]
-            ok = _mask(q_pos, k_pos, kv_len, sliding_window)  # [BQ, KT]
-            s = jnp.where(ok[:, None, None, :], s, NEG_INF)
-            return _online_softmax_step(carry, s, vt, batched=False)
-
-        init = (
-            jnp.full((block_q, kvh, group), NEG_INF, jnp.float32),
-            jnp.zeros((block_q, kvh, group), jnp.float32),
-            jnp.zeros((block_q, kvh, group, d), jnp.float32),
-        )
-        m, l_sum, acc = lax.fori_loop(first_tile, last_tile, tile_body, init)
-        return out.at[rows].set(_finish(m, l_sum, acc, q.dtype))
-
-    out = lax.fori_loop(0, num_blocks, block_body, out)
+    out = jnp.zeros((kvh, num_tokens + 1, group, d), q.dtype)
+    out, _ = lax.fori_loop(0, num_items, item_body, (out, init))
+    out = out[:, :num_tokens].transpose(1, 0, 2, 3)  # [T, kvh, G, d]
     return out[:num_tokens].reshape(num_tokens, num_heads, d)
 
 
@@ -188,13 +220,14 @@ def decode_attention(
 
     def tile_body(j, carry):
         pages = lax.dynamic_slice_in_dim(page_table, j * pages_per_tile, pages_per_tile, axis=1)
-        kt = _gather_tile(k_pool, pages)  # [B, KT, kvh, d]
-        vt = _gather_tile(v_pool, pages)
-        s = _tile_scores(q, kt, logit_cap, batched=True)  # [B, kvh, G, KT]
+        kt = _gather_tile(k_pool, pages).transpose(0, 2, 1, 3)  # [B, kvh, KT, d]
+        vt = _gather_tile(v_pool, pages).transpose(0, 2, 1, 3)
+        s = jnp.einsum("bhgd,bhkd->bhgk", q, kt, preferred_element_type=jnp.float32)
+        s = _softcap(s, logit_cap)  # [B, kvh, G, KT]
         k_pos = (j * kv_tile + jnp.arange(kv_tile, dtype=jnp.int32))[None, :]
         ok = _mask(q_pos, k_pos, kv_len, sliding_window)  # [B, KT]
         s = jnp.where(ok[:, None, None, :], s, NEG_INF)
-        return _online_softmax_step(carry, s, vt, batched=True)
+        return _online_softmax_step(carry, s, vt)
 
     init = (
         jnp.full((batch, kvh, group), NEG_INF, jnp.float32),

@@ -63,9 +63,11 @@ def test_extend_matches_dense(page_size, kv_tile, block_q, sliding_window, logit
     nb_used = len(bseq)
     bseq = np.array(bseq + [0, 0], np.int32)
     bstart = np.array(bstart + [0, 0], np.int32)
+    items, tiles, n_items = attn.extend_work_items(
+        bseq[:nb_used], bstart[:nb_used], seq_lens, block_q, kv_tile, 64, sliding_window)
     out = attn.extend_attention(
         jnp.asarray(q_all), jnp.asarray(k_pool), jnp.asarray(v_pool), page_table, rows, bseq,
-        bstart, seq_lens, jnp.int32(nb_used), kv_tile=kv_tile, scale=d**-0.5,
+        bstart, seq_lens, items, tiles, jnp.int32(n_items), kv_tile=kv_tile, scale=d**-0.5,
         sliding_window=sliding_window, logit_cap=logit_cap)
     t = 0
     for prefix, new, _, q, k, v in per_seq:

@@ -10,7 +10,8 @@ once per bucket:
     T  tokens in the step   (EXTEND: a token bucket;  DECODE: the sequence bucket)
     S  sequences            (EXTEND: max_extend_seqs; DECODE: the sequence bucket)
     P  page-table width     (max_pages_per_seq, fixed)
-    NB query blocks         (EXTEND only: T // block_q + S, an upper bound; the loop stops early)
+    NB query blocks         (EXTEND only: T // block_q + S, an upper bound)
+    W  attention work items (EXTEND only: (block, KV tile) pairs; the loop stops at the last)
 
 Padding tokens write their K/V into reserved page 0 and padding sequences have seq_len 0.
 """
@@ -18,7 +19,6 @@ Padding tokens write their K/V into reserved page 0 and padding sequences have s
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,12 +26,8 @@ import jax
 import numpy as np
 
 from sgl_tpu.executor.sampler import SamplingArrays
-from sgl_tpu.sampling_params import SamplingParams
-
-
-class ForwardMode(enum.IntEnum):
-    EXTEND = 1  # prefill of new tokens (possibly after a cached prefix, possibly a chunk)
-    DECODE = 2  # one new token per running sequence
+from sgl_tpu.kernels.paged_attention_ref import extend_work_items
+from sgl_tpu.scheduler.schedule_batch import ForwardMode, SeqStep
 
 
 @jax.tree_util.register_dataclass
@@ -46,29 +42,15 @@ class ForwardBatch:
     block_rows: jax.Array  # i32[NB, block_q] (EXTEND) packed token per aligned row; T = pad
     block_seq: jax.Array  # i32[NB]
     block_q_start: jax.Array  # i32[NB]
-    num_blocks: jax.Array  # i32[]
+    item_block: jax.Array  # i32[W] (EXTEND) attention work items: block of each
+    item_tile: jax.Array  # i32[W] KV tile of each work item
+    num_items: jax.Array  # i32[] work items in use
     counts_rows: jax.Array  # i32[S] row of the penalty-count buffer of each sequence
     counts_reset: jax.Array  # bool[S] clear that row first (a request's first step)
     sample_valid: jax.Array  # bool[S] the sampled token is a real output (count it)
     use_penalties: jax.Array  # bool[] any sequence uses frequency/presence/repetition penalty
     sampling: SamplingArrays
     vocab_bitmask: jax.Array  # i32[S, ceil(V/32)] allowed tokens; -1 = all
-
-
-@dataclass
-class SeqStep:
-    """One sequence's share of a step (host side)."""
-
-    token_ids: Sequence[int] | np.ndarray  # tokens to run now
-    prefix_len: int  # tokens of this sequence already in the KV pool
-    pages: np.ndarray  # i32 page ids covering positions [0, prefix_len + len(token_ids))
-    sampling: SamplingParams
-    seed: int  # resolved per-request seed
-    num_output_tokens: int  # index of the token sampled this step (its `step` in the RNG)
-    counts_row: int = 0
-    counts_reset: bool = False
-    sample_valid: bool = True  # False for a non-final prefill chunk
-    bitmask: np.ndarray | None = None  # i32[ceil(V/32)]
 
 
 @dataclass(frozen=True)
@@ -81,12 +63,20 @@ class BatchShape:
     max_pages: int  # P
     block_q: int
     vocab_words: int
+    pages_per_tile: int  # kv_tile // page_size
 
     @property
     def num_blocks(self) -> int:
         if self.mode == ForwardMode.DECODE:
             return 1
         return self.num_tokens // self.block_q + self.num_seqs
+
+    @property
+    def max_items(self) -> int:
+        """Attention work items (EXTEND): at most every block times every KV tile."""
+        if self.mode == ForwardMode.DECODE:
+            return 1
+        return self.num_blocks * (self.max_pages // self.pages_per_tile)
 
 
 def pick_bucket(buckets: Sequence[int], n: int, what: str) -> int:
@@ -115,7 +105,8 @@ def _sampling_arrays(steps: Sequence[SeqStep], num_seqs: int) -> SamplingArrays:
     )
 
 
-def build_forward_batch(steps: Sequence[SeqStep], shape: BatchShape, page_size: int) -> ForwardBatch:
+def build_forward_batch(steps: Sequence[SeqStep], shape: BatchShape, page_size: int
+                        ) -> ForwardBatch:
     """Pack `steps` into numpy arrays of `shape`'s static sizes (see the module docstring)."""
     T, S, P, BQ = shape.num_tokens, shape.num_seqs, shape.max_pages, shape.block_q
     n_seq = len(steps)
@@ -166,6 +157,13 @@ def build_forward_batch(steps: Sequence[SeqStep], shape: BatchShape, page_size: 
         a[:n_seq] = [fn(s) for s in steps]
         return a
 
+    if shape.mode == ForwardMode.EXTEND:
+        item_block, item_tile, num_items = extend_work_items(
+            block_seq[:b], block_q_start[:b], seq_lens, BQ, shape.pages_per_tile * page_size,
+            shape.max_items)
+    else:
+        item_block = item_tile = np.zeros(1, np.int32)
+        num_items = 0
     counts_rows = np.zeros(S, np.int32)
     counts_rows[:n_seq] = [s.counts_row for s in steps]
     return ForwardBatch(
@@ -178,7 +176,9 @@ def build_forward_batch(steps: Sequence[SeqStep], shape: BatchShape, page_size: 
         block_rows=block_rows,
         block_seq=block_seq,
         block_q_start=block_q_start,
-        num_blocks=np.int32(b),
+        item_block=item_block,
+        item_tile=item_tile,
+        num_items=np.int32(num_items),
         counts_rows=counts_rows,
         counts_reset=flags(lambda s: s.counts_reset),
         sample_valid=flags(lambda s: s.sample_valid),
@@ -198,13 +198,14 @@ def batch_shape_for(
     max_pages: int,
     block_q: int,
     vocab_words: int,
+    pages_per_tile: int,
 ) -> BatchShape:
     if mode == ForwardMode.DECODE:
         s = pick_bucket(seq_buckets, len(steps), "decode batch size")
-        return BatchShape(mode, s, s, max_pages, 1, vocab_words)
+        return BatchShape(mode, s, s, max_pages, 1, vocab_words, pages_per_tile)
     n_tokens = sum(len(st.token_ids) for st in steps)
     t = pick_bucket(token_buckets, n_tokens, "extend batch tokens")
-    return BatchShape(mode, t, max_extend_seqs, max_pages, block_q, vocab_words)
+    return BatchShape(mode, t, max_extend_seqs, max_pages, block_q, vocab_words, pages_per_tile)
 
 
 def replace(fb: ForwardBatch, **changes) -> ForwardBatch:

@@ -14,6 +14,7 @@ traffic after warm-up compiles nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -29,8 +30,6 @@ from sgl_tpu.config import RunnerConfig
 from sgl_tpu.executor.forward_batch import (
     BatchShape,
     ForwardBatch,
-    ForwardMode,
-    SeqStep,
     batch_shape_for,
     build_forward_batch,
 )
@@ -38,6 +37,7 @@ from sgl_tpu.executor.sampler import sample
 from sgl_tpu.models import llama
 from sgl_tpu.models.config import ModelConfig
 from sgl_tpu.sampling_params import SamplingParams
+from sgl_tpu.scheduler.schedule_batch import ForwardMode, SeqStep
 
 logger = logging.getLogger(__name__)
 
@@ -59,14 +59,7 @@ def _step_impl(params, kv_pools, token_counts, fb: ForwardBatch, *, cfg: ModelCo
                mode: ForwardMode, kv_tile: int, num_top: int):
     hidden, kv_pools = llama.forward(params, kv_pools, fb, cfg, mode, kv_tile=kv_tile)
     logits = llama.compute_logits(params, hidden[fb.sample_idx], cfg)  # [S, V]
-    num_seqs, vocab = logits.shape
-
-    def gather_counts():
-        rows = token_counts[fb.counts_rows]  # [S, V]
-        return jnp.where(fb.counts_reset[:, None], 0, rows)
-
-    counts = lax.cond(fb.use_penalties, gather_counts,
-                      lambda: jnp.zeros((num_seqs, vocab), token_counts.dtype))
+    counts = jnp.where(fb.counts_reset[:, None], 0, token_counts[fb.counts_rows])  # [S, V]
     out = sample(logits, fb.sampling, counts, fb.vocab_bitmask, num_top_logprobs=num_top)
     if mode == ForwardMode.EXTEND:
         keep = (~fb.counts_reset).astype(token_counts.dtype)[:, None]
@@ -142,7 +135,8 @@ class ModelRunner:
         return batch_shape_for(
             mode, steps, token_buckets=c.token_buckets, seq_buckets=c.seq_buckets,
             max_extend_seqs=c.max_extend_seqs, max_pages=c.max_pages_per_seq,
-            block_q=c.block_q, vocab_words=self.vocab_words)
+            block_q=c.block_q, vocab_words=self.vocab_words,
+            pages_per_tile=c.kv_tile // c.page_size)
 
     def forward(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> StepResult:
         shape = self.batch_shape(mode, steps)
@@ -180,8 +174,7 @@ class ModelRunner:
             steps = [SeqStep(token_ids=[0], prefix_len=0, pages=page0, sampling=greedy, seed=0,
                              num_output_tokens=0, sample_valid=False)]
             shape = self.batch_shape(ForwardMode.EXTEND, steps)
-            shape = BatchShape(shape.mode, n_tokens, shape.num_seqs, shape.max_pages,
-                               shape.block_q, shape.vocab_words)
+            shape = dataclasses.replace(shape, num_tokens=n_tokens)
             fb = build_forward_batch(steps, shape, self.config.page_size)
             out, hidden, self.kv_pools, self.token_counts = self._step(
                 self.params, self.kv_pools, self.token_counts, fb, mode=ForwardMode.EXTEND)

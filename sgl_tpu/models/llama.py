@@ -23,9 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sgl_tpu.executor.forward_batch import ForwardBatch, ForwardMode
+from sgl_tpu.executor.forward_batch import ForwardBatch
 from sgl_tpu.kernels import paged_attention_ref as attn
 from sgl_tpu.models.config import ModelConfig
+from sgl_tpu.scheduler.schedule_batch import ForwardMode
 
 Params = dict
 KVPools = list  # [(k_pool, v_pool)] per layer, each [num_pages, page_size, kvh, d]
@@ -83,7 +84,7 @@ def _attention(
         )
     return attn.extend_attention(
         q, k_pool, v_pool, fb.page_table, fb.block_rows, fb.block_seq, fb.block_q_start,
-        fb.seq_lens, fb.num_blocks, kv_tile=kv_tile, scale=scale,
+        fb.seq_lens, fb.item_block, fb.item_tile, fb.num_items, kv_tile=kv_tile, scale=scale,
     )
 
 

@@ -1,0 +1,110 @@
+"""Incremental detokenization and stop-string search, shared by the scheduler (which must see
+stop strings to end a request) and the detokenizer process (which produces the text users get),
+so both agree on every character offset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from sgl_tpu.messages import ReqOutput, ReqStrOut
+
+DecodeFn = Callable[[Sequence[int], bool], str]  # (ids, skip_special_tokens) -> text
+
+# A byte-level BPE token sequence that ends inside a UTF-8 character decodes to U+FFFD.
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDecoder:
+    """Turns a growing list of token ids into text, never emitting half a UTF-8 character.
+
+    Each call decodes only a short window: tokens from `prefix_offset` (context so that
+    merging/spacing is right) to the end; text up to `read_offset` was already emitted.
+    """
+
+    def __init__(self, decode: DecodeFn, skip_special_tokens: bool = True) -> None:
+        self._decode = decode
+        self._skip = skip_special_tokens
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def append(self, new_ids: Sequence[int]) -> str:
+        """Add tokens; return the newly stable text (possibly empty)."""
+        self.ids.extend(new_ids)
+        prefix_text = self._decode(self.ids[self._prefix_offset : self._read_offset], self._skip)
+        full_text = self._decode(self.ids[self._prefix_offset :], self._skip)
+        if len(full_text) > len(prefix_text) and not full_text.endswith(_REPLACEMENT):
+            delta = full_text[len(prefix_text) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self.ids)
+            self.text += delta
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """At the end of a request: emit whatever is left, even an incomplete character."""
+        prefix_text = self._decode(self.ids[self._prefix_offset : self._read_offset], self._skip)
+        full_text = self._decode(self.ids[self._prefix_offset :], self._skip)
+        delta = full_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset = len(self.ids)
+        self.text += delta
+        return delta
+
+
+def find_stop(text: str, new_len: int, stops: Sequence[str]) -> tuple[int, str] | None:
+    """Earliest stop string that ends inside the last `new_len` characters of `text`.
+
+    Returns (offset where it begins, the stop string) or None. Only matches that reach into the
+    new text count: older ones would have ended the request earlier.
+    """
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        start = max(0, len(text) - new_len - len(stop) + 1)
+        pos = text.find(stop, start)
+        if pos >= 0 and (best is None or pos < best[0]):
+            best = (pos, stop)
+    return best
+
+
+class DetokenizerState:
+    """Per-request decoders: scheduler `ReqOutput`s (token ids) -> `ReqStrOut`s (cumulative text).
+
+    Runs in the detokenizer process for the server and inline for the in-process `Engine`.
+    """
+
+    def __init__(self, decode: DecodeFn) -> None:
+        self._decode = decode
+        self._decoders: dict[str, IncrementalDecoder] = {}
+
+    def process(self, outputs: Sequence[ReqOutput]) -> list[ReqStrOut]:
+        return [self._one(o) for o in outputs]
+
+    def _one(self, o: ReqOutput) -> ReqStrOut:
+        dec = self._decoders.get(o.rid)
+        if dec is None:
+            dec = self._decoders[o.rid] = IncrementalDecoder(self._decode, o.skip_special_tokens)
+        ids = o.new_token_ids
+        if o.finished and o.finish_reason and o.finish_reason.get("type") == "stop" \
+                and isinstance(o.finish_reason.get("matched"), int) and ids:
+            ids = ids[:-1]  # a matched stop token is not part of the text
+        dec.append(ids)
+        text = dec.text
+        if o.finished:
+            dec.flush()
+            text = dec.text
+            if o.stop_text_offset >= 0:
+                text = text[: o.stop_text_offset]
+            del self._decoders[o.rid]
+        output_ids = list(dec.ids)
+        if len(ids) != len(o.new_token_ids):
+            output_ids.append(o.new_token_ids[-1])
+        return ReqStrOut(
+            rid=o.rid, text=text, output_ids=output_ids, finished=o.finished,
+            finish_reason=o.finish_reason, prompt_tokens=o.prompt_tokens,
+            completion_tokens=o.completion_tokens, cached_tokens=o.cached_tokens,
+            output_token_logprobs=o.output_token_logprobs,
+            output_top_logprobs=o.output_top_logprobs,
+            input_token_logprobs=o.input_token_logprobs,
+            input_top_logprobs=o.input_top_logprobs)

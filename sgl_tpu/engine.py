@@ -1,0 +1,173 @@
+"""Offline, in-process `Engine` shaped like SGLang's (`sgl.Engine`): no HTTP, no sockets.
+
+    Engine.generate ──TokenizedGenerateReq──► Scheduler.step() loop ──ReqOutput──►
+        DetokenizerState ──ReqStrOut──► ResponseAccumulator ──► dict(s) / stream of dicts
+
+The scheduler, radix cache, model runner and detokenization are the very objects the server
+processes use; here they run in the caller's thread, one `step()` at a time, until every
+request of the call is done. Prefixes cached by one call are reused by the next.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from sgl_tpu.config import ServerArgs
+from sgl_tpu.detokenize import DetokenizerState
+from sgl_tpu.executor.model_runner import ModelRunner
+from sgl_tpu.loader import load_model
+from sgl_tpu.messages import TokenizedGenerateReq
+from sgl_tpu.response import ResponseAccumulator, error_status
+from sgl_tpu.sampling_params import SamplingParams
+from sgl_tpu.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class GenerationError(ValueError):
+    """A request the engine refused (bad input); the message names the problem."""
+
+
+def build_scheduler(args: ServerArgs) -> tuple[Scheduler, Any]:
+    """Load the model, build and warm the runner, and wrap it in a scheduler."""
+    loaded = load_model(args.model_path)
+    runner_cfg = args.runner_config(loaded.config.context_len)
+    runner = ModelRunner(loaded.config, loaded.params, runner_cfg)
+    if runner_cfg.warmup:
+        runner.warmup()
+    eos = tuple(loaded.config.eos_token_ids) or tuple(loaded.tokenizer.eos_token_ids)
+    scheduler = Scheduler(
+        args.scheduler_config(runner_cfg), runner, num_pages=runner_cfg.num_pages,
+        decode=loaded.tokenizer.decode, eos_token_ids=eos,
+        vocab_size=loaded.config.vocab_size)
+    return scheduler, loaded
+
+
+class Engine:
+    def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
+        self.server_args = ServerArgs(model_path=model_path, **kwargs)
+        self.scheduler, self.loaded = build_scheduler(self.server_args)
+        self.tokenizer = self.loaded.tokenizer
+        self.model_config = self.loaded.config
+        self._rids = itertools.count()
+        self._pending: dict[str, ResponseAccumulator] = {}
+        self._detok = DetokenizerState(self.tokenizer.decode)
+
+    # ---- public API ----------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: str | Sequence[str] | None = None,
+        sampling_params: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
+        input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        stream: bool = False,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        return_text_in_logprobs: bool = False,
+    ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
+        """Generate for one prompt (a dict back) or a batch (a list of dicts, in order).
+
+        With `stream=True` (single prompt only) returns an iterator of cumulative dicts.
+        Raises `GenerationError` for bad input.
+        """
+        batch_ids, single = self._tokenize(prompt, input_ids)
+        params = (list(sampling_params) if isinstance(sampling_params, list | tuple)
+                  else [sampling_params] * len(batch_ids))
+        if len(params) != len(batch_ids):
+            raise GenerationError("sampling_params list must match the number of prompts")
+        reqs = []
+        for ids, sp in zip(batch_ids, params, strict=True):
+            try:
+                parsed = SamplingParams.from_dict(sp)
+            except ValueError as e:
+                raise GenerationError(str(e)) from None
+            for k in range(parsed.n):
+                d = dict(sp or {})
+                d.pop("n", None)
+                if parsed.seed is not None:
+                    d["seed"] = parsed.seed + k
+                reqs.append((ids, d))
+        accs = [self._submit(ids, sp, return_logprob, logprob_start_len, top_logprobs_num,
+                             return_text_in_logprobs) for ids, sp in reqs]
+        if stream:
+            if not single or len(accs) != 1:
+                raise GenerationError("stream=True takes a single prompt with n=1")
+            return self._stream(accs[0])
+        self._run_until_done(accs)
+        results = [a.to_dict() for a in accs]
+        return results[0] if single and len(results) == 1 else results
+
+    def flush_cache(self) -> bool:
+        return self.scheduler.flush_cache()
+
+    def get_server_info(self) -> dict[str, Any]:
+        return {"memory": self.scheduler.memory_info(),
+                "num_compilations": self.scheduler.runner.num_compilations()}
+
+    def shutdown(self) -> None:
+        """Drop device state; the engine cannot be used afterwards."""
+        self.scheduler = None  # type: ignore[assignment]
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---- internals -----------------------------------------------------------------------
+    def _tokenize(self, prompt, input_ids) -> tuple[list[list[int]], bool]:
+        if (prompt is None) == (input_ids is None):
+            raise GenerationError("pass exactly one of prompt and input_ids")
+        if prompt is not None:
+            if isinstance(prompt, str):
+                return [self.tokenizer.encode(prompt)], True
+            return [self.tokenizer.encode(p) for p in prompt], False
+        if input_ids and isinstance(input_ids[0], int):
+            return [list(input_ids)], True
+        return [list(x) for x in input_ids], False
+
+    def _submit(self, ids, sp, return_logprob, logprob_start_len, top_logprobs_num,
+                with_text) -> ResponseAccumulator:
+        rid = f"engine-{next(self._rids)}"
+        acc = ResponseAccumulator(rid, return_logprob=return_logprob,
+                                  return_text_in_logprobs=with_text,
+                                  decode_token=lambda t: self.tokenizer.decode([t], False))
+        msg = TokenizedGenerateReq(rid=rid, input_ids=list(ids), sampling=dict(sp or {}),
+                                   return_logprob=return_logprob,
+                                   logprob_start_len=logprob_start_len,
+                                   top_logprobs_num=top_logprobs_num)
+        if any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size for t in ids):
+            raise GenerationError(f"input_ids must be token ids in [0, "
+                                  f"{self.model_config.vocab_size})")
+        error = self.scheduler.add_request(msg)
+        if error is not None:
+            raise GenerationError(error.finish_reason["message"])
+        self._pending[rid] = acc
+        return acc
+
+    def _pump(self) -> None:
+        for out in self._detok.process(self.scheduler.step()):
+            acc = self._pending.get(out.rid)
+            if acc is None:
+                continue
+            acc.update(out)
+            if out.finished:
+                del self._pending[out.rid]
+                status = error_status(out)
+                if status is not None:
+                    raise GenerationError(status[1])
+
+    def _run_until_done(self, accs: Sequence[ResponseAccumulator]) -> None:
+        while not all(a.finished for a in accs):
+            self._pump()
+
+    def _stream(self, acc: ResponseAccumulator) -> Iterator[dict[str, Any]]:
+        seen = -1
+        while not acc.finished:
+            self._pump()
+            if acc.last is not None and acc.last.completion_tokens != seen:
+                seen = acc.last.completion_tokens
+                yield acc.to_dict()

@@ -1,0 +1,422 @@
+"""Radix prefix cache over pages (host side: Python ints and numpy, no JAX).
+
+A tree whose edges are token-id sequences and whose values are the KV slots holding those
+tokens (``slot = page_id * page_size + offset``). Only whole pages are stored: every edge key
+and value is a multiple of ``page_size`` long, and a value is a run of whole pages. Children are
+indexed by their first page of tokens (a tuple of ``page_size`` ids; the bare token id when
+``page_size == 1``), so two children of one node never share a first page.
+
+Node split (inside ``match_prefix``/``insert``), page_size = 2, the match ends 2 pages in::
+
+    before:  parent --[a b|c d|e f]--> child               value [8 9|4 5|12 13]
+                            ^ split_len = 4 (a page boundary)
+    after:   parent --[a b|c d]--> new_node --[e f]--> child
+                       value [8 9|4 5]       value [12 13]
+
+``new_node`` takes the head of the edge plus ``child``'s lock_ref and access time; ``child``
+keeps its own identity (callers may hold it as a locked ``last_node``), its children and its
+leaf status. Sizes do not change, so the evictable/protected counters need no update.
+
+Ownership and mutation:
+  * The tree owns the pages of every value in it; ``insert`` takes ownership of the newly
+    stored pages, ``evict``/``reset`` give pages back to the allocator.
+  * ``match_prefix`` mutates: it may split a node and it refreshes access times (LRU).
+  * ``inc_lock_ref(node)`` pins the path node..root. A node with ``lock_ref > 0`` is protected
+    and never evicted; its tokens count in ``protected_size()``, the rest in
+    ``evictable_size()``. Because a lock covers the whole path, a parent's lock_ref is at least
+    the sum of its children's.
+  * Evictable leaves (unlocked, childless, non-root) are kept in a set plus a min-heap keyed by
+    ``(last_access_time, node_id)``; heap entries whose node left the set or whose time is stale
+    are skipped when popped (lazy invalidation), so eviction never scans the tree.
+
+``check_integrity()`` verifies all of the above by a full walk (for tests and idle checks).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from sgl_tpu.mem_cache.allocator import PageAllocator
+
+_EMPTY_SLOTS = np.zeros(0, dtype=np.int32)
+_EMPTY_KEY = np.zeros(0, dtype=np.int32)
+
+
+class TreeNode:
+    """One edge of the tree: ``key`` tokens whose KV lives at ``value`` slots."""
+
+    __slots__ = ("id", "parent", "children", "key", "value", "lock_ref", "last_access_time")
+
+    def __init__(
+        self,
+        node_id: int,
+        parent: TreeNode | None,
+        key: np.ndarray,
+        value: np.ndarray,
+        lock_ref: int = 0,
+        last_access_time: int = 0,
+    ) -> None:
+        self.id = node_id
+        self.parent = parent
+        self.children: dict[int | tuple[int, ...], TreeNode] = {}
+        self.key = key  # int32 [num_tokens]
+        self.value = value  # int32 [num_tokens], KV slots
+        self.lock_ref = lock_ref
+        self.last_access_time = last_access_time
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    slots: np.ndarray  # int32 [prefix_len], prefix_len a multiple of page_size
+    last_node: TreeNode  # deepest node of the match; ends exactly at prefix_len
+
+    @property
+    def prefix_len(self) -> int:
+        return len(self.slots)
+
+
+class RadixCache:
+    def __init__(self, allocator: PageAllocator, disable: bool = False) -> None:
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self.disable = disable
+        self._node_ids = itertools.count()
+        self._clock = itertools.count(1)
+        self._init_state()
+
+    def _init_state(self) -> None:
+        self.root = TreeNode(next(self._node_ids), None, _EMPTY_KEY, _EMPTY_SLOTS)
+        self._evictable_size = 0
+        self._protected_size = 0
+        self._evictable_leaves: set[TreeNode] = set()
+        self._leaf_heap: list[tuple[int, int, TreeNode]] = []
+        # page -> held by the tree; catches a caller inserting pages the tree already owns.
+        self._page_in_tree = np.zeros(self.allocator.num_pages, dtype=bool)
+
+    # ---- sizes -------------------------------------------------------------------------------
+
+    def evictable_size(self) -> int:
+        return self._evictable_size
+
+    def protected_size(self) -> int:
+        return self._protected_size
+
+    def total_size(self) -> int:
+        return self._evictable_size + self._protected_size
+
+    def num_pages_held(self) -> int:
+        return self.total_size() // self.page_size
+
+    # ---- match / insert ----------------------------------------------------------------------
+
+    def match_prefix(self, key: Sequence[int] | np.ndarray) -> MatchResult:
+        """Longest cached page-aligned prefix of ``key``: its slots and the node ending there.
+
+        Splits a node when the match ends inside its edge, and refreshes access times along the
+        matched path. Does not lock: call ``inc_lock_ref(result.last_node)`` to pin the prefix.
+        """
+        if self.disable:
+            return MatchResult(_EMPTY_SLOTS, self.root)
+        key = self._page_aligned(np.asarray(key, dtype=np.int32))
+        now = next(self._clock)
+        node = self.root
+        values: list[np.ndarray] = []
+        while len(key) and (child := node.children.get(self._page_key(key))) is not None:
+            match_len = self._match_len(child.key, key)
+            if match_len < len(child.key):
+                child = self._split_node(child, match_len)
+            self._touch(child, now)
+            values.append(child.value)
+            node = child
+            key = key[match_len:]  # after a split the next page differs: the loop ends
+        slots = np.concatenate(values) if values else _EMPTY_SLOTS
+        return MatchResult(slots, node)
+
+    def insert(self, key: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray) -> int:
+        """Store the page-aligned part of ``key`` -> ``slots``; return the cached prefix length.
+
+        ``len(slots)`` must equal ``len(key)``; both are cut to ``aligned_len`` (the largest
+        multiple of page_size <= len(key)). The return value ``prefix_len`` is the length of
+        the prefix that was ALREADY in the tree (page aligned, <= aligned_len).
+
+        Ownership contract (the caller held every page of ``slots`` before the call):
+          * ``slots[prefix_len:aligned_len]``: now owned by the tree; the caller must not free
+            them (it should pin them with ``inc_lock_ref`` if it keeps using them).
+          * ``slots[cached_len:prefix_len]``, where ``cached_len`` is the prefix the caller got
+            from ``match_prefix`` and kept locked: duplicates of pages the tree already has;
+            the caller frees them (``allocator.slots_to_pages``) and, if it keeps running, reads
+            the tree's slots with a new ``match_prefix``.
+          * ``slots[aligned_len:]`` (the partial last page): still the caller's.
+          * ``slots[:cached_len]`` were the tree's all along.
+        With ``disable=True`` nothing is stored and 0 is returned: the tree takes no pages, so
+        the caller keeps (and must eventually free) all of its own pages.
+        """
+        key = np.asarray(key, dtype=np.int32)
+        slots = np.asarray(slots, dtype=np.int32)
+        if key.shape != slots.shape or key.ndim != 1:
+            raise ValueError(f"key and slots differ in shape: {key.shape} vs {slots.shape}")
+        if self.disable:
+            return 0
+        key = self._page_aligned(key)
+        slots = slots[: len(key)]
+        now = next(self._clock)
+        node = self.root
+        prefix_len = 0
+        while len(key) and (child := node.children.get(self._page_key(key))) is not None:
+            match_len = self._match_len(child.key, key)
+            if match_len < len(child.key):
+                child = self._split_node(child, match_len)
+            self._touch(child, now)
+            node = child
+            prefix_len += match_len
+            key = key[match_len:]
+            slots = slots[match_len:]
+        if len(key):
+            self._add_leaf(node, key.copy(), slots.copy(), now)
+        return prefix_len
+
+    # ---- locking -----------------------------------------------------------------------------
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        """Pin the path node..root so none of it can be evicted."""
+        self._check_attached(node)
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self._evictable_size -= len(node.key)
+                self._protected_size += len(node.key)
+                self._evictable_leaves.discard(node)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        """Undo one ``inc_lock_ref(node)``; RuntimeError if ``node`` is not locked."""
+        self._check_attached(node)
+        if node is not self.root and node.lock_ref <= 0:
+            raise RuntimeError(f"dec_lock_ref below zero on {node!r}")
+        while node is not self.root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._evictable_size += len(node.key)
+                self._protected_size -= len(node.key)
+                if not node.children:
+                    self._add_evictable_leaf(node)
+            node = node.parent
+
+    # ---- eviction / reset --------------------------------------------------------------------
+
+    def evict(self, num_tokens: int) -> int:
+        """Free least-recently-used unlocked leaves until ``num_tokens`` tokens are freed or
+        nothing evictable is left; return the number of tokens freed (a multiple of page_size,
+        possibly more than asked since leaves go whole)."""
+        num_freed = 0
+        while num_freed < num_tokens and self._leaf_heap:
+            access_time, _, node = heapq.heappop(self._leaf_heap)
+            if node not in self._evictable_leaves or node.last_access_time != access_time:
+                continue  # stale entry
+            num_freed += len(node.key)
+            self._delete_leaf(node)
+        return num_freed
+
+    def reset(self) -> None:
+        """Give every page of the tree back to the allocator and empty the tree.
+
+        RuntimeError if any node is locked (a running request still uses the tree)."""
+        if self._protected_size:
+            raise RuntimeError(f"reset with {self._protected_size} locked tokens in the tree")
+        values = []
+        for node in self._walk():
+            if node is not self.root:
+                values.append(node.value)
+                node.parent = None  # stale handles now fail _check_attached
+        if values:
+            self.allocator.free(self.allocator.slots_to_pages(np.concatenate(values)))
+        self._init_state()
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _page_aligned(self, key: np.ndarray) -> np.ndarray:
+        return key[: len(key) - len(key) % self.page_size]
+
+    def _page_key(self, key: np.ndarray) -> int | tuple[int, ...]:
+        if self.page_size == 1:
+            return int(key[0])
+        return tuple(key[: self.page_size].tolist())
+
+    def _match_len(self, edge: np.ndarray, key: np.ndarray) -> int:
+        """Length of the common prefix of two page-aligned keys, rounded down to a page."""
+        n = min(len(edge), len(key))
+        mismatch = np.flatnonzero(edge[:n] != key[:n])
+        common = int(mismatch[0]) if mismatch.size else n
+        return common
+
+    def _split_node(self, child: TreeNode, split_len: int) -> TreeNode:
+        """Cut ``child``'s edge at ``split_len`` (a page boundary); return the new head node."""
+        parent = child.parent
+        new_node = TreeNode(
+            next(self._node_ids),
+            parent,
+            child.key[:split_len],
+            child.value[:split_len],
+            lock_ref=child.lock_ref,
+            last_access_time=child.last_access_time,
+        )
+        child.key = child.key[split_len:]
+        child.value = child.value[split_len:]
+        child.parent = new_node
+        new_node.children[self._page_key(child.key)] = child
+        parent.children[self._page_key(new_node.key)] = new_node
+        return new_node
+
+    def _add_leaf(self, parent: TreeNode, key: np.ndarray, value: np.ndarray, now: int) -> None:
+        pages = self.allocator.slots_to_pages(value)
+        # [num_pages, page_size]: each row must be one whole page, offsets 0..page_size-1.
+        rows = value.reshape(-1, self.page_size)
+        if np.any(rows - rows[:, :1] != np.arange(self.page_size, dtype=np.int32)):
+            raise ValueError("insert: slots are not runs of whole pages")
+        if np.any(self._page_in_tree[pages]) or np.any(self.allocator.is_page_free(pages)):
+            raise ValueError("insert: new slots use pages that are free or already in the tree")
+        if np.unique(pages).size != pages.size:
+            raise ValueError("insert: a page appears twice in the new slots")
+        self._page_in_tree[pages] = True
+        leaf = TreeNode(next(self._node_ids), parent, key, value, last_access_time=now)
+        parent.children[self._page_key(key)] = leaf
+        self._evictable_leaves.discard(parent)  # no longer a leaf
+        self._evictable_size += len(key)
+        self._add_evictable_leaf(leaf)
+
+    def _delete_leaf(self, node: TreeNode) -> None:
+        parent = node.parent
+        del parent.children[self._page_key(node.key)]
+        node.parent = None
+        self._evictable_leaves.discard(node)
+        self._evictable_size -= len(node.key)
+        pages = self.allocator.slots_to_pages(node.value)
+        self._page_in_tree[pages] = False
+        self.allocator.free(pages)
+        if parent is not self.root and parent.lock_ref == 0 and not parent.children:
+            self._add_evictable_leaf(parent)
+
+    def _touch(self, node: TreeNode, now: int) -> None:
+        node.last_access_time = now
+        if node in self._evictable_leaves:
+            self._push_leaf(node)
+
+    def _add_evictable_leaf(self, node: TreeNode) -> None:
+        self._evictable_leaves.add(node)
+        self._push_leaf(node)
+
+    def _push_leaf(self, node: TreeNode) -> None:
+        heapq.heappush(self._leaf_heap, (node.last_access_time, node.id, node))
+        if len(self._leaf_heap) > 2 * len(self._evictable_leaves) + 64:
+            # Too many stale entries: rebuild from the live set (O(leaves), not a tree scan).
+            self._leaf_heap = [(n.last_access_time, n.id, n) for n in self._evictable_leaves]
+            heapq.heapify(self._leaf_heap)
+
+    def _check_attached(self, node: TreeNode) -> None:
+        if node is not self.root and node.parent is None:
+            raise RuntimeError(f"{node!r} is no longer in the tree (evicted or reset)")
+
+    def _walk(self) -> list[TreeNode]:
+        nodes, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            nodes.append(node)
+            stack.extend(node.children.values())
+        return nodes
+
+    # ---- debugging ---------------------------------------------------------------------------
+
+    def pretty_print(self) -> str:
+        lines, stack = [], [(self.root, 0)]
+        while stack:
+            node, depth = stack.pop()
+            lines.append(
+                f"{'  ' * depth}{node.key.tolist()} -> {node.value.tolist()} "
+                f"lock={node.lock_ref} t={node.last_access_time}"
+            )
+            stack.extend((c, depth + 1) for c in node.children.values())
+        return "\n".join(lines)
+
+    def check_integrity(self) -> None:
+        """Full walk; RuntimeError naming the first broken invariant."""
+
+        def fail(msg: str) -> None:
+            raise RuntimeError(f"radix cache integrity: {msg}")
+
+        ps = self.page_size
+        evictable = protected = 0
+        pages_seen: list[np.ndarray] = []
+        leaves: set[TreeNode] = set()
+        for node in self._walk():
+            child_locks = 0
+            for page_key, child in node.children.items():
+                if child.parent is not node:
+                    fail(f"{child!r} has a wrong parent pointer")
+                if len(child.key) == 0 or self._page_key(child.key) != page_key:
+                    fail(f"{child!r} is indexed under {page_key}, its key starts differently")
+                if child.last_access_time > node.last_access_time and node is not self.root:
+                    fail(f"{child!r} was accessed after its parent {node!r}")
+                child_locks += child.lock_ref
+            if node is self.root:
+                if len(node.key) or node.lock_ref:
+                    fail("root has a key or a lock_ref")
+                continue
+            if node.lock_ref < 0:
+                fail(f"{node!r} has a negative lock_ref")
+            if node.lock_ref < child_locks:
+                fail(f"{node!r} lock_ref {node.lock_ref} < children's total {child_locks}")
+            n = len(node.key)
+            if n == 0 or n % ps or len(node.value) != n:
+                fail(f"{node!r}: key length {n}, value length {len(node.value)}, page {ps}")
+            rows = node.value.reshape(-1, ps)
+            if np.any(rows[:, 0] % ps) or np.any(rows - rows[:, :1] != np.arange(ps)):
+                fail(f"{node!r} value is not runs of whole pages: {node.value.tolist()}")
+            pages_seen.append(rows[:, 0] // ps)
+            if node.lock_ref:
+                protected += n
+            else:
+                evictable += n
+                if not node.children:
+                    leaves.add(node)
+        if (evictable, protected) != (self._evictable_size, self._protected_size):
+            fail(
+                f"sizes evictable/protected {self._evictable_size}/{self._protected_size}, "
+                f"tree holds {evictable}/{protected}"
+            )
+        pages = np.concatenate(pages_seen) if pages_seen else np.zeros(0, dtype=np.int32)
+        if np.unique(pages).size != pages.size:
+            fail("a page appears twice in the tree")
+        if pages.size and (pages.min() < 1 or pages.max() >= self.allocator.num_pages):
+            fail("a tree page id is out of range")
+        if np.any(self.allocator.is_page_free(pages)):
+            fail("a tree page is also on the allocator's free list")
+        in_tree = np.zeros_like(self._page_in_tree)
+        in_tree[pages] = True
+        if not np.array_equal(in_tree, self._page_in_tree):
+            fail("page ownership map disagrees with the tree")
+        if leaves != self._evictable_leaves:
+            fail(f"evictable leaves tracked {len(self._evictable_leaves)}, tree has {len(leaves)}")
+        live = {(node.id, node.last_access_time) for _, _, node in self._leaf_heap}
+        for node in leaves:
+            if (node.id, node.last_access_time) not in live:
+                fail(f"{node!r} has no current entry in the eviction heap")
+
+
+def check_page_accounting(
+    allocator: PageAllocator, cache: RadixCache, held_by_requests: int
+) -> None:
+    """RuntimeError unless free + tree + request-held pages == usable pages (leak/double use)."""
+    free, tree = allocator.num_free_pages, cache.num_pages_held()
+    if free + tree + held_by_requests != allocator.num_usable_pages:
+        raise RuntimeError(
+            f"page accounting: free {free} + tree {tree} + requests {held_by_requests} "
+            f"!= usable {allocator.num_usable_pages}"
+        )

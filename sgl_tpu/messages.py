@@ -1,0 +1,118 @@
+"""Every message that crosses a process boundary, typed and msgpack-encoded (no pickle).
+
+    TokenizerManager ──TokenizedGenerateReq / AbortReq / ControlReq──► Scheduler
+    Scheduler        ──BatchTokenIdOut──► Detokenizer ──BatchStrOut──► TokenizerManager
+    Scheduler        ──ControlResp / ReadyMsg──► TokenizerManager
+
+The in-process `Engine` uses the same structs without encoding them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class SamplingParamsMsg(msgspec.Struct, frozen=True):
+    """Wire form of `SamplingParams` (a plain dict keeps the two in one place)."""
+
+    fields: dict[str, Any]
+
+
+class TokenizedGenerateReq(msgspec.Struct, tag=True):
+    rid: str
+    input_ids: list[int]
+    sampling: dict[str, Any]  # SamplingParams fields, validated by the sender
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+    session_id: str | None = None
+
+
+class AbortReq(msgspec.Struct, tag=True):
+    rid: str
+
+
+class ControlReq(msgspec.Struct, tag=True):
+    """Request/reply calls to the scheduler: "flush_cache", "server_info", "health"."""
+
+    call_id: int
+    name: str
+
+
+class ControlResp(msgspec.Struct, tag=True):
+    call_id: int
+    ok: bool
+    data: dict[str, Any] = {}
+
+
+class ReadyMsg(msgspec.Struct, tag=True):
+    """A child process announces it is ready (model loaded, buckets compiled) or failed."""
+
+    process: str
+    ok: bool = True
+    error: str = ""
+    info: dict[str, Any] = {}
+
+
+class ReqOutput(msgspec.Struct):
+    """New tokens of one request in one scheduler step (token ids; text comes later)."""
+
+    rid: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: dict[str, Any] | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    # Character offset in the decoded output where a matched stop string begins (trim there).
+    stop_text_offset: int = -1
+    skip_special_tokens: bool = True
+    # [logprob, token_id] per new token, and top-k [[logprob, token_id], ...] per new token.
+    output_token_logprobs: list[list[Any]] | None = None
+    output_top_logprobs: list[list[list[Any]]] | None = None
+    # Sent once, with the first output of a request that asked for input log-probs.
+    input_token_logprobs: list[list[Any]] | None = None
+    input_top_logprobs: list[Any] | None = None
+
+
+class BatchTokenIdOut(msgspec.Struct, tag=True):
+    outputs: list[ReqOutput]
+
+
+class ReqStrOut(msgspec.Struct):
+    """Detokenized state of one request: cumulative text plus everything the API reports."""
+
+    rid: str
+    text: str  # cumulative output text so far (stop strings trimmed when finished)
+    output_ids: list[int]  # cumulative
+    finished: bool
+    finish_reason: dict[str, Any] | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    output_token_logprobs: list[list[Any]] | None = None  # new entries since the last message
+    output_top_logprobs: list[Any] | None = None
+    input_token_logprobs: list[list[Any]] | None = None
+    input_top_logprobs: list[Any] | None = None
+
+
+class BatchStrOut(msgspec.Struct, tag=True):
+    outputs: list[ReqStrOut]
+
+
+Message = (TokenizedGenerateReq | AbortReq | ControlReq | ControlResp | ReadyMsg
+           | BatchTokenIdOut | BatchStrOut)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    return _decoder.decode(data)

@@ -1,0 +1,96 @@
+"""Builds SGLang-shaped `/generate` results from a request's stream of `ReqStrOut`s.
+
+Shared by the in-process `Engine` and the HTTP tokenizer manager, so both answer identically:
+
+    {"text": ..., "output_ids": [...], "meta_info": {"id", "prompt_tokens", "completion_tokens",
+     "cached_tokens", "finish_reason", "e2e_latency", [log-prob fields when asked]}}
+
+Log-prob entries are `[logprob, token_id, text_or_None]` (text when `return_text_in_logprobs`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from sgl_tpu.messages import ReqStrOut
+
+
+class ResponseAccumulator:
+    def __init__(
+        self,
+        rid: str,
+        *,
+        return_logprob: bool = False,
+        return_text_in_logprobs: bool = False,
+        decode_token: Callable[[int], str] | None = None,
+    ) -> None:
+        self.rid = rid
+        self.return_logprob = return_logprob
+        self._with_text = return_text_in_logprobs and decode_token is not None
+        self._decode_token = decode_token
+        self.start_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.last: ReqStrOut | None = None
+        self.output_token_logprobs: list[list[Any]] = []
+        self.output_top_logprobs: list[Any] = []
+        self.input_token_logprobs: list[list[Any]] | None = None
+        self.input_top_logprobs: list[Any] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.last is not None and self.last.finished
+
+    def update(self, out: ReqStrOut) -> None:
+        if self.first_token_time is None and out.completion_tokens:
+            self.first_token_time = time.perf_counter()
+        self.last = out
+        if not self.return_logprob:
+            return
+        if out.output_token_logprobs:
+            self.output_token_logprobs += [self._entry(e) for e in out.output_token_logprobs]
+        if out.output_top_logprobs:
+            self.output_top_logprobs += [self._tops(t) for t in out.output_top_logprobs]
+        if out.input_token_logprobs is not None:
+            self.input_token_logprobs = [self._entry(e) for e in out.input_token_logprobs]
+            self.input_top_logprobs = [self._tops(t) for t in (out.input_top_logprobs or [])]
+
+    def _entry(self, e: Sequence[Any]) -> list[Any]:
+        lp, tid = e[0], e[1]
+        return [lp, tid, self._decode_token(tid) if self._with_text else None]
+
+    def _tops(self, tops: Sequence[Sequence[Any]] | None) -> list[list[Any]] | None:
+        return None if tops is None else [self._entry(e) for e in tops]
+
+    def to_dict(self) -> dict[str, Any]:
+        o = self.last
+        assert o is not None, "no output yet"
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "prompt_tokens": o.prompt_tokens,
+            "completion_tokens": o.completion_tokens,
+            "cached_tokens": o.cached_tokens,
+            "finish_reason": _public_reason(o.finish_reason) if o.finished else None,
+            "e2e_latency": time.perf_counter() - self.start_time,
+        }
+        if self.return_logprob:
+            meta["input_token_logprobs"] = self.input_token_logprobs or []
+            meta["output_token_logprobs"] = self.output_token_logprobs
+            meta["input_top_logprobs"] = self.input_top_logprobs or []
+            meta["output_top_logprobs"] = self.output_top_logprobs
+        return {"text": o.text, "output_ids": o.output_ids, "meta_info": meta}
+
+
+def _public_reason(reason: dict[str, Any] | None) -> dict[str, Any] | None:
+    if reason is None:
+        return None
+    return {k: v for k, v in reason.items() if k != "status_code"}
+
+
+def error_status(out: ReqStrOut | None) -> tuple[int, str] | None:
+    """(HTTP status, message) when the request was rejected, else None."""
+    if out is None or not out.finish_reason or out.finish_reason.get("type") != "abort":
+        return None
+    code = out.finish_reason.get("status_code")
+    return (code, out.finish_reason.get("message", "")) if code else None

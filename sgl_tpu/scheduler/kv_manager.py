@@ -1,0 +1,122 @@
+"""Moves KV pages between the allocator, the radix tree and requests (host side, no JAX).
+
+Every page is exactly one of: free (allocator), owned by the tree, or owned by a request
+(`req.pages[req.tree_len // ps:]`). The operations below keep that true:
+
+* `admit_prefix`  match the request's cached prefix in the tree and lock it.
+* `alloc_pages`   give a request more pages, evicting unlocked tree leaves when short.
+* `cache_req`     after a step: insert the request's computed tokens into the tree, free the
+                  pages that turned out to duplicate tree pages, and re-lock at the new end.
+* `release_req`   at finish or retraction: cache, then unlock and free what the tree did not
+                  take.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sgl_tpu.mem_cache.allocator import PageAllocator
+from sgl_tpu.mem_cache.radix_cache import RadixCache, check_page_accounting
+from sgl_tpu.scheduler.req import Req
+
+
+class KVManager:
+    def __init__(self, allocator: PageAllocator, tree: RadixCache) -> None:
+        self.allocator = allocator
+        self.tree = tree
+        self.page_size = allocator.page_size
+
+    # ---- capacity ------------------------------------------------------------------------
+    @property
+    def capacity_tokens(self) -> int:
+        return self.allocator.num_usable_pages * self.page_size
+
+    def available_pages(self) -> int:
+        """Free pages plus what eviction could free right now."""
+        return self.allocator.num_free_pages + self.tree.evictable_size() // self.page_size
+
+    def pages_needed(self, req: Req, num_tokens: int) -> int:
+        """More pages `req` needs to hold `num_tokens` tokens of KV."""
+        return max(0, -(-num_tokens // self.page_size) - len(req.pages))
+
+    # ---- admission -----------------------------------------------------------------------
+    def admit_prefix(self, req: Req) -> None:
+        """Lock the longest cached prefix of `req` (capped by `req.max_prefix_len`)."""
+        assert req.last_node is None and not req.pages, "request already holds KV"
+        ps = self.page_size
+        match = self.tree.match_prefix(req.fill_ids[: req.max_prefix_len])
+        prefix_len = match.prefix_len // ps * ps
+        self.tree.inc_lock_ref(match.last_node)
+        req.last_node = match.last_node
+        req.pages = self.allocator.slots_to_pages(match.slots).tolist()
+        req.kv_len = req.tree_len = prefix_len
+
+    def alloc_pages(self, req: Req, num_pages: int) -> bool:
+        """Append `num_pages` fresh pages to `req`, evicting tree leaves if needed."""
+        if num_pages <= 0:
+            return True
+        short = num_pages - self.allocator.num_free_pages
+        if short > 0:
+            self.tree.evict(short * self.page_size)
+        pages = self.allocator.alloc(num_pages)
+        if pages is None:
+            return False
+        req.pages.extend(pages.tolist())
+        return True
+
+    # ---- caching / release -----------------------------------------------------------------
+    def cache_req(self, req: Req) -> None:
+        """Share `req`'s computed KV through the tree while it keeps running."""
+        if self.tree.disable:
+            return
+        aligned, prefix_len = self._insert(req)
+        match = self.tree.match_prefix(req.fill_ids[:aligned])
+        if match.prefix_len != aligned:
+            raise RuntimeError(f"tree lost an inserted prefix ({match.prefix_len} != {aligned})")
+        req.pages[: aligned // self.page_size] = self.allocator.slots_to_pages(match.slots).tolist()
+        self.tree.inc_lock_ref(match.last_node)
+        self.tree.dec_lock_ref(req.last_node)
+        req.last_node = match.last_node
+        req.tree_len = aligned
+        del prefix_len
+
+    def release_req(self, req: Req) -> None:
+        """Give up all of `req`'s KV: the tree keeps what it can, the rest is freed."""
+        ps = self.page_size
+        own_start = req.tree_len // ps
+        if self.tree.disable:
+            taken_end = own_start
+        else:
+            aligned, _ = self._insert(req)
+            taken_end = aligned // ps
+        to_free = req.pages[taken_end:]
+        if to_free:
+            self.allocator.free(np.asarray(to_free, np.int32))
+        if req.last_node is not None:
+            self.tree.dec_lock_ref(req.last_node)
+        req.pages = []
+        req.last_node = None
+        req.kv_len = req.tree_len = 0
+
+    def _insert(self, req: Req) -> tuple[int, int]:
+        """Insert req's computed tokens; free its duplicate pages. Returns (aligned, prefix)."""
+        ps = self.page_size
+        key = req.fill_ids[: req.kv_len]
+        slots = self.allocator.pages_to_slots(req.pages, req.kv_len)
+        prefix_len = self.tree.insert(key, slots)
+        aligned = req.kv_len // ps * ps
+        dup = req.pages[req.tree_len // ps : prefix_len // ps]
+        if dup:
+            self.allocator.free(np.asarray(dup, np.int32))
+        return aligned, prefix_len
+
+    # ---- invariants ------------------------------------------------------------------------
+    @staticmethod
+    def owned_pages(req: Req, page_size: int) -> int:
+        return len(req.pages) - req.tree_len // page_size
+
+    def check(self, reqs_holding_kv: list[Req]) -> None:
+        """Page accounting + tree integrity; raises RuntimeError on a leak or double use."""
+        held = sum(self.owned_pages(r, self.page_size) for r in reqs_holding_kv)
+        check_page_accounting(self.allocator, self.tree, held)
+        self.tree.check_integrity()

@@ -1,0 +1,69 @@
+"""Orders of the waiting queue (`--schedule-policy`), as a registry of small functions.
+
+* `fcfs`        arrival order.
+* `lpm`         longest cached prefix first, so requests that reuse the tree run while their
+                prefix is still there (falls back to fcfs for long queues, as SGLang does).
+* `dfs-weight`  depth-first over the radix tree, heavier subtrees (more waiting requests) first,
+                so requests sharing a prefix run back to back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sgl_tpu.mem_cache.radix_cache import RadixCache, TreeNode
+from sgl_tpu.scheduler.req import Req
+
+PolicyFn = Callable[[list[Req], RadixCache], list[Req]]
+POLICIES: dict[str, PolicyFn] = {}
+LPM_MAX_QUEUE = 128  # beyond this, matching every waiting request each step costs too much
+
+
+def register(name: str) -> Callable[[PolicyFn], PolicyFn]:
+    def deco(fn: PolicyFn) -> PolicyFn:
+        POLICIES[name] = fn
+        return fn
+
+    return deco
+
+
+@register("fcfs")
+def fcfs(waiting: list[Req], tree: RadixCache) -> list[Req]:
+    return sorted(waiting, key=lambda r: r.arrival)
+
+
+@register("lpm")
+def lpm(waiting: list[Req], tree: RadixCache) -> list[Req]:
+    if tree.disable or len(waiting) > LPM_MAX_QUEUE:
+        return fcfs(waiting, tree)
+    prefix = {id(r): tree.match_prefix(r.fill_ids[: r.max_prefix_len]).prefix_len
+              for r in waiting}
+    return sorted(waiting, key=lambda r: (-prefix[id(r)], r.arrival))
+
+
+@register("dfs-weight")
+def dfs_weight(waiting: list[Req], tree: RadixCache) -> list[Req]:
+    if tree.disable:
+        return fcfs(waiting, tree)
+    at_node: dict[TreeNode, list[Req]] = {}
+    for r in sorted(waiting, key=lambda r: r.arrival):
+        node = tree.match_prefix(r.fill_ids[: r.max_prefix_len]).last_node
+        at_node.setdefault(node, []).append(r)
+    weight: dict[TreeNode, int] = {}
+    for node, reqs in at_node.items():
+        while node is not None:
+            weight[node] = weight.get(node, 0) + len(reqs)
+            node = node.parent
+    out: list[Req] = []
+    stack = [tree.root]
+    while stack:
+        node = stack.pop()
+        out.extend(at_node.get(node, ()))
+        children = [c for c in node.children.values() if c in weight]
+        # Push lighter first so the heaviest subtree is visited next.
+        stack.extend(sorted(children, key=lambda c: (weight[c], -c.id)))
+    return out
+
+
+def order_waiting(policy: str, waiting: list[Req], tree: RadixCache) -> list[Req]:
+    return POLICIES[policy](waiting, tree)

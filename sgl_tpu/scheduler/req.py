@@ -1,0 +1,81 @@
+"""`Req`: one generation request's state inside the scheduler (host side).
+
+KV bookkeeping of a request, in tokens (ps = page_size):
+
+    fill_ids   [p p p p p p p p p p o o o]      prompt + outputs so far
+    kv_len     |<------------------------>|     tokens whose K/V are in `pages` (the last
+                                                output has none yet: it is the next input)
+    tree_len   |<-------------->|               leading tokens whose pages the radix tree owns
+                                                (locked through `last_node`); page aligned
+    pages      [t t t t | r r r r | r ...]      t = tree-owned, r = owned by this request
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from sgl_tpu.detokenize import IncrementalDecoder
+from sgl_tpu.mem_cache.radix_cache import TreeNode
+from sgl_tpu.sampling_params import SamplingParams
+
+_arrival = itertools.count()
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+    sampling: SamplingParams
+    seed: int
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    session_id: str | None = None
+    arrival: int = field(default_factory=lambda: next(_arrival))
+
+    output_ids: list[int] = field(default_factory=list)
+    # KV state (see module docstring)
+    pages: list[int] = field(default_factory=list)
+    kv_len: int = 0
+    tree_len: int = 0
+    last_node: TreeNode | None = None
+    row: int = 0  # penalty-count row / running slot (1..max_running); 0 = none
+    counts_fresh: bool = False  # row newly assigned: the runner clears its counts first
+    cached_tokens: int = 0  # prompt tokens served from the radix cache (reported)
+    num_retractions: int = 0
+
+    finish_reason: dict[str, Any] | None = None
+    stop_text_offset: int = -1
+    decoder: IncrementalDecoder | None = None  # only when the request has stop strings
+    input_logprobs_sent: bool = False
+    input_token_logprobs: list[list[Any]] = field(default_factory=list)
+    input_top_logprobs: list[Any] = field(default_factory=list)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Tokens whose K/V must exist before the next decode step."""
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.origin_input_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return (self.return_logprob and self.logprob_start_len >= 0
+                and not self.input_logprobs_sent)
+
+    @property
+    def max_prefix_len(self) -> int:
+        """Longest cached prefix this request may reuse: at least one token must run (to get
+        logits), and positions whose input log-probs are wanted must be computed."""
+        limit = len(self.fill_ids) - 1
+        if self.wants_input_logprobs:
+            limit = min(limit, max(self.logprob_start_len - 1, 0))
+        return max(limit, 0)

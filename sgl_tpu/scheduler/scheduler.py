@@ -1,0 +1,460 @@
+"""The scheduler loop: continuous batching over a radix-cached, paged KV pool (host side, no JAX).
+
+Each `step()` is: take aborts, build one batch, run it, post-process.
+
+    waiting ──(policy order, prefix match + lock, page alloc, token budget)──► EXTEND batch
+    running ──(one page more where a page fills; retract on shortage)────────► DECODE batch
+
+* EXTEND runs new requests' uncached tokens (a long prompt in chunks of the token budget); after
+  it every unfinished request's KV is inserted into the radix tree, so requests arriving later
+  (forks, `n > 1`, the next agent turn) reuse it while it is still running.
+* DECODE runs one token for every running request. When pages run out, the tree's unlocked
+  leaves are evicted first; if that is not enough the request with the least progress is
+  retracted: its KV goes to the tree (so the recompute is mostly a cache hit), it re-queues.
+* Finished requests give their KV to the tree and unlock it; nothing else holds pages.
+
+The scheduler owns a `KVManager` (allocator + tree) and calls a runner object with
+`forward(mode, steps) -> StepResult` and `token_logprobs(hidden, targets)`; the in-process
+`Engine` and the scheduler process both drive it the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from sgl_tpu.config import SchedulerConfig
+from sgl_tpu.detokenize import IncrementalDecoder, find_stop
+from sgl_tpu.mem_cache.allocator import PageAllocator
+from sgl_tpu.mem_cache.radix_cache import RadixCache
+from sgl_tpu.messages import ReqOutput, TokenizedGenerateReq
+from sgl_tpu.sampling_params import SamplingParams
+from sgl_tpu.scheduler.kv_manager import KVManager
+from sgl_tpu.scheduler.policy import order_waiting
+from sgl_tpu.scheduler.req import Req
+from sgl_tpu.scheduler.schedule_batch import ForwardMode, SeqStep
+
+logger = logging.getLogger(__name__)
+
+# A waiting request that shares at least this many uncached tokens with a request already in
+# the EXTEND batch waits one step, then reuses that request's KV from the tree.
+IN_BATCH_SHARED_TOKENS = 32
+
+
+class Runner(Protocol):
+    def forward(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> Any: ...
+
+    def token_logprobs(self, hidden: Any, target_ids: np.ndarray) -> tuple: ...
+
+
+@dataclass
+class SchedulerStats:
+    """Counters read by the metrics endpoint and the periodic log line."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    num_requests_finished: int = 0
+    num_retractions: int = 0
+    num_extend_steps: int = 0
+    num_decode_steps: int = 0
+    last_log_time: float = field(default_factory=time.monotonic)
+    last_log_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        runner: Runner,
+        *,
+        num_pages: int,
+        decode: Callable[[Sequence[int], bool], str],
+        eos_token_ids: Sequence[int],
+        vocab_size: int,
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.decode = decode
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.vocab_size = vocab_size
+        allocator = PageAllocator(num_pages, config.page_size)
+        self.kv = KVManager(allocator, RadixCache(allocator, disable=config.disable_radix_cache))
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None  # a prompt being prefilled in chunks
+        self.free_rows = list(range(config.max_running_requests, 0, -1))
+        self.stats = SchedulerStats()
+        self._aborts: set[str] = set()
+        self._seed_rng = random.Random(0x5C1)
+
+    # ---- intake ----------------------------------------------------------------------------
+    def validate(self, prompt_len: int, sampling: SamplingParams) -> str | None:
+        """A message if a request can never be served, else None."""
+        if prompt_len == 0:
+            return "the prompt is empty"
+        total = prompt_len + sampling.max_new_tokens
+        if prompt_len >= self.config.context_len:
+            return (f"the prompt has {prompt_len} tokens; the context length is "
+                    f"{self.config.context_len}")
+        if total > self.config.context_len:
+            return (f"prompt ({prompt_len} tokens) + max_new_tokens "
+                    f"({sampling.max_new_tokens}) = {total} exceeds the context length "
+                    f"{self.config.context_len}")
+        if total > self.kv.capacity_tokens:
+            return (f"prompt + max_new_tokens = {total} tokens exceeds the KV cache capacity "
+                    f"of {self.kv.capacity_tokens} tokens")
+        return None
+
+    def add_request(self, msg: TokenizedGenerateReq) -> ReqOutput | None:
+        """Queue a request; returns an immediate error output if it cannot be served."""
+        try:
+            sampling = SamplingParams.from_dict(msg.sampling)
+        except ValueError as e:
+            return _error_output(msg.rid, len(msg.input_ids), str(e))
+        error = self.validate(len(msg.input_ids), sampling)
+        if error is not None:
+            return _error_output(msg.rid, len(msg.input_ids), error)
+        seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(32)
+        req = Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling=sampling,
+                  seed=seed, return_logprob=msg.return_logprob,
+                  logprob_start_len=msg.logprob_start_len,
+                  top_logprobs_num=min(msg.top_logprobs_num, self.config.max_top_logprobs),
+                  session_id=msg.session_id)
+        if sampling.stop:
+            req.decoder = IncrementalDecoder(self.decode, sampling.skip_special_tokens)
+        self.waiting.append(req)
+        return None
+
+    def abort(self, rid: str) -> None:
+        self._aborts.add(rid)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req or self._aborts)
+
+    # ---- the loop --------------------------------------------------------------------------
+    def step(self) -> list[ReqOutput]:
+        """Run one batch; return the outputs it produced (possibly none)."""
+        outputs = self._process_aborts()
+        batch = self._schedule_extend()
+        if batch:
+            outputs += self._run_extend(batch)
+        elif self.running:
+            outputs += self._run_decode()
+        self._maybe_log()
+        return outputs
+
+    # ---- EXTEND ----------------------------------------------------------------------------
+    def _schedule_extend(self) -> list[tuple[Req, int]]:
+        """Pick (request, number of tokens to run) pairs within the token budget."""
+        cfg = self.config
+        budget = cfg.chunked_prefill_size
+        batch: list[tuple[Req, int]] = []
+        if self.chunked_req is not None:
+            req = self.chunked_req
+            n = min(len(req.fill_ids) - req.kv_len, budget)
+            if not self.kv.alloc_pages(req, self.kv.pages_needed(req, req.kv_len + n)):
+                return []  # wait for decode to free memory
+            batch.append((req, n))
+            budget -= n
+            self.chunked_req = None
+        if not self.waiting or budget <= 0:
+            return batch
+        shared_keys: set[int] = set()
+        for req in order_waiting(cfg.schedule_policy, self.waiting, self.kv.tree):
+            if (len(batch) >= cfg.max_extend_seqs or budget <= 0
+                    or len(self.running) + len(batch) >= cfg.max_running_requests):
+                break
+            self.kv.admit_prefix(req)
+            extend_len = len(req.fill_ids) - req.kv_len
+            if not self.kv.tree.disable and _shares_uncached(req, shared_keys,
+                                                             self.kv.page_size):
+                self.kv.release_req(req)
+                continue
+            n = min(extend_len, budget)
+            # Keep a page per running request in reserve so admission does not starve decode.
+            reserve = len(self.running) + len(batch)
+            need = self.kv.pages_needed(req, req.kv_len + n)
+            if need + reserve > self.kv.available_pages() or not self.kv.alloc_pages(req, need):
+                self.kv.release_req(req)
+                break
+            self.waiting.remove(req)
+            req.row = self.free_rows.pop()
+            req.counts_fresh = True
+            if req.num_retractions == 0:
+                req.cached_tokens = req.kv_len
+                self.stats.prompt_tokens += req.prompt_len
+                self.stats.cached_tokens += req.kv_len
+            batch.append((req, n))
+            _add_page_keys(req, shared_keys, self.kv.page_size)
+            budget -= n
+        return batch
+
+    def _run_extend(self, batch: list[tuple[Req, int]]) -> list[ReqOutput]:
+        steps = []
+        for req, n in batch:
+            fill = req.fill_ids
+            completes = req.kv_len + n == len(fill)
+            steps.append(SeqStep(
+                token_ids=fill[req.kv_len : req.kv_len + n], prefix_len=req.kv_len,
+                pages=req.pages, sampling=req.sampling, seed=req.seed,
+                num_output_tokens=len(req.output_ids), counts_row=req.row,
+                counts_reset=req.counts_fresh,
+                sample_valid=completes and req.sampling.max_new_tokens > 0))
+        result = self.runner.forward(ForwardMode.EXTEND, steps)
+        self.stats.num_extend_steps += 1
+        if any(req.wants_input_logprobs for req, _ in batch):
+            self._collect_input_logprobs(batch, result)
+        outputs = []
+        for i, (req, n) in enumerate(batch):
+            req.counts_fresh = False
+            req.kv_len += n
+            if req.kv_len < len(req.fill_ids):  # more chunks to go
+                self.kv.cache_req(req)
+                self.chunked_req = req
+                continue
+            if req.sampling.max_new_tokens == 0:  # prefill only
+                req.finish_reason = {"type": "length", "length": 0}
+                outputs.append(self._finish(req, []))
+                continue
+            outputs.append(self._append_token(req, result, i))
+            if not req.finished:
+                self.kv.cache_req(req)
+                self.running.append(req)
+        return outputs
+
+    def _collect_input_logprobs(self, batch: list[tuple[Req, int]], result: Any) -> None:
+        """Prompt log-probs: row t of the step predicts the token after packed token t."""
+        targets = np.zeros(sum(n for _, n in batch), np.int32)
+        t = 0
+        for req, n in batch:
+            fill = req.fill_ids
+            nxt = fill[req.kv_len + 1 : req.kv_len + n + 1]
+            targets[t : t + len(nxt)] = nxt
+            t += n
+        lp, top_ids, top_lp = self.runner.token_logprobs(result.hidden, targets)
+        t = 0
+        for req, n in batch:
+            if req.wants_input_logprobs:
+                start = req.logprob_start_len
+                if req.kv_len == 0 and start == 0:
+                    req.input_token_logprobs.append([None, req.origin_input_ids[0]])
+                    req.input_top_logprobs.append(None)
+                k = req.top_logprobs_num
+                for j in range(n):
+                    pos = req.kv_len + j + 1  # the prompt position predicted by row j
+                    if start <= pos < req.prompt_len:
+                        req.input_token_logprobs.append(
+                            [float(lp[t + j]), req.origin_input_ids[pos]])
+                        req.input_top_logprobs.append(
+                            [[float(top_lp[t + j, c]), int(top_ids[t + j, c])]
+                             for c in range(k)] if k else None)
+            t += n
+
+    # ---- DECODE ----------------------------------------------------------------------------
+    def _run_decode(self) -> list[ReqOutput]:
+        self._ensure_decode_pages()
+        if not self.running:
+            return []
+        steps = [SeqStep(token_ids=[req.output_ids[-1]], prefix_len=req.kv_len, pages=req.pages,
+                         sampling=req.sampling, seed=req.seed,
+                         num_output_tokens=len(req.output_ids), counts_row=req.row)
+                 for req in self.running]
+        result = self.runner.forward(ForwardMode.DECODE, steps)
+        self.stats.num_decode_steps += 1
+        outputs = []
+        for i, req in enumerate(self.running):
+            req.kv_len += 1
+            outputs.append(self._append_token(req, result, i))
+        self.running = [r for r in self.running if not r.finished]
+        return outputs
+
+    def _ensure_decode_pages(self) -> None:
+        """Every running request gets room for one more token; retract when memory is short."""
+        while True:
+            needy = [r for r in self.running if self.kv.pages_needed(r, r.kv_len + 1)]
+            if len(needy) <= self.kv.available_pages():
+                for r in needy:
+                    if not self.kv.alloc_pages(r, 1):
+                        raise RuntimeError("page allocation failed despite available pages")
+                return
+            if len(self.running) == 1:
+                # Cannot happen for validated requests (they fit the pool alone), but never spin.
+                req = self.running.pop()
+                req.finish_reason = {"type": "abort", "message": "out of KV cache memory"}
+                self._release(req)
+                return
+            victim = min(self.running, key=lambda r: (len(r.output_ids), -r.prompt_len))
+            self.running.remove(victim)
+            self._retract(victim)
+
+    def _retract(self, req: Req) -> None:
+        self.kv.release_req(req)
+        self._free_row(req)
+        req.num_retractions += 1
+        self.stats.num_retractions += 1
+        self.waiting.insert(0, req)
+        logger.info("retracted %s (%d output tokens) to free KV memory", req.rid,
+                    len(req.output_ids))
+
+    # ---- post-processing -------------------------------------------------------------------
+    def _append_token(self, req: Req, result: Any, i: int) -> ReqOutput:
+        token = int(result.token_ids[i])
+        req.output_ids.append(token)
+        self.stats.generated_tokens += 1
+        self._check_finished(req, token)
+        lp = tops = None
+        if req.return_logprob:
+            lp = [[float(result.logprobs[i]), token]]
+            k = req.top_logprobs_num
+            tops = [[[float(result.top_logprobs[i, c]), int(result.top_ids[i, c])]
+                     for c in range(k)]] if k else None
+        if req.finished:
+            return self._finish(req, [token], lp, tops)
+        return self._output(req, [token], lp, tops)
+
+    def _check_finished(self, req: Req, token: int) -> None:
+        sp = req.sampling
+        num_out = len(req.output_ids)
+        if req.decoder is not None:
+            delta = req.decoder.append([token])
+            if num_out >= sp.min_new_tokens and delta:
+                hit = find_stop(req.decoder.text, len(delta), sp.stop)
+                if hit is not None:
+                    req.stop_text_offset = -1 if sp.no_stop_trim else hit[0]
+                    req.finish_reason = {"type": "stop", "matched": hit[1]}
+                    return
+        if num_out >= sp.min_new_tokens:
+            if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
+                req.finish_reason = {"type": "stop", "matched": token}
+                return
+        if num_out >= sp.max_new_tokens:
+            req.finish_reason = {"type": "length", "length": sp.max_new_tokens}
+
+    def _finish(self, req: Req, new_ids: list[int], lp=None, tops=None) -> ReqOutput:
+        self._release(req)
+        self.stats.num_requests_finished += 1
+        return self._output(req, new_ids, lp, tops)
+
+    def _release(self, req: Req) -> None:
+        self.kv.release_req(req)
+        self._free_row(req)
+
+    def _free_row(self, req: Req) -> None:
+        if req.row:
+            self.free_rows.append(req.row)
+            req.row = 0
+
+    def _output(self, req: Req, new_ids: list[int], lp=None, tops=None) -> ReqOutput:
+        out = ReqOutput(
+            rid=req.rid, new_token_ids=new_ids, finished=req.finished,
+            finish_reason=req.finish_reason, prompt_tokens=req.prompt_len,
+            completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
+            stop_text_offset=req.stop_text_offset,
+            skip_special_tokens=req.sampling.skip_special_tokens,
+            output_token_logprobs=lp, output_top_logprobs=tops)
+        if req.return_logprob and not req.input_logprobs_sent:
+            out.input_token_logprobs = req.input_token_logprobs
+            out.input_top_logprobs = req.input_top_logprobs
+            req.input_logprobs_sent = True
+        return out
+
+    # ---- aborts / control ------------------------------------------------------------------
+    def _process_aborts(self) -> list[ReqOutput]:
+        if not self._aborts:
+            return []
+        outputs = []
+        aborted = {"type": "abort", "message": "request aborted"}
+        for req in list(self.waiting):
+            if req.rid in self._aborts:
+                self.waiting.remove(req)
+                req.finish_reason = dict(aborted)
+                outputs.append(self._output(req, []))
+        for req in list(self.running):
+            if req.rid in self._aborts:
+                self.running.remove(req)
+                req.finish_reason = dict(aborted)
+                outputs.append(self._finish(req, []))
+        if self.chunked_req is not None and self.chunked_req.rid in self._aborts:
+            req, self.chunked_req = self.chunked_req, None
+            req.finish_reason = dict(aborted)
+            outputs.append(self._finish(req, []))
+        self._aborts.clear()
+        return outputs
+
+    def flush_cache(self) -> bool:
+        """Empty the radix tree; refused (False) while requests hold KV."""
+        if self.running or self.chunked_req or self.waiting:
+            return False
+        self.kv.tree.reset()
+        return True
+
+    def check_integrity(self) -> None:
+        holding = list(self.running) + ([self.chunked_req] if self.chunked_req else [])
+        self.kv.check(holding)
+
+    def memory_info(self) -> dict[str, int]:
+        alloc, tree = self.kv.allocator, self.kv.tree
+        return {
+            "num_pages_total": alloc.num_usable_pages,
+            "num_pages_free": alloc.num_free_pages,
+            "num_pages_tree": tree.num_pages_held(),
+            "num_pages_requests": alloc.num_usable_pages - alloc.num_free_pages
+                                  - tree.num_pages_held(),
+            "tree_evictable_tokens": tree.evictable_size(),
+            "tree_protected_tokens": tree.protected_size(),
+            "page_size": self.kv.page_size,
+            "max_total_tokens": self.kv.capacity_tokens,
+        }
+
+    def _maybe_log(self, interval_s: float = 10.0) -> None:
+        now = time.monotonic()
+        s = self.stats
+        if now - s.last_log_time < interval_s:
+            return
+        tokens = s.generated_tokens - s.last_log_tokens
+        hit = s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0
+        logger.info(
+            "running: %d, waiting: %d, free pages: %d, cache hit rate: %.1f%%, "
+            "gen throughput: %.1f tok/s", len(self.running), len(self.waiting),
+            self.kv.allocator.num_free_pages, 100 * hit, tokens / (now - s.last_log_time))
+        s.last_log_time, s.last_log_tokens = now, s.generated_tokens
+
+
+def _error_output(rid: str, prompt_len: int, message: str) -> ReqOutput:
+    return ReqOutput(rid=rid, new_token_ids=[], finished=True,
+                     finish_reason={"type": "abort", "message": message, "status_code": 400},
+                     prompt_tokens=prompt_len)
+
+
+def _page_hashes(req: Req, page_size: int) -> list[int]:
+    """Chained hashes of the request's fill pages after its cached prefix: hash k covers
+    tokens [0, (k+1) * page_size)."""
+    fill = req.fill_ids
+    out, h = [], 0
+    for i in range(0, len(fill) - page_size + 1, page_size):
+        h = hash((h, tuple(fill[i : i + page_size])))
+        out.append(h)
+    return out
+
+
+def _add_page_keys(req: Req, keys: set[int], page_size: int) -> None:
+    keys.update(_page_hashes(req, page_size))
+
+
+def _shares_uncached(req: Req, keys: set[int], page_size: int) -> bool:
+    if not keys:
+        return False
+    shared = 0
+    for h in _page_hashes(req, page_size):
+        if h not in keys:
+            break
+        shared += page_size
+    return shared - req.kv_len >= IN_BATCH_SHARED_TOKENS

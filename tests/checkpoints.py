@@ -1,0 +1,253 @@
+"""Tiny checkpoints for tests: random transformers models saved as HF directories or GGUF files.
+
+    make_tiny_hf_checkpoint(dir, arch)  -> dir with config.json, model.safetensors,
+                                           tokenizer.json, tokenizer_config.json (ChatML)
+    make_tiny_gguf(path, arch)          -> path.gguf written the way llama.cpp's converter would
+                                           (llama Q/K rows permuted, one Q8_0 tensor), plus its
+                                           HF twin at hf_twin_dir(path) holding the same weights
+
+Both share a small byte-level BPE (SmolLM-style digit splitting) trained on a few sentences, with
+<|endoftext|>, <|im_start|>, <|im_end|> as ids 0, 1, 2. torch/transformers/gguf are imported inside
+the functions so importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a tiny test model.<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! How are you today? I am fine, thank you.",
+    "def add(a, b):\n    return a + b\n",
+    "Tokenizers split text into pieces; models read the pieces as integers 0123456789.",
+    "JSON looks like {\"name\": \"value\", \"list\": [1, 2, 3]}.",
+    "Caf\u00e9 na\u00efve r\u00e9sum\u00e9 \u2014 unicode text \U0001f600 works too.",
+] * 4
+
+# HF per-layer suffix -> GGUF per-layer suffix (llama.cpp's tensor names), written out
+# independently of the loader's own tables.
+_HF_TO_GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_HF_TO_GGUF_TOP = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+Q8_0_TENSOR = "blk.0.ffn_gate.weight"  # written quantized; the HF twin holds its dequantized value
+
+
+def make_tiny_tokenizer() -> Any:
+    """A trained byte-level BPE `tokenizers.Tokenizer` (vocab about 400)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    return tok
+
+
+def _build_model(arch: str, vocab_size: int, *, seed: int, tie_word_embeddings: bool,
+                 rope_scaling: dict[str, Any] | None) -> Any:
+    import torch
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-5, tie_word_embeddings=tie_word_embeddings, bos_token_id=1,
+        eos_token_id=2,
+    )
+    if rope_scaling is not None:
+        common["rope_scaling"] = rope_scaling
+    classes = {
+        "llama": (LlamaConfig, LlamaForCausalLM, {"rope_theta": 10000.0}),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"rope_theta": 1000000.0}),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32, "rope_theta": 1000000.0}),
+    }
+    if arch not in classes:
+        raise ValueError(f"unknown test arch {arch!r}")
+    config_cls, model_cls, extra = classes[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**common, **extra)).eval()
+    with torch.no_grad():  # non-trivial norms and biases, so a mix-up shows
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def _write_tokenizer_files(out: Path, tok: Any) -> None:
+    (out / "tokenizer.json").write_text(tok.to_str(), encoding="utf-8")
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "add_bos_token": False,
+        "chat_template": CHATML_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2), encoding="utf-8")
+
+
+def make_tiny_hf_checkpoint(
+    dir: str | Path,
+    arch: str,
+    *,
+    seed: int = 0,
+    tie_word_embeddings: bool = False,
+    rope_scaling: dict[str, Any] | None = None,
+    dtype: str = "float32",
+) -> str:
+    """Save a tiny random `arch` model (hidden 64, 2 layers, 4 heads, 2 kv heads) into `dir`."""
+    import torch
+
+    out = Path(dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = make_tiny_tokenizer()
+    model = _build_model(arch, tok.get_vocab_size(), seed=seed,
+                         tie_word_embeddings=tie_word_embeddings, rope_scaling=rope_scaling)
+    model.to(getattr(torch, dtype)).save_pretrained(out, safe_serialization=True)
+    _write_tokenizer_files(out, tok)
+    return str(out)
+
+
+def hf_twin_dir(gguf_path: str | Path) -> str:
+    """Where make_tiny_gguf puts the HF checkpoint holding the same weights."""
+    return str(gguf_path) + ".hf"
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # convert_hf_to_gguf.py LlamaModel.permute (HF rotate-half rows -> interleaved pairs).
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def tokenizer_vocab(tok: Any) -> tuple[list[str], list[int], list[str]]:
+    """(tokens by id, llama.cpp token types, merges as 'a b') of a trained BPE tokenizer."""
+    model = json.loads(tok.to_str())["model"]
+    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
+    types = [3 if t in SPECIAL_TOKENS else 1 for t in tokens]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    return tokens, types, merges
+
+
+def make_tiny_gguf(
+    path: str | Path,
+    arch: str = "llama",
+    *,
+    seed: int = 0,
+    tie_word_embeddings: bool = False,
+    gguf_arch: str | None = None,
+    i8_tensor: str | None = None,
+) -> str:
+    """Write a tiny `arch` GGUF at `path` and its HF twin at `hf_twin_dir(path)`.
+
+    For error tests: `gguf_arch` overrides the architecture name written to the file, and the
+    tensor named `i8_tensor` is stored as GGML type I8 (which gguf cannot dequantize).
+    """
+    import gguf
+    import torch
+
+    path = Path(path)
+    tok = make_tiny_tokenizer()
+    model = _build_model(arch, tok.get_vocab_size(), seed=seed,
+                         tie_word_embeddings=tie_word_embeddings, rope_scaling=None)
+    cfg = model.config
+    gate = model.model.layers[0].mlp.gate_proj.weight
+    q8 = gguf.quants.quantize(gate.detach().numpy(), gguf.GGMLQuantizationType.Q8_0)
+    with torch.no_grad():
+        gate.copy_(torch.from_numpy(gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0)))
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    if tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+
+    twin = Path(hf_twin_dir(path))
+    twin.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(twin, safe_serialization=True)
+    _write_tokenizer_files(twin, tok)
+
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w = gguf.GGUFWriter(str(path), gguf_arch or arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    tokens, types, merges = tokenizer_vocab(tok)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML_TEMPLATE)
+
+    for name, arr in state.items():
+        if name in _HF_TO_GGUF_TOP:
+            gguf_name = _HF_TO_GGUF_TOP[name]
+        else:
+            _, _, idx, suffix = name.split(".", 3)
+            gguf_name = f"blk.{idx}.{_HF_TO_GGUF_LAYER[suffix]}"
+            if arch == "llama" and suffix.startswith("self_attn.q_proj"):
+                arr = _llama_cpp_permute(arr, cfg.num_attention_heads)
+            elif arch == "llama" and suffix.startswith("self_attn.k_proj"):
+                arr = _llama_cpp_permute(arr, cfg.num_key_value_heads)
+        if gguf_name == i8_tensor:
+            w.add_tensor(gguf_name, np.zeros(arr.shape, dtype=np.int8))
+        elif gguf_name == Q8_0_TENSOR:
+            w.add_tensor(gguf_name, q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(gguf_name, np.ascontiguousarray(arr))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)

@@ -1,0 +1,360 @@
+"""Tests for sgl_tpu.executor.sampler: greedy, filters, seeding, penalties, logprobs, bitmask.
+
+The sampler is jitted once per shape: (4096, V) for the statistical tests (one row per draw, the
+draw index is `step`), with the default and with a tiny candidate count (forces the bisection
+fallback), and (8, V) with 5 top logprobs for the rest. V = 100 is not a multiple of 32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sgl_tpu.executor import sampler as S
+
+V = 100
+NUM_DRAWS = 4096
+UNIT_BATCH = 8
+TOP_K = 5
+
+_sample = jax.jit(S.sample, static_argnames=("num_top_logprobs", "num_candidates"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = 0
+
+
+def run(
+    logits: np.ndarray,
+    params: list[Params],
+    steps: list[int] | None = None,
+    counts: np.ndarray | None = None,
+    allowed: np.ndarray | None = None,
+    num_top_logprobs: int = TOP_K,
+    num_candidates: int = S.DEFAULT_NUM_CANDIDATES,
+) -> S.SampleOutput:
+    """Sample with padded_batch = logits.shape[0]; rows past len(params) are padding."""
+    batch, vocab = logits.shape
+    arrays = S.build_sampling_arrays(params, batch, steps)
+    counts = np.zeros((batch, vocab), np.int32) if counts is None else counts
+    mask = S.full_bitmask(batch, vocab) if allowed is None else S.pack_bitmask(allowed)
+    out = _sample(
+        jnp.asarray(logits, jnp.float32),
+        arrays,
+        jnp.asarray(counts),
+        jnp.asarray(mask),
+        num_top_logprobs=num_top_logprobs,
+        num_candidates=num_candidates,
+    )
+    return jax.tree.map(np.asarray, out)
+
+
+def draw(
+    row: np.ndarray,
+    params: Params,
+    allowed: np.ndarray | None = None,
+    num_candidates: int = S.DEFAULT_NUM_CANDIDATES,
+) -> np.ndarray:
+    """NUM_DRAWS samples of one request: the same row at steps 0..NUM_DRAWS-1."""
+    logits = np.broadcast_to(row, (NUM_DRAWS, V))
+    if allowed is not None:
+        allowed = np.broadcast_to(allowed, (NUM_DRAWS, V))
+    out = run(
+        logits,
+        [params] * NUM_DRAWS,
+        steps=list(range(NUM_DRAWS)),
+        allowed=allowed,
+        num_top_logprobs=0,
+        num_candidates=num_candidates,
+    )
+    return out.token_ids
+
+
+def reference_probs(row: np.ndarray, p: Params, allowed: np.ndarray | None = None) -> np.ndarray:
+    """SGLang order in float64: mask -> temperature -> top-k -> top-p -> min-p."""
+    x = row.astype(np.float64)
+    if allowed is not None:
+        x = np.where(allowed, x, -np.inf)
+    probs = np.exp(x / p.temperature - np.max(x / p.temperature))
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind="stable")
+    if p.top_k > 0:
+        probs[order[p.top_k :]] = 0.0
+        probs /= probs.sum()
+    sorted_probs = probs[order]
+    exclusive_cum = np.cumsum(sorted_probs) - sorted_probs
+    probs[order[exclusive_cum >= p.top_p]] = 0.0
+    probs[probs < p.min_p * probs.max()] = 0.0
+    return probs / probs.sum()
+
+
+def assert_matches(ids: np.ndarray, expected: np.ndarray) -> None:
+    """Zero-probability tokens never drawn; the others within 5 sigma of their probability."""
+    freq = np.bincount(ids, minlength=V) / len(ids)
+    never = expected == 0
+    assert not freq[never].any(), f"drew excluded tokens {np.nonzero(freq * never)[0]}"
+    sigma = np.sqrt(expected * (1 - expected) / len(ids))
+    z = np.abs(freq - expected) / np.maximum(sigma, 1e-12)
+    assert z.max() < 5.0, f"token {z.argmax()}: freq {freq[z.argmax()]} vs {expected[z.argmax()]}"
+
+
+@pytest.fixture(scope="module")
+def row() -> np.ndarray:
+    """Distinct logits spread over [-3, 3], shuffled so that rank != index."""
+    return np.random.default_rng(0).permutation(np.linspace(3.0, -3.0, V)).astype(np.float32)
+
+
+# --- greedy ---------------------------------------------------------------------------------
+
+
+def test_greedy_is_argmax_and_ignores_seed() -> None:
+    logits = np.random.default_rng(1).normal(size=(UNIT_BATCH, V)).astype(np.float32)
+    logits[3, [7, 40]] = 10.0  # tie: first index wins, like np.argmax
+    params = [Params(seed=s) for s in range(UNIT_BATCH)]
+    out = run(logits, params, steps=list(range(UNIT_BATCH)))
+    np.testing.assert_array_equal(out.token_ids, logits.argmax(-1))
+    reseeded = run(logits, [Params(seed=1000 + s) for s in range(UNIT_BATCH)])
+    np.testing.assert_array_equal(reseeded.token_ids, out.token_ids)
+    top_k_one = run(logits, [Params(temperature=1.0, top_k=1, seed=s) for s in range(8)])
+    np.testing.assert_array_equal(top_k_one.token_ids, out.token_ids)
+
+
+# --- distributions --------------------------------------------------------------------------
+
+
+def test_temperature_one_matches_softmax(row: np.ndarray) -> None:
+    p = Params(temperature=1.0, seed=7)
+    assert_matches(draw(row, p), reference_probs(row, p))
+
+
+def test_lower_temperature_sharpens(row: np.ndarray) -> None:
+    hot, cold = Params(temperature=1.0, seed=3), Params(temperature=0.5, seed=3)
+    cold_ids = draw(row, cold)
+    assert_matches(cold_ids, reference_probs(row, cold))
+    top = int(row.argmax())
+    assert np.mean(cold_ids == top) > np.mean(draw(row, hot) == top) + 0.05
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        Params(temperature=1.0, top_k=5, seed=11),
+        Params(temperature=1.0, top_p=0.5, seed=12),
+        Params(temperature=1.0, min_p=0.2, seed=13),
+        Params(temperature=0.7, top_k=20, top_p=0.8, min_p=0.05, seed=14),
+    ],
+    ids=["top_k", "top_p", "min_p", "combined"],
+)
+def test_filters_match_reference(row: np.ndarray, params: Params) -> None:
+    assert_matches(draw(row, params), reference_probs(row, params))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        Params(temperature=1.0, top_k=30, seed=21),
+        Params(temperature=1.0, top_p=0.9, seed=22),
+        Params(temperature=0.8, top_k=40, top_p=0.95, seed=23),
+        Params(temperature=1.0, top_k=3, top_p=0.99, seed=24),
+    ],
+    ids=["top_k", "top_p", "both", "small_k"],
+)
+def test_bisection_fallback_equals_candidate_path(row: np.ndarray, params: Params) -> None:
+    """With 4 candidates every row above needs the exact bisection; same thresholds, same ids."""
+    fast = draw(row, params)
+    np.testing.assert_array_equal(draw(row, params, num_candidates=4), fast)
+    assert_matches(fast, reference_probs(row, params))
+
+
+def test_bitmask_restricts_sampling(row: np.ndarray) -> None:
+    allowed = np.random.default_rng(2).random(V) < 0.3
+    allowed[int(row.argmax())] = False  # the mask must matter for the top token too
+    p = Params(temperature=1.0, top_p=0.9, seed=5)
+    assert_matches(draw(row, p, allowed=allowed), reference_probs(row, p, allowed))
+
+
+# --- seeding --------------------------------------------------------------------------------
+
+
+def test_seeded_row_independent_of_batch() -> None:
+    rng = np.random.default_rng(4)
+    logits = rng.normal(size=(UNIT_BATCH, V)).astype(np.float32)
+    target = Params(temperature=1.0, top_p=0.95, seed=1234)
+    others = [
+        Params(),
+        Params(temperature=0.5, seed=1),
+        Params(temperature=1.0, top_k=3, seed=2),
+        Params(temperature=2.0, min_p=0.1, seed=3),
+    ]
+    step = 17
+    alone = np.zeros((NUM_DRAWS, V), np.float32)  # another padded batch size, all padding
+    alone[0] = logits[0]
+    expected = int(run(alone, [target], steps=[step], num_top_logprobs=0).token_ids[0])
+    for pos in (0, 3, 7):
+        batch_logits = rng.normal(size=(UNIT_BATCH, V)).astype(np.float32)
+        batch_logits[pos] = logits[0]
+        params = [others[i % len(others)] for i in range(UNIT_BATCH)]
+        params[pos] = target
+        steps = [int(s) for s in rng.integers(0, 100, UNIT_BATCH)]
+        steps[pos] = step
+        out = run(batch_logits, params, steps=steps)
+        assert out.token_ids[pos] == expected
+    assert run(logits, [target], steps=[step]).token_ids[0] == expected
+
+
+def test_seeds_and_steps_differ(row: np.ndarray) -> None:
+    a = draw(row, Params(temperature=1.0, seed=1))
+    b = draw(row, Params(temperature=1.0, seed=2))
+    assert np.mean(a == b) < 0.2
+    assert len(np.unique(a[:50])) > 10  # steps of one request differ too
+
+
+# --- penalties ------------------------------------------------------------------------------
+
+
+def penalized_choice(logit_0: float, logit_1: float, count_0: int, params: Params) -> int:
+    """Greedy pick between tokens 0 and 1 (the rest far below) when token 0 was seen count_0x."""
+    logits = np.full((UNIT_BATCH, V), -20.0, np.float32)
+    logits[:, 0], logits[:, 1] = logit_0, logit_1
+    counts = np.zeros((UNIT_BATCH, V), np.int32)
+    counts[:, 0] = count_0
+    counts[:, 5] = 3  # a seen token that stays irrelevant
+    return int(run(logits, [params], counts=counts).token_ids[0])
+
+
+@pytest.mark.parametrize(
+    ("logits", "count", "params", "expected"),
+    [
+        ((2.0, 1.5), 2, Params(frequency_penalty=0.3), 1),  # 2.0 - 0.6 < 1.5
+        ((2.0, 1.5), 2, Params(frequency_penalty=0.2), 0),  # 2.0 - 0.4 > 1.5
+        ((2.0, 1.5), 5, Params(presence_penalty=0.6), 1),  # count does not matter
+        ((2.0, 1.5), 5, Params(presence_penalty=0.4), 0),
+        ((2.0, 1.5), 0, Params(presence_penalty=5.0, frequency_penalty=5.0), 0),  # unseen
+        ((2.0, 1.5), 1, Params(repetition_penalty=1.5), 1),  # 2.0 / 1.5 < 1.5
+        ((2.0, 1.5), 1, Params(repetition_penalty=1.2), 0),  # 2.0 / 1.2 > 1.5
+        ((-1.0, -1.3), 1, Params(repetition_penalty=1.5), 1),  # -1.0 * 1.5 < -1.3
+        ((-1.0, -1.3), 1, Params(repetition_penalty=1.2), 0),  # -1.0 * 1.2 > -1.3
+        # repetition first, then frequency: 2/2 - 0.1 = 0.90 < 0.92 (other order: 0.95)
+        ((2.0, 0.92), 1, Params(repetition_penalty=2.0, frequency_penalty=0.1), 1),
+    ],
+)
+def test_penalties(logits: tuple[float, float], count: int, params: Params, expected: int) -> None:
+    assert penalized_choice(*logits, count, params) == expected
+
+
+# --- logprobs -------------------------------------------------------------------------------
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def test_logprobs_are_raw() -> None:
+    rng = np.random.default_rng(6)
+    logits = (rng.normal(size=(UNIT_BATCH, V)) * 3).astype(np.float32)
+    counts = rng.integers(0, 3, size=(UNIT_BATCH, V)).astype(np.int32)
+    allowed = rng.random((UNIT_BATCH, V)) < 0.5
+    params = [Params(temperature=0.7, top_p=0.9, frequency_penalty=0.5, seed=i) for i in range(6)]
+    out = run(logits, params, counts=counts, allowed=allowed)
+    assert allowed[np.arange(6), out.token_ids[:6]].all()
+    ref = log_softmax(logits)
+    rows = np.arange(UNIT_BATCH)
+    np.testing.assert_allclose(out.logprobs, ref[rows, out.token_ids], atol=1e-5)
+    ref_top_ids = np.argsort(-ref, axis=-1, kind="stable")[:, :TOP_K]
+    np.testing.assert_array_equal(out.top_ids, ref_top_ids)
+    np.testing.assert_allclose(
+        out.top_logprobs, np.take_along_axis(ref, ref_top_ids, -1), atol=1e-5
+    )
+    assert (np.diff(out.top_logprobs, axis=-1) <= 0).all()
+    assert out.top_ids.shape == (UNIT_BATCH, TOP_K) and out.top_ids.dtype == np.int32
+
+
+def test_no_top_logprobs_has_empty_shape(row: np.ndarray) -> None:
+    out = run(np.broadcast_to(row, (NUM_DRAWS, V)), [Params()], num_top_logprobs=0)
+    assert out.top_ids.shape == (NUM_DRAWS, 0) and out.top_logprobs.shape == (NUM_DRAWS, 0)
+
+
+# --- bitmask --------------------------------------------------------------------------------
+
+
+def test_pack_unpack_round_trip_and_bit_order() -> None:
+    allowed = np.random.default_rng(8).random((3, V)) < 0.5
+    packed = S.pack_bitmask(allowed)
+    assert packed.shape == (3, 4) and packed.dtype == np.int32
+    np.testing.assert_array_equal(np.asarray(S.unpack_bitmask(jnp.asarray(packed), V)), allowed)
+    words = np.zeros((2, 4), np.int32)
+    words[0, 0] = 1 << 3  # little-endian: bit 3 of word 0 is token 3
+    words[1, 1] = np.int32(-(2**31))  # the sign bit of word 1 is token 63
+    unpacked = np.asarray(S.unpack_bitmask(jnp.asarray(words), V))
+    assert np.nonzero(unpacked[0])[0].tolist() == [3]
+    assert np.nonzero(unpacked[1])[0].tolist() == [63]
+    assert (S.full_bitmask(2, V) == -1).all() and S.full_bitmask(2, V).shape == (2, 4)
+
+
+def test_bitmask_greedy_and_fully_masked_row() -> None:
+    rng = np.random.default_rng(9)
+    logits = rng.normal(size=(UNIT_BATCH, V)).astype(np.float32)
+    allowed = rng.random((UNIT_BATCH, V)) < 0.2
+    allowed[:, 96:] = False  # the last, partial word
+    allowed[1, 97] = True
+    logits[1, 97] = 50.0
+    allowed[2] = False  # no token allowed: fall back to the raw argmax, no NaN
+    params = [Params(), Params(), Params(temperature=1.0, seed=3)]
+    out = run(logits, params, allowed=allowed)
+    expected = np.where(allowed, logits, -np.inf).argmax(-1)
+    np.testing.assert_array_equal(out.token_ids[[0, 1]], expected[[0, 1]])
+    assert out.token_ids[1] == 97
+    assert out.token_ids[2] == logits[2].argmax()
+    assert np.isfinite(out.logprobs).all() and np.isfinite(out.top_logprobs).all()
+
+
+# --- host builder and compilation -----------------------------------------------------------
+
+
+def test_build_sampling_arrays_pads_greedy_and_validates() -> None:
+    arrays = S.build_sampling_arrays(
+        [Params(temperature=0.5, top_k=0, seed=-1), Params(seed=2**32 + 5)], 4, steps=[3, 9]
+    )
+    np.testing.assert_array_equal(arrays.temperature, [0.5, 0, 0, 0])
+    np.testing.assert_array_equal(arrays.top_k, [-1, -1, -1, -1])
+    np.testing.assert_array_equal(arrays.seed, [2**32 - 1, 5, 0, 0])
+    np.testing.assert_array_equal(arrays.step, [3, 9, 0, 0])
+    assert arrays.seed.dtype == jnp.uint32 and arrays.top_k.dtype == jnp.int32
+    for bad in (
+        Params(temperature=-1.0),
+        Params(top_p=0.0),
+        Params(min_p=1.5),
+        Params(repetition_penalty=0.0),
+        Params(seed=None),
+    ):
+        with pytest.raises(ValueError):
+            S.build_sampling_arrays([bad], 1)
+    with pytest.raises(ValueError):
+        S.build_sampling_arrays([Params(), Params()], 1)
+
+
+def test_parameter_values_do_not_recompile(row: np.ndarray) -> None:
+    logits = np.broadcast_to(row, (UNIT_BATCH, V))
+    run(logits, [Params()])
+    size = _sample._cache_size()
+    for params in (
+        Params(temperature=1.0, seed=1),
+        Params(temperature=1.0, top_p=0.5, top_k=3, min_p=0.1, seed=2),
+        Params(frequency_penalty=1.0, repetition_penalty=1.3),
+    ):
+        run(logits, [params] * UNIT_BATCH, allowed=np.ones((UNIT_BATCH, V), bool))
+    assert _sample._cache_size() == size

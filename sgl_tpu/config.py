@@ -71,6 +71,7 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
+    served_model_name: str | None = None
     dtype: str = "auto"
     page_size: int = 16
     max_total_tokens: int = 65536  # KV pool capacity in tokens

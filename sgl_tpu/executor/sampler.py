@@ -19,11 +19,12 @@ CPU cost notes (XLA:CPU, B=64, V=49152): a full `sort` of the logits costs about
 `jax.random.categorical` (one Gumbel per vocab entry) about 200 ms, so neither is used:
 
 * top-k / top-p thresholds come from `lax.top_k` over `num_candidates` candidates; only when a
-  row's top-k exceeds that or its nucleus does not fit in it does an exact 32-step bisection over
-  the float bit patterns run (`_bisect_threshold`), behind a `lax.cond`.
+  row's top-k exceeds that or its nucleus does not fit in it does an exact bisection over the
+  float bit patterns run (`_bisect_threshold`, ~30 masked [B, V] reductions), behind a cond.
 * the draw is an inverse-CDF lookup with one uniform per row, done in two levels (block sums,
   then one block) so no cumulative sum over the whole vocabulary is needed.
 * argmax is done in the same two levels; XLA:CPU's variadic argmax reduce is ~8x slower.
+* every `lax.cond` returns [B]-sized results; one returning a [B, V] array costs a copy.
 """
 
 from __future__ import annotations
@@ -222,7 +223,6 @@ def sample(
     if token_counts is None and vocab_bitmask is None:
         token_ids = choose(raw, no_row_masked)
     else:
-        # The branches return only [B] ids: a cond that returns a [B, V] array costs a copy.
         needs_processing = jnp.bool_(False)
         if token_counts is not None:
             needs_processing |= jnp.any(
@@ -353,17 +353,19 @@ def _top_k_top_p_threshold(
     top-k keeps the k largest; top-p then keeps, of those, the shortest prefix (by descending
     probability, renormalized over the top-k set) whose mass reaches top_p.
     """
-    scaled = x * inv_temperature[:, None]  # [B, V]
-    vocab_size = scaled.shape[1]
+    vocab_size = x.shape[1]
     num_cand = min(num_candidates, vocab_size)
-    cand, _ = lax.top_k(scaled, num_cand)  # [B, C] descending
+    # Scaling by a positive factor keeps the order, so the candidates are picked on x and the
+    # [B, V] scaled logits are never materialized on this path.
+    cand_x, _ = lax.top_k(x, num_cand)  # [B, C] descending
+    cand = cand_x * inv_temperature[:, None]  # [B, C]
     cand_w = jnp.exp(cand - row_max[:, None])  # [B, C]
 
     k_fast = k_on & (top_k <= num_cand)
     k_idx = jnp.clip(top_k - 1, 0, num_cand - 1)
     top_k_thr = jnp.where(k_fast, _take(cand, k_idx), -jnp.inf)  # [B]
     cum = jnp.cumsum(jnp.where(cand >= top_k_thr[:, None], cand_w, 0.0), axis=-1)  # [B, C]
-    total = jnp.sum(jnp.exp(scaled - row_max[:, None]), axis=-1)  # [B]
+    total = jnp.sum(jnp.exp(x * inv_temperature[:, None] - row_max[:, None]), axis=-1)  # [B]
     mass_k = jnp.where(k_fast, cum[:, -1], total)
     reached = cum >= (top_p * mass_k)[:, None]  # [B, C]
     found = jnp.any(reached, axis=-1)
@@ -376,7 +378,9 @@ def _top_k_top_p_threshold(
         jnp.any(slow),
         lambda: jnp.where(
             slow,
-            _bisect_threshold(scaled, row_max, top_k, top_p, p_on, top_k_thr, k_slow, slow),
+            _bisect_threshold(
+                x * inv_temperature[:, None], row_max, top_k, top_p, p_on, top_k_thr, k_slow, slow
+            ),
             threshold,
         ),
         lambda: threshold,

@@ -17,7 +17,7 @@ from sgl_tpu.loader.hf_loader import load_hf
 from sgl_tpu.loader.loaded import LoadedModel, Params
 from sgl_tpu.loader.tokenizer import Tokenizer
 
-__all__ = ["LoadedModel", "Params", "Tokenizer", "default_model_path", "load_model"]
+__all__ = ["LoadedModel", "Params", "Tokenizer", "default_model_path", "load_model", "load_tokenizer"]
 
 
 def load_model(model_path: str | None) -> LoadedModel:
@@ -35,3 +35,9 @@ def load_model(model_path: str | None) -> LoadedModel:
         fmt = "gguf"
     return LoadedModel(config=config, params=params, tokenizer=tokenizer,
                        model_path=str(path), source_format=fmt)
+
+
+def load_tokenizer(model_path: str | None) -> Tokenizer:
+    """The model's tokenizer (for processes that need no weights; GGUF weights come memory-
+    mapped from the dequantization cache, so this stays cheap after the first load)."""
+    return load_model(model_path).tokenizer

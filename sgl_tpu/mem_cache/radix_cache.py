@@ -179,7 +179,7 @@ class RadixCache:
             prefix_len += match_len
             key = key[match_len:]
             slots = slots[match_len:]
-        if len(key):
+        if len(key) > self.page_size:
             self._add_leaf(node, key.copy(), slots.copy(), now)
         return prefix_len
 
@@ -255,7 +255,7 @@ class RadixCache:
         n = min(len(edge), len(key))
         mismatch = np.flatnonzero(edge[:n] != key[:n])
         common = int(mismatch[0]) if mismatch.size else n
-        return common
+        return common - common % self.page_size
 
     def _split_node(self, child: TreeNode, split_len: int) -> TreeNode:
         """Cut ``child``'s edge at ``split_len`` (a page boundary); return the new head node."""

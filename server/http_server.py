@@ -1,0 +1,243 @@
+"""FastAPI app: SGLang's native API (see shared docs `sglang-native-api.md`) plus the OpenAI
+routes (`openai_api.py`) and Prometheus metrics, all on one `TokenizerManager`.
+
+Every error is JSON `{"error": {"message", "type", "code"}}` with a 4xx/5xx status; bad input
+never reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from sgl_tpu.server.tokenizer_manager import GenItem, RequestError, ServerDead, TokenizerManager
+
+
+def error_response(message: str, status_code: int = 400, err_type: str | None = None
+                   ) -> JSONResponse:
+    err_type = err_type or ("BadRequestError" if status_code < 500 else "InternalServerError")
+    return JSONResponse({"object": "error", "error": {"message": message, "type": err_type,
+                                                      "code": status_code},
+                         "message": message, "code": status_code}, status_code=status_code)
+
+
+class GenerateReqInput(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    rid: str | list[str] | None = None
+    session_id: str | None = None
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> Any:
+    """JSON body -> `model`, whatever the content type; errors become 400s naming the field."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise RequestError("request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        parts = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err.get("loc", ()))
+            parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+        raise RequestError("invalid request: " + "; ".join(parts)) from None
+
+
+def _pick(value: Any, i: int) -> Any:
+    return value[i] if isinstance(value, list) else value
+
+
+def expand_generate(tm: TokenizerManager, req: GenerateReqInput) -> tuple[list[GenItem], bool]:
+    """Native request -> GenItems (n > 1 becomes n items); returns (items, is_batch)."""
+    if (req.text is None) == (req.input_ids is None):
+        raise RequestError("exactly one of text and input_ids must be given")
+    if req.text is not None:
+        batch = isinstance(req.text, list)
+        prompts = [tm.tokenize(t) for t in (req.text if batch else [req.text])]
+    else:
+        batch = bool(req.input_ids) and isinstance(req.input_ids[0], list)
+        prompts = req.input_ids if batch else [req.input_ids]
+    if batch and not prompts:
+        raise RequestError("the batch is empty")
+    items = []
+    for i, ids in enumerate(prompts):
+        sp = dict(_pick(req.sampling_params, i) or {})
+        n = sp.pop("n", 1) or 1
+        if not isinstance(n, int) or n < 1:
+            raise RequestError(f"n must be a positive integer, got {n!r}")
+        rid = _pick(req.rid, i) if req.rid is not None else None
+        for k in range(n):
+            spk = dict(sp)
+            if n > 1 and isinstance(sp.get("seed"), int):
+                spk["seed"] = sp["seed"] + k
+            item = GenItem(
+                input_ids=list(ids), sampling=spk,
+                return_logprob=bool(_pick(req.return_logprob, i)),
+                logprob_start_len=int(_pick(req.logprob_start_len, i)),
+                top_logprobs_num=int(_pick(req.top_logprobs_num, i)),
+                return_text_in_logprobs=req.return_text_in_logprobs,
+                session_id=req.session_id)
+            if rid is not None:
+                item.rid = rid if n == 1 else f"{rid}-{k}"
+            items.append(item)
+    return items, batch or len(items) > 1
+
+
+async def collect(tm: TokenizerManager, item: GenItem) -> dict[str, Any]:
+    result = None
+    async for result in tm.generate(item):
+        pass
+    assert result is not None
+    return result
+
+
+def sse(data: Any) -> bytes:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+def create_app(tm: TokenizerManager) -> FastAPI:
+    app = FastAPI(title="sgl-tpu")
+    app.state.tm = tm
+
+    @app.exception_handler(RequestError)
+    async def _bad_request(_: Request, e: RequestError) -> JSONResponse:
+        return error_response(str(e), e.status_code)
+
+    @app.exception_handler(ServerDead)
+    async def _dead(_: Request, e: ServerDead) -> JSONResponse:
+        return error_response(f"server unavailable: {e}", 503, "ServiceUnavailableError")
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        parts = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+            parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+        return error_response("invalid request: " + "; ".join(parts), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error_response(str(e.detail), e.status_code)
+
+    @app.middleware("http")
+    async def _api_key(request: Request, call_next):
+        key = tm.args.api_key
+        if key and request.url.path != "/health":
+            if request.headers.get("authorization", "") != f"Bearer {key}":
+                return error_response("invalid or missing API key", 401, "AuthenticationError")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if tm.dead_reason:
+            return error_response(tm.dead_reason, 503, "ServiceUnavailableError")
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        item = GenItem(input_ids=tm.tokenize("ping"),
+                       sampling={"max_new_tokens": 1, "temperature": 0})
+        await collect(tm, item)
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        return {"model_path": tm.args.model_path or tm.model_path,
+                "tokenizer_path": tm.args.model_path or tm.model_path,
+                "is_generation": True, "preferred_sampling_params": None,
+                "served_model_name": tm.served_model_name, "weight_version": "default"}
+
+    async def _server_info() -> dict[str, Any]:
+        resp = await tm.control("server_info")
+        args = {k: v for k, v in vars(tm.args).items() if k != "api_key"}
+        return {**args, **resp.data, "version": "0.1.0", "context_len": tm.context_len,
+                "uptime_s": _uptime(tm)}
+
+    app.get("/server_info")(_server_info)
+    app.get("/get_server_info")(_server_info)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        resp = await tm.control("flush_cache")
+        if not resp.ok:
+            return error_response("cache not flushed: requests are still running", 400)
+        return PlainTextResponse("Cache flushed.\n")
+
+    @app.post("/abort_request")
+    async def abort_request(body: dict[str, Any]) -> Response:
+        rid = body.get("rid")
+        if not isinstance(rid, str):
+            raise RequestError("abort_request needs a string rid")
+        await tm.abort(rid)
+        return Response(status_code=200)
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        req = await parse_body(request, GenerateReqInput)
+        items, batch = expand_generate(tm, req)
+        for item in items:
+            tm.validate(item)
+        if req.stream:
+            if len(items) != 1:
+                raise RequestError("stream=true takes a single prompt with n=1")
+            gen = tm.generate(items[0])
+            first = await anext(gen)  # errors before streaming starts become a 4xx
+
+            async def events() -> AsyncIterator[bytes]:
+                try:
+                    yield sse(first)
+                    async for chunk in gen:
+                        if await request.is_disconnected():
+                            break
+                        yield sse(chunk)
+                except (RequestError, ServerDead) as e:
+                    yield sse({"error": {"message": str(e)}})
+                finally:
+                    await gen.aclose()
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        results = await _gather(tm, items)
+        return results if batch else results[0]
+
+    from sgl_tpu.server import metrics, openai_api
+
+    openai_api.add_routes(app, tm)
+    metrics.add_routes(app, tm)
+    return app
+
+
+async def _gather(tm: TokenizerManager, items: list[GenItem]) -> list[dict[str, Any]]:
+    import asyncio
+
+    tasks = [asyncio.ensure_future(collect(tm, it)) for it in items]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _uptime(tm: TokenizerManager) -> float:
+    import time
+
+    return time.time() - tm.start_time

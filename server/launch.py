@@ -1,0 +1,109 @@
+"""Launcher: start the scheduler and detokenizer processes, wait until both are ready (model
+loaded, buckets compiled), then serve HTTP. A watchdog marks the server unhealthy, fails
+in-flight requests and shuts down if a child dies; SIGINT/SIGTERM stop everything cleanly.
+Children watch their parent's pid and exit when it is gone, so nothing is orphaned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import signal
+
+import uvicorn
+
+from sgl_tpu.config import ServerArgs
+from sgl_tpu.server.detokenizer_process import run_detokenizer_process
+from sgl_tpu.server.ipc import PortArgs
+from sgl_tpu.server.scheduler_process import run_scheduler_process
+
+logger = logging.getLogger("sgl_tpu.launch")
+WATCHDOG_PERIOD_S = 1.0
+
+
+def launch_server(args: ServerArgs) -> None:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="[%(asctime)s %(name)s] %(message)s")
+    ports = PortArgs.for_pid()
+    ctx = mp.get_context("spawn")
+    parent = os.getpid()
+    procs = {
+        "scheduler": ctx.Process(target=run_scheduler_process, args=(args, ports, parent),
+                                 name="sgl_tpu-scheduler", daemon=True),
+        "detokenizer": ctx.Process(target=run_detokenizer_process,
+                                   args=(args, ports, parent), name="sgl_tpu-detokenizer",
+                                   daemon=True),
+    }
+    try:
+        asyncio.run(_serve(args, ports, procs))
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.terminate()
+        for p in procs.values():
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        for path in ports.paths():
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+async def _serve(args: ServerArgs, ports: PortArgs, procs: dict[str, mp.Process]) -> None:
+    from sgl_tpu.loader import load_model
+    from sgl_tpu.server.http_server import create_app
+    from sgl_tpu.server.tokenizer_manager import TokenizerManager
+
+    loaded = load_model(args.model_path)  # tokenizer + config (GGUF weights are mmapped)
+    tm = TokenizerManager(args, ports, loaded.tokenizer, loaded.config.vocab_size,
+                          loaded.model_path)
+    del loaded
+    tm.start()
+    for p in procs.values():
+        p.start()
+    server: uvicorn.Server | None = None
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def watchdog() -> None:
+        while True:
+            for name, p in procs.items():
+                if not p.is_alive():
+                    tm.mark_dead(f"{name} process died (exit code {p.exitcode})")
+                    stop.set()
+                    return
+            await asyncio.sleep(WATCHDOG_PERIOD_S)
+
+    watch = asyncio.ensure_future(watchdog())
+    ready = asyncio.ensure_future(tm.wait_ready())
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({ready, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if stop.is_set() or ready.exception() is not None:
+        reason = tm.dead_reason or "stopped before ready"
+        logger.error("server did not start: %s", reason)
+        ready.cancel()
+        watch.cancel()
+        tm.close()
+        raise SystemExit(1)
+    app = create_app(tm)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    server.install_signal_handlers = lambda: None  # ours above
+    serve = asyncio.ensure_future(server.serve())
+    logger.info("server ready on http://%s:%d", args.host, args.port)
+    print(f"The server is fired up and ready to roll! http://{args.host}:{args.port}",
+          flush=True)
+    await asyncio.wait({serve, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if tm.dead_reason:
+        await asyncio.sleep(0.5)  # let failing requests get their error responses out
+    server.should_exit = True
+    await serve
+    watch.cancel()
+    tm.close()
+    if tm.dead_reason:
+        raise SystemExit(1)

@@ -1,0 +1,5 @@
+"""Prometheus metrics (placeholder until implemented)."""
+
+
+def add_routes(app, tm) -> None:
+    pass

@@ -1,0 +1,5 @@
+"""OpenAI API (placeholder until implemented)."""
+
+
+def add_routes(app, tm) -> None:
+    pass

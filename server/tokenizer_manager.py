@@ -1,0 +1,247 @@
+"""TokenizerManager: the main process's async bridge between HTTP handlers and the scheduler.
+
+    handler ──generate(items)──► tokenize, validate ──TokenizedGenerateReq──► scheduler
+    handler ◄──cumulative dicts── ResponseAccumulator ◄──BatchStrOut── detokenizer (recv task)
+
+One asyncio task drains the inbound socket and wakes the waiting handlers (an Event per
+request). Control calls (flush cache, server info) carry a call id and await a future.
+If a child process dies, every in-flight request ends with an error and `/health` fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from sgl_tpu import messages
+from sgl_tpu.config import ServerArgs
+from sgl_tpu.loader.tokenizer import Tokenizer
+from sgl_tpu.messages import (
+    AbortReq,
+    BatchStrOut,
+    ControlReq,
+    ControlResp,
+    ReadyMsg,
+    ReqStrOut,
+    TokenizedGenerateReq,
+)
+from sgl_tpu.response import ResponseAccumulator, error_status
+from sgl_tpu.sampling_params import SamplingParams
+from sgl_tpu.server.ipc import PortArgs
+
+logger = logging.getLogger("sgl_tpu.tokenizer_manager")
+
+
+class RequestError(Exception):
+    """Bad input: the HTTP layer answers `status_code` with the message."""
+
+    def __init__(self, message: str, status_code: int = 400) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class ServerDead(Exception):
+    """A child process died; in-flight and new requests fail with 503."""
+
+
+@dataclass
+class GenItem:
+    """One prompt of a generate call, after tokenization."""
+
+    input_ids: list[int]
+    sampling: dict[str, Any]
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    session_id: str | None = None
+
+
+@dataclass
+class _ReqState:
+    acc: ResponseAccumulator
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    error: str | None = None
+
+
+class TokenizerManager:
+    def __init__(self, args: ServerArgs, ports: PortArgs, tokenizer: Tokenizer,
+                 vocab_size: int, model_path: str) -> None:
+        self.args = args
+        self.model_path = model_path
+        self.served_model_name = args.served_model_name or os.path.basename(
+            model_path.rstrip("/"))
+        self.ports = ports
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.ctx = zmq.asyncio.Context()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.LINGER, 0)
+        self.inbox.bind(ports.tokenizer_in)
+        self.to_scheduler = self.ctx.socket(zmq.PUSH)
+        self.to_scheduler.setsockopt(zmq.LINGER, 0)
+        self.to_scheduler.connect(ports.scheduler_in)
+        self.states: dict[str, _ReqState] = {}
+        self.ready: dict[str, ReadyMsg] = {}
+        self._ready_event = asyncio.Event()
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self.dead_reason: str | None = None
+        self.context_len = 0
+        self.max_total_tokens = 0
+        self.start_time = time.time()
+        self.metrics = None  # set by the HTTP app (sgl_tpu.server.metrics.Metrics)
+        self._recv_task: asyncio.Task | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+
+    async def wait_ready(self, processes: tuple[str, ...] = ("scheduler", "detokenizer")
+                         ) -> None:
+        while not all(p in self.ready for p in processes):
+            if self.dead_reason:
+                raise ServerDead(self.dead_reason)
+            self._ready_event.clear()
+            await self._ready_event.wait()
+        info = self.ready["scheduler"].info
+        self.context_len = info["context_len"]
+        self.max_total_tokens = info["max_total_tokens"]
+
+    def mark_dead(self, reason: str) -> None:
+        """A child died: fail everything in flight (called by the launcher's watchdog)."""
+        if self.dead_reason:
+            return
+        self.dead_reason = reason
+        logger.error("server unhealthy: %s", reason)
+        for state in self.states.values():
+            state.error = reason
+            state.event.set()
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(ServerDead(reason))
+        self._ready_event.set()
+
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = messages.decode(await self.inbox.recv())
+            if isinstance(msg, BatchStrOut):
+                for out in msg.outputs:
+                    self._deliver(out)
+            elif isinstance(msg, ControlResp):
+                fut = self._calls.pop(msg.call_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+            elif isinstance(msg, ReadyMsg):
+                if not msg.ok:
+                    self.mark_dead(f"{msg.process} failed to start: {msg.error}")
+                self.ready[msg.process] = msg
+                self._ready_event.set()
+
+    def _deliver(self, out: ReqStrOut) -> None:
+        state = self.states.get(out.rid)
+        if state is None:
+            return
+        state.acc.update(out)
+        if self.metrics is not None:
+            self.metrics.observe(out, state.acc)
+        state.event.set()
+
+    # ---- requests --------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def validate(self, item: GenItem) -> SamplingParams:
+        if self.dead_reason:
+            raise ServerDead(self.dead_reason)
+        try:
+            sampling = SamplingParams.from_dict(item.sampling)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        n = len(item.input_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty")
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
+               for t in item.input_ids):
+            raise RequestError(f"input_ids must be integers in [0, {self.vocab_size})")
+        if n >= self.context_len:
+            raise RequestError(f"the prompt has {n} tokens; the model's context length is "
+                               f"{self.context_len}")
+        if n + sampling.max_new_tokens > self.context_len:
+            raise RequestError(
+                f"prompt ({n} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceeds "
+                f"the context length {self.context_len}")
+        if n + sampling.max_new_tokens > self.max_total_tokens:
+            raise RequestError(f"prompt + max_new_tokens ({n + sampling.max_new_tokens}) "
+                               f"exceeds the KV cache capacity ({self.max_total_tokens} tokens)")
+        if item.logprob_start_len >= n:
+            raise RequestError(f"logprob_start_len ({item.logprob_start_len}) must be less "
+                               f"than the prompt length ({n})")
+        if item.top_logprobs_num < 0 or item.top_logprobs_num > self.args.max_top_logprobs:
+            raise RequestError(f"top_logprobs_num must be in [0, {self.args.max_top_logprobs}]")
+        return sampling
+
+    async def generate(self, item: GenItem) -> AsyncIterator[dict[str, Any]]:
+        """Submit one request; yield its cumulative result after each update (the last one
+        is final). Raises RequestError for bad input, ServerDead if the server died."""
+        self.validate(item)
+        if item.rid in self.states:
+            raise RequestError(f"duplicate request id {item.rid!r}")
+        acc = ResponseAccumulator(
+            item.rid, return_logprob=item.return_logprob,
+            return_text_in_logprobs=item.return_text_in_logprobs,
+            decode_token=lambda t: self.tokenizer.decode([t], False))
+        state = self.states[item.rid] = _ReqState(acc)
+        await self.to_scheduler.send(messages.encode(TokenizedGenerateReq(
+            rid=item.rid, input_ids=item.input_ids, sampling=item.sampling,
+            return_logprob=item.return_logprob, logprob_start_len=item.logprob_start_len,
+            top_logprobs_num=item.top_logprobs_num, session_id=item.session_id)))
+        finished = False
+        try:
+            while True:
+                await state.event.wait()
+                state.event.clear()
+                if state.error:
+                    raise ServerDead(state.error)
+                status = error_status(acc.last)
+                if status is not None:
+                    raise RequestError(status[1], status[0])
+                finished = acc.finished
+                yield acc.to_dict()
+                if finished:
+                    return
+        finally:
+            self.states.pop(item.rid, None)
+            if not finished and not self.dead_reason:  # client went away: free its KV
+                await self.abort(item.rid)
+
+    async def abort(self, rid: str) -> None:
+        await self.to_scheduler.send(messages.encode(AbortReq(rid=rid)))
+
+    async def control(self, name: str, timeout_s: float = 30.0) -> ControlResp:
+        if self.dead_reason:
+            raise ServerDead(self.dead_reason)
+        call_id = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        await self.to_scheduler.send(messages.encode(ControlReq(call_id=call_id, name=name)))
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._calls.pop(call_id, None)
+
+    def close(self) -> None:
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+        self.ctx.destroy(linger=0)

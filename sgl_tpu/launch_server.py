@@ -1,0 +1,19 @@
+"""`python -m sgl_tpu.launch_server [flags]`: serve a model over HTTP (default: SmolLM2-135M on
+127.0.0.1:30000). See `python -m sgl_tpu.launch_server --help`."""
+
+from __future__ import annotations
+
+import os
+
+
+def main(argv: list[str] | None = None) -> None:
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                          os.path.expanduser("~/.cache/sgl_tpu/jax_cache"))
+    from sgl_tpu.cli import parse_args
+    from sgl_tpu.server.launch import launch_server
+
+    launch_server(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

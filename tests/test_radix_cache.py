@@ -139,6 +139,7 @@ def test_insert_returns_existing_prefix_len():
     dup = _fresh_slots(allocator, 6)
     assert cache.insert([1, 2, 3, 4, 5, 6], dup) == 4
     allocator.free(allocator.slots_to_pages(dup[:4]))  # caller frees its duplicates
+    cache.check_integrity()  # the old leaf [1..4] gained a child: no longer evictable alone
     assert cache.insert([1, 2, 3, 4, 5, 6], _fresh_slots(allocator, 6)) == 6
     assert cache.total_size() == 6
     with pytest.raises(ValueError):
@@ -435,8 +436,8 @@ class RadixCacheMachine(RuleBasedStateMachine):
 
 
 RadixCacheMachine.TestCase.settings = settings(
-    max_examples=200,
-    stateful_step_count=30,
+    max_examples=300,
+    stateful_step_count=40,
     deadline=None,
     phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],  # "explain" is slow here
 )

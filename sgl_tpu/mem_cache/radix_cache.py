@@ -179,7 +179,7 @@ class RadixCache:
             prefix_len += match_len
             key = key[match_len:]
             slots = slots[match_len:]
-        if len(key) > self.page_size:
+        if len(key):
             self._add_leaf(node, key.copy(), slots.copy(), now)
         return prefix_len
 

@@ -17,8 +17,9 @@ horizon (a 2,048-token prompt costs about as much per token as a 512-token one):
 
 * `decode_attention` -- one query per sequence; all sequences walk their KV tiles together.
 
-KV layout per layer: `[num_pages, page_size, num_kv_heads, head_dim]`; a KV tile of `kv_tile`
-tokens is `kv_tile // page_size` whole pages gathered by page id. The new tokens' K/V must have
+KV layout per layer: `[num_kv_heads, num_pages, page_size, head_dim]` (head-major: gathered tiles
+are ready for batched dots with the heads leading, which ran ~3x faster on XLA:CPU than
+head-minor layouts); a KV tile of `kv_tile` tokens is `kv_tile // page_size` whole pages. The new tokens' K/V must have
 been written into the pool before calling (see `write_kv`).
 """
 
@@ -33,23 +34,26 @@ NEG_INF = -1e30
 
 
 def write_kv(
-    k_pool: jax.Array,  # [num_pages, page_size, kvh, d]
-    v_pool: jax.Array,  # [num_pages, page_size, kvh, d]
+    k_pool: jax.Array,  # [kvh, num_pages, page_size, d]
+    v_pool: jax.Array,  # [kvh, num_pages, page_size, d]
     k: jax.Array,  # [T, kvh, d]
     v: jax.Array,  # [T, kvh, d]
     slots: jax.Array,  # i32[T]; padding tokens point into reserved page 0
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter the step's new K/V into their slots; in place when the pools are donated."""
-    num_pages, page_size, kvh, d = k_pool.shape
-    flat_k = k_pool.reshape(num_pages * page_size, kvh, d).at[slots].set(k.astype(k_pool.dtype))
-    flat_v = v_pool.reshape(num_pages * page_size, kvh, d).at[slots].set(v.astype(v_pool.dtype))
+    kvh, num_pages, page_size, d = k_pool.shape
+    flat = (kvh, num_pages * page_size, d)
+    k_new = k.astype(k_pool.dtype).transpose(1, 0, 2)  # [kvh, T, d]
+    v_new = v.astype(v_pool.dtype).transpose(1, 0, 2)
+    flat_k = k_pool.reshape(flat).at[:, slots].set(k_new)
+    flat_v = v_pool.reshape(flat).at[:, slots].set(v_new)
     return flat_k.reshape(k_pool.shape), flat_v.reshape(v_pool.shape)
 
 
 def _gather_tile(pool: jax.Array, pages: jax.Array) -> jax.Array:
-    """pages [..., pages_per_tile] -> [..., pages_per_tile * page_size, kvh, d]."""
-    tile = pool[pages]  # [..., ppt, page_size, kvh, d]
-    return tile.reshape(*pages.shape[:-1], -1, *pool.shape[2:])
+    """pool [kvh, P, ps, d], pages [..., n] -> head-major tile [kvh, ..., n * ps, d]."""
+    tile = pool[:, pages]  # [kvh, ..., n, ps, d]
+    return tile.reshape(pool.shape[0], *pages.shape[:-1], -1, pool.shape[-1])
 
 
 def _online_softmax_step(carry, s, v):
@@ -146,7 +150,7 @@ def extend_attention(
         (page_table, block_rows, block_seq, block_q_start, seq_lens, item_block, item_tile))
     num_tokens, num_heads, d = q.shape
     block_q = block_rows.shape[1]
-    page_size, kvh = k_pool.shape[1], k_pool.shape[2]
+    kvh, page_size = k_pool.shape[0], k_pool.shape[2]
     group = num_heads // kvh
     pages_per_tile = kv_tile // page_size
     q = (q.astype(jnp.float32) * scale).astype(q.dtype).reshape(num_tokens, kvh, group, d)
@@ -173,8 +177,8 @@ def extend_attention(
         qb = q[:, rows].reshape(kvh, m_rows, d)  # [kvh, BQ*G, d]
         q_pos = (block_q_start[b] + jnp.arange(block_q, dtype=jnp.int32))[:, None]  # [BQ, 1]
         pages = lax.dynamic_slice_in_dim(page_table[seq], j * pages_per_tile, pages_per_tile)
-        kt = _gather_tile(k_pool, pages).transpose(1, 0, 2)  # [kvh, KT, d]
-        vt = _gather_tile(v_pool, pages).transpose(1, 0, 2)
+        kt = _gather_tile(k_pool, pages)  # [kvh, KT, d]
+        vt = _gather_tile(v_pool, pages)
         s = jnp.einsum("hmd,hkd->hmk", qb, kt, preferred_element_type=jnp.float32)
         s = _softcap(s, logit_cap).reshape(kvh, block_q, group, kv_tile)
         k_pos = (j * kv_tile + jnp.arange(kv_tile, dtype=jnp.int32))[None, :]
@@ -206,10 +210,11 @@ def decode_attention(
     """Attention of each sequence's newest token over its whole paged KV; returns [B, H, d]."""
     page_table, seq_lens = jnp.asarray(page_table), jnp.asarray(seq_lens)
     batch, num_heads, d = q.shape
-    page_size, kvh = k_pool.shape[1], k_pool.shape[2]
+    kvh, page_size = k_pool.shape[0], k_pool.shape[2]
     group = num_heads // kvh
     pages_per_tile = kv_tile // page_size
     q = (q.astype(jnp.float32) * scale).astype(q.dtype).reshape(batch, kvh, group, d)
+    q = q.transpose(1, 0, 2, 3)  # [kvh, B, G, d]
     q_pos = (seq_lens - 1)[:, None]  # [B, 1]
     kv_len = seq_lens[:, None]
     last_tile = (jnp.max(seq_lens) + kv_tile - 1) // kv_tile
@@ -220,22 +225,23 @@ def decode_attention(
 
     def tile_body(j, carry):
         pages = lax.dynamic_slice_in_dim(page_table, j * pages_per_tile, pages_per_tile, axis=1)
-        kt = _gather_tile(k_pool, pages).transpose(0, 2, 1, 3)  # [B, kvh, KT, d]
-        vt = _gather_tile(v_pool, pages).transpose(0, 2, 1, 3)
-        s = jnp.einsum("bhgd,bhkd->bhgk", q, kt, preferred_element_type=jnp.float32)
-        s = _softcap(s, logit_cap)  # [B, kvh, G, KT]
+        kt = _gather_tile(k_pool, pages)  # [kvh, B, KT, d]
+        vt = _gather_tile(v_pool, pages)
+        s = jnp.einsum("hbgd,hbkd->hbgk", q, kt, preferred_element_type=jnp.float32)
+        s = _softcap(s, logit_cap)  # [kvh, B, G, KT]
         k_pos = (j * kv_tile + jnp.arange(kv_tile, dtype=jnp.int32))[None, :]
         ok = _mask(q_pos, k_pos, kv_len, sliding_window)  # [B, KT]
-        s = jnp.where(ok[:, None, None, :], s, NEG_INF)
+        s = jnp.where(ok[None, :, None, :], s, NEG_INF)
         return _online_softmax_step(carry, s, vt)
 
     init = (
-        jnp.full((batch, kvh, group), NEG_INF, jnp.float32),
-        jnp.zeros((batch, kvh, group), jnp.float32),
-        jnp.zeros((batch, kvh, group, d), jnp.float32),
+        jnp.full((kvh, batch, group), NEG_INF, jnp.float32),
+        jnp.zeros((kvh, batch, group), jnp.float32),
+        jnp.zeros((kvh, batch, group, d), jnp.float32),
     )
     m, l_sum, acc = lax.fori_loop(first_tile, last_tile, tile_body, init)
-    out = jnp.where((seq_lens > 0)[:, None, None, None], _finish(m, l_sum, acc, q.dtype), 0)
+    out = _finish(m, l_sum, acc, q.dtype).transpose(1, 0, 2, 3)  # [B, kvh, G, d]
+    out = jnp.where((seq_lens > 0)[:, None, None, None], out, 0)
     return out.reshape(batch, num_heads, d)
 
 

@@ -125,7 +125,7 @@ class Engine:
             if isinstance(prompt, str):
                 return [self.tokenizer.encode(prompt)], True
             return [self.tokenizer.encode(p) for p in prompt], False
-        if input_ids and isinstance(input_ids[0], int):
+        if not input_ids or isinstance(input_ids[0], int):
             return [list(input_ids)], True
         return [list(x) for x in input_ids], False
 

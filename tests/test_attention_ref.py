@@ -26,7 +26,8 @@ def _make_case(rng, seqs, *, page_size, kvh, group, d, num_pages=160):
         v_pool[pages[pos // page_size], pos % page_size] = v
         q = rng.standard_normal((new, kvh * group, d)).astype(np.float32)
         per_seq.append((prefix, new, pages, q, k, v))
-    return k_pool, v_pool, per_seq
+    # pool layout is head-major: [kvh, num_pages, page_size, d]
+    return k_pool.transpose(2, 0, 1, 3), v_pool.transpose(2, 0, 1, 3), per_seq
 
 
 @pytest.mark.parametrize("page_size,kv_tile,block_q", [(1, 8, 4), (4, 8, 8), (16, 32, 16)])
@@ -102,7 +103,7 @@ def test_decode_matches_dense(page_size, kv_tile):
 
 
 def test_write_kv_touches_only_given_slots():
-    pool = jnp.ones((4, 2, 1, 3))
+    pool = jnp.ones((1, 4, 2, 3))  # [kvh, pages, page_size, d]
     k = jnp.full((2, 1, 3), 7.0)
     new_k, _ = attn.write_kv(pool, pool, k, k, jnp.array([3, 4]))
     flat = np.asarray(new_k).reshape(8, 3)

@@ -116,7 +116,7 @@ class ModelRunner:
     # ---- device state -------------------------------------------------------------------
     def _alloc_kv_pools(self) -> list:
         c, m = self.config, self.model_config
-        shape = (c.num_pages, c.page_size, m.num_kv_heads, m.head_dim)
+        shape = (m.num_kv_heads, c.num_pages, c.page_size, m.head_dim)
         return [(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
                 for _ in range(m.num_layers)]
 

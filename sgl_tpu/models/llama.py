@@ -29,7 +29,7 @@ from sgl_tpu.models.config import ModelConfig
 from sgl_tpu.scheduler.schedule_batch import ForwardMode
 
 Params = dict
-KVPools = list  # [(k_pool, v_pool)] per layer, each [num_pages, page_size, kvh, d]
+KVPools = list  # [(k_pool, v_pool)] per layer, each [kvh, num_pages, page_size, d]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -1,0 +1,105 @@
+"""Executor micro-benchmark: prefill and decode throughput of the model runner, per dtype.
+
+    python -m sgl_tpu.bench.executor [--dtypes float32,bfloat16] [--prefill 128,512,2048]
+                                     [--decode-batches 1,8,32,64] [--context 256] [--repeats 3]
+
+Runs the real jitted step (paged KV, bucketed shapes, sampler) on the default model (or
+`--model-path`), compiles each shape once before timing, reports the best of `--repeats` runs,
+and prints one JSON object. Compare dtypes/sizes as ratios within one run: the machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+
+
+def _steps(n_seqs: int, n_new: int, prefix: int, page_size: int, rng, vocab: int):
+    from sgl_tpu.sampling_params import SamplingParams
+    from sgl_tpu.scheduler.schedule_batch import SeqStep
+
+    greedy = SamplingParams(temperature=0.0)
+    pages_per_seq = -(-(prefix + n_new) // page_size)
+    steps = []
+    for i in range(n_seqs):
+        pages = np.arange(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq, dtype=np.int32)
+        steps.append(SeqStep(token_ids=rng.integers(0, vocab, n_new), prefix_len=prefix,
+                             pages=pages, sampling=greedy, seed=0, num_output_tokens=0))
+    return steps
+
+
+def _best(fn, repeats: int) -> float:
+    fn()  # compile + warm
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def run(args: argparse.Namespace) -> dict:
+    import jax
+
+    from sgl_tpu.config import ServerArgs
+    from sgl_tpu.executor.model_runner import ModelRunner
+    from sgl_tpu.loader import load_model
+    from sgl_tpu.scheduler.schedule_batch import ForwardMode
+
+    loaded = load_model(args.model_path)
+    cfg = loaded.config
+    prefills = [int(x) for x in args.prefill.split(",") if x]
+    batches = [int(x) for x in args.decode_batches.split(",") if x]
+    max_tokens = max(prefills + [1])
+    pool_tokens = max(max_tokens, max(batches + [1]) * (args.context + 16)) + 64
+    rng = np.random.default_rng(0)
+    results: dict = {"model": loaded.model_path, "backend": jax.default_backend(),
+                     "context_for_decode": args.context, "cpu_count": os.cpu_count(),
+                     "runs": []}
+    for dtype in args.dtypes.split(","):
+        sargs = ServerArgs(model_path=args.model_path, dtype=dtype, skip_warmup=True,
+                           max_total_tokens=pool_tokens, chunked_prefill_size=max_tokens,
+                           max_running_requests=max(batches + [1]), max_extend_seqs=1)
+        runner = ModelRunner(cfg, loaded.params, sargs.runner_config(cfg.context_len))
+        ps = sargs.page_size
+        for n in prefills:
+            steps = _steps(1, n, 0, ps, rng, cfg.vocab_size)
+            t = _best(lambda s=steps: runner.forward(ForwardMode.EXTEND, s), args.repeats)
+            results["runs"].append({"dtype": dtype, "phase": "prefill", "tokens": n,
+                                    "seconds": round(t, 4), "tok_per_s": round(n / t, 1)})
+            print(json.dumps(results["runs"][-1]), flush=True)
+        for b in batches:
+            steps = _steps(b, 1, args.context, ps, rng, cfg.vocab_size)
+            t = _best(lambda s=steps: runner.forward(ForwardMode.DECODE, s), args.repeats)
+            results["runs"].append({"dtype": dtype, "phase": "decode", "batch": b,
+                                    "context": args.context, "step_ms": round(1e3 * t, 2),
+                                    "tok_per_s": round(b / t, 1)})
+            print(json.dumps(results["runs"][-1]), flush=True)
+        del runner
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-path", default=None)
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--prefill", default="128,512,2048")
+    p.add_argument("--decode-batches", default="1,8,32,64")
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--output", default=None, help="also write the JSON here")
+    args = p.parse_args(argv)
+    results = run(args)
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

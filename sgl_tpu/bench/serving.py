@@ -1,0 +1,189 @@
+"""Shared-prefix serving benchmark through HTTP: radix cache on vs off (and random prompts), in
+one invocation, reported as ratios.
+
+    python -m sgl_tpu.bench.serving [--clients 16] [--requests-per-client 2]
+        [--prefix-tokens 1000] [--question-tokens 50] [--output-tokens 32] [--workloads shared,random]
+
+For each configuration (`cache`: default flags, `nocache`: `--disable-radix-cache`) it launches
+a server, warms it with one request, then runs the workloads: `shared` (every request = one
+common system prompt + a distinct question, as agents send) and `random` (no sharing: the cost
+of the cache when it cannot help). Clients stream from `/generate` so time-to-first-token is
+measured. Prints one JSON object with per-run metrics and the cache/nocache ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, flags: list[str], log_path: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sgl_tpu.launch_server", "--port", str(self.port), *flags],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout: float = 900) -> None:
+        import requests
+
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        raise TimeoutError("server did not become ready")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def make_workload(kind: str, args, vocab: int, seed: int) -> list[list[list[int]]]:
+    """Per client, a list of prompts (token ids). Ids avoid the special tokens 0..16."""
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(17, vocab, args.prefix_tokens).tolist()
+    clients = []
+    for _ in range(args.clients):
+        prompts = []
+        for _ in range(args.requests_per_client):
+            question = rng.integers(17, vocab, args.question_tokens).tolist()
+            if kind == "shared":
+                prompts.append(prefix + question)
+            else:
+                prompts.append(rng.integers(17, vocab, args.prefix_tokens).tolist() + question)
+        clients.append(prompts)
+    return clients
+
+
+async def one_request(session, url: str, ids: list[int], out_tokens: int) -> dict:
+    body = {"input_ids": ids, "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": out_tokens,
+                                "ignore_eos": True}}
+    t0 = time.perf_counter()
+    ttft = None
+    last = None
+    async with session.post(url + "/generate", json=body) as resp:
+        resp.raise_for_status()
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            last = json.loads(line[5:])
+            if ttft is None and last["meta_info"]["completion_tokens"] > 0:
+                ttft = time.perf_counter() - t0
+    meta = last["meta_info"]
+    return {"latency": time.perf_counter() - t0, "ttft": ttft,
+            "prompt_tokens": meta["prompt_tokens"], "cached_tokens": meta["cached_tokens"],
+            "completion_tokens": meta["completion_tokens"]}
+
+
+async def run_workload(url: str, clients: list[list[list[int]]], out_tokens: int) -> dict:
+    import aiohttp
+
+    async def client(prompts):
+        res = []
+        for ids in prompts:
+            res.append(await one_request(session, url, ids, out_tokens))
+        return res
+
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        t0 = time.perf_counter()
+        per_client = await asyncio.gather(*(client(p) for p in clients))
+        wall = time.perf_counter() - t0
+    rs = [r for c in per_client for r in c]
+    prompt = sum(r["prompt_tokens"] for r in rs)
+    cached = sum(r["cached_tokens"] for r in rs)
+    gen = sum(r["completion_tokens"] for r in rs)
+    ttfts = sorted(r["ttft"] for r in rs if r["ttft"] is not None)
+    return {"requests": len(rs), "wall_s": round(wall, 2),
+            "req_per_s": round(len(rs) / wall, 3),
+            "output_tok_per_s": round(gen / wall, 1),
+            "total_tok_per_s": round((prompt + gen) / wall, 1),
+            "cache_hit_rate": round(cached / prompt, 3) if prompt else 0.0,
+            "ttft_mean_s": round(statistics.mean(ttfts), 3),
+            "ttft_p50_s": round(ttfts[len(ttfts) // 2], 3),
+            "ttft_p90_s": round(ttfts[int(len(ttfts) * 0.9)], 3)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-path", default=None)
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--prefix-tokens", type=int, default=1000)
+    p.add_argument("--question-tokens", type=int, default=50)
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--workloads", default="shared,random")
+    p.add_argument("--server-flags", default="", help="extra flags for both servers")
+    p.add_argument("--output", default=None)
+    args = p.parse_args(argv)
+    from sgl_tpu.loader import load_tokenizer
+
+    vocab = load_tokenizer(args.model_path).vocab_size
+    base = args.server_flags.split() + (["--model-path", args.model_path]
+                                        if args.model_path else [])
+    configs = {"cache": base, "nocache": base + ["--disable-radix-cache"]}
+    results: dict = {"args": vars(args), "runs": {}}
+    for name, flags in configs.items():
+        server = Server(flags, f"/tmp/sgl_tpu_bench_{name}.log")
+        try:
+            server.wait_ready()
+            warm = make_workload("random", argparse.Namespace(**{**vars(args), "clients": 1,
+                                 "requests_per_client": 1}), vocab, seed=99)
+            asyncio.run(run_workload(server.url, warm, args.output_tokens))
+            for w, kind in enumerate(args.workloads.split(",")):
+                clients = make_workload(kind, args, vocab, seed=w)
+                r = asyncio.run(run_workload(server.url, clients, args.output_tokens))
+                results["runs"][f"{name}/{kind}"] = r
+                print(json.dumps({f"{name}/{kind}": r}), flush=True)
+        finally:
+            server.stop()
+    runs = results["runs"]
+    ratios = {}
+    for kind in args.workloads.split(","):
+        a, b = runs.get(f"cache/{kind}"), runs.get(f"nocache/{kind}")
+        if a and b:
+            ratios[kind] = {"throughput_cache_over_nocache":
+                            round(a["total_tok_per_s"] / b["total_tok_per_s"], 3),
+                            "ttft_p50_nocache_over_cache":
+                            round(b["ttft_p50_s"] / a["ttft_p50_s"], 3)}
+    results["ratios"] = ratios
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

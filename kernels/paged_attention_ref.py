@@ -19,8 +19,8 @@ horizon (a 2,048-token prompt costs about as much per token as a 512-token one):
 
 KV layout per layer: `[num_kv_heads, num_pages, page_size, head_dim]` (head-major: gathered tiles
 are ready for batched dots with the heads leading, which ran ~3x faster on XLA:CPU than
-head-minor layouts); a KV tile of `kv_tile` tokens is `kv_tile // page_size` whole pages. The new tokens' K/V must have
-been written into the pool before calling (see `write_kv`).
+head-minor layouts); a KV tile of `kv_tile` tokens is `kv_tile // page_size` whole pages.
+The new tokens' K/V must have been written into the pool before calling (see `write_kv`).
 """
 
 from __future__ import annotations

@@ -104,8 +104,8 @@ def expand_generate(tm: TokenizerManager, req: GenerateReqInput) -> tuple[list[G
 
 async def collect(tm: TokenizerManager, item: GenItem) -> dict[str, Any]:
     result = None
-    async for result in tm.generate(item):
-        pass
+    async for out in tm.generate(item):
+        result = out
     assert result is not None
     return result
 
@@ -216,7 +216,7 @@ def create_app(tm: TokenizerManager) -> FastAPI:
                 yield b"data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        results = await _gather(tm, items)
+        results = await gather_results(tm, items)
         return results if batch else results[0]
 
     from sgl_tpu.server import metrics, openai_api
@@ -226,7 +226,7 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     return app
 
 
-async def _gather(tm: TokenizerManager, items: list[GenItem]) -> list[dict[str, Any]]:
+async def gather_results(tm: TokenizerManager, items: list[GenItem]) -> list[dict[str, Any]]:
     import asyncio
 
     tasks = [asyncio.ensure_future(collect(tm, it)) for it in items]

@@ -38,6 +38,7 @@ from sgl_tpu.messages import (
 from sgl_tpu.response import ResponseAccumulator, error_status
 from sgl_tpu.sampling_params import SamplingParams
 from sgl_tpu.server.ipc import PortArgs
+from sgl_tpu.validation import check_request
 
 logger = logging.getLogger("sgl_tpu.tokenizer_manager")
 
@@ -100,6 +101,7 @@ class TokenizerManager:
         self.dead_reason: str | None = None
         self.context_len = 0
         self.max_total_tokens = 0
+        self.grammar_supported = False
         self.start_time = time.time()
         self.metrics = None  # set by the HTTP app (sgl_tpu.server.metrics.Metrics)
         self._recv_task: asyncio.Task | None = None
@@ -118,6 +120,7 @@ class TokenizerManager:
         info = self.ready["scheduler"].info
         self.context_len = info["context_len"]
         self.max_total_tokens = info["max_total_tokens"]
+        self.grammar_supported = info.get("grammar_supported", False)
 
     def mark_dead(self, reason: str) -> None:
         """A child died: fail everything in flight (called by the launcher's watchdog)."""
@@ -170,21 +173,14 @@ class TokenizerManager:
         except ValueError as e:
             raise RequestError(str(e)) from None
         n = len(item.input_ids)
-        if n == 0:
-            raise RequestError("the prompt is empty")
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
                for t in item.input_ids):
             raise RequestError(f"input_ids must be integers in [0, {self.vocab_size})")
-        if n >= self.context_len:
-            raise RequestError(f"the prompt has {n} tokens; the model's context length is "
-                               f"{self.context_len}")
-        if n + sampling.max_new_tokens > self.context_len:
-            raise RequestError(
-                f"prompt ({n} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceeds "
-                f"the context length {self.context_len}")
-        if n + sampling.max_new_tokens > self.max_total_tokens:
-            raise RequestError(f"prompt + max_new_tokens ({n + sampling.max_new_tokens}) "
-                               f"exceeds the KV cache capacity ({self.max_total_tokens} tokens)")
+        error = check_request(n, sampling, context_len=self.context_len,
+                              capacity_tokens=self.max_total_tokens,
+                              grammar_supported=self.grammar_supported)
+        if error is not None:
+            raise RequestError(error)
         if item.logprob_start_len >= n:
             raise RequestError(f"logprob_start_len ({item.logprob_start_len}) must be less "
                                f"than the prompt length ({n})")

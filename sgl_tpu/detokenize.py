@@ -68,6 +68,18 @@ def find_stop(text: str, new_len: int, stops: Sequence[str]) -> tuple[int, str] 
     return best
 
 
+def stop_safe_len(text: str, stops: Sequence[str]) -> int:
+    """Length of the prefix of `text` that no stop string can still claim: a streamed text
+    holds back a tail that may turn out to be the start of a stop string (trimmed at the end)."""
+    hold = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), hold, -1):
+            if text.endswith(stop[:k]):
+                hold = k
+                break
+    return len(text) - hold
+
+
 class DetokenizerState:
     """Per-request decoders: scheduler `ReqOutput`s (token ids) -> `ReqStrOut`s (cumulative text).
 
@@ -91,6 +103,8 @@ class DetokenizerState:
             ids = ids[:-1]  # a matched stop token is not part of the text
         dec.append(ids)
         text = dec.text
+        if o.stop_strs and not o.finished:
+            text = text[: stop_safe_len(text, o.stop_strs)]
         if o.finished:
             dec.flush()
             text = dec.text

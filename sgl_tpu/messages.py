@@ -14,12 +14,6 @@ from typing import Any
 import msgspec
 
 
-class SamplingParamsMsg(msgspec.Struct, frozen=True):
-    """Wire form of `SamplingParams` (a plain dict keeps the two in one place)."""
-
-    fields: dict[str, Any]
-
-
 class TokenizedGenerateReq(msgspec.Struct, tag=True):
     rid: str
     input_ids: list[int]
@@ -70,6 +64,7 @@ class ReqOutput(msgspec.Struct):
     # Character offset in the decoded output where a matched stop string begins (trim there).
     stop_text_offset: int = -1
     skip_special_tokens: bool = True
+    stop_strs: list[str] = []  # the request's stop strings (streamed text holds back a prefix)
     # [logprob, token_id] per new token, and top-k [[logprob, token_id], ...] per new token.
     output_token_logprobs: list[list[Any]] | None = None
     output_top_logprobs: list[list[list[Any]]] | None = None

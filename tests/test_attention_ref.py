@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jax.numpy as jnp
 from sgl_tpu.kernels import paged_attention_ref as attn
 
 
@@ -71,7 +71,7 @@ def test_extend_matches_dense(page_size, kv_tile, block_q, sliding_window, logit
         bstart, seq_lens, items, tiles, jnp.int32(n_items), kv_tile=kv_tile, scale=d**-0.5,
         sliding_window=sliding_window, logit_cap=logit_cap)
     t = 0
-    for prefix, new, _, q, k, v in per_seq:
+    for _prefix, new, _, q, k, v in per_seq:
         ref = attn.dense_attention_oracle(q, k, v, scale=d**-0.5, sliding_window=sliding_window,
                                           logit_cap=logit_cap)
         np.testing.assert_allclose(np.asarray(out[t : t + new]), np.asarray(ref), atol=2e-5)

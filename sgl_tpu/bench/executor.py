@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import time
+from functools import partial
 
 import numpy as np
 
@@ -68,18 +69,17 @@ def run(args: argparse.Namespace) -> dict:
         ps = sargs.page_size
         for n in prefills:
             steps = _steps(1, n, 0, ps, rng, cfg.vocab_size)
-            t = _best(lambda s=steps: runner.forward(ForwardMode.EXTEND, s), args.repeats)
+            t = _best(partial(runner.forward, ForwardMode.EXTEND, steps), args.repeats)
             results["runs"].append({"dtype": dtype, "phase": "prefill", "tokens": n,
                                     "seconds": round(t, 4), "tok_per_s": round(n / t, 1)})
             print(json.dumps(results["runs"][-1]), flush=True)
         for b in batches:
             steps = _steps(b, 1, args.context, ps, rng, cfg.vocab_size)
-            t = _best(lambda s=steps: runner.forward(ForwardMode.DECODE, s), args.repeats)
+            t = _best(partial(runner.forward, ForwardMode.DECODE, steps), args.repeats)
             results["runs"].append({"dtype": dtype, "phase": "decode", "batch": b,
                                     "context": args.context, "step_ms": round(1e3 * t, 2),
                                     "tok_per_s": round(b / t, 1)})
             print(json.dumps(results["runs"][-1]), flush=True)
-        del runner
     return results
 
 

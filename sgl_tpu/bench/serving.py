@@ -2,7 +2,8 @@
 one invocation, reported as ratios.
 
     python -m sgl_tpu.bench.serving [--clients 16] [--requests-per-client 2]
-        [--prefix-tokens 1000] [--question-tokens 50] [--output-tokens 32] [--workloads shared,random]
+        [--prefix-tokens 1000] [--question-tokens 50] [--output-tokens 32]
+        [--workloads shared,random]
 
 For each configuration (`cache`: default flags, `nocache`: `--disable-radix-cache`) it launches
 a server, warms it with one request, then runs the workloads: `shared` (every request = one

@@ -17,7 +17,8 @@ from sgl_tpu.loader.hf_loader import load_hf
 from sgl_tpu.loader.loaded import LoadedModel, Params
 from sgl_tpu.loader.tokenizer import Tokenizer
 
-__all__ = ["LoadedModel", "Params", "Tokenizer", "default_model_path", "load_model", "load_tokenizer"]
+__all__ = ["LoadedModel", "Params", "Tokenizer", "default_model_path", "load_model",
+           "load_tokenizer"]
 
 
 def load_model(model_path: str | None) -> LoadedModel:

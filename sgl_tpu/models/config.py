@@ -50,7 +50,8 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "context_len"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"model config: {name} must be positive, got {getattr(self, name)}")
+                raise ValueError(
+                    f"model config: {name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"model config: num_heads ({self.num_heads}) must be a multiple of "

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama / Llama 3, Qwen2 with qkv bias, Qwen3 with q/k norm) over a paged KV pool.
+"""Llama-family decoder (Llama / Llama 3, Qwen2 with qkv bias, Qwen3 with q/k norm) over a
+paged KV pool.
 
 A pure function of (params, kv pools, ForwardBatch). The layer loop is unrolled in Python over
 per-layer weight dicts and per-layer KV pools: on XLA:CPU that was 2-4x faster for decode than

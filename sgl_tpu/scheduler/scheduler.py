@@ -39,6 +39,7 @@ from sgl_tpu.scheduler.kv_manager import KVManager
 from sgl_tpu.scheduler.policy import order_waiting
 from sgl_tpu.scheduler.req import Req
 from sgl_tpu.scheduler.schedule_batch import ForwardMode, SeqStep
+from sgl_tpu.validation import check_request
 
 logger = logging.getLogger(__name__)
 
@@ -93,24 +94,14 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._aborts: set[str] = set()
         self._seed_rng = random.Random(0x5C1)
+        self.grammar_supported = False
 
     # ---- intake ----------------------------------------------------------------------------
     def validate(self, prompt_len: int, sampling: SamplingParams) -> str | None:
         """A message if a request can never be served, else None."""
-        if prompt_len == 0:
-            return "the prompt is empty"
-        total = prompt_len + sampling.max_new_tokens
-        if prompt_len >= self.config.context_len:
-            return (f"the prompt has {prompt_len} tokens; the context length is "
-                    f"{self.config.context_len}")
-        if total > self.config.context_len:
-            return (f"prompt ({prompt_len} tokens) + max_new_tokens "
-                    f"({sampling.max_new_tokens}) = {total} exceeds the context length "
-                    f"{self.config.context_len}")
-        if total > self.kv.capacity_tokens:
-            return (f"prompt + max_new_tokens = {total} tokens exceeds the KV cache capacity "
-                    f"of {self.kv.capacity_tokens} tokens")
-        return None
+        return check_request(prompt_len, sampling, context_len=self.config.context_len,
+                             capacity_tokens=self.kv.capacity_tokens,
+                             grammar_supported=self.grammar_supported)
 
     def add_request(self, msg: TokenizedGenerateReq) -> ReqOutput | None:
         """Queue a request; returns an immediate error output if it cannot be served."""
@@ -359,6 +350,7 @@ class Scheduler:
             completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
             stop_text_offset=req.stop_text_offset,
             skip_special_tokens=req.sampling.skip_special_tokens,
+            stop_strs=[] if req.sampling.no_stop_trim else list(req.sampling.stop),
             output_token_logprobs=lp, output_top_logprobs=tops)
         if req.return_logprob and not req.input_logprobs_sent:
             out.input_token_logprobs = req.input_token_logprobs

@@ -1,0 +1,25 @@
+"""Request limits shared by the HTTP side (answers 400 before anything is queued) and the
+scheduler (which re-checks, since the in-process Engine and other clients reach it directly)."""
+
+from __future__ import annotations
+
+from sgl_tpu.sampling_params import SamplingParams
+
+
+def check_request(prompt_len: int, sampling: SamplingParams, *, context_len: int,
+                  capacity_tokens: int, grammar_supported: bool) -> str | None:
+    """A message naming the problem if the request can never be served, else None."""
+    if prompt_len == 0:
+        return "the prompt is empty"
+    if prompt_len >= context_len:
+        return f"the prompt has {prompt_len} tokens; the context length is {context_len}"
+    total = prompt_len + sampling.max_new_tokens
+    if total > context_len:
+        return (f"prompt ({prompt_len} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
+                f"= {total} exceeds the context length {context_len}")
+    if total > capacity_tokens:
+        return (f"prompt + max_new_tokens = {total} tokens exceeds the KV cache capacity of "
+                f"{capacity_tokens} tokens")
+    if sampling.grammar is not None and not grammar_supported:
+        return f"{sampling.grammar[0]} constraints are not supported by this server"
+    return None

@@ -1,0 +1,109 @@
+"""Launch a real sgl-tpu server as a subprocess for end-to-end tests.
+
+    server = launch_server("--max-total-tokens", "4096", model_path=ckpt_dir)
+    requests.get(server.base_url + "/health")
+    server.stop()
+
+Each launch picks a free port, runs `python -m sgl_tpu.launch_server` with `JAX_PLATFORMS=cpu`
+and a compilation cache shared by every test run (`.pytest_cache/jax_cache`, so a later launch
+with the same shapes reuses compiled code), and waits until `/health` answers 200. If the server
+exits first, the launch fails with the tail of its log.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+JAX_CACHE_DIR = REPO_ROOT / ".pytest_cache" / "jax_cache"
+STOP_TIMEOUT_S = 20.0
+LOG_TAIL_CHARS = 4000
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerHandle:
+    base_url: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def log_tail(self, num_chars: int = LOG_TAIL_CHARS) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-num_chars:]
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL if the server has not exited after 20 s."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        try:
+            self.log_path.unlink()
+        except OSError:
+            pass
+
+
+def _health_status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def launch_server(*flags: str, model_path: str | None = None, timeout: float = 300
+                  ) -> ServerHandle:
+    """Start a server with extra CLI `flags`; return once `/health` is 200.
+
+    `model_path=None` serves the default model (SmolLM2-135M). Raises RuntimeError with the
+    server's log tail if it exits or is not healthy within `timeout` seconds.
+    """
+    port = free_port()
+    cmd = [sys.executable, "-m", "sgl_tpu.launch_server", "--port", str(port), *flags]
+    if model_path is not None:
+        cmd += ["--model-path", str(model_path)]
+    JAX_CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(JAX_CACHE_DIR)}
+    log_fd, log_name = tempfile.mkstemp(prefix=f"sgl_tpu_server_{port}_", suffix=".log")
+    with os.fdopen(log_fd, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                cwd=REPO_ROOT)
+    server = ServerHandle(f"http://127.0.0.1:{port}", proc, Path(log_name))
+    atexit.register(server.stop)  # no server outlives an interrupted test run
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            tail = server.log_tail()
+            server.stop()
+            raise RuntimeError(f"server exited with code {proc.returncode} before it was "
+                               f"healthy; log tail:\n{tail}")
+        if _health_status(server.base_url + "/health") == 200:
+            return server
+        if time.monotonic() > deadline:
+            tail = server.log_tail()
+            server.stop()
+            raise RuntimeError(f"server not healthy after {timeout} s; log tail:\n{tail}")
+        time.sleep(0.5)

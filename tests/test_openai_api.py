@@ -1,0 +1,295 @@
+"""End-to-end tests of the OpenAI API and `/metrics`, driven by the real `openai` client against
+a real server (a tiny random-weight model: outputs are gibberish but deterministic under greedy
+decoding, which is all these tests compare)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+import requests
+from checkpoints import make_tiny_hf_checkpoint
+from prometheus_client.parser import text_string_to_metric_families
+from server_harness import launch_server
+
+from sgl_tpu.loader import default_model_path
+from sgl_tpu.detokenize import stop_safe_len as _safe_len
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny-llama"
+SERVER_FLAGS = ("--skip-warmup", "--served-model-name", MODEL, "--max-total-tokens", "4096",
+                "--max-running-requests", "8", "--chunked-prefill-size", "256")
+HELLO = [{"role": "user", "content": "Hello world! How are you today?"}]
+LONG_PROMPT = " ".join(["The quick brown fox jumps over the lazy dog."] * 20)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_llama"), "llama")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    handle = launch_server(*SERVER_FLAGS, model_path=tiny_model)
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0,
+                         timeout=120)
+
+
+def greedy_chat(client: openai.OpenAI, max_tokens: int = 12, **kw):
+    return client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=max_tokens,
+                                          temperature=0, **kw)
+
+
+def test_models(client, tiny_model):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    # the model path is accepted as a name too
+    resp = client.completions.create(model=tiny_model, prompt="Hello", max_tokens=2)
+    assert resp.choices[0].finish_reason == "length"
+
+
+def test_chat_completion(client):
+    resp = greedy_chat(client)
+    assert resp.object == "chat.completion" and resp.model == MODEL
+    (choice,) = resp.choices
+    assert choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str)
+    assert "<|im_end|>" not in choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    usage = resp.usage
+    assert usage.prompt_tokens > 10
+    assert 0 < usage.completion_tokens <= 12
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    # greedy decoding is deterministic
+    assert greedy_chat(client).choices[0].message.content == choice.message.content
+
+
+def test_chat_stream_matches_non_stream(client):
+    expected = greedy_chat(client).choices[0].message.content
+    chunks = list(greedy_chat(client, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finals[-1] in ("stop", "length") and all(f is None for f in finals[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+
+
+def test_chat_n(client):
+    resp = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, n=2,
+                                          temperature=1.0, seed=7)
+    assert [c.index for c in resp.choices] == [0, 1]
+    assert all(c.finish_reason in ("stop", "length") for c in resp.choices)
+    assert 2 <= resp.usage.completion_tokens <= 12
+    assert resp.usage.prompt_tokens == greedy_chat(client, max_tokens=1).usage.prompt_tokens
+    # the choices of a new prompt share its KV: one prefills, the other hits the radix cache
+    prompt = "Hello world! " * 40
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, n=2)
+    assert len(resp.choices) == 2
+    assert resp.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_completions_list_prompt_and_stream(client):
+    prompts = ["The quick brown", "Hello world"]
+    resp = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0)
+    assert [c.index for c in resp.choices] == [0, 1]
+    by_ids = client.completions.create(model=MODEL, prompt=[[5, 6, 7], [8, 9]], max_tokens=3,
+                                       temperature=0)
+    assert len(by_ids.choices) == 2 and by_ids.usage.prompt_tokens == 5
+    # streaming with n=2 per prompt: four choices, each equal to its prompt's greedy text
+    stream = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, n=2,
+                                       temperature=0, stream=True)
+    texts = ["", "", "", ""]
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    expected = [c.text for c in resp.choices]
+    assert texts == [expected[0], expected[0], expected[1], expected[1]]
+
+
+def test_completions_echo(client):
+    resp = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=3, echo=True,
+                                     temperature=0, logprobs=1)
+    choice = resp.choices[0]
+    assert choice.text.startswith("Hello world")
+    lp = choice.logprobs
+    num_prompt = resp.usage.prompt_tokens
+    assert len(lp.tokens) == num_prompt + resp.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.token_logprobs[-1] <= 0
+
+
+def test_completion_logprobs(client):
+    resp = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=4,
+                                     temperature=0, logprobs=3)
+    lp = resp.choices[0].logprobs
+    n = resp.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n == 4
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 1 <= len(top) <= 3  # tokens that decode alike share a key
+        assert chosen <= 0 and max(top.values()) == pytest.approx(chosen, abs=1e-4)  # greedy
+
+
+def test_chat_logprobs(client):
+    resp = greedy_chat(client, max_tokens=4, logprobs=True, top_logprobs=3)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens
+    for entry in content:
+        assert isinstance(entry.token, str) and isinstance(entry.bytes, list)
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
+    assert greedy_chat(client, max_tokens=2).choices[0].logprobs is None
+
+
+def test_cached_tokens(client):
+    def run():
+        return client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=2)
+
+    first, second = run(), run()
+    assert second.usage.prompt_tokens == first.usage.prompt_tokens > 100
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < second.usage.prompt_tokens
+
+
+def test_stop_strings(client):
+    full = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=12,
+                                     temperature=0).choices[0].text
+    stop = full[3:5]
+    assert stop.strip(), f"need a visible stop string in {full!r}"
+    cut = full[: full.index(stop)]
+    resp = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=12,
+                                     temperature=0, stop=[stop])
+    assert resp.choices[0].text == cut and resp.choices[0].finish_reason == "stop"
+    stream = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=12,
+                                       temperature=0, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == cut
+
+
+def test_response_format(client):
+    resp = greedy_chat(client, max_tokens=4, response_format={"type": "json_object"})
+    assert resp.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError, match="schema"):
+        greedy_chat(client, response_format={"type": "json_schema", "json_schema": {}})
+
+
+def test_unknown_model(client):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="no-such-model", messages=HELLO, max_tokens=2)
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 2}, "top_p"),
+    ({"max_tokens": -5}, "max_tokens"),
+    ({"n": 0}, "n"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+])
+def test_bad_values(client, bad, field):
+    with pytest.raises(openai.BadRequestError, match=field):
+        client.chat.completions.create(model=MODEL, messages=HELLO, **bad)
+    assert greedy_chat(client, max_tokens=2).choices[0].finish_reason in ("stop", "length")
+
+
+def test_bad_messages(client, server):
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model=MODEL, messages=[])
+    with pytest.raises(openai.BadRequestError, match="role"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "x"}])
+    r = requests.post(server.base_url + "/v1/chat/completions", json={"model": MODEL},
+                      timeout=30)
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    r = requests.post(server.base_url + "/v1/completions", data=b"{not json", timeout=30)
+    assert r.status_code == 400
+    assert greedy_chat(client, max_tokens=2).choices[0].finish_reason in ("stop", "length")
+
+
+def test_metrics(client, server):
+    greedy_chat(client, max_tokens=3)
+    text = requests.get(server.base_url + "/metrics", timeout=30).text
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    for name in ("prompt_tokens_total", "generation_tokens_total", "num_requests_total",
+                 "time_to_first_token_seconds_count", "e2e_request_latency_seconds_count",
+                 "inter_token_latency_seconds_count"):
+        assert samples[f"sglang:{name}"] > 0, name
+    assert samples["sglang:num_running_reqs"] == 0
+    assert 0 < samples["sglang:token_usage"] <= 1  # the radix tree holds finished prompts
+    assert 0 <= samples["sglang:cache_hit_rate"] <= 1
+
+
+def test_api_key(tiny_model):
+    keyed = launch_server(*SERVER_FLAGS, "--api-key", "secret", model_path=tiny_model)
+    try:
+        assert requests.get(keyed.base_url + "/health", timeout=30).status_code == 200
+        wrong = openai.OpenAI(base_url=keyed.base_url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+        right = openai.OpenAI(base_url=keyed.base_url + "/v1", api_key="secret", max_retries=0)
+        assert right.models.list().data[0].id == MODEL
+    finally:
+        keyed.stop()
+
+
+def test_stream_disconnect_frees_the_request(client, server):
+    def server_info() -> dict:
+        return requests.get(server.base_url + "/server_info", timeout=30).json()
+
+    generated_before = server_info()["stats"]["generated_tokens"]
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 400, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body,
+                      timeout=60) as r:
+        assert r.status_code == 200
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 6:
+                break  # hang up mid-stream
+    deadline = time.monotonic() + 30
+    while True:
+        info = server_info()
+        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0:
+            break
+        assert time.monotonic() < deadline, "the abandoned request is still running"
+        time.sleep(0.1)
+    assert info["stats"]["generated_tokens"] - generated_before < 400  # aborted, not finished
+    assert info.get("integrity") == "ok"
+
+
+def test_safe_len_holds_back_stop_prefixes():
+    assert _safe_len("hello wor", ["world"]) == len("hello ")
+    assert _safe_len("hello", ["xyz"]) == 5
+    assert _safe_len("ab\n", ["\n\n", "b\nc"]) == 1
+    assert _safe_len("", ["a"]) == 0
+
+
+def test_default_model_chat():
+    """The one test on the real default model (SmolLM2-135M), where the text must make sense."""
+    try:
+        default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    smol = launch_server("--skip-warmup", "--max-total-tokens", "4096",
+                         "--max-running-requests", "8", "--chunked-prefill-size", "256")
+    try:
+        c = openai.OpenAI(base_url=smol.base_url + "/v1", api_key="x", max_retries=0,
+                          timeout=120)
+        model = c.models.list().data[0].id
+        kw = dict(model=model, max_tokens=24, temperature=0,
+                  messages=[{"role": "user", "content": "What is the capital of France?"}])
+        resp = c.chat.completions.create(**kw)
+        content = resp.choices[0].message.content
+        assert "Paris" in content and resp.choices[0].finish_reason == "stop"
+        assert "<|im_end|>" not in content
+        stream = c.chat.completions.create(**kw, stream=True)
+        assert "".join(ch.choices[0].delta.content or "" for ch in stream) == content
+    finally:
+        smol.stop()

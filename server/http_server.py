@@ -14,10 +14,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sgl_tpu.server.tokenizer_manager import GenItem, RequestError, ServerDead, TokenizerManager
+
+
+MAX_N = 64  # most samples per prompt (SamplingParams' bound)
 
 
 def error_response(message: str, status_code: int = 400, err_type: str | None = None
@@ -32,7 +35,7 @@ class GenerateReqInput(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     return_logprob: bool | list[bool] = False
     logprob_start_len: int | list[int] = -1
@@ -81,14 +84,15 @@ def expand_generate(tm: TokenizerManager, req: GenerateReqInput) -> tuple[list[G
     items = []
     for i, ids in enumerate(prompts):
         sp = dict(_pick(req.sampling_params, i) or {})
-        n = sp.pop("n", 1) or 1
-        if not isinstance(n, int) or n < 1:
-            raise RequestError(f"n must be a positive integer, got {n!r}")
+        n = sp.pop("n", 1)
+        n = 1 if n is None else n
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+            raise RequestError(f"n must be an integer in [1, {MAX_N}], got {n!r}")
         rid = _pick(req.rid, i) if req.rid is not None else None
         for k in range(n):
             spk = dict(sp)
             if n > 1 and isinstance(sp.get("seed"), int):
-                spk["seed"] = sp["seed"] + k
+                spk["seed"] = (sp["seed"] + k) % 2**63
             item = GenItem(
                 input_ids=list(ids), sampling=spk,
                 return_logprob=bool(_pick(req.return_logprob, i)),

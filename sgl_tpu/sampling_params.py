@@ -46,7 +46,7 @@ class SamplingParams:
         _check_int("max_new_tokens", self.max_new_tokens, lo=0)
         _check_int("min_new_tokens", self.min_new_tokens, lo=0)
         _check_int("n", self.n, lo=1, hi=64)
-        _check_int("top_k", self.top_k, lo=-1)
+        _check_int("top_k", self.top_k, lo=-1, hi=2**31 - 1)
         _check_float("temperature", self.temperature, lo=0.0, hi=100.0)
         _check_float("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
         _check_float("min_p", self.min_p, lo=0.0, hi=1.0)

@@ -19,7 +19,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sgl_tpu.server.tokenizer_manager import GenItem, RequestError, ServerDead, TokenizerManager
 
-
 MAX_N = 64  # most samples per prompt (SamplingParams' bound)
 
 

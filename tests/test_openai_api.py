@@ -14,8 +14,8 @@ from checkpoints import make_tiny_hf_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import launch_server
 
-from sgl_tpu.loader import default_model_path
 from sgl_tpu.detokenize import stop_safe_len as _safe_len
+from sgl_tpu.loader import default_model_path
 
 pytestmark = pytest.mark.slow
 

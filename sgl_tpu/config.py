@@ -86,6 +86,8 @@ class ServerArgs:
     min_token_bucket: int = 64
     max_top_logprobs: int = 20
     skip_warmup: bool = False
+    grammar_backend: str = "llguidance"  # or "outlines", "xgrammar", "none"
+    disable_jump_forward: bool = False
     log_level: str = "info"
 
     def __post_init__(self) -> None:

@@ -98,8 +98,8 @@ class DetokenizerState:
         if dec is None:
             dec = self._decoders[o.rid] = IncrementalDecoder(self._decode, o.skip_special_tokens)
         ids = o.new_token_ids
-        if o.finished and o.finish_reason and o.finish_reason.get("type") == "stop" \
-                and isinstance(o.finish_reason.get("matched"), int) and ids:
+        matched = (o.finish_reason or {}).get("matched")
+        if o.finished and isinstance(matched, int) and ids and ids[-1] == matched:
             ids = ids[:-1]  # a matched stop token is not part of the text
         dec.append(ids)
         text = dec.text

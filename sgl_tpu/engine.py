@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from sgl_tpu.config import ServerArgs
+from sgl_tpu.constrained import GrammarManager, create_backend
 from sgl_tpu.detokenize import DetokenizerState
 from sgl_tpu.executor.model_runner import ModelRunner
 from sgl_tpu.loader import load_model
@@ -39,10 +40,15 @@ def build_scheduler(args: ServerArgs) -> tuple[Scheduler, Any]:
     if runner_cfg.warmup:
         runner.warmup()
     eos = tuple(loaded.config.eos_token_ids) or tuple(loaded.tokenizer.eos_token_ids)
+    grammar = None
+    if args.grammar_backend != "none":
+        backend = create_backend(args.grammar_backend, loaded.tokenizer, loaded.config.vocab_size)
+        grammar = GrammarManager(backend)
     scheduler = Scheduler(
         args.scheduler_config(runner_cfg), runner, num_pages=runner_cfg.num_pages,
         decode=loaded.tokenizer.decode, eos_token_ids=eos,
-        vocab_size=loaded.config.vocab_size)
+        vocab_size=loaded.config.vocab_size, grammar=grammar,
+        disable_jump_forward=args.disable_jump_forward)
     return scheduler, loaded
 
 

@@ -37,9 +37,9 @@ if TYPE_CHECKING:
 
 GRAMMAR_KINDS = ("regex", "json_schema", "ebnf")
 
-# A token sequence for forced text is only trusted up to this many characters before its end;
-# see canonical_forced_tokens for why.
-_PRETOKEN_LOOKAHEAD_CHARS = 3
+# "'" plus up to two characters may still become one pre-token ("'re", "'ll"); see
+# canonical_forced_tokens.
+_CONTRACTION_LOOKAHEAD_CHARS = 2
 _MAX_MESSAGE_CHARS = 300
 
 
@@ -114,6 +114,7 @@ class GrammarBackend(ABC):
         self.tokenizer_vocab_size = tokenizer.vocab_size
         self.num_mask_words = mask_num_words(vocab_size)
         self.eos_token_ids: frozenset[int] = frozenset(tokenizer.eos_token_ids)
+        tokenizer.id_to_token_bytes(0)  # builds the byte table now (~0.2 s), not mid-request
         self.eos_only_row = np.zeros(self.num_mask_words, dtype=np.int32)
         for t in self.eos_token_ids:
             self.eos_only_row.view(np.uint32)[t // 32] |= np.uint32(1 << (t % 32))
@@ -161,16 +162,20 @@ def canonical_forced_tokens(tokenizer: Tokenizer, forced: bytes) -> list[int]:
     The tokenizer splits text into pre-tokens (GPT-2-style regex pieces, e.g. `{"`, `name`,
     `":"`) and runs BPE inside each piece, so a piece's tokens depend only on the piece. The last
     piece may still grow (`":"` + `-` is one piece), so its tokens are dropped. The regex also
-    looks ahead: contractions (`'re`) and whitespace runs (`\\s*[\\r\\n]+`) can re-split the
-    pieces just before the end, so pieces ending in the last few characters or inside trailing
-    whitespace are dropped too. If the tokens do not spell the text byte for byte (normalizers,
-    an added prefix space, special-token text), nothing is forced.
+    looks past a piece's end: a contraction (`'` + `re`) or a whitespace run (`\\s*[\\r\\n]+`)
+    at the very end can re-split what precedes it, so pieces reaching into trailing whitespace
+    or past an apostrophe in the last two characters are dropped too. If the tokens do not
+    spell the text byte for byte (normalizers, an added prefix space, special-token text),
+    nothing is forced.
     """
     text = _valid_utf8_prefix(forced)
     pre_tokenizer = tokenizer.backend.pre_tokenizer
     if not text or pre_tokenizer is None:
         return []
-    limit = min(len(text) - _PRETOKEN_LOOKAHEAD_CHARS, len(text.rstrip()))
+    limit = len(text.rstrip())
+    apostrophe = text.rfind("'", max(0, len(text) - _CONTRACTION_LOOKAHEAD_CHARS))
+    if apostrophe >= 0:
+        limit = min(limit, apostrophe)
     stable_chars = 0
     for _, (_, end) in pre_tokenizer.pre_tokenize_str(text)[:-1]:
         if end > limit:

@@ -13,9 +13,11 @@ KV bookkeeping of a request, in tokens (ps = page_size):
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from sgl_tpu.constrained.base import GrammarMatcher
 from sgl_tpu.detokenize import IncrementalDecoder
 from sgl_tpu.mem_cache.radix_cache import TreeNode
 from sgl_tpu.sampling_params import SamplingParams
@@ -45,10 +47,13 @@ class Req:
     counts_fresh: bool = False  # row newly assigned: the runner clears its counts first
     cached_tokens: int = 0  # prompt tokens served from the radix cache (reported)
     num_retractions: int = 0
+    jumped: bool = False  # jump-forward appended tokens that still need an EXTEND
 
     finish_reason: dict[str, Any] | None = None
     stop_text_offset: int = -1
     decoder: IncrementalDecoder | None = None  # only when the request has stop strings
+    grammar_future: Future | None = None  # compiled grammar (regex / json_schema / ebnf)
+    matcher: GrammarMatcher | None = None
     input_logprobs_sent: bool = False
     input_token_logprobs: list[list[Any]] = field(default_factory=list)
     input_top_logprobs: list[Any] = field(default_factory=list)

@@ -30,11 +30,19 @@ from typing import Any, Protocol
 import numpy as np
 
 from sgl_tpu.config import SchedulerConfig
+from sgl_tpu.constrained.grammar_manager import GrammarManager
 from sgl_tpu.detokenize import IncrementalDecoder, find_stop
 from sgl_tpu.mem_cache.allocator import PageAllocator
 from sgl_tpu.mem_cache.radix_cache import RadixCache
 from sgl_tpu.messages import ReqOutput, TokenizedGenerateReq
 from sgl_tpu.sampling_params import SamplingParams
+from sgl_tpu.scheduler.constrained import (
+    MAX_JUMP_TOKENS,
+    fill_mask,
+    grammar_ready,
+    jump_forward_enabled,
+    single_allowed_token,
+)
 from sgl_tpu.scheduler.kv_manager import KVManager
 from sgl_tpu.scheduler.policy import order_waiting
 from sgl_tpu.scheduler.req import Req
@@ -79,6 +87,8 @@ class Scheduler:
         decode: Callable[[Sequence[int], bool], str],
         eos_token_ids: Sequence[int],
         vocab_size: int,
+        grammar: GrammarManager | None = None,
+        disable_jump_forward: bool = False,
     ) -> None:
         self.config = config
         self.runner = runner
@@ -94,7 +104,12 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._aborts: set[str] = set()
         self._seed_rng = random.Random(0x5C1)
-        self.grammar_supported = False
+        self.grammar = grammar
+        self.grammar_supported = grammar is not None
+        self.disable_jump_forward = disable_jump_forward
+        self.mask_words = -(-vocab_size // 32)
+        self.jump_forward_reqs: list[Req] = []  # running requests with forced tokens to extend
+        self.stats_jump_forward_tokens = 0
 
     # ---- intake ----------------------------------------------------------------------------
     def validate(self, prompt_len: int, sampling: SamplingParams) -> str | None:
@@ -120,6 +135,8 @@ class Scheduler:
                   session_id=msg.session_id)
         if sampling.stop:
             req.decoder = IncrementalDecoder(self.decode, sampling.skip_special_tokens)
+        if sampling.grammar is not None and self.grammar is not None:
+            req.grammar_future = self.grammar.request(*sampling.grammar)
         self.waiting.append(req)
         return None
 
@@ -128,12 +145,13 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req or self._aborts)
+        return bool(self.waiting or self.running or self.chunked_req or self._aborts
+                    or self.jump_forward_reqs)
 
     # ---- the loop --------------------------------------------------------------------------
     def step(self) -> list[ReqOutput]:
         """Run one batch; return the outputs it produced (possibly none)."""
-        outputs = self._process_aborts()
+        outputs = self._process_aborts() + self._poll_grammars()
         batch = self._schedule_extend()
         if batch:
             outputs += self._run_extend(batch)
@@ -156,12 +174,23 @@ class Scheduler:
             batch.append((req, n))
             budget -= n
             self.chunked_req = None
-        if not self.waiting or budget <= 0:
+        while self.jump_forward_reqs and budget > 0 and len(batch) < cfg.max_extend_seqs:
+            req = self.jump_forward_reqs[0]
+            n = len(req.fill_ids) - req.kv_len
+            if n > budget or not self.kv.alloc_pages(req, self.kv.pages_needed(req,
+                                                                                req.kv_len + n)):
+                break
+            self.jump_forward_reqs.pop(0)
+            batch.append((req, n))
+            budget -= n
+        ready = [r for r in self.waiting if r.grammar_future is None or r.matcher is not None]
+        if not ready or budget <= 0:
             return batch
         shared_keys: set[int] = set()
-        for req in order_waiting(cfg.schedule_policy, self.waiting, self.kv.tree):
+        for req in order_waiting(cfg.schedule_policy, ready, self.kv.tree):
             if (len(batch) >= cfg.max_extend_seqs or budget <= 0
-                    or len(self.running) + len(batch) >= cfg.max_running_requests):
+                    or len(self.running) + len(self.jump_forward_reqs) + len(batch)
+                    >= cfg.max_running_requests):
                 break
             self.kv.admit_prefix(req)
             extend_len = len(req.fill_ids) - req.kv_len
@@ -198,7 +227,8 @@ class Scheduler:
                 pages=req.pages, sampling=req.sampling, seed=req.seed,
                 num_output_tokens=len(req.output_ids), counts_row=req.row,
                 counts_reset=req.counts_fresh,
-                sample_valid=completes and req.sampling.max_new_tokens > 0))
+                sample_valid=completes and req.sampling.max_new_tokens > 0,
+                bitmask=fill_mask(req, self.mask_words) if completes else None))
         result = self.runner.forward(ForwardMode.EXTEND, steps)
         self.stats.num_extend_steps += 1
         if any(req.wants_input_logprobs for req, _ in batch):
@@ -218,7 +248,9 @@ class Scheduler:
             outputs.append(self._append_token(req, result, i))
             if not req.finished:
                 self.kv.cache_req(req)
-                self.running.append(req)
+                if not req.jumped:
+                    self.running.append(req)
+        self._take_jump_forward([req for req, _ in batch])
         return outputs
 
     def _collect_input_logprobs(self, batch: list[tuple[Req, int]], result: Any) -> None:
@@ -256,7 +288,8 @@ class Scheduler:
             return []
         steps = [SeqStep(token_ids=[req.output_ids[-1]], prefix_len=req.kv_len, pages=req.pages,
                          sampling=req.sampling, seed=req.seed,
-                         num_output_tokens=len(req.output_ids), counts_row=req.row)
+                         num_output_tokens=len(req.output_ids), counts_row=req.row,
+                         bitmask=fill_mask(req, self.mask_words))
                  for req in self.running]
         result = self.runner.forward(ForwardMode.DECODE, steps)
         self.stats.num_decode_steps += 1
@@ -264,7 +297,8 @@ class Scheduler:
         for i, req in enumerate(self.running):
             req.kv_len += 1
             outputs.append(self._append_token(req, result, i))
-        self.running = [r for r in self.running if not r.finished]
+        self._take_jump_forward(self.running)
+        self.running = [r for r in self.running if not r.finished and not r.jumped]
         return outputs
 
     def _ensure_decode_pages(self) -> None:
@@ -298,9 +332,14 @@ class Scheduler:
     # ---- post-processing -------------------------------------------------------------------
     def _append_token(self, req: Req, result: Any, i: int) -> ReqOutput:
         token = int(result.token_ids[i])
+        req.jumped = False
+        new_ids = [token]
         req.output_ids.append(token)
         self.stats.generated_tokens += 1
         self._check_finished(req, token)
+        self._advance_grammar(req, token)
+        if not req.finished and jump_forward_enabled(req, self.disable_jump_forward):
+            new_ids += self._jump_forward(req)
         lp = tops = None
         if req.return_logprob:
             lp = [[float(result.logprobs[i]), token]]
@@ -308,8 +347,51 @@ class Scheduler:
             tops = [[[float(result.top_logprobs[i, c]), int(result.top_ids[i, c])]
                      for c in range(k)]] if k else None
         if req.finished:
-            return self._finish(req, [token], lp, tops)
-        return self._output(req, [token], lp, tops)
+            return self._finish(req, new_ids, lp, tops)
+        return self._output(req, new_ids, lp, tops)
+
+    def _advance_grammar(self, req: Req, token: int) -> None:
+        if req.matcher is None or req.finished:
+            return
+        if not req.matcher.accept_token(token):
+            req.finish_reason = {"type": "abort", "message":
+                                 f"internal error: token {token} violates the grammar"}
+        elif req.matcher.is_terminated():
+            # Complete, and nothing may follow: end as if the EOS came next.
+            req.finish_reason = {"type": "stop", "matched": min(self.eos_token_ids)}
+
+    def _jump_forward(self, req: Req) -> list[int]:
+        """Append the tokens the grammar forces (exactly one allowed token at a time)."""
+        forced: list[int] = []
+        row = np.empty(self.mask_words, np.int32)
+        while len(forced) < MAX_JUMP_TOKENS and not req.finished:
+            req.matcher.fill_bitmask(row)
+            token = single_allowed_token(row)
+            if token is None or token in self.eos_token_ids:
+                break
+            forced.append(token)
+            req.output_ids.append(token)
+            self._check_finished(req, token)
+            self._advance_grammar(req, token)
+        if forced:
+            req.jumped = not req.finished
+            self.stats_jump_forward_tokens += len(forced)
+        return forced
+
+    def _take_jump_forward(self, reqs: list[Req]) -> None:
+        for req in reqs:
+            if req.jumped and not req.finished:
+                self.jump_forward_reqs.append(req)
+
+    def _poll_grammars(self) -> list[ReqOutput]:
+        """Requests whose grammar failed to compile end with a 400."""
+        outputs = []
+        for req in [r for r in self.waiting if r.grammar_future is not None]:
+            state = grammar_ready(req)
+            if isinstance(state, str):
+                self.waiting.remove(req)
+                outputs.append(_error_output(req.rid, req.prompt_len, state))
+        return outputs
 
     def _check_finished(self, req: Req, token: int) -> None:
         sp = req.sampling
@@ -374,6 +456,11 @@ class Scheduler:
                 self.running.remove(req)
                 req.finish_reason = dict(aborted)
                 outputs.append(self._finish(req, []))
+        for req in list(self.jump_forward_reqs):
+            if req.rid in self._aborts:
+                self.jump_forward_reqs.remove(req)
+                req.finish_reason = dict(aborted)
+                outputs.append(self._finish(req, []))
         if self.chunked_req is not None and self.chunked_req.rid in self._aborts:
             req, self.chunked_req = self.chunked_req, None
             req.finish_reason = dict(aborted)
@@ -383,13 +470,14 @@ class Scheduler:
 
     def flush_cache(self) -> bool:
         """Empty the radix tree; refused (False) while requests hold KV."""
-        if self.running or self.chunked_req or self.waiting:
+        if self.running or self.chunked_req or self.waiting or self.jump_forward_reqs:
             return False
         self.kv.tree.reset()
         return True
 
     def check_integrity(self) -> None:
-        holding = list(self.running) + ([self.chunked_req] if self.chunked_req else [])
+        holding = (list(self.running) + self.jump_forward_reqs
+                   + ([self.chunked_req] if self.chunked_req else []))
         self.kv.check(holding)
 
     def memory_info(self) -> dict[str, int]:

@@ -20,4 +20,5 @@ serve: $(STAMP)
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m sgl_tpu.launch_server $(ARGS)
 
 test: $(STAMP)
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q -x --durations=15 tests
+	$(PY) -m ruff check sgl_tpu server kernels tests examples
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q --durations=20 tests

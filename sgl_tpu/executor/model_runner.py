@@ -78,6 +78,14 @@ def _token_logprobs_impl(params, hidden, target_ids, *, cfg: ModelConfig, num_to
     return chosen, top_ids.astype(jnp.int32), top_lp
 
 
+def _row_logits_impl(params, hidden, rows, *, cfg: ModelConfig):
+    """hidden [T, D], rows i32[R] -> float32 logits [R, V] of those rows."""
+    return llama.compute_logits(params, hidden[rows], cfg)
+
+
+ROW_LOGITS_BUCKET = 64  # rows per `row_logits` call (one compiled shape per token bucket)
+
+
 def params_to_device(params: dict, dtype) -> dict:
     """numpy params -> device arrays; norms stay float32, matrices take the compute dtype."""
 
@@ -112,6 +120,7 @@ class ModelRunner:
         )
         self._token_logprobs = jax.jit(
             partial(_token_logprobs_impl, cfg=model_config, num_top=num_top))
+        self._row_logits = jax.jit(partial(_row_logits_impl, cfg=model_config))
 
     # ---- device state -------------------------------------------------------------------
     def _alloc_kv_pools(self) -> list:
@@ -127,7 +136,8 @@ class ModelRunner:
 
     def num_compilations(self) -> int:
         """Compiled variants of the jitted entry points so far."""
-        return self._step._cache_size() + self._token_logprobs._cache_size()
+        return (self._step._cache_size() + self._token_logprobs._cache_size()
+                + self._row_logits._cache_size())
 
     # ---- steps -------------------------------------------------------------------------
     def batch_shape(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> BatchShape:
@@ -163,6 +173,16 @@ class ModelRunner:
         lp, ids, top = jax.device_get(self._token_logprobs(self.params, hidden, targets))
         return np.asarray(lp, np.float32), np.asarray(ids), np.asarray(top, np.float32)
 
+    def row_logits(self, hidden: jax.Array, rows: np.ndarray) -> np.ndarray:
+        """Full logits [len(rows), V] at selected rows of an EXTEND step's hidden states."""
+        out = []
+        for start in range(0, len(rows), ROW_LOGITS_BUCKET):
+            chunk = rows[start : start + ROW_LOGITS_BUCKET]
+            padded = np.zeros(ROW_LOGITS_BUCKET, np.int32)
+            padded[: len(chunk)] = chunk
+            out.append(np.asarray(self._row_logits(self.params, hidden, padded))[: len(chunk)])
+        return np.concatenate(out)
+
     # ---- warm-up -----------------------------------------------------------------------
     def warmup(self) -> float:
         """Compile every bucket by running dummy batches that write only into page 0."""
@@ -179,6 +199,7 @@ class ModelRunner:
             out, hidden, self.kv_pools, self.token_counts = self._step(
                 self.params, self.kv_pools, self.token_counts, fb, mode=ForwardMode.EXTEND)
             self._token_logprobs(self.params, hidden, np.zeros(n_tokens, np.int32))
+            self.row_logits(hidden, np.zeros(1, np.int32))
         for n_seqs in self.config.seq_buckets:
             steps = [SeqStep(token_ids=[0], prefix_len=0, pages=page0, sampling=greedy, seed=0,
                              num_output_tokens=0, sample_valid=False)] * n_seqs

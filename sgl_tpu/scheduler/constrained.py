@@ -7,10 +7,18 @@ Per request with a regex / JSON schema / EBNF constraint:
                 before running it: matcher.fill_bitmask(row) ──► SeqStep.bitmask (device masks)
                 after sampling:    matcher.accept_token(token); terminated ──► finish
 
-Jump-forward: after a sampled token, while the mask allows exactly one token, that token is
-appended without a decode step (the request then runs those tokens in one EXTEND). Any
-sampler would pick the single allowed token, and the RNG is keyed by output position, so the
-output is identical to decoding them one by one, greedy or sampled.
+Jump-forward, in two exact forms:
+
+1. While the mask allows exactly one token, it is appended without a decode step (the request
+   then runs those tokens in one EXTEND). Any sampler would pick the single allowed token, and
+   the RNG is keyed by output position, so the output equals decoding them one by one.
+2. Greedy requests also append the backend's canonical forced tokens (e.g. `"name":"` of a
+   schema with fixed keys) as a *draft*: the masks allow other tokenizations of the same text,
+   so the draft is only a guess. The EXTEND that computes the draft also yields the logits at
+   every draft position; the draft is kept up to the first token that differs from the masked
+   argmax there, which replaces it (the grammar rolls back, the extra KV is dropped). The
+   result is what greedy decoding without jump-forward produces (up to the rounding
+   difference between computing a token in an EXTEND and in a DECODE step).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from sgl_tpu.constrained.base import GrammarError
 from sgl_tpu.scheduler.req import Req
 
 MAX_JUMP_TOKENS = 256  # bound on tokens appended by one jump-forward
+MAX_DRAFT_TOKENS = 32  # bound on one canonical draft
 
 
 def grammar_ready(req: Req) -> bool | str:
@@ -62,3 +71,53 @@ def jump_forward_enabled(req: Req, disabled: bool) -> bool:
     """Forced tokens skip the sampler, so they would miss log-probs and penalty counts."""
     return (not disabled and req.matcher is not None and not req.return_logprob
             and not req.sampling.uses_penalties)
+
+
+def draft_room(req: Req) -> int:
+    """How many draft tokens a greedy request may take: drafts are verified later, so only
+    where nothing but the grammar can end the request (no stop strings or stop ids) and the
+    draft plus one more token fits in max_new_tokens."""
+    sp = req.sampling
+    if not sp.is_greedy or req.decoder is not None or sp.stop_token_ids:
+        return 0
+    return max(0, min(MAX_DRAFT_TOKENS, sp.max_new_tokens - len(req.output_ids) - 1))
+
+
+def make_draft(req: Req, num_words: int) -> None:
+    """Append the canonical forced tokens as an unverified draft (see the module docstring)."""
+    room = draft_room(req)
+    if room == 0:
+        return
+    matcher = req.matcher
+    for token in matcher.forced_tokens()[:room]:
+        mask = np.empty(num_words, np.int32)
+        matcher.fill_bitmask(mask)
+        if not matcher.accept_token(token):
+            break
+        if matcher.is_terminated():  # let the final token come from a normal step
+            matcher.rollback(1)
+            break
+        req.draft.append(token)
+        req.draft_masks.append(mask)
+        req.output_ids.append(token)
+
+
+def verify_draft(req: Req, logits: np.ndarray, vocab_size: int) -> tuple[list[int], int | None]:
+    """Check the draft against the masked greedy choice at each position.
+
+    logits: f32[len(draft), V], row j = the prediction for draft[j]. Returns (verified draft
+    tokens, the model's token replacing the first wrong one or None). On a mismatch the
+    request's output, grammar state and kv_len are cut back to the verified part.
+    """
+    draft, masks = req.draft, req.draft_masks
+    req.draft, req.draft_masks = [], []
+    for j, token in enumerate(draft):
+        allowed = np.unpackbits(masks[j].view(np.uint8), bitorder="little")[:vocab_size]
+        choice = int(np.where(allowed.astype(bool), logits[j, :vocab_size], -np.inf).argmax())
+        if choice != token:
+            drop = len(draft) - j
+            del req.output_ids[-drop:]
+            req.matcher.rollback(drop)
+            req.kv_len -= drop
+            return draft[:j], choice
+    return draft, None

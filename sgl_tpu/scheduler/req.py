@@ -17,6 +17,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from sgl_tpu.constrained.base import GrammarMatcher
 from sgl_tpu.detokenize import IncrementalDecoder
 from sgl_tpu.mem_cache.radix_cache import TreeNode
@@ -48,6 +50,10 @@ class Req:
     cached_tokens: int = 0  # prompt tokens served from the radix cache (reported)
     num_retractions: int = 0
     jumped: bool = False  # jump-forward appended tokens that still need an EXTEND
+    # Canonical forced tokens appended as a draft (greedy only): not yet sent, verified
+    # against the model's masked argmax after the EXTEND that computes them.
+    draft: list[int] = field(default_factory=list)
+    draft_masks: list[np.ndarray] = field(default_factory=list)
 
     finish_reason: dict[str, Any] | None = None
     stop_text_offset: int = -1

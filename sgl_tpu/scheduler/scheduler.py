@@ -41,7 +41,9 @@ from sgl_tpu.scheduler.constrained import (
     fill_mask,
     grammar_ready,
     jump_forward_enabled,
+    make_draft,
     single_allowed_token,
+    verify_draft,
 )
 from sgl_tpu.scheduler.kv_manager import KVManager
 from sgl_tpu.scheduler.policy import order_waiting
@@ -233,6 +235,7 @@ class Scheduler:
         self.stats.num_extend_steps += 1
         if any(req.wants_input_logprobs for req, _ in batch):
             self._collect_input_logprobs(batch, result)
+        draft_logits = self._draft_logits(batch, result)
         outputs = []
         for i, (req, n) in enumerate(batch):
             req.counts_fresh = False
@@ -245,13 +248,32 @@ class Scheduler:
                 req.finish_reason = {"type": "length", "length": 0}
                 outputs.append(self._finish(req, []))
                 continue
-            outputs.append(self._append_token(req, result, i))
+            outputs.append(self._append_token(req, result, i, draft_logits.get(req.rid)))
             if not req.finished:
                 self.kv.cache_req(req)
                 if not req.jumped:
                     self.running.append(req)
         self._take_jump_forward([req for req, _ in batch])
         return outputs
+
+    def _draft_logits(self, batch: list[tuple[Req, int]], result: Any) -> dict[str, np.ndarray]:
+        """Logits at the positions predicting each request's draft tokens (jump-forward)."""
+        rows, owners = [], []
+        t = 0
+        for req, n in batch:
+            k = len(req.draft)
+            if k:
+                rows.extend(range(t + n - k - 1, t + n - 1))
+                owners.append((req, k))
+            t += n
+        if not rows:
+            return {}
+        logits = self.runner.row_logits(result.hidden, np.asarray(rows, np.int32))
+        out, r = {}, 0
+        for req, k in owners:
+            out[req.rid] = logits[r : r + k]
+            r += k
+        return out
 
     def _collect_input_logprobs(self, batch: list[tuple[Req, int]], result: Any) -> None:
         """Prompt log-probs: row t of the step predicts the token after packed token t."""
@@ -330,10 +352,17 @@ class Scheduler:
                     len(req.output_ids))
 
     # ---- post-processing -------------------------------------------------------------------
-    def _append_token(self, req: Req, result: Any, i: int) -> ReqOutput:
+    def _append_token(self, req: Req, result: Any, i: int,
+                      draft_logits: np.ndarray | None = None) -> ReqOutput:
         token = int(result.token_ids[i])
+        verified: list[int] = []
+        if draft_logits is not None:
+            verified, correction = verify_draft(req, draft_logits, self.vocab_size)
+            token = token if correction is None else correction
+            self.stats_jump_forward_tokens += len(verified)
+            self.stats.generated_tokens += len(verified)
         req.jumped = False
-        new_ids = [token]
+        new_ids = verified + [token]
         req.output_ids.append(token)
         self.stats.generated_tokens += 1
         self._check_finished(req, token)
@@ -373,7 +402,9 @@ class Scheduler:
             req.output_ids.append(token)
             self._check_finished(req, token)
             self._advance_grammar(req, token)
-        if forced:
+        if not req.finished:
+            make_draft(req, self.mask_words)
+        if forced or req.draft:
             req.jumped = not req.finished
             self.stats_jump_forward_tokens += len(forced)
         return forced
@@ -429,7 +460,8 @@ class Scheduler:
         out = ReqOutput(
             rid=req.rid, new_token_ids=new_ids, finished=req.finished,
             finish_reason=req.finish_reason, prompt_tokens=req.prompt_len,
-            completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
+            completion_tokens=len(req.output_ids) - len(req.draft),
+            cached_tokens=req.cached_tokens,
             stop_text_offset=req.stop_text_offset,
             skip_special_tokens=req.sampling.skip_special_tokens,
             stop_strs=[] if req.sampling.no_stop_trim else list(req.sampling.stop),

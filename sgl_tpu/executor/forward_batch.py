@@ -18,7 +18,6 @@ Padding tokens write their K/V into reserved page 0 and padding sequences have s
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -206,7 +205,3 @@ def batch_shape_for(
     n_tokens = sum(len(st.token_ids) for st in steps)
     t = pick_bucket(token_buckets, n_tokens, "extend batch tokens")
     return BatchShape(mode, t, max_extend_seqs, max_pages, block_q, vocab_words, pages_per_tile)
-
-
-def replace(fb: ForwardBatch, **changes) -> ForwardBatch:
-    return dataclasses.replace(fb, **changes)

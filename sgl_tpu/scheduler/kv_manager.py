@@ -69,7 +69,7 @@ class KVManager:
         """Share `req`'s computed KV through the tree while it keeps running."""
         if self.tree.disable:
             return
-        aligned, prefix_len = self._insert(req)
+        aligned, _ = self._insert(req)
         match = self.tree.match_prefix(req.fill_ids[:aligned])
         if match.prefix_len != aligned:
             raise RuntimeError(f"tree lost an inserted prefix ({match.prefix_len} != {aligned})")
@@ -78,7 +78,6 @@ class KVManager:
         self.tree.dec_lock_ref(req.last_node)
         req.last_node = match.last_node
         req.tree_len = aligned
-        del prefix_len
 
     def release_req(self, req: Req) -> None:
         """Give up all of `req`'s KV: the tree keeps what it can, the rest is freed."""

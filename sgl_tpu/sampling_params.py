@@ -95,6 +95,8 @@ class SamplingParams:
         unknown = set(d) - names - _ACCEPTED_NOOP_KEYS
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+        if d.get("stop_regex"):
+            raise ValueError("stop_regex is not supported yet (send stop strings instead)")
         kwargs: dict[str, Any] = {}
         for key, value in d.items():
             if value is None or key in _ACCEPTED_NOOP_KEYS:

@@ -368,10 +368,12 @@ def test_logprobs(roomy, nocache):
     for e, tops in zip(meta["input_token_logprobs"][1:], itop[1:], strict=True):
         assert len(tops) == 3 and e[0] <= tops[0][0] + 1e-5
 
-    # a later start: positions [start, prompt_len), the same values
+    # a later start: positions [start, prompt_len), the first one null (as SGLang), the rest
+    # the same values
     part = roomy.generate(**{**body, "logprob_start_len": 30})["meta_info"]
     assert [e[1] for e in part["input_token_logprobs"]] == prompt[30:]
-    for a, b in zip(part["input_token_logprobs"], itl[30:], strict=True):
+    assert part["input_token_logprobs"][0][0] is None
+    for a, b in zip(part["input_token_logprobs"][1:], itl[31:], strict=True):
         assert a[0] == pytest.approx(b[0], abs=1e-4)
     # the same numbers from a server without the radix cache
     cold = nocache.generate(**body)["meta_info"]
@@ -439,12 +441,14 @@ def test_stop_token_ids_min_and_max_new_tokens(roomy):
     assert out["text"] == upto["text"]
     assert upto["meta_info"]["finish_reason"] == {"type": "length", "length": j}
     assert upto["output_ids"] == full[:j]
-    # min_new_tokens: the stop token is ignored before that many tokens
+    # min_new_tokens: the stop token is masked (never sampled) before that many tokens, as
+    # SGLang's min-new-tokens penalizer does; up to position j the output is unchanged
     late = roomy.generate(input_ids=prompt, sampling_params={
         **sp, "stop_token_ids": [tok], "min_new_tokens": j + 2})
     n = late["meta_info"]["completion_tokens"]
     assert n >= j + 2
-    assert late["output_ids"] == full[:n]
+    assert tok not in late["output_ids"][: j + 2]
+    assert late["output_ids"][:j] == full[:j]
 
 
 def test_n_2_returns_two(roomy):
@@ -518,7 +522,8 @@ def test_client_disconnect_frees_the_request(roomy):
 def test_info_and_health_routes(roomy, tiny_model):
     info = roomy.get("/get_model_info")
     assert info.status_code == 200
-    assert info.json()["model_path"] == tiny_model
+    assert info.json()["tokenizer_path"] == tiny_model
+    assert info.json()["model_path"].startswith(tiny_model)
     assert info.json()["is_generation"] is True
     for path in ("/health", "/health_generate"):
         assert roomy.get(path).status_code == 200, path

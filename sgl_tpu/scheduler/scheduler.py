@@ -239,7 +239,7 @@ class Scheduler:
                 num_output_tokens=len(req.output_ids), counts_row=req.row,
                 counts_reset=req.counts_fresh,
                 sample_valid=completes and req.sampling.max_new_tokens > 0,
-                bitmask=fill_mask(req, self.mask_words) if completes else None))
+                bitmask=self._step_mask(req) if completes else None))
         result = self.runner.forward(ForwardMode.EXTEND, steps)
         self.stats.num_extend_steps += 1
         if any(req.wants_input_logprobs for req, _ in batch):
@@ -264,6 +264,19 @@ class Scheduler:
                     self.running.append(req)
         self._take_jump_forward([req for req, _ in batch])
         return outputs
+
+    def _step_mask(self, req: Req) -> np.ndarray | None:
+        """The grammar's mask, with EOS and stop ids disallowed before min_new_tokens."""
+        row = fill_mask(req, self.mask_words)
+        sp = req.sampling
+        if len(req.output_ids) < sp.min_new_tokens:
+            banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_token_ids)
+            if banned:
+                row = np.full(self.mask_words, -1, np.int32) if row is None else row
+                words = row.view(np.uint32)
+                for t in banned:
+                    words[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
+        return row
 
     def _draft_logits(self, batch: list[tuple[Req, int]], result: Any) -> dict[str, np.ndarray]:
         """Logits at the positions predicting each request's draft tokens (jump-forward)."""
@@ -305,8 +318,9 @@ class Scheduler:
                 for j in range(n):
                     pos = req.kv_len + j + 1  # the prompt position predicted by row j
                     if start <= pos < req.prompt_len:
-                        req.input_token_logprobs.append(
-                            [float(lp[t + j]), req.origin_input_ids[pos]])
+                        # SGLang: the first entry (position logprob_start_len) is null.
+                        value = None if pos == start else float(lp[t + j])
+                        req.input_token_logprobs.append([value, req.origin_input_ids[pos]])
                         req.input_top_logprobs.append(
                             [[float(top_lp[t + j, c]), int(top_ids[t + j, c])]
                              for c in range(k)] if k else None)
@@ -320,7 +334,7 @@ class Scheduler:
         steps = [SeqStep(token_ids=[req.output_ids[-1]], prefix_len=req.kv_len, pages=req.pages,
                          sampling=req.sampling, seed=req.seed,
                          num_output_tokens=len(req.output_ids), counts_row=req.row,
-                         bitmask=fill_mask(req, self.mask_words))
+                         bitmask=self._step_mask(req))
                  for req in self.running]
         result = self.runner.forward(ForwardMode.DECODE, steps)
         self.stats.num_decode_steps += 1
@@ -441,7 +455,7 @@ class Scheduler:
         num_out = len(req.output_ids)
         if req.decoder is not None:
             delta = req.decoder.append([token])
-            if num_out >= sp.min_new_tokens and delta:
+            if delta:
                 hit = find_stop(req.decoder.text, len(delta), sp.stop)
                 if hit is not None:
                     req.stop_text_offset = -1 if sp.no_stop_trim else hit[0]

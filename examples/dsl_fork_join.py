@@ -13,22 +13,8 @@ into the main program, which writes a verdict from them.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-
-def load_sglang():
-    """`import sglang`; with the repository's frontend-only install (README, "SGLang frontend
-    programs") the GPU runtime is absent and `tests/sglang_frontend.py` stands in for it."""
-    try:
-        import sglang
-    except ImportError:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from sglang_frontend import sgl as sglang
-    return sglang
-
-
-sgl = load_sglang()
+from _frontend import sgl  # examples/_frontend.py
 
 PRODUCT = """Product: TrailLite 2 tent.
 Weight 1.2 kg, packs to the size of a water bottle. Sleeps two, with one door and one vestibule.

@@ -89,7 +89,8 @@ def _control(scheduler, msg: ControlReq) -> ControlResp:
                       "num_requests_finished": s.num_requests_finished,
                       "num_retractions": s.num_retractions,
                       "num_extend_steps": s.num_extend_steps,
-                      "num_decode_steps": s.num_decode_steps},
+                      "num_decode_steps": s.num_decode_steps,
+                      "jump_forward_tokens": s.jump_forward_tokens},
         }
         if not scheduler.has_work:
             try:

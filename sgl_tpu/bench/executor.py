@@ -18,6 +18,8 @@ from functools import partial
 
 import numpy as np
 
+from sgl_tpu.bench.report import emit
+
 
 def _steps(n_seqs: int, n_new: int, prefix: int, page_size: int, rng, vocab: int):
     from sgl_tpu.sampling_params import SamplingParams
@@ -94,11 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     results = run(args)
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text)
+    emit(results, args.output)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import types
 
 import requests
 
+from sgl_tpu.bench.report import emit
 from sgl_tpu.bench.serving import Server
 
 ASPECTS = ("Category", "Urgency", "Owner team", "Next step", "Customer reply", "Risk")
@@ -150,11 +151,7 @@ def main(argv: list[str] | None = None) -> None:
             server.stop()
     cache, nocache = results["runs"]["cache"], results["runs"]["nocache"]
     results["ratios"] = {"wall_nocache_over_cache": round(nocache["wall_s"] / cache["wall_s"], 3)}
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text)
+    emit(results, args.output)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ import time
 
 import numpy as np
 
+from sgl_tpu.bench.report import emit
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -179,11 +181,7 @@ def main(argv: list[str] | None = None) -> None:
                             "ttft_p50_nocache_over_cache":
                             round(b["ttft_p50_s"] / a["ttft_p50_s"], 3)}
     results["ratios"] = ratios
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text)
+    emit(results, args.output)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import json
 import time
 from typing import Any
 
+from sgl_tpu.bench.report import emit
 from sgl_tpu.bench.serving import Server
 
 PERMISSIVE_REGEX = r"[^\x00]*\x01"
@@ -210,11 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         for server in servers.values():
             server.stop()
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text)
+    emit(results, args.output)
 
 
 if __name__ == "__main__":

@@ -76,6 +76,7 @@ class SchedulerStats:
     num_retractions: int = 0
     num_extend_steps: int = 0
     num_decode_steps: int = 0
+    jump_forward_tokens: int = 0  # tokens appended by jump-forward (no decode step)
     last_log_time: float = field(default_factory=time.monotonic)
     last_log_tokens: int = 0
 
@@ -112,7 +113,6 @@ class Scheduler:
         self.disable_jump_forward = disable_jump_forward
         self.mask_words = -(-vocab_size // 32)
         self.jump_forward_reqs: list[Req] = []  # running requests with forced tokens to extend
-        self.stats_jump_forward_tokens = 0
 
     # ---- intake ----------------------------------------------------------------------------
     def validate(self, prompt_len: int, sampling: SamplingParams) -> str | None:
@@ -384,7 +384,7 @@ class Scheduler:
         if draft_logits is not None:
             verified, correction = verify_draft(req, draft_logits, self.vocab_size)
             token = token if correction is None else correction
-            self.stats_jump_forward_tokens += len(verified)
+            self.stats.jump_forward_tokens += len(verified)
             self.stats.generated_tokens += len(verified)
         req.jumped = False
         new_ids = verified + [token]
@@ -431,7 +431,7 @@ class Scheduler:
             make_draft(req, self.mask_words)
         if forced or req.draft:
             req.jumped = not req.finished
-            self.stats_jump_forward_tokens += len(forced)
+            self.stats.jump_forward_tokens += len(forced)
             self.stats.generated_tokens += len(forced)
         return forced
 

@@ -42,7 +42,9 @@ class GenerateReqInput(BaseModel):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: str | list[str] | None = None
-    session_id: str | None = None
+    # An agent's session: its KV is kept at eviction priority between turns. One for all
+    # prompts, or a list with one per prompt (None entries allowed).
+    session_id: str | list[str | None] | None = None
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
@@ -80,6 +82,9 @@ def expand_generate(tm: TokenizerManager, req: GenerateReqInput) -> tuple[list[G
         prompts = req.input_ids if batch else [req.input_ids]
     if batch and not prompts:
         raise RequestError("the batch is empty")
+    if isinstance(req.session_id, list) and len(req.session_id) != len(prompts):
+        raise RequestError(f"session_id has {len(req.session_id)} entries for "
+                           f"{len(prompts)} prompts")
     items = []
     for i, ids in enumerate(prompts):
         sp = dict(_pick(req.sampling_params, i) or {})
@@ -98,7 +103,7 @@ def expand_generate(tm: TokenizerManager, req: GenerateReqInput) -> tuple[list[G
                 logprob_start_len=int(_pick(req.logprob_start_len, i)),
                 top_logprobs_num=int(_pick(req.top_logprobs_num, i)),
                 return_text_in_logprobs=req.return_text_in_logprobs,
-                session_id=req.session_id)
+                session_id=_pick(req.session_id, i))
             if rid is not None:
                 item.rid = rid if n == 1 else f"{rid}-{k}"
             items.append(item)

@@ -69,6 +69,7 @@ class _SamplingRequest(BaseModel):
     regex: str | None = None
     ebnf: str | None = None
     rid: str | None = None
+    session_id: str | None = None  # an agent's session: retention hint for its KV
 
 
 class CompletionRequest(_SamplingRequest):
@@ -317,7 +318,7 @@ async def completions(tm: TokenizerManager, request: Request):
     want_lp = req.logprobs is not None
     items = _expand(prompts, _sampling(req, req.max_tokens), req.n, req.rid,
                     return_logprob=want_lp, top_logprobs_num=req.logprobs or 0,
-                    return_text_in_logprobs=True,
+                    return_text_in_logprobs=True, session_id=req.session_id,
                     logprob_start_len=0 if want_lp and req.echo else -1)
     for item in items:
         tm.validate(item)
@@ -444,7 +445,7 @@ async def chat_completions(tm: TokenizerManager, request: Request):
     prompt = _chat_prompt(tm, req)
     items = _expand([prompt], _chat_sampling(tm, req, len(prompt)), req.n, req.rid,
                     return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
-                    return_text_in_logprobs=True)
+                    return_text_in_logprobs=True, session_id=req.session_id)
     for item in items:
         tm.validate(item)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

@@ -38,7 +38,7 @@ from sgl_tpu.messages import (
 from sgl_tpu.response import ResponseAccumulator, error_status
 from sgl_tpu.sampling_params import SamplingParams
 from sgl_tpu.server.ipc import PortArgs
-from sgl_tpu.validation import check_request
+from sgl_tpu.validation import check_request, check_session_id
 
 logger = logging.getLogger("sgl_tpu.tokenizer_manager")
 
@@ -66,7 +66,7 @@ class GenItem:
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
-    session_id: str | None = None
+    session_id: str | None = None  # agent session: retention hint for its KV (KVManager)
 
 
 @dataclass
@@ -186,6 +186,8 @@ class TokenizerManager:
                                f"than the prompt length ({n})")
         if item.top_logprobs_num < 0 or item.top_logprobs_num > self.args.max_top_logprobs:
             raise RequestError(f"top_logprobs_num must be in [0, {self.args.max_top_logprobs}]")
+        if (error := check_session_id(item.session_id)) is not None:
+            raise RequestError(error)
         return sampling
 
     async def generate(self, item: GenItem) -> AsyncIterator[dict[str, Any]]:

@@ -15,6 +15,8 @@ _HELP = {
                             "chunked",
     "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
     "skip_warmup": "do not compile the shape buckets at start-up (they compile on first use)",
+    "session_retention_s": "seconds a finished request with a session_id keeps its KV at "
+                           "eviction priority for the agent's next turn (0 disables)",
 }
 
 
@@ -31,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
             kw["choices"] = SCHEDULE_POLICIES
         if f.name == "dtype":
             kw["choices"] = DTYPES
-        typ = int if isinstance(f.default, int) else str
+        typ = int if isinstance(f.default, int) else float if isinstance(f.default, float) \
+            else str
         if f.name == "context_length":
             typ = int
         p.add_argument(flag, type=typ, **kw)

@@ -63,6 +63,7 @@ class SchedulerConfig:
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
     max_top_logprobs: int = 20
+    session_retention_s: float = 30.0  # see ServerArgs
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,12 @@ class ServerArgs:
     context_length: int | None = None  # None: the model's
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
+    # A finished request with a session_id keeps its prompt + output in the radix cache at
+    # eviction priority for this long (0 = off): its agent's next turn, after a tool call,
+    # resends it. 30 s covers typical tool round trips (code runs, searches, API calls take
+    # well under that) while bounding how long an abandoned session keeps its priority; the
+    # KV stays evictable throughout, it is only evicted after unretained KV.
+    session_retention_s: float = 30.0
     kv_tile: int = 256
     block_q: int = 128
     min_token_bucket: int = 64
@@ -98,6 +105,11 @@ class ServerArgs:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if (isinstance(self.session_retention_s, bool)
+                or not isinstance(self.session_retention_s, int | float)
+                or not 0 <= self.session_retention_s < float("inf")):
+            raise ValueError(f"session_retention_s must be a finite number >= 0, "
+                             f"got {self.session_retention_s!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, "
                              f"got {self.schedule_policy!r}")
@@ -150,4 +162,5 @@ class ServerArgs:
             schedule_policy=self.schedule_policy,
             disable_radix_cache=self.disable_radix_cache,
             max_top_logprobs=self.max_top_logprobs,
+            session_retention_s=float(self.session_retention_s),
         )

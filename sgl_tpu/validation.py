@@ -5,6 +5,20 @@ from __future__ import annotations
 
 from sgl_tpu.sampling_params import SamplingParams
 
+MAX_SESSION_ID_LEN = 256
+
+
+def check_session_id(session_id: object) -> str | None:
+    """A message naming the problem if `session_id` (a retention hint, see
+    `KVManager.retain_prefix`) is malformed, else None."""
+    if session_id is None:
+        return None
+    if not isinstance(session_id, str) or not 1 <= len(session_id) <= MAX_SESSION_ID_LEN:
+        got = (f"{len(session_id)} characters" if isinstance(session_id, str)
+               else type(session_id).__name__)
+        return f"session_id must be a string of 1 to {MAX_SESSION_ID_LEN} characters, got {got}"
+    return None
+
 
 def check_request(prompt_len: int, sampling: SamplingParams, *, context_len: int,
                   capacity_tokens: int, grammar_supported: bool) -> str | None:

@@ -276,7 +276,8 @@ class RadixCacheMachine(RuleBasedStateMachine):
     """Drives the cache as a scheduler would and compares it with a dict of page prefixes.
 
     Model: ``stored`` maps every stored page-aligned prefix (a tuple) to the page id of its last
-    page; ``stamp`` holds each prefix's last access (our own clock, only the order matters).
+    page; ``stamp`` holds each prefix's last access (our own clock, only the order matters);
+    ``deadline`` each prefix's session-retention deadline on the cache's injected clock ``now``.
     A request = (key, slots, cached_len, last_node, pages it holds itself).
     """
 
@@ -284,10 +285,12 @@ class RadixCacheMachine(RuleBasedStateMachine):
     def setup(self, page_size, disable):
         self.ps = page_size
         self.allocator = PageAllocator(num_pages=24, page_size=page_size)
-        self.cache = RadixCache(self.allocator, disable=disable)
+        self.now = 1.0
+        self.cache = RadixCache(self.allocator, disable=disable, clock=lambda: self.now)
         self.disable = disable
         self.stored: dict[tuple[int, ...], int] = {}
         self.stamp: dict[tuple[int, ...], int] = {}
+        self.deadline: dict[tuple[int, ...], float] = {}
         self.clock = 0
         self.requests: list[tuple[list[int], np.ndarray, int, object, int]] = []
         self.seen_keys: list[list[int]] = []
@@ -312,6 +315,16 @@ class RadixCacheMachine(RuleBasedStateMachine):
         self.clock += 1
         for q in range(self.ps, length + 1, self.ps):
             self.stamp[tuple(key[:q])] = self.clock
+
+    def retain(self, key, length, retain_s) -> None:
+        for q in range(self.ps, length + 1, self.ps):
+            p = tuple(key[:q])
+            self.deadline[p] = max(self.deadline.get(p, 0.0), self.now + retain_s)
+
+    def evict_key(self, prefix) -> tuple:
+        """Eviction order: unretained by last access, then retained, latest deadline first."""
+        deadline = self.deadline.get(prefix, 0.0)
+        return (1, -deadline) if deadline > self.now else (0, self.stamp[prefix])
 
     def tree_contents(self) -> dict[tuple[int, ...], int]:
         out, stack = {}, [(self.cache.root, ())]
@@ -351,12 +364,17 @@ class RadixCacheMachine(RuleBasedStateMachine):
         assert min(num_tokens, evictable) <= freed <= evictable
         locked = self.locked_prefixes()
         assert locked <= after.keys()
-        if removed:  # LRU: nothing evicted is newer than a surviving unlocked leaf
-            newest_removed = max(self.stamp[p] for p in removed)
-            parents = {p[: -self.ps] for p in after}
-            for p in after.keys() - parents - locked:
-                assert self.stamp[p] >= newest_removed
+        if removed:
+            # Each victim was the first in eviction order among the leaves of its moment, so
+            # no unlocked leaf that was there all along comes before any victim. (A parent
+            # bared by the eviction may come earlier: a retained parent's deadline is later.)
+            last_removed = max(self.evict_key(p) for p in removed)
+            leaves_before = before.keys() - {p[: -self.ps] for p in before}
+            for p in (after.keys() & leaves_before) - locked:
+                assert self.evict_key(p) >= last_removed, (p, self.evict_key(p), last_removed)
         self.stored = after
+        for p in removed:  # a page stored again later starts unretained
+            self.deadline.pop(p, None)
 
     # -- rules --
 
@@ -383,9 +401,10 @@ class RadixCacheMachine(RuleBasedStateMachine):
     def finish_request(self, data):
         i = data.draw(st.integers(0, len(self.requests) - 1))
         key, slots, cached_len, node, _ = self.requests.pop(i)
+        retain_s = data.draw(st.sampled_from([0.0, 4.0, 10.0]))
         aligned = len(key) - len(key) % self.ps
         expected_prefix = self.longest(key[:aligned])
-        prefix_len = self.cache.insert(key, slots)
+        prefix_len = self.cache.insert(key, slots, retain_s)
         if self.disable:
             assert prefix_len == 0
             self.allocator.free(slots_to_pages(slots[cached_len:], self.ps))
@@ -396,6 +415,8 @@ class RadixCacheMachine(RuleBasedStateMachine):
             for q in range(prefix_len + self.ps, aligned + 1, self.ps):
                 self.stored[tuple(key[:q])] = int(slots[q - self.ps]) // self.ps
             self.touch(key, aligned)
+            if retain_s:
+                self.retain(key, aligned, retain_s)
         self.cache.dec_lock_ref(node)
 
     @precondition(lambda self: self.requests)
@@ -410,6 +431,19 @@ class RadixCacheMachine(RuleBasedStateMachine):
     def match(self, abstract):
         self.check_match(self.key(abstract))
 
+    @rule(abstract=abstract_keys, retain_s=st.sampled_from([3.0, 10.0]))
+    def retain_match(self, abstract, retain_s):
+        """A request of a session arrives: its cached prefix is retained (KVManager)."""
+        key = self.key(abstract)
+        match = self.check_match(key)
+        self.cache.retain(match.last_node, retain_s)
+        if not self.disable:
+            self.retain(key, match.prefix_len, retain_s)
+
+    @rule(dt=st.sampled_from([1.0, 3.0, 8.0]))
+    def advance_clock(self, dt):
+        self.now += dt
+
     @rule(num_tokens=st.integers(0, 24))
     def evict(self, num_tokens):
         self.evict_and_check(num_tokens)
@@ -418,7 +452,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
     @rule()
     def reset(self):
         self.cache.reset()
-        self.stored, self.stamp = {}, {}
+        self.stored, self.stamp, self.deadline = {}, {}, {}
         assert self.allocator.num_free_pages == self.allocator.num_usable_pages
 
     @invariant()
@@ -429,6 +463,8 @@ class RadixCacheMachine(RuleBasedStateMachine):
         assert self.tree_contents() == self.stored
         assert self.cache.total_size() == len(self.stored) * self.ps
         assert self.cache.protected_size() == len(self.locked_prefixes()) * self.ps
+        retained = [p for p in self.stored if self.deadline.get(p, 0.0) > self.now]
+        assert self.cache.retained_size() == len(retained) * self.ps
 
     def teardown(self):
         for _, _, _, node, _ in self.requests:

@@ -25,23 +25,28 @@ Ownership and mutation:
     and never evicted; its tokens count in ``protected_size()``, the rest in
     ``evictable_size()``. Because a lock covers the whole path, a parent's lock_ref is at least
     the sum of its children's.
-  * Evictable leaves (unlocked, childless, non-root) are kept in a set plus a min-heap keyed by
-    ``(last_access_time, node_id)``; heap entries whose node left the set or whose time is stale
-    are skipped when popped (lazy invalidation), so eviction never scans the tree.
+  * Evictable leaves (unlocked, childless, non-root) are kept in a `LeafQueue` (a set plus lazy
+    heaps, see ``eviction.py``), updated as nodes change, so eviction never scans the tree.
+  * Session retention: ``retain(node, retain_s)`` (or ``insert(..., retain_s=...)``) gives the
+    path node..root a deadline ``clock() + retain_s``; until it passes, those nodes are evicted
+    only after every unretained leaf. It never blocks anything: retained tokens still count in
+    ``evictable_size()``. A deadline only grows, and a parent's is at least each child's (the
+    whole path is stamped), like access times.
 
 ``check_integrity()`` verifies all of the above by a full walk (for tests and idle checks).
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from sgl_tpu.mem_cache.allocator import PageAllocator
+from sgl_tpu.mem_cache.eviction import LeafQueue
 
 _EMPTY_SLOTS = np.zeros(0, dtype=np.int32)
 _EMPTY_KEY = np.zeros(0, dtype=np.int32)
@@ -50,7 +55,8 @@ _EMPTY_KEY = np.zeros(0, dtype=np.int32)
 class TreeNode:
     """One edge of the tree: ``key`` tokens whose KV lives at ``value`` slots."""
 
-    __slots__ = ("id", "parent", "children", "key", "value", "lock_ref", "last_access_time")
+    __slots__ = ("id", "parent", "children", "key", "value", "lock_ref", "last_access_time",
+                 "retain_until")
 
     def __init__(
         self,
@@ -60,6 +66,7 @@ class TreeNode:
         value: np.ndarray,
         lock_ref: int = 0,
         last_access_time: int = 0,
+        retain_until: float = 0.0,
     ) -> None:
         self.id = node_id
         self.parent = parent
@@ -68,6 +75,7 @@ class TreeNode:
         self.value = value  # int32 [num_tokens], KV slots
         self.lock_ref = lock_ref
         self.last_access_time = last_access_time
+        self.retain_until = retain_until  # seconds on the tree's clock; 0.0 = never retained
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
@@ -84,20 +92,24 @@ class MatchResult:
 
 
 class RadixCache:
-    def __init__(self, allocator: PageAllocator, disable: bool = False) -> None:
+    def __init__(self, allocator: PageAllocator, disable: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock`` (seconds, never decreasing) times retention deadlines; tests inject one."""
         self.allocator = allocator
         self.page_size = allocator.page_size
         self.disable = disable
+        self.clock = clock
         self._node_ids = itertools.count()
-        self._clock = itertools.count(1)
+        self._access_clock = itertools.count(1)  # logical LRU time, one tick per match/insert
+        self.num_evicted_tokens = 0
+        self.num_evicted_retained_tokens = 0  # evicted while still under retention
         self._init_state()
 
     def _init_state(self) -> None:
         self.root = TreeNode(next(self._node_ids), None, _EMPTY_KEY, _EMPTY_SLOTS)
         self._evictable_size = 0
         self._protected_size = 0
-        self._evictable_leaves: set[TreeNode] = set()
-        self._leaf_heap: list[tuple[int, int, TreeNode]] = []
+        self._evictable_leaves = LeafQueue(self.clock)
         # page -> held by the tree; catches a caller inserting pages the tree already owns.
         self._page_in_tree = np.zeros(self.allocator.num_pages, dtype=bool)
 
@@ -115,6 +127,11 @@ class RadixCache:
     def num_pages_held(self) -> int:
         return self.total_size() // self.page_size
 
+    def retained_size(self) -> int:
+        """Tokens under retention now (locked or not). A full walk: for stats, not hot paths."""
+        now = self.clock()
+        return sum(len(n.key) for n in self._walk() if n.retain_until > now)
+
     # ---- match / insert ----------------------------------------------------------------------
 
     def match_prefix(self, key: Sequence[int] | np.ndarray) -> MatchResult:
@@ -126,7 +143,7 @@ class RadixCache:
         if self.disable:
             return MatchResult(_EMPTY_SLOTS, self.root)
         key = self._page_aligned(np.asarray(key, dtype=np.int32))
-        now = next(self._clock)
+        now = next(self._access_clock)
         node = self.root
         values: list[np.ndarray] = []
         while len(key) and (child := node.children.get(self._page_key(key))) is not None:
@@ -140,8 +157,11 @@ class RadixCache:
         slots = np.concatenate(values) if values else _EMPTY_SLOTS
         return MatchResult(slots, node)
 
-    def insert(self, key: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray) -> int:
+    def insert(self, key: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray,
+               retain_s: float = 0.0) -> int:
         """Store the page-aligned part of ``key`` -> ``slots``; return the cached prefix length.
+
+        ``retain_s > 0`` then retains the whole stored path (see ``retain``).
 
         ``len(slots)`` must equal ``len(key)``; both are cut to ``aligned_len`` (the largest
         multiple of page_size <= len(key)). The return value ``prefix_len`` is the length of
@@ -167,7 +187,7 @@ class RadixCache:
             return 0
         key = self._page_aligned(key)
         slots = slots[: len(key)]
-        now = next(self._clock)
+        now = next(self._access_clock)
         node = self.root
         prefix_len = 0
         while len(key) and (child := node.children.get(self._page_key(key))) is not None:
@@ -180,8 +200,24 @@ class RadixCache:
             key = key[match_len:]
             slots = slots[match_len:]
         if len(key):
-            self._add_leaf(node, key.copy(), slots.copy(), now)
+            node = self._add_leaf(node, key.copy(), slots.copy(), now)
+        if retain_s > 0:
+            self.retain(node, retain_s)
         return prefix_len
+
+    def retain(self, node: TreeNode, retain_s: float) -> None:
+        """Evict the path node..root only after every unretained leaf, for ``retain_s`` seconds.
+
+        For an agent's trajectory between turns: its next request resends it. Deadlines only
+        grow; the walk stops at the first node whose deadline is already as late (its
+        ancestors' are too). A no-op on the root (a disabled cache matches nothing else).
+        """
+        self._check_attached(node)
+        deadline = self.clock() + retain_s
+        while node is not self.root and node.retain_until < deadline:
+            node.retain_until = deadline
+            self._evictable_leaves.retention_raised(node)
+            node = node.parent
 
     # ---- locking -----------------------------------------------------------------------------
 
@@ -217,12 +253,16 @@ class RadixCache:
         nothing evictable is left; return the number of tokens freed (a multiple of page_size,
         possibly more than asked since leaves go whole)."""
         num_freed = 0
-        while num_freed < num_tokens and self._leaf_heap:
-            access_time, _, node = heapq.heappop(self._leaf_heap)
-            if node not in self._evictable_leaves or node.last_access_time != access_time:
-                continue  # stale entry
+        now = self.clock()
+        while num_freed < num_tokens:
+            node = self._evictable_leaves.pop(now)
+            if node is None:
+                break
             num_freed += len(node.key)
+            if node.retain_until > now:
+                self.num_evicted_retained_tokens += len(node.key)
             self._delete_leaf(node)
+        self.num_evicted_tokens += num_freed
         return num_freed
 
     def reset(self) -> None:
@@ -267,6 +307,7 @@ class RadixCache:
             child.value[:split_len],
             lock_ref=child.lock_ref,
             last_access_time=child.last_access_time,
+            retain_until=child.retain_until,
         )
         child.key = child.key[split_len:]
         child.value = child.value[split_len:]
@@ -275,7 +316,8 @@ class RadixCache:
         parent.children[self._page_key(new_node.key)] = new_node
         return new_node
 
-    def _add_leaf(self, parent: TreeNode, key: np.ndarray, value: np.ndarray, now: int) -> None:
+    def _add_leaf(self, parent: TreeNode, key: np.ndarray, value: np.ndarray, now: int
+                  ) -> TreeNode:
         pages = self.allocator.slots_to_pages(value)
         # [num_pages, page_size]: each row must be one whole page, offsets 0..page_size-1.
         rows = value.reshape(-1, self.page_size)
@@ -291,6 +333,7 @@ class RadixCache:
         self._evictable_leaves.discard(parent)  # no longer a leaf
         self._evictable_size += len(key)
         self._add_evictable_leaf(leaf)
+        return leaf
 
     def _delete_leaf(self, node: TreeNode) -> None:
         parent = node.parent
@@ -306,19 +349,10 @@ class RadixCache:
 
     def _touch(self, node: TreeNode, now: int) -> None:
         node.last_access_time = now
-        if node in self._evictable_leaves:
-            self._push_leaf(node)
+        self._evictable_leaves.touched(node)
 
     def _add_evictable_leaf(self, node: TreeNode) -> None:
         self._evictable_leaves.add(node)
-        self._push_leaf(node)
-
-    def _push_leaf(self, node: TreeNode) -> None:
-        heapq.heappush(self._leaf_heap, (node.last_access_time, node.id, node))
-        if len(self._leaf_heap) > 2 * len(self._evictable_leaves) + 64:
-            # Too many stale entries: rebuild from the live set (O(leaves), not a tree scan).
-            self._leaf_heap = [(n.last_access_time, n.id, n) for n in self._evictable_leaves]
-            heapq.heapify(self._leaf_heap)
 
     def _check_attached(self, node: TreeNode) -> None:
         if node is not self.root and node.parent is None:
@@ -340,7 +374,7 @@ class RadixCache:
             node, depth = stack.pop()
             lines.append(
                 f"{'  ' * depth}{node.key.tolist()} -> {node.value.tolist()} "
-                f"lock={node.lock_ref} t={node.last_access_time}"
+                f"lock={node.lock_ref} t={node.last_access_time} retain={node.retain_until}"
             )
             stack.extend((c, depth + 1) for c in node.children.values())
         return "\n".join(lines)
@@ -364,10 +398,12 @@ class RadixCache:
                     fail(f"{child!r} is indexed under {page_key}, its key starts differently")
                 if child.last_access_time > node.last_access_time and node is not self.root:
                     fail(f"{child!r} was accessed after its parent {node!r}")
+                if child.retain_until > node.retain_until and node is not self.root:
+                    fail(f"{child!r} is retained longer than its parent {node!r}")
                 child_locks += child.lock_ref
             if node is self.root:
-                if len(node.key) or node.lock_ref:
-                    fail("root has a key or a lock_ref")
+                if len(node.key) or node.lock_ref or node.retain_until:
+                    fail("root has a key, a lock_ref or a retention deadline")
                 continue
             if node.lock_ref < 0:
                 fail(f"{node!r} has a negative lock_ref")
@@ -402,12 +438,10 @@ class RadixCache:
         in_tree[pages] = True
         if not np.array_equal(in_tree, self._page_in_tree):
             fail("page ownership map disagrees with the tree")
-        if leaves != self._evictable_leaves:
+        if leaves != self._evictable_leaves.nodes:
             fail(f"evictable leaves tracked {len(self._evictable_leaves)}, tree has {len(leaves)}")
-        live = {(node.id, node.last_access_time) for _, _, node in self._leaf_heap}
-        for node in leaves:
-            if (node.id, node.last_access_time) not in live:
-                fail(f"{node!r} has no current entry in the eviction heap")
+        if (problem := self._evictable_leaves.check()) is not None:
+            fail(problem)
 
 
 def check_page_accounting(

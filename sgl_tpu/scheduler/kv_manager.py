@@ -9,6 +9,14 @@ Every page is exactly one of: free (allocator), owned by the tree, or owned by a
                   pages that turned out to duplicate tree pages, and re-lock at the new end.
 * `release_req`   at finish or retraction: cache, then unlock and free what the tree did not
                   take.
+
+Session retention (`session_retention_s`, see `RadixCache.retain`): a request that carries a
+`session_id` is one turn of an agent loop, and the agent's next turn resends this turn's prompt
+and output after a tool call. So when such a request finishes, `release_req(req, retain=True)`
+retains its whole inserted path, and when a request of a session arrives, `retain_prefix`
+retains the part of its prompt that is cached, so it is still there once the request is
+admitted (admission locks it; a long queue must not let other traffic evict it first). Without
+a session, or with a disabled cache, nothing changes.
 """
 
 from __future__ import annotations
@@ -21,10 +29,12 @@ from sgl_tpu.scheduler.req import Req
 
 
 class KVManager:
-    def __init__(self, allocator: PageAllocator, tree: RadixCache) -> None:
+    def __init__(self, allocator: PageAllocator, tree: RadixCache,
+                 session_retention_s: float = 0.0) -> None:
         self.allocator = allocator
         self.tree = tree
         self.page_size = allocator.page_size
+        self.session_retention_s = session_retention_s
 
     # ---- capacity ------------------------------------------------------------------------
     @property
@@ -50,6 +60,13 @@ class KVManager:
         req.last_node = match.last_node
         req.pages = self.allocator.slots_to_pages(match.slots).tolist()
         req.kv_len = req.tree_len = prefix_len
+
+    def retain_prefix(self, req: Req) -> None:
+        """A request of a session arrived: keep its cached prefix until it is admitted."""
+        if req.session_id is None or self.session_retention_s <= 0 or self.tree.disable:
+            return
+        match = self.tree.match_prefix(req.fill_ids[: req.max_prefix_len])
+        self.tree.retain(match.last_node, self.session_retention_s)
 
     def alloc_pages(self, req: Req, num_pages: int) -> bool:
         """Append `num_pages` fresh pages to `req`, evicting tree leaves if needed."""
@@ -79,14 +96,17 @@ class KVManager:
         req.last_node = match.last_node
         req.tree_len = aligned
 
-    def release_req(self, req: Req) -> None:
-        """Give up all of `req`'s KV: the tree keeps what it can, the rest is freed."""
+    def release_req(self, req: Req, retain: bool = False) -> None:
+        """Give up all of `req`'s KV: the tree keeps what it can, the rest is freed.
+
+        `retain`: the request ended a turn of its session; retain what the tree keeps."""
         ps = self.page_size
         own_start = req.tree_len // ps
         if self.tree.disable:
             taken_end = own_start
         else:
-            aligned, _ = self._insert(req)
+            retain_s = self.session_retention_s if retain and req.session_id is not None else 0.0
+            aligned, _ = self._insert(req, retain_s)
             taken_end = aligned // ps
         to_free = req.pages[taken_end:]
         if to_free:
@@ -97,12 +117,12 @@ class KVManager:
         req.last_node = None
         req.kv_len = req.tree_len = 0
 
-    def _insert(self, req: Req) -> tuple[int, int]:
+    def _insert(self, req: Req, retain_s: float = 0.0) -> tuple[int, int]:
         """Insert req's computed tokens; free its duplicate pages. Returns (aligned, prefix)."""
         ps = self.page_size
         key = req.fill_ids[: req.kv_len]
         slots = self.allocator.pages_to_slots(req.pages, req.kv_len)
-        prefix_len = self.tree.insert(key, slots)
+        prefix_len = self.tree.insert(key, slots, retain_s)
         aligned = req.kv_len // ps * ps
         dup = req.pages[req.tree_len // ps : prefix_len // ps]
         if dup:

@@ -11,7 +11,10 @@ Each `step()` is: take aborts, build one batch, run it, post-process.
 * DECODE runs one token for every running request. When pages run out, the tree's unlocked
   leaves are evicted first; if that is not enough the request with the least progress is
   retracted: its KV goes to the tree (so the recompute is mostly a cache hit), it re-queues.
-* Finished requests give their KV to the tree and unlock it; nothing else holds pages.
+* Finished requests give their KV to the tree and unlock it; nothing else holds pages. A
+  request with a `session_id` (one turn of an agent loop) also retains it for
+  `session_retention_s`: under memory pressure it is evicted after all unretained KV, since the
+  agent's next turn resends it (`KVManager`, `mem_cache/eviction.py`).
 
 The scheduler owns a `KVManager` (allocator + tree) and calls a runner object with
 `forward(mode, steps) -> StepResult` and `token_logprobs(hidden, targets)`; the in-process
@@ -100,7 +103,8 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
         allocator = PageAllocator(num_pages, config.page_size)
-        self.kv = KVManager(allocator, RadixCache(allocator, disable=config.disable_radix_cache))
+        self.kv = KVManager(allocator, RadixCache(allocator, disable=config.disable_radix_cache),
+                            session_retention_s=config.session_retention_s)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None  # a prompt being prefilled in chunks
@@ -140,6 +144,7 @@ class Scheduler:
             req.decoder = IncrementalDecoder(self.decode, sampling.skip_special_tokens)
         if sampling.grammar is not None and self.grammar is not None:
             req.grammar_future = self.grammar.request(*sampling.grammar)
+        self.kv.retain_prefix(req)
         self.waiting.append(req)
         return None
 
@@ -474,7 +479,8 @@ class Scheduler:
         return self._output(req, new_ids, lp, tops)
 
     def _release(self, req: Req) -> None:
-        self.kv.release_req(req)
+        # A turn of an agent session that ended normally: its next turn will resend it.
+        self.kv.release_req(req, retain=req.finish_reason["type"] != "abort")
         self._free_row(req)
 
     def _free_row(self, req: Req) -> None:
@@ -548,6 +554,9 @@ class Scheduler:
                                   - tree.num_pages_held(),
             "tree_evictable_tokens": tree.evictable_size(),
             "tree_protected_tokens": tree.protected_size(),
+            "tree_retained_tokens": tree.retained_size(),
+            "evicted_tokens": tree.num_evicted_tokens,
+            "evicted_retained_tokens": tree.num_evicted_retained_tokens,
             "page_size": self.kv.page_size,
             "max_total_tokens": self.kv.capacity_tokens,
         }

@@ -1,0 +1,235 @@
+"""Agent-loop benchmark: agentic workloads against one or several servers, in one invocation.
+
+    python -m sgl_tpu.bench.agent_loop --launch ""                       # sgl-tpu, started here
+    python -m sgl_tpu.bench.agent_loop --base-url http://127.0.0.1:30000 --api native
+    python -m sgl_tpu.bench.agent_loop --workloads react tree-of-thought:turns=2 \\
+        --compare "sgl-tpu=launch:" "sgl-tpu-nocache=launch:--disable-radix-cache" \\
+                  "llamacpp=llamacpp:/work/peer-venv/bin/python" \\
+        --output results.json            # also writes results.png
+
+For each target (targets.py has the spec syntax) and each workload (workloads.py): start the
+server if the target launches one, warm it up with a few programs of another seed, flush its
+cache, run the workload (runner.py), summarize (metrics.py). Prints a table on stderr and the
+result JSON (report.emit); `--compare` with `--output` also writes a PNG next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from sgl_tpu.bench.agent_loop.client import Client
+from sgl_tpu.bench.agent_loop.drivers import DRIVERS, OUTPUT_MODES, DriverOptions
+from sgl_tpu.bench.agent_loop.metrics import summarize
+from sgl_tpu.bench.agent_loop.runner import ProgramRunner, RunOptions
+from sgl_tpu.bench.agent_loop.table import format_table
+from sgl_tpu.bench.agent_loop.targets import RunningTarget, TargetSpec, parse_target
+from sgl_tpu.bench.agent_loop.trace import Trace
+from sgl_tpu.bench.agent_loop.workloads import (
+    WORKLOADS,
+    Program,
+    WorkloadConfig,
+    describe,
+    make_workload,
+)
+from sgl_tpu.bench.report import emit
+
+WARMUP_SEED_OFFSET = 1000
+
+
+def parse_workload(item: str, base: WorkloadConfig) -> tuple[str, WorkloadConfig]:
+    """`name[:key=value,...]` -> (name, config with those fields replaced)."""
+    name, _, overrides = item.partition(":")
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    fields = {f.name for f in dataclasses.fields(WorkloadConfig)}
+    changes: dict[str, int] = {}
+    for kv in filter(None, overrides.split(",")):
+        key, eq, value = kv.partition("=")
+        key = key.strip().replace("-", "_")
+        if not eq or key not in fields:
+            raise ValueError(f"workload {name}: bad override {kv!r}; fields: {sorted(fields)}")
+        changes[key] = int(value)
+    return name, dataclasses.replace(base, **changes)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sgl_tpu.bench.agent_loop",
+                                description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    t = p.add_argument_group("targets (one of)")
+    t.add_argument("--compare", nargs="+", metavar="SPEC",
+                   help='targets as NAME=KIND:VALUE[,KEY:VALUE...], e.g. "sgl-tpu=launch:"')
+    t.add_argument("--base-url", help="one running server")
+    t.add_argument("--launch", metavar="FLAGS", help="start sgl-tpu with these flags")
+    t.add_argument("--llamacpp-python", metavar="PYTHON",
+                   help="start the llama.cpp peer with this interpreter")
+    p.add_argument("--api", choices=list(DRIVERS), default=None,
+                   help="API for --base-url/--launch/--llamacpp-python targets")
+    p.add_argument("--json-dialect", choices=["openai", "llamacpp"], default=None)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--model-path", default=None,
+                   help="model for launched servers and the tokenizer (default: default model)")
+    w = p.add_argument_group("workloads")
+    w.add_argument("--workloads", nargs="+", default=["react"], metavar="NAME[:k=v,...]",
+                   help=f"from {', '.join(WORKLOADS)}; overrides per workload, "
+                        "e.g. tree-of-thought:turns=2,branches=3")
+    defaults = WorkloadConfig()
+    w.add_argument("--num-programs", type=int, default=defaults.num_programs,
+                   help="agents / users / trees / shared-prefix requests")
+    w.add_argument("--turns", type=int, default=defaults.turns,
+                   help="agent turns, chat turns, or tree depth")
+    w.add_argument("--output-tokens", type=int, default=defaults.output_tokens)
+    w.add_argument("--system-tokens", type=int, default=defaults.system_tokens)
+    w.add_argument("--observation-tokens", type=int, default=defaults.observation_tokens)
+    w.add_argument("--branches", type=int, default=defaults.branches)
+    w.add_argument("--groups", type=int, default=defaults.groups)
+    w.add_argument("--seed", type=int, default=0)
+    r = p.add_argument_group("running")
+    r.add_argument("--concurrency", type=int, default=0, help="programs in flight; 0: all")
+    r.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="program arrivals per second (Poisson); default inf: all at once")
+    r.add_argument("--output-mode", choices=OUTPUT_MODES, default="fixed",
+                   help="fixed: exactly max tokens per unconstrained request (comparable "
+                        "work); natural: stop strings and EOS end answers")
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--session-hint", action="store_true",
+                   help="send each program's session_id (agent-aware cache retention)")
+    r.add_argument("--warmup-programs", type=int, default=2,
+                   help="programs of another seed run (and not measured) before each workload")
+    r.add_argument("--no-progress", action="store_true")
+    o = p.add_argument_group("output")
+    o.add_argument("--output", help="result JSON file")
+    o.add_argument("--plot", help="PNG path (default with --compare: the --output path, .png)")
+    o.add_argument("--save-traces", action="store_true",
+                   help="write every request's record to <output>.traces.json")
+    o.add_argument("--log-dir", default=tempfile.gettempdir(), help="launched servers' logs")
+    return p
+
+
+def single_target(args: argparse.Namespace) -> TargetSpec:
+    given = [x for x in (args.base_url, args.launch, args.llamacpp_python) if x is not None]
+    if len(given) != 1:
+        raise SystemExit("give one of --compare, --base-url, --launch, --llamacpp-python")
+    if args.base_url is not None:
+        spec = f"server=url:{args.base_url}"
+    elif args.launch is not None:
+        spec = f"sgl-tpu=launch:{args.launch}"
+    else:
+        spec = f"llamacpp=llamacpp:{args.llamacpp_python}"
+    target = parse_target(spec)
+    return dataclasses.replace(target, api=args.api or target.api,
+                               json_dialect=args.json_dialect or target.json_dialect)
+
+
+async def run_workload(url: str, spec: TargetSpec, programs: list[Program], tokenizer: Any,
+                       args: argparse.Namespace, desc: str) -> Trace:
+    opts = DriverOptions(args.output_mode, args.temperature, spec.json_dialect, spec.model)
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    def render(messages: list[dict[str, str]]) -> str:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=1800)
+    async with aiohttp.ClientSession(timeout=timeout,
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        client = Client(session, url, DRIVERS[spec.api], opts, count_tokens,
+                        api_key=args.api_key)
+        run_opts = RunOptions(args.concurrency, args.request_rate, args.seed, args.session_hint,
+                              not args.no_progress)
+        return await ProgramRunner(client.send, render, run_opts, desc).run(programs)
+
+
+def ratios(runs: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Per workload, the first target against each other one: >1 means the first is better."""
+    names = list(runs)
+    out: dict[str, Any] = {}
+    if len(names) < 2:
+        return out
+    first = runs[names[0]]
+    for w, a in first.items():
+        for other in names[1:]:
+            b = runs[other].get(w)
+            if b is None:
+                continue
+            entry = {}
+            if b["programs_per_s"]:
+                entry["throughput_x"] = a["programs_per_s"] / b["programs_per_s"]
+            if a["ttft_s"]["p50"] and b["ttft_s"]["p50"] is not None:
+                entry["ttft_p50_x"] = b["ttft_s"]["p50"] / a["ttft_s"]["p50"]
+            out.setdefault(w, {})[f"{names[0]}_vs_{other}"] = entry
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    specs = [parse_target(s) for s in args.compare] if args.compare else [single_target(args)]
+    if len({s.name for s in specs}) != len(specs):
+        raise SystemExit("target names must be distinct")
+    base = WorkloadConfig(args.num_programs, args.turns, args.output_tokens, args.system_tokens,
+                          args.observation_tokens, args.branches, args.groups)
+    workloads = [parse_workload(item, base) for item in args.workloads]
+    from sgl_tpu.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model_path)
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    results: dict[str, Any] = {
+        "args": {k: (v if v != float("inf") else "inf") for k, v in vars(args).items()},
+        "targets": {s.name: dataclasses.asdict(s) for s in specs},
+        "workloads": {name: {"config": dataclasses.asdict(cfg), "tokens": describe(
+            make_workload(name, cfg, args.seed), count_tokens)} for name, cfg in workloads},
+        "runs": {}, "target_errors": {},
+    }
+    traces: dict[str, Any] = {}
+    log_dir = Path(args.log_dir)
+    for spec in specs:
+        runs = results["runs"].setdefault(spec.name, {})
+        try:
+            with RunningTarget(spec, args.model_path, log_dir) as target:
+                for name, cfg in workloads:
+                    if args.warmup_programs:
+                        warm = make_workload(name, dataclasses.replace(
+                            cfg, num_programs=args.warmup_programs),
+                            args.seed + WARMUP_SEED_OFFSET)
+                        asyncio.run(run_workload(target.base_url, spec, warm, tokenizer, args,
+                                                 f"{spec.name}/{name} warm-up"))
+                    target.flush_cache()
+                    programs = make_workload(name, cfg, args.seed)
+                    trace = asyncio.run(run_workload(target.base_url, spec, programs, tokenizer,
+                                                     args, f"{spec.name}/{name}"))
+                    runs[name] = summarize(trace)
+                    if args.save_traces:
+                        traces.setdefault(spec.name, {})[name] = trace.to_dict(with_text=True)
+        except (RuntimeError, TimeoutError, OSError, ValueError) as e:
+            results["target_errors"][spec.name] = f"{type(e).__name__}: {e}"
+            print(f"target {spec.name} failed: {e}", file=sys.stderr)
+    results["ratios"] = ratios(results["runs"])
+    print(format_table(results["runs"]), file=sys.stderr)
+    emit(results, args.output)
+    if args.save_traces and args.output:
+        Path(args.output).with_suffix(".traces.json").write_text(json.dumps(traces))
+    plot_path = args.plot or (str(Path(args.output).with_suffix(".png"))
+                              if args.output and len(specs) > 1 else None)
+    if plot_path and any(results["runs"].values()):
+        from sgl_tpu.bench.agent_loop.plot import plot_compare
+
+        plot_compare(results["runs"], plot_path,
+                     f"agent loop: {', '.join(n for n, _ in workloads)}")
+        print(f"plot: {plot_path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Trace -> summary metrics (what the table, the JSON file and the plot show).
+
+Definitions:
+  wall_s            the run's wall time (first request sent -> last answer done)
+  programs_per_s    programs whose every request succeeded, per second of wall time
+  *_tok_per_s       prompt / generated / both tokens of successful requests per second
+  ttft_s            per request: first chunk carrying output - request sent
+  itl_s             per generated token after the first: the gap between two chunks divided
+                    by the tokens the later chunk carried (one sample per token, so a chunk of
+                    n tokens after a gap g gives n samples of g / n)
+  latency_s         per request: last byte - request sent
+  cache_hit_rate    sum(cached_tokens) / sum(prompt_tokens) over requests whose server reported
+                    cached_tokens (None when none did)
+Percentiles interpolate linearly between order statistics (numpy's default method).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from sgl_tpu.bench.agent_loop.trace import RequestRecord, Trace
+
+PERCENTILES = (50, 90, 99)
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        raise ValueError("percentile of no values")
+    rank = q / 100 * (len(sorted_values) - 1)
+    lo, hi = math.floor(rank), math.ceil(rank)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (rank - lo)
+
+
+def distribution(values: list[float]) -> dict[str, float | None]:
+    """mean, p50, p90, p99 (None for no values)."""
+    if not values:
+        return {"mean": None, **{f"p{q}": None for q in PERCENTILES}}
+    s = sorted(values)
+    return {"mean": sum(s) / len(s), **{f"p{q}": percentile(s, q) for q in PERCENTILES}}
+
+
+def itl_samples(record: RequestRecord) -> list[float]:
+    samples: list[float] = []
+    times, tokens = record.chunk_times, record.chunk_tokens
+    for i in range(1, len(times)):
+        num_tokens = max(1, tokens[i] - tokens[i - 1])
+        samples += [(times[i] - times[i - 1]) / num_tokens] * num_tokens
+    return samples
+
+
+def summarize(trace: Trace) -> dict[str, Any]:
+    ok = [r for r in trace.records if r.ok]
+    failed_programs = {r.program_id for r in trace.records if not r.ok}
+    programs_ok = trace.num_programs - len(failed_programs)
+    wall = trace.wall_s
+    prompt = sum(r.prompt_tokens for r in ok)
+    generated = sum(r.completion_tokens for r in ok)
+    reported = [r for r in ok if r.cached_tokens is not None]
+    reported_prompt = sum(r.prompt_tokens for r in reported)
+    cached = sum(r.cached_tokens or 0 for r in reported)
+    constrained = [r for r in ok if r.constrained]
+
+    def per_s(x: float) -> float:
+        return x / wall if wall > 0 else 0.0
+
+    return {
+        "wall_s": wall,
+        "programs": trace.num_programs,
+        "programs_ok": programs_ok,
+        "programs_failed": len(failed_programs),
+        "requests": len(trace.records),
+        "requests_failed": len(trace.records) - len(ok),
+        "errors": sorted({r.error for r in trace.records if r.error})[:5],
+        "programs_per_s": per_s(programs_ok),
+        "requests_per_s": per_s(len(ok)),
+        "prompt_tokens": prompt,
+        "generated_tokens": generated,
+        "prompt_tok_per_s": per_s(prompt),
+        "gen_tok_per_s": per_s(generated),
+        "total_tok_per_s": per_s(prompt + generated),
+        "ttft_s": distribution([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "itl_s": distribution([x for r in ok for x in itl_samples(r)]),
+        "latency_s": distribution([r.end_s - r.start_s for r in ok]),
+        "cached_tokens": cached if reported else None,
+        "cache_hit_rate": cached / reported_prompt if reported and reported_prompt else None,
+        "cache_reported_requests": len(reported),
+        "constrained_requests": len(constrained),
+        "invalid_json": sum(1 for r in constrained if r.valid_json is False),
+        "token_counts_from": sorted({r.prompt_tokens_source for r in ok}
+                                    | {r.completion_tokens_source for r in ok}),
+    }

@@ -1,0 +1,158 @@
+"""Run programs as concurrent coroutines against one server -> Trace.
+
+    programs --arrivals (request_rate, Poisson)--> semaphore (concurrency) --> run_program
+    run_program: for each step, the messages so far + the step's user message -> send -> append
+
+`send(req, program_id, step, branch)` is Client.send (or a fake in tests); its records are stamped
+with `time.perf_counter()` and shifted to the run's start at the end. Within a program the
+requests are a closed loop: each waits for the previous answer, because the next prompt
+contains it. A failed request ends its program (its later prompts would not exist).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import time
+import zlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from sgl_tpu.bench.agent_loop.drivers import GenRequest
+from sgl_tpu.bench.agent_loop.trace import RequestRecord, Trace
+from sgl_tpu.bench.agent_loop.workloads import Fork, Gen, Program
+
+Messages = list[dict[str, str]]
+SendFn = Callable[[GenRequest, str, int, int], Awaitable[RequestRecord]]
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    concurrency: int = 0  # programs in flight at once; 0: no limit
+    request_rate: float = float("inf")  # program arrivals per second (Poisson); inf: all at once
+    seed: int = 0  # arrivals and per-request sampling seeds
+    session_hint: bool = False  # send each program's session id
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 0:
+            raise ValueError("concurrency must be >= 0")
+        if not self.request_rate > 0:
+            raise ValueError("request_rate must be > 0 (inf: all at once)")
+
+
+def request_seed(seed: int, program_id: str, step: int, branch: int) -> int:
+    return zlib.crc32(f"{seed}/{program_id}/{step}/{branch}".encode())
+
+
+def arrival_times(num_programs: int, request_rate: float, seed: int) -> list[float]:
+    if request_rate == float("inf"):
+        return [0.0] * num_programs
+    rng = random.Random(f"arrivals/{seed}")
+    t, out = 0.0, []
+    for _ in range(num_programs):
+        out.append(t)
+        t += rng.expovariate(request_rate)
+    return out
+
+
+class _Progress:
+    """tqdm when installed, else a line on stderr every 10%."""
+
+    def __init__(self, total: int, desc: str, enabled: bool) -> None:
+        self.total, self.desc, self.done, self.bar = total, desc, 0, None
+        self.enabled = enabled
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, desc=desc, unit="req", file=sys.stderr,
+                                mininterval=1.0, dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def update(self) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+        elif self.enabled and (self.done * 10 // self.total > (self.done - 1) * 10 // self.total):
+            print(f"{self.desc}: {self.done}/{self.total} requests", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class ProgramRunner:
+    def __init__(self, send: SendFn, render: Callable[[Messages], str], opts: RunOptions,
+                 desc: str = "run") -> None:
+        self.send = send
+        self.render = render  # messages -> prompt text (chat template + generation prompt)
+        self.opts = opts
+        self.desc = desc
+        self.records: list[RequestRecord] = []
+        self.progress: _Progress | None = None
+
+    async def _call(self, program: Program, step: int, branch: int, messages: Messages,
+                    max_tokens: int, stop: tuple[str, ...] = (),
+                    json_schema: dict | None = None) -> RequestRecord:
+        req = GenRequest(messages, self.render(messages), max_tokens, stop, json_schema,
+                         request_seed(self.opts.seed, program.program_id, step, branch),
+                         program.session if self.opts.session_hint else None)
+        record = await self.send(req, program.program_id, step, branch)
+        self.records.append(record)
+        if self.progress is not None:
+            self.progress.update()
+        return record
+
+    async def run_program(self, program: Program) -> None:
+        messages: Messages = [{"role": "system", "content": program.system}]
+        for i, step in enumerate(program.steps):
+            if isinstance(step, Gen):
+                asked = messages + [{"role": "user", "content": step.user}]
+                r = await self._call(program, i, -1, asked, step.max_tokens, step.stop,
+                                     step.json_schema)
+                if not r.ok:
+                    return
+                messages = asked + [{"role": "assistant", "content": r.text}]
+                continue
+            assert isinstance(step, Fork)
+            asks = [messages + [{"role": "user", "content": b}] for b in step.branches]
+            branches = await asyncio.gather(*(
+                self._call(program, i, k, a, step.max_tokens) for k, a in enumerate(asks)))
+            if not all(r.ok for r in branches):
+                return
+            candidates = "\n".join(f"{k + 1}. {r.text.strip()}" for k, r in enumerate(branches))
+            judge = step.judge.replace("{candidates}", candidates)
+            r = await self._call(program, i, len(asks),
+                                 messages + [{"role": "user", "content": judge}],
+                                 step.judge_max_tokens)
+            if not r.ok:
+                return
+            kept = branches[step.chosen]
+            messages = asks[step.chosen] + [{"role": "assistant", "content": kept.text}]
+
+    async def run(self, programs: list[Program]) -> Trace:
+        self.records = []
+        total = sum(p.num_requests for p in programs)
+        self.progress = _Progress(total, self.desc, self.opts.progress)
+        limit = asyncio.Semaphore(self.opts.concurrency or max(1, len(programs)))
+        arrivals = arrival_times(len(programs), self.opts.request_rate, self.opts.seed)
+        t0 = time.perf_counter()
+
+        async def start(program: Program, at: float) -> None:
+            await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
+            async with limit:
+                await self.run_program(program)
+
+        try:
+            await asyncio.gather(*(start(p, a) for p, a in zip(programs, arrivals, strict=True)))
+        finally:
+            self.progress.close()
+        wall = time.perf_counter() - t0
+        for r in self.records:  # the client stamps perf_counter(); the trace counts from t0
+            r.start_s -= t0
+            r.end_s -= t0
+            r.chunk_times = [t - t0 for t in r.chunk_times]
+        return Trace(wall, len(programs), sorted(self.records, key=lambda r: r.start_s))

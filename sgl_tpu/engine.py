@@ -18,7 +18,7 @@ from typing import Any
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.constrained import GrammarManager, create_backend
 from sgl_tpu.detokenize import DetokenizerState
-from sgl_tpu.executor.model_runner import ModelRunner
+from sgl_tpu.executor.runner import create_model_runner
 from sgl_tpu.loader import load_model
 from sgl_tpu.messages import TokenizedGenerateReq
 from sgl_tpu.response import ResponseAccumulator, error_status
@@ -36,7 +36,8 @@ def build_scheduler(args: ServerArgs) -> tuple[Scheduler, Any]:
     """Load the model, build and warm the runner, and wrap it in a scheduler."""
     loaded = load_model(args.model_path)
     runner_cfg = args.runner_config(loaded.config.context_len)
-    runner = ModelRunner(loaded.config, loaded.params, runner_cfg)
+    runner = create_model_runner(runner_cfg.backend, loaded.config, loaded.params, runner_cfg)
+    logger.info("executor backend: %s (%s)", runner_cfg.backend, runner_cfg.dtype)
     if runner_cfg.warmup:
         runner.warmup()
     eos = tuple(loaded.config.eos_token_ids) or tuple(loaded.tokenizer.eos_token_ids)

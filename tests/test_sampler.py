@@ -1,6 +1,9 @@
-"""Tests for sgl_tpu.executor.sampler: greedy, filters, seeding, penalties, logprobs, bitmask.
+"""Tests for the samplers of both backends (sgl_tpu.executor.sampler in JAX and
+sgl_tpu.executor.torch_sampler): greedy, filters, seeding, penalties, logprobs, bitmask. Every
+behavioural test runs on both (the autouse `backend` fixture); the JAX-only ones (host packing,
+compilation) pin it.
 
-The sampler is jitted once per shape: (4096, V) for the statistical tests (one row per draw, the
+The JAX sampler is jitted once per shape: (4096, V) for the statistical tests (one row per draw, the
 draw index is `step`), with the default and with a tiny candidate count (forces the bisection
 fallback), and (8, V) with 5 top logprobs for the rest. V = 100 is not a multiple of 32.
 """
@@ -36,6 +39,19 @@ class Params:
     seed: int | None = 0
 
 
+_BACKEND = {"name": "jax"}
+
+
+@pytest.fixture(autouse=True, params=["jax", "torch"])
+def backend(request) -> str:
+    _BACKEND["name"] = request.param
+    return request.param
+
+
+def jax_only(test):
+    return pytest.mark.parametrize("backend", ["jax"], indirect=True)(test)
+
+
 def run(
     logits: np.ndarray,
     params: list[Params],
@@ -50,6 +66,9 @@ def run(
     arrays = S.build_sampling_arrays(params, batch, steps)
     counts = np.zeros((batch, vocab), np.int32) if counts is None else counts
     mask = S.full_bitmask(batch, vocab) if allowed is None else S.pack_bitmask(allowed)
+    if _BACKEND["name"] == "torch":
+        return _run_torch(logits, jax.tree.map(np.asarray, arrays), counts, mask,
+                          num_top_logprobs, num_candidates)
     out = _sample(
         jnp.asarray(logits, jnp.float32),
         arrays,
@@ -59,6 +78,26 @@ def run(
         num_candidates=num_candidates,
     )
     return jax.tree.map(np.asarray, out)
+
+
+def _run_torch(logits, a: S.SamplingArrays, counts, mask, num_top_logprobs, num_candidates
+               ) -> S.SampleOutput:
+    import torch
+
+    from sgl_tpu.executor import torch_sampler as TS
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.array(a))
+
+    ids, lp, top_ids, top_lp = TS.sample(
+        t(np.ascontiguousarray(logits, np.float32)),
+        temperature=t(a.temperature), top_p=t(a.top_p), top_k=t(a.top_k).long(),
+        min_p=t(a.min_p), uniforms=t(TS.row_uniforms(a.seed, a.step)),
+        penalties=(t(counts), t(a.frequency_penalty), t(a.presence_penalty),
+                   t(a.repetition_penalty)),
+        bitmask=t(mask), num_top_logprobs=num_top_logprobs, num_candidates=num_candidates)
+    return S.SampleOutput(token_ids=ids.int().numpy(), logprobs=lp.numpy(),
+                          top_ids=top_ids.int().numpy(), top_logprobs=top_lp.numpy())
 
 
 def draw(
@@ -101,10 +140,18 @@ def reference_probs(row: np.ndarray, p: Params, allowed: np.ndarray | None = Non
 
 
 def assert_matches(ids: np.ndarray, expected: np.ndarray) -> None:
-    """Zero-probability tokens never drawn; the others within 5 sigma of their probability."""
+    """Zero-probability tokens never drawn; the others within 5 sigma of their probability.
+
+    Tokens expected fewer than 5 times are pooled into one bucket (as for a chi-square test):
+    one draw of a token of probability 1e-6 is 15 sigma on its own, and such tails hold ~1e-4
+    of the mass, so a fair sampler would fail per-token z-tests for some seeds.
+    """
     freq = np.bincount(ids, minlength=V) / len(ids)
     never = expected == 0
     assert not freq[never].any(), f"drew excluded tokens {np.nonzero(freq * never)[0]}"
+    rare = ~never & (expected * len(ids) < 5)
+    freq = np.append(freq[~rare], freq[rare].sum())
+    expected = np.append(expected[~rare], expected[rare].sum())
     sigma = np.sqrt(expected * (1 - expected) / len(ids))
     z = np.abs(freq - expected) / np.maximum(sigma, 1e-12)
     assert z.max() < 5.0, f"token {z.argmax()}: freq {freq[z.argmax()]} vs {expected[z.argmax()]}"
@@ -291,7 +338,8 @@ def test_no_top_logprobs_has_empty_shape(row: np.ndarray) -> None:
 # --- bitmask --------------------------------------------------------------------------------
 
 
-def test_pack_unpack_round_trip_and_bit_order() -> None:
+@jax_only
+def test_pack_unpack_round_trip_and_bit_order(backend) -> None:
     allowed = np.random.default_rng(8).random((3, V)) < 0.5
     packed = S.pack_bitmask(allowed)
     assert packed.shape == (3, 4) and packed.dtype == np.int32
@@ -325,7 +373,8 @@ def test_bitmask_greedy_and_fully_masked_row() -> None:
 # --- host builder and compilation -----------------------------------------------------------
 
 
-def test_build_sampling_arrays_pads_greedy_and_validates() -> None:
+@jax_only
+def test_build_sampling_arrays_pads_greedy_and_validates(backend) -> None:
     arrays = S.build_sampling_arrays(
         [Params(temperature=0.5, top_k=0, seed=-1), Params(seed=2**32 + 5)], 4, steps=[3, 9]
     )
@@ -347,7 +396,8 @@ def test_build_sampling_arrays_pads_greedy_and_validates() -> None:
         S.build_sampling_arrays([Params(), Params()], 1)
 
 
-def test_parameter_values_do_not_recompile(row: np.ndarray) -> None:
+@jax_only
+def test_parameter_values_do_not_recompile(row: np.ndarray, backend) -> None:
     logits = np.broadcast_to(row, (UNIT_BATCH, V))
     run(logits, [Params()])
     size = _sample._cache_size()

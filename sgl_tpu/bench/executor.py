@@ -1,11 +1,14 @@
-"""Executor micro-benchmark: prefill and decode throughput of the model runner, per dtype.
+"""Executor micro-benchmark: prefill and decode throughput of the model runners, per backend
+and dtype.
 
-    python -m sgl_tpu.bench.executor [--dtypes float32,bfloat16] [--prefill 128,512,2048]
-                                     [--decode-batches 1,8,32,64] [--context 256] [--repeats 3]
+    python -m sgl_tpu.bench.executor [--backends jax,torch] [--dtypes float32,bfloat16]
+        [--prefill 128,512,2048] [--decode-batches 1,8,32,64] [--context 256] [--repeats 3]
+        [--disable-compile]
 
-Runs the real jitted step (paged KV, bucketed shapes, sampler) on the default model (or
-`--model-path`), compiles each shape once before timing, reports the best of `--repeats` runs,
-and prints one JSON object. Compare dtypes/sizes as ratios within one run: the machine is shared.
+Runs the real step (paged KV, bucketed shapes, sampler) of each backend on the default model
+(or `--model-path`), compiles each shape once before timing, reports the best of `--repeats`
+runs, and prints one JSON object. Compare backends/dtypes/sizes as ratios within one run: the
+machine is shared.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ def run(args: argparse.Namespace) -> dict:
     import jax
 
     from sgl_tpu.config import ServerArgs
-    from sgl_tpu.executor.model_runner import ModelRunner
+    from sgl_tpu.executor.runner import create_model_runner
     from sgl_tpu.loader import load_model
     from sgl_tpu.scheduler.schedule_batch import ForwardMode
 
@@ -60,35 +63,43 @@ def run(args: argparse.Namespace) -> dict:
     max_tokens = max(prefills + [1])
     pool_tokens = max(max_tokens, max(batches + [1]) * (args.context + 16)) + 64
     rng = np.random.default_rng(0)
-    results: dict = {"model": loaded.model_path, "backend": jax.default_backend(),
+    results: dict = {"model": loaded.model_path, "jax_platform": jax.default_backend(),
                      "context_for_decode": args.context, "cpu_count": os.cpu_count(),
                      "runs": []}
-    for dtype in args.dtypes.split(","):
-        sargs = ServerArgs(model_path=args.model_path, dtype=dtype, skip_warmup=True,
-                           max_total_tokens=pool_tokens, chunked_prefill_size=max_tokens,
-                           max_running_requests=max(batches + [1]), max_extend_seqs=1)
-        runner = ModelRunner(cfg, loaded.params, sargs.runner_config(cfg.context_len))
-        ps = sargs.page_size
-        for n in prefills:
-            steps = _steps(1, n, 0, ps, rng, cfg.vocab_size)
-            t = _best(partial(runner.forward, ForwardMode.EXTEND, steps), args.repeats)
-            results["runs"].append({"dtype": dtype, "phase": "prefill", "tokens": n,
-                                    "seconds": round(t, 4), "tok_per_s": round(n / t, 1)})
-            print(json.dumps(results["runs"][-1]), flush=True)
-        for b in batches:
-            steps = _steps(b, 1, args.context, ps, rng, cfg.vocab_size)
-            t = _best(partial(runner.forward, ForwardMode.DECODE, steps), args.repeats)
-            results["runs"].append({"dtype": dtype, "phase": "decode", "batch": b,
-                                    "context": args.context, "step_ms": round(1e3 * t, 2),
-                                    "tok_per_s": round(b / t, 1)})
-            print(json.dumps(results["runs"][-1]), flush=True)
+    for backend in args.backends.split(","):
+        for dtype in args.dtypes.split(","):
+            sargs = ServerArgs(model_path=args.model_path, dtype=dtype, skip_warmup=True,
+                               max_total_tokens=pool_tokens, chunked_prefill_size=max_tokens,
+                               max_running_requests=max(batches + [1]), max_extend_seqs=1,
+                               backend=backend, disable_compile=args.disable_compile)
+            rcfg = sargs.runner_config(cfg.context_len)
+            runner = create_model_runner(rcfg.backend, cfg, loaded.params, rcfg)
+            tag = {"backend": rcfg.backend, "dtype": dtype}
+            if rcfg.backend == "torch":
+                tag["compile"] = rcfg.compile
+            ps = sargs.page_size
+            for n in prefills:
+                steps = _steps(1, n, 0, ps, rng, cfg.vocab_size)
+                t = _best(partial(runner.forward, ForwardMode.EXTEND, steps), args.repeats)
+                results["runs"].append({**tag, "phase": "prefill", "tokens": n,
+                                        "seconds": round(t, 4), "tok_per_s": round(n / t, 1)})
+                print(json.dumps(results["runs"][-1]), flush=True)
+            for b in batches:
+                steps = _steps(b, 1, args.context, ps, rng, cfg.vocab_size)
+                t = _best(partial(runner.forward, ForwardMode.DECODE, steps), args.repeats)
+                results["runs"].append({**tag, "phase": "decode", "batch": b,
+                                        "context": args.context, "step_ms": round(1e3 * t, 2),
+                                        "tok_per_s": round(b / t, 1)})
+                print(json.dumps(results["runs"][-1]), flush=True)
     return results
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-path", default=None)
+    p.add_argument("--backends", default="jax,torch")
     p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--disable-compile", action="store_true", help="torch: run eagerly")
     p.add_argument("--prefill", default="128,512,2048")
     p.add_argument("--decode-batches", default="1,8,32,64")
     p.add_argument("--context", type=int, default=256)

@@ -1,0 +1,64 @@
+"""Device, dtype and thread choices of the PyTorch backend.
+
+    --device auto ─► "tpu"  when TorchTPU is importable (`torch_tpu`; device "tpu")
+                     "cuda" when a CUDA device is visible
+                     "cpu"  otherwise
+    --dtype auto  ─► bfloat16 on tpu/cuda, and on CPUs with bf16 matrix units (AMX or
+                     AVX512-BF16: oneDNN runs bf16 matmuls there several times faster than
+                     float32); float32 on other CPUs
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+_CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        if importlib.util.find_spec("torch_tpu") is not None:
+            device = "tpu"
+        elif torch.cuda.is_available():
+            device = "cuda"
+        else:
+            device = "cpu"
+    if device == "tpu":
+        if importlib.util.find_spec("torch_tpu") is None:
+            raise ValueError("--device tpu needs TorchTPU (the torch_tpu package)")
+        import torch_tpu  # noqa: F401  (registers the "tpu" device)
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible to PyTorch")
+    return torch.device(device)
+
+
+def cpu_has_bf16_units() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return any(flag in flags for flag in _CPU_BF16_FLAGS)
+
+
+def default_dtype(device: str) -> str:
+    dev = resolve_device(device)
+    if dev.type != "cpu" or cpu_has_bf16_units():
+        return "bfloat16"
+    return "float32"
+
+
+def set_cpu_threads() -> int:
+    """Intra-op threads = the CPUs this process may run on (`SGL_TPU_TORCH_THREADS` overrides);
+    one inter-op thread. Returns the thread count."""
+    n = int(os.environ.get("SGL_TPU_TORCH_THREADS", 0)) or len(os.sched_getaffinity(0))
+    torch.set_num_threads(n)
+    if torch.get_num_interop_threads() != 1:
+        try:
+            torch.set_num_interop_threads(1)
+        except RuntimeError:  # already set once in this process
+            pass
+    return n

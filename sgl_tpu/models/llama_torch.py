@@ -1,0 +1,163 @@
+"""Llama-family decoder in PyTorch (Llama / Llama 3, Qwen2 qkv bias, Qwen3 q/k norm) over a
+token-major paged KV pool; the twin of `sgl_tpu.models.llama` for `--backend torch`.
+
+Each layer is split in three so the parts with fixed shapes can be compiled once per bucket:
+
+    h [T, D] ──pre (compiled)──► q [T, H, d], k, v [T, kvh, d]    RMSNorm, fused qkv, bias,
+                                                                  q/k norm, RoPE
+             ──write_kv, attention (eager: ragged)──► o [T, H, d]
+             ──post (compiled)──► h [T, D]                        o-proj + residual, RMSNorm,
+                                                                  fused gate/up SwiGLU + residual
+
+Weights are converted once from the loader's numpy dict: projections fused (`wqkv`,
+`w_gate_up`) and stored [out, in] for `F.linear`; norms stay float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from sgl_tpu.kernels import paged_attention_torch as attn
+from sgl_tpu.models.config import ModelConfig
+from sgl_tpu.models.rope import rope_inv_freq
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    attn_norm: torch.Tensor  # f32[D]
+    wqkv: torch.Tensor  # [(H + 2 kvh) d, D]
+    bqkv: torch.Tensor | None  # [(H + 2 kvh) d] (Qwen2)
+    q_norm: torch.Tensor | None  # f32[d] (Qwen3)
+    k_norm: torch.Tensor | None
+    wo: torch.Tensor  # [D, H d]
+    mlp_norm: torch.Tensor  # f32[D]
+    w_gate_up: torch.Tensor  # [2F, D]
+    w_down: torch.Tensor  # [D, F]
+
+
+@dataclass(frozen=True)
+class Weights:
+    embed: torch.Tensor  # [V, D]
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor  # f32[D]
+    lm_head: torch.Tensor  # [V, D] (the embedding when tied)
+    inv_freq: torch.Tensor  # f32[d/2]
+
+
+def convert_weights(params: dict, cfg: ModelConfig, dtype: torch.dtype,
+                    device: torch.device) -> Weights:
+    """Loader numpy params (matrices [in, out]) -> fused torch weights on `device`."""
+
+    def mat(*arrays: np.ndarray) -> torch.Tensor:  # [in, out] pieces -> [sum(out), in]
+        a = np.concatenate(arrays, axis=1) if len(arrays) > 1 else arrays[0]
+        return torch.from_numpy(np.ascontiguousarray(a.T)).to(device=device, dtype=dtype)
+
+    def vec(a: np.ndarray | None, vdtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        return None if a is None else torch.from_numpy(np.array(a)).to(device, vdtype)
+
+    layers = []
+    for lw in params["layers"]:
+        bias = (np.concatenate([lw["bq"], lw["bk"], lw["bv"]]) if cfg.attention_bias else None)
+        layers.append(LayerWeights(
+            attn_norm=vec(lw["attn_norm"]),
+            wqkv=mat(lw["wq"], lw["wk"], lw["wv"]),
+            bqkv=vec(bias, dtype),
+            q_norm=vec(lw.get("q_norm")) if cfg.qk_norm else None,
+            k_norm=vec(lw.get("k_norm")) if cfg.qk_norm else None,
+            wo=mat(lw["wo"]),
+            mlp_norm=vec(lw["mlp_norm"]),
+            w_gate_up=mat(lw["w_gate"], lw["w_up"]),
+            w_down=mat(lw["w_down"]),
+        ))
+    embed = torch.from_numpy(np.array(params["embed"])).to(device, dtype)
+    lm_head = embed if cfg.tie_word_embeddings else mat(params["lm_head"])
+    return Weights(embed=embed, layers=layers, final_norm=vec(params["final_norm"]),
+                   lm_head=lm_head, inv_freq=torch.from_numpy(rope_inv_freq(cfg)).to(device))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (HF convention). x [T, heads, d]; cos/sin f32[T, 1, d/2]."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def layer_pre(h: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor,
+              cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h [T, D] -> q [T, H, d], k [T, kvh, d], v [T, kvh, d] (RoPE applied to q and k)."""
+    x = rms_norm(h, w.attn_norm, cfg.rms_norm_eps)
+    qkv = F.linear(x, w.wqkv, w.bqkv)
+    t = h.shape[0]
+    q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+    q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()
+
+
+def layer_post(h: torch.Tensor, o: torch.Tensor, w: LayerWeights, cfg: ModelConfig
+               ) -> torch.Tensor:
+    """Attention output o [T, H, d] -> o-proj + residual -> SwiGLU MLP + residual; [T, D]."""
+    h = h + F.linear(o.reshape(h.shape[0], cfg.q_size), w.wo)
+    x = rms_norm(h, w.mlp_norm, cfg.rms_norm_eps)
+    gate, up = F.linear(x, w.w_gate_up).chunk(2, dim=-1)
+    return h + F.linear(F.silu(gate) * up, w.w_down)
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions i64[T] -> cos, sin f32[T, 1, d/2]."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    return freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+
+
+class LlamaTorch:
+    """The decoder as plain functions over `Weights`; `pre`/`post`/`final_norm` may be swapped
+    for compiled versions by the runner (same signatures)."""
+
+    def __init__(self, cfg: ModelConfig, weights: Weights,
+                 compile_fn: Callable[[Callable], Callable] | None = None) -> None:
+        self.cfg = cfg
+        self.w = weights
+        self.scale = cfg.head_dim**-0.5
+        wrap = compile_fn or (lambda f: f)
+        self.pre = wrap(layer_pre)
+        self.post = wrap(layer_post)
+        self.final_norm = wrap(rms_norm)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor,
+                kv_pools: list[tuple[torch.Tensor, torch.Tensor]],
+                attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+                ) -> torch.Tensor:
+        """input_ids/positions/out_slots i64[T] -> final-normed hidden [T, D].
+
+        `attention(q, k_pool, v_pool)` is the step's attention (extend or decode) with its
+        batch description bound in; the K/V write happens here, before it.
+        """
+        cfg = self.cfg
+        cos, sin = rope_tables(positions, self.w.inv_freq)
+        h = self.w.embed.index_select(0, input_ids)  # [T, D]
+        for w, (k_pool, v_pool) in zip(self.w.layers, kv_pools, strict=True):
+            q, k, v = self.pre(h, w, cos, sin, cfg)
+            attn.write_kv(k_pool, v_pool, k, v, out_slots)
+            o = attention(q, k_pool, v_pool)
+            h = self.post(h, o, w, cfg)
+        return self.final_norm(h, self.w.final_norm, cfg.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, D] -> float32 logits [N, V]."""
+        return F.linear(hidden, self.w.lm_head).float()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from sgl_tpu.config import DTYPES, SCHEDULE_POLICIES, ServerArgs
+from sgl_tpu.config import ATTENTION_BACKENDS, DTYPES, SCHEDULE_POLICIES, ServerArgs
 
 _HELP = {
     "model_path": "GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct Q4_1 "
@@ -15,6 +15,9 @@ _HELP = {
                             "chunked",
     "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
     "skip_warmup": "do not compile the shape buckets at start-up (they compile on first use)",
+    "attention_backend": "attention kernels: pallas (Pallas TPU kernel), ref (pure jax.numpy), "
+                         "pallas-interpret (the kernel interpreted on CPU; tests), or auto "
+                         "(pallas on TPU, ref elsewhere)",
     "session_retention_s": "seconds a finished request with a session_id keeps its KV at "
                            "eviction priority for the agent's next turn (0 disables)",
 }
@@ -33,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
             kw["choices"] = SCHEDULE_POLICIES
         if f.name == "dtype":
             kw["choices"] = DTYPES
+        if f.name == "attention_backend":
+            kw["choices"] = ATTENTION_BACKENDS
         typ = int if isinstance(f.default, int) else float if isinstance(f.default, float) \
             else str
         if f.name == "context_length":

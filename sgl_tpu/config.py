@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 DTYPES = ("auto", "float32", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "ref", "pallas", "pallas-interpret")  # kernels/backends.py
 
 
 def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
@@ -40,6 +41,7 @@ class RunnerConfig:
     block_q: int  # query rows per EXTEND attention block
     max_top_logprobs: int
     warmup: bool = True
+    attention_backend: str = "ref"  # resolved: "ref", "pallas" or "pallas-interpret"
 
     def __post_init__(self) -> None:
         if self.kv_tile % self.page_size:
@@ -90,6 +92,7 @@ class ServerArgs:
     session_retention_s: float = 30.0
     kv_tile: int = 256
     block_q: int = 128
+    attention_backend: str = "auto"  # auto: the Pallas TPU kernel on TPU, else the reference
     min_token_bucket: int = 64
     max_top_logprobs: int = 20
     skip_warmup: bool = False
@@ -115,6 +118,9 @@ class ServerArgs:
                              f"got {self.schedule_policy!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}")
         if self.max_total_tokens < 2 * self.page_size:
             raise ValueError("max_total_tokens must hold at least two pages")
         if not 0 < self.port < 65536:
@@ -131,6 +137,11 @@ class ServerArgs:
         import jax
 
         return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+    def resolved_attention_backend(self) -> str:
+        from sgl_tpu.kernels.backends import resolve_attention_backend
+
+        return resolve_attention_backend(self.attention_backend)
 
     def runner_config(self, model_context_len: int) -> RunnerConfig:
         context_len = min(self.context_length or model_context_len, model_context_len)
@@ -150,6 +161,7 @@ class ServerArgs:
             block_q=self.block_q,
             max_top_logprobs=self.max_top_logprobs,
             warmup=not self.skip_warmup,
+            attention_backend=self.resolved_attention_backend(),
         )
 
     def scheduler_config(self, runner: RunnerConfig) -> SchedulerConfig:

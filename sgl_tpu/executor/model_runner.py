@@ -56,8 +56,9 @@ class StepResult:
 
 
 def _step_impl(params, kv_pools, token_counts, fb: ForwardBatch, *, cfg: ModelConfig,
-               mode: ForwardMode, kv_tile: int, num_top: int):
-    hidden, kv_pools = llama.forward(params, kv_pools, fb, cfg, mode, kv_tile=kv_tile)
+               mode: ForwardMode, kv_tile: int, num_top: int, attention_backend: str):
+    hidden, kv_pools = llama.forward(params, kv_pools, fb, cfg, mode, kv_tile=kv_tile,
+                                     attention_backend=attention_backend)
     logits = llama.compute_logits(params, hidden[fb.sample_idx], cfg)  # [S, V]
     counts = jnp.where(fb.counts_reset[:, None], 0, token_counts[fb.counts_rows])  # [S, V]
     out = sample(logits, fb.sampling, counts, fb.vocab_bitmask, num_top_logprobs=num_top)
@@ -114,7 +115,8 @@ class ModelRunner:
                                       jnp.int32)
         num_top = config.max_top_logprobs
         self._step = jax.jit(
-            partial(_step_impl, cfg=model_config, kv_tile=config.kv_tile, num_top=num_top),
+            partial(_step_impl, cfg=model_config, kv_tile=config.kv_tile, num_top=num_top,
+                    attention_backend=config.attention_backend),
             static_argnames=("mode",),
             donate_argnames=("kv_pools", "token_counts"),
         )

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sgl_tpu.executor.forward_batch import ForwardBatch
-from sgl_tpu.kernels import paged_attention_ref as attn
+from sgl_tpu.kernels.backends import AttentionBackend, get_attention_backend
 from sgl_tpu.models.config import ModelConfig
 from sgl_tpu.scheduler.schedule_batch import ForwardMode
 
@@ -77,6 +77,7 @@ def _attention(
     v_pool: jax.Array,
     fb: ForwardBatch,
     kv_tile: int,
+    attn: AttentionBackend,
 ) -> jax.Array:
     scale = cfg.head_dim**-0.5
     if mode == ForwardMode.DECODE:
@@ -97,8 +98,14 @@ def forward(
     mode: ForwardMode,
     *,
     kv_tile: int,
+    attention_backend: str = "ref",
 ) -> tuple[jax.Array, KVPools]:
-    """Run the decoder; returns final-normed hidden states [T, D] and the updated pools."""
+    """Run the decoder; returns final-normed hidden states [T, D] and the updated pools.
+
+    `attention_backend` names the KV-write and attention implementation (kernels/backends.py);
+    nothing else depends on it.
+    """
+    attn = get_attention_backend(attention_backend)
     inv_freq = rope_inv_freq(cfg)
     h = params["embed"][fb.input_ids]  # [T, D]
     num_tokens = h.shape[0]
@@ -120,7 +127,7 @@ def forward(
         k = apply_rope(k, fb.positions, inv_freq)
         k_pool, v_pool = attn.write_kv(k_pool, v_pool, k, v, fb.out_slots)
         new_pools.append((k_pool, v_pool))
-        o = _attention(cfg, mode, q, k_pool, v_pool, fb, kv_tile)
+        o = _attention(cfg, mode, q, k_pool, v_pool, fb, kv_tile, attn)
         h = h + o.reshape(num_tokens, cfg.q_size) @ layer["wo"]
         x = rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
         gate = x @ layer["w_gate"]  # [T, F]

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from sgl_tpu.config import ATTENTION_BACKENDS, DTYPES, SCHEDULE_POLICIES, ServerArgs
+from sgl_tpu.config import (
+    ATTENTION_BACKENDS,
+    BACKENDS,
+    DTYPES,
+    SCHEDULE_POLICIES,
+    TORCH_DEVICES,
+    ServerArgs,
+)
 
 _HELP = {
     "model_path": "GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct Q4_1 "
@@ -20,6 +27,10 @@ _HELP = {
                          "(pallas on TPU, ref elsewhere)",
     "session_retention_s": "seconds a finished request with a session_id keeps its KV at "
                            "eviction priority for the agent's next turn (0 disables)",
+    "backend": "executor: jax (XLA), torch (PyTorch), or auto (torch on CPU when installed, "
+               "jax on TPU/GPU)",
+    "disable_compile": "torch backend: run eagerly instead of torch.compile (debugging)",
+    "device": "torch backend device (auto: tpu if TorchTPU is installed, else cuda, else cpu)",
 }
 
 
@@ -38,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
             kw["choices"] = DTYPES
         if f.name == "attention_backend":
             kw["choices"] = ATTENTION_BACKENDS
+        if f.name == "backend":
+            kw["choices"] = BACKENDS
+        if f.name == "device":
+            kw["choices"] = TORCH_DEVICES
         typ = int if isinstance(f.default, int) else float if isinstance(f.default, float) \
             else str
         if f.name == "context_length":

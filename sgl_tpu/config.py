@@ -14,6 +14,8 @@ from dataclasses import dataclass
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 DTYPES = ("auto", "float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "ref", "pallas", "pallas-interpret")  # kernels/backends.py
+BACKENDS = ("auto", "jax", "torch")
+TORCH_DEVICES = ("auto", "cpu", "cuda", "tpu")
 
 
 def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
@@ -42,6 +44,9 @@ class RunnerConfig:
     max_top_logprobs: int
     warmup: bool = True
     attention_backend: str = "ref"  # resolved: "ref", "pallas" or "pallas-interpret"
+    backend: str = "jax"  # resolved executor backend: "jax" or "torch"
+    compile: bool = True  # torch: torch.compile(dynamic=False) per bucket; False = eager
+    device: str = "auto"  # torch: "cpu", "cuda", "tpu" or "auto"
 
     def __post_init__(self) -> None:
         if self.kv_tile % self.page_size:
@@ -99,6 +104,9 @@ class ServerArgs:
     grammar_backend: str = "llguidance"  # or "outlines", "xgrammar", "none"
     disable_jump_forward: bool = False
     log_level: str = "info"
+    backend: str = "auto"  # executor: "jax", "torch", or "auto" (the faster one here)
+    disable_compile: bool = False  # torch backend: run eagerly (debugging)
+    device: str = "auto"  # torch backend device
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_total_tokens", "max_running_requests", "max_extend_seqs",
@@ -116,6 +124,10 @@ class ServerArgs:
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, "
                              f"got {self.schedule_policy!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.device not in TORCH_DEVICES:
+            raise ValueError(f"device must be one of {TORCH_DEVICES}, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -129,11 +141,20 @@ class ServerArgs:
     def replace(self, **changes) -> ServerArgs:
         return dataclasses.replace(self, **changes)
 
-    def resolved_dtype(self) -> str:
-        # On XLA:CPU float32 measured faster than bfloat16 (bf16 dots do not use AMX there);
-        # TPUs and GPUs want bfloat16.
+    def resolved_backend(self) -> str:
+        from sgl_tpu.executor.runner import resolve_backend
+
+        return resolve_backend(self.backend)
+
+    def resolved_dtype(self, backend: str) -> str:
         if self.dtype != "auto":
             return self.dtype
+        if backend == "torch":
+            from sgl_tpu.executor.torch_device import default_dtype
+
+            return default_dtype(self.device)
+        # On XLA:CPU float32 measured faster than bfloat16 (bf16 dots do not use AMX there);
+        # TPUs and GPUs want bfloat16.
         import jax
 
         return "float32" if jax.default_backend() == "cpu" else "bfloat16"
@@ -147,9 +168,10 @@ class ServerArgs:
         context_len = min(self.context_length or model_context_len, model_context_len)
         kv_tile = max(self.kv_tile, self.page_size)
         chunk = max(self.chunked_prefill_size, self.min_token_bucket)
+        backend = self.resolved_backend()
         return RunnerConfig(
             model_path=self.model_path,
-            dtype=self.resolved_dtype(),
+            dtype=self.resolved_dtype(backend),
             page_size=self.page_size,
             num_pages=-(-self.max_total_tokens // self.page_size) + 1,
             max_running_requests=self.max_running_requests,
@@ -162,6 +184,9 @@ class ServerArgs:
             max_top_logprobs=self.max_top_logprobs,
             warmup=not self.skip_warmup,
             attention_backend=self.resolved_attention_backend(),
+            backend=backend,
+            compile=not self.disable_compile,
+            device=self.device,
         )
 
     def scheduler_config(self, runner: RunnerConfig) -> SchedulerConfig:

@@ -16,7 +16,7 @@ import pytest
 
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.executor.forward_batch import build_forward_batch
-from sgl_tpu.executor.model_runner import ModelRunner
+from sgl_tpu.executor.model_runner import JaxModelRunner
 from sgl_tpu.loader import load_model
 from sgl_tpu.models import llama
 from sgl_tpu.sampling_params import SamplingParams
@@ -31,11 +31,12 @@ class PagedModel:
     each sequence's pages so later steps read the cached prefix from the pool."""
 
     def __init__(self, loaded, page_size: int = 4, **kw):
-        args = ServerArgs(skip_warmup=True, page_size=page_size, max_total_tokens=4096,
+        args = ServerArgs(skip_warmup=True, backend="jax", page_size=page_size,
+                          max_total_tokens=4096,
                           kv_tile=max(8, page_size), block_q=8, min_token_bucket=16,
                           chunked_prefill_size=256, max_running_requests=8, **kw)
         self.cfg = loaded.config
-        self.runner = ModelRunner(loaded.config, loaded.params, args.runner_config(4096))
+        self.runner = JaxModelRunner(loaded.config, loaded.params, args.runner_config(4096))
         self.ps = page_size
         self.next_page = 1
         self._fwd = jax.jit(partial(self._logits, cfg=self.cfg, kv_tile=args.kv_tile),

@@ -1,6 +1,7 @@
-"""ModelRunner: owns the device state (weights, paged KV pools, penalty counts) and every jitted
-entry point. The scheduler hands it host-side `SeqStep`s; it pads them to a bucket
-(`build_forward_batch`), runs one jitted step and returns host numpy results.
+"""JaxModelRunner (`--backend jax`; the `ModelRunner` interface is in executor/runner.py): owns
+the device state (weights, paged KV pools, penalty counts) and every jitted entry point. The
+scheduler hands it host-side `SeqStep`s; it pads them to a bucket (`build_forward_batch`), runs
+one jitted step and returns host numpy results.
 
 Jitted entry points (all here, compiled per bucket at warm-up):
 
@@ -18,7 +19,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -33,6 +33,7 @@ from sgl_tpu.executor.forward_batch import (
     batch_shape_for,
     build_forward_batch,
 )
+from sgl_tpu.executor.runner import StepResult
 from sgl_tpu.executor.sampler import sample
 from sgl_tpu.models import llama
 from sgl_tpu.models.config import ModelConfig
@@ -42,17 +43,6 @@ from sgl_tpu.scheduler.schedule_batch import ForwardMode, SeqStep
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """Host copies of one step's outputs, one row per real sequence."""
-
-    token_ids: np.ndarray  # i32[n]
-    logprobs: np.ndarray  # f32[n]
-    top_ids: np.ndarray  # i32[n, K]
-    top_logprobs: np.ndarray  # f32[n, K]
-    hidden: jax.Array | None  # [T, D] device array (EXTEND only), for input log-probs
 
 
 def _step_impl(params, kv_pools, token_counts, fb: ForwardBatch, *, cfg: ModelConfig,
@@ -101,7 +91,9 @@ def params_to_device(params: dict, dtype) -> dict:
     }
 
 
-class ModelRunner:
+class JaxModelRunner:
+    backend = "jax"
+
     def __init__(self, model_config: ModelConfig, params: dict, config: RunnerConfig) -> None:
         self.model_config = model_config
         self.config = config

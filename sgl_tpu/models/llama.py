@@ -18,8 +18,6 @@ Logits are computed by the caller only for the rows it needs (`compute_logits`).
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +25,7 @@ import numpy as np
 from sgl_tpu.executor.forward_batch import ForwardBatch
 from sgl_tpu.kernels.backends import AttentionBackend, get_attention_backend
 from sgl_tpu.models.config import ModelConfig
+from sgl_tpu.models.rope import rope_inv_freq
 from sgl_tpu.scheduler.schedule_batch import ForwardMode
 
 Params = dict
@@ -37,25 +36,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (xf * weight.astype(jnp.float32)).astype(x.dtype)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [d/2], with Llama-3 scaling when configured (computed at trace time)."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    rs = cfg.rope_scaling
-    if rs is None:
-        return inv_freq.astype(np.float32)
-    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
-    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
-        rs.high_freq_factor - rs.low_freq_factor
-    )
-    scaled = np.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
-    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-    scaled = np.where(mid, (1 - smooth) * inv_freq / rs.factor + smooth * inv_freq, scaled)
-    return scaled.astype(np.float32)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:

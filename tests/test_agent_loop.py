@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from sgl_tpu.bench.agent_loop.__main__ import main, parse_workload, ratios
+from sgl_tpu.bench.agent_loop.__main__ import main, parse_workload, ratios, warmup_config
 from sgl_tpu.bench.agent_loop.client import Client
 from sgl_tpu.bench.agent_loop.drivers import (
     DONE,
@@ -92,6 +92,13 @@ def test_workload_overrides():
     assert cfg.branches == SMALL.branches
     with pytest.raises(ValueError):
         parse_workload("react:bogus=1", SMALL)
+
+
+def test_warmup_keeps_concurrency_and_caps_turns():
+    cfg = WorkloadConfig(num_programs=8, turns=6)
+    assert warmup_config(cfg, None) == WorkloadConfig(num_programs=8, turns=2)
+    assert warmup_config(cfg, 3).num_programs == 3
+    assert warmup_config(cfg, 0) is None
 
 
 # ---- drivers: request bodies --------------------------------------------------------------------

@@ -8,8 +8,9 @@
         --output results.json            # also writes results.png
 
 For each target (targets.py has the spec syntax) and each workload (workloads.py): start the
-server if the target launches one, warm it up with a few programs of another seed, flush its
-cache, run the workload (runner.py), summarize (metrics.py). Prints a table on stderr and the
+server if the target launches one, warm it up with the workload at another seed (at most 2
+turns, so compiled batch shapes are ready), flush its cache, run the workload (runner.py),
+summarize (metrics.py). Prints a table on stderr and the
 result JSON (report.emit); `--compare` with `--output` also writes a PNG next to it.
 """
 
@@ -43,6 +44,7 @@ from sgl_tpu.bench.agent_loop.workloads import (
 from sgl_tpu.bench.report import emit
 
 WARMUP_SEED_OFFSET = 1000
+WARMUP_MAX_TURNS = 2
 
 
 def parse_workload(item: str, base: WorkloadConfig) -> tuple[str, WorkloadConfig]:
@@ -59,6 +61,14 @@ def parse_workload(item: str, base: WorkloadConfig) -> tuple[str, WorkloadConfig
             raise ValueError(f"workload {name}: bad override {kv!r}; fields: {sorted(fields)}")
         changes[key] = int(value)
     return name, dataclasses.replace(base, **changes)
+
+
+def warmup_config(cfg: WorkloadConfig, num_programs: int | None) -> WorkloadConfig | None:
+    """The warm-up run's sizes: the same concurrency (batch shapes), fewer turns."""
+    if num_programs == 0:
+        return None
+    return dataclasses.replace(cfg, num_programs=num_programs or cfg.num_programs,
+                               turns=min(cfg.turns, WARMUP_MAX_TURNS))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,8 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--session-hint", action="store_true",
                    help="send each program's session_id (agent-aware cache retention)")
-    r.add_argument("--warmup-programs", type=int, default=2,
-                   help="programs of another seed run (and not measured) before each workload")
+    r.add_argument("--warmup-programs", type=int, default=None,
+                   help="programs of another seed, at most 2 turns each, run (not measured) "
+                        "before each workload, so compilation for its batch shapes is done; "
+                        "default: as many as the workload has; 0: none")
     r.add_argument("--no-progress", action="store_true")
     o = p.add_argument_group("output")
     o.add_argument("--output", help="result JSON file")
@@ -200,10 +212,9 @@ def main(argv: list[str] | None = None) -> None:
         try:
             with RunningTarget(spec, args.model_path, log_dir) as target:
                 for name, cfg in workloads:
-                    if args.warmup_programs:
-                        warm = make_workload(name, dataclasses.replace(
-                            cfg, num_programs=args.warmup_programs),
-                            args.seed + WARMUP_SEED_OFFSET)
+                    warm_cfg = warmup_config(cfg, args.warmup_programs)
+                    if warm_cfg is not None:
+                        warm = make_workload(name, warm_cfg, args.seed + WARMUP_SEED_OFFSET)
                         asyncio.run(run_workload(target.base_url, spec, warm, tokenizer, args,
                                                  f"{spec.name}/{name} warm-up"))
                     target.flush_cache()

@@ -28,8 +28,10 @@ class TorchPaged:
     """A torch runner plus page bookkeeping: EXTEND logits of every new token (row_logits of the
     step's hidden states) and DECODE top-K log-probs."""
 
-    def __init__(self, loaded, dtype: str = "float32", page_size: int = 4):
-        args = ServerArgs(skip_warmup=True, backend="torch", disable_compile=True, dtype=dtype,
+    def __init__(self, loaded, dtype: str = "float32", page_size: int = 4,
+                 torch_compile: str = "off"):
+        args = ServerArgs(skip_warmup=True, backend="torch", torch_compile=torch_compile,
+                          dtype=dtype,
                           page_size=page_size, max_total_tokens=4096, kv_tile=max(8, page_size),
                           min_token_bucket=16, chunked_prefill_size=256, max_running_requests=8,
                           max_extend_seqs=8)
@@ -156,6 +158,26 @@ def test_default_model_backends_agree_on_a_mixed_batch(dtype):
         _assert_close(res.top_logprobs[i], lp[res.top_ids[i]], dtype)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_equals_eager(tmp_path, dtype):
+    """torch.compile'd layers (F.linear) == eager (oneDNN-prepacked linears in bfloat16)."""
+    loaded = load_model(ck.make_tiny_hf_checkpoint(tmp_path / "m", "qwen2"))
+    ids = np.random.default_rng(4).integers(3, loaded.config.vocab_size, 21).tolist()
+    out = []
+    for mode in ("on", "off"):
+        m = TorchPaged(loaded, dtype, torch_compile=mode)
+        pages = m.new_pages(len(ids))
+        (ext,) = m.extend([(ids[:20], 0, pages)])
+        out.append((ext, m.decode([(ids[20], 20, pages)])))
+    (c_ext, c_dec), (e_ext, e_dec) = out
+    tol = 1e-4 if dtype == "float32" else 0.05 * np.abs(e_ext).max()
+    np.testing.assert_allclose(c_ext, e_ext, atol=tol)
+    if dtype == "float32":
+        np.testing.assert_array_equal(c_dec.top_ids[0, :3], e_dec.top_ids[0, :3])
+    else:  # near-ties of a random tiny model may swap in bfloat16
+        assert e_dec.top_ids[0, 0] in c_dec.top_ids[0, :3]
+
+
 def test_auto_backend_and_bad_choices():
     assert resolve_backend("auto") == "torch"  # CPU with torch installed
     assert resolve_backend("jax") == "jax"
@@ -163,13 +185,18 @@ def test_auto_backend_and_bad_choices():
         ServerArgs(backend="tensorflow")
     with pytest.raises(ValueError, match="device"):
         ServerArgs(device="npu")
+    with pytest.raises(ValueError, match="torch_compile"):
+        ServerArgs(torch_compile="maybe")
+    cfg = ServerArgs(backend="torch").runner_config(2048)
+    assert cfg.backend == "torch" and cfg.dtype == "bfloat16" and not cfg.compile  # CPU auto
 
 
 def test_compiled_buckets_do_not_recompile_on_mixed_traffic(tmp_path):
     """torch.compile(dynamic=False): warm-up compiles every bucket; mixed traffic (chunked
     prefill, cached prefixes, all samplers, penalties, n > 1, logprobs) compiles nothing."""
     model_dir = ck.make_tiny_hf_checkpoint(tmp_path / "m", "llama")
-    engine = Engine(model_dir, backend="torch", page_size=4, max_total_tokens=2048,
+    engine = Engine(model_dir, backend="torch", torch_compile="on", page_size=4,
+                    max_total_tokens=2048,
                     max_running_requests=4, max_extend_seqs=4, chunked_prefill_size=64,
                     min_token_bucket=32, kv_tile=16)
     try:

@@ -3,7 +3,7 @@ and dtype.
 
     python -m sgl_tpu.bench.executor [--backends jax,torch] [--dtypes float32,bfloat16]
         [--prefill 128,512,2048] [--decode-batches 1,8,32,64] [--context 256] [--repeats 3]
-        [--disable-compile]
+        [--torch-compile auto|on|off]
 
 Runs the real step (paged KV, bucketed shapes, sampler) of each backend on the default model
 (or `--model-path`), compiles each shape once before timing, reports the best of `--repeats`
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> dict:
             sargs = ServerArgs(model_path=args.model_path, dtype=dtype, skip_warmup=True,
                                max_total_tokens=pool_tokens, chunked_prefill_size=max_tokens,
                                max_running_requests=max(batches + [1]), max_extend_seqs=1,
-                               backend=backend, disable_compile=args.disable_compile)
+                               backend=backend, torch_compile=args.torch_compile)
             rcfg = sargs.runner_config(cfg.context_len)
             runner = create_model_runner(rcfg.backend, cfg, loaded.params, rcfg)
             tag = {"backend": rcfg.backend, "dtype": dtype}
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model-path", default=None)
     p.add_argument("--backends", default="jax,torch")
     p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--disable-compile", action="store_true", help="torch: run eagerly")
+    p.add_argument("--torch-compile", default="auto", choices=("auto", "on", "off"))
     p.add_argument("--prefill", default="128,512,2048")
     p.add_argument("--decode-batches", default="1,8,32,64")
     p.add_argument("--context", type=int, default=256)

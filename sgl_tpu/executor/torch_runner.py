@@ -64,7 +64,9 @@ class TorchModelRunner:
         self.vocab_size = model_config.vocab_size
         self._compiles = 0
         compile_fn = self._compile if config.compile else None
-        weights = convert_weights(params, model_config, self.dtype, self.device)
+        prepack = (not config.compile and self.device.type == "cpu"
+                   and self.dtype == torch.bfloat16)
+        weights = convert_weights(params, model_config, self.dtype, self.device, prepack)
         self.model = LlamaTorch(model_config, weights, compile_fn)
         num_slots = config.num_pages * config.page_size
         shape = (num_slots, model_config.num_kv_heads, model_config.head_dim)
@@ -73,8 +75,8 @@ class TorchModelRunner:
                          for _ in range(model_config.num_layers)]
         self.token_counts = torch.zeros((config.max_running_requests + 1, self.vocab_size),
                                         dtype=torch.int32, device=self.device)
-        logger.info("torch backend on %s, %s, compile=%s", self.device, config.dtype,
-                    config.compile)
+        logger.info("torch backend on %s, %s, compile=%s, prepacked weights=%s", self.device,
+                    config.dtype, config.compile, prepack)
 
     # ---- compilation -------------------------------------------------------------------
     def _compile(self, fn):
@@ -151,10 +153,11 @@ class TorchModelRunner:
         )
 
     def _decode_batch(self, steps: Sequence[SeqStep], num_rows: int) -> attn.DecodeBatch:
-        """Context slots [B, Lmax] with Lmax rounded up to whole KV tiles (fewer shapes)."""
-        ps, tile = self.config.page_size, self.config.kv_tile
+        """Context slots [B, Lmax], Lmax = the longest context rounded up to whole pages
+        (attention runs eagerly, so its shapes need no bucketing)."""
+        ps = self.config.page_size
         lens = [st.prefix_len + len(st.token_ids) for st in steps]
-        lmax = -(-max(lens) // tile) * tile
+        lmax = -(-max(lens) // ps) * ps
         pages = np.zeros((num_rows, lmax // ps), np.int64)
         for i, st in enumerate(steps):
             p = np.asarray(st.pages, np.int64)[: lmax // ps]
@@ -164,7 +167,7 @@ class TorchModelRunner:
         seq_lens[: len(steps)] = lens
         mask = np.arange(lmax)[None, :] < seq_lens[:, None]
         return attn.DecodeBatch(slots=torch.from_numpy(slots).to(self.device),
-                                mask=torch.from_numpy(mask[:, None, None, :]).to(self.device))
+                                mask=torch.from_numpy(mask[:, None, :]).to(self.device))
 
     # ---- steps -------------------------------------------------------------------------
     def forward(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> StepResult:

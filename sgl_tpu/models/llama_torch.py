@@ -10,7 +10,11 @@ Each layer is split in three so the parts with fixed shapes can be compiled once
                                                                   fused gate/up SwiGLU + residual
 
 Weights are converted once from the loader's numpy dict: projections fused (`wqkv`,
-`w_gate_up`) and stored [out, in] for `F.linear`; norms stay float32.
+`w_gate_up`) and stored [out, in] for `F.linear`; norms stay float32. With `prepack` (bfloat16
+on CPU, eager) every projection is reordered once into oneDNN's blocked layout and applied with
+`mkldnn._linear_pointwise`: bit-identical to `F.linear`, which reorders the weight on every call
+(measured 1.2-1.6x faster for decode-sized batches on a 2-core AVX512-BF16 CPU). Packed tensors
+cannot enter torch.compile graphs, so the runner prepacks only when it runs eagerly.
 """
 
 from __future__ import annotations
@@ -40,22 +44,32 @@ class LayerWeights:
     w_down: torch.Tensor  # [D, F]
 
 
+Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def _packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
 @dataclass(frozen=True)
 class Weights:
     embed: torch.Tensor  # [V, D]
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # f32[D]
-    lm_head: torch.Tensor  # [V, D] (the embedding when tied)
+    lm_head: torch.Tensor  # [V, D] (the embedding when tied; packed separately)
     inv_freq: torch.Tensor  # f32[d/2]
+    linear: Linear  # F.linear, or the oneDNN call for prepacked projections
 
 
 def convert_weights(params: dict, cfg: ModelConfig, dtype: torch.dtype,
-                    device: torch.device) -> Weights:
+                    device: torch.device, prepack: bool = False) -> Weights:
     """Loader numpy params (matrices [in, out]) -> fused torch weights on `device`."""
 
     def mat(*arrays: np.ndarray) -> torch.Tensor:  # [in, out] pieces -> [sum(out), in]
         a = np.concatenate(arrays, axis=1) if len(arrays) > 1 else arrays[0]
-        return torch.from_numpy(np.ascontiguousarray(a.T)).to(device=device, dtype=dtype)
+        w = torch.from_numpy(np.ascontiguousarray(a.T)).to(device=device, dtype=dtype)
+        return torch.ops.mkldnn._reorder_linear_weight(w, None) if prepack else w
 
     def vec(a: np.ndarray | None, vdtype: torch.dtype = torch.float32) -> torch.Tensor | None:
         return None if a is None else torch.from_numpy(np.array(a)).to(device, vdtype)
@@ -75,9 +89,13 @@ def convert_weights(params: dict, cfg: ModelConfig, dtype: torch.dtype,
             w_down=mat(lw["w_down"]),
         ))
     embed = torch.from_numpy(np.array(params["embed"])).to(device, dtype)
-    lm_head = embed if cfg.tie_word_embeddings else mat(params["lm_head"])
+    if cfg.tie_word_embeddings:
+        lm_head = torch.ops.mkldnn._reorder_linear_weight(embed, None) if prepack else embed
+    else:
+        lm_head = mat(params["lm_head"])
     return Weights(embed=embed, layers=layers, final_norm=vec(params["final_norm"]),
-                   lm_head=lm_head, inv_freq=torch.from_numpy(rope_inv_freq(cfg)).to(device))
+                   lm_head=lm_head, inv_freq=torch.from_numpy(rope_inv_freq(cfg)).to(device),
+                   linear=_packed_linear if prepack else F.linear)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -94,10 +112,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def layer_pre(h: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor,
-              cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              cfg: ModelConfig, linear: Linear = F.linear
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h [T, D] -> q [T, H, d], k [T, kvh, d], v [T, kvh, d] (RoPE applied to q and k)."""
     x = rms_norm(h, w.attn_norm, cfg.rms_norm_eps)
-    qkv = F.linear(x, w.wqkv, w.bqkv)
+    qkv = linear(x, w.wqkv, w.bqkv)
     t = h.shape[0]
     q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
     q = q.reshape(t, cfg.num_heads, cfg.head_dim)
@@ -109,13 +128,13 @@ def layer_pre(h: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Te
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()
 
 
-def layer_post(h: torch.Tensor, o: torch.Tensor, w: LayerWeights, cfg: ModelConfig
-               ) -> torch.Tensor:
+def layer_post(h: torch.Tensor, o: torch.Tensor, w: LayerWeights, cfg: ModelConfig,
+               linear: Linear = F.linear) -> torch.Tensor:
     """Attention output o [T, H, d] -> o-proj + residual -> SwiGLU MLP + residual; [T, D]."""
-    h = h + F.linear(o.reshape(h.shape[0], cfg.q_size), w.wo)
+    h = h + linear(o.reshape(h.shape[0], cfg.q_size), w.wo, None)
     x = rms_norm(h, w.mlp_norm, cfg.rms_norm_eps)
-    gate, up = F.linear(x, w.w_gate_up).chunk(2, dim=-1)
-    return h + F.linear(F.silu(gate) * up, w.w_down)
+    gate, up = linear(x, w.w_gate_up, None).chunk(2, dim=-1)
+    return h + linear(F.silu(gate) * up, w.w_down, None)
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor
@@ -135,8 +154,16 @@ class LlamaTorch:
         self.w = weights
         self.scale = cfg.head_dim**-0.5
         wrap = compile_fn or (lambda f: f)
-        self.pre = wrap(layer_pre)
-        self.post = wrap(layer_post)
+        linear = weights.linear
+
+        def pre(h, w, cos, sin):
+            return layer_pre(h, w, cos, sin, cfg, linear)
+
+        def post(h, o, w):
+            return layer_post(h, o, w, cfg, linear)
+
+        self.pre = wrap(pre)
+        self.post = wrap(post)
         self.final_norm = wrap(rms_norm)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor,
@@ -152,12 +179,12 @@ class LlamaTorch:
         cos, sin = rope_tables(positions, self.w.inv_freq)
         h = self.w.embed.index_select(0, input_ids)  # [T, D]
         for w, (k_pool, v_pool) in zip(self.w.layers, kv_pools, strict=True):
-            q, k, v = self.pre(h, w, cos, sin, cfg)
+            q, k, v = self.pre(h, w, cos, sin)
             attn.write_kv(k_pool, v_pool, k, v, out_slots)
             o = attention(q, k_pool, v_pool)
-            h = self.post(h, o, w, cfg)
+            h = self.post(h, o, w)
         return self.final_norm(h, self.w.final_norm, cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> float32 logits [N, V]."""
-        return F.linear(hidden, self.w.lm_head).float()
+        return self.w.linear(hidden, self.w.lm_head, None).float()

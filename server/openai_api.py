@@ -68,6 +68,7 @@ class _SamplingRequest(BaseModel):
     no_stop_trim: bool | None = None
     regex: str | None = None
     ebnf: str | None = None
+    json_schema: str | None = None  # a JSON schema as a string, like the native field
     rid: str | None = None
     session_id: str | None = None  # an agent's session: retention hint for its KV
 
@@ -127,7 +128,7 @@ def _sampling(req: _SamplingRequest, max_tokens: int | None) -> dict[str, Any]:
         "repetition_penalty": req.repetition_penalty, "min_new_tokens": req.min_tokens,
         "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
         "skip_special_tokens": req.skip_special_tokens, "no_stop_trim": req.no_stop_trim,
-        "regex": req.regex, "ebnf": req.ebnf,
+        "regex": req.regex, "ebnf": req.ebnf, "json_schema": req.json_schema,
     }
     return {k: v for k, v in sp.items() if v is not None}
 

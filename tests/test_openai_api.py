@@ -4,6 +4,7 @@ decoding, which is all these tests compare)."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -181,6 +182,18 @@ def test_response_format(client):
     assert resp.choices[0].finish_reason in ("stop", "length")
     with pytest.raises(openai.BadRequestError, match="schema"):
         greedy_chat(client, response_format={"type": "json_schema", "json_schema": {}})
+
+
+def test_completions_json_schema_extension(client):
+    """SGLang's `json_schema` extension field constrains /v1/completions too."""
+    schema = {"type": "object", "properties": {"tool": {"enum": ["search", "calc"]}},
+              "required": ["tool"], "additionalProperties": False}
+    resp = client.completions.create(model="m", prompt="Call a tool:", max_tokens=40,
+                                     temperature=0, extra_body={"json_schema": json.dumps(schema)})
+    assert json.loads(resp.choices[0].text)["tool"] in ("search", "calc")
+    with pytest.raises(openai.BadRequestError, match="(?i)schema|json"):
+        client.completions.create(model="m", prompt="x", max_tokens=4,
+                                  extra_body={"json_schema": "{not json"})
 
 
 def test_unknown_model(client):

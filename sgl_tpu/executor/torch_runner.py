@@ -114,11 +114,13 @@ class TorchModelRunner:
             pass
         elif mode == ForwardMode.DECODE:
             num_rows = pick_bucket(c.seq_buckets, n, "decode batch size")
+            num_rows = num_rows if c.compile else n  # eager: no shapes to reuse, no padding
         else:
             if n > c.max_extend_seqs:
                 raise ValueError(f"{n} sequences exceed max_extend_seqs {c.max_extend_seqs}")
             total = sum(len(st.token_ids) for st in steps)
             num_rows = pick_bucket(c.token_buckets, total, "extend batch tokens")
+            num_rows = num_rows if c.compile else total
         input_ids = np.zeros(num_rows, np.int64)
         positions = np.zeros(num_rows, np.int64)
         out_slots = np.zeros(num_rows, np.int64)
@@ -153,21 +155,31 @@ class TorchModelRunner:
         )
 
     def _decode_batch(self, steps: Sequence[SeqStep], num_rows: int) -> attn.DecodeBatch:
-        """Context slots [B, Lmax], Lmax = the longest context rounded up to whole pages
-        (attention runs eagerly, so its shapes need no bucketing)."""
+        """Split each context into the whole pages all sequences share (leading page ids equal
+        in every page table: a radix-cache prefix) and the rest, [B, Lown] with Lown = the
+        longest rest rounded up to whole pages (attention runs eagerly: no bucketing)."""
         ps = self.config.page_size
-        lens = [st.prefix_len + len(st.token_ids) for st in steps]
-        lmax = -(-max(lens) // ps) * ps
-        pages = np.zeros((num_rows, lmax // ps), np.int64)
-        for i, st in enumerate(steps):
-            p = np.asarray(st.pages, np.int64)[: lmax // ps]
-            pages[i, : len(p)] = p
-        slots = (pages[:, :, None] * ps + np.arange(ps)).reshape(num_rows, lmax)
-        seq_lens = np.ones(num_rows, np.int64)  # padding rows see slot 0 (never all-masked)
-        seq_lens[: len(steps)] = lens
-        mask = np.arange(lmax)[None, :] < seq_lens[:, None]
-        return attn.DecodeBatch(slots=torch.from_numpy(slots).to(self.device),
-                                mask=torch.from_numpy(mask[:, None, :]).to(self.device))
+        lens = np.array([st.prefix_len + len(st.token_ids) for st in steps])
+        tables = [np.asarray(st.pages, np.int64)[: -(-n // ps)]
+                  for st, n in zip(steps, lens, strict=True)]
+        first = tables[0][: min(lens) // ps]  # whole pages every sequence fills
+        for t in tables[1:]:
+            same = first == t[: len(first)]
+            first = first[: len(first) if same.all() else int(same.argmin())]
+        n_shared = len(first) if len(steps) > 1 else 0
+        own_pages = max(len(t) for t in tables) - n_shared
+        pages = np.zeros((num_rows, own_pages), np.int64)
+        for i, t in enumerate(tables):
+            pages[i, : len(t) - n_shared] = t[n_shared:]
+        slots = (pages[:, :, None] * ps + np.arange(ps)).reshape(num_rows, own_pages * ps)
+        own_lens = np.ones(num_rows, np.int64)  # padding rows see slot 0 (never all-masked)
+        own_lens[: len(steps)] = lens - n_shared * ps
+        mask = np.arange(own_pages * ps)[None, :] < own_lens[:, None]
+        shared = (first[:n_shared, None] * ps + np.arange(ps)).reshape(-1)
+        dev = self.device
+        return attn.DecodeBatch(shared_slots=torch.from_numpy(shared).to(dev),
+                                slots=torch.from_numpy(slots).to(dev),
+                                mask=torch.from_numpy(mask[:, None, :]).to(dev))
 
     # ---- steps -------------------------------------------------------------------------
     def forward(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> StepResult:

@@ -7,7 +7,9 @@
 Each launch picks a free port, runs `python -m sgl_tpu.launch_server` with `JAX_PLATFORMS=cpu`
 and a compilation cache shared by every test run (`.pytest_cache/jax_cache`, so a later launch
 with the same shapes reuses compiled code), and waits until `/health` answers 200. If the server
-exits first, the launch fails with the tail of its log.
+exits first, the launch fails with the tail of its log. `SGL_TPU_TEST_BACKEND=jax|torch` adds
+`--backend` to every launch (the Makefile runs the end-to-end suites once more on the backend
+`auto` does not pick).
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ def launch_server(*flags: str, model_path: str | None = None, timeout: float = 3
     """
     port = free_port()
     cmd = [sys.executable, "-m", "sgl_tpu.launch_server", "--port", str(port), *flags]
+    if os.environ.get("SGL_TPU_TEST_BACKEND"):
+        cmd += ["--backend", os.environ["SGL_TPU_TEST_BACKEND"]]
     if model_path is not None:
         cmd += ["--model-path", str(model_path)]
     JAX_CACHE_DIR.mkdir(parents=True, exist_ok=True)

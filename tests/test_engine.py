@@ -13,12 +13,15 @@ from sgl_tpu.engine import GenerationError
 GREEDY = {"temperature": 0.0}
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+@pytest.fixture(scope="module", params=["jax", "torch"])
+def engine(request, tmp_path_factory):
+    """Both executor backends, float32 (outputs are compared across calls), torch compiled (so
+    the no-compilation-after-warm-up test covers torch.compile's buckets too)."""
     model_dir = ck.make_tiny_hf_checkpoint(tmp_path_factory.mktemp("m") / "llama", "llama")
     eng = Engine(model_dir, page_size=4, max_total_tokens=2048, max_running_requests=8,
                  max_extend_seqs=4, chunked_prefill_size=128, min_token_bucket=32,
-                 kv_tile=16, block_q=16)
+                 kv_tile=16, block_q=16, backend=request.param, dtype="float32",
+                 torch_compile="on")
     yield eng
     eng.shutdown()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 
 import aiohttp
 import pytest
@@ -246,6 +247,24 @@ def test_runner_loops_context_and_forks():
     assert last == ["SYS", "Q", "A0.-1", "OBS", "A1.-1", "b1", "A2.1", "last"]
     assert {r.session_id for r in sent} == {"sess-p"}
     assert len({r.seed for r in sent}) == len(sent)
+
+
+def test_runner_tool_latency_between_turns_only():
+    times: list[float] = []
+
+    async def send(req, program_id, step, branch):
+        times.append(time.perf_counter())
+        return RequestRecord(program_id, step, branch, 0.0, 0.0, text="x")
+
+    program = Program("p", "s", "SYS", (Gen("Q", 4), Gen("OBS", 4), Gen("OBS2", 4)))
+    t0 = time.perf_counter()
+    asyncio.run(ProgramRunner(send, render, RunOptions(progress=False, tool_latency_s=0.05))
+                .run([program]))
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert len(times) == 3 and all(g >= 0.05 for g in gaps)  # after each turn but the last
+    assert time.perf_counter() - t0 < 0.05 * 2 + 2.0
+    with pytest.raises(ValueError, match="tool_latency"):
+        RunOptions(tool_latency_s=-1)
 
 
 def test_runner_failed_request_ends_program():

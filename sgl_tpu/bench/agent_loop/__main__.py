@@ -113,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--session-hint", action="store_true",
                    help="send each program's session_id (agent-aware cache retention)")
+    r.add_argument("--tool-latency", type=float, default=0.0,
+                   help="seconds an agent waits between its turns (its tool call); default 0")
     r.add_argument("--warmup-programs", type=int, default=None,
                    help="programs of another seed, at most 2 turns each, run (not measured) "
                         "before each workload, so compilation for its batch shapes is done; "
@@ -158,7 +160,7 @@ async def run_workload(url: str, spec: TargetSpec, programs: list[Program], toke
         client = Client(session, url, DRIVERS[spec.api], opts, count_tokens,
                         api_key=args.api_key)
         run_opts = RunOptions(args.concurrency, args.request_rate, args.seed, args.session_hint,
-                              not args.no_progress)
+                              not args.no_progress, args.tool_latency)
         return await ProgramRunner(client.send, render, run_opts, desc).run(programs)
 
 

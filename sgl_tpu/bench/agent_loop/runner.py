@@ -34,12 +34,15 @@ class RunOptions:
     seed: int = 0  # arrivals and per-request sampling seeds
     session_hint: bool = False  # send each program's session id
     progress: bool = True
+    tool_latency_s: float = 0.0  # an agent's wait between its turns (the tool call)
 
     def __post_init__(self) -> None:
         if self.concurrency < 0:
             raise ValueError("concurrency must be >= 0")
         if not self.request_rate > 0:
             raise ValueError("request_rate must be > 0 (inf: all at once)")
+        if self.tool_latency_s < 0:
+            raise ValueError("tool_latency_s must be >= 0")
 
 
 def request_seed(seed: int, program_id: str, step: int, branch: int) -> int:
@@ -116,6 +119,8 @@ class ProgramRunner:
                 if not r.ok:
                     return
                 messages = asked + [{"role": "assistant", "content": r.text}]
+                if self.opts.tool_latency_s and i + 1 < len(program.steps):
+                    await asyncio.sleep(self.opts.tool_latency_s)  # the tool runs
                 continue
             assert isinstance(step, Fork)
             asks = [messages + [{"role": "user", "content": b}] for b in step.branches]

@@ -144,24 +144,20 @@ def test_bfloat16_logits_close(tmp_path):
     assert np.abs(bf16 - f32).max() < 0.1 * np.abs(f32).max()
 
 
-@pytest.mark.slow
-def test_default_model_greedy_matches_transformers():
-    """32 greedy tokens of SmolLM2 (our loader + JAX model) == transformers on the same GGUF."""
+@pytest.fixture(scope="module")
+def smol_greedy_reference():
+    """(prompt ids, 32 greedy ids from transformers in float32 on the default GGUF)."""
     import os
 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from sgl_tpu import Engine
     from sgl_tpu.loader import default_model_path
 
-    engine = Engine(skip_warmup=True, max_total_tokens=2048, chunked_prefill_size=256,
-                    max_running_requests=4)
-    prompt = engine.tokenizer.apply_chat_template(
+    loaded = load_model(None)
+    prompt = loaded.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Name three primary colors."}])
-    ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
-    out = engine.generate(input_ids=ids, sampling_params={
-        "temperature": 0, "max_new_tokens": 32, "ignore_eos": True})
+    ids = loaded.tokenizer.encode(prompt, add_special_tokens=False)
     path = default_model_path()
     torch.set_num_threads(2)
     model = AutoModelForCausalLM.from_pretrained(
@@ -173,5 +169,20 @@ def test_default_model_greedy_matches_transformers():
             past = out_t.past_key_values
             ref.append(int(out_t.logits[0, -1].argmax()))
             inp = torch.tensor([[ref[-1]]])
+    return ids, ref
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_default_model_greedy_matches_transformers(smol_greedy_reference, backend):
+    """32 greedy tokens of SmolLM2 (our loader + either backend, float32) == transformers on the
+    same GGUF."""
+    from sgl_tpu import Engine
+
+    ids, ref = smol_greedy_reference
+    engine = Engine(skip_warmup=True, max_total_tokens=2048, chunked_prefill_size=256,
+                    max_running_requests=4, backend=backend, dtype="float32")
+    out = engine.generate(input_ids=ids, sampling_params={
+        "temperature": 0, "max_new_tokens": 32, "ignore_eos": True})
     assert out["output_ids"] == ref
     engine.scheduler.check_integrity()

@@ -188,11 +188,11 @@ def test_completions_json_schema_extension(client):
     """SGLang's `json_schema` extension field constrains /v1/completions too."""
     schema = {"type": "object", "properties": {"tool": {"enum": ["search", "calc"]}},
               "required": ["tool"], "additionalProperties": False}
-    resp = client.completions.create(model="m", prompt="Call a tool:", max_tokens=40,
+    resp = client.completions.create(model=MODEL, prompt="Call a tool:", max_tokens=40,
                                      temperature=0, extra_body={"json_schema": json.dumps(schema)})
     assert json.loads(resp.choices[0].text)["tool"] in ("search", "calc")
     with pytest.raises(openai.BadRequestError, match="(?i)schema|json"):
-        client.completions.create(model="m", prompt="x", max_tokens=4,
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4,
                                   extra_body={"json_schema": "{not json"})
 
 

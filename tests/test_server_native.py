@@ -103,9 +103,10 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 # Greedy outputs are compared across servers and batch compositions (retraction recomputes a
-# sequence's KV by prefill where it was first written by decode steps). That is exact in
-# float32; in bfloat16 the two computations round differently and a random tiny model's
-# near-ties flip, so these two servers run float32 on either backend.
+# sequence's KV by prefill where it was first written by decode steps; the cache skips a
+# prefix's prefill). That is exact in float32; in bfloat16 the computations round differently
+# and a random tiny model's near-ties flip, so the servers that are compared run float32 on
+# either backend.
 @pytest.fixture(scope="module")
 def roomy(tiny_model):
     server = _launch(tiny_model, "--page-size", "16", "--dtype", "float32")
@@ -116,7 +117,7 @@ def roomy(tiny_model):
 @pytest.fixture(scope="module")
 def nocache(tiny_model):
     server = _launch(tiny_model, "--page-size", "16", "--disable-radix-cache",
-                     "--context-length", "256", "--api-key", API_KEY,
+                     "--context-length", "256", "--api-key", API_KEY, "--dtype", "float32",
                      headers={"Authorization": f"Bearer {API_KEY}"})
     yield server
     server.handle.stop()
@@ -357,8 +358,9 @@ def test_logprobs(roomy, nocache):
     assert all(isinstance(e[2], str) for e in meta["output_token_logprobs"])
     # the same prompt again, now cached: prompt log-probs must still be computed, and agree
     assert [e[1] for e in meta["input_token_logprobs"]] == prompt
+    # (2e-3: the cached run's batch has another shape, so other GEMM/attention kernels run)
     for a, b in zip(meta["input_token_logprobs"][1:], itl[1:], strict=True):
-        assert a[0] == pytest.approx(b[0], abs=1e-4)
+        assert a[0] == pytest.approx(b[0], abs=2e-3)
     # top log-probs: that many entries, sorted, greedy picks the best
     assert len(meta["output_top_logprobs"]) == 5
     for tok, tops in zip(meta["output_token_logprobs"], meta["output_top_logprobs"],

@@ -58,6 +58,7 @@ class Weights:
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # f32[D]
     lm_head: torch.Tensor  # [V, D] (the embedding when tied; packed separately)
+    head_rows: torch.Tensor  # [V, D] the same matrix, never packed (row gathers)
     inv_freq: torch.Tensor  # f32[d/2]
     linear: Linear  # F.linear, or the oneDNN call for prepacked projections
 
@@ -90,11 +91,13 @@ def convert_weights(params: dict, cfg: ModelConfig, dtype: torch.dtype,
         ))
     embed = torch.from_numpy(np.array(params["embed"])).to(device, dtype)
     if cfg.tie_word_embeddings:
-        lm_head = torch.ops.mkldnn._reorder_linear_weight(embed, None) if prepack else embed
+        head_rows = embed
     else:
-        lm_head = mat(params["lm_head"])
+        head_rows = torch.from_numpy(np.ascontiguousarray(params["lm_head"].T)).to(device, dtype)
+    lm_head = torch.ops.mkldnn._reorder_linear_weight(head_rows, None) if prepack else head_rows
     return Weights(embed=embed, layers=layers, final_norm=vec(params["final_norm"]),
-                   lm_head=lm_head, inv_freq=torch.from_numpy(rope_inv_freq(cfg)).to(device),
+                   lm_head=lm_head, head_rows=head_rows,
+                   inv_freq=torch.from_numpy(rope_inv_freq(cfg)).to(device),
                    linear=_packed_linear if prepack else F.linear)
 
 
@@ -144,6 +147,9 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor
     return freqs.cos()[:, None, :], freqs.sin()[:, None, :]
 
 
+REFINE_TOP = 32  # bf16 logits recomputed in float32 per row (see LlamaTorch.logits)
+
+
 class LlamaTorch:
     """The decoder as plain functions over `Weights`; `pre`/`post`/`final_norm` may be swapped
     for compiled versions by the runner (same signatures)."""
@@ -186,5 +192,18 @@ class LlamaTorch:
         return self.final_norm(h, self.w.final_norm, cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, D] -> float32 logits [N, V]."""
-        return self.w.linear(hidden, self.w.lm_head, None).float()
+        """hidden [N, D] -> float32 logits [N, V].
+
+        In bfloat16 the vocabulary GEMM rounds its output to bf16: logits near 25 land on a
+        0.125 grid, and a 135M model's top candidates are often closer than that (greedy then
+        picked the lowest-index tie). The top `REFINE_TOP` of each row are therefore recomputed
+        as exact float32 dot products of the same bf16 weights (a [N, C, D] gather); the tail
+        keeps the rounded values (a few % of probability, irrelevant to greedy and top-p).
+        """
+        out = self.w.linear(hidden, self.w.lm_head, None).float()  # [N, V]
+        if hidden.dtype != torch.float32:
+            cand = out.topk(min(REFINE_TOP, out.shape[1]), dim=-1).indices  # [N, C]
+            rows = self.w.head_rows[cand].float()  # [N, C, D]
+            exact = torch.bmm(rows, hidden.float().unsqueeze(-1)).squeeze(-1)  # [N, C]
+            out.scatter_(1, cand, exact)
+        return out

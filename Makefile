@@ -22,6 +22,12 @@ install: $(STAMP)
 serve: $(STAMP)
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m sgl_tpu.launch_server $(ARGS)
 
+# The whole suite runs on the default executor backend (`auto`: torch on this CPU), then the
+# end-to-end server suites again on the JAX backend (both backends serve the same API).
+E2E_SUITES := tests/test_server_native.py tests/test_openai_api.py tests/test_structured.py \
+	tests/test_frontend.py
+
 test: $(STAMP)
 	$(PY) -m ruff check sgl_tpu server kernels tests examples
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q --durations=20 tests
+	JAX_PLATFORMS=cpu SGL_TPU_TEST_BACKEND=jax $(PY) -m pytest -q --durations=10 $(E2E_SUITES)

@@ -451,7 +451,8 @@ def test_constrained_under_kv_pressure_matches_roomy(servers, tiny_model, jump_f
     bodies = [{"text": f"{i} " + "The quick brown fox jumps. " * 4, "sampling_params": {
         **GREEDY, "max_new_tokens": 100, **g}} for i, g in enumerate(grammars)]
     expected = [ref.generate(**body) for body in bodies]
-    flags = ["--page-size", "16", "--max-total-tokens", "256", "--max-running-requests", "8"]
+    flags = ["--page-size", "16", "--max-total-tokens", "256", "--max-running-requests", "8",
+             *_F32]
     tight = _launch("tight", tiny_model, *flags,
                     *([] if jump_forward else ["--disable-jump-forward"]))
     try:

@@ -1,7 +1,7 @@
 """Executor micro-benchmark: prefill and decode throughput of the model runners, per backend
 and dtype.
 
-    python -m sgl_tpu.bench.executor [--backends jax,torch] [--dtypes float32,bfloat16]
+    python -m sgl_tpu.bench.executor [--backends torch,jax] [--dtypes float32,bfloat16]
         [--prefill 128,512,2048] [--decode-batches 1,8,32,64] [--context 256] [--repeats 3]
         [--torch-compile auto|on|off]
 
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-path", default=None)
-    p.add_argument("--backends", default="jax,torch")
+    p.add_argument("--backends", default="torch,jax")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--torch-compile", default="auto", choices=("auto", "on", "off"))
     p.add_argument("--prefill", default="128,512,2048")

@@ -39,6 +39,11 @@ _HELP = {
 }
 
 
+_CHOICES = {"schedule_policy": SCHEDULE_POLICIES, "dtype": DTYPES,
+            "attention_backend": ATTENTION_BACKENDS, "backend": BACKENDS,
+            "device": TORCH_DEVICES, "torch_compile": TORCH_COMPILE}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sgl_tpu.launch_server",
                                 description="sgl-tpu: LLM server with a radix prefix cache")
@@ -48,18 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
         if f.type in ("bool",) or isinstance(f.default, bool):
             p.add_argument(flag, action="store_true", **kw)
             continue
-        if f.name == "schedule_policy":
-            kw["choices"] = SCHEDULE_POLICIES
-        if f.name == "dtype":
-            kw["choices"] = DTYPES
-        if f.name == "attention_backend":
-            kw["choices"] = ATTENTION_BACKENDS
-        if f.name == "backend":
-            kw["choices"] = BACKENDS
-        if f.name == "device":
-            kw["choices"] = TORCH_DEVICES
-        if f.name == "torch_compile":
-            kw["choices"] = TORCH_COMPILE
+        if f.name in _CHOICES:
+            kw["choices"] = _CHOICES[f.name]
         typ = int if isinstance(f.default, int) else float if isinstance(f.default, float) \
             else str
         if f.name == "context_length":

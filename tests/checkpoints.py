@@ -127,6 +127,18 @@ def _write_tokenizer_files(out: Path, tok: Any) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2), encoding="utf-8")
 
 
+# (arch, make_tiny_hf_checkpoint kwargs) covering every supported family and option: the
+# parametrization of the model-parity tests of both backends.
+ARCH_CASES = [
+    ("llama", {}),
+    ("llama", {"tie_word_embeddings": True, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}}),
+    ("qwen2", {}),
+    ("qwen3", {}),
+]
+
+
 def make_tiny_hf_checkpoint(
     dir: str | Path,
     arch: str,

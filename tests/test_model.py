@@ -79,14 +79,7 @@ def _hf_logits(model_dir: str, ids: list[int]) -> np.ndarray:
         return model(torch.tensor([ids])).logits[0].numpy()
 
 
-@pytest.mark.parametrize("arch,kw", [
-    ("llama", {}),
-    ("llama", {"tie_word_embeddings": True, "rope_scaling": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16}}),
-    ("qwen2", {}),
-    ("qwen3", {}),
-])
+@pytest.mark.parametrize("arch,kw", ck.ARCH_CASES)
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_prefill_and_decode_match_transformers(tmp_path, arch, kw, page_size):
     model_dir = ck.make_tiny_hf_checkpoint(tmp_path / "m", arch, **kw)

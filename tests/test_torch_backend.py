@@ -82,14 +82,7 @@ def _assert_close(got: np.ndarray, ref: np.ndarray, dtype: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch,kw", [
-    ("llama", {}),
-    ("llama", {"tie_word_embeddings": True, "rope_scaling": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16}}),
-    ("qwen2", {}),
-    ("qwen3", {}),
-])
+@pytest.mark.parametrize("arch,kw", ck.ARCH_CASES)
 def test_prefill_and_decode_match_transformers(tmp_path, arch, kw, dtype):
     model_dir = ck.make_tiny_hf_checkpoint(tmp_path / "m", arch, **kw)
     loaded = load_model(model_dir)

@@ -41,7 +41,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @dataclass(frozen=True)
 class TorchBatch:
-    """One step's tensors; T = token bucket (EXTEND) or sequence bucket (DECODE)."""
+    """One step's tensors. T = the token bucket (EXTEND) or sequence bucket (DECODE) when
+    compiled; the exact count when eager (no compiled shapes to reuse, so no padding)."""
 
     input_ids: torch.Tensor  # i64[T]
     positions: torch.Tensor  # i64[T]
@@ -110,17 +111,8 @@ class TorchModelRunner:
         c = self.config
         ps = c.page_size
         n = len(steps)
-        if num_rows is not None:  # warm-up: a chosen bucket
-            pass
-        elif mode == ForwardMode.DECODE:
-            num_rows = pick_bucket(c.seq_buckets, n, "decode batch size")
-            num_rows = num_rows if c.compile else n  # eager: no shapes to reuse, no padding
-        else:
-            if n > c.max_extend_seqs:
-                raise ValueError(f"{n} sequences exceed max_extend_seqs {c.max_extend_seqs}")
-            total = sum(len(st.token_ids) for st in steps)
-            num_rows = pick_bucket(c.token_buckets, total, "extend batch tokens")
-            num_rows = num_rows if c.compile else total
+        if num_rows is None:  # (warm-up passes a bucket)
+            num_rows = self._num_rows(mode, steps)
         input_ids = np.zeros(num_rows, np.int64)
         positions = np.zeros(num_rows, np.int64)
         out_slots = np.zeros(num_rows, np.int64)
@@ -153,6 +145,20 @@ class TorchModelRunner:
             extend_seqs=extend_seqs if mode == ForwardMode.EXTEND else None,
             decode=decode,
         )
+
+    def _num_rows(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> int:
+        """Rows T of a step: its bucket (validated against the largest) when compiled."""
+        c = self.config
+        if mode == ForwardMode.DECODE:
+            exact = len(steps)
+            bucket = pick_bucket(c.seq_buckets, exact, "decode batch size")
+        else:
+            if len(steps) > c.max_extend_seqs:
+                raise ValueError(f"{len(steps)} sequences exceed max_extend_seqs "
+                                 f"{c.max_extend_seqs}")
+            exact = sum(len(st.token_ids) for st in steps)
+            bucket = pick_bucket(c.token_buckets, exact, "extend batch tokens")
+        return bucket if c.compile else exact
 
     def _decode_batch(self, steps: Sequence[SeqStep], num_rows: int) -> attn.DecodeBatch:
         """Split each context into the whole pages all sequences share (leading page ids equal

@@ -79,8 +79,9 @@ def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                                enable_gqa=True)
         else:
-            q_pos = torch.arange(s.prefix_len, s.prefix_len + s.num_new)
-            mask = torch.arange(s.prefix_len + s.num_new)[None, :] <= q_pos[:, None]  # [n, L]
+            q_pos = torch.arange(s.prefix_len, s.prefix_len + s.num_new, device=q.device)
+            k_pos = torch.arange(s.prefix_len + s.num_new, device=q.device)
+            mask = k_pos[None, :] <= q_pos[:, None]  # [n, L]
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
                                                enable_gqa=True)
         out[s.start : s.start + s.num_new] = o[0].transpose(0, 1)

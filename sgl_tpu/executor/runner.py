@@ -22,14 +22,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from sgl_tpu.config import RunnerConfig
+from sgl_tpu.config import BACKENDS, RunnerConfig
 from sgl_tpu.models.config import ModelConfig
 from sgl_tpu.scheduler.schedule_batch import ForwardMode, SeqStep
 
 logger = logging.getLogger(__name__)
-
-BACKENDS = ("auto", "jax", "torch")
-
 
 @dataclass(frozen=True)
 class StepResult:

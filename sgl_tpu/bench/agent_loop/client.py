@@ -24,6 +24,7 @@ from sgl_tpu.bench.agent_loop.drivers import (
     StreamState,
     parse_sse_line,
 )
+from sgl_tpu.bench.agent_loop.tools import check_call
 from sgl_tpu.bench.agent_loop.trace import RequestRecord
 
 ERROR_BODY_CHARS = 300
@@ -65,15 +66,19 @@ class Client:
         start = self.clock()
         error = None
         try:
+            self.driver.check(req)
             await self._stream(req, state)
-        except (StreamError, aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError,
-                UnicodeDecodeError) as e:
+        except (StreamError, aiohttp.ClientError, asyncio.TimeoutError,
+                ValueError) as e:  # ValueError: bad JSON or UTF-8 in the stream, or no tools
             error = f"{type(e).__name__}: {e}" if not isinstance(e, StreamError) else str(e)
         end = self.clock()
         record = RequestRecord(program_id, step, branch, start, end, state.chunk_times,
                                state.chunk_tokens, text=state.text, error=error,
                                constrained=req.json_schema is not None,
-                               cached_tokens=state.cached_tokens)
+                               cached_tokens=state.cached_tokens,
+                               tool_request=bool(req.tools), tool_calls=state.tool_calls)
+        record.invalid_tool_calls = sum(check_call(c, req.tools) is not None
+                                        for c in state.tool_calls)
         if state.prompt_tokens is not None:
             record.prompt_tokens = state.prompt_tokens
         else:

@@ -22,6 +22,11 @@ Structured output per dialect (`json_dialect`): "openai" (sgl-tpu, SGLang) sends
 `response_format: {"type": "json_schema", ...}` (chat); "llamacpp" sends a GBNF `grammar`
 (completions) or `response_format: {"type": "json_object", "schema": ...}` (chat), since
 llama.cpp answers HTTP 500 to OpenAI's `json_schema` form.
+
+Function tools (the `tool-calls` workload) exist only in the chat API: the body carries `tools`
+and `tool_choice`, streamed `delta.tool_calls` fragments are joined per call `index` into
+`StreamState.tool_calls`, and such requests are never length-forced (a call ends where its JSON
+does).
 """
 
 from __future__ import annotations
@@ -43,13 +48,15 @@ class StreamError(RuntimeError):
 
 @dataclass
 class GenRequest:
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     prompt: str  # `messages` rendered with the chat template, ending in the generation prompt
     max_tokens: int
     stop: tuple[str, ...] = ()
     json_schema: dict[str, Any] | None = None
     seed: int = 0
     session_id: str | None = None
+    tools: tuple[dict[str, Any], ...] = ()
+    tool_choice: str | None = None
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,7 @@ class StreamState:
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     finish_reason: str | None = None
+    tool_calls: list[dict[str, str]] = field(default_factory=list)  # {id, name, arguments}
 
     def add_chunk(self, t: float, num_tokens: int) -> None:
         self.chunk_times.append(t)
@@ -101,7 +109,7 @@ def parse_sse_line(line: bytes | str) -> dict[str, Any] | object | None:
 
 
 def _length_fields(req: GenRequest, opts: DriverOptions, min_key: str) -> dict[str, Any]:
-    if req.json_schema is not None:
+    if req.json_schema is not None or req.tools:
         return {}
     if opts.output_mode == "fixed":
         return {"ignore_eos": True, min_key: req.max_tokens}
@@ -111,9 +119,14 @@ def _length_fields(req: GenRequest, opts: DriverOptions, min_key: str) -> dict[s
 class Driver:
     api: str
     path: str
+    supports_tools = False
 
     def body(self, req: GenRequest, opts: DriverOptions) -> dict[str, Any]:
         raise NotImplementedError
+
+    def check(self, req: GenRequest) -> None:
+        if req.tools and not self.supports_tools:
+            raise ValueError(f"function tools need the openai-chat API, not {self.api}")
 
     def update(self, state: StreamState, data: dict[str, Any], t: float) -> None:
         raise NotImplementedError
@@ -125,6 +138,7 @@ class NativeDriver(Driver):
     api, path = "native", "/generate"
 
     def body(self, req: GenRequest, opts: DriverOptions) -> dict[str, Any]:
+        self.check(req)
         sp: dict[str, Any] = {"max_new_tokens": req.max_tokens, "temperature": opts.temperature,
                               "seed": req.seed, **_length_fields(req, opts, "min_new_tokens")}
         if req.json_schema is not None:
@@ -169,6 +183,11 @@ class _OpenAIDriver(Driver):
     def _delta(choice: dict[str, Any]) -> str:
         raise NotImplementedError
 
+    @staticmethod
+    def _tool_deltas(state: StreamState, choice: dict[str, Any]) -> bool:
+        """Join `delta.tool_calls` fragments into state.tool_calls; True if any arrived."""
+        return False
+
     def update(self, state: StreamState, data: dict[str, Any], t: float) -> None:
         usage = data.get("usage")
         if usage:
@@ -179,8 +198,8 @@ class _OpenAIDriver(Driver):
                 state.cached_tokens = details["cached_tokens"]
         for choice in data.get("choices") or []:
             delta = self._delta(choice) or ""
-            if delta:
-                state.text += delta
+            state.text += delta
+            if self._tool_deltas(state, choice) or delta:
                 # one chunk ~ one token until the usage chunk gives the real count
                 state.add_chunk(t, len(state.chunk_times) + 1)
             if choice.get("finish_reason"):
@@ -191,6 +210,7 @@ class CompletionsDriver(_OpenAIDriver):
     api, path = "openai-completions", "/v1/completions"
 
     def body(self, req: GenRequest, opts: DriverOptions) -> dict[str, Any]:
+        self.check(req)
         body = {"prompt": req.prompt, **self._common(req, opts)}
         if req.json_schema is not None:
             if opts.json_dialect == "llamacpp":
@@ -206,9 +226,13 @@ class CompletionsDriver(_OpenAIDriver):
 
 class ChatDriver(_OpenAIDriver):
     api, path = "openai-chat", "/v1/chat/completions"
+    supports_tools = True
 
     def body(self, req: GenRequest, opts: DriverOptions) -> dict[str, Any]:
         body = {"messages": req.messages, **self._common(req, opts)}
+        if req.tools:
+            body["tools"] = list(req.tools)
+            body["tool_choice"] = req.tool_choice or "auto"
         if req.json_schema is not None:
             if opts.json_dialect == "llamacpp":
                 body["response_format"] = {"type": "json_object", "schema": req.json_schema}
@@ -220,6 +244,20 @@ class ChatDriver(_OpenAIDriver):
     @staticmethod
     def _delta(choice: dict[str, Any]) -> str:
         return (choice.get("delta") or {}).get("content") or ""
+
+    @staticmethod
+    def _tool_deltas(state: StreamState, choice: dict[str, Any]) -> bool:
+        fragments = (choice.get("delta") or {}).get("tool_calls") or []
+        for frag in fragments:
+            index = frag.get("index", len(state.tool_calls))
+            while len(state.tool_calls) <= index:
+                state.tool_calls.append({"id": "", "name": "", "arguments": ""})
+            call = state.tool_calls[index]
+            fn = frag.get("function") or {}
+            call["id"] = frag.get("id") or call["id"]
+            call["name"] += fn.get("name") or ""
+            call["arguments"] += fn.get("arguments") or ""
+        return bool(fragments)
 
 
 DRIVERS: dict[str, Driver] = {d.api: d for d in (NativeDriver(), CompletionsDriver(),

@@ -11,6 +11,8 @@ Definitions:
   latency_s         per request: last byte - request sent
   cache_hit_rate    sum(cached_tokens) / sum(prompt_tokens) over requests whose server reported
                     cached_tokens (None when none did)
+  valid_tool_call_share  calls whose name is offered and whose arguments validate against its
+                    schema, over all calls made (None when no request offered tools)
 Percentiles interpolate linearly between order statistics (numpy's default method).
 """
 
@@ -60,6 +62,9 @@ def summarize(trace: Trace) -> dict[str, Any]:
     reported_prompt = sum(r.prompt_tokens for r in reported)
     cached = sum(r.cached_tokens or 0 for r in reported)
     constrained = [r for r in ok if r.constrained]
+    tool_requests = [r for r in ok if r.tool_request]
+    num_calls = sum(len(r.tool_calls) for r in tool_requests)
+    invalid_calls = sum(r.invalid_tool_calls for r in tool_requests)
 
     def per_s(x: float) -> float:
         return x / wall if wall > 0 else 0.0
@@ -87,6 +92,12 @@ def summarize(trace: Trace) -> dict[str, Any]:
         "cache_reported_requests": len(reported),
         "constrained_requests": len(constrained),
         "invalid_json": sum(1 for r in constrained if r.valid_json is False),
+        "tool_requests": len(tool_requests),
+        "tool_calls": num_calls,
+        "tool_requests_without_call": sum(1 for r in tool_requests if not r.tool_calls),
+        "invalid_tool_calls": invalid_calls,
+        "valid_tool_call_share": ((num_calls - invalid_calls) / num_calls if num_calls
+                                  else None),
         "token_counts_from": sorted({r.prompt_tokens_source for r in ok}
                                     | {r.completion_tokens_source for r in ok}),
     }

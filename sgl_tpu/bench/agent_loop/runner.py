@@ -3,6 +3,9 @@
     programs --arrivals (request_rate, Poisson)--> semaphore (concurrency) --> run_program
     run_program: for each step, the messages so far + the step's user message -> send -> append
 
+With function tools, an answer that made calls goes back as an assistant message carrying them,
+and the next step's text becomes the first call's `tool` result (the others get a short note).
+
 `send(req, program_id, step, branch)` is Client.send (or a fake in tests); its records are stamped
 with `time.perf_counter()` and shifted to the run's start at the end. Within a program the
 requests are a closed loop: each waits for the previous answer, because the next prompt
@@ -18,12 +21,14 @@ import time
 import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from sgl_tpu.bench.agent_loop.drivers import GenRequest
+from sgl_tpu.bench.agent_loop.tools import assistant_message, renderable, tool_messages
 from sgl_tpu.bench.agent_loop.trace import RequestRecord, Trace
 from sgl_tpu.bench.agent_loop.workloads import Fork, Gen, Program
 
-Messages = list[dict[str, str]]
+Messages = list[dict[str, Any]]
 SendFn = Callable[[GenRequest, str, int, int], Awaitable[RequestRecord]]
 
 
@@ -99,10 +104,12 @@ class ProgramRunner:
 
     async def _call(self, program: Program, step: int, branch: int, messages: Messages,
                     max_tokens: int, stop: tuple[str, ...] = (),
-                    json_schema: dict | None = None) -> RequestRecord:
-        req = GenRequest(messages, self.render(messages), max_tokens, stop, json_schema,
+                    json_schema: dict | None = None, tools: tuple[dict[str, Any], ...] = (),
+                    tool_choice: str | None = None) -> RequestRecord:
+        req = GenRequest(messages, self.render(renderable(messages)), max_tokens, stop,
+                         json_schema,
                          request_seed(self.opts.seed, program.program_id, step, branch),
-                         program.session if self.opts.session_hint else None)
+                         program.session if self.opts.session_hint else None, tools, tool_choice)
         record = await self.send(req, program.program_id, step, branch)
         self.records.append(record)
         if self.progress is not None:
@@ -111,14 +118,19 @@ class ProgramRunner:
 
     async def run_program(self, program: Program) -> None:
         messages: Messages = [{"role": "system", "content": program.system}]
+        calls: list[dict[str, str]] = []  # the previous answer's tool calls
         for i, step in enumerate(program.steps):
             if isinstance(step, Gen):
-                asked = messages + [{"role": "user", "content": step.user}]
+                new = (tool_messages(calls, step.user) if calls
+                       else [{"role": "user", "content": step.user}])
+                asked = messages + new
                 r = await self._call(program, i, -1, asked, step.max_tokens, step.stop,
-                                     step.json_schema)
+                                     step.json_schema, step.tools, step.tool_choice)
                 if not r.ok:
                     return
-                messages = asked + [{"role": "assistant", "content": r.text}]
+                calls = r.tool_calls
+                messages = asked + [assistant_message(r.text, calls) if calls
+                                    else {"role": "assistant", "content": r.text}]
                 if self.opts.tool_latency_s and i + 1 < len(program.steps):
                     await asyncio.sleep(self.opts.tool_latency_s)  # the tool runs
                 continue

@@ -27,6 +27,9 @@ class RequestRecord:
     completion_tokens_source: str = "server"
     constrained: bool = False
     valid_json: bool | None = None  # for constrained requests: did the output parse
+    tool_request: bool = False  # the request offered function tools
+    tool_calls: list[dict[str, str]] = field(default_factory=list)  # {id, name, arguments}
+    invalid_tool_calls: int = 0  # calls with an unknown name or schema-invalid arguments
     error: str | None = None
     text: str = ""
 

@@ -14,6 +14,8 @@ Workloads (modelled on the agentic programs of the SGLang paper):
   react            N agents x T turns: long shared tool prompt; Thought/Action, then Observation
   tool-json        react with a JSON tool call constrained by a JSON schema each turn
   tree-of-thought  per tree, D levels: fork K branches from the state, judge, keep one
+  tool-calls       react through OpenAI function tools: each turn is a `tools` request (tool
+                   choice "required", the last turn "auto"), results go back as `tool` messages
   multi-turn-chat  M users x C turns, short and long answers alternating at random
   shared-prefix    single requests in G groups, each group sharing a long system prompt
 """
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sgl_tpu.bench.agent_loop import text
+from sgl_tpu.bench.agent_loop.tools import FUNCTION_TOOLS
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,8 @@ class Gen:
     max_tokens: int
     stop: tuple[str, ...] = ()
     json_schema: dict[str, Any] | None = None
+    tools: tuple[dict[str, Any], ...] = ()  # OpenAI function tools (openai-chat API only)
+    tool_choice: str | None = None  # "auto" | "required" (with tools)
 
 
 @dataclass(frozen=True)
@@ -112,13 +117,19 @@ def _react_example(rng: random.Random) -> str:
     return "\n".join(steps)
 
 
-def _agent_system(rng: random.Random, approx_tokens: int, json_calls: bool) -> str:
+def _agent_system(rng: random.Random, approx_tokens: int, json_calls: bool,
+                  function_tools: bool = False) -> str:
     head = ("You are a research agent. Solve the task by interleaving Thought, Action and "
             "Observation steps. After each Action, wait for the Observation.")
-    if json_calls:
+    if function_tools:
+        head = ("You are a research agent. Solve the task by calling the functions you are "
+                "given, one step at a time; each result comes back in the next message. Call "
+                "finish with the answer when you know it.")
+    elif json_calls:
         head += (' Reply with one JSON object: {"thought": ..., "tool": ..., "query": ...}; '
                  "the tool result comes back in the next message.")
-    parts = [head, _tool_section(rng), "Here are solved examples."]
+    parts = [head] if function_tools else [head, _tool_section(rng)]
+    parts.append("Here are solved examples.")
     size = sum(len(p) for p in parts)
     while size < approx_tokens * text.CHARS_PER_TOKEN:
         example = _react_example(rng)
@@ -165,6 +176,23 @@ def react(cfg: WorkloadConfig, seed: int) -> list[Program]:
 
 def tool_json(cfg: WorkloadConfig, seed: int) -> list[Program]:
     return _agents(cfg, seed, "tool-json", json_calls=True)
+
+
+def tool_calls(cfg: WorkloadConfig, seed: int) -> list[Program]:
+    """Agents whose turns are OpenAI tool calls; the last turn may answer in text ("auto")."""
+    rng = random.Random(f"tool-calls/{seed}")
+    system = _agent_system(rng, cfg.system_tokens, json_calls=False, function_tools=True)
+    max_tokens = max(cfg.output_tokens, 96)  # a call's JSON must close within the budget
+    programs = []
+    for a in range(cfg.num_programs):
+        users = [f"Question: {text.question(rng)}"]
+        users += [text.observation(rng, cfg.observation_tokens) for _ in range(cfg.turns - 1)]
+        steps = tuple(Gen(u, max_tokens, tools=FUNCTION_TOOLS,
+                          tool_choice="auto" if t == cfg.turns - 1 else "required")
+                      for t, u in enumerate(users))
+        programs.append(Program(f"tool-calls-{a}", f"tool-calls-{seed}-agent-{a}", system,
+                                steps))
+    return programs
 
 
 # ---- tree-of-thought --------------------------------------------------------------------------
@@ -233,6 +261,7 @@ def shared_prefix(cfg: WorkloadConfig, seed: int) -> list[Program]:
 WORKLOADS: dict[str, Callable[[WorkloadConfig, int], list[Program]]] = {
     "react": react,
     "tool-json": tool_json,
+    "tool-calls": tool_calls,
     "tree-of-thought": tree_of_thought,
     "multi-turn-chat": multi_turn_chat,
     "shared-prefix": shared_prefix,

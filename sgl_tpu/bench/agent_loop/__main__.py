@@ -4,7 +4,7 @@
     python -m sgl_tpu.bench.agent_loop --base-url http://127.0.0.1:30000 --api native
     python -m sgl_tpu.bench.agent_loop --workloads react tree-of-thought:turns=2 \\
         --compare "sgl-tpu=launch:" "sgl-tpu-nocache=launch:--disable-radix-cache" \\
-                  "llamacpp=llamacpp:/work/peer-venv/bin/python" \\
+                  "llamacpp=llamacpp:../peer-venv/bin/python" \\
         --output results.json            # also writes results.png
 
 For each target (targets.py has the spec syntax) and each workload (workloads.py): start the

@@ -21,7 +21,7 @@
 Fields are split at a comma that starts a known `KEY:`, so flags may contain commas. Examples:
     sgl-tpu=launch:
     sgl-tpu-nocache=launch:--disable-radix-cache
-    llamacpp=llamacpp:/work/peer-venv/bin/python,args:--cache True
+    llamacpp=llamacpp:../peer-venv/bin/python,args:--cache True
     remote=url:http://127.0.0.1:8091,api:openai-completions,json:llamacpp
 """
 

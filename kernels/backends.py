@@ -1,6 +1,9 @@
-"""Registry of attention implementations: the model calls whichever one the config names.
+"""Registry of attention implementations (`--attention-backend`), per executor framework.
 
-Every backend offers the same three functions with the reference's signatures:
+Import-light: names and lazy loaders only, so the CLI and a torch process can read it without
+loading JAX. `get_attention_backend(name)` imports the implementation on first use.
+
+JAX backends offer the same three functions with the reference's signatures:
 
     write_kv(k_pool, v_pool, k, v, slots)              -> (k_pool, v_pool)  in place if donated
     extend_attention(q, k_pool, v_pool, page_table, block_rows, block_seq, block_q_start,
@@ -9,7 +12,9 @@ Every backend offers the same three functions with the reference's signatures:
 
 `ref` is the pure-jax.numpy reference (any JAX backend); `pallas` is the Pallas TPU kernel
 (compiled by Mosaic, TPU only); `pallas-interpret` is the same kernel run in TPU interpret mode
-(CPU; slow, for tests). `auto` picks `pallas` when JAX's default backend is a TPU, else `ref`.
+(CPU; slow, for tests). The torch backend's `torch-sdpa` is `paged_attention_torch` (gathered
+pages into `scaled_dot_product_attention` / batched GEMMs). `auto` picks `pallas` for JAX on a
+TPU, else `ref`; `torch-sdpa` for torch.
 """
 
 from __future__ import annotations
@@ -17,20 +22,34 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-
-from sgl_tpu.kernels import paged_attention_ref as ref
-from sgl_tpu.kernels import ragged_paged_attention as rpa
+from typing import Any
 
 
 @dataclass(frozen=True)
 class AttentionBackend:
+    """A JAX attention implementation (what `get_attention_backend` returns for jax names)."""
+
     name: str
     write_kv: Callable
     extend_attention: Callable
     decode_attention: Callable
 
 
-def _pallas(name: str, interpret: rpa.Interpret) -> AttentionBackend:
+@dataclass(frozen=True)
+class AttentionSpec:
+    framework: str  # "jax" or "torch": the executor backend that can run it
+    load: Callable[[], Any]  # imports the implementation
+
+
+def _ref() -> AttentionBackend:
+    from sgl_tpu.kernels import paged_attention_ref as ref
+
+    return AttentionBackend("ref", ref.write_kv, ref.extend_attention, ref.decode_attention)
+
+
+def _pallas(name: str, interpret: str | None) -> AttentionBackend:
+    from sgl_tpu.kernels import ragged_paged_attention as rpa
+
     return AttentionBackend(
         name=name,
         write_kv=functools.partial(rpa.write_kv, interpret=interpret),
@@ -39,26 +58,49 @@ def _pallas(name: str, interpret: rpa.Interpret) -> AttentionBackend:
     )
 
 
-ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
-    "ref": AttentionBackend("ref", ref.write_kv, ref.extend_attention, ref.decode_attention),
-    "pallas": _pallas("pallas", interpret=None),
-    "pallas-interpret": _pallas("pallas-interpret", interpret="tpu"),
+def _torch_sdpa() -> Any:
+    from sgl_tpu.kernels import paged_attention_torch
+
+    return paged_attention_torch
+
+
+ATTENTION_BACKENDS: dict[str, AttentionSpec] = {
+    "ref": AttentionSpec("jax", _ref),
+    "pallas": AttentionSpec("jax", functools.partial(_pallas, "pallas", None)),
+    "pallas-interpret": AttentionSpec("jax", functools.partial(_pallas, "pallas-interpret",
+                                                               "tpu")),
+    "torch-sdpa": AttentionSpec("torch", _torch_sdpa),
 }
 
 
-def resolve_attention_backend(name: str, platform: str | None = None) -> str:
-    """`auto` -> `pallas` on TPU, `ref` elsewhere; other names are returned checked."""
+def resolve_attention_backend(name: str, framework: str = "jax", platform: str | None = None
+                              ) -> str:
+    """`auto` -> the framework's default (`pallas` for JAX on a TPU, `ref` for JAX elsewhere,
+    `torch-sdpa` for torch); a given name is checked against the framework."""
     if name == "auto":
+        if framework == "torch":
+            return "torch-sdpa"
         if platform is None:
             import jax
 
             platform = jax.default_backend()
         return "pallas" if platform == "tpu" else "ref"
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; "
+    spec = ATTENTION_BACKENDS.get(name)
+    if spec is None:
+        raise ValueError(f"unknown attention_backend {name!r}; "
                          f"choose from auto, {', '.join(ATTENTION_BACKENDS)}")
+    if spec.framework != framework:
+        usable = [n for n, s in ATTENTION_BACKENDS.items() if s.framework == framework]
+        raise ValueError(f"attention_backend {name!r} runs on the {spec.framework} executor, "
+                         f"not {framework}; choose from auto, {', '.join(usable)}")
     return name
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
-    return ATTENTION_BACKENDS[resolve_attention_backend(name)]
+@functools.cache
+def get_attention_backend(name: str) -> Any:
+    """The implementation of a resolved name (an AttentionBackend for JAX names, the module for
+    torch ones)."""
+    spec = ATTENTION_BACKENDS.get(name)
+    if spec is None:
+        raise ValueError(f"unknown attention_backend {name!r}")
+    return spec.load()

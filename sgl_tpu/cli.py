@@ -5,15 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from sgl_tpu.config import (
-    ATTENTION_BACKENDS,
-    BACKENDS,
-    DTYPES,
-    SCHEDULE_POLICIES,
-    TORCH_COMPILE,
-    TORCH_DEVICES,
-    ServerArgs,
-)
+from sgl_tpu.choices import registry_choices
+from sgl_tpu.config import DTYPES, TORCH_COMPILE, TORCH_DEVICES, ServerArgs
 
 _HELP = {
     "model_path": "GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct Q4_1 "
@@ -24,8 +17,9 @@ _HELP = {
     "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
     "skip_warmup": "do not compile the shape buckets at start-up (they compile on first use)",
     "attention_backend": "attention kernels: pallas (Pallas TPU kernel), ref (pure jax.numpy), "
-                         "pallas-interpret (the kernel interpreted on CPU; tests), or auto "
-                         "(pallas on TPU, ref elsewhere)",
+                         "pallas-interpret (the kernel interpreted on CPU; tests) for jax; "
+                         "torch-sdpa for torch; auto (pallas on TPU, ref elsewhere; "
+                         "torch-sdpa)",
     "session_retention_s": "seconds a finished request with a session_id keeps its KV at "
                            "eviction priority for the agent's next turn (0 disables)",
     "backend": "executor: jax (XLA), torch (PyTorch), or auto (torch on CPU when installed, "
@@ -39,22 +33,21 @@ _HELP = {
 }
 
 
-_CHOICES = {"schedule_policy": SCHEDULE_POLICIES, "dtype": DTYPES,
-            "attention_backend": ATTENTION_BACKENDS, "backend": BACKENDS,
-            "device": TORCH_DEVICES, "torch_compile": TORCH_COMPILE}
+_CHOICES = {"dtype": DTYPES, "device": TORCH_DEVICES, "torch_compile": TORCH_COMPILE}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sgl_tpu.launch_server",
                                 description="sgl-tpu: LLM server with a radix prefix cache")
+    choices = {**_CHOICES, **registry_choices()}
     for f in dataclasses.fields(ServerArgs):
         flag = "--" + f.name.replace("_", "-")
         kw = {"help": _HELP.get(f.name), "default": f.default}
         if f.type in ("bool",) or isinstance(f.default, bool):
             p.add_argument(flag, action="store_true", **kw)
             continue
-        if f.name in _CHOICES:
-            kw["choices"] = _CHOICES[f.name]
+        if f.name in choices:
+            kw["choices"] = choices[f.name]
         typ = int if isinstance(f.default, int) else float if isinstance(f.default, float) \
             else str
         if f.name == "context_length":

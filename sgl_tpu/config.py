@@ -1,9 +1,14 @@
 """The configuration tree: one flat, validated `ServerArgs` (what the CLI and `Engine(**kwargs)`
 accept, with SGLang's flag names) from which each component gets only its own frozen part:
 
-    ServerArgs ──► RunnerConfig     (model runner: weights, dtype, KV pool, shape buckets)
+    ServerArgs ──► RunnerConfig     (model runner: weights, dtype, KV pool, shape buckets; built
+              │                      with every "auto" resolved by executor/registry.py)
               ├──► SchedulerConfig  (batching policy, token budgets, radix cache)
               └──► HTTP settings    (host, port, api key; read directly by the server)
+
+A leaf module: it imports nothing of the project. Fields that name a registry entry (policy,
+executor, attention and grammar backends) are checked against the registries by
+`sgl_tpu.choices` before a model loads.
 """
 
 from __future__ import annotations
@@ -11,15 +16,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 DTYPES = ("auto", "float32", "bfloat16")
-ATTENTION_BACKENDS = ("auto", "ref", "pallas", "pallas-interpret")  # kernels/backends.py
-BACKENDS = ("auto", "jax", "torch")
 TORCH_DEVICES = ("auto", "cpu", "cuda", "tpu")
 TORCH_COMPILE = ("auto", "on", "off")
 
 
-def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     """lo, 2lo, 4lo, ... up to and including hi (hi appended if not a power-of-two step)."""
     out, b = [], lo
     while b < hi:
@@ -44,7 +46,7 @@ class RunnerConfig:
     block_q: int  # query rows per EXTEND attention block
     max_top_logprobs: int
     warmup: bool = True
-    attention_backend: str = "ref"  # resolved: "ref", "pallas" or "pallas-interpret"
+    attention_backend: str = "ref"  # resolved: a kernels/backends.py name of this backend
     backend: str = "jax"  # resolved executor backend: "jax" or "torch"
     compile: bool = True  # torch: torch.compile(dynamic=False) per bucket; False = eager
     device: str = "auto"  # torch: "cpu", "cuda", "tpu" or "auto"
@@ -123,11 +125,6 @@ class ServerArgs:
                 or not 0 <= self.session_retention_s < float("inf")):
             raise ValueError(f"session_retention_s must be a finite number >= 0, "
                              f"got {self.session_retention_s!r}")
-        if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, "
-                             f"got {self.schedule_policy!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.torch_compile not in TORCH_COMPILE:
             raise ValueError(f"torch_compile must be one of {TORCH_COMPILE}, "
                              f"got {self.torch_compile!r}")
@@ -135,9 +132,6 @@ class ServerArgs:
             raise ValueError(f"device must be one of {TORCH_DEVICES}, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-                             f"got {self.attention_backend!r}")
         if self.max_total_tokens < 2 * self.page_size:
             raise ValueError("max_total_tokens must hold at least two pages")
         if not 0 < self.port < 65536:
@@ -145,65 +139,6 @@ class ServerArgs:
 
     def replace(self, **changes) -> ServerArgs:
         return dataclasses.replace(self, **changes)
-
-    def resolved_backend(self) -> str:
-        from sgl_tpu.executor.runner import resolve_backend
-
-        return resolve_backend(self.backend)
-
-    def resolved_dtype(self, backend: str) -> str:
-        if self.dtype != "auto":
-            return self.dtype
-        if backend == "torch":
-            from sgl_tpu.executor.torch_device import default_dtype
-
-            return default_dtype(self.device)
-        # On XLA:CPU float32 measured faster than bfloat16 (bf16 dots do not use AMX there);
-        # TPUs and GPUs want bfloat16.
-        import jax
-
-        return "float32" if jax.default_backend() == "cpu" else "bfloat16"
-
-    def _resolved_compile(self, backend: str) -> bool:
-        if backend != "torch" or self.disable_compile or self.torch_compile == "off":
-            return False
-        if self.torch_compile == "on":
-            return True
-        from sgl_tpu.executor.torch_device import resolve_device
-
-        # On CPU, eager with oneDNN-prepacked bf16 weights measured faster than inductor's
-        # graphs (which must take the weights unpacked); accelerators want compiled graphs.
-        return resolve_device(self.device).type != "cpu"
-
-    def resolved_attention_backend(self) -> str:
-        from sgl_tpu.kernels.backends import resolve_attention_backend
-
-        return resolve_attention_backend(self.attention_backend)
-
-    def runner_config(self, model_context_len: int) -> RunnerConfig:
-        context_len = min(self.context_length or model_context_len, model_context_len)
-        kv_tile = max(self.kv_tile, self.page_size)
-        chunk = max(self.chunked_prefill_size, self.min_token_bucket)
-        backend = self.resolved_backend()
-        return RunnerConfig(
-            model_path=self.model_path,
-            dtype=self.resolved_dtype(backend),
-            page_size=self.page_size,
-            num_pages=-(-self.max_total_tokens // self.page_size) + 1,
-            max_running_requests=self.max_running_requests,
-            max_extend_seqs=min(self.max_extend_seqs, self.max_running_requests),
-            context_len=context_len,
-            token_buckets=_pow2_buckets(self.min_token_bucket, chunk),
-            seq_buckets=_pow2_buckets(1, self.max_running_requests),
-            kv_tile=kv_tile,
-            block_q=self.block_q,
-            max_top_logprobs=self.max_top_logprobs,
-            warmup=not self.skip_warmup,
-            attention_backend=self.resolved_attention_backend(),
-            backend=backend,
-            compile=self._resolved_compile(backend),
-            device=self.device,
-        )
 
     def scheduler_config(self, runner: RunnerConfig) -> SchedulerConfig:
         return SchedulerConfig(

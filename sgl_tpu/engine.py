@@ -15,10 +15,11 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from sgl_tpu.choices import check_registry_names
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.constrained import GrammarManager, create_backend
 from sgl_tpu.detokenize import DetokenizerState
-from sgl_tpu.executor.runner import create_model_runner
+from sgl_tpu.executor.registry import create_model_runner, runner_config
 from sgl_tpu.loader import load_model
 from sgl_tpu.messages import TokenizedGenerateReq
 from sgl_tpu.response import ResponseAccumulator, error_status
@@ -34,9 +35,10 @@ class GenerationError(ValueError):
 
 def build_scheduler(args: ServerArgs) -> tuple[Scheduler, Any]:
     """Load the model, build and warm the runner, and wrap it in a scheduler."""
+    check_registry_names(args)
     loaded = load_model(args.model_path)
-    runner_cfg = args.runner_config(loaded.config.context_len)
-    runner = create_model_runner(runner_cfg.backend, loaded.config, loaded.params, runner_cfg)
+    runner_cfg = runner_config(args, loaded.config.context_len)
+    runner = create_model_runner(loaded.config, loaded.params, runner_cfg)
     logger.info("executor backend: %s (%s)", runner_cfg.backend, runner_cfg.dtype)
     if runner_cfg.warmup:
         runner.warmup()

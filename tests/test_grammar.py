@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from sgl_tpu.constrained import (
-    BACKENDS,
+    GRAMMAR_BACKENDS,
     CompiledGrammar,
     GrammarBackend,
     GrammarError,
@@ -120,7 +120,7 @@ def compile_cached(backend: GrammarBackend, kind: str, text: str) -> CompiledGra
     return _compiled[key]
 
 
-@pytest.fixture(scope="module", params=sorted(BACKENDS))
+@pytest.fixture(scope="module", params=sorted(GRAMMAR_BACKENDS))
 def backend(request, tok) -> GrammarBackend:
     name = request.param
     if name not in _backends:

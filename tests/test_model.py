@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 
 from sgl_tpu.config import ServerArgs
-from sgl_tpu.executor.forward_batch import build_forward_batch
-from sgl_tpu.executor.model_runner import JaxModelRunner
+from sgl_tpu.executor.jax.forward_batch import build_forward_batch
+from sgl_tpu.executor.jax.runner import JaxModelRunner
+from sgl_tpu.executor.registry import runner_config
+from sgl_tpu.executor.step import ForwardMode, SeqStep
 from sgl_tpu.loader import load_model
 from sgl_tpu.models import llama
 from sgl_tpu.sampling_params import SamplingParams
-from sgl_tpu.scheduler.schedule_batch import ForwardMode, SeqStep
 
 GREEDY = SamplingParams(temperature=0.0)
 ATOL = 2e-3
@@ -36,7 +37,7 @@ class PagedModel:
                           kv_tile=max(8, page_size), block_q=8, min_token_bucket=16,
                           chunked_prefill_size=256, max_running_requests=8, **kw)
         self.cfg = loaded.config
-        self.runner = JaxModelRunner(loaded.config, loaded.params, args.runner_config(4096))
+        self.runner = JaxModelRunner(loaded.config, loaded.params, runner_config(args, 4096))
         self.ps = page_size
         self.next_page = 1
         self._fwd = jax.jit(partial(self._logits, cfg=self.cfg, kv_tile=args.kv_tile),

@@ -16,13 +16,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from sgl_tpu.choices import check_registry_names
 from sgl_tpu.config import ServerArgs
-from sgl_tpu.executor.forward_batch import batch_shape_for, build_forward_batch
+from sgl_tpu.executor.jax.forward_batch import batch_shape_for, build_forward_batch
+from sgl_tpu.executor.registry import runner_config
+from sgl_tpu.executor.step import ForwardMode, SeqStep
 from sgl_tpu.kernels import paged_attention_ref as ref
 from sgl_tpu.kernels import ragged_paged_attention as rpa
 from sgl_tpu.kernels.backends import get_attention_backend, resolve_attention_backend
 from sgl_tpu.sampling_params import SamplingParams
-from sgl_tpu.scheduler.schedule_batch import ForwardMode, SeqStep
 
 GREEDY = SamplingParams(temperature=0.0)
 TOL = {jnp.float32: {"atol": 1e-5, "rtol": 1e-5}, jnp.bfloat16: {"atol": 2e-2, "rtol": 0}}
@@ -171,13 +173,15 @@ def test_attention_backend_flag_resolution():
     assert resolve_attention_backend("auto", platform="cpu") == "ref"
     assert resolve_attention_backend("auto", platform="gpu") == "ref"
     assert ServerArgs().attention_backend == "auto"
-    assert ServerArgs().runner_config(4096).attention_backend == (
+    assert runner_config(ServerArgs(backend="jax"), 4096).attention_backend == (
         "pallas" if jax.default_backend() == "tpu" else "ref")
-    args = parse_args(["--attention-backend", "pallas-interpret"])
-    assert args.runner_config(4096).attention_backend == "pallas-interpret"
+    args = parse_args(["--backend", "jax", "--attention-backend", "pallas-interpret"])
+    assert runner_config(args, 4096).attention_backend == "pallas-interpret"
     assert get_attention_backend("pallas").extend_attention.keywords == {"interpret": None}
     with pytest.raises(ValueError, match="attention_backend"):
-        ServerArgs(attention_backend="flash")
+        check_registry_names(ServerArgs(attention_backend="flash"))
+    with pytest.raises(ValueError, match="runs on the torch executor"):
+        resolve_attention_backend("torch-sdpa", "jax")
     with pytest.raises(SystemExit):
         parse_args(["--attention-backend", "flash"])
 
@@ -189,7 +193,7 @@ def test_default_model_logits_through_kernel_equal_reference():
     through the kernel in TPU interpret mode and through the reference, from the same pools."""
     from functools import partial
 
-    from sgl_tpu.executor.model_runner import params_to_device
+    from sgl_tpu.executor.jax.runner import params_to_device
     from sgl_tpu.loader import load_model
     from sgl_tpu.models import llama
 

@@ -1,5 +1,5 @@
-"""Tests for the samplers of both backends (sgl_tpu.executor.sampler in JAX and
-sgl_tpu.executor.torch_sampler): greedy, filters, seeding, penalties, logprobs, bitmask. Every
+"""Tests for the samplers of both backends (sgl_tpu.executor.jax.sampler in JAX and
+sgl_tpu.executor.torch.sampler): greedy, filters, seeding, penalties, logprobs, bitmask. Every
 behavioural test runs on both (the autouse `backend` fixture); the JAX-only ones (host packing,
 compilation) pin it.
 
@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import sampling_helpers as H
 
-from sgl_tpu.executor import sampler as S
+from sgl_tpu.executor.jax import sampler as S
 
 V = 100
 NUM_DRAWS = 4096
@@ -63,9 +64,9 @@ def run(
 ) -> S.SampleOutput:
     """Sample with padded_batch = logits.shape[0]; rows past len(params) are padding."""
     batch, vocab = logits.shape
-    arrays = S.build_sampling_arrays(params, batch, steps)
+    arrays = H.build_sampling_arrays(params, batch, steps)
     counts = np.zeros((batch, vocab), np.int32) if counts is None else counts
-    mask = S.full_bitmask(batch, vocab) if allowed is None else S.pack_bitmask(allowed)
+    mask = H.full_bitmask(batch, vocab) if allowed is None else H.pack_bitmask(allowed)
     if _BACKEND["name"] == "torch":
         return _run_torch(logits, jax.tree.map(np.asarray, arrays), counts, mask,
                           num_top_logprobs, num_candidates)
@@ -84,7 +85,7 @@ def _run_torch(logits, a: S.SamplingArrays, counts, mask, num_top_logprobs, num_
                ) -> S.SampleOutput:
     import torch
 
-    from sgl_tpu.executor import torch_sampler as TS
+    from sgl_tpu.executor.torch import sampler as TS
 
     def t(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.array(a))
@@ -341,7 +342,7 @@ def test_no_top_logprobs_has_empty_shape(row: np.ndarray) -> None:
 @jax_only
 def test_pack_unpack_round_trip_and_bit_order(backend) -> None:
     allowed = np.random.default_rng(8).random((3, V)) < 0.5
-    packed = S.pack_bitmask(allowed)
+    packed = H.pack_bitmask(allowed)
     assert packed.shape == (3, 4) and packed.dtype == np.int32
     np.testing.assert_array_equal(np.asarray(S.unpack_bitmask(jnp.asarray(packed), V)), allowed)
     words = np.zeros((2, 4), np.int32)
@@ -350,7 +351,7 @@ def test_pack_unpack_round_trip_and_bit_order(backend) -> None:
     unpacked = np.asarray(S.unpack_bitmask(jnp.asarray(words), V))
     assert np.nonzero(unpacked[0])[0].tolist() == [3]
     assert np.nonzero(unpacked[1])[0].tolist() == [63]
-    assert (S.full_bitmask(2, V) == -1).all() and S.full_bitmask(2, V).shape == (2, 4)
+    assert (H.full_bitmask(2, V) == -1).all() and H.full_bitmask(2, V).shape == (2, 4)
 
 
 def test_bitmask_greedy_and_fully_masked_row() -> None:
@@ -375,7 +376,7 @@ def test_bitmask_greedy_and_fully_masked_row() -> None:
 
 @jax_only
 def test_build_sampling_arrays_pads_greedy_and_validates(backend) -> None:
-    arrays = S.build_sampling_arrays(
+    arrays = H.build_sampling_arrays(
         [Params(temperature=0.5, top_k=0, seed=-1), Params(seed=2**32 + 5)], 4, steps=[3, 9]
     )
     np.testing.assert_array_equal(arrays.temperature, [0.5, 0, 0, 0])
@@ -391,9 +392,9 @@ def test_build_sampling_arrays_pads_greedy_and_validates(backend) -> None:
         Params(seed=None),
     ):
         with pytest.raises(ValueError):
-            S.build_sampling_arrays([bad], 1)
+            H.build_sampling_arrays([bad], 1)
     with pytest.raises(ValueError):
-        S.build_sampling_arrays([Params(), Params()], 1)
+        H.build_sampling_arrays([Params(), Params()], 1)
 
 
 @jax_only

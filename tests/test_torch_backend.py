@@ -14,11 +14,12 @@ import pytest
 from test_model import PagedModel, _hf_logits
 
 from sgl_tpu import Engine
+from sgl_tpu.choices import check_registry_names
 from sgl_tpu.config import ServerArgs
-from sgl_tpu.executor.runner import create_model_runner, resolve_backend
+from sgl_tpu.executor.registry import create_model_runner, resolve_backend, runner_config
+from sgl_tpu.executor.step import ForwardMode, SeqStep
 from sgl_tpu.loader import load_model
 from sgl_tpu.sampling_params import SamplingParams
-from sgl_tpu.scheduler.schedule_batch import ForwardMode, SeqStep
 
 GREEDY = SamplingParams(temperature=0.0)
 ATOL = 2e-3
@@ -35,8 +36,8 @@ class TorchPaged:
                           page_size=page_size, max_total_tokens=4096, kv_tile=max(8, page_size),
                           min_token_bucket=16, chunked_prefill_size=256, max_running_requests=8,
                           max_extend_seqs=8)
-        cfg = args.runner_config(4096)
-        self.runner = create_model_runner(cfg.backend, loaded.config, loaded.params, cfg)
+        cfg = runner_config(args, 4096)
+        self.runner = create_model_runner(loaded.config, loaded.params, cfg)
         self.ps = page_size
         self.next_page = 1
 
@@ -205,13 +206,16 @@ def test_auto_backend_and_bad_choices():
     assert resolve_backend("auto") == "torch"  # CPU with torch installed
     assert resolve_backend("jax") == "jax"
     with pytest.raises(ValueError, match="backend"):
-        ServerArgs(backend="tensorflow")
+        check_registry_names(ServerArgs(backend="tensorflow"))
+    with pytest.raises(ValueError, match="attention_backend 'pallas' runs on the jax"):
+        check_registry_names(ServerArgs(backend="torch", attention_backend="pallas"))
     with pytest.raises(ValueError, match="device"):
         ServerArgs(device="npu")
     with pytest.raises(ValueError, match="torch_compile"):
         ServerArgs(torch_compile="maybe")
-    cfg = ServerArgs(backend="torch").runner_config(2048)
+    cfg = runner_config(ServerArgs(backend="torch"), 2048)
     assert cfg.backend == "torch" and cfg.dtype == "bfloat16" and not cfg.compile  # CPU auto
+    assert cfg.attention_backend == "torch-sdpa"
 
 
 def test_compiled_buckets_do_not_recompile_on_mixed_traffic(tmp_path):

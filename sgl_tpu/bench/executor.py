@@ -25,8 +25,8 @@ from sgl_tpu.bench.report import emit
 
 
 def _steps(n_seqs: int, n_new: int, prefix: int, page_size: int, rng, vocab: int):
+    from sgl_tpu.executor.step import SeqStep
     from sgl_tpu.sampling_params import SamplingParams
-    from sgl_tpu.scheduler.schedule_batch import SeqStep
 
     greedy = SamplingParams(temperature=0.0)
     pages_per_seq = -(-(prefix + n_new) // page_size)
@@ -52,9 +52,9 @@ def run(args: argparse.Namespace) -> dict:
     import jax
 
     from sgl_tpu.config import ServerArgs
-    from sgl_tpu.executor.runner import create_model_runner
+    from sgl_tpu.executor.registry import create_model_runner, runner_config
+    from sgl_tpu.executor.step import ForwardMode
     from sgl_tpu.loader import load_model
-    from sgl_tpu.scheduler.schedule_batch import ForwardMode
 
     loaded = load_model(args.model_path)
     cfg = loaded.config
@@ -72,8 +72,8 @@ def run(args: argparse.Namespace) -> dict:
                                max_total_tokens=pool_tokens, chunked_prefill_size=max_tokens,
                                max_running_requests=max(batches + [1]), max_extend_seqs=1,
                                backend=backend, torch_compile=args.torch_compile)
-            rcfg = sargs.runner_config(cfg.context_len)
-            runner = create_model_runner(rcfg.backend, cfg, loaded.params, rcfg)
+            rcfg = runner_config(sargs, cfg.context_len)
+            runner = create_model_runner(cfg, loaded.params, rcfg)
             tag = {"backend": rcfg.backend, "dtype": dtype}
             if rcfg.backend == "torch":
                 tag["compile"] = rcfg.compile

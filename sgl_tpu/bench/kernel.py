@@ -45,11 +45,11 @@ def _case(args, mode, seqs, rng, dtype):
     """seqs: (prefix_len, new_len) -> (fn(impl, interpret) -> out, attended keys, kv tokens)."""
     import jax.numpy as jnp
 
-    from sgl_tpu.executor.forward_batch import batch_shape_for, build_forward_batch
+    from sgl_tpu.executor.jax.forward_batch import batch_shape_for, build_forward_batch
+    from sgl_tpu.executor.step import ForwardMode, SeqStep
     from sgl_tpu.kernels import paged_attention_ref as ref
     from sgl_tpu.kernels import ragged_paged_attention as rpa
     from sgl_tpu.sampling_params import SamplingParams
-    from sgl_tpu.scheduler.schedule_batch import ForwardMode, SeqStep
 
     ps, kv_tile, kvh, d = args.page_size, args.kv_tile, args.kv_heads, args.head_dim
     pages_per_seq = -(-max(p + n for p, n in seqs) // kv_tile) * (kv_tile // ps)
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from sgl_tpu.scheduler.schedule_batch import ForwardMode
+    from sgl_tpu.executor.step import ForwardMode
 
     backend = jax.default_backend()
     dtype_name = args.dtype if args.dtype != "auto" else (

@@ -33,7 +33,7 @@ from sgl_tpu.constrained.xgrammar_backend import XGrammarBackend
 if TYPE_CHECKING:
     from sgl_tpu.loader import Tokenizer
 
-BACKENDS: dict[str, type[GrammarBackend]] = {
+GRAMMAR_BACKENDS: dict[str, type[GrammarBackend]] = {
     "llguidance": LLGuidanceBackend,
     "outlines": OutlinesBackend,
     "xgrammar": XGrammarBackend,
@@ -44,16 +44,16 @@ DEFAULT_BACKEND = "llguidance"
 def create_backend(name: str, tokenizer: Tokenizer, vocab_size: int) -> GrammarBackend:
     """Build the backend `name` for `tokenizer`; `vocab_size` is the model's (mask width)."""
     try:
-        backend_cls = BACKENDS[name]
+        backend_cls = GRAMMAR_BACKENDS[name]
     except KeyError:
         raise ValueError(
-            f"unknown grammar backend {name!r}; choices: {', '.join(BACKENDS)}"
+            f"unknown grammar backend {name!r}; choices: {', '.join(GRAMMAR_BACKENDS)}"
         ) from None
     return backend_cls(tokenizer, vocab_size)
 
 
 __all__ = [
-    "BACKENDS",
+    "GRAMMAR_BACKENDS",
     "DEFAULT_BACKEND",
     "GRAMMAR_KINDS",
     "CompiledGrammar",

@@ -34,6 +34,7 @@ import numpy as np
 from sgl_tpu.loader.loaded import Params, check_params
 from sgl_tpu.loader.tokenizer import Tokenizer, build_gguf_backend
 from sgl_tpu.models.config import SUPPORTED_ARCHS, ModelConfig, RopeScaling
+from sgl_tpu.models.registry import get_model_spec
 
 logger = logging.getLogger(__name__)
 
@@ -185,14 +186,15 @@ def _load_uncached(path: Path) -> tuple[ModelConfig, Params, Tokenizer]:
     )
 
     params: Params = {"layers": [{} for _ in range(config.num_layers)]}
+    permuted = get_model_spec(arch).gguf_permuted_qk
     for name in tensors:
         if name == _ROPE_FREQS:
             continue
         layer_idx, target = _canonical_name(name, path)
         w = dequant(name)
-        if arch == "llama" and target in ("wq", "bq"):
+        if permuted and target in ("wq", "bq"):
             w = unpermute_qk(w, num_heads)
-        elif arch == "llama" and target in ("wk", "bk"):
+        elif permuted and target in ("wk", "bk"):
             w = unpermute_qk(w, num_kv_heads)
         if w.ndim == 2 and target != "embed":
             w = np.ascontiguousarray(w.T)  # (out, in) -> (in, out)

@@ -24,9 +24,10 @@ import numpy as np
 from sgl_tpu.loader.loaded import Params, check_params
 from sgl_tpu.loader.tokenizer import Tokenizer, load_hf_tokenizer
 from sgl_tpu.models.config import ModelConfig, RopeScaling
+from sgl_tpu.models.registry import MODELS
 
 # config.json model_type -> architectures entry we expect for it.
-HF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+HF_ARCHS = {arch: spec.hf_architecture for arch, spec in MODELS.items()}
 
 _SAFETENSORS_DTYPES = {
     "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
@@ -115,8 +116,8 @@ def config_from_hf(cfg: dict[str, Any], gen_cfg: dict[str, Any], tensor_names: s
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         context_len=cfg.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(tied),
-        attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_norm=model_type == "qwen3",
+        attention_bias=MODELS[model_type].qkv_bias or bool(cfg.get("attention_bias", False)),
+        qk_norm=MODELS[model_type].qk_norm,
         rope_scaling=scaling,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(eos)),

@@ -1,15 +1,17 @@
 """Architecture description of a decoder-only transformer, read from GGUF metadata or an HF config.
 
 One frozen dataclass covers the families we serve (Llama incl. Llama-3 rope scaling, Qwen2/2.5
-with qkv bias, Qwen3 with q/k RMSNorm). The model function in `sgl_tpu.models.llama` reads only
-this; loaders produce it.
+with qkv bias, Qwen3 with q/k RMSNorm). The model implementations (`models/registry.py`) read
+only this; loaders produce it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+from sgl_tpu.models.registry import MODELS
+
+SUPPORTED_ARCHS = tuple(MODELS)
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sgl_tpu.executor.forward_batch import ForwardBatch
+from sgl_tpu.executor.jax.forward_batch import ForwardBatch
+from sgl_tpu.executor.step import ForwardMode
 from sgl_tpu.kernels.backends import AttentionBackend, get_attention_backend
 from sgl_tpu.models.config import ModelConfig
 from sgl_tpu.models.rope import rope_inv_freq
-from sgl_tpu.scheduler.schedule_batch import ForwardMode
 
 Params = dict
 KVPools = list  # [(k_pool, v_pool)] per layer, each [kvh, num_pages, page_size, d]

@@ -26,7 +26,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sgl_tpu.kernels import paged_attention_torch as attn
 from sgl_tpu.models.config import ModelConfig
 from sgl_tpu.models.rope import rope_inv_freq
 
@@ -148,16 +147,19 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor
 
 
 REFINE_TOP = 32  # bf16 logits recomputed in float32 per row (see LlamaTorch.logits)
+# write_kv(k_pool, v_pool, k, v, out_slots): the attention backend's in-place K/V write
+WriteKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 class LlamaTorch:
     """The decoder as plain functions over `Weights`; `pre`/`post`/`final_norm` may be swapped
     for compiled versions by the runner (same signatures)."""
 
-    def __init__(self, cfg: ModelConfig, weights: Weights,
+    def __init__(self, cfg: ModelConfig, weights: Weights, write_kv: WriteKV,
                  compile_fn: Callable[[Callable], Callable] | None = None) -> None:
         self.cfg = cfg
         self.w = weights
+        self.write_kv = write_kv
         self.scale = cfg.head_dim**-0.5
         wrap = compile_fn or (lambda f: f)
         linear = weights.linear
@@ -186,7 +188,7 @@ class LlamaTorch:
         h = self.w.embed.index_select(0, input_ids)  # [T, D]
         for w, (k_pool, v_pool) in zip(self.w.layers, kv_pools, strict=True):
             q, k, v = self.pre(h, w, cos, sin)
-            attn.write_kv(k_pool, v_pool, k, v, out_slots)
+            self.write_kv(k_pool, v_pool, k, v, out_slots)
             o = attention(q, k_pool, v_pool)
             h = self.post(h, o, w)
         return self.final_norm(h, self.w.final_norm, cfg.rms_norm_eps)
@@ -207,3 +209,12 @@ class LlamaTorch:
             exact = torch.bmm(rows, hidden.float().unsqueeze(-1)).squeeze(-1)  # [N, C]
             out.scatter_(1, cand, exact)
         return out
+
+
+def build_model(params: dict, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device,
+                prepack: bool, write_kv: WriteKV,
+                compile_fn: Callable[[Callable], Callable] | None = None) -> LlamaTorch:
+    """The registry's torch entry point (models/registry.py): loader params -> model."""
+    return LlamaTorch(cfg, convert_weights(params, cfg, dtype, device, prepack), write_kv,
+                      compile_fn)
+

@@ -66,4 +66,5 @@ def dfs_weight(waiting: list[Req], tree: RadixCache) -> list[Req]:
 
 
 def order_waiting(policy: str, waiting: list[Req], tree: RadixCache) -> list[Req]:
+    """`waiting` in `policy`'s order (a name from POLICIES, checked at start-up)."""
     return POLICIES[policy](waiting, tree)

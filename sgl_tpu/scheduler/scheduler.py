@@ -16,9 +16,10 @@ Each `step()` is: take aborts, build one batch, run it, post-process.
   `session_retention_s`: under memory pressure it is evicted after all unretained KV, since the
   agent's next turn resends it (`KVManager`, `mem_cache/eviction.py`).
 
-The scheduler owns a `KVManager` (allocator + tree) and calls a runner object with
-`forward(mode, steps) -> StepResult` and `token_logprobs(hidden, targets)`; the in-process
-`Engine` and the scheduler process both drive it the same way.
+The scheduler owns a `KVManager` (allocator + tree) and drives a `ModelRunner` through the
+numpy-only step contract of `executor/step.py` (`forward(mode, steps) -> StepResult`,
+`token_logprobs`, `row_logits`); the in-process `Engine` and the scheduler process both drive
+it the same way.
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 import numpy as np
 
 from sgl_tpu.config import SchedulerConfig
 from sgl_tpu.constrained.grammar_manager import GrammarManager
 from sgl_tpu.detokenize import IncrementalDecoder, find_stop
+from sgl_tpu.executor.step import ForwardMode, ModelRunner, SeqStep, StepResult, mask_words
 from sgl_tpu.mem_cache.allocator import PageAllocator
 from sgl_tpu.mem_cache.radix_cache import RadixCache
 from sgl_tpu.messages import ReqOutput, TokenizedGenerateReq
@@ -52,7 +53,6 @@ from sgl_tpu.scheduler.constrained import (
 from sgl_tpu.scheduler.kv_manager import KVManager
 from sgl_tpu.scheduler.policy import order_waiting
 from sgl_tpu.scheduler.req import Req
-from sgl_tpu.scheduler.schedule_batch import ForwardMode, SeqStep
 from sgl_tpu.validation import check_request
 
 logger = logging.getLogger(__name__)
@@ -60,12 +60,6 @@ logger = logging.getLogger(__name__)
 # A waiting request that shares at least this many uncached tokens with a request already in
 # the EXTEND batch waits one step, then reuses that request's KV from the tree.
 IN_BATCH_SHARED_TOKENS = 32
-
-
-class Runner(Protocol):
-    def forward(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> Any: ...
-
-    def token_logprobs(self, hidden: Any, target_ids: np.ndarray) -> tuple: ...
 
 
 @dataclass
@@ -88,7 +82,7 @@ class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
-        runner: Runner,
+        runner: ModelRunner,
         *,
         num_pages: int,
         decode: Callable[[Sequence[int], bool], str],
@@ -115,7 +109,7 @@ class Scheduler:
         self.grammar = grammar
         self.grammar_supported = grammar is not None
         self.disable_jump_forward = disable_jump_forward
-        self.mask_words = -(-vocab_size // 32)
+        self.mask_words = mask_words(vocab_size)
         self.jump_forward_reqs: list[Req] = []  # running requests with forced tokens to extend
 
     # ---- intake ----------------------------------------------------------------------------
@@ -283,7 +277,8 @@ class Scheduler:
                     words[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
         return row
 
-    def _draft_logits(self, batch: list[tuple[Req, int]], result: Any) -> dict[str, np.ndarray]:
+    def _draft_logits(self, batch: list[tuple[Req, int]], result: StepResult
+                      ) -> dict[str, np.ndarray]:
         """Logits at the positions predicting each request's draft tokens (jump-forward)."""
         rows, owners = [], []
         t = 0
@@ -302,7 +297,7 @@ class Scheduler:
             r += k
         return out
 
-    def _collect_input_logprobs(self, batch: list[tuple[Req, int]], result: Any) -> None:
+    def _collect_input_logprobs(self, batch: list[tuple[Req, int]], result: StepResult) -> None:
         """Prompt log-probs: row t of the step predicts the token after packed token t."""
         targets = np.zeros(sum(n for _, n in batch), np.int32)
         t = 0
@@ -382,7 +377,7 @@ class Scheduler:
                     len(req.output_ids))
 
     # ---- post-processing -------------------------------------------------------------------
-    def _append_token(self, req: Req, result: Any, i: int,
+    def _append_token(self, req: Req, result: StepResult, i: int,
                       draft_logits: np.ndarray | None = None) -> ReqOutput:
         token = int(result.token_ids[i])
         verified: list[int] = []

@@ -1,4 +1,4 @@
-"""JaxModelRunner (`--backend jax`; the `ModelRunner` interface is in executor/runner.py): owns
+"""JaxModelRunner (`--backend jax`; the `ModelRunner` contract is in executor/step.py): owns
 the device state (weights, paged KV pools, penalty counts) and every jitted entry point. The
 scheduler hands it host-side `SeqStep`s; it pads them to a bucket (`build_forward_batch`), runs
 one jitted step and returns host numpy results.
@@ -27,18 +27,16 @@ import numpy as np
 from jax import lax
 
 from sgl_tpu.config import RunnerConfig
-from sgl_tpu.executor.forward_batch import (
+from sgl_tpu.executor.jax.forward_batch import (
     BatchShape,
     ForwardBatch,
     batch_shape_for,
     build_forward_batch,
 )
-from sgl_tpu.executor.runner import StepResult
-from sgl_tpu.executor.sampler import sample
-from sgl_tpu.models import llama
+from sgl_tpu.executor.jax.sampler import sample
+from sgl_tpu.executor.step import ForwardMode, SeqStep, StepResult, mask_words, warmup_step
 from sgl_tpu.models.config import ModelConfig
-from sgl_tpu.sampling_params import SamplingParams
-from sgl_tpu.scheduler.schedule_batch import ForwardMode, SeqStep
+from sgl_tpu.models.registry import jax_model
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +45,10 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 def _step_impl(params, kv_pools, token_counts, fb: ForwardBatch, *, cfg: ModelConfig,
                mode: ForwardMode, kv_tile: int, num_top: int, attention_backend: str):
-    hidden, kv_pools = llama.forward(params, kv_pools, fb, cfg, mode, kv_tile=kv_tile,
+    model = jax_model(cfg.arch)
+    hidden, kv_pools = model.forward(params, kv_pools, fb, cfg, mode, kv_tile=kv_tile,
                                      attention_backend=attention_backend)
-    logits = llama.compute_logits(params, hidden[fb.sample_idx], cfg)  # [S, V]
+    logits = model.compute_logits(params, hidden[fb.sample_idx], cfg)  # [S, V]
     counts = jnp.where(fb.counts_reset[:, None], 0, token_counts[fb.counts_rows])  # [S, V]
     out = sample(logits, fb.sampling, counts, fb.vocab_bitmask, num_top_logprobs=num_top)
     if mode == ForwardMode.EXTEND:
@@ -62,7 +61,8 @@ def _step_impl(params, kv_pools, token_counts, fb: ForwardBatch, *, cfg: ModelCo
 
 def _token_logprobs_impl(params, hidden, target_ids, *, cfg: ModelConfig, num_top: int):
     """hidden [T, D], target_ids [T] -> logprob of each target [T], top-K ids/logprobs [T, K]."""
-    logp = jax.nn.log_softmax(llama.compute_logits(params, hidden, cfg), axis=-1)  # [T, V]
+    logits = jax_model(cfg.arch).compute_logits(params, hidden, cfg)
+    logp = jax.nn.log_softmax(logits, axis=-1)  # [T, V]
     chosen = jnp.take_along_axis(logp, target_ids[:, None], axis=-1)[:, 0]
     top_lp, top_ids = lax.top_k(logp, num_top) if num_top else (
         jnp.zeros((logp.shape[0], 0), logp.dtype), jnp.zeros((logp.shape[0], 0), jnp.int32))
@@ -71,7 +71,7 @@ def _token_logprobs_impl(params, hidden, target_ids, *, cfg: ModelConfig, num_to
 
 def _row_logits_impl(params, hidden, rows, *, cfg: ModelConfig):
     """hidden [T, D], rows i32[R] -> float32 logits [R, V] of those rows."""
-    return llama.compute_logits(params, hidden[rows], cfg)
+    return jax_model(cfg.arch).compute_logits(params, hidden[rows], cfg)
 
 
 ROW_LOGITS_BUCKET = 64  # rows per `row_logits` call (one compiled shape per token bucket)
@@ -99,7 +99,7 @@ class JaxModelRunner:
         self.config = config
         self.dtype = _DTYPES[config.dtype]
         self.vocab_size = model_config.vocab_size
-        self.vocab_words = -(-self.vocab_size // 32)
+        self.vocab_words = mask_words(self.vocab_size)
         self.params = params_to_device(params, self.dtype)
         self.kv_pools = self._alloc_kv_pools()
         # Row 0 is a scratch row for padding sequences; request rows are 1..max_running.
@@ -181,12 +181,9 @@ class JaxModelRunner:
     def warmup(self) -> float:
         """Compile every bucket by running dummy batches that write only into page 0."""
         t0 = time.perf_counter()
-        greedy = SamplingParams(temperature=0.0, max_new_tokens=1)
-        page0 = np.zeros(1, np.int32)
         for n_tokens in self.config.token_buckets:
             # A one-page dummy sequence; the bucket is chosen by the padded token count.
-            steps = [SeqStep(token_ids=[0], prefix_len=0, pages=page0, sampling=greedy, seed=0,
-                             num_output_tokens=0, sample_valid=False)]
+            steps = [warmup_step()]
             shape = self.batch_shape(ForwardMode.EXTEND, steps)
             shape = dataclasses.replace(shape, num_tokens=n_tokens)
             fb = build_forward_batch(steps, shape, self.config.page_size)
@@ -195,9 +192,7 @@ class JaxModelRunner:
             self._token_logprobs(self.params, hidden, np.zeros(n_tokens, np.int32))
             self.row_logits(hidden, np.zeros(1, np.int32))
         for n_seqs in self.config.seq_buckets:
-            steps = [SeqStep(token_ids=[0], prefix_len=0, pages=page0, sampling=greedy, seed=0,
-                             num_output_tokens=0, sample_valid=False)] * n_seqs
-            self.forward(ForwardMode.DECODE, steps)
+            self.forward(ForwardMode.DECODE, [warmup_step()] * n_seqs)
         jax.block_until_ready(self.kv_pools)
         elapsed = time.perf_counter() - t0
         logger.info("warm-up compiled %d step variants in %.1f s", self.num_compilations(),

@@ -1,11 +1,14 @@
-"""TorchModelRunner: the `--backend torch` executor (PyTorch on tpu / cuda / cpu).
+"""TorchModelRunner: the `--backend torch` executor (PyTorch on tpu / cuda / cpu). Never
+imports JAX.
 
-Owns the torch device state and implements `sgl_tpu.executor.runner.ModelRunner`:
+Owns the torch device state and implements `sgl_tpu.executor.step.ModelRunner`:
 
-    list[SeqStep] ──_pack──► TorchBatch (tensors padded to the token / sequence bucket)
-        ──LlamaTorch.forward──► hidden [T, D]   (dense layer parts compiled per bucket with
-                                                 torch.compile(dynamic=False); attention eager)
-        ──logits of the sampled rows──► torch_sampler.sample ──► StepResult (numpy)
+    list[SeqStep] ──step.pack_tokens + attention batch──► TorchBatch (rows: the token /
+        sequence bucket when compiled, exact when eager)
+        ──model.forward──► hidden [T, D]   (the registry's torch model for the architecture;
+                                            dense layer parts compiled per bucket with
+                                            torch.compile(dynamic=False); attention eager)
+        ──logits of the sampled rows──► sampler.sample(step.sampling_columns) ──► StepResult
 
 Device state: weights (`llama_torch.Weights`), a token-major KV pool per layer
 ([num_pages * page_size, kvh, d]; page 0 takes padding writes) and the penalty-count rows
@@ -19,20 +22,19 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
 
 from sgl_tpu.config import RunnerConfig
-from sgl_tpu.executor import torch_sampler
-from sgl_tpu.executor.forward_batch import pick_bucket
-from sgl_tpu.executor.runner import StepResult
-from sgl_tpu.executor.torch_device import resolve_device, set_cpu_threads
-from sgl_tpu.kernels import paged_attention_torch as attn
+from sgl_tpu.executor import step as step_contract
+from sgl_tpu.executor.step import ForwardMode, SeqStep, StepResult
+from sgl_tpu.executor.torch import sampler
+from sgl_tpu.executor.torch.device import resolve_device, set_cpu_threads
+from sgl_tpu.kernels.backends import get_attention_backend
 from sgl_tpu.models.config import ModelConfig
-from sgl_tpu.models.llama_torch import LlamaTorch, convert_weights
-from sgl_tpu.sampling_params import SamplingParams
-from sgl_tpu.scheduler.schedule_batch import ForwardMode, SeqStep
+from sgl_tpu.models.registry import torch_model
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +50,8 @@ class TorchBatch:
     positions: torch.Tensor  # i64[T]
     out_slots: torch.Tensor  # i64[T]; padding rows write slot 0 (reserved page 0)
     sample_rows: torch.Tensor  # i64[n] row of each real sequence's last token
-    extend_seqs: list[attn.ExtendSeq] | None  # EXTEND
-    decode: attn.DecodeBatch | None  # DECODE
+    extend_seqs: list | None  # EXTEND: the attention backend's ExtendSeq per sequence
+    decode: Any  # DECODE: the attention backend's DecodeBatch
 
 
 class TorchModelRunner:
@@ -64,11 +66,13 @@ class TorchModelRunner:
         self.dtype = _DTYPES[config.dtype]
         self.vocab_size = model_config.vocab_size
         self._compiles = 0
+        self.attn = get_attention_backend(config.attention_backend)
         compile_fn = self._compile if config.compile else None
         prepack = (not config.compile and self.device.type == "cpu"
                    and self.dtype == torch.bfloat16)
-        weights = convert_weights(params, model_config, self.dtype, self.device, prepack)
-        self.model = LlamaTorch(model_config, weights, compile_fn)
+        self.model = torch_model(model_config.arch).build_model(
+            params, model_config, dtype=self.dtype, device=self.device, prepack=prepack,
+            write_kv=self.attn.write_kv, compile_fn=compile_fn)
         num_slots = config.num_pages * config.page_size
         shape = (num_slots, model_config.num_kv_heads, model_config.head_dim)
         self.kv_pools = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -109,58 +113,32 @@ class TorchModelRunner:
     def _pack(self, mode: ForwardMode, steps: Sequence[SeqStep], num_rows: int | None
               ) -> TorchBatch:
         c = self.config
-        ps = c.page_size
-        n = len(steps)
         if num_rows is None:  # (warm-up passes a bucket)
-            num_rows = self._num_rows(mode, steps)
-        input_ids = np.zeros(num_rows, np.int64)
-        positions = np.zeros(num_rows, np.int64)
-        out_slots = np.zeros(num_rows, np.int64)
-        sample_rows = np.zeros(n, np.int64)
-        extend_seqs = []
-        t = 0
-        for i, st in enumerate(steps):
-            k = len(st.token_ids)
-            end = st.prefix_len + k
-            pages = np.asarray(st.pages, np.int64)
-            if len(pages) * ps < end or len(pages) > c.max_pages_per_seq:
-                raise ValueError(f"sequence {i}: {len(pages)} pages cannot hold {end} tokens")
-            pos = np.arange(st.prefix_len, end)
-            input_ids[t : t + k] = st.token_ids
-            positions[t : t + k] = pos
-            out_slots[t : t + k] = pages[pos // ps] * ps + pos % ps
-            sample_rows[i] = t + k - 1
-            if mode == ForwardMode.EXTEND:
-                extend_seqs.append(attn.ExtendSeq(
-                    start=t, num_new=k, prefix_len=st.prefix_len,
-                    slots=attn.context_slots(pages, ps, end).to(self.device)))
-            t += k
-        decode = self._decode_batch(steps, num_rows) if mode == ForwardMode.DECODE else None
+            bucket, exact = step_contract.step_rows(
+                mode, steps, token_buckets=c.token_buckets, seq_buckets=c.seq_buckets,
+                max_extend_seqs=c.max_extend_seqs)
+            num_rows = bucket if c.compile else exact  # eager: no compiled shapes to reuse
+        packed = step_contract.pack_tokens(steps, num_rows, c.page_size, c.max_pages_per_seq)
         dev = self.device
+        extend_seqs = decode = None
+        if mode == ForwardMode.EXTEND:
+            extend_seqs = [self.attn.ExtendSeq(
+                start=int(start), num_new=len(st.token_ids), prefix_len=st.prefix_len,
+                slots=self.attn.context_slots(np.asarray(st.pages, np.int64), c.page_size,
+                                              int(end)).to(dev))
+                for st, start, end in zip(steps, packed.starts, packed.seq_lens, strict=True)]
+        else:
+            decode = self._decode_batch(steps, num_rows)
         return TorchBatch(
-            input_ids=torch.from_numpy(input_ids).to(dev),
-            positions=torch.from_numpy(positions).to(dev),
-            out_slots=torch.from_numpy(out_slots).to(dev),
-            sample_rows=torch.from_numpy(sample_rows).to(dev),
-            extend_seqs=extend_seqs if mode == ForwardMode.EXTEND else None,
+            input_ids=torch.from_numpy(packed.input_ids).to(dev),
+            positions=torch.from_numpy(packed.positions).to(dev),
+            out_slots=torch.from_numpy(packed.out_slots).to(dev),
+            sample_rows=torch.from_numpy(packed.sample_rows).to(dev),
+            extend_seqs=extend_seqs,
             decode=decode,
         )
 
-    def _num_rows(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> int:
-        """Rows T of a step: its bucket (validated against the largest) when compiled."""
-        c = self.config
-        if mode == ForwardMode.DECODE:
-            exact = len(steps)
-            bucket = pick_bucket(c.seq_buckets, exact, "decode batch size")
-        else:
-            if len(steps) > c.max_extend_seqs:
-                raise ValueError(f"{len(steps)} sequences exceed max_extend_seqs "
-                                 f"{c.max_extend_seqs}")
-            exact = sum(len(st.token_ids) for st in steps)
-            bucket = pick_bucket(c.token_buckets, exact, "extend batch tokens")
-        return bucket if c.compile else exact
-
-    def _decode_batch(self, steps: Sequence[SeqStep], num_rows: int) -> attn.DecodeBatch:
+    def _decode_batch(self, steps: Sequence[SeqStep], num_rows: int) -> Any:
         """Split each context into the whole pages all sequences share (leading page ids equal
         in every page table: a radix-cache prefix) and the rest, [B, Lown] with Lown = the
         longest rest rounded up to whole pages (attention runs eagerly: no bucketing)."""
@@ -183,7 +161,7 @@ class TorchModelRunner:
         mask = np.arange(own_pages * ps)[None, :] < own_lens[:, None]
         shared = (first[:n_shared, None] * ps + np.arange(ps)).reshape(-1)
         dev = self.device
-        return attn.DecodeBatch(shared_slots=torch.from_numpy(shared).to(dev),
+        return self.attn.DecodeBatch(shared_slots=torch.from_numpy(shared).to(dev),
                                 slots=torch.from_numpy(slots).to(dev),
                                 mask=torch.from_numpy(mask[:, None, :]).to(dev))
 
@@ -197,9 +175,9 @@ class TorchModelRunner:
         batch = self._pack(mode, steps, num_rows)
         scale = self.model.scale
         if mode == ForwardMode.EXTEND:
-            attention = partial(_extend, seqs=batch.extend_seqs, scale=scale)
+            attention = partial(self.attn.extend_attention, seqs=batch.extend_seqs, scale=scale)
         else:
-            attention = partial(_decode, batch=batch.decode, scale=scale)
+            attention = partial(self.attn.decode_attention, batch=batch.decode, scale=scale)
         hidden = self.model.forward(batch.input_ids, batch.positions, batch.out_slots,
                                     self.kv_pools, attention)
         logits = self.model.logits(hidden.index_select(0, batch.sample_rows))  # [n, V]
@@ -214,43 +192,33 @@ class TorchModelRunner:
 
     def _sample(self, mode: ForwardMode, steps: Sequence[SeqStep], logits: torch.Tensor):
         dev = self.device
+        cols = step_contract.sampling_columns(steps, len(steps),
+                                              step_contract.mask_words(self.vocab_size))
 
-        def col(fn, dtype):
-            return torch.tensor([fn(s) for s in steps], dtype=dtype, device=dev)
+        def t(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(a).to(device=dev, dtype=dtype)
 
-        rows = col(lambda s: s.counts_row, torch.int64)
-        if mode == ForwardMode.EXTEND:
-            reset = [s.counts_row for s in steps if s.counts_reset]
-            if reset:
-                self.token_counts[reset] = 0
+        rows = t(cols.counts_rows, torch.int64)
+        if mode == ForwardMode.EXTEND and cols.counts_reset.any():
+            self.token_counts[cols.counts_rows[cols.counts_reset].tolist()] = 0
         penalties = None
-        if any(s.sampling.uses_penalties for s in steps):
+        if cols.uses_penalties:
             penalties = (self.token_counts.index_select(0, rows),
-                         col(lambda s: s.sampling.frequency_penalty, torch.float32),
-                         col(lambda s: s.sampling.presence_penalty, torch.float32),
-                         col(lambda s: s.sampling.repetition_penalty, torch.float32))
-        bitmask = None
-        if any(s.bitmask is not None for s in steps):
-            words = -(-self.vocab_size // 32)
-            mask = np.full((len(steps), words), -1, np.int32)
-            for i, s in enumerate(steps):
-                if s.bitmask is not None:
-                    mask[i] = s.bitmask
-            bitmask = torch.from_numpy(mask).to(dev)
-        seeds = np.array([s.seed & 0xFFFFFFFF for s in steps], np.uint64)
-        step_idx = np.array([s.num_output_tokens for s in steps], np.uint64)
-        token_ids, logprobs, top_ids, top_lp = torch_sampler.sample(
+                         t(cols.frequency_penalty, torch.float32),
+                         t(cols.presence_penalty, torch.float32),
+                         t(cols.repetition_penalty, torch.float32))
+        token_ids, logprobs, top_ids, top_lp = sampler.sample(
             logits,
-            temperature=col(lambda s: s.sampling.temperature, torch.float32),
-            top_p=col(lambda s: s.sampling.top_p, torch.float32),
-            top_k=col(lambda s: s.sampling.top_k, torch.int64),
-            min_p=col(lambda s: s.sampling.min_p, torch.float32),
-            uniforms=torch.from_numpy(torch_sampler.row_uniforms(seeds, step_idx)).to(dev),
+            temperature=t(cols.temperature, torch.float32),
+            top_p=t(cols.top_p, torch.float32),
+            top_k=t(cols.top_k, torch.int64),
+            min_p=t(cols.min_p, torch.float32),
+            uniforms=t(sampler.row_uniforms(cols.seed, cols.step), torch.float32),
             penalties=penalties,
-            bitmask=bitmask,
+            bitmask=None if cols.bitmask is None else t(cols.bitmask, torch.int32),
             num_top_logprobs=self.config.max_top_logprobs,
         )
-        valid = col(lambda s: s.sample_valid, torch.int32)
+        valid = t(cols.sample_valid, torch.int32)
         self.token_counts.index_put_((rows, token_ids), valid, accumulate=True)
         return token_ids, logprobs, top_ids, top_lp
 
@@ -272,12 +240,10 @@ class TorchModelRunner:
 
     # ---- warm-up -----------------------------------------------------------------------
     def warmup(self) -> float:
-        """Run every token bucket (EXTEND) and sequence bucket (DECODE) once with a dummy
-        sequence on reserved page 0, compiling each shape when compile is on."""
+        """Run every token bucket (EXTEND) and sequence bucket (DECODE) once with the dummy
+        step on reserved page 0, compiling each shape when compile is on."""
         t0 = time.perf_counter()
-        step = SeqStep(token_ids=[0], prefix_len=0, pages=np.zeros(1, np.int64),
-                       sampling=SamplingParams(temperature=0.0, max_new_tokens=1), seed=0,
-                       num_output_tokens=0, sample_valid=False)
+        step = step_contract.warmup_step()
         c = self.config
         all_buckets = c.compile  # eager: one run of each mode is enough
         for num_rows in c.token_buckets if all_buckets else c.token_buckets[:1]:
@@ -288,11 +254,3 @@ class TorchModelRunner:
         elapsed = time.perf_counter() - t0
         logger.info("warm-up: %d compiled graphs in %.1f s", self._compiles, elapsed)
         return elapsed
-
-
-def _extend(q, k_pool, v_pool, *, seqs, scale):
-    return attn.extend_attention(q, k_pool, v_pool, seqs, scale)
-
-
-def _decode(q, k_pool, v_pool, *, batch, scale):
-    return attn.decode_attention(q, k_pool, v_pool, batch, scale)

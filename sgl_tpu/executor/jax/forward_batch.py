@@ -1,6 +1,8 @@
-"""The one conversion from a scheduled batch (host, Python/numpy) to device-side `ForwardBatch`.
+"""The JAX runner's conversion of a scheduled step (host, numpy) to its `ForwardBatch`.
 
-    Scheduler ──list[SeqStep]──► build_forward_batch ──ForwardBatch (numpy)──► ModelRunner (jit)
+    Scheduler ──list[SeqStep]──► build_forward_batch ──ForwardBatch (numpy)──► jitted step
+                  step.pack_tokens + step.sampling_columns (shared with the torch runner),
+                  plus what the JAX attention kernels read (page table, query blocks, items)
 
 `SeqStep` says, for one sequence, which new tokens run this step, how many of its tokens are
 already in the KV pool (`prefix_len`, from the radix cache or earlier steps) and which pages
@@ -24,9 +26,15 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from sgl_tpu.executor.sampler import SamplingArrays
+from sgl_tpu.executor.jax.sampler import SamplingArrays
+from sgl_tpu.executor.step import (
+    ForwardMode,
+    SeqStep,
+    pack_tokens,
+    pick_bucket,
+    sampling_columns,
+)
 from sgl_tpu.kernels.paged_attention_ref import extend_work_items
-from sgl_tpu.scheduler.schedule_batch import ForwardMode, SeqStep
 
 
 @jax.tree_util.register_dataclass
@@ -47,7 +55,6 @@ class ForwardBatch:
     counts_rows: jax.Array  # i32[S] row of the penalty-count buffer of each sequence
     counts_reset: jax.Array  # bool[S] clear that row first (a request's first step)
     sample_valid: jax.Array  # bool[S] the sampled token is a real output (count it)
-    use_penalties: jax.Array  # bool[] any sequence uses frequency/presence/repetition penalty
     sampling: SamplingArrays
     vocab_bitmask: jax.Array  # i32[S, ceil(V/32)] allowed tokens; -1 = all
 
@@ -78,84 +85,33 @@ class BatchShape:
         return self.num_blocks * (self.max_pages // self.pages_per_tile)
 
 
-def pick_bucket(buckets: Sequence[int], n: int, what: str) -> int:
-    for b in buckets:
-        if n <= b:
-            return b
-    raise ValueError(f"{what} {n} exceeds the largest bucket {buckets[-1]}")
-
-
-def _sampling_arrays(steps: Sequence[SeqStep], num_seqs: int) -> SamplingArrays:
-    def col(fn, default, dtype):
-        a = np.full(num_seqs, default, dtype)
-        a[: len(steps)] = [fn(s) for s in steps]
-        return a
-
-    return SamplingArrays(
-        temperature=col(lambda s: s.sampling.temperature, 0.0, np.float32),
-        top_p=col(lambda s: s.sampling.top_p, 1.0, np.float32),
-        top_k=col(lambda s: s.sampling.top_k, -1, np.int32),
-        min_p=col(lambda s: s.sampling.min_p, 0.0, np.float32),
-        frequency_penalty=col(lambda s: s.sampling.frequency_penalty, 0.0, np.float32),
-        presence_penalty=col(lambda s: s.sampling.presence_penalty, 0.0, np.float32),
-        repetition_penalty=col(lambda s: s.sampling.repetition_penalty, 1.0, np.float32),
-        seed=col(lambda s: s.seed & 0xFFFFFFFF, 0, np.uint32),
-        step=col(lambda s: s.num_output_tokens, 0, np.int32),
-    )
-
-
 def build_forward_batch(steps: Sequence[SeqStep], shape: BatchShape, page_size: int
                         ) -> ForwardBatch:
     """Pack `steps` into numpy arrays of `shape`'s static sizes (see the module docstring)."""
     T, S, P, BQ = shape.num_tokens, shape.num_seqs, shape.max_pages, shape.block_q
-    n_seq = len(steps)
-    if n_seq > S:
-        raise ValueError(f"{n_seq} sequences exceed the batch shape's {S}")
-    input_ids = np.zeros(T, np.int32)
-    positions = np.zeros(T, np.int32)
-    out_slots = np.zeros(T, np.int32)  # page 0 is reserved: padding writes land there
+    if len(steps) > S:
+        raise ValueError(f"{len(steps)} sequences exceed the batch shape's {S}")
+    packed = pack_tokens(steps, T, page_size, P)
     page_table = np.zeros((S, P), np.int32)
     seq_lens = np.zeros(S, np.int32)
     sample_idx = np.zeros(S, np.int32)
+    seq_lens[: len(steps)] = packed.seq_lens
+    sample_idx[: len(steps)] = packed.sample_rows
     nb = shape.num_blocks
     block_rows = np.full((nb, BQ), T, np.int32)
     block_seq = np.zeros(nb, np.int32)
     block_q_start = np.zeros(nb, np.int32)
-    bitmask = np.full((S, shape.vocab_words), -1, np.int32)
-
-    t = 0
     b = 0
     for i, st in enumerate(steps):
-        n = len(st.token_ids)
-        end = st.prefix_len + n
-        pages = np.asarray(st.pages, np.int32)
-        if len(pages) * page_size < end or len(pages) > P:
-            raise ValueError(f"sequence {i}: {len(pages)} pages cannot hold {end} tokens")
-        if t + n > T:
-            raise ValueError(f"batch needs more than {T} tokens")
-        pos = np.arange(st.prefix_len, end, dtype=np.int32)
-        input_ids[t : t + n] = st.token_ids
-        positions[t : t + n] = pos
-        out_slots[t : t + n] = pages[pos // page_size] * page_size + pos % page_size
-        page_table[i, : len(pages)] = pages
-        seq_lens[i] = end
-        sample_idx[i] = t + n - 1
-        if shape.mode == ForwardMode.EXTEND:
+        page_table[i, : len(st.pages)] = st.pages
+        if shape.mode == ForwardMode.EXTEND:  # query blocks of block_q rows, per sequence
+            t, n = int(packed.starts[i]), len(st.token_ids)
             for q0 in range(0, n, BQ):
                 rows = min(BQ, n - q0)
                 block_rows[b, :rows] = np.arange(t + q0, t + q0 + rows, dtype=np.int32)
                 block_seq[b] = i
                 block_q_start[b] = st.prefix_len + q0
                 b += 1
-        if st.bitmask is not None:
-            bitmask[i] = st.bitmask
-        t += n
-
-    def flags(fn) -> np.ndarray:
-        a = np.zeros(S, np.bool_)
-        a[:n_seq] = [fn(s) for s in steps]
-        return a
-
     if shape.mode == ForwardMode.EXTEND:
         item_block, item_tile, num_items = extend_work_items(
             block_seq[:b], block_q_start[:b], seq_lens, BQ, shape.pages_per_tile * page_size,
@@ -163,12 +119,13 @@ def build_forward_batch(steps: Sequence[SeqStep], shape: BatchShape, page_size: 
     else:
         item_block = item_tile = np.zeros(1, np.int32)
         num_items = 0
-    counts_rows = np.zeros(S, np.int32)
-    counts_rows[:n_seq] = [s.counts_row for s in steps]
+    cols = sampling_columns(steps, S, shape.vocab_words)
+    bitmask = cols.bitmask if cols.bitmask is not None else np.full(
+        (S, shape.vocab_words), -1, np.int32)
     return ForwardBatch(
-        input_ids=input_ids,
-        positions=positions,
-        out_slots=out_slots,
+        input_ids=packed.input_ids.astype(np.int32),
+        positions=packed.positions.astype(np.int32),
+        out_slots=packed.out_slots.astype(np.int32),
         page_table=page_table,
         seq_lens=seq_lens,
         sample_idx=sample_idx,
@@ -178,11 +135,14 @@ def build_forward_batch(steps: Sequence[SeqStep], shape: BatchShape, page_size: 
         item_block=item_block,
         item_tile=item_tile,
         num_items=np.int32(num_items),
-        counts_rows=counts_rows,
-        counts_reset=flags(lambda s: s.counts_reset),
-        sample_valid=flags(lambda s: s.sample_valid),
-        use_penalties=np.bool_(any(s.sampling.uses_penalties for s in steps)),
-        sampling=_sampling_arrays(steps, S),
+        counts_rows=cols.counts_rows,
+        counts_reset=cols.counts_reset,
+        sample_valid=cols.sample_valid,
+        sampling=SamplingArrays(
+            temperature=cols.temperature, top_p=cols.top_p, top_k=cols.top_k,
+            min_p=cols.min_p, frequency_penalty=cols.frequency_penalty,
+            presence_penalty=cols.presence_penalty,
+            repetition_penalty=cols.repetition_penalty, seed=cols.seed, step=cols.step),
         vocab_bitmask=bitmask,
     )
 

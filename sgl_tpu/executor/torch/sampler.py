@@ -1,4 +1,4 @@
-"""Token sampler of the PyTorch backend: the semantics of `sgl_tpu.executor.sampler` in torch.
+"""Token sampler of the PyTorch backend: the semantics of `sgl_tpu.executor.jax.sampler` in torch.
 
     logits f32[B, V] ──┬─> raw log-softmax ─> chosen log-prob, top-K log-probs
                        └─> penalties (counts) -> vocab bitmask -> greedy argmax
@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sgl_tpu.executor.sampler import GREEDY_TEMPERATURE_EPS
+from sgl_tpu.executor.step import GREEDY_TEMPERATURE_EPS
 
 DEFAULT_NUM_CANDIDATES = 128
 _BITS_PER_WORD = 32

@@ -1,0 +1,40 @@
+"""The `ServerArgs` fields whose values name a registry entry, their choices as the registries
+list them (the CLI offers exactly these), and one check run before a model loads.
+
+    schedule_policy    scheduler/policy.py     POLICIES
+    backend            executor/registry.py    EXECUTOR_BACKENDS (+ auto)
+    attention_backend  kernels/backends.py     ATTENTION_BACKENDS (+ auto; per executor)
+    grammar_backend    constrained/__init__.py GRAMMAR_BACKENDS (+ none)
+"""
+
+from __future__ import annotations
+
+from sgl_tpu.config import ServerArgs
+
+
+def registry_choices() -> dict[str, tuple[str, ...]]:
+    from sgl_tpu.constrained import GRAMMAR_BACKENDS
+    from sgl_tpu.executor.registry import BACKEND_CHOICES
+    from sgl_tpu.kernels.backends import ATTENTION_BACKENDS
+    from sgl_tpu.scheduler.policy import POLICIES
+
+    return {
+        "schedule_policy": tuple(POLICIES),
+        "backend": BACKEND_CHOICES,
+        "attention_backend": ("auto", *ATTENTION_BACKENDS),
+        "grammar_backend": (*GRAMMAR_BACKENDS, "none"),
+    }
+
+
+def check_registry_names(args: ServerArgs) -> None:
+    """ValueError naming the field when a registry-backed value is unknown, or an attention
+    backend that the chosen executor cannot run."""
+    for field, allowed in registry_choices().items():
+        value = getattr(args, field)
+        if value not in allowed:
+            raise ValueError(f"{field} must be one of {allowed}, got {value!r}")
+    from sgl_tpu.executor.registry import resolve_backend
+    from sgl_tpu.kernels.backends import resolve_attention_backend
+
+    if args.attention_backend != "auto":
+        resolve_attention_backend(args.attention_backend, resolve_backend(args.backend))

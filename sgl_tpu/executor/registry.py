@@ -1,0 +1,130 @@
+"""Registry of executor backends (`--backend`) and the resolution of every "auto" runner setting.
+
+    ServerArgs ──runner_config(args, model_context_len)──► RunnerConfig (all names resolved)
+               ──create_model_runner(model_config, params, cfg)──► a step.ModelRunner
+
+    --backend jax    executor/jax/runner.py    XLA: TPU, GPU, CPU
+    --backend torch  executor/torch/runner.py  PyTorch: tpu (TorchTPU), cuda, cpu
+    --backend auto   torch on CPU when PyTorch is installed (bf16 GEMMs on AVX-512/AMX; XLA:CPU
+                     measured several times slower), jax where JAX has an accelerator
+
+Import-light: factories import their backend on first use, and nothing here imports JAX on the
+torch path (a torch scheduler process never loads JAX), so the platform check for `auto` reads
+the environment and installed packages instead of asking JAX.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sgl_tpu.config import RunnerConfig, ServerArgs, pow2_buckets
+from sgl_tpu.executor.step import ModelRunner
+from sgl_tpu.kernels.backends import resolve_attention_backend
+from sgl_tpu.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ExecutorBackend:
+    runner: str  # "module:Class" of its ModelRunner
+    requires: str  # the package it needs
+    install_hint: str
+
+
+EXECUTOR_BACKENDS: dict[str, ExecutorBackend] = {
+    "jax": ExecutorBackend("sgl_tpu.executor.jax.runner:JaxModelRunner", "jax",
+                           "pip install 'sgl-tpu'"),
+    "torch": ExecutorBackend("sgl_tpu.executor.torch.runner:TorchModelRunner", "torch",
+                             "pip install 'sgl-tpu[torch]'"),
+}
+BACKEND_CHOICES = ("auto", *EXECUTOR_BACKENDS)
+
+# Packages whose presence means JAX will run on an accelerator rather than the CPU.
+_JAX_ACCELERATOR_PACKAGES = ("libtpu", "jax_cuda12_plugin", "jax_cuda13_plugin")
+
+
+def jax_has_accelerator() -> bool:
+    """Whether JAX would pick a TPU/GPU here, judged without importing JAX: `JAX_PLATFORMS` when
+    set, else an installed TPU runtime or CUDA plugin."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip()
+    if platforms:
+        return platforms.split(",")[0].strip() != "cpu"
+    return any(importlib.util.find_spec(p) is not None for p in _JAX_ACCELERATOR_PACKAGES)
+
+
+def resolve_backend(backend: str) -> str:
+    if backend not in BACKEND_CHOICES:
+        raise ValueError(f"backend must be one of {BACKEND_CHOICES}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    if importlib.util.find_spec("torch") is not None and not jax_has_accelerator():
+        return "torch"
+    return "jax"
+
+
+def _resolve_dtype(args: ServerArgs, backend: str) -> str:
+    if args.dtype != "auto":
+        return args.dtype
+    if backend == "torch":
+        from sgl_tpu.executor.torch.device import default_dtype
+
+        return default_dtype(args.device)
+    # On XLA:CPU float32 measured faster than bfloat16 (its bf16 dots do not use the CPU's bf16
+    # units); TPUs and GPUs want bfloat16.
+    import jax
+
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def _resolve_compile(args: ServerArgs, backend: str) -> bool:
+    if backend != "torch" or args.disable_compile or args.torch_compile == "off":
+        return False
+    if args.torch_compile == "on":
+        return True
+    from sgl_tpu.executor.torch.device import resolve_device
+
+    # On CPU, eager with oneDNN-prepacked bf16 weights measured faster than inductor's graphs
+    # (which must take the weights unpacked); accelerators want compiled graphs.
+    return resolve_device(args.device).type != "cpu"
+
+
+def runner_config(args: ServerArgs, model_context_len: int) -> RunnerConfig:
+    """The runner's frozen config with backend, dtype, compile and attention resolved."""
+    context_len = min(args.context_length or model_context_len, model_context_len)
+    chunk = max(args.chunked_prefill_size, args.min_token_bucket)
+    backend = resolve_backend(args.backend)
+    return RunnerConfig(
+        model_path=args.model_path,
+        dtype=_resolve_dtype(args, backend),
+        page_size=args.page_size,
+        num_pages=-(-args.max_total_tokens // args.page_size) + 1,
+        max_running_requests=args.max_running_requests,
+        max_extend_seqs=min(args.max_extend_seqs, args.max_running_requests),
+        context_len=context_len,
+        token_buckets=pow2_buckets(args.min_token_bucket, chunk),
+        seq_buckets=pow2_buckets(1, args.max_running_requests),
+        kv_tile=max(args.kv_tile, args.page_size),
+        block_q=args.block_q,
+        max_top_logprobs=args.max_top_logprobs,
+        warmup=not args.skip_warmup,
+        attention_backend=resolve_attention_backend(args.attention_backend, backend),
+        backend=backend,
+        compile=_resolve_compile(args, backend),
+        device=args.device,
+    )
+
+
+def create_model_runner(model_config: ModelConfig, params: dict, config: RunnerConfig
+                        ) -> ModelRunner:
+    """Build the runner of `config.backend` (already resolved)."""
+    spec = EXECUTOR_BACKENDS.get(config.backend)
+    if spec is None:
+        raise ValueError(f"unknown backend {config.backend!r}")
+    if importlib.util.find_spec(spec.requires) is None:
+        raise ValueError(f"--backend {config.backend} needs {spec.requires}: {spec.install_hint}")
+    module, _, cls = spec.runner.partition(":")
+    factory: Callable[..., ModelRunner] = getattr(importlib.import_module(module), cls)
+    return factory(model_config, params, config)

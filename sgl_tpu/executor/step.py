@@ -1,0 +1,228 @@
+"""The step contract between the scheduler and every model runner (numpy only, no JAX or torch).
+
+    Scheduler ──(ForwardMode, list[SeqStep])──► ModelRunner.forward ──► StepResult (numpy)
+                                                   │
+                    host side, shared here:        │  backend side, per runner:
+                      step_rows      bucket T      │    jax:   ForwardBatch -> jitted step
+                      pack_tokens    ids, positions│    torch: tensors -> eager/compiled layers
+                                     KV slots, rows│
+                      sampling_columns  per-row    │
+                                     sampling knobs│
+
+A runner pads every step to a shape bucket so compiled programs are reused: EXTEND steps to a
+token bucket (`RunnerConfig.token_buckets`), DECODE steps to a sequence bucket (`seq_buckets`).
+Padding tokens write their K/V into the reserved page 0; padding sequences sample greedily into
+the scratch penalty-count row 0 and are dropped from the result.
+
+Dimensions: T tokens in the step (padded), n real sequences, S padded sequences, V vocabulary,
+W = mask_words(V) packed-mask words.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from sgl_tpu.sampling_params import SamplingParams
+
+# Rows with a temperature below this are greedy (SGLang's _SAMPLING_EPS); both samplers use it.
+GREEDY_TEMPERATURE_EPS = 1e-6
+PAD_PAGE = 0  # reserved KV page: padding tokens write here, no request ever owns it
+SCRATCH_COUNTS_ROW = 0  # penalty-count row of padding sequences; requests use 1..max_running
+MASK_BITS_PER_WORD = 32
+
+
+def mask_words(vocab_size: int) -> int:
+    """Words of one packed allowed-token mask row: token t is bit t % 32 of word t // 32."""
+    return -(-vocab_size // MASK_BITS_PER_WORD)
+
+
+class ForwardMode(enum.IntEnum):
+    EXTEND = 1  # prefill of new tokens (possibly after a cached prefix, possibly a chunk)
+    DECODE = 2  # one new token per running sequence
+
+
+@dataclass
+class SeqStep:
+    """One sequence's share of a step."""
+
+    token_ids: Sequence[int] | np.ndarray  # tokens to run now
+    prefix_len: int  # tokens of this sequence already in the KV pool
+    pages: Sequence[int] | np.ndarray  # page ids covering [0, prefix_len + len(token_ids))
+    sampling: SamplingParams
+    seed: int  # resolved per-request seed
+    num_output_tokens: int  # index of the token sampled this step (its `step` in the RNG)
+    counts_row: int = SCRATCH_COUNTS_ROW
+    counts_reset: bool = False
+    sample_valid: bool = True  # False for a non-final prefill chunk
+    bitmask: np.ndarray | None = None  # i32[W]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Host copies of one step's outputs, one row per real sequence."""
+
+    token_ids: np.ndarray  # i32[n]
+    logprobs: np.ndarray  # f32[n]
+    top_ids: np.ndarray  # i32[n, K]
+    top_logprobs: np.ndarray  # f32[n, K]
+    hidden: Any  # [T, D] backend-owned device array (EXTEND only): hand it back to the runner
+
+
+class ModelRunner(Protocol):
+    """What the scheduler needs from an executor backend (see the module docstring)."""
+
+    backend: str  # "jax" or "torch"
+
+    @property
+    def kv_bytes(self) -> int: ...
+
+    def forward(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> StepResult:
+        """Run one step (write K/V, attend, sample one token per sequence)."""
+
+    def token_logprobs(self, hidden: Any, target_ids: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Log-probs of target_ids[t] under row t of an EXTEND step's hidden states, with the
+        top-K ids/log-probs of each row (rows padded to the step's bucket)."""
+
+    def row_logits(self, hidden: Any, rows: np.ndarray) -> np.ndarray:
+        """Float32 logits [len(rows), V] at the given rows of an EXTEND step's hidden states."""
+
+    def warmup(self) -> float:
+        """Compile every shape bucket; returns seconds spent."""
+
+    def num_compilations(self) -> int:
+        """Compiled step variants so far (tests assert it stays fixed after warm-up)."""
+
+
+# ---- buckets --------------------------------------------------------------------------------
+def pick_bucket(buckets: Sequence[int], n: int, what: str) -> int:
+    """The smallest bucket >= n (buckets ascending)."""
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{what} {n} exceeds the largest bucket {buckets[-1]}")
+
+
+def step_rows(mode: ForwardMode, steps: Sequence[SeqStep], *, token_buckets: Sequence[int],
+              seq_buckets: Sequence[int], max_extend_seqs: int) -> tuple[int, int]:
+    """(bucketed rows T, exact rows) of a step: tokens for EXTEND, sequences for DECODE."""
+    if mode == ForwardMode.DECODE:
+        exact = len(steps)
+        return pick_bucket(seq_buckets, exact, "decode batch size"), exact
+    if len(steps) > max_extend_seqs:
+        raise ValueError(f"{len(steps)} sequences exceed max_extend_seqs {max_extend_seqs}")
+    exact = sum(len(st.token_ids) for st in steps)
+    return pick_bucket(token_buckets, exact, "extend batch tokens"), exact
+
+
+# ---- token packing --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PackedTokens:
+    """Every sequence's new tokens laid end to end on one axis of T rows:
+
+        rows:   | seq 0 new tokens | seq 1 new tokens | ... | padding (token 0 -> slot 0) |
+        sequence i's rows: [starts[i], starts[i] + num_new[i]); its last row is sample_rows[i]
+    """
+
+    input_ids: np.ndarray  # i64[T]
+    positions: np.ndarray  # i64[T] position of each token in its sequence
+    out_slots: np.ndarray  # i64[T] KV slot its K/V is written to (page * page_size + offset)
+    sample_rows: np.ndarray  # i64[n] row whose logits are sampled for each sequence
+    starts: np.ndarray  # i64[n] first row of each sequence
+    seq_lens: np.ndarray  # i64[n] KV length after this step (prefix_len + new tokens)
+
+
+def pack_tokens(steps: Sequence[SeqStep], num_rows: int, page_size: int, max_pages: int
+                ) -> PackedTokens:
+    """Pack `steps` into `num_rows` rows (see PackedTokens), checking pages and capacity."""
+    n = len(steps)
+    input_ids = np.zeros(num_rows, np.int64)
+    positions = np.zeros(num_rows, np.int64)
+    out_slots = np.full(num_rows, PAD_PAGE * page_size, np.int64)
+    sample_rows = np.zeros(n, np.int64)
+    starts = np.zeros(n, np.int64)
+    seq_lens = np.zeros(n, np.int64)
+    t = 0
+    for i, st in enumerate(steps):
+        k = len(st.token_ids)
+        end = st.prefix_len + k
+        pages = np.asarray(st.pages, np.int64)
+        if len(pages) * page_size < end or len(pages) > max_pages:
+            raise ValueError(f"sequence {i}: {len(pages)} pages cannot hold {end} tokens")
+        if t + k > num_rows:
+            raise ValueError(f"batch needs more than {num_rows} tokens")
+        pos = np.arange(st.prefix_len, end)
+        input_ids[t : t + k] = st.token_ids
+        positions[t : t + k] = pos
+        out_slots[t : t + k] = pages[pos // page_size] * page_size + pos % page_size
+        starts[i], sample_rows[i], seq_lens[i] = t, t + k - 1, end
+        t += k
+    return PackedTokens(input_ids, positions, out_slots, sample_rows, starts, seq_lens)
+
+
+# ---- sampling columns -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class SamplingColumns:
+    """Per-sequence sampling inputs, S rows (rows past the real sequences: greedy padding)."""
+
+    temperature: np.ndarray  # f32[S]; < GREEDY_TEMPERATURE_EPS = greedy
+    top_p: np.ndarray  # f32[S]; 1 = off
+    top_k: np.ndarray  # i32[S]; <= 0 = off
+    min_p: np.ndarray  # f32[S]; 0 = off
+    frequency_penalty: np.ndarray  # f32[S]
+    presence_penalty: np.ndarray  # f32[S]
+    repetition_penalty: np.ndarray  # f32[S]; 1 = off
+    seed: np.ndarray  # u32[S]
+    step: np.ndarray  # i32[S] index of the output token being sampled
+    counts_rows: np.ndarray  # i32[S] penalty-count row of each sequence
+    counts_reset: np.ndarray  # bool[S] clear that row first (a request's first step)
+    sample_valid: np.ndarray  # bool[S] the sampled token is a real output (count it)
+    uses_penalties: bool  # any sequence uses a frequency/presence/repetition penalty
+    bitmask: np.ndarray | None  # i32[S, W] allowed tokens (-1 = all); None: no row constrained
+
+
+def sampling_columns(steps: Sequence[SeqStep], num_seqs: int, num_mask_words: int
+                     ) -> SamplingColumns:
+    """The columns of `steps`, padded to `num_seqs` rows; masks have `mask_words(V)` words."""
+
+    def col(fn, default, dtype) -> np.ndarray:
+        a = np.full(num_seqs, default, dtype)
+        a[: len(steps)] = [fn(s) for s in steps]
+        return a
+
+    bitmask = None
+    if any(s.bitmask is not None for s in steps):
+        bitmask = np.full((num_seqs, num_mask_words), -1, np.int32)
+        for i, s in enumerate(steps):
+            if s.bitmask is not None:
+                bitmask[i] = s.bitmask
+    return SamplingColumns(
+        temperature=col(lambda s: s.sampling.temperature, 0.0, np.float32),
+        top_p=col(lambda s: s.sampling.top_p, 1.0, np.float32),
+        top_k=col(lambda s: s.sampling.top_k, -1, np.int32),
+        min_p=col(lambda s: s.sampling.min_p, 0.0, np.float32),
+        frequency_penalty=col(lambda s: s.sampling.frequency_penalty, 0.0, np.float32),
+        presence_penalty=col(lambda s: s.sampling.presence_penalty, 0.0, np.float32),
+        repetition_penalty=col(lambda s: s.sampling.repetition_penalty, 1.0, np.float32),
+        seed=col(lambda s: s.seed & 0xFFFFFFFF, 0, np.uint32),
+        step=col(lambda s: s.num_output_tokens, 0, np.int32),
+        counts_rows=col(lambda s: s.counts_row, SCRATCH_COUNTS_ROW, np.int32),
+        counts_reset=col(lambda s: s.counts_reset, False, np.bool_),
+        sample_valid=col(lambda s: s.sample_valid, False, np.bool_),
+        uses_penalties=any(s.sampling.uses_penalties for s in steps),
+        bitmask=bitmask,
+    )
+
+
+# ---- warm-up --------------------------------------------------------------------------------
+def warmup_step() -> SeqStep:
+    """A one-token greedy sequence on the reserved page whose output is discarded: runners warm
+    up each bucket with copies of it."""
+    return SeqStep(token_ids=[0], prefix_len=0, pages=np.full(1, PAD_PAGE, np.int64),
+                   sampling=SamplingParams(temperature=0.0, max_new_tokens=1), seed=0,
+                   num_output_tokens=0, sample_valid=False)

@@ -1,0 +1,55 @@
+"""Registry of model architectures: name -> where each backend's implementation lives and what
+the loaders must know. Import-light (module names only): nothing here loads JAX or torch.
+
+    ModelConfig.arch ──MODELS[arch]──► jax_module   forward(params, kv_pools, fb, cfg, mode, *,
+                                                     kv_tile, attention_backend) -> (hidden,
+                                                     pools); compute_logits(params, hidden, cfg)
+                                      torch_module  build_model(params, cfg, dtype, device,
+                                                     prepack, compile_fn) -> model with
+                                                     forward(...), logits(hidden), scale
+                                      loader hooks  HF `architectures` entry, GGUF Q/K row
+                                                     permutation, fixed per-family flags
+
+Adding an architecture: its JAX and torch modules (or an existing pair reading new ModelConfig
+flags) and one entry here; loaders, runners and the CLI read the registry.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    hf_architecture: str  # config.json "architectures" entry for this model_type
+    jax_module: str
+    torch_module: str
+    gguf_permuted_qk: bool = False  # llama.cpp's converter permuted Q/K rows (undo on load)
+    qkv_bias: bool = False  # bias on q/k/v projections whatever config.json says (Qwen2)
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+
+
+_LLAMA_JAX, _LLAMA_TORCH = "sgl_tpu.models.llama", "sgl_tpu.models.llama_torch"
+
+MODELS: dict[str, ModelSpec] = {
+    "llama": ModelSpec("LlamaForCausalLM", _LLAMA_JAX, _LLAMA_TORCH, gguf_permuted_qk=True),
+    "qwen2": ModelSpec("Qwen2ForCausalLM", _LLAMA_JAX, _LLAMA_TORCH, qkv_bias=True),
+    "qwen3": ModelSpec("Qwen3ForCausalLM", _LLAMA_JAX, _LLAMA_TORCH, qk_norm=True),
+}
+
+
+def get_model_spec(arch: str) -> ModelSpec:
+    spec = MODELS.get(arch)
+    if spec is None:
+        raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(MODELS)}")
+    return spec
+
+
+def jax_model(arch: str) -> ModuleType:
+    return importlib.import_module(get_model_spec(arch).jax_module)
+
+
+def torch_model(arch: str) -> ModuleType:
+    return importlib.import_module(get_model_spec(arch).torch_module)

@@ -6,78 +6,18 @@ the default model's greedy continuation must match token for token.
 
 from __future__ import annotations
 
-from functools import partial
-
 import checkpoints as ck
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from model_helpers import PagedModel, hf_logits
 
-from sgl_tpu.config import ServerArgs
-from sgl_tpu.executor.jax.forward_batch import build_forward_batch
-from sgl_tpu.executor.jax.runner import JaxModelRunner
-from sgl_tpu.executor.registry import runner_config
-from sgl_tpu.executor.step import ForwardMode, SeqStep
+from sgl_tpu.executor.step import ForwardMode
 from sgl_tpu.loader import load_model
-from sgl_tpu.models import llama
 from sgl_tpu.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 ATOL = 2e-3
-
-
-class PagedModel:
-    """Runs sequences through `llama.forward` with the runner's real batch packing, and keeps
-    each sequence's pages so later steps read the cached prefix from the pool."""
-
-    def __init__(self, loaded, page_size: int = 4, **kw):
-        args = ServerArgs(skip_warmup=True, backend="jax", page_size=page_size,
-                          max_total_tokens=4096,
-                          kv_tile=max(8, page_size), block_q=8, min_token_bucket=16,
-                          chunked_prefill_size=256, max_running_requests=8, **kw)
-        self.cfg = loaded.config
-        self.runner = JaxModelRunner(loaded.config, loaded.params, runner_config(args, 4096))
-        self.ps = page_size
-        self.next_page = 1
-        self._fwd = jax.jit(partial(self._logits, cfg=self.cfg, kv_tile=args.kv_tile),
-                            static_argnames=("mode",))
-
-    @staticmethod
-    def _logits(params, pools, fb, *, cfg, mode, kv_tile):
-        hidden, pools = llama.forward(params, pools, fb, cfg, mode, kv_tile=kv_tile)
-        return llama.compute_logits(params, hidden, cfg), pools
-
-    def new_pages(self, n_tokens: int) -> np.ndarray:
-        n = -(-n_tokens // self.ps)
-        pages = np.arange(self.next_page, self.next_page + n, dtype=np.int32)
-        self.next_page += n
-        return pages
-
-    def run(self, mode, seqs):
-        """seqs: list of (token_ids, prefix_len, pages) -> per-seq logits [n_i, V]."""
-        steps = [SeqStep(token_ids=t, prefix_len=p, pages=pg, sampling=GREEDY, seed=0,
-                         num_output_tokens=0) for t, p, pg in seqs]
-        shape = self.runner.batch_shape(mode, steps)
-        fb = build_forward_batch(steps, shape, self.ps)
-        logits, self.runner.kv_pools = self._fwd(self.runner.params, self.runner.kv_pools, fb,
-                                                 mode=mode)
-        logits = np.asarray(logits)
-        out, t = [], 0
-        for toks, _, _ in seqs:
-            out.append(logits[t : t + len(toks)])
-            t += len(toks)
-        return out
-
-
-def _hf_logits(model_dir: str, ids: list[int]) -> np.ndarray:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(2)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    with torch.inference_mode():
-        return model(torch.tensor([ids])).logits[0].numpy()
 
 
 @pytest.mark.parametrize("arch,kw", ck.ARCH_CASES)
@@ -87,7 +27,7 @@ def test_prefill_and_decode_match_transformers(tmp_path, arch, kw, page_size):
     loaded = load_model(model_dir)
     rng = np.random.default_rng(0)
     ids = rng.integers(3, loaded.config.vocab_size, 23).tolist()
-    ref = _hf_logits(model_dir, ids)
+    ref = hf_logits(model_dir, ids)
     m = PagedModel(loaded, page_size=page_size)
     pages = m.new_pages(len(ids))
     # Prefill the first 19 tokens, then 4 decode steps through the paged cache.

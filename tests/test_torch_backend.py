@@ -11,7 +11,7 @@ from __future__ import annotations
 import checkpoints as ck
 import numpy as np
 import pytest
-from test_model import PagedModel, _hf_logits
+from model_helpers import PagedModel, hf_logits
 
 from sgl_tpu import Engine
 from sgl_tpu.choices import check_registry_names
@@ -88,7 +88,7 @@ def test_prefill_and_decode_match_transformers(tmp_path, arch, kw, dtype):
     model_dir = ck.make_tiny_hf_checkpoint(tmp_path / "m", arch, **kw)
     loaded = load_model(model_dir)
     ids = np.random.default_rng(0).integers(3, loaded.config.vocab_size, 23).tolist()
-    ref = _hf_logits(model_dir, ids)
+    ref = hf_logits(model_dir, ids)
     m = TorchPaged(loaded, dtype)
     pages = m.new_pages(len(ids))
     (pre,) = m.extend([(ids[:19], 0, pages)])

@@ -1,0 +1,158 @@
+"""The scheduler against a model runner whose outputs can be worked out by hand: it implements
+the step contract (executor/step.py) and answers every sequence with `last input token + 1`
+(mod V). Chunked prefill, prefix caching, retraction under KV pressure and aborts are then
+checked exactly, with no model, plus the KV integrity invariant after every step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from sgl_tpu.config import SchedulerConfig
+from sgl_tpu.executor.step import ForwardMode, SeqStep, StepResult
+from sgl_tpu.messages import TokenizedGenerateReq
+
+V = 1000
+PAGE = 4
+
+
+class PlusOneRunner:
+    """Step contract with hand-computable outputs; records (mode, [(new, prefix)]) per call."""
+
+    backend = "fake"
+    kv_bytes = 0
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[ForwardMode, list[tuple[int, int]]]] = []
+
+    def forward(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> StepResult:
+        self.calls.append((mode, [(len(s.token_ids), s.prefix_len) for s in steps]))
+        n = len(steps)
+        ids = np.array([(int(s.token_ids[-1]) + 1) % V for s in steps], np.int32)
+        return StepResult(ids, np.full(n, -0.5, np.float32), np.zeros((n, 0), np.int32),
+                          np.zeros((n, 0), np.float32), hidden=None)
+
+    def token_logprobs(self, hidden, target_ids):  # not asked for in these tests
+        raise AssertionError("no input log-probs were requested")
+
+    def row_logits(self, hidden, rows):
+        raise AssertionError("no jump-forward without a grammar")
+
+    def warmup(self) -> float:
+        return 0.0
+
+    def num_compilations(self) -> int:
+        return 0
+
+
+def make_scheduler(num_pages: int = 64, chunk: int = 16, max_running: int = 8):
+    from sgl_tpu.scheduler.scheduler import Scheduler
+
+    cfg = SchedulerConfig(page_size=PAGE, max_running_requests=max_running, max_extend_seqs=8,
+                          chunked_prefill_size=chunk, context_len=512)
+    runner = PlusOneRunner()
+    sched = Scheduler(cfg, runner, num_pages=num_pages, decode=lambda ids, skip: "",
+                      eos_token_ids=(), vocab_size=V)
+    return sched, runner
+
+
+def request(rid: str, prompt: list[int], max_new: int, **sp) -> TokenizedGenerateReq:
+    return TokenizedGenerateReq(rid=rid, input_ids=prompt,
+                                sampling={"max_new_tokens": max_new, "temperature": 0.0, **sp})
+
+
+def run_steps(sched, out: dict[str, dict], max_steps: int = 500) -> dict[str, dict]:
+    """Step until idle or `max_steps`, checking integrity after every step; collects per rid
+    the new tokens, the finish reason and the cached-token count into `out`."""
+    for _ in range(max_steps):
+        if not sched.has_work:
+            break
+        for o in sched.step():
+            r = out.setdefault(o.rid, {"ids": [], "reason": None, "cached": 0})
+            r["ids"] += o.new_token_ids
+            r["cached"] = max(r["cached"], o.cached_tokens)
+            if o.finished:
+                r["reason"] = o.finish_reason
+        sched.check_integrity()
+    return out
+
+
+def run_all(sched) -> dict[str, dict]:
+    out = run_steps(sched, {})
+    assert not sched.has_work, "scheduler did not go idle"
+    return out
+
+
+def expected(prompt: list[int], n: int) -> list[int]:
+    return [(prompt[-1] + k) % V for k in range(1, n + 1)]
+
+
+def test_chunked_prefill_runs_budget_sized_chunks_then_decodes():
+    sched, runner = make_scheduler(chunk=16)
+    prompt = list(range(100, 150))  # 50 tokens: chunks of 16, 16, 16, 2
+    assert sched.add_request(request("a", prompt, 5)) is None
+    out = run_all(sched)
+    assert out["a"]["ids"] == expected(prompt, 5)
+    assert out["a"]["reason"]["type"] == "length"
+    extends = [c for m, c in runner.calls if m == ForwardMode.EXTEND]
+    assert extends == [[(16, 0)], [(16, 16)], [(16, 32)], [(2, 48)]]
+    decodes = [c for m, c in runner.calls if m == ForwardMode.DECODE]
+    assert decodes == [[(1, 50 + k)] for k in range(4)]  # first token came from the prefill
+
+
+def test_cached_prefix_is_not_recomputed():
+    sched, runner = make_scheduler(chunk=64)
+    prompt = list(range(200, 230))  # 30 tokens
+    sched.add_request(request("a", prompt, 2))
+    run_all(sched)
+    runner.calls.clear()
+    sched.add_request(request("b", prompt + [7, 8, 9], 3))
+    out = run_all(sched)
+    # a's KV covers its prompt and first output (31 tokens; its last token was never run):
+    # 7 whole pages = 28 tokens are in the tree, so b runs only its last 5 tokens
+    first = runner.calls[0]
+    assert first[0] == ForwardMode.EXTEND and first[1] == [(33 - 28, 28)]
+    assert out["b"]["cached"] == 28
+    assert out["b"]["ids"] == expected(prompt + [7, 8, 9], 3)
+
+
+def test_retraction_under_kv_pressure_keeps_outputs_exact():
+    # 12 usable pages of 4 tokens; three requests that grow to 8 + 12 = 20 tokens (5 pages)
+    # each cannot all stay resident: some are retracted, requeued and finished later
+    sched, _ = make_scheduler(num_pages=13, chunk=64, max_running=3)
+    prompts = {f"r{i}": list(range(300 + 10 * i, 308 + 10 * i)) for i in range(3)}
+    for rid, p in prompts.items():
+        assert sched.add_request(request(rid, p, 12)) is None
+    out = run_all(sched)
+    assert sched.stats.num_retractions > 0
+    for rid, p in prompts.items():
+        assert out[rid]["ids"] == expected(p, 12), rid
+        assert out[rid]["reason"]["type"] == "length"
+    tree_pages = sched.kv.tree.evictable_size() // PAGE
+    assert sched.kv.allocator.num_free_pages + tree_pages == 12  # nothing held, nothing lost
+
+
+def test_abort_ends_one_request_and_frees_its_pages():
+    sched, _ = make_scheduler(chunk=64)
+    sched.add_request(request("keep", list(range(10, 20)), 6))
+    sched.add_request(request("drop", list(range(40, 50)), 50))
+    out = run_steps(sched, {}, max_steps=2)  # both prefilled, one decode step
+    sched.abort("drop")
+    run_steps(sched, out)
+    assert not sched.has_work
+    assert out["drop"]["reason"]["type"] == "abort"
+    assert out["keep"]["ids"] == expected(list(range(10, 20)), 6)
+    assert not sched.running and not sched.waiting
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"max_new_tokens": 5, "temperature": -1.0}, "temperature"),
+    ({"max_new_tokens": 10_000}, "context"),
+])
+def test_requests_that_cannot_run_are_refused_at_intake(bad, message):
+    sched, runner = make_scheduler()
+    err = sched.add_request(TokenizedGenerateReq(rid="x", input_ids=[1, 2, 3], sampling=bad))
+    assert err is not None and err.finished and message in err.finish_reason["message"]
+    assert not sched.has_work and not runner.calls

@@ -1,2 +1,3 @@
-"""Attention kernels: the pure-jax.numpy reference (all backends), the Pallas TPU ragged paged
-attention kernel, and the registry that picks one (`backends.py`)."""
+"""Attention kernels: the registry that picks one per executor backend (`backends.py`), the
+pure-jax.numpy reference (the JAX test oracle), the Pallas TPU ragged paged attention kernel,
+and the torch paged attention."""

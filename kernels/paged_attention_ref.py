@@ -124,7 +124,7 @@ def extend_work_items(
 
 def extend_attention(
     q: jax.Array,  # [T, H, d] packed query tokens
-    k_pool: jax.Array,  # [num_pages, page_size, kvh, d]
+    k_pool: jax.Array,  # [kvh, num_pages, page_size, d]
     v_pool: jax.Array,
     page_table: jax.Array,  # i32[S, max_pages]
     block_rows: jax.Array,  # i32[NB, block_q] packed token of each aligned row; T = padding

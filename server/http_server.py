@@ -252,9 +252,10 @@ def create_app(tm: TokenizerManager) -> FastAPI:
         results = await gather_results(tm, items)
         return results if batch else results[0]
 
-    from sgl_tpu.server import metrics, openai_api
+    from sgl_tpu.server import metrics, openai_api, responses_api
 
     openai_api.add_routes(app, tm)
+    responses_api.add_routes(app, tm)
     metrics.add_routes(app, tm)
     return app
 

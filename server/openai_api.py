@@ -39,11 +39,18 @@ from sgl_tpu.server.openai_protocol import ChatCompletionRequest, CompletionRequ
 from sgl_tpu.server.tokenizer_manager import RequestError, ServerDead, TokenizerManager
 
 
-def _check_model(tm: TokenizerManager, name: str | None) -> JSONResponse | None:
-    names = {tm.served_model_name, tm.model_path, tm.args.model_path}
-    if name is None or name in names:
+def check_model(tm: TokenizerManager, name: str | None) -> JSONResponse | None:
+    """Any model name is served by the one model (as SGLang: clients send "default",
+    "gpt-4o", ...); only SGLang's `<served name>:<adapter>` form is parsed, and LoRA adapters
+    are not served (400)."""
+    prefix = f"{tm.served_model_name}:"
+    if name is None or name == tm.served_model_name or not name.startswith(prefix):
         return None
-    return error_response(f"The model `{name}` does not exist.", 404, "NotFoundError")
+    adapter = name[len(prefix):].strip()
+    if not adapter:
+        return None
+    return error_response(f"model `{name}`: LoRA adapter `{adapter}` requested, but this "
+                          f"server serves no adapters", 400)
 
 
 async def sse_response(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
@@ -110,7 +117,7 @@ def _completion_logprobs(entries: list, tops: list, offset: int) -> dict[str, An
 
 async def completions(tm: TokenizerManager, request: Request):
     req = await parse_body(request, CompletionRequest)
-    if (err := _check_model(tm, req.model)) is not None:
+    if (err := check_model(tm, req.model)) is not None:
         return err
     if req.suffix:
         raise RequestError("suffix is not supported")
@@ -195,8 +202,8 @@ def add_routes(app: FastAPI, tm: TokenizerManager) -> None:
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str):
-        if (err := _check_model(tm, model)) is not None:
-            return err
+        if model not in {tm.served_model_name, tm.model_path, tm.args.model_path}:
+            return error_response(f"The model `{model}` does not exist.", 404, "NotFoundError")
         return _model_card(tm)
 
     @app.post("/v1/completions")
@@ -206,7 +213,7 @@ def add_routes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.post("/v1/chat/completions")
     async def v1_chat_completions(request: Request):
         req = await parse_body(request, ChatCompletionRequest)
-        if (err := _check_model(tm, req.model)) is not None:
+        if (err := check_model(tm, req.model)) is not None:
             return err
         if req.stream:
             return await sse_response(chat_completion_chunks(tm, req))

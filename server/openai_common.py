@@ -24,7 +24,8 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None) -> dict[str, A
         "repetition_penalty": req.repetition_penalty, "min_new_tokens": req.min_tokens,
         "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
         "skip_special_tokens": req.skip_special_tokens, "no_stop_trim": req.no_stop_trim,
-        "regex": req.regex, "ebnf": req.ebnf, "json_schema": req.json_schema,
+        "stop_regex": req.stop_regex, "regex": req.regex, "ebnf": req.ebnf,
+        "json_schema": req.json_schema,
     }
     return {k: v for k, v in sp.items() if v is not None}
 

@@ -39,6 +39,7 @@ class SamplingRequest(BaseModel):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     no_stop_trim: bool | None = None

@@ -17,14 +17,18 @@ on arbitrary chunk splits).
     feed('call>\n{"name": "f", "arguments": {}}\n</tool_call>') -> [Call(f, "{}")]
 
 A region whose markup is malformed, or that names a function that was not offered, is plain
-text (as SGLang's parsers do), so a returned call always names an offered function.
+text (as SGLang's parsers do), so a returned call always names an offered function. A region
+the output ends inside (cut off by max_tokens) that does not parse is dropped: call markup never
+shows up as content.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 
@@ -36,14 +40,30 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class Scan:
-    """What a region starting at buf[0] holds: `calls` (None: plain text) over `consumed` chars."""
+    """What a region starting at buf[0] holds over `consumed` chars: `calls`, or None (plain
+    text), or () (dropped: call markup cut off by the end of the output, e.g. max_tokens)."""
 
     consumed: int
     calls: tuple[ToolCall, ...] | None = None
 
 
+def loads(text: str) -> Any:
+    """json.loads keeping numbers exact (a huge exponent stays a number, not Infinity)."""
+    return json.loads(text, parse_float=Decimal)
+
+
 def dump_args(args: Any) -> str:
-    return json.dumps(args, ensure_ascii=False, separators=(", ", ": "))
+    """JSON text of parsed arguments; Decimals are written as the numbers they are."""
+    if isinstance(args, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k), ensure_ascii=False)}: {dump_args(v)}"
+                               for k, v in args.items()) + "}"
+    if isinstance(args, (list, tuple)):
+        return "[" + ", ".join(dump_args(v) for v in args) + "]"
+    if isinstance(args, Decimal):
+        return str(args) if args.is_finite() else "null"
+    if isinstance(args, float) and not math.isfinite(args):
+        return "null"
+    return json.dumps(args, ensure_ascii=False)
 
 
 def json_value_end(s: str, i: int) -> int | None:
@@ -77,7 +97,7 @@ def call_from_json(obj: Any, args_key: str = "arguments") -> ToolCall | None:
     args = obj.get(args_key, obj.get("parameters", obj.get("arguments", {})))
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
-            args = json.loads(args)
+            args = loads(args)
         except json.JSONDecodeError:
             return None
     if not isinstance(args, dict):
@@ -164,7 +184,7 @@ class ToolCallStream:
         while self._buf:
             found = [p for p in (self._buf.find(m) for m in self.parser.starts) if p >= 0]
             if not found:
-                keep = 0 if final else _partial_marker_len(self._buf, self.parser.starts)
+                keep = 0 if final else partial_marker_len(self._buf, self.parser.starts)
                 self._emit_text(out, len(self._buf) - keep)
                 break
             pos = min(found)
@@ -174,6 +194,9 @@ class ToolCallStream:
             if scan is None:
                 break
             calls = scan.calls
+            if calls == ():
+                self._buf = self._buf[scan.consumed:]
+                continue
             if calls is not None and any(c.name not in self.tools for c in calls):
                 calls = None  # a function that was not offered: not a call
             if calls is None:
@@ -185,7 +208,7 @@ class ToolCallStream:
         return out
 
 
-def _partial_marker_len(buf: str, markers: tuple[str, ...]) -> int:
+def partial_marker_len(buf: str, markers: tuple[str, ...]) -> int:
     """Length of the longest suffix of buf that is a proper prefix of a marker."""
     best = 0
     for m in markers:

@@ -12,6 +12,7 @@ from sgl_tpu.function_call.base import (
     ToolCallParser,
     call_from_json,
     json_value_end,
+    loads,
     skip_ws,
 )
 
@@ -61,10 +62,12 @@ class HermesParser(ToolCallParser):
         body = buf[len(self.starts[0]):end if end >= 0 else len(buf)]
         consumed = end + len(self._end) if end >= 0 else len(buf)
         try:
-            call = call_from_json(json.loads(body))
+            call = call_from_json(loads(body))
         except json.JSONDecodeError:
             call = None
-        return Scan(consumed, None if call is None else (call,))
+        if call is None:
+            return Scan(consumed, None if end >= 0 else ())  # cut off: dropped
+        return Scan(consumed, (call,))
 
     def call_grammar(self, function: dict[str, Any]) -> str:
         return lark_json(call_object_schema(function, "arguments"))
@@ -110,9 +113,11 @@ class Llama3Parser(ToolCallParser):
             if end is None:
                 if not final:
                     return None
-                return Scan(len(buf))
+                if calls:
+                    break
+                return Scan(len(buf), () if buf.startswith(self.trigger) else None)
             try:
-                call = call_from_json(json.loads(buf[i:end]), "parameters")
+                call = call_from_json(loads(buf[i:end]), "parameters")
             except json.JSONDecodeError:
                 call = None
             if call is None:
@@ -151,14 +156,14 @@ class MistralParser(ToolCallParser):
              at_start: bool) -> Scan | None:
         i = skip_ws(buf, len(self.trigger))
         if i >= len(buf):
-            return None if not final else Scan(len(buf))
+            return None if not final else Scan(len(buf), ())
         if buf[i] != "[":
             return Scan(i)
         end = json_value_end(buf, i)
         if end is None:
-            return None if not final else Scan(len(buf))
+            return None if not final else Scan(len(buf), ())
         try:
-            items = json.loads(buf[i:end])
+            items = loads(buf[i:end])
         except json.JSONDecodeError:
             return Scan(end)
         calls = [call_from_json(x) for x in items] if isinstance(items, list) else [None]

@@ -8,23 +8,28 @@ from __future__ import annotations
 import ast
 import json
 import re
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from sgl_tpu.function_call.base import Scan, ToolCall, ToolCallParser, dump_args
+from sgl_tpu.function_call.base import Scan, ToolCall, ToolCallParser, dump_args, loads
 from sgl_tpu.function_call.json_formats import JSON_LAYOUT, lark_json, parameters_schema
 
 _PY_START = re.compile(r"\[\s*[A-Za-z_][\w.]*\(")
 _PY_NAMES = {"true": True, "false": False, "null": None}
 
 
-def _py_value(node: ast.expr) -> Any:
+def _py_value(node: ast.expr, src: str) -> Any:
     if isinstance(node, ast.Name) and node.id in _PY_NAMES:  # JSON literals are accepted too
         return _PY_NAMES[node.id]
     if isinstance(node, ast.List):
-        return [_py_value(e) for e in node.elts]
+        return [_py_value(e, src) for e in node.elts]
     if isinstance(node, ast.Dict):
-        return {_py_value(k): _py_value(v) for k, v in zip(node.keys, node.values, strict=True)}
-    return ast.literal_eval(node)
+        return {_py_value(k, src): _py_value(v, src)
+                for k, v in zip(node.keys, node.values, strict=True)}
+    value = ast.literal_eval(node)
+    if isinstance(value, float):  # exact, as JSON would write it (1e999 is not Infinity)
+        value = Decimal(ast.get_source_segment(src, node) or repr(value))
+    return value
 
 
 def _bracket_end(s: str) -> int | None:
@@ -68,7 +73,7 @@ class PythonicParser(ToolCallParser):
             return Scan(1)
         end = _bracket_end(buf)
         if end is None:
-            return None if not final else Scan(len(buf))
+            return None if not final else Scan(len(buf), ())
         try:
             tree = ast.parse(buf[:end], mode="eval").body
             calls = []
@@ -76,9 +81,9 @@ class PythonicParser(ToolCallParser):
                 if not isinstance(node, ast.Call) or node.args \
                         or any(k.arg is None for k in node.keywords):
                     return Scan(end)
-                args = {k.arg: _py_value(k.value) for k in node.keywords}
+                args = {k.arg: _py_value(k.value, buf[:end]) for k in node.keywords}
                 calls.append(ToolCall(ast.unparse(node.func), dump_args(args)))
-        except (SyntaxError, ValueError, TypeError, AttributeError):
+        except (SyntaxError, ValueError, TypeError, AttributeError, InvalidOperation):
             return Scan(end)
         return Scan(end, tuple(calls)) if calls else Scan(end)
 
@@ -105,7 +110,7 @@ def _qwen_value(raw: str, schema: dict[str, Any] | None) -> Any:
     if kind == "string" or (kind is None and "enum" not in (schema or {})):
         return raw
     try:
-        return json.loads(raw)
+        return loads(raw)
     except json.JSONDecodeError:
         return raw
 
@@ -133,7 +138,7 @@ class Qwen3CoderParser(ToolCallParser):
         consumed = end + len(self._end) if end >= 0 else len(buf)
         m = _FUNC.match(buf[len(self.trigger):end if end >= 0 else len(buf)])
         if m is None:
-            return Scan(consumed)
+            return Scan(consumed, None if end >= 0 else ())
         name = m.group(1).strip()
         props = (parameters_schema(tools.get(name, {})).get("properties") or {})
         args = {p.strip(): _qwen_value(v, props.get(p.strip()))

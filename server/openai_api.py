@@ -36,6 +36,7 @@ from sgl_tpu.server.openai_common import (
     usage,
 )
 from sgl_tpu.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from sgl_tpu.server.openai_tools import log_tool_setup
 from sgl_tpu.server.tokenizer_manager import RequestError, ServerDead, TokenizerManager
 
 
@@ -196,6 +197,8 @@ def _model_card(tm: TokenizerManager) -> dict[str, Any]:
 
 
 def add_routes(app: FastAPI, tm: TokenizerManager) -> None:
+    log_tool_setup(tm)
+
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [_model_card(tm)]}

@@ -32,39 +32,37 @@ from sgl_tpu.server.openai_common import (
     usage,
 )
 from sgl_tpu.server.openai_protocol import ChatCompletionRequest
+from sgl_tpu.server.openai_tools import ChatOutput, ChatPlan, final_message, plan_chat
 from sgl_tpu.server.tokenizer_manager import GenItem, RequestError, TokenizerManager
 
 # A JSON object of any shape: what `response_format: {"type": "json_object"}` asks for.
 JSON_OBJECT_SCHEMA = {"type": "object"}
 
 
-def _chat_prompt(tm: TokenizerManager, req: ChatCompletionRequest) -> list[int]:
-    messages = []
-    for m in req.messages:
-        msg = m.model_dump(exclude_none=True)
-        msg["role"] = "system" if m.role == "developer" else m.role
-        msg.setdefault("content", "")
-        messages.append(msg)
-    tools = None if req.tool_choice == "none" else req.tools
+def _chat_prompt(tm: TokenizerManager, req: ChatCompletionRequest, plan: ChatPlan) -> list[int]:
     kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
               if k not in ("messages", "tools", "add_generation_prompt")}
     try:
-        text = tm.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                tools=tools, **kwargs)
+        text = tm.tokenizer.apply_chat_template(plan.messages, add_generation_prompt=True,
+                                                tools=plan.template_tools, **kwargs)
     except (ValueError, TypeError, KeyError) as e:
         raise RequestError(f"messages: {e}") from None
+    if plan.reasoning is not None:
+        plan.in_reasoning = plan.reasoning.starts_in_reasoning(text)
     return tm.tokenizer.encode(text, add_special_tokens=False)
 
 
-def _chat_sampling(tm: TokenizerManager, req: ChatCompletionRequest, prompt_len: int
-                   ) -> dict[str, Any]:
+def _chat_sampling(tm: TokenizerManager, req: ChatCompletionRequest, prompt_len: int,
+                   plan: ChatPlan) -> dict[str, Any]:
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     if max_tokens is None:  # as OpenAI: up to the context (and KV capacity) limit
         max_tokens = max(min(tm.context_len, tm.max_total_tokens) - prompt_len, 0)
     sp = sampling_params(req, max_tokens)
     fmt = req.response_format
-    if fmt is not None and fmt.type == "json_object":
+    if plan.grammar is not None:  # tool calls, or response_format after a reasoning block
+        sp["ebnf"] = plan.grammar
+    elif fmt is not None and fmt.type == "json_object":
         sp["json_schema"] = json.dumps(JSON_OBJECT_SCHEMA)
     elif fmt is not None and fmt.type == "json_schema":
         schema = (fmt.json_schema or {}).get("schema")
@@ -92,24 +90,30 @@ def _chat_logprobs(tm: TokenizerManager, entries: list, tops: list) -> dict[str,
     return {"content": content}
 
 
-def _items(tm: TokenizerManager, req: ChatCompletionRequest) -> list[GenItem]:
+def _items(tm: TokenizerManager, req: ChatCompletionRequest) -> tuple[list[GenItem], ChatPlan]:
     """Validate the request and build its GenItems (RequestError on bad input)."""
     if req.audio is not None:
         raise RequestError("audio output is not supported")
     if req.top_logprobs is not None and not req.logprobs:
         raise RequestError("top_logprobs requires logprobs=true")
-    prompt = _chat_prompt(tm, req)
-    items = expand_items([prompt], _chat_sampling(tm, req, len(prompt)), req.n, req.rid,
+    plan = plan_chat(tm, req)
+    prompt = _chat_prompt(tm, req, plan)
+    items = expand_items([prompt], _chat_sampling(tm, req, len(prompt), plan), req.n, req.rid,
                          return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
                          return_text_in_logprobs=True, session_id=req.session_id)
     for item in items:
         tm.validate(item)
-    return items
+    return items, plan
+
+
+def _reason(result: dict[str, Any], has_calls: bool) -> str | None:
+    reason = finish_reason(result)
+    return "tool_calls" if has_calls and reason == "stop" else reason
 
 
 async def chat_completion(tm: TokenizerManager, req: ChatCompletionRequest) -> dict[str, Any]:
     """The `chat.completion` object for a non-streaming request."""
-    items = _items(tm, req)
+    items, plan = _items(tm, req)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     model = req.model or tm.served_model_name
     results = await gather_results(tm, items)
@@ -118,9 +122,10 @@ async def chat_completion(tm: TokenizerManager, req: ChatCompletionRequest) -> d
         meta = r["meta_info"]
         lp = (_chat_logprobs(tm, meta["output_token_logprobs"], meta["output_top_logprobs"])
               if req.logprobs else None)
-        choices.append({"index": i, "message": {"role": "assistant", "content": r["text"]},
-                        "logprobs": lp, "finish_reason": finish_reason(r),
-                        "matched_stop": matched_stop(r)})
+        finish_reason(r)  # an aborted request raises
+        message, has_calls = final_message(plan, r["text"])
+        choices.append({"index": i, "message": message, "logprobs": lp,
+                        "finish_reason": _reason(r, has_calls), "matched_stop": matched_stop(r)})
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage(results, req.n)}
 
@@ -132,9 +137,10 @@ async def chat_completion_chunks(tm: TokenizerManager, req: ChatCompletionReques
     Nothing is yielded before the first result arrives, so errors before the first token raise
     from the first `anext`; later errors raise mid-stream.
     """
-    items = _items(tm, req)
+    items, plan = _items(tm, req)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     model = req.model or tm.served_model_name
+    outputs = [ChatOutput(plan) for _ in items]
     deltas = Deltas(len(items), stop_strings(req))
     started = [False] * len(items)
 
@@ -153,12 +159,18 @@ async def chat_completion_chunks(tm: TokenizerManager, req: ChatCompletionReques
             out.append(chunk(index, {"role": "assistant", "content": ""}, None, None))
         text = deltas.text(index, result)
         entries, tops = deltas.logprobs(index, result)
-        if text or entries:
-            lp = _chat_logprobs(tm, entries, tops) if req.logprobs else None
-            out.append(chunk(index, {"content": text}, lp, None))
         reason = finish_reason(result)
+        updates = outputs[index].feed(text) if text else []
         if reason is not None:
-            out.append(chunk(index, {}, None, reason, matched_stop(result)))
+            updates += outputs[index].finish()
+        lp = _chat_logprobs(tm, entries, tops) if req.logprobs and entries else None
+        if lp is not None and not updates:
+            updates = [{"content": ""}]
+        for k, delta in enumerate(updates):
+            out.append(chunk(index, delta, lp if k == 0 else None, None))
+        if reason is not None:
+            has_calls = outputs[index].num_calls > 0
+            out.append(chunk(index, {}, None, _reason(result, has_calls), matched_stop(result)))
         return out
 
     def usage_chunk(results: list[dict[str, Any]]) -> dict[str, Any]:

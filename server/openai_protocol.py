@@ -82,6 +82,8 @@ class ChatCompletionRequest(SamplingRequest):
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    separate_reasoning: bool = True  # SGLang: false keeps the reasoning block in `content`
     chat_template_kwargs: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
 

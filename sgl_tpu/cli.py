@@ -14,6 +14,8 @@ from sgl_tpu.config import (
     TORCH_DEVICES,
     ServerArgs,
 )
+from sgl_tpu.function_call import TOOL_CALL_PARSERS
+from sgl_tpu.reasoning_parser import REASONING_PARSERS
 
 _HELP = {
     "model_path": "GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct Q4_1 "
@@ -40,13 +42,17 @@ _HELP = {
     "torch_compile": "torch backend: torch.compile(dynamic=False) per shape bucket; auto = on "
                      "for tpu/cuda, off on CPU (eager with oneDNN-prepacked weights measured "
                      "faster there)",
+    "tool_call_parser": "tool-call format of the model (SGLang's names); default: picked from "
+                        "the chat template, hermes-style <tool_call> blocks when it has none",
+    "reasoning_parser": "split <think>...</think> into reasoning_content (qwen3, deepseek-r1)",
     "device": "torch backend device (auto: tpu if TorchTPU is installed, else cuda, else cpu)",
 }
 
 
 _CHOICES = {"schedule_policy": SCHEDULE_POLICIES, "dtype": DTYPES,
             "attention_backend": ATTENTION_BACKENDS, "backend": BACKENDS,
-            "device": TORCH_DEVICES, "torch_compile": TORCH_COMPILE}
+            "device": TORCH_DEVICES, "torch_compile": TORCH_COMPILE,
+            "tool_call_parser": TOOL_CALL_PARSERS, "reasoning_parser": tuple(REASONING_PARSERS)}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -114,6 +114,8 @@ class ServerArgs:
     torch_compile: str = "auto"  # torch backend: auto = on for tpu/cuda, off on CPU (see help)
     disable_compile: bool = False  # torch backend: run eagerly (debugging); = torch_compile off
     device: str = "auto"  # torch backend device
+    tool_call_parser: str | None = None  # None: picked from the chat template (logged)
+    reasoning_parser: str | None = None  # "qwen3" / "deepseek-r1": split <think> blocks
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_total_tokens", "max_running_requests", "max_extend_seqs",
@@ -158,6 +160,15 @@ class ServerArgs:
                              f"got {self.responses_ttl_s!r}")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name must not be empty")
+        from sgl_tpu.function_call import TOOL_CALL_PARSERS
+        from sgl_tpu.reasoning_parser import REASONING_PARSERS
+
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, "
+                             f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {tuple(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
 
     def replace(self, **changes) -> ServerArgs:
         return dataclasses.replace(self, **changes)

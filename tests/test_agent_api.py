@@ -228,15 +228,21 @@ def test_response_function_call_round_trip(client):
     # streamed: the argument deltas assemble to the same call
     events = list(client.responses.create(input="What's the weather in Paris?",
                                           tool_choice="required", stream=True, **kw))
-    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    args: dict[str, str] = {}
+    for e in events:
+        if e.type == "response.function_call_arguments.delta":
+            args[e.item_id] = args.get(e.item_id, "") + e.delta
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
-    assert done and args == done[0].arguments == calls[0].arguments
+    assert [args[e.item_id] for e in done] == [e.arguments for e in done]
+    assert [(e.name, e.arguments) for e in done] == [(c.name, c.arguments) for c in calls]
     # the tool result goes back as the only new item
     out = client.responses.create(
-        input=[{"type": "function_call_output", "call_id": calls[0].call_id,
-                "output": "Sunny, 21 C."}], previous_response_id=r.id, tool_choice="none",
-        **kw)
-    assert out.output_text and out.usage.input_tokens_details.cached_tokens > 0
+        input=[{"type": "function_call_output", "call_id": c.call_id, "output": "Sunny, 21 C."}
+               for c in calls], previous_response_id=r.id, **kw)
+    assert out.output and out.previous_response_id == r.id
+    # the first turn's prompt is served from the KV cache (the conversation is the session)
+    cached = out.usage.input_tokens_details.cached_tokens
+    assert cached >= r.usage.input_tokens - PAGE_SIZE, (cached, r.usage.input_tokens)
 
 
 # ---- the OpenAI Agents SDK ---------------------------------------------------------------------
@@ -252,21 +258,31 @@ def test_agents_sdk_function_tool_over_chat_and_responses(server):
         calls.append(city)
         return f"It is sunny and 21 C in {city}."
 
-    client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0,
-                                timeout=120)
-
-    async def run(model_cls) -> agents.RunResult:
+    async def run(model_cls, stream: bool) -> agents.RunResult:
+        client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x",
+                                    max_retries=0, timeout=120)
+        # "required" for the first turn (the SDK resets it to "auto" once the tool ran), so
+        # the 135M model calls the tool, then answers from its result.
         agent = agents.Agent(
             name="weather", instructions="Answer with the get_weather tool.",
             model=model_cls(model="default", openai_client=client), tools=[get_weather],
-            model_settings=agents.ModelSettings(tool_choice="required", max_tokens=256,
-                                                temperature=0),
-            tool_use_behavior="stop_on_first_tool")
-        return await agents.Runner.run(agent, "What's the weather in Paris?", max_turns=3)
+            model_settings=agents.ModelSettings(tool_choice="required", temperature=0,
+                                                max_tokens=256, parallel_tool_calls=False))
+        question = "What's the weather in Paris?"
+        if not stream:
+            return await agents.Runner.run(agent, question, max_turns=4)
+        result = agents.Runner.run_streamed(agent, question, max_turns=4)
+        async for _ in result.stream_events():
+            pass
+        return result
 
-    for model_cls in (agents.OpenAIChatCompletionsModel, agents.OpenAIResponsesModel):
+    runs = [(agents.OpenAIChatCompletionsModel, False), (agents.OpenAIResponsesModel, False),
+            (agents.OpenAIResponsesModel, True)]
+    for model_cls, stream in runs:
         calls.clear()
-        result = asyncio.run(run(model_cls))
-        assert len(calls) == 1 and calls[0], model_cls.__name__
-        assert result.final_output == f"It is sunny and 21 C in {calls[0]}."
-        assert any(type(it).__name__ == "ToolCallItem" for it in result.new_items)
+        result = asyncio.run(run(model_cls, stream))
+        kinds = [type(it).__name__ for it in result.new_items]
+        assert calls and all(calls), (model_cls.__name__, stream)  # the tool really ran
+        assert kinds[:2] == ["ToolCallItem", "ToolCallOutputItem"], kinds
+        assert kinds[-1] == "MessageOutputItem"
+        assert "21 C" in result.final_output  # the answer used the tool's result

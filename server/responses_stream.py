@@ -89,17 +89,21 @@ class ResponseEvents:
             return None
         return self.items[self._open]
 
-    def _text(self, delta: str) -> list[dict[str, Any]]:
-        events = []
+    def _message(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The open message item, opening one (with its content part) if needed."""
         item = self._open_item("message")
-        if item is None:
-            item = message_item("", item_id=new_id("msg"))
-            events += self._add({**item, "content": []})
-            self.items[-1] = item
-            events.append(self._event("response.content_part.added", item_id=item["id"],
-                                      output_index=self._open, content_index=0,
-                                      part={"type": "output_text", "text": "",
-                                            "annotations": []}))
+        if item is not None:
+            return item, []
+        item = message_item("", item_id=new_id("msg"))
+        events = self._add({**item, "content": []})
+        self.items[-1] = item
+        events.append(self._event("response.content_part.added", item_id=item["id"],
+                                  output_index=self._open, content_index=0,
+                                  part={"type": "output_text", "text": "", "annotations": []}))
+        return item, events
+
+    def _text(self, delta: str) -> list[dict[str, Any]]:
+        item, events = self._message()
         item["content"][0]["text"] += delta
         events.append(self._event("response.output_text.delta", item_id=item["id"],
                                   output_index=self._open, content_index=0, delta=delta,
@@ -157,8 +161,7 @@ class ResponseEvents:
         """The closing events and the final response object."""
         events = self._close()
         if not self.items:  # an empty answer is still one (empty) message, as non-streamed
-            events += self._text("")[:-1]
-            events += self._close()
+            events += self._message()[1] + self._close()
         incomplete = self._finish_reason == "length"
         final = self._snapshot("incomplete" if incomplete else "completed")
         final["usage"] = usage(self._usage)

@@ -235,6 +235,12 @@ def test_response_function_call_round_trip(client):
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert [args[e.item_id] for e in done] == [e.arguments for e in done]
     assert [(e.name, e.arguments) for e in done] == [(c.name, c.arguments) for c in calls]
+    # a named function
+    time_tool = {**WEATHER_TOOL, "name": "get_time", "description": "Local time in a city."}
+    named = client.responses.create(input="What's the weather in Paris?",
+                                    **{**kw, "tools": [WEATHER_TOOL, time_tool]},
+                                    tool_choice={"type": "function", "name": "get_time"})
+    assert {it.name for it in named.output if it.type == "function_call"} == {"get_time"}
     # the tool result goes back as the only new item
     out = client.responses.create(
         input=[{"type": "function_call_output", "call_id": c.call_id, "output": "Sunny, 21 C."}

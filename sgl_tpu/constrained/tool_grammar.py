@@ -12,7 +12,7 @@
     once the reasoning block closes.
 
 The format pieces (opener / sep / closer / trigger / one call) come from the parser, so the
-grammar and the parser describe the same text. Nested objects that list `properties` but say
+grammar and the parser describe the same text. Objects that list `properties` (even none) but say
 nothing of `additionalProperties` are closed in the grammar (a subset of what the schema
 allows, so still valid), which keeps a weak model from inventing keys forever.
 """
@@ -41,7 +41,7 @@ def close_objects(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = {k: close_objects(v) for k, v in schema.items()}
-    if isinstance(schema.get("properties"), dict) and schema["properties"] \
+    if isinstance(schema.get("properties"), dict) \
             and "additionalProperties" not in schema and "patternProperties" not in schema:
         out["additionalProperties"] = False
     return out

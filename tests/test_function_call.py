@@ -45,7 +45,8 @@ FUNCTIONS = [WEATHER, NOOP]
 A1 = {"city": "Paris", "unit": "celsius", "days": 2, "where": {"lat": 48.8}}
 A2 = {}
 
-H1 = '<tool_call>\n{"name": "get_weather", "arguments": %s}\n</tool_call>' % json.dumps(A1)
+J1 = json.dumps(A1)
+H1 = '<tool_call>\n{"name": "get_weather", "arguments": ' + J1 + "}\n</tool_call>"
 H2 = '<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>'
 Q1 = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
       "<parameter=unit>\ncelsius\n</parameter>\n<parameter=days>\n2\n</parameter>\n"
@@ -65,13 +66,13 @@ RECORDED = [
      '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>', []),  # not offered
     ("hermes", "Cut off: " + H1[:40], "Cut off: ", []),  # max_tokens inside a call
     ("qwen25", H2, "", [CALL2]),
-    ("llama3", '<|python_tag|>{"name": "get_weather", "parameters": %s}; '
-     '{"name": "noop", "parameters": {}}' % json.dumps(A1), "", [CALL1, CALL2]),
+    ("llama3", '<|python_tag|>{"name": "get_weather", "parameters": ' + J1 + "}; "
+     '{"name": "noop", "parameters": {}}', "", [CALL1, CALL2]),
     ("llama3", '{"name": "noop", "parameters": {}}', "", [CALL2]),
     ("llama3", 'The JSON {"name": "noop", "parameters": {}} is text here.',
      'The JSON {"name": "noop", "parameters": {}} is text here.', []),
-    ("mistral", 'Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": %s}, '
-     '{"name": "noop", "arguments": {}}]' % json.dumps(A1), "Sure. ", [CALL1, CALL2]),
+    ("mistral", 'Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": ' + J1 + "}, "
+     '{"name": "noop", "arguments": {}}]', "Sure. ", [CALL1, CALL2]),
     ("mistral", "[TOOL_CALLS] [{broken}] x", "[TOOL_CALLS] [{broken}] x", []),
     ("mistral", '[TOOL_CALLS] [{"name": "noop", "argu', "", []),  # cut off: dropped
     ("pythonic", 'I will call [get_weather(city="Paris", unit="celsius", days=2, '

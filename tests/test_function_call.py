@@ -250,7 +250,7 @@ def test_grammar_starts_after_reasoning(backend):
     _, be, _ = backend
     parser = get_parser("hermes")
     lark = tool_call_grammar(parser, FUNCTIONS, mode="required", parallel=False,
-                             reasoning_end="</think>")
+                             reasoning="inside")
     compiled = be.compile("ebnf", lark)
     text = _walk(backend, compiled, "free <tool_call> thoughts</think>\n", random.Random(2))
     reasoning, rest = split_reasoning(text, True)
@@ -258,6 +258,13 @@ def test_grammar_starts_after_reasoning(backend):
     assert parse_tool_calls(parser, rest, FUNCTIONS)[1]
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
               "additionalProperties": False}
-    text = _walk(backend, be.compile("ebnf", json_after_reasoning(schema, "</think>")),
+    text = _walk(backend, be.compile("ebnf", json_after_reasoning(schema, "inside")),
                  "think think</think>", random.Random(3))
     jsonschema.validate(json.loads(split_reasoning(text, True)[1]), schema)
+    # "optional": the model may open a block, or call at once
+    lark = tool_call_grammar(parser, FUNCTIONS, mode="required", parallel=False,
+                             reasoning="optional")
+    compiled = be.compile("ebnf", lark)
+    for prefix in ("<think>why</think>", "<tool_call>"):
+        text = _walk(backend, compiled, prefix, random.Random(4))
+        assert parse_tool_calls(parser, split_reasoning(text, False)[1], FUNCTIONS)[1]

@@ -32,7 +32,14 @@ from sgl_tpu.server.openai_common import (
     usage,
 )
 from sgl_tpu.server.openai_protocol import ChatCompletionRequest
-from sgl_tpu.server.openai_tools import ChatOutput, ChatPlan, final_message, plan_chat
+from sgl_tpu.server.openai_tools import (
+    ChatOutput,
+    ChatPlan,
+    final_message,
+    plan_chat,
+    plan_grammar,
+    tool_parser,
+)
 from sgl_tpu.server.tokenizer_manager import GenItem, RequestError, TokenizerManager
 
 # A JSON object of any shape: what `response_format: {"type": "json_object"}` asks for.
@@ -49,6 +56,7 @@ def _chat_prompt(tm: TokenizerManager, req: ChatCompletionRequest, plan: ChatPla
         raise RequestError(f"messages: {e}") from None
     if plan.reasoning is not None:
         plan.in_reasoning = plan.reasoning.starts_in_reasoning(text)
+    plan.grammar = plan_grammar(plan, tool_parser(tm), text)
     return tm.tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -6,7 +6,7 @@ grammar constrains the output, and how the output splits into reasoning / conten
         messages: the template renders `tools` when it can; otherwise a system-prompt block in
         the parser's format is injected, assistant `tool_calls` are written in that format and
         `role: "tool"` results become user turns `<tool_response>\\n...\\n</tool_response>`
-        grammar: required / named -> only calls (tool_grammar, "required"); auto -> free text,
+        plan_grammar: required / named -> only calls (tool_grammar, "required"); auto -> free text,
         a call once opened is constrained (lazy trigger); after `</think>` when reasoning
     ChatOutput(plan)  .feed(text delta) / .finish() -> reasoning, content and call deltas
     final_message(plan, text) -> the non-streaming `message` dict
@@ -38,7 +38,6 @@ from sgl_tpu.function_call import (
     get_parser,
     parse_tool_calls,
 )
-from sgl_tpu.reasoning_parser import END as THINK_END
 from sgl_tpu.reasoning_parser import (
     ReasoningParser,
     ReasoningSplitter,
@@ -101,7 +100,10 @@ class ChatPlan:
     parser: ToolCallParser | None = None           # None: no tool parsing
     reasoning: ReasoningParser | None = None       # None: no reasoning split
     in_reasoning: bool = False                     # set once the prompt is rendered
+    grammar_args: dict[str, Any] | None = None     # what plan_grammar builds
     grammar: str | None = None                     # Lark text (the `ebnf` kind)
+    thinking: bool = False                         # a reasoning parser, thinking not off
+    reasoning_name: str | None = None
     uses_tools: bool = False
 
 
@@ -236,38 +238,57 @@ def plan_chat(tm: TokenizerManager, req: ChatCompletionRequest) -> ChatPlan:
         messages = _fallback_messages(messages, parser, functions, offer and not renders_tools)
     plan = ChatPlan(messages=messages,
                     template_tools=req.tools if offer and renders_tools else None,
-                    uses_tools=offer)
+                    uses_tools=offer, reasoning_name=tm.args.reasoning_parser)
     if offer:
         plan.functions, plan.parser = functions, parser
     kwargs = req.chat_template_kwargs or {}
     if tm.args.reasoning_parser and req.separate_reasoning:
         plan.reasoning = get_reasoning_parser(tm.args.reasoning_parser)
-    thinking = tm.args.reasoning_parser is not None and kwargs.get("enable_thinking") is not False
-    end = THINK_END if thinking else None
+    plan.thinking = tm.args.reasoning_parser is not None \
+        and kwargs.get("enable_thinking") is not False
     user_grammar = req.response_format is not None and req.response_format.type != "text" \
         or any(x is not None for x in (req.regex, req.ebnf, req.json_schema))
+    llguidance = tm.args.grammar_backend == "llguidance"
     if mode == "required":
         if user_grammar:
             raise _bad("tool_choice 'required' or a named function cannot be combined with "
                        "response_format, regex, ebnf or json_schema")
-        if tm.args.grammar_backend != "llguidance":
+        if not llguidance:
             raise _bad("tool_choice 'required' or a named function needs the llguidance "
                        "grammar backend")
         fns = [f for f in functions if f["name"] == named] if named else functions
-        plan.grammar = tool_call_grammar(parser, fns, mode="required", reasoning_end=end,
-                                         parallel=named is None and req.parallel_tool_calls)
-    elif mode == "auto" and offer and not user_grammar \
-            and tm.args.grammar_backend == "llguidance":
-        plan.grammar = tool_call_grammar(parser, functions, mode="auto", reasoning_end=end,
-                                         parallel=req.parallel_tool_calls)
-    elif end is not None and req.response_format is not None \
-            and req.response_format.type != "text" and tm.args.grammar_backend == "llguidance":
+        plan.grammar_args = {"kind": "tools", "functions": fns, "mode": "required",
+                             "parallel": named is None and req.parallel_tool_calls}
+    elif mode == "auto" and offer and not user_grammar and llguidance:
+        plan.grammar_args = {"kind": "tools", "functions": functions, "mode": "auto",
+                             "parallel": req.parallel_tool_calls}
+    elif plan.thinking and llguidance and req.response_format is not None \
+            and req.response_format.type != "text":
         fmt = req.response_format
         schema = {"type": "object"} if fmt.type == "json_object" \
             else (fmt.json_schema or {}).get("schema")
         if isinstance(schema, dict):
-            plan.grammar = json_after_reasoning(schema, end)
+            plan.grammar_args = {"kind": "json", "schema": schema}
     return plan
+
+
+def plan_grammar(plan: ChatPlan, parser: ToolCallParser, prompt_text: str) -> str | None:
+    """The Lark grammar for the request, once its prompt is rendered (None: unconstrained).
+
+    With a reasoning parser and thinking on, the constraint starts after the reasoning block:
+    "inside" when the prompt opened it (or the parser forces it), else "optional".
+    """
+    args = plan.grammar_args
+    if args is None:
+        return None
+    reasoning = None
+    if plan.thinking:
+        rp = get_reasoning_parser(plan.reasoning_name)
+        reasoning = "inside" if rp.starts_in_reasoning(prompt_text) else "optional"
+    if args["kind"] == "json":
+        return json_after_reasoning(args["schema"], reasoning)
+    return tool_call_grammar(parser, args["functions"], mode=args["mode"],
+                             parallel=args["parallel"], reasoning=reasoning)
 
 
 def call_dict(call: ToolCall, index: int | None = None) -> dict[str, Any]:

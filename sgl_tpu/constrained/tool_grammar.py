@@ -8,11 +8,12 @@
         start: TEXT | trig "\\n" call (...)* "\\n</tool_call>"
         trig[lazy]: TEXT "<tool_call>"   free text until the model writes the trigger; from
                                          there on the call is constrained like "required"
-    reasoning_end="</think>" puts `think[lazy]: TEXT "</think>"` first: the constraint starts
-    once the reasoning block closes.
+    reasoning="inside" puts `think[lazy]: TEXT "</think>"` first (the output starts inside a
+    reasoning block), "optional" puts `("<think>" think)?` first (the model may open one): the
+    constraint starts once the reasoning block closes.
 
 The format pieces (opener / sep / closer / trigger / one call) come from the parser, so the
-grammar and the parser describe the same text. Nested objects that list `properties` but say
+grammar and the parser describe the same text. Objects that list `properties` (even none) but say
 nothing of `additionalProperties` are closed in the grammar (a subset of what the schema
 allows, so still valid), which keeps a weak model from inventing keys forever.
 """
@@ -25,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from sgl_tpu.function_call import ToolCallParser
+
+THINK_START, THINK_END = "<think>", "</think>"
 
 _TEXT = "TEXT: /(.|\\n)*/"
 
@@ -41,7 +44,7 @@ def close_objects(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = {k: close_objects(v) for k, v in schema.items()}
-    if isinstance(schema.get("properties"), dict) and schema["properties"] \
+    if isinstance(schema.get("properties"), dict) \
             and "additionalProperties" not in schema and "patternProperties" not in schema:
         out["additionalProperties"] = False
     return out
@@ -54,15 +57,22 @@ def _closed(function: dict[str, Any]) -> dict[str, Any]:
     return f
 
 
-def _prefix(reasoning_end: str | None) -> tuple[str, list[str]]:
-    if reasoning_end is None:
+Reasoning = Literal["inside", "optional"] | None
+
+
+def _prefix(reasoning: Reasoning) -> tuple[str, list[str]]:
+    """"inside": the output starts in the block; "optional": the model may open one."""
+    if reasoning is None:
         return "", []
-    return "think ", [f"think[lazy]: TEXT {_lit(reasoning_end)}"]
+    rule = [f"think[lazy]: TEXT {_lit(THINK_END)}"]
+    if reasoning == "inside":
+        return "think ", rule
+    return f"({_lit(THINK_START)} think)? ", rule
 
 
 def tool_call_grammar(parser: ToolCallParser, functions: list[dict[str, Any]], *,
                       mode: Literal["required", "auto"], parallel: bool,
-                      reasoning_end: str | None = None) -> str:
+                      reasoning: Reasoning = None) -> str:
     """Lark text admitting calls of `functions` in `parser`'s format (see the module doc)."""
     if not functions:
         raise ValueError("no functions to call")
@@ -70,9 +80,9 @@ def tool_call_grammar(parser: ToolCallParser, functions: list[dict[str, Any]], *
     rules.append("call: " + " | ".join(f"f_{i}" for i in range(len(functions))))
     more = f" ({_lit(parser.sep)} call)*" if parallel else ""
     calls = f"call{more} {_lit(parser.closer)}"
-    prefix, extra = _prefix(reasoning_end)
+    prefix, extra = _prefix(reasoning)
     if mode == "required":
-        ws = " /\\n{0,2}/ " if reasoning_end else " "
+        ws = " /\\n{0,2}/ " if reasoning else " "
         start = f"start: {prefix}{ws}{_lit(parser.opener)} {calls}"
     else:
         rest = parser.opener[len(parser.trigger):]
@@ -81,11 +91,11 @@ def tool_call_grammar(parser: ToolCallParser, functions: list[dict[str, Any]], *
     return "\n".join(["%llguidance {}", start, *extra, *rules, _TEXT]) + "\n"
 
 
-def json_after_reasoning(schema: dict[str, Any], reasoning_end: str) -> str:
-    """Lark text: free reasoning up to `reasoning_end`, then one JSON value of `schema`."""
+def json_after_reasoning(schema: dict[str, Any], reasoning: Reasoning) -> str:
+    """Lark text: a reasoning block (see `_prefix`), then one JSON value of `schema`."""
     from sgl_tpu.function_call.json_formats import JSON_LAYOUT
 
     schema = {**schema, "x-guidance": JSON_LAYOUT}
-    return "\n".join(["%llguidance {}", "start: think /\\n{0,2}/ json",
-                      f"think[lazy]: TEXT {_lit(reasoning_end)}",
+    prefix, extra = _prefix(reasoning)
+    return "\n".join(["%llguidance {}", f"start: {prefix}/\\n{{0,2}}/ json", *extra,
                       "json: %json " + json.dumps(schema, ensure_ascii=False), _TEXT]) + "\n"

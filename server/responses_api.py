@@ -125,12 +125,12 @@ def _sse(event: dict[str, Any]) -> bytes:
 
 async def _stream(store: ResponseStore, req: ResponsesRequest, turn: _Turn,
                   chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
-    first = await anext(chunks)  # errors before the first token become a 4xx, not a stream
+    first = await anext(chunks, None)  # errors before the first token: a 4xx, not a stream
     events = ResponseEvents(turn.response)
 
     async def body() -> AsyncIterator[bytes]:
         try:
-            for event in events.start() + events.feed(first):
+            for event in events.start() + (events.feed(first) if first else []):
                 yield _sse(event)
             async for chunk in chunks:
                 for event in events.feed(chunk):

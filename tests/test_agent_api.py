@@ -264,7 +264,7 @@ def test_agents_sdk_function_tool_over_chat_and_responses(server):
         calls.append(city)
         return f"It is sunny and 21 C in {city}."
 
-    async def run(model_cls, stream: bool) -> agents.RunResult:
+    async def run(model_cls, stream: bool, chained: bool) -> agents.RunResult:
         client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x",
                                     max_retries=0, timeout=120)
         # "required" for the first turn (the SDK resets it to "auto" once the tool ran), so
@@ -275,20 +275,27 @@ def test_agents_sdk_function_tool_over_chat_and_responses(server):
             model_settings=agents.ModelSettings(tool_choice="required", temperature=0,
                                                 max_tokens=256, parallel_tool_calls=False))
         question = "What's the weather in Paris?"
+        # chained: each turn sends only its new items, with the previous response's id
+        kw = {"max_turns": 4, "auto_previous_response_id": chained}
         if not stream:
-            return await agents.Runner.run(agent, question, max_turns=4)
-        result = agents.Runner.run_streamed(agent, question, max_turns=4)
+            return await agents.Runner.run(agent, question, **kw)
+        result = agents.Runner.run_streamed(agent, question, **kw)
         async for _ in result.stream_events():
             pass
         return result
 
-    runs = [(agents.OpenAIChatCompletionsModel, False), (agents.OpenAIResponsesModel, False),
-            (agents.OpenAIResponsesModel, True)]
-    for model_cls, stream in runs:
+    runs = [(agents.OpenAIChatCompletionsModel, False, False),
+            (agents.OpenAIResponsesModel, False, False), (agents.OpenAIResponsesModel, True, False),
+            (agents.OpenAIResponsesModel, False, True)]
+    for model_cls, stream, chained in runs:
         calls.clear()
-        result = asyncio.run(run(model_cls, stream))
+        result = asyncio.run(run(model_cls, stream, chained))
         kinds = [type(it).__name__ for it in result.new_items]
         assert calls and all(calls), (model_cls.__name__, stream)  # the tool really ran
         assert kinds[:2] == ["ToolCallItem", "ToolCallOutputItem"], kinds
         assert kinds[-1] == "MessageOutputItem"
         assert "21 C" in result.final_output  # the answer used the tool's result
+        if chained:  # the server stored the first turn and continued it
+            ids = [r.response_id for r in result.raw_responses]
+            last = requests.get(f"{server.base_url}/v1/responses/{ids[-1]}", timeout=30).json()
+            assert len(ids) == 2 and last["previous_response_id"] == ids[0]

@@ -70,10 +70,12 @@ class SamplingParams:
             if not isinstance(pattern, str) or not pattern:
                 raise ValueError("stop_regex: every pattern must be a non-empty string")
             try:
-                re.compile(pattern)
+                matches_empty = re.search(pattern, "") is not None
             except re.error as e:
                 raise ValueError(f"stop_regex: invalid regular expression {pattern!r}: {e}"
                                  ) from None
+            if matches_empty:  # it would end every request before its first character
+                raise ValueError(f"stop_regex: {pattern!r} matches the empty string")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids[]", t, lo=0)
         if sum(x is not None for x in (self.regex, self.json_schema, self.ebnf)) > 1:

@@ -137,6 +137,7 @@ def test_input_logprobs_match_output_logprobs(engine):
     ({"input_ids": [1, 2], "sampling_params": {"top_k": -5}}, "top_k"),
     ({"input_ids": [1, 2], "sampling_params": {"bogus": 1}}, "unknown sampling parameter"),
     ({"input_ids": [1, 2], "sampling_params": {"stop_regex": ["a("]}}, "invalid regular exp"),
+    ({"input_ids": [1, 2], "sampling_params": {"stop_regex": "a*"}}, "matches the empty"),
     ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "ten"}}, "max_new_tokens"),
     ({"input_ids": [10**9]}, "input_ids"),
     ({"input_ids": []}, "empty"),

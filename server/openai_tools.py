@@ -193,7 +193,7 @@ def _check_messages(messages: list[dict[str, Any]]) -> None:
             fn["arguments"] = args  # templates index into the arguments (as SGLang passes them)
 
 
-def _fallback_messages(messages: list[dict[str, Any]], parser: ToolCallParser,
+def fallback_messages(messages: list[dict[str, Any]], parser: ToolCallParser,
                        functions: list[dict[str, Any]], offer: bool) -> list[dict[str, Any]]:
     """Messages for a template that knows nothing of tools: calls written in the parser's
     format, tool results as user turns, and (when `offer`) the tools block in the system
@@ -235,7 +235,7 @@ def plan_chat(tm: TokenizerManager, req: ChatCompletionRequest) -> ChatPlan:
     has_history = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     offer = mode != "none" and bool(functions)
     if (offer and not renders_tools) or (has_history and not renders_calls):
-        messages = _fallback_messages(messages, parser, functions, offer and not renders_tools)
+        messages = fallback_messages(messages, parser, functions, offer and not renders_tools)
     plan = ChatPlan(messages=messages,
                     template_tools=req.tools if offer and renders_tools else None,
                     uses_tools=offer, reasoning_name=tm.args.reasoning_parser)

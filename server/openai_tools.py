@@ -153,7 +153,10 @@ def _tool_choice(req: ChatCompletionRequest, functions: list[dict[str, Any]]
         if choice == "required" and not functions:
             raise _bad("tool_choice 'required' needs at least one tool in `tools`")
         return choice, None
-    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+    name = None
+    if isinstance(choice, dict):  # {"type": "function", "function": {"name"}} or {"name"}
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else choice.get("name")
     if not isinstance(name, str):
         raise _bad('tool_choice must be {"type": "function", "function": {"name": ...}}')
     if name not in {f["name"] for f in functions}:

@@ -153,7 +153,10 @@ def _tool_choice(req: ChatCompletionRequest, functions: list[dict[str, Any]]
         if choice == "required" and not functions:
             raise _bad("tool_choice 'required' needs at least one tool in `tools`")
         return choice, None
-    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+    name = None
+    if isinstance(choice, dict):  # {"type": "function", "function": {"name"}} or {"name"}
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else choice.get("name")
     if not isinstance(name, str):
         raise _bad('tool_choice must be {"type": "function", "function": {"name": ...}}')
     if name not in {f["name"] for f in functions}:
@@ -193,7 +196,7 @@ def _check_messages(messages: list[dict[str, Any]]) -> None:
             fn["arguments"] = args  # templates index into the arguments (as SGLang passes them)
 
 
-def _fallback_messages(messages: list[dict[str, Any]], parser: ToolCallParser,
+def fallback_messages(messages: list[dict[str, Any]], parser: ToolCallParser,
                        functions: list[dict[str, Any]], offer: bool) -> list[dict[str, Any]]:
     """Messages for a template that knows nothing of tools: calls written in the parser's
     format, tool results as user turns, and (when `offer`) the tools block in the system
@@ -235,7 +238,7 @@ def plan_chat(tm: TokenizerManager, req: ChatCompletionRequest) -> ChatPlan:
     has_history = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     offer = mode != "none" and bool(functions)
     if (offer and not renders_tools) or (has_history and not renders_calls):
-        messages = _fallback_messages(messages, parser, functions, offer and not renders_tools)
+        messages = fallback_messages(messages, parser, functions, offer and not renders_tools)
     plan = ChatPlan(messages=messages,
                     template_tools=req.tools if offer and renders_tools else None,
                     uses_tools=offer, reasoning_name=tm.args.reasoning_parser)

@@ -90,12 +90,16 @@ class PythonicParser(ToolCallParser):
     def call_grammar(self, function: dict[str, Any]) -> str:
         # Every property, in schema order, as name=<JSON value> (JSON literals are accepted
         # by the parser, so a value valid against its schema always parses back).
-        args = _param_items(function, lambda p, s: f'"{p}=" {lark_json(s)}', ' ", " ')
-        return f'"{function["name"]}(" {args} ")"'
+        args = _param_items(function, lambda p, s: f"{_lit(p + '=')} {lark_json(s)}", ' ", " ')
+        return f'{_lit(function["name"] + "(")} {args} ")"'
 
     def render_call(self, name: str, arguments: dict[str, Any]) -> str:
         inner = ", ".join(f"{k}={v!r}" for k, v in arguments.items())
         return f"{name}({inner})"
+
+
+def _lit(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False)
 
 
 def _param_items(function: dict[str, Any], item, joiner: str) -> str:
@@ -153,10 +157,11 @@ class Qwen3CoderParser(ToolCallParser):
                 value = "(" + " | ".join(json.dumps(v) for v in s["enum"]) + ")"
             else:
                 value = lark_json(s)
-            return f'"<parameter={p}>\\n" {value} "\\n</parameter>\\n"'
+            opener = _lit(f"<parameter={p}>" + "\n")
+            return f'{opener} {value} "\\n</parameter>\\n"'
 
-        return f'"<function={function["name"]}>\\n" {_param_items(function, item, " ")} ' \
-               '"</function>"'
+        head = _lit(f"<function={function['name']}>\n")
+        return f'{head} {_param_items(function, item, " ")} "</function>"'
 
     def render_call(self, name: str, arguments: dict[str, Any]) -> str:
         params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n"

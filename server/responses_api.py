@@ -73,7 +73,8 @@ class _Turn:
             "parallel_tool_calls": req.parallel_tool_calls,
             "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature,
             "top_p": req.top_p, "response_format": chat_response_format(req.text),
-            "seed": req.seed, "top_k": req.top_k, "stream": req.stream,
+            "seed": req.seed, "top_k": req.top_k, "ignore_eos": req.ignore_eos,
+            "stream": req.stream,
             "stream_options": {"include_usage": True}, "session_id": self.conversation_id,
         }
         try:

@@ -51,6 +51,7 @@ class ResponsesRequest(BaseModel):
     # SGLang-style extensions (extra_body)
     seed: int | None = None
     top_k: int | None = None
+    ignore_eos: bool | None = None
 
 
 def new_id(prefix: str) -> str:

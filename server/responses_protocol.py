@@ -133,7 +133,8 @@ def items_to_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]
 
 # ---- request: tools, tool_choice, text.format -------------------------------------------
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Responses function tools (flat) -> chat tools (`{"type", "function": {...}}`)."""
+    """Responses function tools (flat) -> chat tools (`{"type", "function": {...}}`); a tool
+    already in the chat form is taken as it is."""
     if not tools:
         return None
     out = []
@@ -141,10 +142,11 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
         if tool.get("type") != "function":
             raise RequestError(f"tools[{i}]: tool type {tool.get('type')!r} is not supported "
                                f"(function tools only)")
-        fn = {"name": _field(tool, "name", f"tools[{i}]")}
+        spec = tool["function"] if isinstance(tool.get("function"), dict) else tool  # chat form
+        fn = {"name": _field(spec, "name", f"tools[{i}]")}
         for key in ("description", "parameters", "strict"):
-            if tool.get(key) is not None:
-                fn[key] = tool[key]
+            if spec.get(key) is not None:
+                fn[key] = spec[key]
         out.append({"type": "function", "function": fn})
     return out
 

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_tpu.server.responses_protocol import assistant_message, items_to_messages, output_items
+from sgl_tpu.server.responses_protocol import (
+    assistant_message,
+    chat_tools,
+    items_to_messages,
+    output_items,
+)
 from sgl_tpu.server.responses_store import ResponseStore
 from sgl_tpu.server.responses_stream import ResponseEvents
 from sgl_tpu.server.tokenizer_manager import RequestError
@@ -158,3 +163,12 @@ def test_stream_events_length_is_incomplete_and_empty_answer_is_one_message():
     assert final["incomplete_details"] == {"reason": "max_output_tokens"}
     assert [it["type"] for it in final["output"]] == ["message"]
     assert final["output"][0]["content"][0]["text"] == ""
+
+
+def test_chat_tools_flat_and_chat_forms():
+    fn = {"name": "f", "description": "d", "parameters": {"type": "object"}}
+    want = [{"type": "function", "function": fn}]
+    assert chat_tools([{"type": "function", **fn}]) == want
+    assert chat_tools(want) == want
+    with pytest.raises(RequestError, match="function tools only"):
+        chat_tools([{"type": "file_search"}])

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sgl_tpu.response import incremental_logprobs
 from sgl_tpu.server.tokenizer_manager import GenItem, RequestError, ServerDead, TokenizerManager
 
 MAX_N = 64  # most samples per prompt (SamplingParams' bound)
@@ -191,6 +192,8 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     async def _server_info() -> dict[str, Any]:
         resp = await tm.control("server_info")
         args = {k: v for k, v in vars(tm.args).items() if k != "api_key"}
+        # The resolved model, not the flags' None: the sglang-router reads both on registration.
+        args.update(model_path=tm.model_path, served_model_name=tm.served_model_name)
         return {**args, **resp.data, "version": "0.1.0", "context_len": tm.context_len,
                 "uptime_s": _uptime(tm)}
 
@@ -225,12 +228,20 @@ def create_app(tm: TokenizerManager) -> FastAPI:
             first = await anext(gen)  # errors before streaming starts become a 4xx
 
             async def events() -> AsyncIterator[bytes]:
+                num_sent = 0  # output log-prob entries already streamed
+
+                def event(chunk: dict[str, Any]) -> bytes:
+                    nonlocal num_sent
+                    out = incremental_logprobs(chunk, num_sent)
+                    num_sent = chunk["meta_info"].get("output_token_logprobs_length", 0)
+                    return sse(out)
+
                 try:
-                    yield sse(first)
+                    yield event(first)
                     async for chunk in gen:
                         if await request.is_disconnected():
                             break
-                        yield sse(chunk)
+                        yield event(chunk)
                 except (RequestError, ServerDead) as e:
                     yield sse({"error": {"message": str(e)}})
                 finally:
@@ -241,9 +252,10 @@ def create_app(tm: TokenizerManager) -> FastAPI:
         results = await gather_results(tm, items)
         return results if batch else results[0]
 
-    from sgl_tpu.server import metrics, openai_api
+    from sgl_tpu.server import metrics, openai_api, responses_api
 
     openai_api.add_routes(app, tm)
+    responses_api.add_routes(app, tm)
     metrics.add_routes(app, tm)
     return app
 

@@ -14,6 +14,7 @@ import signal
 
 import uvicorn
 
+from sgl_tpu.choices import check_registry_names
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.server.detokenizer_process import run_detokenizer_process
 from sgl_tpu.server.ipc import PortArgs
@@ -26,6 +27,7 @@ WATCHDOG_PERIOD_S = 1.0
 def launch_server(args: ServerArgs) -> None:
     logging.basicConfig(level=args.log_level.upper(),
                         format="[%(asctime)s %(name)s] %(message)s")
+    check_registry_names(args)  # a bad name fails here, before any process starts
     ports = PortArgs.for_pid()
     ctx = mp.get_context("spawn")
     parent = os.getpid()

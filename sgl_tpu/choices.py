@@ -5,6 +5,8 @@ list them (the CLI offers exactly these), and one check run before a model loads
     backend            executor/registry.py    EXECUTOR_BACKENDS (+ auto)
     attention_backend  kernels/backends.py     ATTENTION_BACKENDS (+ auto; per executor)
     grammar_backend    constrained/__init__.py GRAMMAR_BACKENDS (+ none)
+    tool_call_parser   function_call/          TOOL_CALL_PARSERS (None: from the template)
+    reasoning_parser   reasoning_parser.py     REASONING_PARSERS (None: off)
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from sgl_tpu.config import ServerArgs
 def registry_choices() -> dict[str, tuple[str, ...]]:
     from sgl_tpu.constrained import GRAMMAR_BACKENDS
     from sgl_tpu.executor.registry import BACKEND_CHOICES
+    from sgl_tpu.function_call import TOOL_CALL_PARSERS
     from sgl_tpu.kernels.backends import ATTENTION_BACKENDS
+    from sgl_tpu.reasoning_parser import REASONING_PARSERS
     from sgl_tpu.scheduler.policy import POLICIES
 
     return {
@@ -23,7 +27,12 @@ def registry_choices() -> dict[str, tuple[str, ...]]:
         "backend": BACKEND_CHOICES,
         "attention_backend": ("auto", *ATTENTION_BACKENDS),
         "grammar_backend": (*GRAMMAR_BACKENDS, "none"),
+        "tool_call_parser": tuple(TOOL_CALL_PARSERS),
+        "reasoning_parser": tuple(REASONING_PARSERS),
     }
+
+
+_OPTIONAL = ("tool_call_parser", "reasoning_parser")  # None is allowed: see the table above
 
 
 def check_registry_names(args: ServerArgs) -> None:
@@ -31,6 +40,8 @@ def check_registry_names(args: ServerArgs) -> None:
     backend that the chosen executor cannot run."""
     for field, allowed in registry_choices().items():
         value = getattr(args, field)
+        if value is None and field in _OPTIONAL:
+            continue
         if value not in allowed:
             raise ValueError(f"{field} must be one of {allowed}, got {value!r}")
     from sgl_tpu.executor.registry import resolve_backend

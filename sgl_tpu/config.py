@@ -98,6 +98,11 @@ class ServerArgs:
     # well under that) while bounding how long an abandoned session keeps its priority; the
     # KV stays evictable throughout, it is only evicted after unretained KV.
     session_retention_s: float = 30.0
+    # Responses API: stored responses (their conversations, for previous_response_id) kept in
+    # memory, at most this many (least recently used dropped first), each this long after its
+    # last use.
+    responses_max_stored: int = 1024
+    responses_ttl_s: float = 3600.0
     kv_tile: int = 256
     block_q: int = 128
     attention_backend: str = "auto"  # auto: the Pallas TPU kernel on TPU, else the reference
@@ -111,6 +116,8 @@ class ServerArgs:
     torch_compile: str = "auto"  # torch backend: auto = on for tpu/cuda, off on CPU (see help)
     disable_compile: bool = False  # torch backend: run eagerly (debugging); = torch_compile off
     device: str = "auto"  # torch backend device
+    tool_call_parser: str | None = None  # None: picked from the chat template (logged)
+    reasoning_parser: str | None = None  # "qwen3" / "deepseek-r1": split <think> blocks
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_total_tokens", "max_running_requests", "max_extend_seqs",
@@ -136,6 +143,17 @@ class ServerArgs:
             raise ValueError("max_total_tokens must hold at least two pages")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if isinstance(self.responses_max_stored, bool) or not isinstance(
+                self.responses_max_stored, int) or self.responses_max_stored < 1:
+            raise ValueError(f"responses_max_stored must be a positive integer, "
+                             f"got {self.responses_max_stored!r}")
+        if (isinstance(self.responses_ttl_s, bool)
+                or not isinstance(self.responses_ttl_s, int | float)
+                or not 0 < self.responses_ttl_s < float("inf")):
+            raise ValueError(f"responses_ttl_s must be a finite number > 0, "
+                             f"got {self.responses_ttl_s!r}")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name must not be empty")
 
     def replace(self, **changes) -> ServerArgs:
         return dataclasses.replace(self, **changes)

@@ -5,6 +5,7 @@ so both agree on every character offset.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 
 from sgl_tpu.messages import ReqOutput, ReqStrOut
@@ -53,11 +54,14 @@ class IncrementalDecoder:
         return delta
 
 
-def find_stop(text: str, new_len: int, stops: Sequence[str]) -> tuple[int, str] | None:
-    """Earliest stop string that ends inside the last `new_len` characters of `text`.
+def find_stop(text: str, new_len: int, stops: Sequence[str],
+              stop_regex: Sequence[str] = ()) -> tuple[int, str] | None:
+    """Earliest stop string or `stop_regex` match that ends inside the last `new_len`
+    characters of `text`.
 
-    Returns (offset where it begins, the stop string) or None. Only matches that reach into the
-    new text count: older ones would have ended the request earlier.
+    Returns (offset where it begins, the stop string or pattern) or None. Only matches that
+    reach into the new text count: older ones would have ended the request earlier. A pattern
+    is searched over the whole text (a match may start anywhere), cached compiled by `re`.
     """
     best: tuple[int, str] | None = None
     for stop in stops:
@@ -65,6 +69,10 @@ def find_stop(text: str, new_len: int, stops: Sequence[str]) -> tuple[int, str] 
         pos = text.find(stop, start)
         if pos >= 0 and (best is None or pos < best[0]):
             best = (pos, stop)
+    for pattern in stop_regex:
+        m = re.search(pattern, text)
+        if m is not None and (best is None or m.start() < best[0]):
+            best = (m.start(), pattern)
     return best
 
 

@@ -6,6 +6,8 @@ Shared by the in-process `Engine` and the HTTP tokenizer manager, so both answer
      "cached_tokens", "finish_reason", "e2e_latency", [log-prob fields when asked]}}
 
 Log-prob entries are `[logprob, token_id, text_or_None]` (text when `return_text_in_logprobs`).
+The dicts are cumulative; `incremental_logprobs` turns a stream of them into SGLang's streamed
+form, where each chunk carries only its new output log-probs.
 """
 
 from __future__ import annotations
@@ -77,9 +79,26 @@ class ResponseAccumulator:
         if self.return_logprob:
             meta["input_token_logprobs"] = self.input_token_logprobs or []
             meta["output_token_logprobs"] = self.output_token_logprobs
+            meta["output_token_logprobs_length"] = len(self.output_token_logprobs)
             meta["input_top_logprobs"] = self.input_top_logprobs or []
             meta["output_top_logprobs"] = self.output_top_logprobs
         return {"text": o.text, "output_ids": o.output_ids, "meta_info": meta}
+
+
+# Output-side log-prob lists that a streamed chunk carries only the new entries of.
+_INCREMENTAL_LOGPROB_KEYS = ("output_token_logprobs", "output_top_logprobs")
+
+
+def incremental_logprobs(result: dict[str, Any], num_sent: int) -> dict[str, Any]:
+    """A streamed chunk of cumulative `result` whose output log-prob lists hold only the
+    entries after the first `num_sent` (those went out in earlier chunks), as SGLang streams
+    them; `output_token_logprobs_length` stays the running total, so that
+    `len(chunk entries) == output_token_logprobs_length - previous length` for every chunk."""
+    meta = result["meta_info"]
+    if "output_token_logprobs" not in meta:
+        return result
+    meta = {**meta, **{k: meta[k][num_sent:] for k in _INCREMENTAL_LOGPROB_KEYS}}
+    return {**result, "meta_info": meta}
 
 
 def _public_reason(reason: dict[str, Any] | None) -> dict[str, Any] | None:

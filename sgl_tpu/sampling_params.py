@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 # Keys SGLang's frontend and native API send that change nothing here yet, or are handled by
 # the tokenizer side; accepted so that unmodified clients work.
-_ACCEPTED_NOOP_KEYS = frozenset({"spaces_between_special_tokens", "stop_regex", "logit_bias",
+_ACCEPTED_NOOP_KEYS = frozenset({"spaces_between_special_tokens", "logit_bias",
                                  "sampling_seed", "custom_params", "stream_interval"})
+MAX_STOP_REGEX = 16  # patterns per request (each is searched after every new token)
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,9 @@ class SamplingParams:
     max_new_tokens: int = 128
     min_new_tokens: int = 0
     stop: tuple[str, ...] = ()
+    # Python regular expressions searched in the decoded output: the first match ends the
+    # request, trimmed like a stop string; `matched_stop` reports the pattern (as SGLang).
+    stop_regex: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     temperature: float = 1.0
     top_p: float = 1.0
@@ -58,6 +63,19 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError("stop: every stop string must be a non-empty string")
+        if len(self.stop_regex) > MAX_STOP_REGEX:
+            raise ValueError(f"stop_regex: at most {MAX_STOP_REGEX} patterns, "
+                             f"got {len(self.stop_regex)}")
+        for pattern in self.stop_regex:
+            if not isinstance(pattern, str) or not pattern:
+                raise ValueError("stop_regex: every pattern must be a non-empty string")
+            try:
+                matches_empty = re.search(pattern, "") is not None
+            except re.error as e:
+                raise ValueError(f"stop_regex: invalid regular expression {pattern!r}: {e}"
+                                 ) from None
+            if matches_empty:  # it would end every request before its first character
+                raise ValueError(f"stop_regex: {pattern!r} matches the empty string")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids[]", t, lo=0)
         if sum(x is not None for x in (self.regex, self.json_schema, self.ebnf)) > 1:
@@ -95,13 +113,11 @@ class SamplingParams:
         unknown = set(d) - names - _ACCEPTED_NOOP_KEYS
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
-        if d.get("stop_regex"):
-            raise ValueError("stop_regex is not supported yet (send stop strings instead)")
         kwargs: dict[str, Any] = {}
         for key, value in d.items():
             if value is None or key in _ACCEPTED_NOOP_KEYS:
                 continue
-            if key == "stop":
+            if key in ("stop", "stop_regex"):
                 value = (value,) if isinstance(value, str) else _as_tuple(key, value)
             elif key == "stop_token_ids":
                 value = _as_tuple(key, value)

@@ -3,6 +3,8 @@ and no XLA compilation after warm-up on mixed traffic (tiny random model, real c
 
 from __future__ import annotations
 
+import re
+
 import checkpoints as ck
 import numpy as np
 import pytest
@@ -101,6 +103,12 @@ def test_stop_conditions(engine):
             **GREEDY, "max_new_tokens": 12, "ignore_eos": True, "stop": [stop]})
         assert out["text"] == text[: text.find(stop)]
         assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        # stop_regex: the first match ends the request, trimmed; matched is the pattern
+        pattern = f"{re.escape(stop)}|\\d{{7}}"
+        out = engine.generate(input_ids=prompt, sampling_params={
+            **GREEDY, "max_new_tokens": 12, "ignore_eos": True, "stop_regex": pattern})
+        assert out["text"] == text[: re.search(pattern, text).start()]
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
 
 
 def test_input_logprobs_match_output_logprobs(engine):
@@ -128,7 +136,8 @@ def test_input_logprobs_match_output_logprobs(engine):
     ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p"),
     ({"input_ids": [1, 2], "sampling_params": {"top_k": -5}}, "top_k"),
     ({"input_ids": [1, 2], "sampling_params": {"bogus": 1}}, "unknown sampling parameter"),
-    ({"input_ids": [1, 2], "sampling_params": {"stop_regex": ["a+"]}}, "stop_regex"),
+    ({"input_ids": [1, 2], "sampling_params": {"stop_regex": ["a("]}}, "invalid regular exp"),
+    ({"input_ids": [1, 2], "sampling_params": {"stop_regex": "a*"}}, "matches the empty"),
     ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "ten"}}, "max_new_tokens"),
     ({"input_ids": [10**9]}, "input_ids"),
     ({"input_ids": []}, "empty"),

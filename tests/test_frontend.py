@@ -379,9 +379,6 @@ SKIPPED_PROGRAMS = {
     "test_parallel_encoding": "join(mode='concate_and_append') needs /concate_and_append_request, "
                               "which SGLang's own server (0.5.23) does not serve either; the "
                               "frontend then hangs in join",
-    "test_stream_logprobs": "expects per-chunk output_token_logprobs and "
-                            "output_token_logprobs_length (SGLang's --incremental-streaming-"
-                            "output); streams are cumulative, as in SGLang's default",
     "test_image_qa": "needs a vision model and an image file",
     "test_completion_speculative": "API speculative execution: OpenAI backend only "
                                    "(reads backend.token_usage)",
@@ -391,7 +388,7 @@ SKIPPED_PROGRAMS = {
 }
 RUN_PROGRAMS = ("test_mt_bench", "test_select", "test_decode_json_regex", "test_decode_json",
                 "test_expert_answer", "test_tool_use", "test_parallel_decoding", "test_stream",
-                "test_regex", "test_dtype_gen")
+                "test_regex", "test_dtype_gen", "test_stream_logprobs")
 
 
 def import_test_programs() -> types.ModuleType:

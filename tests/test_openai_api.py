@@ -196,9 +196,15 @@ def test_completions_json_schema_extension(client):
                                   extra_body={"json_schema": "{not json"})
 
 
-def test_unknown_model(client):
+def test_any_model_name(client):
+    """Any name is served by the one model (SGLang's docs send "default"); only SGLang's
+    `served:adapter` form is parsed, and adapters are refused; retrieving an unknown model 404s."""
+    resp = client.chat.completions.create(model="default", messages=HELLO, max_tokens=2)
+    assert resp.model == "default" and resp.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="adapter `my-lora`"):
+        client.chat.completions.create(model=f"{MODEL}:my-lora", messages=HELLO, max_tokens=2)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
-        client.chat.completions.create(model="no-such-model", messages=HELLO, max_tokens=2)
+        client.models.retrieve("no-such-model")
 
 
 @pytest.mark.parametrize("bad, field", [

@@ -57,7 +57,7 @@ class Req:
 
     finish_reason: dict[str, Any] | None = None
     stop_text_offset: int = -1
-    decoder: IncrementalDecoder | None = None  # only when the request has stop strings
+    decoder: IncrementalDecoder | None = None  # only with stop strings or stop_regex
     grammar_future: Future | None = None  # compiled grammar (regex / json_schema / ebnf)
     matcher: GrammarMatcher | None = None
     input_logprobs_sent: bool = False

@@ -134,7 +134,7 @@ class Scheduler:
                   logprob_start_len=msg.logprob_start_len,
                   top_logprobs_num=min(msg.top_logprobs_num, self.config.max_top_logprobs),
                   session_id=msg.session_id)
-        if sampling.stop:
+        if sampling.stop or sampling.stop_regex:
             req.decoder = IncrementalDecoder(self.decode, sampling.skip_special_tokens)
         if sampling.grammar is not None and self.grammar is not None:
             req.grammar_future = self.grammar.request(*sampling.grammar)
@@ -456,7 +456,7 @@ class Scheduler:
         if req.decoder is not None:
             delta = req.decoder.append([token])
             if delta:
-                hit = find_stop(req.decoder.text, len(delta), sp.stop)
+                hit = find_stop(req.decoder.text, len(delta), sp.stop, sp.stop_regex)
                 if hit is not None:
                     req.stop_text_offset = -1 if sp.no_stop_trim else hit[0]
                     req.finish_reason = {"type": "stop", "matched": hit[1]}

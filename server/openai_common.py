@@ -1,0 +1,156 @@
+"""Helpers shared by the OpenAI routes: OpenAI fields -> sampling params, `n` expansion into
+`GenItem`s, finish reasons, usage, merging concurrent items' results, and streamed deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from sgl_tpu.detokenize import stop_safe_len
+from sgl_tpu.server.openai_protocol import SamplingRequest
+from sgl_tpu.server.tokenizer_manager import GenItem, RequestError, ServerDead, TokenizerManager
+
+
+def sampling_params(req: SamplingRequest, max_tokens: int | None) -> dict[str, Any]:
+    """OpenAI fields -> SGLang sampling params (None = default); validated later by tm."""
+    if req.logit_bias:
+        raise RequestError("logit_bias is not supported")
+    sp = {
+        "max_new_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
+        "stop": req.stop, "seed": req.seed, "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty, "top_k": req.top_k, "min_p": req.min_p,
+        "repetition_penalty": req.repetition_penalty, "min_new_tokens": req.min_tokens,
+        "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
+        "skip_special_tokens": req.skip_special_tokens, "no_stop_trim": req.no_stop_trim,
+        "stop_regex": req.stop_regex, "regex": req.regex, "ebnf": req.ebnf,
+        "json_schema": req.json_schema,
+    }
+    return {k: v for k, v in sp.items() if v is not None}
+
+
+def expand_items(prompts: list[list[int]], sampling: dict[str, Any], n: int, rid: str | None,
+                 **item_kwargs: Any) -> list[GenItem]:
+    items = []
+    for i, ids in enumerate(prompts):
+        for k in range(n):
+            sp = dict(sampling)
+            if n > 1 and sp.get("seed") is not None:
+                sp["seed"] = sp["seed"] + k
+            item = GenItem(input_ids=list(ids), sampling=sp, **item_kwargs)
+            if rid is not None:
+                item.rid = rid if len(prompts) * n == 1 else f"{rid}-{i * n + k}"
+            items.append(item)
+    return items
+
+
+def finish_reason(result: dict[str, Any]) -> str | None:
+    reason = result["meta_info"]["finish_reason"]
+    if reason is None:
+        return None
+    if reason["type"] == "abort":
+        raise RequestError(reason.get("message") or "request aborted", 500)
+    return reason["type"]  # "stop" | "length"
+
+
+def matched_stop(result: dict[str, Any]) -> str | int | None:
+    reason = result["meta_info"]["finish_reason"] or {}
+    return reason.get("matched")
+
+
+def usage(results: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """Prompt tokens count once per prompt; its cached tokens are the best of its n choices."""
+    prompt = cached = 0
+    for i in range(0, len(results), n):
+        group = [r["meta_info"] for r in results[i : i + n]]
+        prompt += group[0]["prompt_tokens"]
+        cached += max(m["cached_tokens"] for m in group)
+    completion = sum(r["meta_info"]["completion_tokens"] for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+async def merge_results(tm: TokenizerManager, items: list[GenItem]
+                 ) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    """(choice index, cumulative dict) from all items as they arrive; errors re-raised."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, item: GenItem) -> None:
+        try:
+            async for result in tm.generate(item):
+                queue.put_nowait((index, result))
+        except (RequestError, ServerDead) as e:
+            queue.put_nowait((index, e))
+        queue.put_nowait((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(items)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, result = await queue.get()
+            if isinstance(result, Exception):
+                raise result
+            if result is None:
+                remaining -= 1
+            else:
+                yield index, result
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def stream_chunks(tm: TokenizerManager, items: list[GenItem],
+                        chunks: Callable[[int, dict[str, Any]], list[dict[str, Any]]],
+                        usage_chunk: Callable[[list[dict[str, Any]]], dict[str, Any]] | None
+                        ) -> AsyncIterator[dict[str, Any]]:
+    """`chunks(index, result)` for every update of every item, then the usage chunk (if any).
+
+    Errors (RequestError, ServerDead) propagate; the caller decides whether they become a 4xx
+    (before the first chunk) or an error event in the stream.
+    """
+    merged = merge_results(tm, items)
+    finals: dict[int, dict[str, Any]] = {}
+    try:
+        async for index, result in merged:
+            if result["meta_info"]["finish_reason"] is not None:
+                finals[index] = result
+            for chunk in chunks(index, result):
+                yield chunk
+    finally:
+        await merged.aclose()
+    if usage_chunk is not None:
+        yield usage_chunk([finals[i] for i in range(len(items))])
+
+
+class Deltas:
+    """Per-choice streaming state: how much text and how many log-prob entries went out."""
+
+    def __init__(self, num_choices: int, stops: list[str]) -> None:
+        self.sent_text = [0] * num_choices
+        self.sent_logprobs = [0] * num_choices
+        self.stops = stops
+
+    def text(self, index: int, result: dict[str, Any], prefix: str = "") -> str:
+        text = prefix + result["text"]
+        end = len(text)
+        if result["meta_info"]["finish_reason"] is None:
+            end = stop_safe_len(text, self.stops)
+        start, self.sent_text[index] = self.sent_text[index], max(end, self.sent_text[index])
+        return text[start:end]
+
+    def logprobs(self, index: int, result: dict[str, Any]) -> tuple[list, list]:
+        meta = result["meta_info"]
+        entries = meta.get("output_token_logprobs") or []
+        tops = meta.get("output_top_logprobs") or []
+        start, self.sent_logprobs[index] = self.sent_logprobs[index], len(entries)
+        return entries[start:], tops[start:]
+
+
+def stop_strings(req: SamplingRequest) -> list[str]:
+    if req.stop is None or req.no_stop_trim:
+        return []
+    return [req.stop] if isinstance(req.stop, str) else list(req.stop)
+
+

@@ -1,0 +1,180 @@
+"""Streamed Responses API events from a stream of `chat.completion.chunk` dicts.
+
+    chat chunks ──ResponseEvents.feed──► output-item events ──finish──► response.completed
+
+The event sequence is the standard one: `response.created`, `response.in_progress`, then for
+each output item `response.output_item.added`, its content events (a message:
+`response.content_part.added`, `response.output_text.delta`..., `response.output_text.done`,
+`response.content_part.done`; a function call: `response.function_call_arguments.delta`...,
+`response.function_call_arguments.done`; reasoning: `response.reasoning_text.delta`...,
+`response.reasoning_text.done`), `response.output_item.done`, and last `response.completed`
+(`response.incomplete` when `max_output_tokens` cut it short). One item is open at a time: a
+new item (text after reasoning, a tool call after text) closes the previous one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sgl_tpu.server.responses_protocol import (
+    function_call_item,
+    message_item,
+    new_id,
+    reasoning_item,
+    usage,
+)
+
+
+class ResponseEvents:
+    """Turns one choice's chat chunks into Responses events; `response` is the in-progress
+    response object (no output yet), completed by `finish`."""
+
+    def __init__(self, response: dict[str, Any]) -> None:
+        self.response = response
+        self.items: list[dict[str, Any]] = []  # output items, final form once closed
+        self._seq = 0
+        self._open: int | None = None  # output index of the open item
+        self._calls: dict[int, int] = {}  # chat tool-call index -> output index
+        self._finish_reason: str | None = None
+        self._usage: dict[str, Any] | None = None
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, **fields, "sequence_number": self._seq}
+        self._seq += 1
+        return event
+
+    def _snapshot(self, status: str) -> dict[str, Any]:
+        return {**self.response, "status": status, "output": list(self.items)}
+
+    def start(self) -> list[dict[str, Any]]:
+        snap = self._snapshot("in_progress")
+        return [self._event("response.created", response=snap),
+                self._event("response.in_progress", response=snap)]
+
+    # ---- items -----------------------------------------------------------------------------
+    def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        events = self._close()
+        self._open = len(self.items)
+        self.items.append(item)
+        events.append(self._event("response.output_item.added", output_index=self._open,
+                                  item={**item, "status": "in_progress"}))
+        return events
+
+    def _close(self) -> list[dict[str, Any]]:
+        """Finish the open item: its done events, then `output_item.done`."""
+        if self._open is None:
+            return []
+        index, self._open = self._open, None
+        item = self.items[index]
+        at = {"item_id": item["id"], "output_index": index}
+        events = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            events += [self._event("response.output_text.done", **at, content_index=0,
+                                   text=part["text"], logprobs=[]),
+                       self._event("response.content_part.done", **at, content_index=0,
+                                   part=part)]
+        elif item["type"] == "function_call":
+            events.append(self._event("response.function_call_arguments.done", **at,
+                                      name=item["name"], arguments=item["arguments"]))
+        elif item["type"] == "reasoning":
+            events.append(self._event("response.reasoning_text.done", **at, content_index=0,
+                                      text=item["content"][0]["text"]))
+        item["status"] = "completed"
+        events.append(self._event("response.output_item.done", output_index=index, item=item))
+        return events
+
+    def _open_item(self, kind: str) -> dict[str, Any] | None:
+        if self._open is None or self.items[self._open]["type"] != kind:
+            return None
+        return self.items[self._open]
+
+    def _message(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The open message item, opening one (with its content part) if needed."""
+        item = self._open_item("message")
+        if item is not None:
+            return item, []
+        item = message_item("", item_id=new_id("msg"))
+        events = self._add({**item, "content": []})
+        self.items[-1] = item
+        events.append(self._event("response.content_part.added", item_id=item["id"],
+                                  output_index=self._open, content_index=0,
+                                  part={"type": "output_text", "text": "", "annotations": []}))
+        return item, events
+
+    def _text(self, delta: str) -> list[dict[str, Any]]:
+        item, events = self._message()
+        item["content"][0]["text"] += delta
+        events.append(self._event("response.output_text.delta", item_id=item["id"],
+                                  output_index=self._open, content_index=0, delta=delta,
+                                  logprobs=[]))
+        return events
+
+    def _reasoning(self, delta: str) -> list[dict[str, Any]]:
+        events = []
+        item = self._open_item("reasoning")
+        if item is None:
+            item = reasoning_item("")
+            events += self._add({**item, "content": []})
+            self.items[-1] = item
+        item["content"][0]["text"] += delta
+        events.append(self._event("response.reasoning_text.delta", item_id=item["id"],
+                                  output_index=self._open, content_index=0, delta=delta))
+        return events
+
+    def _tool_call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        events = []
+        fn = call.get("function") or {}
+        index = call.get("index", 0)
+        if index not in self._calls:
+            item = function_call_item(call.get("id") or new_id("call"), fn.get("name") or "",
+                                      "")
+            events += self._add(item)
+            self._calls[index] = self._open
+        out = self._calls[index]
+        item = self.items[out]
+        if fn.get("arguments"):
+            item["arguments"] += fn["arguments"]
+            events.append(self._event("response.function_call_arguments.delta",
+                                      item_id=item["id"], output_index=out,
+                                      delta=fn["arguments"]))
+        return events
+
+    # ---- chunks ----------------------------------------------------------------------------
+    def feed(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        if chunk.get("usage"):
+            self._usage = chunk["usage"]
+        events = []
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                events += self._reasoning(delta["reasoning_content"])
+            if delta.get("content"):
+                events += self._text(delta["content"])
+            for call in delta.get("tool_calls") or []:
+                events += self._tool_call(call)
+            if choice.get("finish_reason") is not None:
+                self._finish_reason = choice["finish_reason"]
+        return events
+
+    def finish(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The closing events and the final response object."""
+        events = self._close()
+        if not self.items:  # an empty answer is still one (empty) message, as non-streamed
+            events += self._message()[1] + self._close()
+        incomplete = self._finish_reason == "length"
+        final = self._snapshot("incomplete" if incomplete else "completed")
+        final["usage"] = usage(self._usage)
+        if incomplete:
+            final["incomplete_details"] = {"reason": "max_output_tokens"}
+        kind = "response.incomplete" if incomplete else "response.completed"
+        events.append(self._event(kind, response=final))
+        return events, final
+
+    def failed(self, message: str, code: int) -> list[dict[str, Any]]:
+        """An error mid-stream: an `error` event, then `response.failed`."""
+        failed = self._snapshot("failed")
+        failed["error"] = {"code": "server_error" if code >= 500 else "invalid_request",
+                           "message": message}
+        return [self._event("error", code=str(code), message=message, param=None),
+                self._event("response.failed", response=failed)]

@@ -1,0 +1,2 @@
+"""The PyTorch executor backend: runner, sampler and device choices (TorchTPU, CUDA, CPU); never
+imports JAX."""

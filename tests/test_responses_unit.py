@@ -1,0 +1,174 @@
+"""The Responses API's pure parts, without a server: the store's bound and expiry (on a test
+clock), input items -> chat messages, and the streamed event sequence built from chat chunks
+(reasoning, text and parallel tool calls, as the chat path streams them)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sgl_tpu.server.responses_protocol import (
+    assistant_message,
+    chat_tools,
+    items_to_messages,
+    output_items,
+)
+from sgl_tpu.server.responses_store import ResponseStore
+from sgl_tpu.server.responses_stream import ResponseEvents
+from sgl_tpu.server.tokenizer_manager import RequestError
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def put(store: ResponseStore, rid: str) -> None:
+    store.put({"id": rid}, [{"role": "user", "content": rid}], conversation_id=rid)
+
+
+def test_store_expires_entries_a_ttl_after_their_last_use():
+    clock = Clock()
+    store = ResponseStore(max_count=10, ttl_s=60, clock=clock)
+    put(store, "a")
+    put(store, "b")
+    clock.now = 50
+    assert store.get("a") is not None  # renews a until 110
+    clock.now = 100
+    assert store.get("b") is None and store.get("a") is not None  # b expired at 60
+    clock.now = 200
+    assert store.get("a") is None and len(store) == 0
+
+
+def test_store_keeps_at_most_max_count_dropping_least_recently_used():
+    store = ResponseStore(max_count=2, ttl_s=60, clock=Clock())
+    put(store, "a")
+    put(store, "b")
+    store.get("a")
+    put(store, "c")  # b is the least recently used
+    assert store.get("b") is None and store.get("a") and store.get("c")
+    assert store.delete("a") and not store.delete("a") and len(store) == 1
+    with pytest.raises(ValueError):
+        ResponseStore(max_count=0, ttl_s=1)
+
+
+def test_items_to_messages():
+    msgs = items_to_messages([
+        {"role": "developer", "content": "Be brief."},
+        {"type": "message", "role": "user",
+         "content": [{"type": "input_text", "text": "Weather in "},
+                     {"type": "input_text", "text": "Paris?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "Checking.", "annotations": []}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}'},
+        {"type": "function_call", "call_id": "c2", "name": "get_time", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "c2",
+         "output": [{"type": "input_text", "text": "noon"}]},
+    ])
+    assert msgs == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "c2", "type": "function",
+             "function": {"name": "get_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "c2", "content": "noon"},
+    ]
+    assert items_to_messages("hi") == [{"role": "user", "content": "hi"}]
+    for bad, needle in [([{"type": "function_call", "name": "f"}], "call_id"),
+                        ([{"role": "robot", "content": "x"}], "role"),
+                        (["text"], "must be an object")]:
+        with pytest.raises(RequestError, match=needle):
+            items_to_messages(bad)
+
+
+def test_output_items_round_trip_to_the_assistant_message():
+    message = {"role": "assistant", "content": "Let me check.", "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    items = output_items(message)
+    assert [it["type"] for it in items] == ["message", "function_call"]
+    assert items[1]["call_id"] == "c1"
+    assert assistant_message(items) == message
+    assert [it["type"] for it in output_items({"content": None})] == ["message"]
+
+
+def chunk(delta=None, finish=None, usage=None):
+    choices = [] if delta is None and finish is None else [
+        {"index": 0, "delta": delta or {}, "finish_reason": finish}]
+    return {"choices": choices, "usage": usage}
+
+
+def test_stream_events_for_reasoning_text_and_parallel_calls():
+    events = ResponseEvents({"id": "resp_1", "object": "response", "usage": None})
+    out = events.start()
+    for c in [chunk({"role": "assistant", "content": ""}),
+              chunk({"reasoning_content": "Need "}), chunk({"reasoning_content": "weather."}),
+              chunk({"content": "Checking"}), chunk({"content": "."}),
+              chunk({"tool_calls": [{"index": 0, "id": "c1", "type": "function",
+                                     "function": {"name": "get_weather", "arguments": ""}}]}),
+              chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}),
+              chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}),
+              chunk({"tool_calls": [{"index": 1, "id": "c2", "type": "function",
+                                     "function": {"name": "get_time", "arguments": "{}"}}]}),
+              chunk(finish="tool_calls"),
+              chunk(usage={"prompt_tokens": 9, "completion_tokens": 5, "total_tokens": 14,
+                           "prompt_tokens_details": {"cached_tokens": 3}})]:
+        out += events.feed(c)
+    closing, final = events.finish()
+    out += closing
+    assert [e["type"] for e in out] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.reasoning_text.delta",
+        "response.reasoning_text.delta", "response.reasoning_text.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed"]
+    assert [e["sequence_number"] for e in out] == list(range(len(out)))
+    assert [e["output_index"] for e in out if e["type"] == "response.output_item.added"] == [
+        0, 1, 2, 3]
+    assert final["status"] == "completed"
+    assert [it["type"] for it in final["output"]] == [
+        "reasoning", "message", "function_call", "function_call"]
+    assert final["output"][1]["content"][0]["text"] == "Checking."
+    assert final["output"][2]["arguments"] == '{"city": "Paris"}'
+    assert final["usage"]["input_tokens_details"] == {"cached_tokens": 3}
+    assert all(it["status"] == "completed" for it in final["output"])
+
+
+def test_stream_events_length_is_incomplete_and_empty_answer_is_one_message():
+    events = ResponseEvents({"id": "resp_2"})
+    out = events.start() + events.feed(chunk(finish="length"))
+    closing, final = events.finish()
+    out += closing
+    assert [e["sequence_number"] for e in out] == list(range(len(out)))
+    assert [e["type"] for e in closing] == [
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.incomplete"]
+    assert final["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert [it["type"] for it in final["output"]] == ["message"]
+    assert final["output"][0]["content"][0]["text"] == ""
+
+
+def test_chat_tools_flat_and_chat_forms():
+    fn = {"name": "f", "description": "d", "parameters": {"type": "object"}}
+    want = [{"type": "function", "function": fn}]
+    assert chat_tools([{"type": "function", **fn}]) == want
+    assert chat_tools(want) == want
+    with pytest.raises(RequestError, match="function tools only"):
+        chat_tools([{"type": "file_search"}])

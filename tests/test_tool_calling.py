@@ -137,20 +137,23 @@ def test_auto_calls_valid_and_text_is_content(client, model):
     # The 135M model seldom opens a call on its own; asked to echo the opener, it often does,
     # and the grammar then has to carry the call to a valid end.
     echo = 'Repeat after me: <tool_call>\n{"name": "get_weather"'
-    for messages, n in (([{"role": "user", "content": echo}], 16), (ASK_WEATHER, 4),
-                        ([{"role": "user", "content": "Say hello and tell me a joke."}], 4)):
+    for messages, n, max_tokens in (([{"role": "user", "content": echo}], 16, 80),
+                                    (ASK_WEATHER, 4, 40),
+                                    ([{"role": "user", "content": "Tell me a joke."}], 4, 40)):
         resp = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,
-                                              temperature=1, seed=3, n=n, max_tokens=120)
+                                              temperature=1, seed=3, n=n, max_tokens=max_tokens)
         for c in resp.choices:
             if c.message.tool_calls:
                 calls += 1
                 _check_calls(c.message.tool_calls, set(SCHEMAS))
                 assert c.finish_reason in ("tool_calls", "length")
-            else:
+            elif c.message.content:
                 texts += 1
-                assert c.message.content and "<tool_call>" not in c.message.content
+                assert "<tool_call>" not in c.message.content
+            else:  # a call cut off by max_tokens is dropped, never shown as content
+                assert c.finish_reason == "length"
         stream = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,
-                                                temperature=1, seed=7, max_tokens=120,
+                                                temperature=1, seed=7, max_tokens=max_tokens,
                                                 stream=True)
         content, got, _ = _assemble(stream)
         assert "<tool_call>" not in content and (got or content)

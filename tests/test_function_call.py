@@ -238,6 +238,31 @@ def test_grammar_admits_only_valid_calls(backend, name, mode):
     assert finished >= 3
 
 
+@pytest.mark.parametrize("name", ["hermes", "mistral", "pythonic", "qwen3_coder"])
+def test_grammar_follows_defs_refs(backend, name):
+    """Pydantic-made schemas (what agent frameworks send) reference `#/$defs/...`."""
+    _, be, _ = backend
+    fn = {"name": "add_item", "parameters": {
+        "$defs": {"Item": {"type": "object", "properties": {
+            "sku": {"type": "string", "maxLength": 6}, "qty": {"type": "integer", "minimum": 1,
+                                                               "maximum": 5}},
+            "required": ["sku", "qty"]}},
+        "type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}},
+        "required": ["item"]}}
+    parser = get_parser(name)
+    compiled = be.compile("ebnf", tool_call_grammar(parser, [fn], mode="required",
+                                                    parallel=False))
+    rng, done = random.Random(5), 0
+    for _ in range(6):
+        text = _walk(backend, compiled, "", rng)
+        if text:
+            done += 1
+            calls = parse_tool_calls(parser, text, [fn])[1]
+            assert len(calls) == 1, text
+            jsonschema.validate(json.loads(calls[0].arguments), fn["parameters"])
+    assert done
+
+
 def test_grammar_named_and_single(backend):
     _, be, _ = backend
     parser = get_parser("hermes")

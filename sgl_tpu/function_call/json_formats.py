@@ -27,13 +27,23 @@ def parameters_schema(function: dict[str, Any]) -> dict[str, Any]:
                                                                "properties": {}}
 
 
+_DEFS = ("$defs", "definitions")
+
+
+def hoist_defs(schema: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(schema without its `$defs`/`definitions`, those). A schema nested in a bigger one
+    keeps its `#/$defs/...` references working when its definitions move to the new root."""
+    defs = {k: schema[k] for k in _DEFS if k in schema}
+    return {k: v for k, v in schema.items() if k not in _DEFS}, defs
+
+
 def call_object_schema(function: dict[str, Any], args_key: str) -> dict[str, Any]:
     """{"name": <this function>, args_key: <its parameters>}, in that order, nothing else."""
+    params, defs = hoist_defs(parameters_schema(function))
     return {"type": "object",
-            "properties": {"name": {"const": function["name"]},
-                           args_key: parameters_schema(function)},
+            "properties": {"name": {"const": function["name"]}, args_key: params},
             "required": ["name", args_key], "additionalProperties": False,
-            "x-guidance": JSON_LAYOUT}
+            "x-guidance": JSON_LAYOUT, **defs}
 
 
 def lark_json(schema: dict[str, Any]) -> str:

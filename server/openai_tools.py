@@ -30,6 +30,7 @@ import jsonschema
 
 from sgl_tpu.constrained.tool_grammar import json_after_reasoning, tool_call_grammar
 from sgl_tpu.function_call import (
+    CallDelta,
     Text,
     ToolCall,
     ToolCallParser,
@@ -136,8 +137,31 @@ def check_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
             except jsonschema.SchemaError as e:
                 raise _bad(f"tools[{i}].function.parameters is not a valid JSON schema: "
                            f"{e.message}") from None
+            if (bad := _unresolved_ref(params, params)) is not None:
+                raise _bad(f"tools[{i}].function.parameters: $ref {bad!r} does not resolve "
+                           "(only local references such as '#/$defs/Name' are supported)")
         functions.append(fn)
     return functions
+
+
+def _unresolved_ref(node: Any, root: dict[str, Any]) -> str | None:
+    """The first `$ref` in `node` that is not a JSON pointer into `root`, if any."""
+    if isinstance(node, list):
+        return next((r for x in node if (r := _unresolved_ref(x, root)) is not None), None)
+    if not isinstance(node, dict):
+        return None
+    ref = node.get("$ref")
+    if ref is not None:
+        target: Any = root
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            return str(ref)
+        for part in filter(None, ref[1:].split("/")):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(target, dict) or part not in target:
+                return ref
+            target = target[part]
+    return next((r for k, v in node.items() if k != "$ref"
+                 and (r := _unresolved_ref(v, root)) is not None), None)
 
 
 def _tool_choice(req: ChatCompletionRequest, functions: list[dict[str, Any]]
@@ -334,6 +358,7 @@ class ChatOutput:
         self._ws = ""
         self._reasoning_started = False
         self._reasoning_ws = ""
+        self._open_args: str | None = None  # arguments streamed of the call being written
         self.num_calls = 0
 
     def feed(self, text: str, final: bool = False) -> list[dict[str, Any]]:
@@ -342,21 +367,38 @@ class ChatOutput:
             r, text = self._split.feed(text, final)
             if r:
                 out += self._reasoning(r)
-        events: list[Text | ToolCall] = [Text(text)] if text else []
+        events: list[Any] = [Text(text)] if text else []
         if self._calls is not None:
             events = self._calls.feed(text) + (self._calls.finish() if final else [])
         for e in events:
-            if isinstance(e, ToolCall):
-                d = call_dict(e, self.num_calls)
-                self.num_calls += 1
-                args = d["function"]["arguments"]
-                d["function"]["arguments"] = ""
-                out.append({"tool_calls": [d]})
-                out.append({"tool_calls": [{"index": d["index"], "function": {"arguments":
-                                                                              args}}]})
+            if isinstance(e, CallDelta):
+                if e.name is not None:  # a call opens: its id and name go first
+                    self._open_args = ""
+                    out.append(self._start(e.name))
+                elif e.arguments:
+                    self._open_args += e.arguments
+                    out.append(self._args(e.arguments))
+            elif isinstance(e, ToolCall):
+                if self._open_args is None:
+                    out.append(self._start(e.name))
+                    sent = ""
+                else:
+                    sent, self._open_args = self._open_args, None
+                rest = e.arguments[len(sent):] if e.arguments.startswith(sent) else ""
+                if rest:
+                    out.append(self._args(rest))
             else:
                 out += self._content(e.text)
         return out
+
+    def _start(self, name: str) -> dict[str, Any]:
+        self.num_calls += 1
+        d = call_dict(ToolCall(name, ""), self.num_calls - 1)
+        return {"tool_calls": [d]}
+
+    def _args(self, fragment: str) -> dict[str, Any]:
+        return {"tool_calls": [{"index": self.num_calls - 1,
+                                "function": {"arguments": fragment}}]}
 
     def finish(self) -> list[dict[str, Any]]:
         return self.feed("", final=True)

@@ -20,6 +20,7 @@ from sgl_tpu.constrained import allowed_token_ids, create_backend
 from sgl_tpu.constrained.tool_grammar import json_after_reasoning, tool_call_grammar
 from sgl_tpu.function_call import (
     PARSERS,
+    CallDelta,
     Text,
     ToolCall,
     ToolCallStream,
@@ -87,14 +88,25 @@ RECORDED = [
 
 
 def _stream(parser_name: str, text: str, cuts: list[int]) -> tuple[str, list[ToolCall]]:
+    """Streamed result; calls streamed in parts (CallDelta) must add up to the whole call."""
     stream = ToolCallStream(get_parser(parser_name), FUNCTIONS)
     events, prev = [], 0
     for cut in [*cuts, len(text)]:
         events += stream.feed(text[prev:cut])
         prev = cut
     events += stream.finish()
-    return ("".join(e.text for e in events if isinstance(e, Text)),
-            [e for e in events if isinstance(e, ToolCall)])
+    calls = [e for e in events if isinstance(e, ToolCall)]
+    open_call = None
+    for e in events:
+        if isinstance(e, CallDelta):
+            if e.name is not None:
+                open_call = [e.name, ""]
+            else:
+                open_call[1] += e.arguments
+        elif isinstance(e, ToolCall) and open_call is not None:
+            assert e.name == open_call[0] and e.arguments.startswith(open_call[1])
+            open_call = None
+    return "".join(e.text for e in events if isinstance(e, Text)), calls
 
 
 @pytest.mark.parametrize("name, text, content, calls", RECORDED)
@@ -117,13 +129,26 @@ def test_streaming_matches_non_streaming(name, text, content, calls):
         assert _stream(name, text, cuts) == (content, calls)
 
 
+def test_hermes_streams_arguments_as_written():
+    stream = ToolCallStream(get_parser("hermes"), FUNCTIONS)
+    assert stream.feed('<tool_call>\n{"name": "get_weather", "arg') == []
+    assert stream.feed('uments": {"city": "Pa') == [CallDelta("get_weather", ""),
+                                                  CallDelta(None, '{"city": "Pa')]
+    assert stream.feed('ris"}}\n</tool') == [CallDelta(None, 'ris"}')]
+    assert stream.feed('_call>') == [ToolCall("get_weather", '{"city": "Paris"}')]
+    # a call the output ends inside leaves its parts and no ToolCall
+    stream = ToolCallStream(get_parser("hermes"), FUNCTIONS)
+    events = stream.feed('<tool_call>\n{"name": "noop", "arguments": {"x') + stream.finish()
+    assert events == [CallDelta("noop", ""), CallDelta(None, '{"x')]
+
+
 def test_stream_never_shows_markup_prefix():
     """Text that could still be a marker is held back, then released when it is not one."""
     stream = ToolCallStream(get_parser("hermes"), FUNCTIONS)
     assert stream.feed("Hello <tool") == [Text("Hello ")]
     assert stream.feed("box>") == [Text("<toolbox>")]
     assert stream.feed(H2[:20]) == []
-    assert stream.feed(H2[20:]) == [CALL2]
+    assert stream.feed(H2[20:]) == [CALL2]  # complete at once: no parts first
 
 
 def test_registry_and_detection():

@@ -82,8 +82,10 @@ def _check_calls(calls, names: set[str]) -> list[tuple[str, dict]]:
     return out
 
 
-def _assemble(stream) -> tuple[str, list[tuple[str, str]], str | None]:
-    """(content, [(name, arguments)], finish_reason) from streamed chunks."""
+def _assemble(stream, fragments: list | None = None
+              ) -> tuple[str, list[tuple[str, str]], str | None]:
+    """(content, [(name, arguments)], finish_reason) from streamed chunks; `fragments` gets
+    every non-empty arguments fragment."""
     content, calls, reason = "", {}, None
     for chunk in stream:
         for choice in chunk.choices:
@@ -94,6 +96,8 @@ def _assemble(stream) -> tuple[str, list[tuple[str, str]], str | None]:
                     assert tc.index not in calls and tc.function.name
                     calls[tc.index] = [tc.function.name, ""]
                 calls[tc.index][1] += tc.function.arguments or ""
+                if fragments is not None and tc.function.arguments:
+                    fragments.append(tc.function.arguments)
             reason = choice.finish_reason or reason
     return content, [tuple(calls[i]) for i in sorted(calls)], reason
 
@@ -127,8 +131,11 @@ def test_stream_assembles_the_same_calls(client, model, choice):
         resp = client.chat.completions.create(**kw)
         want = [(c.function.name, c.function.arguments) for c in resp.choices[0].message.tool_calls]
         _check_calls(resp.choices[0].message.tool_calls, set(SCHEMAS))
-        content, got, reason = _assemble(client.chat.completions.create(**kw, stream=True))
+        fragments: list[str] = []
+        content, got, reason = _assemble(client.chat.completions.create(**kw, stream=True),
+                                         fragments)
         assert got == want and content == "" and reason == "tool_calls"
+        assert len(fragments) > 1  # the arguments stream as the model writes them
 
 
 def test_auto_calls_valid_and_text_is_content(client, model):
@@ -195,6 +202,9 @@ BAD = [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "objekt"}}}]}, "not a valid JSON schema"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/$defs/Missing"}}}}}]},
+     "does not resolve"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "not among"),
     ({"tool_choice": "required"}, "at least one tool"),

@@ -96,7 +96,6 @@ class ChatPlan:
     grammar: str | None = None                     # Lark text (the `ebnf` kind)
     thinking: bool = False                         # a reasoning parser, thinking not off
     reasoning_name: str | None = None
-    uses_tools: bool = False
 
 
 def _bad(msg: str) -> RequestError:
@@ -256,7 +255,7 @@ def plan_chat(tm: TokenizerManager, req: ChatCompletionRequest) -> ChatPlan:
         messages = fallback_messages(messages, parser, functions, offer and not renders_tools)
     plan = ChatPlan(messages=messages,
                     template_tools=req.tools if offer and renders_tools else None,
-                    uses_tools=offer, reasoning_name=tm.args.reasoning_parser)
+                    reasoning_name=tm.args.reasoning_parser)
     if offer:
         plan.functions, plan.parser = functions, parser
     kwargs = req.chat_template_kwargs or {}

@@ -15,6 +15,8 @@ import random
 import jsonschema
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sgl_tpu.constrained import allowed_token_ids, create_backend
 from sgl_tpu.constrained.tool_grammar import json_after_reasoning, tool_call_grammar
@@ -127,6 +129,29 @@ def test_streaming_matches_non_streaming(name, text, content, calls):
     for _ in range(20):  # arbitrary chunk boundaries
         cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(1, 8))))
         assert _stream(name, text, cuts) == (content, calls)
+
+
+_PIECES = ["<tool_call>", "</tool_call>", "\n", '{"name": "noop", "arguments": {}}',
+           '{"name": "get_weather", "arguments": {"city": "Oslo"', "}", "{", "[", "]", '"',
+           "\\", "<|python_tag|>", "[TOOL_CALLS]", " [", "noop()", "get_weather(city='x')", ";",
+           "<function=noop>", "</function>", "<parameter=city>", "</parameter>", "<think>",
+           "</think>", "text ", "(", ")", ",", "[" * 50]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(["hermes", "llama3", "mistral", "pythonic", "qwen3_coder"]),
+       st.lists(st.sampled_from(_PIECES), max_size=25), st.lists(st.integers(1, 400),
+                                                                 max_size=8))
+def test_any_text_streams_like_it_parses(name, pieces, cuts):
+    """Whatever the model writes: no exception, stream == non-stream on any split, every call
+    names an offered function with a JSON object as arguments."""
+    text = "".join(pieces)
+    content, calls = parse_tool_calls(get_parser(name), text, FUNCTIONS)
+    cuts = sorted({c for c in cuts if c < len(text)})
+    assert _stream(name, text, cuts) == (content, calls)
+    for call in calls:
+        assert call.name in {"get_weather", "noop"}
+        assert isinstance(json.loads(call.arguments), dict)
 
 
 def test_hermes_streams_arguments_as_written():

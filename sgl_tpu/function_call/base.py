@@ -48,8 +48,12 @@ class Scan:
 
 
 def loads(text: str) -> Any:
-    """json.loads keeping numbers exact (a huge exponent stays a number, not Infinity)."""
-    return json.loads(text, parse_float=Decimal)
+    """json.loads keeping numbers exact (a huge exponent stays a number, not Infinity); too
+    deep nesting is a JSONDecodeError too."""
+    try:
+        return json.loads(text, parse_float=Decimal)
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deeply", text, 0) from None
 
 
 def dump_args(args: Any) -> str:

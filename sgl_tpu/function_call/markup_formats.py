@@ -88,7 +88,8 @@ class PythonicParser(ToolCallParser):
                     return Scan(end)
                 args = {k.arg: _py_value(k.value, buf[:end]) for k in node.keywords}
                 calls.append(ToolCall(ast.unparse(node.func), dump_args(args)))
-        except (SyntaxError, ValueError, TypeError, AttributeError, InvalidOperation):
+        except (SyntaxError, ValueError, TypeError, AttributeError, InvalidOperation,
+                MemoryError, RecursionError):
             return Scan(end)
         return Scan(end, tuple(calls)) if calls else Scan(end)
 

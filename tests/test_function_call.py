@@ -343,3 +343,16 @@ def test_grammar_starts_after_reasoning(backend):
     for prefix in ("<think>why</think>", "<tool_call>"):
         text = _walk(backend, compiled, prefix, random.Random(4))
         assert parse_tool_calls(parser, split_reasoning(text, False)[1], FUNCTIONS)[1]
+
+
+def test_flags():
+    from sgl_tpu.cli import parse_args
+    from sgl_tpu.config import ServerArgs
+
+    args = parse_args(["--tool-call-parser", "pythonic", "--reasoning-parser", "deepseek-r1"])
+    assert (args.tool_call_parser, args.reasoning_parser) == ("pythonic", "deepseek-r1")
+    assert parse_args([]).tool_call_parser is None
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        ServerArgs(tool_call_parser="nope")
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        ServerArgs(reasoning_parser="nope")

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from sgl_tpu.server.chat_output import ChatOutput, final_message
 from sgl_tpu.server.http_server import gather_results
 from sgl_tpu.server.openai_common import (
     Deltas,
@@ -32,14 +33,7 @@ from sgl_tpu.server.openai_common import (
     usage,
 )
 from sgl_tpu.server.openai_protocol import ChatCompletionRequest
-from sgl_tpu.server.openai_tools import (
-    ChatOutput,
-    ChatPlan,
-    final_message,
-    plan_chat,
-    plan_grammar,
-    tool_parser,
-)
+from sgl_tpu.server.openai_tools import ChatPlan, plan_chat, plan_grammar, tool_parser
 from sgl_tpu.server.tokenizer_manager import GenItem, RequestError, TokenizerManager
 
 # A JSON object of any shape: what `response_format: {"type": "json_object"}` asks for.

@@ -8,8 +8,7 @@ grammar constrains the output, and how the output splits into reasoning / conten
         `role: "tool"` results become user turns `<tool_response>\\n...\\n</tool_response>`
         plan_grammar: required / named -> only calls (tool_grammar, "required"); auto -> free text,
         a call once opened is constrained (lazy trigger); after `</think>` when reasoning
-    ChatOutput(plan)  .feed(text delta) / .finish() -> reasoning, content and call deltas
-    final_message(plan, text) -> the non-streaming `message` dict
+The output side (message / stream deltas) is `chat_output.py`.
 
 A parser is resolved once per server (`--tool-call-parser`, else from the chat template; see
 `sgl_tpu.function_call.detect_parser`) and logged at start-up by `log_tool_setup`.
@@ -21,7 +20,6 @@ import copy
 import json
 import logging
 import re
-import uuid
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -30,19 +28,13 @@ import jsonschema
 
 from sgl_tpu.constrained.tool_grammar import json_after_reasoning, tool_call_grammar
 from sgl_tpu.function_call import (
-    Text,
-    ToolCall,
     ToolCallParser,
-    ToolCallStream,
     detect_parser,
     get_parser,
-    parse_tool_calls,
 )
 from sgl_tpu.reasoning_parser import (
     ReasoningParser,
-    ReasoningSplitter,
     get_reasoning_parser,
-    split_reasoning,
 )
 from sgl_tpu.server.openai_protocol import ChatCompletionRequest
 from sgl_tpu.server.tokenizer_manager import RequestError, TokenizerManager
@@ -104,7 +96,6 @@ class ChatPlan:
     grammar: str | None = None                     # Lark text (the `ebnf` kind)
     thinking: bool = False                         # a reasoning parser, thinking not off
     reasoning_name: str | None = None
-    uses_tools: bool = False
 
 
 def _bad(msg: str) -> RequestError:
@@ -136,8 +127,31 @@ def check_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
             except jsonschema.SchemaError as e:
                 raise _bad(f"tools[{i}].function.parameters is not a valid JSON schema: "
                            f"{e.message}") from None
+            if (bad := _unresolved_ref(params, params)) is not None:
+                raise _bad(f"tools[{i}].function.parameters: $ref {bad!r} does not resolve "
+                           "(only local references such as '#/$defs/Name' are supported)")
         functions.append(fn)
     return functions
+
+
+def _unresolved_ref(node: Any, root: dict[str, Any]) -> str | None:
+    """The first `$ref` in `node` that is not a JSON pointer into `root`, if any."""
+    if isinstance(node, list):
+        return next((r for x in node if (r := _unresolved_ref(x, root)) is not None), None)
+    if not isinstance(node, dict):
+        return None
+    ref = node.get("$ref")
+    if ref is not None:
+        target: Any = root
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            return str(ref)
+        for part in filter(None, ref[1:].split("/")):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(target, dict) or part not in target:
+                return ref
+            target = target[part]
+    return next((r for k, v in node.items() if k != "$ref"
+                 and (r := _unresolved_ref(v, root)) is not None), None)
 
 
 def _tool_choice(req: ChatCompletionRequest, functions: list[dict[str, Any]]
@@ -241,7 +255,7 @@ def plan_chat(tm: TokenizerManager, req: ChatCompletionRequest) -> ChatPlan:
         messages = fallback_messages(messages, parser, functions, offer and not renders_tools)
     plan = ChatPlan(messages=messages,
                     template_tools=req.tools if offer and renders_tools else None,
-                    uses_tools=offer, reasoning_name=tm.args.reasoning_parser)
+                    reasoning_name=tm.args.reasoning_parser)
     if offer:
         plan.functions, plan.parser = functions, parser
     kwargs = req.chat_template_kwargs or {}
@@ -292,95 +306,3 @@ def plan_grammar(plan: ChatPlan, parser: ToolCallParser, prompt_text: str) -> st
         return json_after_reasoning(args["schema"], reasoning)
     return tool_call_grammar(parser, args["functions"], mode=args["mode"],
                              parallel=args["parallel"], reasoning=reasoning)
-
-
-def call_dict(call: ToolCall, index: int | None = None) -> dict[str, Any]:
-    d = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-         "function": {"name": call.name, "arguments": call.arguments}}
-    if index is not None:
-        d["index"] = index
-    return d
-
-
-def final_message(plan: ChatPlan, text: str) -> tuple[dict[str, Any], bool]:
-    """(the `message` of a finished choice, whether it holds tool calls)."""
-    message: dict[str, Any] = {"role": "assistant", "content": text}
-    if plan.reasoning is not None:
-        reasoning, text = split_reasoning(text, plan.in_reasoning)
-        message["reasoning_content"] = reasoning
-        message["content"] = text.strip()
-    if plan.parser is not None:
-        content, calls = parse_tool_calls(plan.parser, text, plan.functions)
-        message["content"] = content.strip() or None
-        if calls:
-            message["tool_calls"] = [call_dict(c) for c in calls]
-            return message, True
-    return message, False
-
-
-class ChatOutput:
-    """Streaming: text deltas in, OpenAI `delta` dicts out (reasoning, content, tool calls).
-
-    Content is trimmed as in the non-streaming message when tools or reasoning are parsed:
-    leading whitespace dropped, trailing whitespace held until more text follows it.
-    """
-
-    def __init__(self, plan: ChatPlan) -> None:
-        self.plan = plan
-        self._split = ReasoningSplitter(plan.in_reasoning) if plan.reasoning else None
-        self._calls = ToolCallStream(plan.parser, plan.functions) if plan.parser else None
-        self._trim = self._split is not None or self._calls is not None
-        self._started = False
-        self._ws = ""
-        self._reasoning_started = False
-        self._reasoning_ws = ""
-        self.num_calls = 0
-
-    def feed(self, text: str, final: bool = False) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        if self._split is not None:
-            r, text = self._split.feed(text, final)
-            if r:
-                out += self._reasoning(r)
-        events: list[Text | ToolCall] = [Text(text)] if text else []
-        if self._calls is not None:
-            events = self._calls.feed(text) + (self._calls.finish() if final else [])
-        for e in events:
-            if isinstance(e, ToolCall):
-                d = call_dict(e, self.num_calls)
-                self.num_calls += 1
-                args = d["function"]["arguments"]
-                d["function"]["arguments"] = ""
-                out.append({"tool_calls": [d]})
-                out.append({"tool_calls": [{"index": d["index"], "function": {"arguments":
-                                                                              args}}]})
-            else:
-                out += self._content(e.text)
-        return out
-
-    def finish(self) -> list[dict[str, Any]]:
-        return self.feed("", final=True)
-
-    def _content(self, text: str) -> list[dict[str, Any]]:
-        if not self._trim:
-            return [{"content": text}] if text else []
-        if not self._started:
-            text = text.lstrip()
-            if not text:
-                return []
-            self._started = True
-        text = self._ws + text
-        body = text.rstrip()
-        self._ws = text[len(body):]
-        return [{"content": body}] if body else []
-
-    def _reasoning(self, text: str) -> list[dict[str, Any]]:
-        if not self._reasoning_started:
-            text = text.lstrip()
-            if not text:
-                return []
-            self._reasoning_started = True
-        text = self._reasoning_ws + text
-        body = text.rstrip()
-        self._reasoning_ws = text[len(body):]
-        return [{"reasoning_content": body}] if body else []

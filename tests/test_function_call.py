@@ -15,11 +15,14 @@ import random
 import jsonschema
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sgl_tpu.constrained import allowed_token_ids, create_backend
 from sgl_tpu.constrained.tool_grammar import json_after_reasoning, tool_call_grammar
 from sgl_tpu.function_call import (
     PARSERS,
+    CallDelta,
     Text,
     ToolCall,
     ToolCallStream,
@@ -87,14 +90,25 @@ RECORDED = [
 
 
 def _stream(parser_name: str, text: str, cuts: list[int]) -> tuple[str, list[ToolCall]]:
+    """Streamed result; calls streamed in parts (CallDelta) must add up to the whole call."""
     stream = ToolCallStream(get_parser(parser_name), FUNCTIONS)
     events, prev = [], 0
     for cut in [*cuts, len(text)]:
         events += stream.feed(text[prev:cut])
         prev = cut
     events += stream.finish()
-    return ("".join(e.text for e in events if isinstance(e, Text)),
-            [e for e in events if isinstance(e, ToolCall)])
+    calls = [e for e in events if isinstance(e, ToolCall)]
+    open_call = None
+    for e in events:
+        if isinstance(e, CallDelta):
+            if e.name is not None:
+                open_call = [e.name, ""]
+            else:
+                open_call[1] += e.arguments
+        elif isinstance(e, ToolCall) and open_call is not None:
+            assert e.name == open_call[0] and e.arguments.startswith(open_call[1])
+            open_call = None
+    return "".join(e.text for e in events if isinstance(e, Text)), calls
 
 
 @pytest.mark.parametrize("name, text, content, calls", RECORDED)
@@ -117,13 +131,49 @@ def test_streaming_matches_non_streaming(name, text, content, calls):
         assert _stream(name, text, cuts) == (content, calls)
 
 
+_PIECES = ["<tool_call>", "</tool_call>", "\n", '{"name": "noop", "arguments": {}}',
+           '{"name": "get_weather", "arguments": {"city": "Oslo"', "}", "{", "[", "]", '"',
+           "\\", "<|python_tag|>", "[TOOL_CALLS]", " [", "noop()", "get_weather(city='x')", ";",
+           "<function=noop>", "</function>", "<parameter=city>", "</parameter>", "<think>",
+           "</think>", "text ", "(", ")", ",", "[" * 50]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(["hermes", "llama3", "mistral", "pythonic", "qwen3_coder"]),
+       st.lists(st.sampled_from(_PIECES), max_size=25), st.lists(st.integers(1, 400),
+                                                                 max_size=8))
+def test_any_text_streams_like_it_parses(name, pieces, cuts):
+    """Whatever the model writes: no exception, stream == non-stream on any split, every call
+    names an offered function with a JSON object as arguments."""
+    text = "".join(pieces)
+    content, calls = parse_tool_calls(get_parser(name), text, FUNCTIONS)
+    cuts = sorted({c for c in cuts if c < len(text)})
+    assert _stream(name, text, cuts) == (content, calls)
+    for call in calls:
+        assert call.name in {"get_weather", "noop"}
+        assert isinstance(json.loads(call.arguments), dict)
+
+
+def test_hermes_streams_arguments_as_written():
+    stream = ToolCallStream(get_parser("hermes"), FUNCTIONS)
+    assert stream.feed('<tool_call>\n{"name": "get_weather", "arg') == []
+    assert stream.feed('uments": {"city": "Pa') == [CallDelta("get_weather", ""),
+                                                  CallDelta(None, '{"city": "Pa')]
+    assert stream.feed('ris"}}\n</tool') == [CallDelta(None, 'ris"}')]
+    assert stream.feed('_call>') == [ToolCall("get_weather", '{"city": "Paris"}')]
+    # a call the output ends inside leaves its parts and no ToolCall
+    stream = ToolCallStream(get_parser("hermes"), FUNCTIONS)
+    events = stream.feed('<tool_call>\n{"name": "noop", "arguments": {"x') + stream.finish()
+    assert events == [CallDelta("noop", ""), CallDelta(None, '{"x')]
+
+
 def test_stream_never_shows_markup_prefix():
     """Text that could still be a marker is held back, then released when it is not one."""
     stream = ToolCallStream(get_parser("hermes"), FUNCTIONS)
     assert stream.feed("Hello <tool") == [Text("Hello ")]
     assert stream.feed("box>") == [Text("<toolbox>")]
     assert stream.feed(H2[:20]) == []
-    assert stream.feed(H2[20:]) == [CALL2]
+    assert stream.feed(H2[20:]) == [CALL2]  # complete at once: no parts first
 
 
 def test_registry_and_detection():
@@ -238,6 +288,31 @@ def test_grammar_admits_only_valid_calls(backend, name, mode):
     assert finished >= 3
 
 
+@pytest.mark.parametrize("name", ["hermes", "mistral", "pythonic", "qwen3_coder"])
+def test_grammar_follows_defs_refs(backend, name):
+    """Pydantic-made schemas (what agent frameworks send) reference `#/$defs/...`."""
+    _, be, _ = backend
+    fn = {"name": "add_item", "parameters": {
+        "$defs": {"Item": {"type": "object", "properties": {
+            "sku": {"type": "string", "maxLength": 6}, "qty": {"type": "integer", "minimum": 1,
+                                                               "maximum": 5}},
+            "required": ["sku", "qty"]}},
+        "type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}},
+        "required": ["item"]}}
+    parser = get_parser(name)
+    compiled = be.compile("ebnf", tool_call_grammar(parser, [fn], mode="required",
+                                                    parallel=False))
+    rng, done = random.Random(5), 0
+    for _ in range(6):
+        text = _walk(backend, compiled, "", rng)
+        if text:
+            done += 1
+            calls = parse_tool_calls(parser, text, [fn])[1]
+            assert len(calls) == 1, text
+            jsonschema.validate(json.loads(calls[0].arguments), fn["parameters"])
+    assert done
+
+
 def test_grammar_named_and_single(backend):
     _, be, _ = backend
     parser = get_parser("hermes")
@@ -268,3 +343,16 @@ def test_grammar_starts_after_reasoning(backend):
     for prefix in ("<think>why</think>", "<tool_call>"):
         text = _walk(backend, compiled, prefix, random.Random(4))
         assert parse_tool_calls(parser, split_reasoning(text, False)[1], FUNCTIONS)[1]
+
+
+def test_flags():
+    from sgl_tpu.cli import parse_args
+    from sgl_tpu.config import ServerArgs
+
+    args = parse_args(["--tool-call-parser", "pythonic", "--reasoning-parser", "deepseek-r1"])
+    assert (args.tool_call_parser, args.reasoning_parser) == ("pythonic", "deepseek-r1")
+    assert parse_args([]).tool_call_parser is None
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        ServerArgs(tool_call_parser="nope")
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        ServerArgs(reasoning_parser="nope")

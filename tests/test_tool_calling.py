@@ -82,8 +82,10 @@ def _check_calls(calls, names: set[str]) -> list[tuple[str, dict]]:
     return out
 
 
-def _assemble(stream) -> tuple[str, list[tuple[str, str]], str | None]:
-    """(content, [(name, arguments)], finish_reason) from streamed chunks."""
+def _assemble(stream, fragments: list | None = None
+              ) -> tuple[str, list[tuple[str, str]], str | None]:
+    """(content, [(name, arguments)], finish_reason) from streamed chunks; `fragments` gets
+    every non-empty arguments fragment."""
     content, calls, reason = "", {}, None
     for chunk in stream:
         for choice in chunk.choices:
@@ -94,6 +96,8 @@ def _assemble(stream) -> tuple[str, list[tuple[str, str]], str | None]:
                     assert tc.index not in calls and tc.function.name
                     calls[tc.index] = [tc.function.name, ""]
                 calls[tc.index][1] += tc.function.arguments or ""
+                if fragments is not None and tc.function.arguments:
+                    fragments.append(tc.function.arguments)
             reason = choice.finish_reason or reason
     return content, [tuple(calls[i]) for i in sorted(calls)], reason
 
@@ -127,8 +131,11 @@ def test_stream_assembles_the_same_calls(client, model, choice):
         resp = client.chat.completions.create(**kw)
         want = [(c.function.name, c.function.arguments) for c in resp.choices[0].message.tool_calls]
         _check_calls(resp.choices[0].message.tool_calls, set(SCHEMAS))
-        content, got, reason = _assemble(client.chat.completions.create(**kw, stream=True))
+        fragments: list[str] = []
+        content, got, reason = _assemble(client.chat.completions.create(**kw, stream=True),
+                                         fragments)
         assert got == want and content == "" and reason == "tool_calls"
+        assert len(fragments) > 1  # the arguments stream as the model writes them
 
 
 def test_auto_calls_valid_and_text_is_content(client, model):
@@ -137,20 +144,23 @@ def test_auto_calls_valid_and_text_is_content(client, model):
     # The 135M model seldom opens a call on its own; asked to echo the opener, it often does,
     # and the grammar then has to carry the call to a valid end.
     echo = 'Repeat after me: <tool_call>\n{"name": "get_weather"'
-    for messages, n in (([{"role": "user", "content": echo}], 16), (ASK_WEATHER, 4),
-                        ([{"role": "user", "content": "Say hello and tell me a joke."}], 4)):
+    for messages, n, max_tokens in (([{"role": "user", "content": echo}], 16, 80),
+                                    (ASK_WEATHER, 4, 40),
+                                    ([{"role": "user", "content": "Tell me a joke."}], 4, 40)):
         resp = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,
-                                              temperature=1, seed=3, n=n, max_tokens=120)
+                                              temperature=1, seed=3, n=n, max_tokens=max_tokens)
         for c in resp.choices:
             if c.message.tool_calls:
                 calls += 1
                 _check_calls(c.message.tool_calls, set(SCHEMAS))
                 assert c.finish_reason in ("tool_calls", "length")
-            else:
+            elif c.message.content:
                 texts += 1
-                assert c.message.content and "<tool_call>" not in c.message.content
+                assert "<tool_call>" not in c.message.content
+            else:  # a call cut off by max_tokens is dropped, never shown as content
+                assert c.finish_reason == "length"
         stream = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,
-                                                temperature=1, seed=7, max_tokens=120,
+                                                temperature=1, seed=7, max_tokens=max_tokens,
                                                 stream=True)
         content, got, _ = _assemble(stream)
         assert "<tool_call>" not in content and (got or content)
@@ -192,6 +202,9 @@ BAD = [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "objekt"}}}]}, "not a valid JSON schema"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/$defs/Missing"}}}}}]},
+     "does not resolve"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "not among"),
     ({"tool_choice": "required"}, "at least one tool"),
@@ -250,35 +263,119 @@ def test_langchain_bind_tools_agent_loop(server, model, tmp_path, monkeypatch):
     assert not final.tool_calls
 
 
-# ---- reasoning (a tiny random checkpoint: fast; the grammar forces a reasoning block) ------
-def test_reasoning_parser_end_to_end(tmp_path_factory):
-    ckpt = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_reasoning"), "llama")
+# ---- a tiny random checkpoint whose template renders tools (Qwen2.5-style), with reasoning ---
+QWEN_STYLE_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+# Tools
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Call tools as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
+{%- for tc in message.tool_calls %}
+<tool_call>
+{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A random-weight model (gibberish unless constrained) with the template above, started
+    with --reasoning-parser qwen3 and no --tool-call-parser (the template picks qwen25)."""
+    ckpt = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_tools"), "llama")
+    cfg_path = f"{ckpt}/tokenizer_config.json"
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["chat_template"] = QWEN_STYLE_TEMPLATE
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
     srv = launch_server("--skip-warmup", "--max-total-tokens", "2048", "--reasoning-parser",
                         "qwen3", model_path=ckpt)
-    try:
-        c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0,
-                          timeout=120)
-        model = c.models.list().data[0].id
-        forced = 'start: "<think>\\nAdd 2 and 2.\\n</think>\\n\\nThe answer is 4."'
-        kw = dict(model=model, messages=[{"role": "user", "content": "2+2?"}], max_tokens=60,
-                  temperature=0, extra_body={"ebnf": forced})
-        msg = c.chat.completions.create(**kw).choices[0].message
-        assert msg.reasoning_content == "Add 2 and 2." and msg.content == "The answer is 4."
-        reasoning = content = ""
-        for chunk in c.chat.completions.create(**kw, stream=True):
-            for ch in chunk.choices:
-                reasoning += getattr(ch.delta, "reasoning_content", None) or ""
-                content += ch.delta.content or ""
-        assert (reasoning, content) == ("Add 2 and 2.", "The answer is 4.")
-        kw["extra_body"] = {"ebnf": forced, "separate_reasoning": False}
-        msg = c.chat.completions.create(**kw).choices[0].message
-        assert msg.content.startswith("<think>") and "The answer is 4." in msg.content
-        # a plain answer (no block) stays content; chat_template_kwargs reach the template
-        plain = c.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-            temperature=0, extra_body={"ebnf": 'start: "hello"',
-                                       "chat_template_kwargs": {"enable_thinking": False}})
-        assert plain.choices[0].message.content == "hello"
-        assert plain.choices[0].message.reasoning_content is None
-    finally:
-        srv.stop()
+    client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0,
+                           timeout=120)
+    yield srv, client, client.models.list().data[0].id
+    srv.stop()
+
+
+def test_template_tools_on_a_random_model(tiny):
+    """The template renders the tools; the grammar makes even random weights call validly."""
+    srv, c, model = tiny
+    assert "tool-call parser: qwen25 (the chat template writes '<tool_call>')" in srv.log_tail()
+    small = {"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 8},
+            "unit": {"enum": ["celsius", "fahrenheit"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["city", "unit", "days"]}}}
+    no_think = {"chat_template_kwargs": {"enable_thinking": False}}
+    for seed in range(4):
+        resp = c.chat.completions.create(model=model, messages=ASK_WEATHER, tools=[small],
+                                         tool_choice="required", temperature=1, seed=seed,
+                                         max_tokens=150, extra_body=no_think,
+                                         parallel_tool_calls=False)
+        choice = resp.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        for call in choice.message.tool_calls:
+            assert call.function.name == "get_weather"
+            jsonschema.validate(json.loads(call.function.arguments),
+                                small["function"]["parameters"])
+    # history rendered by the template: the call and its result
+    messages = [*ASK_WEATHER, choice.message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id,
+                 "content": "sunny"}]
+    later = c.chat.completions.create(model=model, messages=messages, tools=[small],
+                                      max_tokens=1, extra_body=no_think)
+    first = c.chat.completions.create(model=model, messages=ASK_WEATHER, tools=[small],
+                                      max_tokens=1, extra_body=no_think)
+    assert later.usage.prompt_tokens > first.usage.prompt_tokens + 10
+
+
+def test_reasoning_parser_end_to_end(tiny):
+    _, c, model = tiny
+    forced = 'start: "<think>\\nAdd 2 and 2.\\n</think>\\n\\nThe answer is 4."'
+    kw = dict(model=model, messages=[{"role": "user", "content": "2+2?"}], max_tokens=60,
+              temperature=0, extra_body={"ebnf": forced})
+    msg = c.chat.completions.create(**kw).choices[0].message
+    assert msg.reasoning_content == "Add 2 and 2." and msg.content == "The answer is 4."
+    reasoning = content = ""
+    for chunk in c.chat.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            reasoning += getattr(ch.delta, "reasoning_content", None) or ""
+            content += ch.delta.content or ""
+    assert (reasoning, content) == ("Add 2 and 2.", "The answer is 4.")
+    kw["extra_body"] = {"ebnf": forced, "separate_reasoning": False}
+    msg = c.chat.completions.create(**kw).choices[0].message
+    assert msg.content.startswith("<think>") and "The answer is 4." in msg.content
+    # a plain answer (no block) stays content
+    plain = c.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        temperature=0, extra_body={"ebnf": 'start: "hello"'})
+    assert plain.choices[0].message.content == "hello"
+    assert plain.choices[0].message.reasoning_content is None
+    # with thinking on, a forced call may come after a reasoning block: the grammar lets the
+    # block through first, and the call is still parsed out of what follows
+    tool = {"type": "function", "function": {"name": "noop", "parameters": {
+        "type": "object", "properties": {}}}}
+    resp = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}],
+                                     tools=[tool], tool_choice="required", max_tokens=200,
+                                     temperature=0, parallel_tool_calls=False)
+    choice = resp.choices[0]
+    if choice.message.tool_calls:
+        assert [t.function.name for t in choice.message.tool_calls] == ["noop"]
+    else:  # the random model stayed in its reasoning block until max_tokens
+        assert choice.finish_reason == "length" and choice.message.reasoning_content

@@ -10,6 +10,7 @@ named as SGLang names them (`--tool-call-parser`).
 from __future__ import annotations
 
 from sgl_tpu.function_call.base import (
+    CallDelta,
     Text,
     ToolCall,
     ToolCallParser,
@@ -67,6 +68,6 @@ def detect_parser(chat_template: str | None) -> tuple[str, str]:
                            "<tool_call> blocks, described in the system prompt"
 
 
-__all__ = ["DEFAULT_PARSER", "PARSERS", "TOOL_CALL_PARSERS", "Text", "ToolCall",
+__all__ = ["CallDelta", "DEFAULT_PARSER", "PARSERS", "TOOL_CALL_PARSERS", "Text", "ToolCall",
            "ToolCallParser", "ToolCallStream", "detect_parser", "get_parser",
            "parse_tool_calls"]

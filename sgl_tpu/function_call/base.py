@@ -48,8 +48,12 @@ class Scan:
 
 
 def loads(text: str) -> Any:
-    """json.loads keeping numbers exact (a huge exponent stays a number, not Infinity)."""
-    return json.loads(text, parse_float=Decimal)
+    """json.loads keeping numbers exact (a huge exponent stays a number, not Infinity); too
+    deep nesting is a JSONDecodeError too."""
+    try:
+        return json.loads(text, parse_float=Decimal)
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deeply", text, 0) from None
 
 
 def dump_args(args: Any) -> str:
@@ -138,6 +142,14 @@ class ToolCallParser(ABC):
     def render_call(self, name: str, arguments: dict[str, Any]) -> str:
         """One call as the model writes it (without opener/closer)."""
 
+    def partial_call(self, buf: str) -> tuple[str, int] | None:
+        """For a region still open at buf[0]: (function name, offset where its arguments
+        object starts in buf) once both are known, so the arguments can stream as the model
+        writes them; None when the format does not stream arguments (the call is then sent
+        when complete). A format that returns this must return the raw argument text as
+        `ToolCall.arguments` for the completed call."""
+        return None
+
     def render_calls(self, calls: list[tuple[str, dict[str, Any]]]) -> str:
         return self.opener + self.sep.join(self.render_call(n, a) for n, a in calls) \
             + self.closer
@@ -156,21 +168,53 @@ class Text:
     text: str
 
 
+@dataclass(frozen=True)
+class CallDelta:
+    """Part of a call still being written: `name` on its first delta, then argument text."""
+
+    name: str | None
+    arguments: str
+
+
+Event = Text | CallDelta | ToolCall
+
+
 class ToolCallStream:
-    """Incremental parsing: `feed(chunk)` / `finish()` -> list of Text and ToolCall events."""
+    """Incremental parsing: `feed(chunk)` / `finish()` -> list of events.
+
+    Every call ends with its ToolCall event. Formats with `partial_call` also stream it as it is
+    written: CallDelta(name, "") then CallDelta(None, fragment)...; the completed call's
+    arguments then start with the fragments sent (its rest follows the ToolCall). A call cut
+    off by the end of the output leaves only its CallDeltas.
+    """
 
     def __init__(self, parser: ToolCallParser, functions: list[dict[str, Any]]) -> None:
         self.parser = parser
         self.tools = {f["name"]: f for f in functions}
         self._buf = ""
         self._at_start = True
+        self._sent: int | None = None  # argument chars streamed of the open call
 
-    def feed(self, chunk: str) -> list[Text | ToolCall]:
+    def feed(self, chunk: str) -> list[Event]:
         self._buf += chunk
         return self._drain(final=False)
 
-    def finish(self) -> list[Text | ToolCall]:
+    def finish(self) -> list[Event]:
         return self._drain(final=True)
+
+    def _stream_partial(self, out: list) -> None:
+        partial = self.parser.partial_call(self._buf)
+        if partial is None or partial[0] not in self.tools:
+            return
+        name, start = partial
+        if self._sent is None:
+            out.append(CallDelta(name, ""))
+            self._sent = 0
+        end = json_value_end(self._buf, start) or len(self._buf)
+        piece = self._buf[start + self._sent:end]
+        if piece:
+            out.append(CallDelta(None, piece))
+            self._sent += len(piece)
 
     def _emit_text(self, out: list, n: int) -> None:
         text, self._buf = self._buf[:n], self._buf[n:]
@@ -179,8 +223,8 @@ class ToolCallStream:
             if text.strip():
                 self._at_start = False
 
-    def _drain(self, final: bool) -> list[Text | ToolCall]:
-        out: list[Text | ToolCall] = []
+    def _drain(self, final: bool) -> list[Event]:
+        out: list[Event] = []
         while self._buf:
             found = [p for p in (self._buf.find(m) for m in self.parser.starts) if p >= 0]
             if not found:
@@ -192,7 +236,9 @@ class ToolCallStream:
                 self._emit_text(out, pos)
             scan = self.parser.scan(self._buf, final, self.tools, self._at_start)
             if scan is None:
+                self._stream_partial(out)
                 break
+            self._sent = None
             calls = scan.calls
             if calls == ():
                 self._buf = self._buf[scan.consumed:]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from sgl_tpu.function_call.base import (
@@ -27,17 +28,32 @@ def parameters_schema(function: dict[str, Any]) -> dict[str, Any]:
                                                                "properties": {}}
 
 
+_DEFS = ("$defs", "definitions")
+
+
+def hoist_defs(schema: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(schema without its `$defs`/`definitions`, those). A schema nested in a bigger one
+    keeps its `#/$defs/...` references working when its definitions move to the new root."""
+    defs = {k: schema[k] for k in _DEFS if k in schema}
+    return {k: v for k, v in schema.items() if k not in _DEFS}, defs
+
+
 def call_object_schema(function: dict[str, Any], args_key: str) -> dict[str, Any]:
     """{"name": <this function>, args_key: <its parameters>}, in that order, nothing else."""
+    params, defs = hoist_defs(parameters_schema(function))
     return {"type": "object",
-            "properties": {"name": {"const": function["name"]},
-                           args_key: parameters_schema(function)},
+            "properties": {"name": {"const": function["name"]}, args_key: params},
             "required": ["name", args_key], "additionalProperties": False,
-            "x-guidance": JSON_LAYOUT}
+            "x-guidance": JSON_LAYOUT, **defs}
 
 
 def lark_json(schema: dict[str, Any]) -> str:
     return "%json " + json.dumps(schema, ensure_ascii=False)
+
+
+# `{"name": "f", "arguments": ` at the start of a call: from here the arguments can stream.
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,'
+                   r'\s*"(?:arguments|parameters)"\s*:\s*')
 
 
 class HermesParser(ToolCallParser):
@@ -67,7 +83,21 @@ class HermesParser(ToolCallParser):
             call = None
         if call is None:
             return Scan(consumed, None if end >= 0 else ())  # cut off: dropped
+        head = _HEAD.match(body)
+        if head is not None and body[head.end():head.end() + 1] == "{":  # as streamed: raw
+            raw = body[head.end():json_value_end(body, head.end())]
+            call = ToolCall(call.name, raw)
         return Scan(consumed, (call,))
+
+    def partial_call(self, buf: str) -> tuple[str, int] | None:
+        body = len(self.starts[0])
+        head = _HEAD.match(buf, body)
+        if head is None or buf[head.end():head.end() + 1] != "{":
+            return None
+        try:
+            return json.loads(f'"{head.group(1)}"'), head.end()
+        except json.JSONDecodeError:
+            return None
 
     def call_grammar(self, function: dict[str, Any]) -> str:
         return lark_json(call_object_schema(function, "arguments"))

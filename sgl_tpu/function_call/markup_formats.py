@@ -12,7 +12,12 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from sgl_tpu.function_call.base import Scan, ToolCall, ToolCallParser, dump_args, loads
-from sgl_tpu.function_call.json_formats import JSON_LAYOUT, lark_json, parameters_schema
+from sgl_tpu.function_call.json_formats import (
+    JSON_LAYOUT,
+    hoist_defs,
+    lark_json,
+    parameters_schema,
+)
 
 _PY_START = re.compile(r"\[\s*[A-Za-z_][\w.]*\(")
 _PY_NAMES = {"true": True, "false": False, "null": None}
@@ -83,7 +88,8 @@ class PythonicParser(ToolCallParser):
                     return Scan(end)
                 args = {k.arg: _py_value(k.value, buf[:end]) for k in node.keywords}
                 calls.append(ToolCall(ast.unparse(node.func), dump_args(args)))
-        except (SyntaxError, ValueError, TypeError, AttributeError, InvalidOperation):
+        except (SyntaxError, ValueError, TypeError, AttributeError, InvalidOperation,
+                MemoryError, RecursionError):
             return Scan(end)
         return Scan(end, tuple(calls)) if calls else Scan(end)
 
@@ -103,15 +109,16 @@ def _lit(s: str) -> str:
 
 
 def _param_items(function: dict[str, Any], item, joiner: str) -> str:
-    props = (parameters_schema(function).get("properties") or {})
-    parts = [item(p, {**s, "x-guidance": JSON_LAYOUT} if isinstance(s, dict) else s)
+    """Each parameter's grammar (its schema carries the function's `$defs`), joined."""
+    params, defs = hoist_defs(parameters_schema(function))
+    props = params.get("properties") or {}
+    parts = [item(p, {**s, **defs, "x-guidance": JSON_LAYOUT} if isinstance(s, dict) else s)
              for p, s in props.items()]
     return joiner.join(parts) if parts else '""'
 
 
 def _qwen_value(raw: str, schema: dict[str, Any] | None) -> Any:
-    kind = (schema or {}).get("type")
-    if kind == "string" or (kind is None and "enum" not in (schema or {})):
+    if (schema or {}).get("type") == "string":
         return raw
     try:
         return loads(raw)

@@ -346,13 +346,18 @@ def test_grammar_starts_after_reasoning(backend):
 
 
 def test_flags():
+    from sgl_tpu.choices import check_registry_names
     from sgl_tpu.cli import parse_args
     from sgl_tpu.config import ServerArgs
 
     args = parse_args(["--tool-call-parser", "pythonic", "--reasoning-parser", "deepseek-r1"])
     assert (args.tool_call_parser, args.reasoning_parser) == ("pythonic", "deepseek-r1")
     assert parse_args([]).tool_call_parser is None
+    check_registry_names(args)
+    check_registry_names(ServerArgs())  # None: picked from the template / off
     with pytest.raises(ValueError, match="tool_call_parser"):
-        ServerArgs(tool_call_parser="nope")
+        check_registry_names(ServerArgs(tool_call_parser="nope"))
     with pytest.raises(ValueError, match="reasoning_parser"):
-        ServerArgs(reasoning_parser="nope")
+        check_registry_names(ServerArgs(reasoning_parser="nope"))
+    with pytest.raises(SystemExit):
+        parse_args(["--tool-call-parser", "nope"])

@@ -36,6 +36,7 @@ def test_chat_body_carries_tools_and_is_not_length_forced():
                      tool_choice="required")
     body = DRIVERS["openai-chat"].body(req, DriverOptions())
     assert body["tools"] == list(FUNCTION_TOOLS) and body["tool_choice"] == "required"
+    assert body["parallel_tool_calls"] is False
     assert "ignore_eos" not in body and "min_tokens" not in body
     for api in ("native", "openai-completions"):
         with pytest.raises(ValueError, match="openai-chat"):
@@ -100,7 +101,8 @@ def test_runner_feeds_tool_results_back_and_counts_valid_calls():
     sent: list[GenRequest] = []
     answers = [
         [{"id": "c1", "name": "search", "arguments": '{"query": "q"}'},
-         {"id": "c2", "name": "calculator", "arguments": '{"expression": 7}'}],  # invalid
+         {"id": "c2", "name": "calculator", "arguments": '{"expression": 7}'},  # invalid
+         {"id": "c4", "name": "search", "arguments": '{"query": "cut off'}],  # not JSON
         [],  # a text answer: the next observation goes back as a user message
         [{"id": "c3", "name": "finish", "arguments": '{"answer": "done"}'}],
     ]
@@ -121,14 +123,16 @@ def test_runner_feeds_tool_results_back_and_counts_valid_calls():
     trace = asyncio.run(ProgramRunner(send, render, RunOptions(progress=False)).run([program]))
     second = sent[1].messages
     assert second[2]["role"] == "assistant" and second[2]["content"] is None
-    assert [c["id"] for c in second[2]["tool_calls"]] == ["c1", "c2"]
+    assert [c["id"] for c in second[2]["tool_calls"]] == ["c1", "c2", "c4"]
+    assert second[2]["tool_calls"][2]["function"]["arguments"] == "{}"  # sent back as JSON
     assert second[3] == {"role": "tool", "tool_call_id": "c1", "content": "OBS1"}
     assert second[4]["role"] == "tool" and second[4]["tool_call_id"] == "c2"
+    assert "not valid JSON" in second[5]["content"]
     third = sent[2].messages
     assert third[-2] == {"role": "assistant", "content": "plain"}
     assert third[-1] == {"role": "user", "content": "OBS2"}
     assert sent[2].tool_choice == "auto" and "search" in sent[1].prompt  # calls rendered as text
     s = summarize(Trace(3.0, 1, trace.records))
-    assert s["tool_requests"] == 3 and s["tool_calls"] == 3
-    assert s["invalid_tool_calls"] == 1 and s["tool_requests_without_call"] == 1
-    assert s["valid_tool_call_share"] == pytest.approx(2 / 3)
+    assert s["tool_requests"] == 3 and s["tool_calls"] == 4
+    assert s["invalid_tool_calls"] == 2 and s["tool_requests_without_call"] == 1
+    assert s["valid_tool_call_share"] == pytest.approx(2 / 4)

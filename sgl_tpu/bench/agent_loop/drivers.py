@@ -23,10 +23,10 @@ Structured output per dialect (`json_dialect`): "openai" (sgl-tpu, SGLang) sends
 (completions) or `response_format: {"type": "json_object", "schema": ...}` (chat), since
 llama.cpp answers HTTP 500 to OpenAI's `json_schema` form.
 
-Function tools (the `tool-calls` workload) exist only in the chat API: the body carries `tools`
-and `tool_choice`, streamed `delta.tool_calls` fragments are joined per call `index` into
-`StreamState.tool_calls`, and such requests are never length-forced (a call ends where its JSON
-does).
+Function tools (the `tool-calls` workload) exist only in the chat API: the body carries `tools`,
+`tool_choice` and `parallel_tool_calls: false` (one call per agent turn); streamed
+`delta.tool_calls` fragments are joined per call `index` into `StreamState.tool_calls`, and
+such requests are never length-forced (a call ends where its JSON does).
 """
 
 from __future__ import annotations
@@ -233,6 +233,7 @@ class ChatDriver(_OpenAIDriver):
         if req.tools:
             body["tools"] = list(req.tools)
             body["tool_choice"] = req.tool_choice or "auto"
+            body["parallel_tool_calls"] = False  # the workload's agents act one call per turn
         if req.json_schema is not None:
             if opts.json_dialect == "llamacpp":
                 body["response_format"] = {"type": "json_object", "schema": req.json_schema}

@@ -73,18 +73,35 @@ def check_call(call: dict[str, Any], tools: tuple[dict[str, Any], ...]) -> str |
     return None
 
 
+def _is_json(arguments: str) -> bool:
+    try:
+        json.loads(arguments)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
 def assistant_message(text: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
-    """The assistant turn as a client sends it back: its text and its tool calls."""
+    """The assistant turn as a client sends it back: its text and its tool calls. Arguments
+    that are not JSON (a call cut off by max_tokens) go back as `{}`, as an agent framework
+    that could not run the call would send it (the call is counted invalid either way)."""
     return {"role": "assistant", "content": text or None, "tool_calls": [
-        {"id": c["id"], "type": "function",
-         "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]}
+        {"id": c["id"], "type": "function", "function": {
+            "name": c["name"], "arguments": c["arguments"] if _is_json(c["arguments"]) else "{}"}}
+        for c in calls]}
 
 
 def tool_messages(calls: list[dict[str, Any]], observation: str) -> list[dict[str, Any]]:
-    """One result per call: the first gets the observation, the others a short note."""
-    return [{"role": "tool", "tool_call_id": c["id"],
-             "content": observation if i == 0 else f"{c['name']}: no further results."}
-            for i, c in enumerate(calls)]
+    """One result per call: the first gets the observation, the others a short note (an error
+    note for calls whose arguments were not JSON)."""
+    out = []
+    for i, c in enumerate(calls):
+        if not _is_json(c["arguments"]):
+            content = f"{c['name']}: error: the arguments were not valid JSON."
+        else:
+            content = observation if i == 0 else f"{c['name']}: no further results."
+        out.append({"role": "tool", "tool_call_id": c["id"], "content": content})
+    return out
 
 
 def renderable(messages: list[dict[str, Any]]) -> list[dict[str, str]]:

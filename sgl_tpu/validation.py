@@ -20,9 +20,21 @@ def check_session_id(session_id: object) -> str | None:
     return None
 
 
+def check_token_ids(name: str, ids: object, vocab_size: int) -> str | None:
+    """A message if `ids` is not a list of token ids within the vocabulary, else None."""
+    if not isinstance(ids, list | tuple) or any(
+            not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size
+            for t in ids):
+        return f"{name} must be integers in [0, {vocab_size})"
+    return None
+
+
 def check_request(prompt_len: int, sampling: SamplingParams, *, context_len: int,
-                  capacity_tokens: int, grammar_supported: bool) -> str | None:
+                  capacity_tokens: int, grammar_supported: bool, vocab_size: int
+                  ) -> str | None:
     """A message naming the problem if the request can never be served, else None."""
+    if (error := check_token_ids("stop_token_ids", sampling.stop_token_ids, vocab_size)):
+        return error
     if prompt_len == 0:
         return "the prompt is empty"
     if prompt_len >= context_len:

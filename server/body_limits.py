@@ -92,8 +92,13 @@ def _check_str(value: str, path: str) -> None:
 
 
 def _shown(path: str) -> str:
-    path = path or "body"
+    path = printable(path or "body")
     return path if len(path) <= 80 else path[:77] + "..."
+
+
+def printable(text: str) -> str:
+    """`text` with lone surrogates escaped (`\\ud800`), so it can go into a JSON response."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class BodyLimitMiddleware:

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sgl_tpu.server.body_limits import BodyError, BodyLimitMiddleware, parse_json
+from sgl_tpu.server.body_limits import BodyError, BodyLimitMiddleware, parse_json, printable
 from sgl_tpu.server.tokenizer_manager import GenItem, RequestError, ServerDead, TokenizerManager
 
 logger = logging.getLogger("sgl_tpu.http")
@@ -37,6 +37,7 @@ MAX_N = 64  # most samples per prompt (SamplingParams' bound)
 def error_response(message: str, status_code: int = 400, err_type: str | None = None
                    ) -> JSONResponse:
     err_type = err_type or ("BadRequestError" if status_code < 500 else "InternalServerError")
+    message = printable(message)  # a message may quote user input
     return JSONResponse({"object": "error", "error": {"message": message, "type": err_type,
                                                       "code": status_code},
                          "message": message, "code": status_code}, status_code=status_code)

@@ -117,6 +117,7 @@ def _control(scheduler, msg: ControlReq) -> ControlResp:
             "num_running_reqs": len(scheduler.running),
             "num_waiting_reqs": len(scheduler.waiting),
             "num_compilations": scheduler.runner.num_compilations(),
+            "scheduler_pid": os.getpid(),
             "stats": {"prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
                       "generated_tokens": s.generated_tokens,
                       "num_requests_finished": s.num_requests_finished,

@@ -23,7 +23,6 @@ from sgl_tpu.bench.reliability.fuzz import CLASSES, ROUTES, run_fuzz
 from sgl_tpu.bench.reliability.invariants import check_invariants
 from sgl_tpu.bench.reliability.phases import (
     LatencyProbe,
-    child_pids,
     disconnect_phase,
     exhaustion_phase,
     kill_child_phase,
@@ -116,10 +115,11 @@ def main() -> None:
     victim_server = Server(flags, os.path.join(log_dir, "reliability_kill.log"))
     try:
         victim_server.wait_ready()
-        children = child_pids(victim_server.proc.pid)
-        kill = asyncio.run(kill_child_phase(victim_server.url,
-                                            {"Authorization": f"Bearer {API_KEY}"},
-                                            victim_server.proc.pid, victim=max(children)))
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        victim = requests.get(victim_server.url + "/server_info", headers=headers,
+                              timeout=30).json()["scheduler_pid"]
+        kill = asyncio.run(kill_child_phase(victim_server.url, headers, victim_server.proc.pid,
+                                            victim=victim))
         victim_server.proc.wait(30)
         kill.extra["server_exit_code"] = victim_server.proc.returncode
     finally:

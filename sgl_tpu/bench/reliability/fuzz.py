@@ -118,19 +118,29 @@ _CONTENT_TYPES = ["text/plain", "application/x-www-form-urlencoded", "multipart/
 
 
 def _set_path(body: dict[str, Any], path: str, value: Any) -> None:
+    """body[a][b]... = value for path "a.b..." (list indices as numbers); a path through a
+    value that is neither an object nor a list (an earlier replacement) is skipped."""
     keys = path.split(".")
     node: Any = body
-    for key in keys[:-1]:
-        child = node[int(key)] if isinstance(node, list) else node.get(key)
-        if not isinstance(child, dict | list):
-            child = {}
-            node[key] = child
-        node = child
-    last = keys[-1]
-    if isinstance(node, list):
-        node[int(last) % max(len(node), 1)] = value
-    else:
-        node[last] = value
+    for i, key in enumerate(keys):
+        last = i == len(keys) - 1
+        if isinstance(node, list):
+            if not key.isdigit() or not node:
+                return
+            index = int(key) % len(node)
+            if last:
+                node[index] = value
+                return
+            node = node[index]
+        elif isinstance(node, dict):
+            if last:
+                node[key] = value
+                return
+            if not isinstance(node.get(key), dict | list):
+                node[key] = {}
+            node = node[key]
+        else:
+            return
 
 
 def _cap(body: Any) -> Any:

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sgl_tpu.server.body_limits import BodyError, BodyLimitMiddleware, parse_json, printable
 from sgl_tpu.server.tokenizer_manager import GenItem, RequestError, ServerDead, TokenizerManager
+from sgl_tpu.validation import check_batch_size
 
 logger = logging.getLogger("sgl_tpu.http")
 MAX_N = 64  # most samples per prompt (SamplingParams' bound)
@@ -69,14 +70,40 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
         raise RequestError(str(e), e.status_code) from None
     if not isinstance(data, dict):
         raise RequestError("request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        parts = []
-        for err in e.errors():
-            loc = ".".join(str(x) for x in err.get("loc", ()))
-            parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
-        raise RequestError("invalid request: " + "; ".join(parts)) from None
+    # Validation costs microseconds per invalid list item (and a message listing every one
+    # would be megabytes), so a copy with every list cut to its first items is validated first:
+    # long lists of junk are refused for the price of a few items, with a short message.
+    for candidate in (_truncated(data), data):
+        try:
+            validated = model.model_validate(candidate)
+        except ValidationError as e:
+            raise RequestError(_validation_message(e)) from None
+    return validated
+
+
+_VALIDATION_ITEMS = 16  # list items validated before the whole body is
+_MAX_REPORTED_ERRORS = 5
+
+
+def _truncated(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _truncated(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_truncated(v) for v in value[:_VALIDATION_ITEMS]]
+    return value
+
+
+def _validation_message(e: ValidationError) -> str:
+    count = e.error_count()
+    if count > 10 * _MAX_REPORTED_ERRORS:  # building every error would cost more than it says
+        return (f"invalid request: {count} validation errors in list items beyond the first "
+                f"{_VALIDATION_ITEMS}")
+    parts = []
+    for err in e.errors(include_url=False, include_input=False)[:_MAX_REPORTED_ERRORS]:
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    more = f" (and {count - len(parts)} more)" if count > len(parts) else ""
+    return "invalid request: " + "; ".join(parts) + more
 
 
 def _pick(value: Any, i: int) -> Any:
@@ -103,6 +130,8 @@ async def expand_generate(tm: TokenizerManager, req: GenerateReqInput
         num_prompts = len(req.input_ids) if batch else 1
     if batch and not num_prompts:
         raise RequestError("the batch is empty")
+    if (error := check_batch_size(num_prompts)) is not None:
+        raise RequestError(error)
     for name in _PER_PROMPT_FIELDS:  # a list gives one value per prompt
         value = getattr(req, name)
         if isinstance(value, list) and len(value) != num_prompts:
@@ -133,6 +162,8 @@ async def expand_generate(tm: TokenizerManager, req: GenerateReqInput
             if rid is not None:
                 item.rid = rid if n == 1 else f"{rid}-{k}"
             items.append(item)
+        if (error := check_batch_size(len(items))) is not None:
+            raise RequestError(error)
     return items, batch or len(items) > 1
 
 

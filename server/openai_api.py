@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sgl_tpu.detokenize import stop_safe_len
 from sgl_tpu.server.http_server import error_response, gather_results, parse_body, sse
 from sgl_tpu.server.tokenizer_manager import GenItem, RequestError, ServerDead, TokenizerManager
+from sgl_tpu.validation import check_batch_size
 
 # A JSON object of any shape: what `response_format: {"type": "json_object"}` asks for.
 JSON_OBJECT_SCHEMA = {"type": "object"}
@@ -274,6 +275,8 @@ def _completion_prompts(tm: TokenizerManager, prompt: Any) -> tuple[list[list[in
         prompt = [prompt]
     if not prompt:
         raise RequestError("prompt: the prompt list is empty")
+    if (error := check_batch_size(len(prompt))) is not None:
+        raise RequestError(f"prompt: {error}")
     ids, texts = [], []
     for p in prompt:
         if isinstance(p, str):
@@ -396,7 +399,7 @@ def _chat_prompt(tm: TokenizerManager, req: ChatCompletionRequest) -> list[int]:
                                                 tools=tools, **kwargs)
     except (ValueError, TypeError, KeyError) as e:
         raise RequestError(f"messages: {e}") from None
-    return tm.tokenizer.encode(text, add_special_tokens=False)
+    return tm.tokenize(text, add_special_tokens=False)  # bounded by the context length
 
 
 def _chat_sampling(tm: TokenizerManager, req: ChatCompletionRequest, prompt_len: int

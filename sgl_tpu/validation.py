@@ -6,6 +6,17 @@ from __future__ import annotations
 from sgl_tpu.sampling_params import SamplingParams
 
 MAX_SESSION_ID_LEN = 256
+# Prompts x samples of one HTTP request (each becomes a scheduler request): a bound, so one
+# request cannot queue tens of thousands of generations ahead of everybody else.
+MAX_BATCH_ITEMS = 1024
+
+
+def check_batch_size(num_prompts: int, n: int = 1) -> str | None:
+    """A message if a batch request asks for more than MAX_BATCH_ITEMS generations."""
+    if num_prompts * n > MAX_BATCH_ITEMS:
+        return (f"the request asks for {num_prompts} prompt(s) x n={n} generations; at most "
+                f"{MAX_BATCH_ITEMS} per request")
+    return None
 
 
 def check_session_id(session_id: object) -> str | None:

@@ -23,6 +23,7 @@ from sgl_tpu.bench.reliability.fuzz import CLASSES, ROUTES, run_fuzz
 from sgl_tpu.bench.reliability.invariants import check_invariants
 from sgl_tpu.bench.reliability.phases import (
     LatencyProbe,
+    big_prompt_phase,
     disconnect_phase,
     exhaustion_phase,
     kill_child_phase,
@@ -64,10 +65,15 @@ async def campaign(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
                                                     capacity_tokens=args.max_total_tokens,
                                                     clients=args.exhaustion_clients,
                                                     seed=args.seed)),
+            ("big_prompt", lambda: big_prompt_phase(base_url, headers,
+                                                    num_prompts=args.big_prompts,
+                                                    num_chars=args.big_prompt_chars)),
         ):
+            probe.phase = name
             result = await run()
             check_invariants(base_url, headers)
             phases[name] = {**result.to_dict(), "num_5xx": result.num_5xx, "invariants": "ok"}
+        probe.phase = "fuzz"
         send = make_sender(base_url, headers)
         t0 = time.perf_counter()
         for route in ROUTES:
@@ -84,7 +90,9 @@ async def campaign(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
             "probe": {"requests": len(probe.latencies_s),
                       "statuses": dict(probe.statuses),
                       "p50_s": percentile(probe.latencies_s, 50),
-                      "p99_s": percentile(probe.latencies_s, 99)},
+                      "p99_s": percentile(probe.latencies_s, 99),
+                      "p99_s_by_phase": {k: percentile(v, 99)
+                                         for k, v in probe.by_phase.items()}},
             "leaked_pages": info["memory"]["num_pages_requests"],
             "requests_failed_by_faults": info["stats"].get("num_requests_failed")}
 
@@ -97,7 +105,9 @@ def main() -> None:
     p.add_argument("--exhaustion-clients", type=int, default=32)
     p.add_argument("--fuzz-examples", type=int, default=100,
                    help="generated bodies per route and input class")
-    p.add_argument("--max-total-tokens", type=int, default=2048)
+    p.add_argument("--big-prompts", type=int, default=8)
+    p.add_argument("--big-prompt-chars", type=int, default=500_000)
+    p.add_argument("--max-total-tokens", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None)
     args = p.parse_args()

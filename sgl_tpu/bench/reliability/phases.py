@@ -9,6 +9,9 @@ counters; `check_invariants` then proves the server is back to a clean state:
                 `/abort_request` for running requests; no 5xx, nothing left running
     exhaustion  (a server with a tiny KV pool) more concurrent long generations than the pool
                 holds: retraction, every request completes with its exact token count
+    big_prompt  prompts of several hundred thousand characters (tokenized off the event loop,
+                or refused untokenized when they cannot fit the context): a 400 each, and
+                the latency probe shows whether other clients stalled meanwhile
     kill_child  (a server of its own) SIGKILL a child process mid-traffic: in-flight and new
                 requests get 503, the launcher exits non-zero and leaves no process behind
 
@@ -30,7 +33,7 @@ from typing import Any
 
 import aiohttp
 
-TIMEOUT_S = 120.0
+TIMEOUT_S = 300.0
 SMALL_REQUEST = {"text": "Hi", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
 
 
@@ -110,6 +113,8 @@ class LatencyProbe:
     def __init__(self, base_url: str, headers: dict[str, str], interval_s: float = 0.5) -> None:
         self.base_url, self.headers, self.interval_s = base_url, headers, interval_s
         self.latencies_s: list[float] = []
+        self.by_phase: dict[str, list[float]] = {}
+        self.phase = "start"  # set by the campaign as it moves on
         self.statuses: Counter = Counter()
         self._task: asyncio.Task | None = None
 
@@ -132,6 +137,7 @@ class LatencyProbe:
                 status = await _post(session, self.base_url + "/generate", SMALL_REQUEST)
                 self.statuses[status] += 1
                 self.latencies_s.append(time.perf_counter() - t0)
+                self.by_phase.setdefault(self.phase, []).append(self.latencies_s[-1])
                 await asyncio.sleep(self.interval_s)
 
 
@@ -232,6 +238,22 @@ async def exhaustion_phase(base_url: str, headers: dict[str, str], *, capacity_t
     result.requests = clients + 1
     result.wall_s = time.perf_counter() - t0
     result.extra.update(out_tokens=out_tokens, wrong_token_counts=wrong)
+    return result
+
+
+async def big_prompt_phase(base_url: str, headers: dict[str, str], *, num_prompts: int,
+                           num_chars: int) -> PhaseResult:
+    """`num_prompts` prompts of `num_chars` characters, one after another."""
+    result = PhaseResult("big_prompt")
+    t0 = time.perf_counter()
+    text = ("The quick brown fox jumps over the lazy dog. " * (num_chars // 45 + 1))[:num_chars]
+    async with _session(headers) as session:
+        for _ in range(num_prompts):
+            body = {"text": text, "sampling_params": {"max_new_tokens": 1}}
+            result.statuses[await _post(session, base_url + "/generate", body)] += 1
+    result.requests = num_prompts
+    result.wall_s = time.perf_counter() - t0
+    result.extra["prompt_chars"] = num_chars
     return result
 
 

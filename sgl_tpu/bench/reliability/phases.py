@@ -53,7 +53,8 @@ class PhaseResult:
         return sum(n for s, n in self.statuses.items() if s >= 500)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"requests": self.requests, "statuses": dict(sorted(self.statuses.items())),
+        statuses = {str(k): v for k, v in sorted(self.statuses.items(), key=str)}
+        return {"requests": self.requests, "statuses": statuses,
                 "disconnects": self.disconnects, "aborts": self.aborts,
                 "faults_injected": self.faults_injected, "wall_s": round(self.wall_s, 2),
                 **self.extra}
@@ -276,28 +277,50 @@ def child_pids(pid: int) -> list[int]:
 async def kill_child_phase(base_url: str, headers: dict[str, str], server_pid: int, *,
                            victim: int, clients: int = 4, exit_timeout_s: float = 30.0
                            ) -> PhaseResult:
-    """SIGKILL `victim` (a child of the server) while `clients` requests run. In-flight and
-    later requests must get 503 (or a connection error once the server is gone); the server
-    must exit non-zero within `exit_timeout_s`, leaving none of its processes behind."""
+    """SIGKILL `victim` (a child of the server) as soon as `clients` streams are running.
+    Every stream must end with an error event or a closed connection (never a normal end),
+    a request sent after the kill must get 503 (or a refused connection once the server is
+    gone), and the server must exit non-zero within `exit_timeout_s`, leaving none of its
+    processes behind. `statuses` counts outcomes: "error_event", "cut", "completed", and the
+    HTTP status of the later request (0: connection refused)."""
     result = PhaseResult("kill_child")
     t0 = time.perf_counter()
-    long = {"temperature": 0, "max_new_tokens": 256, "ignore_eos": True}
+    body = {"text": "Go on:", "stream": True, "sampling_params": {
+        "temperature": 0, "max_new_tokens": 256, "ignore_eos": True}}
     children = child_pids(server_pid)
+    started = asyncio.Event()
+    num_started = 0
 
-    async def one(session: aiohttp.ClientSession) -> None:
+    async def stream(session: aiohttp.ClientSession) -> None:
+        nonlocal num_started
+        outcome = "completed"
         try:
-            status = await _post(session, base_url + "/generate",
-                                 {"text": "Go on:", "sampling_params": long})
-        except aiohttp.ClientError:
-            status = 0  # the server went away mid-answer
-        result.statuses[status] += 1
+            async with session.post(base_url + "/generate", json=body) as resp:
+                async for raw in resp.content:
+                    line = raw.decode(errors="replace").strip()
+                    if line.startswith("data:") and line != "data: [DONE]":
+                        event = json.loads(line[5:])
+                        if "error" in event:
+                            outcome = "error_event"
+                        elif num_started < clients:
+                            num_started += 1
+                            if num_started == clients:
+                                started.set()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            outcome = "cut"
+        result.statuses[outcome] += 1
 
     async with _session(headers) as session:
-        calls = [asyncio.ensure_future(one(session)) for _ in range(clients)]
-        await asyncio.sleep(0.5)
+        calls = [asyncio.ensure_future(stream(session)) for _ in range(clients)]
+        await asyncio.wait_for(started.wait(), TIMEOUT_S)
         os.kill(victim, signal.SIGKILL)
         result.faults_injected += 1
         await asyncio.gather(*calls)
+        try:
+            after = await _post(session, base_url + "/generate", SMALL_REQUEST)
+        except aiohttp.ClientError:
+            after = 0
+        result.statuses[after] += 1
     deadline = time.monotonic() + exit_timeout_s
     exited = False
     while time.monotonic() < deadline:
@@ -305,7 +328,7 @@ async def kill_child_phase(base_url: str, headers: dict[str, str], server_pid: i
             exited = True
             break
         await asyncio.sleep(0.2)
-    result.requests = clients
+    result.requests = clients + 1
     result.wall_s = time.perf_counter() - t0
     result.extra.update(server_exited=exited,
                         leftover_processes=[p for p in children if _alive(p)])

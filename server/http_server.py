@@ -73,11 +73,11 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
     # Validation costs microseconds per invalid list item (and a message listing every one
     # would be megabytes), so a copy with every list cut to its first items is validated first:
     # long lists of junk are refused for the price of a few items, with a short message.
-    for candidate in (_truncated(data), data):
+    for candidate, whole in ((_truncated(data), False), (data, True)):
         try:
             validated = model.model_validate(candidate)
         except ValidationError as e:
-            raise RequestError(_validation_message(e)) from None
+            raise RequestError(_validation_message(e, whole)) from None
     return validated
 
 
@@ -93,9 +93,9 @@ def _truncated(value: Any) -> Any:
     return value
 
 
-def _validation_message(e: ValidationError) -> str:
+def _validation_message(e: ValidationError, whole: bool) -> str:
     count = e.error_count()
-    if count > 10 * _MAX_REPORTED_ERRORS:  # building every error would cost more than it says
+    if whole and count > 10 * _MAX_REPORTED_ERRORS:  # listing them would cost more than it says
         return (f"invalid request: {count} validation errors in list items beyond the first "
                 f"{_VALIDATION_ITEMS}")
     parts = []

@@ -44,6 +44,7 @@ logger = logging.getLogger("sgl_tpu.tokenizer_manager")
 # Texts longer than this (characters) are tokenized on a worker thread (the tokenizer releases
 # the GIL), so one large prompt does not stall the event loop and everybody else's streams.
 OFF_LOOP_TOKENIZE_CHARS = 16_384
+MIN_TOKEN_BYTES_SLACK = 32
 
 
 class RequestError(Exception):
@@ -110,8 +111,10 @@ class TokenizerManager:
         self._recv_task: asyncio.Task | None = None
         # No token spans more bytes than this, so a text of more than context_len * this
         # characters is too long for the context whatever it tokenizes to (refused untokenized).
+        # The slack covers added special tokens whose text may be longer than any vocab entry.
         self.max_token_bytes = max(
-            (len(tokenizer.id_to_token_bytes(t)) for t in range(tokenizer.vocab_size)), default=1)
+            (len(tokenizer.id_to_token_bytes(t)) for t in range(tokenizer.vocab_size)),
+            default=1) + MIN_TOKEN_BYTES_SLACK
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:

@@ -294,21 +294,44 @@ def test_kv_exhaustion_phase(server):
     assert_serving(server)
 
 
-def test_killed_scheduler_is_503_and_clean_exit(tiny_model):
-    handle = launch_server(*FLAGS, model_path=tiny_model)
-    try:
-        info = requests.get(handle.base_url + "/server_info", headers=AUTH, timeout=30).json()
-        victim = info["scheduler_pid"]
-        assert victim in child_pids(handle.proc.pid)
-        result = asyncio.run(kill_child_phase(handle.base_url, AUTH, handle.proc.pid,
-                                              victim=victim, clients=4))
-        assert result.extra["server_exited"], handle.log_tail()
-        assert handle.proc.wait(30) != 0
-        # Streams end with an error event or a cut connection; a later request gets 503 (or
-        # a refused connection once the server is gone).
-        outcomes = result.statuses
-        assert outcomes["error_event"] + outcomes["cut"] == 4, result.to_dict()
-        assert outcomes[503] + outcomes[0] == 1, result.to_dict()
-        assert result.extra["leftover_processes"] == []
-    finally:
-        handle.stop()
+ALLOWED_ORIGIN = "http://app.example"
+
+
+@pytest.fixture(scope="module")
+def second_server(tiny_model):
+    """A server of its own (the last test kills its scheduler), with CORS for one origin."""
+    handle = launch_server(*FLAGS, "--allow-origins", ALLOWED_ORIGIN, model_path=tiny_model)
+    yield handle
+    handle.stop()
+
+
+def test_allow_origins_opens_cors_for_those_origins_only(second_server):
+    url = second_server.base_url + "/generate"
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    r = requests.options(url, headers={**preflight, "Origin": ALLOWED_ORIGIN}, timeout=10)
+    assert r.status_code == 200
+    assert r.headers["access-control-allow-origin"] == ALLOWED_ORIGIN
+    r = requests.options(url, headers={**preflight, "Origin": "http://evil.example"},
+                         timeout=10)
+    assert "access-control-allow-origin" not in {k.lower() for k in r.headers}
+    r = post(second_server, "/generate", {"text": "hi", "sampling_params": {
+        "max_new_tokens": 1}}, headers={**JSON, "Origin": ALLOWED_ORIGIN})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ALLOWED_ORIGIN
+
+
+def test_killed_scheduler_is_503_and_clean_exit(second_server):
+    handle = second_server
+    info = requests.get(handle.base_url + "/server_info", headers=AUTH, timeout=30).json()
+    victim = info["scheduler_pid"]
+    assert victim in child_pids(handle.proc.pid)
+    result = asyncio.run(kill_child_phase(handle.base_url, AUTH, handle.proc.pid,
+                                          victim=victim, clients=4))
+    assert result.extra["server_exited"], handle.log_tail()
+    assert handle.proc.wait(30) != 0
+    # Streams end with an error event or a cut connection; a later request gets 503 (or a
+    # refused connection once the server is gone).
+    outcomes = result.statuses
+    assert outcomes["error_event"] + outcomes["cut"] == 4, result.to_dict()
+    assert outcomes[503] + outcomes[0] == 1, result.to_dict()
+    assert result.extra["leftover_processes"] == []

@@ -385,6 +385,7 @@ async def completions(tm: TokenizerManager, request: Request):
 
 # ---- /v1/chat/completions ------------------------------------------------------------------
 def _chat_prompt(tm: TokenizerManager, req: ChatCompletionRequest) -> list[int]:
+    tm.check_num_messages(len(req.messages))
     messages = []
     for m in req.messages:
         msg = m.model_dump(exclude_none=True)

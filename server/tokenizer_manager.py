@@ -191,6 +191,13 @@ class TokenizerManager:
         return await asyncio.to_thread(self.tokenizer.encode, text,
                                        add_special_tokens=add_special_tokens)
 
+    def check_num_messages(self, num_messages: int) -> None:
+        """Every chat message renders to at least one token, so more messages than the context
+        length can never fit: refused before the template is rendered (on the event loop)."""
+        if self.context_len and num_messages > self.context_len:
+            raise RequestError(f"messages: {num_messages} messages cannot fit the context "
+                               f"length ({self.context_len} tokens)")
+
     def _check_text_len(self, text: str) -> None:
         limit = max(self.context_len, 1) * self.max_token_bytes
         if self.context_len and len(text) > limit:

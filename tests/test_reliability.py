@@ -134,6 +134,9 @@ REGRESSIONS = [
       "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": {
           "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}}, 400,
      ("recurses",)),
+    ("more chat messages than the context", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "a"}] * 5000, "max_tokens": 1}, 400,
+     ("messages",)),
     ("multi-megabyte prompt", "/generate",
      {"text": "word " * 180_000, "sampling_params": {"max_new_tokens": 1}}, 400,
      ("characters",)),

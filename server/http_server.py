@@ -2,30 +2,44 @@
 routes (`openai_api.py`) and Prometheus metrics, all on one `TokenizerManager`.
 
 Every error is JSON `{"error": {"message", "type", "code"}}` with a 4xx/5xx status; bad input
-never reaches the scheduler.
+never reaches the scheduler. Bodies are checked in layers: size and content type by
+`BodyLimitMiddleware`, JSON syntax, depth, strings and integer ranges by `parse_json`
+(`body_limits.py`), field types by the pydantic models, values by `TokenizerManager.validate`.
+
+Routes `--api-key` guards: all but `/health` (the liveness probe: an empty 200 or a 503, it
+reveals nothing and load balancers call it without credentials, as with SGLang). `/metrics`,
+`/get_model_info` and `/server_info` need the key. An unexpected exception in a handler is a 500
+whose body says only that (the traceback goes to the log, never paths or settings to clients).
 """
 
 from __future__ import annotations
 
+import hmac
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sgl_tpu.response import incremental_logprobs
+from sgl_tpu.server.body_limits import BodyError, BodyLimitMiddleware, parse_json, printable
 from sgl_tpu.server.tokenizer_manager import GenItem, RequestError, ServerDead, TokenizerManager
+from sgl_tpu.validation import check_batch_size
 
+logger = logging.getLogger("sgl_tpu.http")
 MAX_N = 64  # most samples per prompt (SamplingParams' bound)
 
 
 def error_response(message: str, status_code: int = 400, err_type: str | None = None
                    ) -> JSONResponse:
     err_type = err_type or ("BadRequestError" if status_code < 500 else "InternalServerError")
+    message = printable(message)  # a message may quote user input
     return JSONResponse({"object": "error", "error": {"message": message, "type": err_type,
                                                       "code": status_code},
                          "message": message, "code": status_code}, status_code=status_code)
@@ -49,43 +63,84 @@ class GenerateReqInput(BaseModel):
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
-    """JSON body -> `model`, whatever the content type; errors become 400s naming the field."""
-    raw = await request.body()
+    """JSON body -> `model`; errors become 4xx naming the field (the content type and size
+    were checked by `BodyLimitMiddleware`)."""
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"request body is not valid JSON: {e}") from None
+        data = parse_json(await request.body())
+    except BodyError as e:
+        raise RequestError(str(e), e.status_code) from None
     if not isinstance(data, dict):
         raise RequestError("request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        parts = []
-        for err in e.errors():
-            loc = ".".join(str(x) for x in err.get("loc", ()))
-            parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
-        raise RequestError("invalid request: " + "; ".join(parts)) from None
+    # Validation costs microseconds per invalid list item (and a message listing every one
+    # would be megabytes), so a copy with every list cut to its first items is validated first:
+    # long lists of junk are refused for the price of a few items, with a short message.
+    for candidate, whole in ((_truncated(data), False), (data, True)):
+        try:
+            validated = model.model_validate(candidate)
+        except ValidationError as e:
+            raise RequestError(_validation_message(e, whole)) from None
+    return validated
+
+
+_VALIDATION_ITEMS = 16  # list items validated before the whole body is
+_MAX_REPORTED_ERRORS = 5
+
+
+def _truncated(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _truncated(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_truncated(v) for v in value[:_VALIDATION_ITEMS]]
+    return value
+
+
+def _validation_message(e: ValidationError, whole: bool) -> str:
+    count = e.error_count()
+    if whole and count > 10 * _MAX_REPORTED_ERRORS:  # listing them would cost more than it says
+        return (f"invalid request: {count} validation errors in list items beyond the first "
+                f"{_VALIDATION_ITEMS}")
+    parts = []
+    for err in e.errors(include_url=False, include_input=False)[:_MAX_REPORTED_ERRORS]:
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    more = f" (and {count - len(parts)} more)" if count > len(parts) else ""
+    return "invalid request: " + "; ".join(parts) + more
 
 
 def _pick(value: Any, i: int) -> Any:
     return value[i] if isinstance(value, list) else value
 
 
-def expand_generate(tm: TokenizerManager, req: GenerateReqInput) -> tuple[list[GenItem], bool]:
+_PER_PROMPT_FIELDS = ("sampling_params", "rid", "session_id", "return_logprob",
+                      "logprob_start_len", "top_logprobs_num")
+
+
+async def expand_generate(tm: TokenizerManager, req: GenerateReqInput
+                          ) -> tuple[list[GenItem], bool]:
     """Native request -> GenItems (n > 1 becomes n items); returns (items, is_batch)."""
     if (req.text is None) == (req.input_ids is None):
         raise RequestError("exactly one of text and input_ids must be given")
     if req.text is not None:
         batch = isinstance(req.text, list)
-        prompts = [tm.tokenize(t) for t in (req.text if batch else [req.text])]
+        texts = req.text if batch else [req.text]
+        num_prompts = len(texts)
     else:
         batch = bool(req.input_ids) and isinstance(req.input_ids[0], list)
-        prompts = req.input_ids if batch else [req.input_ids]
-    if batch and not prompts:
+        if batch and not all(isinstance(p, list) for p in req.input_ids):
+            raise RequestError("input_ids must be a list of ids or a list of such lists")
+        num_prompts = len(req.input_ids) if batch else 1
+    if batch and not num_prompts:
         raise RequestError("the batch is empty")
-    if isinstance(req.session_id, list) and len(req.session_id) != len(prompts):
-        raise RequestError(f"session_id has {len(req.session_id)} entries for "
-                           f"{len(prompts)} prompts")
+    if (error := check_batch_size(num_prompts)) is not None:
+        raise RequestError(error)
+    for name in _PER_PROMPT_FIELDS:  # a list gives one value per prompt
+        value = getattr(req, name)
+        if isinstance(value, list) and len(value) != num_prompts:
+            raise RequestError(f"{name} has {len(value)} entries for {num_prompts} prompt(s)")
+    if req.text is not None:
+        prompts = [await tm.tokenize_async(t) for t in texts]
+    else:
+        prompts = req.input_ids if batch else [req.input_ids]
     items = []
     for i, ids in enumerate(prompts):
         sp = dict(_pick(req.sampling_params, i) or {})
@@ -108,6 +163,8 @@ def expand_generate(tm: TokenizerManager, req: GenerateReqInput) -> tuple[list[G
             if rid is not None:
                 item.rid = rid if n == 1 else f"{rid}-{k}"
             items.append(item)
+        if (error := check_batch_size(len(items))) is not None:
+            raise RequestError(error)
     return items, batch or len(items) > 1
 
 
@@ -147,13 +204,32 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return error_response(str(e.detail), e.status_code)
 
+    @app.exception_handler(BodyError)
+    async def _body(_: Request, e: BodyError) -> JSONResponse:
+        return error_response(str(e), e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return error_response(f"internal server error ({type(e).__name__}); see the server "
+                              "log", 500)
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=tm.args.max_request_bytes,
+                       on_error=error_response)
+
     @app.middleware("http")
     async def _api_key(request: Request, call_next):
         key = tm.args.api_key
-        if key and request.url.path != "/health":
-            if request.headers.get("authorization", "") != f"Bearer {key}":
+        if key and request.url.path != "/health" and request.method != "OPTIONS":
+            if not bearer_matches(request.headers.get("authorization", ""), key):
                 return error_response("invalid or missing API key", 401, "AuthenticationError")
         return await call_next(request)
+
+    # Middleware runs outermost-last-added: CORS (only with --allow-origins) answers
+    # preflights, then the API key, then the body limits before any route reads a byte.
+    if tm.args.allow_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(tm.args.allow_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["*"])
 
     @app.get("/health")
     async def health() -> Response:
@@ -208,8 +284,12 @@ def create_app(tm: TokenizerManager) -> FastAPI:
         return PlainTextResponse("Cache flushed.\n")
 
     @app.post("/abort_request")
-    async def abort_request(body: dict[str, Any]) -> Response:
-        rid = body.get("rid")
+    async def abort_request(request: Request) -> Response:
+        try:
+            body = parse_json(await request.body())
+        except BodyError as e:
+            raise RequestError(str(e), e.status_code) from None
+        rid = body.get("rid") if isinstance(body, dict) else None
         if not isinstance(rid, str):
             raise RequestError("abort_request needs a string rid")
         await tm.abort(rid)
@@ -218,7 +298,7 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     @app.post("/generate")
     async def generate(request: Request):
         req = await parse_body(request, GenerateReqInput)
-        items, batch = expand_generate(tm, req)
+        items, batch = await expand_generate(tm, req)
         for item in items:
             tm.validate(item)
         if req.stream:
@@ -258,6 +338,14 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     responses_api.add_routes(app, tm)
     metrics.add_routes(app, tm)
     return app
+
+
+def bearer_matches(header: str, key: str) -> bool:
+    """`Authorization: Bearer KEY`, the scheme case-insensitive (RFC 7235), the key compared in
+    constant time."""
+    scheme, _, token = header.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                              key.encode())
 
 
 async def gather_results(tm: TokenizerManager, items: list[GenItem]) -> list[dict[str, Any]]:

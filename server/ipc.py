@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 import zmq
 
 from sgl_tpu import messages
@@ -57,14 +59,22 @@ def send(sock: zmq.Socket, msg: messages.Message) -> None:
     sock.send(messages.encode(msg))
 
 
-def recv_all(sock: zmq.Socket) -> list[messages.Message]:
-    """Everything queued right now, without blocking."""
+def recv_all(sock: zmq.Socket, on_error: Callable[[Exception], None] | None = None
+             ) -> list[messages.Message]:
+    """Everything queued right now, without blocking. A message that does not decode is
+    passed to `on_error` and skipped (raised when there is no `on_error`)."""
     out = []
     while True:
         try:
-            out.append(messages.decode(sock.recv(zmq.NOBLOCK)))
+            data = sock.recv(zmq.NOBLOCK)
         except zmq.Again:
             return out
+        try:
+            out.append(messages.decode(data))
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            if on_error is None:
+                raise
+            on_error(e)
 
 
 def parent_alive(parent_pid: int) -> bool:

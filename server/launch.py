@@ -11,6 +11,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import sys
 
 import uvicorn
 
@@ -41,10 +42,11 @@ def launch_server(args: ServerArgs) -> None:
     try:
         asyncio.run(_serve(args, ports, procs))
     finally:
-        for p in procs.values():
+        started = [p for p in procs.values() if p.pid is not None]
+        for p in started:
             if p.is_alive():
                 p.terminate()
-        for p in procs.values():
+        for p in started:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
@@ -58,7 +60,13 @@ async def _serve(args: ServerArgs, ports: PortArgs, procs: dict[str, mp.Process]
     from sgl_tpu.server.http_server import create_app
     from sgl_tpu.server.tokenizer_manager import TokenizerManager
 
-    loaded = load_model(args.model_path)  # tokenizer + config (GGUF weights are mmapped)
+    try:
+        loaded = load_model(args.model_path)  # tokenizer + config (GGUF weights are mmapped)
+    except (ValueError, OSError, KeyError, NotImplementedError) as e:
+        # A model that cannot be served: one clear line, no traceback, a non-zero exit.
+        print(f"error: cannot load --model-path {args.model_path!r}: {e}", file=sys.stderr,
+              flush=True)
+        raise SystemExit(1) from None
     tm = TokenizerManager(args, ports, loaded.tokenizer, loaded.config.vocab_size,
                           loaded.model_path)
     del loaded

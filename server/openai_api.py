@@ -38,6 +38,7 @@ from sgl_tpu.server.openai_common import (
 from sgl_tpu.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from sgl_tpu.server.openai_tools import log_tool_setup
 from sgl_tpu.server.tokenizer_manager import RequestError, ServerDead, TokenizerManager
+from sgl_tpu.validation import check_batch_size
 
 
 def check_model(tm: TokenizerManager, name: str | None) -> JSONResponse | None:
@@ -83,6 +84,8 @@ def _completion_prompts(tm: TokenizerManager, prompt: Any) -> tuple[list[list[in
         prompt = [prompt]
     if not prompt:
         raise RequestError("prompt: the prompt list is empty")
+    if (error := check_batch_size(len(prompt))) is not None:
+        raise RequestError(f"prompt: {error}")
     ids, texts = [], []
     for p in prompt:
         if isinstance(p, str):

@@ -51,7 +51,7 @@ def _chat_prompt(tm: TokenizerManager, req: ChatCompletionRequest, plan: ChatPla
     if plan.reasoning is not None:
         plan.in_reasoning = plan.reasoning.starts_in_reasoning(text)
     plan.grammar = plan_grammar(plan, tool_parser(tm), text)
-    return tm.tokenizer.encode(text, add_special_tokens=False)
+    return tm.tokenize(text, add_special_tokens=False)  # bounded by the context length
 
 
 def _chat_sampling(tm: TokenizerManager, req: ChatCompletionRequest, prompt_len: int,
@@ -98,6 +98,7 @@ def _items(tm: TokenizerManager, req: ChatCompletionRequest) -> tuple[list[GenIt
         raise RequestError("audio output is not supported")
     if req.top_logprobs is not None and not req.logprobs:
         raise RequestError("top_logprobs requires logprobs=true")
+    tm.check_num_messages(len(req.messages))
     plan = plan_chat(tm, req)
     prompt = _chat_prompt(tm, req, plan)
     items = expand_items([prompt], _chat_sampling(tm, req, len(prompt), plan), req.n, req.rid,

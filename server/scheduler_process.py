@@ -4,6 +4,11 @@ Loop: drain incoming messages (new requests, aborts, control calls) without bloc
 `Scheduler.step()`, push the produced token ids to the detokenizer. When there is no work it
 blocks on the input socket (with a timeout, to notice a dead parent). It reports ready only
 after the model is loaded and every shape bucket is compiled.
+
+Nothing it receives is trusted: a message that fails to decode is dropped (logged), an
+exception while admitting one request answers that request with an error, and an exception in
+a step ends the requests of that step (`Scheduler.fail_all`) while the process keeps serving.
+Only fatal faults (`scheduler/faults.py`) end the process; the launcher then answers 503.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ from sgl_tpu.messages import (
     ControlReq,
     ControlResp,
     ReadyMsg,
+    ReqOutput,
     TokenizedGenerateReq,
 )
+from sgl_tpu.scheduler.faults import fault_reason, is_fatal
 from sgl_tpu.server.ipc import PortArgs, parent_alive, pull_socket, push_socket, recv_all, send
 
 logger = logging.getLogger("sgl_tpu.scheduler")
@@ -55,23 +62,49 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, parent_pid: int) ->
     send(to_tokenizer, ReadyMsg(process="scheduler", info=info))
     logger.info("scheduler ready: %s", info)
 
+    consecutive_faults = 0
     while parent_alive(parent_pid):
         if not scheduler.has_work and not inbox.poll(IDLE_POLL_MS):
             continue
-        errors = []
-        for msg in recv_all(inbox):
-            if isinstance(msg, TokenizedGenerateReq):
-                err = scheduler.add_request(msg)
-                if err is not None:
-                    errors.append(err)
-            elif isinstance(msg, AbortReq):
-                scheduler.abort(msg.rid)
-            elif isinstance(msg, ControlReq):
-                send(to_tokenizer, _control(scheduler, msg))
-        outputs = errors + scheduler.step()
+        outputs = [out for msg in recv_all(inbox, on_error=_log_bad_message)
+                   if (out := _handle(scheduler, msg, to_tokenizer)) is not None]
+        try:
+            outputs += scheduler.step()
+            consecutive_faults = 0
+        except Exception as e:
+            consecutive_faults += 1
+            if is_fatal(e, consecutive_faults):
+                raise
+            logger.exception("step failed; ending the requests of that step")
+            outputs += scheduler.fail_all(e)
         if outputs:
             send(to_detok, BatchTokenIdOut(outputs=outputs))
     logger.info("parent process gone; scheduler exits")
+
+
+def _handle(scheduler, msg, to_tokenizer) -> ReqOutput | None:
+    """One inbound message; an error output for a request that could not be admitted."""
+    if isinstance(msg, TokenizedGenerateReq):
+        try:
+            return scheduler.add_request(msg)
+        except Exception as e:
+            return ReqOutput(rid=msg.rid, new_token_ids=[], finished=True,
+                             finish_reason=fault_reason(msg.rid, e))
+    if isinstance(msg, AbortReq):
+        scheduler.abort(msg.rid)
+    elif isinstance(msg, ControlReq):
+        try:
+            resp = _control(scheduler, msg)
+        except Exception as e:
+            logger.exception("control call %s failed", msg.name)
+            resp = ControlResp(call_id=msg.call_id, ok=False,
+                               data={"error": f"{type(e).__name__}"})
+        send(to_tokenizer, resp)
+    return None
+
+
+def _log_bad_message(error: Exception) -> None:
+    logger.error("dropped a message that does not decode: %s", error)
 
 
 def _control(scheduler, msg: ControlReq) -> ControlResp:
@@ -84,13 +117,15 @@ def _control(scheduler, msg: ControlReq) -> ControlResp:
             "num_running_reqs": len(scheduler.running),
             "num_waiting_reqs": len(scheduler.waiting),
             "num_compilations": scheduler.runner.num_compilations(),
+            "scheduler_pid": os.getpid(),
             "stats": {"prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
                       "generated_tokens": s.generated_tokens,
                       "num_requests_finished": s.num_requests_finished,
                       "num_retractions": s.num_retractions,
                       "num_extend_steps": s.num_extend_steps,
                       "num_decode_steps": s.num_decode_steps,
-                      "jump_forward_tokens": s.jump_forward_tokens},
+                      "jump_forward_tokens": s.jump_forward_tokens,
+                      "num_requests_failed": s.num_requests_failed},
         }
         if not scheduler.has_work:
             try:

@@ -38,9 +38,13 @@ from sgl_tpu.messages import (
 from sgl_tpu.response import ResponseAccumulator, error_status
 from sgl_tpu.sampling_params import SamplingParams
 from sgl_tpu.server.ipc import PortArgs
-from sgl_tpu.validation import check_request, check_session_id
+from sgl_tpu.validation import check_request, check_session_id, check_token_ids
 
 logger = logging.getLogger("sgl_tpu.tokenizer_manager")
+# Texts longer than this (characters) are tokenized on a worker thread (the tokenizer releases
+# the GIL), so one large prompt does not stall the event loop and everybody else's streams.
+OFF_LOOP_TOKENIZE_CHARS = 16_384
+MIN_TOKEN_BYTES_SLACK = 32
 
 
 class RequestError(Exception):
@@ -105,6 +109,12 @@ class TokenizerManager:
         self.start_time = time.time()
         self.metrics = None  # set by the HTTP app (sgl_tpu.server.metrics.Metrics)
         self._recv_task: asyncio.Task | None = None
+        # No token spans more bytes than this, so a text of more than context_len * this
+        # characters is too long for the context whatever it tokenizes to (refused untokenized).
+        # The slack covers added special tokens whose text may be longer than any vocab entry.
+        self.max_token_bytes = max(
+            (len(tokenizer.id_to_token_bytes(t)) for t in range(tokenizer.vocab_size)),
+            default=1) + MIN_TOKEN_BYTES_SLACK
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -138,19 +148,25 @@ class TokenizerManager:
 
     async def _recv_loop(self) -> None:
         while True:
-            msg = messages.decode(await self.inbox.recv())
-            if isinstance(msg, BatchStrOut):
-                for out in msg.outputs:
-                    self._deliver(out)
-            elif isinstance(msg, ControlResp):
-                fut = self._calls.pop(msg.call_id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
-            elif isinstance(msg, ReadyMsg):
-                if not msg.ok:
-                    self.mark_dead(f"{msg.process} failed to start: {msg.error}")
-                self.ready[msg.process] = msg
-                self._ready_event.set()
+            data = await self.inbox.recv()
+            try:
+                self._handle(messages.decode(data))
+            except Exception:  # a bad message must not stop delivery to everybody else
+                logger.exception("dropped an undecodable or unhandled message from a child")
+
+    def _handle(self, msg: messages.Message) -> None:
+        if isinstance(msg, BatchStrOut):
+            for out in msg.outputs:
+                self._deliver(out)
+        elif isinstance(msg, ControlResp):
+            fut = self._calls.pop(msg.call_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif isinstance(msg, ReadyMsg):
+            if not msg.ok:
+                self.mark_dead(f"{msg.process} failed to start: {msg.error}")
+            self.ready[msg.process] = msg
+            self._ready_event.set()
 
     def _deliver(self, out: ReqStrOut) -> None:
         state = self.states.get(out.rid)
@@ -162,8 +178,31 @@ class TokenizerManager:
         state.event.set()
 
     # ---- requests --------------------------------------------------------------------------
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; a text that cannot fit the context is refused untokenized."""
+        self._check_text_len(text)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    async def tokenize_async(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """`tokenize`, on a worker thread for long texts (see OFF_LOOP_TOKENIZE_CHARS)."""
+        if len(text) <= OFF_LOOP_TOKENIZE_CHARS:
+            return self.tokenize(text, add_special_tokens=add_special_tokens)
+        self._check_text_len(text)
+        return await asyncio.to_thread(self.tokenizer.encode, text,
+                                       add_special_tokens=add_special_tokens)
+
+    def check_num_messages(self, num_messages: int) -> None:
+        """Every chat message renders to at least one token, so more messages than the context
+        length can never fit: refused before the template is rendered (on the event loop)."""
+        if self.context_len and num_messages > self.context_len:
+            raise RequestError(f"messages: {num_messages} messages cannot fit the context "
+                               f"length ({self.context_len} tokens)")
+
+    def _check_text_len(self, text: str) -> None:
+        limit = max(self.context_len, 1) * self.max_token_bytes
+        if self.context_len and len(text) > limit:
+            raise RequestError(f"the prompt has {len(text)} characters, more than the context "
+                               f"length ({self.context_len} tokens) can hold")
 
     def validate(self, item: GenItem) -> SamplingParams:
         if self.dead_reason:
@@ -173,12 +212,9 @@ class TokenizerManager:
         except ValueError as e:
             raise RequestError(str(e)) from None
         n = len(item.input_ids)
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
-               for t in item.input_ids):
-            raise RequestError(f"input_ids must be integers in [0, {self.vocab_size})")
-        error = check_request(n, sampling, context_len=self.context_len,
-                              capacity_tokens=self.max_total_tokens,
-                              grammar_supported=self.grammar_supported)
+        error = check_token_ids("input_ids", item.input_ids, self.vocab_size) or check_request(
+            n, sampling, context_len=self.context_len, capacity_tokens=self.max_total_tokens,
+            grammar_supported=self.grammar_supported, vocab_size=self.vocab_size)
         if error is not None:
             raise RequestError(error)
         if item.logprob_start_len >= n:
@@ -200,11 +236,16 @@ class TokenizerManager:
             item.rid, return_logprob=item.return_logprob,
             return_text_in_logprobs=item.return_text_in_logprobs,
             decode_token=lambda t: self.tokenizer.decode([t], False))
+        try:
+            data = messages.encode(TokenizedGenerateReq(
+                rid=item.rid, input_ids=item.input_ids, sampling=item.sampling,
+                return_logprob=item.return_logprob, logprob_start_len=item.logprob_start_len,
+                top_logprobs_num=item.top_logprobs_num, session_id=item.session_id))
+        except (TypeError, ValueError, OverflowError, UnicodeEncodeError) as e:
+            # What the HTTP layer's checks let through (the Engine-like callers) ends here.
+            raise RequestError(f"request cannot be encoded: {type(e).__name__}: {e}") from None
         state = self.states[item.rid] = _ReqState(acc)
-        await self.to_scheduler.send(messages.encode(TokenizedGenerateReq(
-            rid=item.rid, input_ids=item.input_ids, sampling=item.sampling,
-            return_logprob=item.return_logprob, logprob_start_len=item.logprob_start_len,
-            top_logprobs_num=item.top_logprobs_num, session_id=item.session_id)))
+        await self.to_scheduler.send(data)
         finished = False
         try:
             while True:

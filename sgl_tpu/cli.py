@@ -19,7 +19,11 @@ _HELP = {
     "max_total_tokens": "KV cache capacity in tokens",
     "chunked_prefill_size": "token budget of one prefill (EXTEND) batch; longer prompts are "
                             "chunked",
-    "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
+    "api_key": "require 'Authorization: Bearer KEY' on every route but /health (the liveness "
+               "probe, which reveals nothing)",
+    "allow_origins": "origins allowed by CORS (e.g. http://localhost:3000, or *); none by "
+                     "default, so browsers on other origins cannot call the API",
+    "max_request_bytes": "largest HTTP request body in bytes; larger ones get a 413",
     "skip_warmup": "do not compile the shape buckets at start-up (they compile on first use)",
     "attention_backend": "attention kernels: pallas (Pallas TPU kernel), ref (pure jax.numpy), "
                          "pallas-interpret (the kernel interpreted on CPU; tests) for jax; "
@@ -51,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     for f in dataclasses.fields(ServerArgs):
         flag = "--" + f.name.replace("_", "-")
         kw = {"help": _HELP.get(f.name), "default": f.default}
+        if f.name == "allow_origins":
+            p.add_argument(flag, nargs="+", default=(), help=_HELP[f.name])
+            continue
         if f.type in ("bool",) or isinstance(f.default, bool):
             p.add_argument(flag, action="store_true", **kw)
             continue
@@ -69,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
     ns = vars(build_parser().parse_args(argv))
     ns.pop("mem_fraction_static")
+    ns["allow_origins"] = tuple(ns["allow_origins"])
     try:
         return ServerArgs(**ns)
     except ValueError as e:

@@ -82,6 +82,10 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
+    # CORS: origins allowed to call the API from a browser (none by default: a page on another
+    # origin cannot read responses, and JSON bodies need a preflight it does not get).
+    allow_origins: tuple[str, ...] = ()
+    max_request_bytes: int = 16 * 2**20  # largest HTTP request body (413 beyond)
     served_model_name: str | None = None
     dtype: str = "auto"
     page_size: int = 16
@@ -121,7 +125,8 @@ class ServerArgs:
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_total_tokens", "max_running_requests", "max_extend_seqs",
-                     "chunked_prefill_size", "kv_tile", "block_q", "min_token_bucket"):
+                     "chunked_prefill_size", "kv_tile", "block_q", "min_token_bucket",
+                     "max_request_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -5,10 +5,13 @@ so both agree on every character offset.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Sequence
 
 from sgl_tpu.messages import ReqOutput, ReqStrOut
+
+logger = logging.getLogger("sgl_tpu.detokenizer")
 
 DecodeFn = Callable[[Sequence[int], bool], str]  # (ids, skip_special_tokens) -> text
 
@@ -88,6 +91,14 @@ def stop_safe_len(text: str, stops: Sequence[str]) -> int:
     return len(text) - hold
 
 
+def error_str_out(rid: str, message: str, status_code: int) -> ReqStrOut:
+    """A final output that ends request `rid` with an error status."""
+    return ReqStrOut(rid=rid, text="", output_ids=[], finished=True,
+                     finish_reason={"type": "abort", "message": message,
+                                    "status_code": status_code},
+                     prompt_tokens=0, completion_tokens=0, cached_tokens=0)
+
+
 class DetokenizerState:
     """Per-request decoders: scheduler `ReqOutput`s (token ids) -> `ReqStrOut`s (cumulative text).
 
@@ -99,7 +110,18 @@ class DetokenizerState:
         self._decoders: dict[str, IncrementalDecoder] = {}
 
     def process(self, outputs: Sequence[ReqOutput]) -> list[ReqStrOut]:
-        return [self._one(o) for o in outputs]
+        """One `ReqStrOut` per output; an exception while decoding one request ends that
+        request with an error (500) and leaves the others alone."""
+        result = []
+        for o in outputs:
+            try:
+                result.append(self._one(o))
+            except Exception as e:
+                logger.error("request %s ended: detokenization failed", o.rid, exc_info=e)
+                self._decoders.pop(o.rid, None)
+                result.append(error_str_out(o.rid, f"internal error while detokenizing "
+                                                   f"({type(e).__name__})", 500))
+        return result
 
     def _one(self, o: ReqOutput) -> ReqStrOut:
         dec = self._decoders.get(o.rid)

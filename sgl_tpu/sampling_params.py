@@ -19,6 +19,11 @@ from typing import Any
 _ACCEPTED_NOOP_KEYS = frozenset({"spaces_between_special_tokens", "logit_bias",
                                  "sampling_seed", "custom_params", "stream_interval"})
 MAX_STOP_REGEX = 16  # patterns per request (each is searched after every new token)
+INT64_MAX = 2**63 - 1
+# Every stop string is searched after every token, so their number and size are bounded.
+MAX_STOP_STRS = 256
+MAX_STOP_STR_CHARS = 4096
+MAX_STOP_TOKEN_IDS = 4096
 
 
 @dataclass(frozen=True)
@@ -60,9 +65,14 @@ class SamplingParams:
         _check_float("repetition_penalty", self.repetition_penalty, lo=0.0, hi=2.0, lo_open=True)
         if self.seed is not None:
             _check_int("seed", self.seed, lo=0, hi=2**63 - 1)
+        if len(self.stop) > MAX_STOP_STRS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRS} stop strings, got {len(self.stop)}")
         for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise ValueError("stop: every stop string must be a non-empty string")
+            if not isinstance(s, str) or not s or len(s) > MAX_STOP_STR_CHARS:
+                raise ValueError("stop: every stop string must be a non-empty string of at "
+                                 f"most {MAX_STOP_STR_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids")
         if len(self.stop_regex) > MAX_STOP_REGEX:
             raise ValueError(f"stop_regex: at most {MAX_STOP_REGEX} patterns, "
                              f"got {len(self.stop_regex)}")
@@ -78,6 +88,13 @@ class SamplingParams:
                 raise ValueError(f"stop_regex: {pattern!r} matches the empty string")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids[]", t, lo=0)
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        for name in ("regex", "json_schema", "ebnf"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be a string, got {type(value).__name__}")
         if sum(x is not None for x in (self.regex, self.json_schema, self.ebnf)) > 1:
             raise ValueError("only one of regex, json_schema and ebnf may be set")
 
@@ -134,20 +151,25 @@ def _as_tuple(name: str, value: Any) -> tuple:
     return tuple(value)
 
 
-def _check_int(name: str, value: Any, *, lo: int, hi: int | None = None) -> None:
+def _check_int(name: str, value: Any, *, lo: int, hi: int = INT64_MAX) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be an integer, got {_short_repr(value)}")
+    if value < lo or value > hi:
+        bound = f">= {lo}" if hi == INT64_MAX else f"in [{lo}, {hi}]"
         raise ValueError(f"{name} must be {bound}, got {value}")
 
 
 def _check_float(name: str, value: Any, *, lo: float, hi: float, lo_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise ValueError(f"{name} must be a number, got {_short_repr(value)}")
     if math.isnan(value) or math.isinf(value):
         raise ValueError(f"{name} must be finite, got {value}")
     too_low = value <= lo if lo_open else value < lo
     if too_low or value > hi:
         left = "(" if lo_open else "["
         raise ValueError(f"{name} must be in {left}{lo}, {hi}], got {value}")
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -6,6 +6,17 @@ from __future__ import annotations
 from sgl_tpu.sampling_params import SamplingParams
 
 MAX_SESSION_ID_LEN = 256
+# Prompts x samples of one HTTP request (each becomes a scheduler request): a bound, so one
+# request cannot queue tens of thousands of generations ahead of everybody else.
+MAX_BATCH_ITEMS = 1024
+
+
+def check_batch_size(num_prompts: int, n: int = 1) -> str | None:
+    """A message if a batch request asks for more than MAX_BATCH_ITEMS generations."""
+    if num_prompts * n > MAX_BATCH_ITEMS:
+        return (f"the request asks for {num_prompts} prompt(s) x n={n} generations; at most "
+                f"{MAX_BATCH_ITEMS} per request")
+    return None
 
 
 def check_session_id(session_id: object) -> str | None:
@@ -20,9 +31,21 @@ def check_session_id(session_id: object) -> str | None:
     return None
 
 
+def check_token_ids(name: str, ids: object, vocab_size: int) -> str | None:
+    """A message if `ids` is not a list of token ids within the vocabulary, else None."""
+    if not isinstance(ids, list | tuple) or any(
+            not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size
+            for t in ids):
+        return f"{name} must be integers in [0, {vocab_size})"
+    return None
+
+
 def check_request(prompt_len: int, sampling: SamplingParams, *, context_len: int,
-                  capacity_tokens: int, grammar_supported: bool) -> str | None:
+                  capacity_tokens: int, grammar_supported: bool, vocab_size: int
+                  ) -> str | None:
     """A message naming the problem if the request can never be served, else None."""
+    if (error := check_token_ids("stop_token_ids", sampling.stop_token_ids, vocab_size)):
+        return error
     if prompt_len == 0:
         return "the prompt is empty"
     if prompt_len >= context_len:

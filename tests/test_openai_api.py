@@ -228,7 +228,8 @@ def test_bad_messages(client, server):
     r = requests.post(server.base_url + "/v1/chat/completions", json={"model": MODEL},
                       timeout=30)
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
-    r = requests.post(server.base_url + "/v1/completions", data=b"{not json", timeout=30)
+    r = requests.post(server.base_url + "/v1/completions", data=b"{not json", timeout=30,
+                      headers={"Content-Type": "application/json"})
     assert r.status_code == 400
     assert greedy_chat(client, max_tokens=2).choices[0].finish_reason in ("stop", "length")
 

@@ -85,6 +85,11 @@ class GrammarMatcher(ABC):
         encoding of the forced text that stays the same whatever text follows it.
         """
 
+    def error(self) -> str | None:
+        """Why the matcher cannot go on (a parser limit hit by a too complex grammar), or None.
+        A matcher in error refuses every token; the scheduler ends the request with this."""
+        return None
+
     @abstractmethod
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens (EOS counts as one)."""
@@ -218,6 +223,11 @@ def parse_json_schema(text: str) -> Any:
         where = "/".join(str(p) for p in e.absolute_path)
         suffix = f" (at {where})" if where else ""
         raise GrammarError(f"invalid JSON schema: {shorten(e.message)}{suffix}") from None
+    except RecursionError:
+        raise GrammarError("invalid JSON schema: nested too deeply") from None
+    from sgl_tpu.constrained.schema_check import check_schema_is_finite
+
+    check_schema_is_finite(schema)
     return schema
 
 

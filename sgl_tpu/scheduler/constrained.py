@@ -23,6 +23,8 @@ Jump-forward, in two exact forms:
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from sgl_tpu.constrained.base import GrammarError
@@ -30,6 +32,9 @@ from sgl_tpu.scheduler.req import Req
 
 MAX_JUMP_TOKENS = 256  # bound on tokens appended by one jump-forward
 MAX_DRAFT_TOKENS = 32  # bound on one canonical draft
+# A grammar not compiled within this many seconds ends its request with a 400 (the compile
+# goes on in its worker thread, and its result is cached for a later request).
+GRAMMAR_COMPILE_BUDGET_S = 20.0
 
 
 def grammar_ready(req: Req) -> bool | str:
@@ -39,6 +44,8 @@ def grammar_ready(req: Req) -> bool | str:
     if fut is None or req.matcher is not None:
         return True
     if not fut.done():
+        if time.monotonic() > req.grammar_deadline:
+            return (f"grammar too complex: not compiled within {GRAMMAR_COMPILE_BUDGET_S:g} s")
         return False
     err = fut.exception()
     if err is not None:

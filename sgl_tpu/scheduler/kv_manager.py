@@ -117,6 +117,18 @@ class KVManager:
         req.last_node = None
         req.kv_len = req.tree_len = 0
 
+    def discard_req(self, req: Req) -> None:
+        """Give up all of `req`'s KV without caching any of it (after a fault its content is
+        not trusted): free the pages it owns, unlock the tree prefix it used."""
+        to_free = req.pages[req.tree_len // self.page_size:]
+        if to_free:
+            self.allocator.free(np.asarray(to_free, np.int32))
+        if req.last_node is not None:
+            self.tree.dec_lock_ref(req.last_node)
+        req.pages = []
+        req.last_node = None
+        req.kv_len = req.tree_len = 0
+
     def _insert(self, req: Req, retain_s: float = 0.0) -> tuple[int, int]:
         """Insert req's computed tokens; free its duplicate pages. Returns (aligned, prefix)."""
         ps = self.page_size

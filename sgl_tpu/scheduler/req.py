@@ -59,6 +59,7 @@ class Req:
     stop_text_offset: int = -1
     decoder: IncrementalDecoder | None = None  # only with stop strings or stop_regex
     grammar_future: Future | None = None  # compiled grammar (regex / json_schema / ebnf)
+    grammar_deadline: float = 0.0  # time.monotonic() by which it must have compiled
     matcher: GrammarMatcher | None = None
     input_logprobs_sent: bool = False
     input_token_logprobs: list[list[Any]] = field(default_factory=list)

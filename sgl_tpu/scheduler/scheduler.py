@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sgl_tpu.config import SchedulerConfig
+from sgl_tpu.constrained.base import GrammarError
 from sgl_tpu.constrained.grammar_manager import GrammarManager
 from sgl_tpu.detokenize import IncrementalDecoder, find_stop
 from sgl_tpu.executor.step import ForwardMode, ModelRunner, SeqStep, StepResult, mask_words
@@ -41,6 +42,7 @@ from sgl_tpu.mem_cache.radix_cache import RadixCache
 from sgl_tpu.messages import ReqOutput, TokenizedGenerateReq
 from sgl_tpu.sampling_params import SamplingParams
 from sgl_tpu.scheduler.constrained import (
+    GRAMMAR_COMPILE_BUDGET_S,
     MAX_JUMP_TOKENS,
     drop_draft,
     fill_mask,
@@ -50,10 +52,11 @@ from sgl_tpu.scheduler.constrained import (
     single_allowed_token,
     verify_draft,
 )
+from sgl_tpu.scheduler.faults import fault_reason
 from sgl_tpu.scheduler.kv_manager import KVManager
 from sgl_tpu.scheduler.policy import order_waiting
 from sgl_tpu.scheduler.req import Req
-from sgl_tpu.validation import check_request
+from sgl_tpu.validation import check_request, check_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +77,7 @@ class SchedulerStats:
     num_extend_steps: int = 0
     num_decode_steps: int = 0
     jump_forward_tokens: int = 0  # tokens appended by jump-forward (no decode step)
+    num_requests_failed: int = 0  # ended by an exception while handling them (faults.py)
     last_log_time: float = field(default_factory=time.monotonic)
     last_log_tokens: int = 0
 
@@ -111,13 +115,15 @@ class Scheduler:
         self.disable_jump_forward = disable_jump_forward
         self.mask_words = mask_words(vocab_size)
         self.jump_forward_reqs: list[Req] = []  # running requests with forced tokens to extend
+        self._step_reqs: list[Req] = []  # the batch of the step in progress (for fail_all)
 
     # ---- intake ----------------------------------------------------------------------------
     def validate(self, prompt_len: int, sampling: SamplingParams) -> str | None:
         """A message if a request can never be served, else None."""
         return check_request(prompt_len, sampling, context_len=self.config.context_len,
                              capacity_tokens=self.kv.capacity_tokens,
-                             grammar_supported=self.grammar_supported)
+                             grammar_supported=self.grammar_supported,
+                             vocab_size=self.vocab_size)
 
     def add_request(self, msg: TokenizedGenerateReq) -> ReqOutput | None:
         """Queue a request; returns an immediate error output if it cannot be served."""
@@ -125,7 +131,8 @@ class Scheduler:
             sampling = SamplingParams.from_dict(msg.sampling)
         except ValueError as e:
             return _error_output(msg.rid, len(msg.input_ids), str(e))
-        error = self.validate(len(msg.input_ids), sampling)
+        error = (check_token_ids("input_ids", msg.input_ids, self.vocab_size)
+                 or self.validate(len(msg.input_ids), sampling))
         if error is not None:
             return _error_output(msg.rid, len(msg.input_ids), error)
         seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(32)
@@ -138,6 +145,7 @@ class Scheduler:
             req.decoder = IncrementalDecoder(self.decode, sampling.skip_special_tokens)
         if sampling.grammar is not None and self.grammar is not None:
             req.grammar_future = self.grammar.request(*sampling.grammar)
+            req.grammar_deadline = time.monotonic() + GRAMMAR_COMPILE_BUDGET_S
         self.kv.retain_prefix(req)
         self.waiting.append(req)
         return None
@@ -152,15 +160,46 @@ class Scheduler:
 
     # ---- the loop --------------------------------------------------------------------------
     def step(self) -> list[ReqOutput]:
-        """Run one batch; return the outputs it produced (possibly none)."""
+        """Run one batch; return the outputs it produced (possibly none).
+
+        An exception in one request's host code ends that request (`fail`); one outside any
+        request's code propagates, and the caller decides (`fail_all` or die, `faults.py`)."""
         outputs = self._process_aborts() + self._poll_grammars()
         batch = self._schedule_extend()
         if batch:
             outputs += self._run_extend(batch)
         elif self.running:
             outputs += self._run_decode()
+        self._step_reqs = []
         self._maybe_log()
         return outputs
+
+    # ---- faults (see faults.py) ------------------------------------------------------------
+    def fail(self, req: Req, exc: BaseException) -> ReqOutput:
+        """End `req` alone after `exc` was raised while handling it; its KV is discarded."""
+        for queue in (self.waiting, self.running, self.jump_forward_reqs):
+            if req in queue:
+                queue.remove(req)
+        if self.chunked_req is req:
+            self.chunked_req = None
+        req.draft, req.draft_masks = [], []
+        self.kv.discard_req(req)
+        self._free_row(req)
+        req.finish_reason = fault_reason(req.rid, exc)
+        self.stats.num_requests_failed += 1
+        return ReqOutput(rid=req.rid, new_token_ids=[], finished=True,
+                         finish_reason=req.finish_reason, prompt_tokens=req.prompt_len,
+                         completion_tokens=len(req.output_ids),
+                         skip_special_tokens=req.sampling.skip_special_tokens)
+
+    def fail_all(self, exc: BaseException) -> list[ReqOutput]:
+        """After a fault outside any one request's code (e.g. the device step): end every
+        request that is queued, running or in the failed step."""
+        reqs = {id(r): r for r in [*self._step_reqs, *self.running, *self.jump_forward_reqs,
+                                   *([self.chunked_req] if self.chunked_req else []),
+                                   *self.waiting] if not r.finished}
+        self._step_reqs = []
+        return [self.fail(r, exc) for r in reqs.values()]
 
     # ---- EXTEND ----------------------------------------------------------------------------
     def _schedule_extend(self) -> list[tuple[Req, int]]:
@@ -228,41 +267,59 @@ class Scheduler:
         return batch
 
     def _run_extend(self, batch: list[tuple[Req, int]]) -> list[ReqOutput]:
-        steps = []
+        self._step_reqs = [req for req, _ in batch]
+        steps, kept, outputs = [], [], []
         for req, n in batch:
             fill = req.fill_ids
             completes = req.kv_len + n == len(fill)
+            try:
+                mask = self._step_mask(req) if completes else None
+            except Exception as e:
+                outputs.append(self.fail(req, e))
+                continue
+            kept.append((req, n))
             steps.append(SeqStep(
                 token_ids=fill[req.kv_len : req.kv_len + n], prefix_len=req.kv_len,
                 pages=req.pages, sampling=req.sampling, seed=req.seed,
                 num_output_tokens=len(req.output_ids), counts_row=req.row,
                 counts_reset=req.counts_fresh,
                 sample_valid=completes and req.sampling.max_new_tokens > 0,
-                bitmask=self._step_mask(req) if completes else None))
+                bitmask=mask))
+        batch = kept
+        if not batch:
+            return outputs
         result = self.runner.forward(ForwardMode.EXTEND, steps)
         self.stats.num_extend_steps += 1
         if any(req.wants_input_logprobs for req, _ in batch):
             self._collect_input_logprobs(batch, result)
         draft_logits = self._draft_logits(batch, result)
-        outputs = []
         for i, (req, n) in enumerate(batch):
             req.counts_fresh = False
             req.kv_len += n
-            if req.kv_len < len(req.fill_ids):  # more chunks to go
-                self.kv.cache_req(req)
-                self.chunked_req = req
-                continue
-            if req.sampling.max_new_tokens == 0:  # prefill only
-                req.finish_reason = {"type": "length", "length": 0}
-                outputs.append(self._finish(req, []))
-                continue
-            outputs.append(self._append_token(req, result, i, draft_logits.get(req.rid)))
-            if not req.finished:
-                self.kv.cache_req(req)
-                if not req.jumped:
-                    self.running.append(req)
+            try:
+                out = self._post_extend(req, result, i, draft_logits.get(req.rid))
+            except Exception as e:
+                out = self.fail(req, e)
+            if out is not None:
+                outputs.append(out)
         self._take_jump_forward([req for req, _ in batch])
         return outputs
+
+    def _post_extend(self, req: Req, result: StepResult, i: int,
+                     draft_logits: np.ndarray | None) -> ReqOutput | None:
+        if req.kv_len < len(req.fill_ids):  # more chunks to go
+            self.kv.cache_req(req)
+            self.chunked_req = req
+            return None
+        if req.sampling.max_new_tokens == 0:  # prefill only
+            req.finish_reason = {"type": "length", "length": 0}
+            return self._finish(req, [])
+        out = self._append_token(req, result, i, draft_logits)
+        if not req.finished:
+            self.kv.cache_req(req)
+            if not req.jumped:
+                self.running.append(req)
+        return out
 
     def _step_mask(self, req: Req) -> np.ndarray | None:
         """The grammar's mask, with EOS and stop ids disallowed before min_new_tokens."""
@@ -329,20 +386,30 @@ class Scheduler:
     # ---- DECODE ----------------------------------------------------------------------------
     def _run_decode(self) -> list[ReqOutput]:
         self._ensure_decode_pages()
-        if not self.running:
-            return []
-        steps = [SeqStep(token_ids=[req.output_ids[-1]], prefix_len=req.kv_len, pages=req.pages,
-                         sampling=req.sampling, seed=req.seed,
-                         num_output_tokens=len(req.output_ids), counts_row=req.row,
-                         bitmask=self._step_mask(req))
-                 for req in self.running]
+        self._step_reqs = batch = []
+        steps, outputs = [], []
+        for req in list(self.running):
+            try:
+                mask = self._step_mask(req)
+            except Exception as e:
+                outputs.append(self.fail(req, e))
+                continue
+            batch.append(req)
+            steps.append(SeqStep(token_ids=[req.output_ids[-1]], prefix_len=req.kv_len,
+                                 pages=req.pages, sampling=req.sampling, seed=req.seed,
+                                 num_output_tokens=len(req.output_ids), counts_row=req.row,
+                                 bitmask=mask))
+        if not batch:
+            return outputs
         result = self.runner.forward(ForwardMode.DECODE, steps)
         self.stats.num_decode_steps += 1
-        outputs = []
-        for i, req in enumerate(self.running):
+        for i, req in enumerate(batch):
             req.kv_len += 1
-            outputs.append(self._append_token(req, result, i))
-        self._take_jump_forward(self.running)
+            try:
+                outputs.append(self._append_token(req, result, i))
+            except Exception as e:
+                outputs.append(self.fail(req, e))
+        self._take_jump_forward(batch)
         self.running = [r for r in self.running if not r.finished and not r.jumped]
         return outputs
 
@@ -408,8 +475,10 @@ class Scheduler:
         if req.matcher is None or req.finished:
             return
         if not req.matcher.accept_token(token):
-            req.finish_reason = {"type": "abort", "message":
-                                 f"internal error: token {token} violates the grammar"}
+            error = req.matcher.error()
+            if error is not None:  # a parser limit: the grammar is too complex
+                raise GrammarError(f"grammar too complex for the parser's limits: {error}")
+            raise RuntimeError(f"token {token} violates the grammar its mask allowed")
         elif req.matcher.is_terminated():
             # Complete, and nothing may follow: end as if the EOS came next.
             req.finish_reason = {"type": "stop", "matched": min(self.eos_token_ids)}
@@ -444,7 +513,11 @@ class Scheduler:
         """Requests whose grammar failed to compile end with a 400."""
         outputs = []
         for req in [r for r in self.waiting if r.grammar_future is not None]:
-            state = grammar_ready(req)
+            try:
+                state = grammar_ready(req)
+            except Exception as e:
+                outputs.append(self.fail(req, e))
+                continue
             if isinstance(state, str):
                 self.waiting.remove(req)
                 outputs.append(_error_output(req.rid, req.prompt_len, state))

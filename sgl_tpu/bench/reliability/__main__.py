@@ -1,0 +1,158 @@
+"""`python -m sgl_tpu.bench.reliability`: the long reliability campaign (see the package).
+
+Starts a server on loopback (a small KV pool, so load also exhausts it), runs the phases load,
+disconnect, exhaustion and fuzz with a latency probe alongside, checks the invariants after
+each, then starts a second server and kills one of its children. Prints the figures as JSON:
+clients and requests held, disconnects and aborts survived, bad inputs tried per class, faults
+injected, 5xx count, leaked KV pages, p50/p99 latency of a small request during the campaign.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import tempfile
+import time
+from collections import Counter
+from typing import Any
+
+import requests
+
+from sgl_tpu.bench.reliability.fuzz import CLASSES, ROUTES, run_fuzz
+from sgl_tpu.bench.reliability.invariants import check_invariants
+from sgl_tpu.bench.reliability.phases import (
+    LatencyProbe,
+    big_prompt_phase,
+    disconnect_phase,
+    exhaustion_phase,
+    kill_child_phase,
+    load_phase,
+    percentile,
+)
+from sgl_tpu.bench.report import emit
+from sgl_tpu.bench.serving import Server
+
+API_KEY = "campaign-key"
+
+
+def make_sender(base_url: str, headers: dict[str, str]):
+    session = requests.Session()
+
+    def send(route: str, data: bytes, content_type: str) -> int:
+        h = dict(headers)
+        if content_type:
+            h["Content-Type"] = content_type
+        return session.post(base_url + route, data=data, headers=h, timeout=120).status_code
+
+    return send
+
+
+async def campaign(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    phases: dict[str, Any] = {}
+    fuzz_counts: dict[str, int] = Counter()
+    fuzz_statuses: Counter = Counter()
+    async with LatencyProbe(base_url, headers) as probe:
+        for name, run in (
+            ("load", lambda: load_phase(base_url, headers, clients=args.clients,
+                                        requests_per_client=args.requests_per_client,
+                                        seed=args.seed)),
+            ("disconnect", lambda: disconnect_phase(base_url, headers,
+                                                    clients=args.clients // 2,
+                                                    seed=args.seed)),
+            ("exhaustion", lambda: exhaustion_phase(base_url, headers,
+                                                    capacity_tokens=args.max_total_tokens,
+                                                    clients=args.exhaustion_clients,
+                                                    seed=args.seed)),
+            ("big_prompt", lambda: big_prompt_phase(base_url, headers,
+                                                    num_prompts=args.big_prompts,
+                                                    num_chars=args.big_prompt_chars)),
+        ):
+            probe.phase = name
+            result = await run()
+            check_invariants(base_url, headers)
+            phases[name] = {**result.to_dict(), "num_5xx": result.num_5xx, "invariants": "ok"}
+        probe.phase = "fuzz"
+        send = make_sender(base_url, headers)
+        t0 = time.perf_counter()
+        for route in ROUTES:
+            for kind in CLASSES:
+                statuses = await asyncio.to_thread(run_fuzz, send, route, kind,
+                                                   args.fuzz_examples, args.seed)
+                fuzz_counts[kind] += sum(statuses.values())
+                fuzz_statuses.update(statuses)
+        info = check_invariants(base_url, headers)
+        phases["fuzz"] = {"bodies": sum(fuzz_counts.values()),
+                          "statuses": dict(fuzz_statuses), "wall_s":
+                          round(time.perf_counter() - t0, 2), "invariants": "ok"}
+    return {"phases": phases, "bad_inputs_per_class": dict(fuzz_counts),
+            "probe": {"requests": len(probe.latencies_s),
+                      "statuses": dict(probe.statuses),
+                      "p50_s": percentile(probe.latencies_s, 50),
+                      "p99_s": percentile(probe.latencies_s, 99),
+                      "p99_s_by_phase": {k: percentile(v, 99)
+                                         for k, v in probe.by_phase.items()}},
+            "leaked_pages": info["memory"]["num_pages_requests"],
+            "requests_failed_by_faults": info["stats"].get("num_requests_failed")}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path", default=None)
+    p.add_argument("--clients", type=int, default=128)
+    p.add_argument("--requests-per-client", type=int, default=4)
+    p.add_argument("--exhaustion-clients", type=int, default=32)
+    p.add_argument("--fuzz-examples", type=int, default=100,
+                   help="generated bodies per route and input class")
+    p.add_argument("--big-prompts", type=int, default=8)
+    p.add_argument("--big-prompt-chars", type=int, default=500_000)
+    p.add_argument("--max-total-tokens", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default=None)
+    args = p.parse_args()
+    flags = ["--api-key", API_KEY, "--max-total-tokens", str(args.max_total_tokens),
+             "--max-running-requests", "32", "--dtype", "float32"]
+    if args.model_path:
+        flags += ["--model-path", args.model_path]
+    log_dir = tempfile.gettempdir()
+    server = Server(flags, os.path.join(log_dir, "reliability_server.log"))
+    try:
+        server.wait_ready()
+        results = asyncio.run(campaign(server.url, args))
+    finally:
+        server.stop()
+    victim_server = Server(flags, os.path.join(log_dir, "reliability_kill.log"))
+    try:
+        victim_server.wait_ready()
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        victim = requests.get(victim_server.url + "/server_info", headers=headers,
+                              timeout=30).json()["scheduler_pid"]
+        kill = asyncio.run(kill_child_phase(victim_server.url, headers, victim_server.proc.pid,
+                                            victim=victim))
+        victim_server.proc.wait(30)
+        kill.extra["server_exit_code"] = victim_server.proc.returncode
+    finally:
+        if victim_server.proc.poll() is None:
+            victim_server.stop()
+    results["phases"]["kill_child"] = kill.to_dict()
+    phases = results["phases"]
+    results["totals"] = {
+        "clients": args.clients,
+        "requests": sum(ph.get("requests", ph.get("bodies", 0)) for ph in phases.values())
+                    + results["probe"]["requests"],
+        "disconnects": sum(ph.get("disconnects", 0) for ph in phases.values()),
+        "aborts": sum(ph.get("aborts", 0) for ph in phases.values()),
+        "faults_injected": kill.faults_injected,
+        "num_5xx_outside_fatal_fault": sum(ph.get("num_5xx", 0) for ph in phases.values())
+                                       + sum(n for s, n in results["probe"]["statuses"].items()
+                                             if int(s) >= 500),
+        "leaked_pages": results["leaked_pages"],
+        "small_request_p99_s": results["probe"]["p99_s"],
+    }
+    results["args"] = vars(args)
+    emit(results, args.output)
+
+
+if __name__ == "__main__":
+    main()

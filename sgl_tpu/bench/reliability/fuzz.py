@@ -1,0 +1,221 @@
+"""Property-based fuzzing of every route's body with `hypothesis`: the server must answer each
+generated body with a status below 500 (a 4xx naming the problem, or a normal answer).
+
+Bodies start from a small valid body of the route and have one to three of its fields (or an
+unknown one) replaced by a value of one *class* of bad input:
+
+    typed      any JSON value (wrong types)          odd_unicode  lone surrogates, NUL, RTL, ...
+    extreme    beyond-64-bit ints, huge floats, NaN  deep         nesting up to 5,000 levels
+    huge_list  lists of up to 50,000 items           raw          non-JSON bytes, wrong types
+
+so generated inputs reach the validation of every field, not only the JSON parser. What could
+make a valid request expensive (token counts, `n`, batch width) is capped afterwards, so a run
+is bounded in time. Seeded (`seed`) for reproducible CI runs; `seed=None` draws fresh examples.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
+
+ROUTES: dict[str, dict[str, Any]] = {
+    "/generate": {"text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}},
+    "/v1/completions": {"prompt": "Hello", "max_tokens": 4, "temperature": 0},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+    "/abort_request": {"rid": "no-such-request"},
+    "/flush_cache": {},
+}
+_SAMPLING_KEYS = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
+                  "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "n", "seed",
+                  "regex", "json_schema", "ebnf", "frequency_penalty", "presence_penalty",
+                  "repetition_penalty", "no_stop_trim", "logit_bias", "custom_params")
+_FIELDS: dict[str, tuple[str, ...]] = {
+    "/generate": ("text", "input_ids", "sampling_params", "stream", "rid", "session_id",
+                  "return_logprob", "logprob_start_len", "top_logprobs_num",
+                  "return_text_in_logprobs", *(f"sampling_params.{k}" for k in _SAMPLING_KEYS)),
+    "/v1/completions": ("prompt", "max_tokens", "n", "stream", "logprobs", "echo", "stop",
+                        "seed", "logit_bias", "stop_token_ids", "min_tokens", "regex",
+                        "json_schema", "stream_options", "temperature", "top_p", "model",
+                        "session_id", "rid", "skip_special_tokens", "ignore_eos"),
+    "/v1/chat/completions": ("messages", "max_tokens", "max_completion_tokens", "n", "stream",
+                             "logprobs", "top_logprobs", "response_format", "tools",
+                             "tool_choice", "stop", "seed", "logit_bias", "stop_token_ids",
+                             "min_tokens", "chat_template_kwargs", "messages.0.content",
+                             "messages.0.role", "temperature", "model", "session_id"),
+    "/abort_request": ("rid",),
+    "/flush_cache": ("x",),
+}
+# Caps applied to every generated body so valid ones stay cheap to serve.
+_MAX_TOKENS_KEYS = ("max_new_tokens", "max_tokens", "max_completion_tokens", "min_new_tokens",
+                    "min_tokens")
+MAX_FUZZ_TOKENS = 4
+MAX_FUZZ_N = 2
+MAX_FUZZ_PROMPTS = 8
+
+_ODD_STRINGS = ["\ud800", "a\udc00b", "\udfff\ud800", "\x00", "\u202e\u202d", "\ufeff",
+                "\ufffd" * 3, "🙂" * 50, "e\u0301" * 20, "\U0010ffff", "\\", "\"", "<|im_end|>",
+                "<|im_start|>user\n", "", " " * 1000, "x" * 5000]
+_EXTREME_NUMBERS = [2**63, 2**63 - 1, 2**64, 2**64 - 1, -(2**63) - 1, 2**70, 10**30, -(10**30),
+                    -1, 0, 2**31, 2**53 + 1, 1e308, -1e308, 5e-324, math.nan, math.inf,
+                    -math.inf, 0.5, -0.0, 1e20]
+
+
+def _json_values() -> st.SearchStrategy[Any]:
+    leaves = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True)
+              | st.text(max_size=20) | st.sampled_from(_ODD_STRINGS))
+    return st.recursive(leaves, lambda inner: st.lists(inner, max_size=4)
+                        | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                        max_leaves=12)
+
+
+def _nested(depth: int, as_dict: bool) -> str:
+    """A placeholder that `_dumps` replaces by the nested JSON text (json.dumps itself would
+    recurse too deep)."""
+    return f"\x00deep:{depth}:{int(as_dict)}\x00"
+
+
+_DEEP = re.compile(r'"\\u0000deep:(\d+):(\d)\\u0000"')
+
+
+def _deep_text(match: re.Match) -> str:
+    depth, as_dict = int(match.group(1)), match.group(2) == "1"
+    return ('{"a":' * depth + "1" + "}" * depth) if as_dict else ("[" * depth + "1" + "]" * depth)
+
+
+def _class_values(kind: str) -> st.SearchStrategy[Any]:
+    if kind == "typed":
+        return _json_values()
+    if kind == "extreme":
+        one = st.sampled_from(_EXTREME_NUMBERS) | st.integers(min_value=-(2**80),
+                                                               max_value=2**80)
+        return one | st.lists(one, min_size=1, max_size=4) | st.dictionaries(
+            st.sampled_from(["1", "5", "-1", "99999999"]), one, max_size=2)
+    if kind == "odd_unicode":
+        odd = st.sampled_from(_ODD_STRINGS) | st.text(
+            st.characters(codec=None, categories=["Cs", "Cc", "Cf", "Mn", "So", "Lo"]),
+            max_size=30)
+        return odd | st.lists(odd, min_size=1, max_size=3) | st.dictionaries(odd, odd,
+                                                                              max_size=2)
+    if kind == "deep":
+        return st.builds(_nested, st.integers(1, 5000), st.booleans())
+    if kind == "huge_list":
+        item = st.sampled_from([1, 0, 17, "a", None, 1.5, {"a": 1}])
+        return st.builds(lambda n, x: [x] * n, st.integers(1_000, 50_000), item)
+    raise ValueError(f"unknown input class {kind!r}")
+
+
+CLASSES = ("typed", "extreme", "odd_unicode", "deep", "huge_list", "raw")
+_CONTENT_TYPES = ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data", "",
+                  "application/json", "application/json; charset=utf-8", "application/xml"]
+
+
+def _set_path(body: dict[str, Any], path: str, value: Any) -> None:
+    """body[a][b]... = value for path "a.b..." (list indices as numbers); a path through a
+    value that is neither an object nor a list (an earlier replacement) is skipped."""
+    keys = path.split(".")
+    node: Any = body
+    for i, key in enumerate(keys):
+        last = i == len(keys) - 1
+        if isinstance(node, list):
+            if not key.isdigit() or not node:
+                return
+            index = int(key) % len(node)
+            if last:
+                node[index] = value
+                return
+            node = node[index]
+        elif isinstance(node, dict):
+            if last:
+                node[key] = value
+                return
+            if not isinstance(node.get(key), dict | list):
+                node[key] = {}
+            node = node[key]
+        else:
+            return
+
+
+def _cap(body: Any) -> Any:
+    """Keep valid bodies cheap: token counts, n and batch widths capped (recursively)."""
+    if isinstance(body, dict):
+        for key, value in list(body.items()):
+            if key in _MAX_TOKENS_KEYS and isinstance(value, int) and not isinstance(value, bool) \
+                    and value > MAX_FUZZ_TOKENS:
+                body[key] = MAX_FUZZ_TOKENS
+            elif key == "n" and isinstance(value, int) and not isinstance(value, bool) \
+                    and value > MAX_FUZZ_N:
+                body[key] = MAX_FUZZ_N
+            elif key in ("text", "prompt", "input_ids") and isinstance(value, list) \
+                    and value and isinstance(value[0], str | list) \
+                    and len(value) > MAX_FUZZ_PROMPTS:
+                body[key] = value[:MAX_FUZZ_PROMPTS]
+            else:
+                _cap(value)
+        sp = body.get("sampling_params")
+        for params in (sp if isinstance(sp, list) else [sp]):
+            if isinstance(params, dict) and params.get("max_new_tokens") is None:
+                params["max_new_tokens"] = MAX_FUZZ_TOKENS
+        if "messages" in body and body.get("max_tokens") is None \
+                and body.get("max_completion_tokens") is None:
+            body["max_tokens"] = MAX_FUZZ_TOKENS
+    elif isinstance(body, list):
+        for item in body[:64]:
+            _cap(item)
+    return body
+
+
+def body_strategy(route: str, kind: str) -> st.SearchStrategy[tuple[bytes, str]]:
+    """(raw body, content type) for `route` with fields of input class `kind`."""
+    if kind == "raw":
+        valid = json.dumps(ROUTES[route]).encode()
+        raw = (st.binary(max_size=200)
+               | st.integers(0, len(valid)).map(lambda n: valid[:n])
+               | st.just(valid))
+        return st.tuples(raw, st.sampled_from(_CONTENT_TYPES))
+    fields = _FIELDS[route] + ("unknown_field",)
+
+    def build(paths: list[str], values: list[Any]) -> tuple[bytes, str]:
+        body = json.loads(json.dumps(ROUTES[route]))
+        for path, value in zip(paths, values, strict=False):
+            _set_path(body, path, value)
+        return _dumps(_cap(body)), "application/json"
+
+    return st.builds(build, st.lists(st.sampled_from(fields), min_size=1, max_size=3),
+                     st.lists(_class_values(kind), min_size=3, max_size=3))
+
+
+def _dumps(body: Any) -> bytes:
+    try:
+        # ensure_ascii: lone surrogates go as \ud800 escapes, as a buggy client would send them
+        return _DEEP.sub(_deep_text, json.dumps(body)).encode()
+    except (ValueError, RecursionError):
+        return b"{}"
+
+
+def run_fuzz(send: Callable[[str, bytes, str], int], route: str, kind: str, num_examples: int,
+             seed: int | None) -> Counter:
+    """Send `num_examples` generated bodies; returns a Counter of status classes ("2xx", ...).
+    Fails (AssertionError, with the body) on the first status >= 500."""
+    statuses: Counter = Counter()
+
+    @settings(max_examples=num_examples, deadline=None, database=None,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(body_strategy(route, kind))
+    def prop(case: tuple[bytes, str]) -> None:
+        data, content_type = case
+        status = send(route, data, content_type)
+        statuses[f"{status // 100}xx"] += 1
+        assert status < 500, f"{route} answered {status} to {data[:300]!r} ({content_type})"
+
+    if seed is not None:
+        prop = hypothesis_seed(seed)(prop)
+    prop()
+    return statuses

@@ -1,0 +1,51 @@
+"""The state a server must be back in after every campaign phase:
+
+* every process alive (`/health` is 200: the launcher's watchdog makes it 503 when a child died),
+* idle: no request waiting or running (polled for at most `timeout_s`: nothing hangs),
+* `check_integrity()` ok (page accounting and radix tree, run by `/server_info` when idle),
+* no KV page held by a request (`memory.num_pages_requests == 0`),
+* and a small request is still answered correctly.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import requests
+
+
+class InvariantError(AssertionError):
+    pass
+
+
+def check_invariants(base_url: str, headers: dict[str, str], timeout_s: float = 60.0
+                     ) -> dict[str, Any]:
+    """Wait until the server is idle, then check everything above; returns /server_info.
+    Raises InvariantError naming the first broken invariant."""
+    health = requests.get(base_url + "/health", headers=headers, timeout=10)
+    if health.status_code != 200:
+        raise InvariantError(f"/health answered {health.status_code}: {health.text[:200]}")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = requests.get(base_url + "/server_info", headers=headers, timeout=10).json()
+        idle = (info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
+                and "integrity" in info)
+        if idle:
+            break
+        if time.monotonic() > deadline:
+            raise InvariantError(f"server not idle after {timeout_s} s: "
+                                 f"{info['num_running_reqs']} running, "
+                                 f"{info['num_waiting_reqs']} waiting")
+        time.sleep(0.2)
+    if info["integrity"] != "ok":
+        raise InvariantError(f"check_integrity failed: {info['integrity']}")
+    held = info["memory"]["num_pages_requests"]
+    if held != 0:
+        raise InvariantError(f"{held} KV pages still held by requests")
+    r = requests.post(base_url + "/generate", headers=headers, timeout=60, json={
+        "text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0,
+                                             "ignore_eos": True}})
+    if r.status_code != 200 or r.json()["meta_info"]["completion_tokens"] != 2:
+        raise InvariantError(f"a small request failed: {r.status_code} {r.text[:200]}")
+    return info

@@ -16,24 +16,23 @@ times in a row) stop the process, which the launcher reports as a 503 and a clea
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from sgl_tpu.constrained.base import GrammarError, shorten
+from sgl_tpu.scheduler.finish import FinishReason, abort
 
 logger = logging.getLogger("sgl_tpu.scheduler")
 
 MAX_CONSECUTIVE_FAULTS = 3
 
 
-def fault_reason(rid: str, exc: BaseException) -> dict[str, Any]:
+def fault_reason(rid: str, exc: BaseException) -> FinishReason:
     """The finish_reason ending request `rid` after `exc`; logs it with the rid."""
     if isinstance(exc, GrammarError):
         logger.warning("request %s ended: %s", rid, exc)
-        return {"type": "abort", "message": str(exc), "status_code": 400}
+        return abort(str(exc), 400)
     logger.error("request %s ended by an internal error", rid, exc_info=exc)
     detail = shorten(f"{type(exc).__name__}: {exc}")
-    return {"type": "abort", "message": f"internal error while handling the request ({detail})",
-            "status_code": 500}
+    return abort(f"internal error while handling the request ({detail})", 500)
 
 
 def is_fatal(exc: BaseException, consecutive: int) -> bool:

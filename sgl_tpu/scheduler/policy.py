@@ -68,3 +68,39 @@ def dfs_weight(waiting: list[Req], tree: RadixCache) -> list[Req]:
 def order_waiting(policy: str, waiting: list[Req], tree: RadixCache) -> list[Req]:
     """`waiting` in `policy`'s order (a name from POLICIES, checked at start-up)."""
     return POLICIES[policy](waiting, tree)
+
+
+# ---- in-batch prefix sharing ----------------------------------------------------------------
+# A waiting request that shares at least this many uncached tokens with a request already in
+# the EXTEND batch waits one step, then reuses that request's KV from the tree.
+IN_BATCH_SHARED_TOKENS = 32
+
+
+class InBatchPrefixes:
+    """The page-aligned prefixes of the requests admitted to one EXTEND batch, as chained
+    hashes (hash k covers tokens [0, (k+1) * page_size) of a request's fill tokens)."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.keys: set[int] = set()
+
+    def _page_hashes(self, req: Req) -> list[int]:
+        fill, out, h = req.fill_ids, [], 0
+        for i in range(0, len(fill) - self.page_size + 1, self.page_size):
+            h = hash((h, tuple(fill[i : i + self.page_size])))
+            out.append(h)
+        return out
+
+    def add(self, req: Req) -> None:
+        self.keys.update(self._page_hashes(req))
+
+    def shares_uncached(self, req: Req) -> bool:
+        """Whether `req` would recompute IN_BATCH_SHARED_TOKENS+ tokens the batch computes."""
+        if not self.keys:
+            return False
+        shared = 0
+        for h in self._page_hashes(req):
+            if h not in self.keys:
+                break
+            shared += self.page_size
+        return shared - req.kv_len >= IN_BATCH_SHARED_TOKENS

@@ -21,6 +21,7 @@ import numpy as np
 
 from sgl_tpu.constrained.base import GrammarMatcher
 from sgl_tpu.detokenize import IncrementalDecoder
+from sgl_tpu.executor.step import SeqStep
 from sgl_tpu.mem_cache.radix_cache import TreeNode
 from sgl_tpu.sampling_params import SamplingParams
 
@@ -82,6 +83,24 @@ class Req:
     def wants_input_logprobs(self) -> bool:
         return (self.return_logprob and self.logprob_start_len >= 0
                 and not self.input_logprobs_sent)
+
+    def extend_step(self, n: int, mask: np.ndarray | None) -> SeqStep:
+        """This request's share of an EXTEND: its next `n` uncomputed tokens (a chunk, the
+        whole uncached prompt, or jump-forward tokens); samples only if they complete it."""
+        completes = self.kv_len + n == len(self.fill_ids)
+        return SeqStep(token_ids=self.fill_ids[self.kv_len : self.kv_len + n],
+                       prefix_len=self.kv_len, pages=self.pages, sampling=self.sampling,
+                       seed=self.seed, num_output_tokens=len(self.output_ids),
+                       counts_row=self.row, counts_reset=self.counts_fresh,
+                       sample_valid=completes and self.sampling.max_new_tokens > 0,
+                       bitmask=mask)
+
+    def decode_step(self, mask: np.ndarray | None) -> SeqStep:
+        """This request's share of a DECODE: its last token, one new one sampled."""
+        return SeqStep(token_ids=[self.output_ids[-1]], prefix_len=self.kv_len,
+                       pages=self.pages, sampling=self.sampling, seed=self.seed,
+                       num_output_tokens=len(self.output_ids), counts_row=self.row,
+                       bitmask=mask)
 
     @property
     def max_prefix_len(self) -> int:

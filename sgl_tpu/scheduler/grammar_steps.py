@@ -28,6 +28,8 @@ import time
 import numpy as np
 
 from sgl_tpu.constrained.base import GrammarError
+from sgl_tpu.executor.step import ModelRunner, StepResult, mask_words
+from sgl_tpu.scheduler import finish
 from sgl_tpu.scheduler.req import Req
 
 MAX_JUMP_TOKENS = 256  # bound on tokens appended by one jump-forward
@@ -136,3 +138,84 @@ def drop_draft(req: Req) -> None:
         del req.output_ids[-len(req.draft):]
         req.matcher.rollback(len(req.draft))
         req.draft, req.draft_masks = [], []
+
+
+class GrammarSteps:
+    """The grammar work of the scheduler's steps for constrained requests: the mask before a
+    step, the matcher's advance after it, jump-forward (forced tokens and the canonical draft)
+    and the logits rows that verify a draft. Holds no request state of its own."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: frozenset[int],
+                 disable_jump_forward: bool) -> None:
+        self.vocab_size = vocab_size
+        self.mask_words = mask_words(vocab_size)
+        self.eos_token_ids = eos_token_ids
+        self.disable_jump_forward = disable_jump_forward
+
+    def step_mask(self, req: Req) -> np.ndarray | None:
+        """The grammar's mask, with EOS and stop ids disallowed before min_new_tokens."""
+        row = fill_mask(req, self.mask_words)
+        sp = req.sampling
+        if len(req.output_ids) < sp.min_new_tokens:
+            banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_token_ids)
+            if banned:
+                row = np.full(self.mask_words, -1, np.int32) if row is None else row
+                words = row.view(np.uint32)
+                for t in banned:
+                    words[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
+        return row
+
+    def advance(self, req: Req, token: int) -> None:
+        """Feed the sampled `token` to the matcher; a terminated grammar ends the request."""
+        if req.matcher is None or req.finished:
+            return
+        if not req.matcher.accept_token(token):
+            error = req.matcher.error()
+            if error is not None:  # a parser limit: the grammar is too complex
+                raise GrammarError(f"grammar too complex for the parser's limits: {error}")
+            raise RuntimeError(f"token {token} violates the grammar its mask allowed")
+        if req.matcher.is_terminated():
+            # Complete, and nothing may follow: end as if the EOS came next.
+            req.finish_reason = finish.stop(min(self.eos_token_ids))
+
+    def jump_forward(self, req: Req) -> list[int]:
+        """Append the tokens the grammar forces (exactly one allowed token at a time), then a
+        canonical draft; `req.jumped` says whether an EXTEND must now compute them."""
+        if req.finished or not jump_forward_enabled(req, self.disable_jump_forward):
+            return []
+        forced: list[int] = []
+        row = np.empty(self.mask_words, np.int32)
+        while len(forced) < MAX_JUMP_TOKENS and not req.finished:
+            req.matcher.fill_bitmask(row)
+            token = single_allowed_token(row)
+            if token is None or token in self.eos_token_ids:
+                break
+            forced.append(token)
+            req.output_ids.append(token)
+            finish.check_finished(req, token, self.eos_token_ids)
+            self.advance(req, token)
+        if not req.finished:
+            make_draft(req, self.mask_words)
+        if forced or req.draft:
+            req.jumped = not req.finished
+        return forced
+
+    def draft_logits(self, batch: list[tuple[Req, int]], result: StepResult,
+                     runner: ModelRunner) -> dict[str, np.ndarray]:
+        """Logits at the positions predicting each request's draft tokens, per rid."""
+        rows, owners = [], []
+        t = 0
+        for req, n in batch:
+            k = len(req.draft)
+            if k:
+                rows.extend(range(t + n - k - 1, t + n - 1))
+                owners.append((req, k))
+            t += n
+        if not rows:
+            return {}
+        logits = runner.row_logits(result.hidden, np.asarray(rows, np.int32))
+        out, r = {}, 0
+        for req, k in owners:
+            out[req.rid] = logits[r : r + k]
+            r += k
+        return out

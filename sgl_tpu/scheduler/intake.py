@@ -1,0 +1,59 @@
+"""Intake: a `TokenizedGenerateReq` from another process -> a queued `Req`, or a 400 output.
+
+The scheduler trusts nothing it receives: the sampling parameters are parsed and bounded again,
+ids must lie in the vocabulary, the prompt plus its output must fit the context and the KV pool,
+and a grammar needs a grammar backend. A request without a seed gets a random one here, so
+its samples are reproducible in whatever batch it lands.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+
+from sgl_tpu.config import SchedulerConfig
+from sgl_tpu.constrained.grammar_manager import GrammarManager
+from sgl_tpu.detokenize import IncrementalDecoder
+from sgl_tpu.messages import ReqOutput, TokenizedGenerateReq
+from sgl_tpu.sampling_params import SamplingParams
+from sgl_tpu.scheduler.grammar_steps import GRAMMAR_COMPILE_BUDGET_S
+from sgl_tpu.scheduler.output import error_output
+from sgl_tpu.scheduler.req import Req
+from sgl_tpu.validation import check_request, check_token_ids
+
+
+class Intake:
+    def __init__(self, config: SchedulerConfig, *, vocab_size: int, capacity_tokens: int,
+                 grammar: GrammarManager | None,
+                 decode: Callable[[Sequence[int], bool], str]) -> None:
+        self.config = config
+        self.vocab_size = vocab_size
+        self.capacity_tokens = capacity_tokens
+        self.grammar = grammar
+        self.decode = decode
+        self._seed_rng = random.Random(0x5C1)
+
+    def new_req(self, msg: TokenizedGenerateReq) -> Req | ReqOutput:
+        try:
+            sampling = SamplingParams.from_dict(msg.sampling)
+        except ValueError as e:
+            return error_output(msg.rid, len(msg.input_ids), str(e))
+        error = check_token_ids("input_ids", msg.input_ids, self.vocab_size) or check_request(
+            len(msg.input_ids), sampling, context_len=self.config.context_len,
+            capacity_tokens=self.capacity_tokens, grammar_supported=self.grammar is not None,
+            vocab_size=self.vocab_size)
+        if error is not None:
+            return error_output(msg.rid, len(msg.input_ids), error)
+        seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(32)
+        req = Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling=sampling,
+                  seed=seed, return_logprob=msg.return_logprob,
+                  logprob_start_len=msg.logprob_start_len,
+                  top_logprobs_num=min(msg.top_logprobs_num, self.config.max_top_logprobs),
+                  session_id=msg.session_id)
+        if sampling.stop or sampling.stop_regex:
+            req.decoder = IncrementalDecoder(self.decode, sampling.skip_special_tokens)
+        if sampling.grammar is not None and self.grammar is not None:
+            req.grammar_future = self.grammar.request(*sampling.grammar)
+            req.grammar_deadline = time.monotonic() + GRAMMAR_COMPILE_BUDGET_S
+        return req

@@ -1,0 +1,60 @@
+"""Scheduler counters (read by `/metrics`, `/server_info` and the periodic log line) and the
+memory report of the KV pool and radix tree."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sgl_tpu.scheduler.kv_manager import KVManager
+
+logger = logging.getLogger("sgl_tpu.scheduler.scheduler")
+
+
+@dataclass
+class SchedulerStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    num_requests_finished: int = 0
+    num_retractions: int = 0
+    num_extend_steps: int = 0
+    num_decode_steps: int = 0
+    jump_forward_tokens: int = 0  # tokens appended by jump-forward (no decode step)
+    num_requests_failed: int = 0  # ended by an exception while handling them (faults.py)
+    last_log_time: float = field(default_factory=time.monotonic)
+    last_log_tokens: int = 0
+
+    def maybe_log(self, num_running: int, num_waiting: int, free_pages: int,
+                  interval_s: float = 10.0) -> None:
+        """One line of load, cache hit rate and throughput every `interval_s` seconds."""
+        now = time.monotonic()
+        if now - self.last_log_time < interval_s:
+            return
+        tokens = self.generated_tokens - self.last_log_tokens
+        hit = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        logger.info(
+            "running: %d, waiting: %d, free pages: %d, cache hit rate: %.1f%%, "
+            "gen throughput: %.1f tok/s", num_running, num_waiting, free_pages, 100 * hit,
+            tokens / (now - self.last_log_time))
+        self.last_log_time, self.last_log_tokens = now, self.generated_tokens
+
+
+def memory_info(kv: KVManager) -> dict[str, Any]:
+    alloc, tree = kv.allocator, kv.tree
+    return {
+        "num_pages_total": alloc.num_usable_pages,
+        "num_pages_free": alloc.num_free_pages,
+        "num_pages_tree": tree.num_pages_held(),
+        "num_pages_requests": alloc.num_usable_pages - alloc.num_free_pages
+                              - tree.num_pages_held(),
+        "tree_evictable_tokens": tree.evictable_size(),
+        "tree_protected_tokens": tree.protected_size(),
+        "tree_retained_tokens": tree.retained_size(),
+        "evicted_tokens": tree.num_evicted_tokens,
+        "evicted_retained_tokens": tree.num_evicted_retained_tokens,
+        "page_size": kv.page_size,
+        "max_total_tokens": kv.capacity_tokens,
+    }

@@ -1,11 +1,8 @@
-"""FastAPI app: SGLang's native API (see shared docs `sglang-native-api.md`) plus the OpenAI
-routes (`openai_api.py`) and Prometheus metrics, all on one `TokenizerManager`.
+"""The FastAPI app: error handlers and middleware, then every route module's `add_routes`
+(native `native_api.py`, OpenAI `openai_api.py`, Responses `responses_api.py`, Prometheus
+`metrics.py`), all on one `TokenizerManager`. Shared helpers are in `http_common.py`.
 
-Every error is JSON `{"error": {"message", "type", "code"}}` with a 4xx/5xx status; bad input
-never reaches the scheduler. Bodies are checked in layers: size and content type by
-`BodyLimitMiddleware`, JSON syntax, depth, strings and integer ranges by `parse_json`
-(`body_limits.py`), field types by the pydantic models, values by `TokenizerManager.validate`.
-
+Bad input never reaches the scheduler (see `http_common.py` for the layers of checks).
 Routes `--api-key` guards: all but `/health` (the liveness probe: an empty 200 or a 503, it
 reveals nothing and load balancers call it without credentials, as with SGLang). `/metrics`,
 `/get_model_info` and `/server_info` need the key. An unexpected exception in a handler is a 500
@@ -14,170 +11,19 @@ whose body says only that (the traceback goes to the log, never paths or setting
 
 from __future__ import annotations
 
-import hmac
-import json
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sgl_tpu.response import incremental_logprobs
-from sgl_tpu.server.body_limits import BodyError, BodyLimitMiddleware, parse_json, printable
-from sgl_tpu.server.tokenizer_manager import GenItem, RequestError, ServerDead, TokenizerManager
-from sgl_tpu.validation import check_batch_size
+from sgl_tpu.server.body_limits import BodyError, BodyLimitMiddleware
+from sgl_tpu.server.http_common import bearer_matches, error_response
+from sgl_tpu.server.tokenizer_manager import RequestError, ServerDead, TokenizerManager
 
 logger = logging.getLogger("sgl_tpu.http")
-MAX_N = 64  # most samples per prompt (SamplingParams' bound)
-
-
-def error_response(message: str, status_code: int = 400, err_type: str | None = None
-                   ) -> JSONResponse:
-    err_type = err_type or ("BadRequestError" if status_code < 500 else "InternalServerError")
-    message = printable(message)  # a message may quote user input
-    return JSONResponse({"object": "error", "error": {"message": message, "type": err_type,
-                                                      "code": status_code},
-                         "message": message, "code": status_code}, status_code=status_code)
-
-
-class GenerateReqInput(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    text: str | list[str] | None = None
-    input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    return_logprob: bool | list[bool] = False
-    logprob_start_len: int | list[int] = -1
-    top_logprobs_num: int | list[int] = 0
-    return_text_in_logprobs: bool = False
-    stream: bool = False
-    rid: str | list[str] | None = None
-    # An agent's session: its KV is kept at eviction priority between turns. One for all
-    # prompts, or a list with one per prompt (None entries allowed).
-    session_id: str | list[str | None] | None = None
-
-
-async def parse_body(request: Request, model: type[BaseModel]) -> Any:
-    """JSON body -> `model`; errors become 4xx naming the field (the content type and size
-    were checked by `BodyLimitMiddleware`)."""
-    try:
-        data = parse_json(await request.body())
-    except BodyError as e:
-        raise RequestError(str(e), e.status_code) from None
-    if not isinstance(data, dict):
-        raise RequestError("request body must be a JSON object")
-    # Validation costs microseconds per invalid list item (and a message listing every one
-    # would be megabytes), so a copy with every list cut to its first items is validated first:
-    # long lists of junk are refused for the price of a few items, with a short message.
-    for candidate, whole in ((_truncated(data), False), (data, True)):
-        try:
-            validated = model.model_validate(candidate)
-        except ValidationError as e:
-            raise RequestError(_validation_message(e, whole)) from None
-    return validated
-
-
-_VALIDATION_ITEMS = 16  # list items validated before the whole body is
-_MAX_REPORTED_ERRORS = 5
-
-
-def _truncated(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _truncated(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_truncated(v) for v in value[:_VALIDATION_ITEMS]]
-    return value
-
-
-def _validation_message(e: ValidationError, whole: bool) -> str:
-    count = e.error_count()
-    if whole and count > 10 * _MAX_REPORTED_ERRORS:  # listing them would cost more than it says
-        return (f"invalid request: {count} validation errors in list items beyond the first "
-                f"{_VALIDATION_ITEMS}")
-    parts = []
-    for err in e.errors(include_url=False, include_input=False)[:_MAX_REPORTED_ERRORS]:
-        loc = ".".join(str(x) for x in err.get("loc", ()))
-        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
-    more = f" (and {count - len(parts)} more)" if count > len(parts) else ""
-    return "invalid request: " + "; ".join(parts) + more
-
-
-def _pick(value: Any, i: int) -> Any:
-    return value[i] if isinstance(value, list) else value
-
-
-_PER_PROMPT_FIELDS = ("sampling_params", "rid", "session_id", "return_logprob",
-                      "logprob_start_len", "top_logprobs_num")
-
-
-async def expand_generate(tm: TokenizerManager, req: GenerateReqInput
-                          ) -> tuple[list[GenItem], bool]:
-    """Native request -> GenItems (n > 1 becomes n items); returns (items, is_batch)."""
-    if (req.text is None) == (req.input_ids is None):
-        raise RequestError("exactly one of text and input_ids must be given")
-    if req.text is not None:
-        batch = isinstance(req.text, list)
-        texts = req.text if batch else [req.text]
-        num_prompts = len(texts)
-    else:
-        batch = bool(req.input_ids) and isinstance(req.input_ids[0], list)
-        if batch and not all(isinstance(p, list) for p in req.input_ids):
-            raise RequestError("input_ids must be a list of ids or a list of such lists")
-        num_prompts = len(req.input_ids) if batch else 1
-    if batch and not num_prompts:
-        raise RequestError("the batch is empty")
-    if (error := check_batch_size(num_prompts)) is not None:
-        raise RequestError(error)
-    for name in _PER_PROMPT_FIELDS:  # a list gives one value per prompt
-        value = getattr(req, name)
-        if isinstance(value, list) and len(value) != num_prompts:
-            raise RequestError(f"{name} has {len(value)} entries for {num_prompts} prompt(s)")
-    if req.text is not None:
-        prompts = [await tm.tokenize_async(t) for t in texts]
-    else:
-        prompts = req.input_ids if batch else [req.input_ids]
-    items = []
-    for i, ids in enumerate(prompts):
-        sp = dict(_pick(req.sampling_params, i) or {})
-        n = sp.pop("n", 1)
-        n = 1 if n is None else n
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
-            raise RequestError(f"n must be an integer in [1, {MAX_N}], got {n!r}")
-        rid = _pick(req.rid, i) if req.rid is not None else None
-        for k in range(n):
-            spk = dict(sp)
-            if n > 1 and isinstance(sp.get("seed"), int):
-                spk["seed"] = (sp["seed"] + k) % 2**63
-            item = GenItem(
-                input_ids=list(ids), sampling=spk,
-                return_logprob=bool(_pick(req.return_logprob, i)),
-                logprob_start_len=int(_pick(req.logprob_start_len, i)),
-                top_logprobs_num=int(_pick(req.top_logprobs_num, i)),
-                return_text_in_logprobs=req.return_text_in_logprobs,
-                session_id=_pick(req.session_id, i))
-            if rid is not None:
-                item.rid = rid if n == 1 else f"{rid}-{k}"
-            items.append(item)
-        if (error := check_batch_size(len(items))) is not None:
-            raise RequestError(error)
-    return items, batch or len(items) > 1
-
-
-async def collect(tm: TokenizerManager, item: GenItem) -> dict[str, Any]:
-    result = None
-    async for out in tm.generate(item):
-        result = out
-    assert result is not None
-    return result
-
-
-def sse(data: Any) -> bytes:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
 def create_app(tm: TokenizerManager) -> FastAPI:
@@ -231,135 +77,10 @@ def create_app(tm: TokenizerManager) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=list(tm.args.allow_origins),
                            allow_methods=["GET", "POST"], allow_headers=["*"])
 
-    @app.get("/health")
-    async def health() -> Response:
-        if tm.dead_reason:
-            return error_response(tm.dead_reason, 503, "ServiceUnavailableError")
-        return Response(status_code=200)
+    from sgl_tpu.server import metrics, native_api, openai_api, responses_api
 
-    @app.get("/health_generate")
-    async def health_generate() -> Response:
-        item = GenItem(input_ids=tm.tokenize("ping"),
-                       sampling={"max_new_tokens": 1, "temperature": 0})
-        await collect(tm, item)
-        return Response(status_code=200)
-
-    @app.get("/get_model_info")
-    async def model_info() -> dict[str, Any]:
-        # SGLang's frontend (`sgl.RuntimeEndpoint`) picks its chat template by regex on
-        # `model_path` alone, and maps plain ChatML only from "tinyllama"; any other path it does
-        # not know (SmolLM2, the default model) gets the "USER:/ASSISTANT:" default template,
-        # which the model was never trained on. So a model whose own template is ChatML, at a
-        # path the frontend would not map to a ChatML-family template, is reported with a
-        # "#chatml-tinyllama" suffix; the real path stays in `tokenizer_path`/`real_model_path`.
-        import re
-
-        path = tm.args.model_path or tm.model_path
-        reported = path
-        frontend_chatml = (r"tinyllama|qwen.*(chat|instruct|vl)|yi-1\.5.*chat|yi-vl|llava"
-                           r"|dbrx.*instruct|internvl2_5|intern-?s1")
-        if ("<|im_start|>" in (tm.tokenizer.chat_template or "")
-                and not re.search(frontend_chatml, path, re.IGNORECASE)):
-            reported = f"{path}#chatml-tinyllama"
-        return {"model_path": reported, "tokenizer_path": path, "real_model_path": path,
-                "is_generation": True, "preferred_sampling_params": None,
-                "served_model_name": tm.served_model_name, "weight_version": "default"}
-
-    async def _server_info() -> dict[str, Any]:
-        resp = await tm.control("server_info")
-        args = {k: v for k, v in vars(tm.args).items() if k != "api_key"}
-        # The resolved model, not the flags' None: the sglang-router reads both on registration.
-        args.update(model_path=tm.model_path, served_model_name=tm.served_model_name)
-        return {**args, **resp.data, "version": "0.1.0", "context_len": tm.context_len,
-                "uptime_s": _uptime(tm)}
-
-    app.get("/server_info")(_server_info)
-    app.get("/get_server_info")(_server_info)
-
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
-        resp = await tm.control("flush_cache")
-        if not resp.ok:
-            return error_response("cache not flushed: requests are still running", 400)
-        return PlainTextResponse("Cache flushed.\n")
-
-    @app.post("/abort_request")
-    async def abort_request(request: Request) -> Response:
-        try:
-            body = parse_json(await request.body())
-        except BodyError as e:
-            raise RequestError(str(e), e.status_code) from None
-        rid = body.get("rid") if isinstance(body, dict) else None
-        if not isinstance(rid, str):
-            raise RequestError("abort_request needs a string rid")
-        await tm.abort(rid)
-        return Response(status_code=200)
-
-    @app.post("/generate")
-    async def generate(request: Request):
-        req = await parse_body(request, GenerateReqInput)
-        items, batch = await expand_generate(tm, req)
-        for item in items:
-            tm.validate(item)
-        if req.stream:
-            if len(items) != 1:
-                raise RequestError("stream=true takes a single prompt with n=1")
-            gen = tm.generate(items[0])
-            first = await anext(gen)  # errors before streaming starts become a 4xx
-
-            async def events() -> AsyncIterator[bytes]:
-                num_sent = 0  # output log-prob entries already streamed
-
-                def event(chunk: dict[str, Any]) -> bytes:
-                    nonlocal num_sent
-                    out = incremental_logprobs(chunk, num_sent)
-                    num_sent = chunk["meta_info"].get("output_token_logprobs_length", 0)
-                    return sse(out)
-
-                try:
-                    yield event(first)
-                    async for chunk in gen:
-                        if await request.is_disconnected():
-                            break
-                        yield event(chunk)
-                except (RequestError, ServerDead) as e:
-                    yield sse({"error": {"message": str(e)}})
-                finally:
-                    await gen.aclose()
-                yield b"data: [DONE]\n\n"
-
-            return StreamingResponse(events(), media_type="text/event-stream")
-        results = await gather_results(tm, items)
-        return results if batch else results[0]
-
-    from sgl_tpu.server import metrics, openai_api, responses_api
-
+    native_api.add_routes(app, tm)
     openai_api.add_routes(app, tm)
     responses_api.add_routes(app, tm)
     metrics.add_routes(app, tm)
     return app
-
-
-def bearer_matches(header: str, key: str) -> bool:
-    """`Authorization: Bearer KEY`, the scheme case-insensitive (RFC 7235), the key compared in
-    constant time."""
-    scheme, _, token = header.strip().partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                              key.encode())
-
-
-async def gather_results(tm: TokenizerManager, items: list[GenItem]) -> list[dict[str, Any]]:
-    import asyncio
-
-    tasks = [asyncio.ensure_future(collect(tm, it)) for it in items]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
-def _uptime(tm: TokenizerManager) -> float:
-    import time
-
-    return time.time() - tm.start_time

@@ -23,7 +23,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from sgl_tpu.server.http_server import error_response, gather_results, parse_body, sse
+from sgl_tpu.server.http_common import error_response, gather_results, parse_body, sse
 from sgl_tpu.server.openai_chat import chat_completion, chat_completion_chunks
 from sgl_tpu.server.openai_common import (
     Deltas,

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from sgl_tpu.server.chat_output import ChatOutput, final_message
-from sgl_tpu.server.http_server import gather_results
+from sgl_tpu.server.http_common import gather_results
 from sgl_tpu.server.openai_common import (
     Deltas,
     expand_items,

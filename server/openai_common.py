@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from sgl_tpu.detokenize import stop_safe_len
+from sgl_tpu.sampling_params import expand_n
 from sgl_tpu.server.openai_protocol import SamplingRequest
 from sgl_tpu.server.tokenizer_manager import GenItem, RequestError, ServerDead, TokenizerManager
 
@@ -34,10 +35,7 @@ def expand_items(prompts: list[list[int]], sampling: dict[str, Any], n: int, rid
                  **item_kwargs: Any) -> list[GenItem]:
     items = []
     for i, ids in enumerate(prompts):
-        for k in range(n):
-            sp = dict(sampling)
-            if n > 1 and sp.get("seed") is not None:
-                sp["seed"] = sp["seed"] + k
+        for k, sp in enumerate(expand_n(sampling, n)):
             item = GenItem(input_ids=list(ids), sampling=sp, **item_kwargs)
             if rid is not None:
                 item.rid = rid if len(prompts) * n == 1 else f"{rid}-{i * n + k}"

@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
-from sgl_tpu.server.http_server import error_response, parse_body
+from sgl_tpu.server.http_common import error_response, parse_body
 from sgl_tpu.server.openai_api import check_model
 from sgl_tpu.server.openai_chat import chat_completion, chat_completion_chunks
 from sgl_tpu.server.openai_protocol import ChatCompletionRequest

@@ -31,6 +31,7 @@ from sgl_tpu.messages import (
     TokenizedGenerateReq,
 )
 from sgl_tpu.scheduler.faults import fault_reason, is_fatal
+from sgl_tpu.scheduler.stats import server_info
 from sgl_tpu.server.ipc import PortArgs, parent_alive, pull_socket, push_socket, recv_all, send
 
 logger = logging.getLogger("sgl_tpu.scheduler")
@@ -111,27 +112,5 @@ def _control(scheduler, msg: ControlReq) -> ControlResp:
     if msg.name == "flush_cache":
         return ControlResp(call_id=msg.call_id, ok=scheduler.flush_cache())
     if msg.name == "server_info":
-        s = scheduler.stats
-        data = {
-            "memory": scheduler.memory_info(),
-            "num_running_reqs": len(scheduler.running),
-            "num_waiting_reqs": len(scheduler.waiting),
-            "num_compilations": scheduler.runner.num_compilations(),
-            "scheduler_pid": os.getpid(),
-            "stats": {"prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
-                      "generated_tokens": s.generated_tokens,
-                      "num_requests_finished": s.num_requests_finished,
-                      "num_retractions": s.num_retractions,
-                      "num_extend_steps": s.num_extend_steps,
-                      "num_decode_steps": s.num_decode_steps,
-                      "jump_forward_tokens": s.jump_forward_tokens,
-                      "num_requests_failed": s.num_requests_failed},
-        }
-        if not scheduler.has_work:
-            try:
-                scheduler.check_integrity()
-                data["integrity"] = "ok"
-            except RuntimeError as e:
-                data["integrity"] = str(e)
-        return ControlResp(call_id=msg.call_id, ok=True, data=data)
+        return ControlResp(call_id=msg.call_id, ok=True, data=server_info(scheduler))
     return ControlResp(call_id=msg.call_id, ok=False, data={"error": f"unknown call {msg.name}"})

@@ -23,8 +23,9 @@ from sgl_tpu.executor.registry import create_model_runner, runner_config
 from sgl_tpu.loader import load_model
 from sgl_tpu.messages import TokenizedGenerateReq
 from sgl_tpu.response import ResponseAccumulator, error_status
-from sgl_tpu.sampling_params import SamplingParams
+from sgl_tpu.sampling_params import SamplingParams, expand_n
 from sgl_tpu.scheduler.scheduler import Scheduler
+from sgl_tpu.scheduler.stats import server_info
 
 logger = logging.getLogger(__name__)
 
@@ -93,12 +94,7 @@ class Engine:
                 parsed = SamplingParams.from_dict(sp)
             except ValueError as e:
                 raise GenerationError(str(e)) from None
-            for k in range(parsed.n):
-                d = dict(sp or {})
-                d.pop("n", None)
-                if parsed.seed is not None:
-                    d["seed"] = parsed.seed + k
-                reqs.append((ids, d))
+            reqs += [(ids, d) for d in expand_n(sp or {}, parsed.n)]
         accs = [self._submit(ids, sp, return_logprob, logprob_start_len, top_logprobs_num,
                              return_text_in_logprobs) for ids, sp in reqs]
         if stream:
@@ -113,8 +109,7 @@ class Engine:
         return self.scheduler.flush_cache()
 
     def get_server_info(self) -> dict[str, Any]:
-        return {"memory": self.scheduler.memory_info(),
-                "num_compilations": self.scheduler.runner.num_compilations()}
+        return server_info(self.scheduler)
 
     def shutdown(self) -> None:
         """Stop the grammar compiler threads and drop device state; the engine cannot be used

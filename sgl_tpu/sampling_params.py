@@ -145,6 +145,20 @@ class SamplingParams:
         return cls(**kwargs, extra=extra)
 
 
+def expand_n(sampling: Mapping[str, Any], n: int) -> list[dict[str, Any]]:
+    """The sampling params of the `n` samples of one prompt (`n` itself removed). With a seed,
+    sample k gets seed + k (mod 2**63): n different samples, each reproducible alone; without
+    one, every sample gets its own random seed at admission. The one rule for every API."""
+    out = []
+    for k in range(n):
+        d = {key: v for key, v in sampling.items() if key != "n"}
+        seed = d.get("seed")
+        if n > 1 and isinstance(seed, int) and not isinstance(seed, bool):
+            d["seed"] = (seed + k) % (INT64_MAX + 1)
+        out.append(d)
+    return out
+
+
 def _as_tuple(name: str, value: Any) -> tuple:
     if not isinstance(value, list | tuple):
         raise ValueError(f"{name} must be a list")

@@ -4,11 +4,15 @@ memory report of the KV pool and radix tree."""
 from __future__ import annotations
 
 import logging
+import os
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from sgl_tpu.scheduler.kv_manager import KVManager
+
+if TYPE_CHECKING:
+    from sgl_tpu.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger("sgl_tpu.scheduler.scheduler")
 
@@ -58,3 +62,24 @@ def memory_info(kv: KVManager) -> dict[str, Any]:
         "page_size": kv.page_size,
         "max_total_tokens": kv.capacity_tokens,
     }
+
+
+def server_info(scheduler: Scheduler) -> dict[str, Any]:
+    """What `/server_info` reports from the scheduler (the server process and the in-process
+    Engine both use this): memory, queues, counters, and when idle the KV integrity check."""
+    stats = {k: v for k, v in asdict(scheduler.stats).items() if not k.startswith("last_log")}
+    data: dict[str, Any] = {
+        "memory": memory_info(scheduler.kv),
+        "num_running_reqs": len(scheduler.running),
+        "num_waiting_reqs": len(scheduler.waiting),
+        "num_compilations": scheduler.runner.num_compilations(),
+        "scheduler_pid": os.getpid(),
+        "stats": stats,
+    }
+    if not scheduler.has_work:
+        try:
+            scheduler.check_integrity()
+            data["integrity"] = "ok"
+        except RuntimeError as e:
+            data["integrity"] = str(e)
+    return data

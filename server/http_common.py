@@ -1,0 +1,106 @@
+"""HTTP helpers shared by every route module (native, OpenAI, Responses, metrics): the error
+body, JSON body parsing into a pydantic model, SSE framing, collecting results, the API-key
+check. Route modules import this; nothing here imports a route module.
+
+Every error is JSON `{"error": {"message", "type", "code"}}` with a 4xx/5xx status. Bodies are
+checked in layers: size and content type by `BodyLimitMiddleware`, JSON syntax, depth, strings
+and integer ranges by `parse_json` (`body_limits.py`), field types by the pydantic models,
+values by `TokenizerManager.validate`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+from sgl_tpu.server.body_limits import BodyError, parse_json, printable
+from sgl_tpu.server.tokenizer_manager import GenItem, RequestError, TokenizerManager
+
+
+def error_response(message: str, status_code: int = 400, err_type: str | None = None
+                   ) -> JSONResponse:
+    err_type = err_type or ("BadRequestError" if status_code < 500 else "InternalServerError")
+    message = printable(message)  # a message may quote user input
+    return JSONResponse({"object": "error", "error": {"message": message, "type": err_type,
+                                                      "code": status_code},
+                         "message": message, "code": status_code}, status_code=status_code)
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> Any:
+    """JSON body -> `model`; errors become 4xx naming the field (the content type and size
+    were checked by `BodyLimitMiddleware`)."""
+    try:
+        data = parse_json(await request.body())
+    except BodyError as e:
+        raise RequestError(str(e), e.status_code) from None
+    if not isinstance(data, dict):
+        raise RequestError("request body must be a JSON object")
+    # Validation costs microseconds per invalid list item (and a message listing every one
+    # would be megabytes), so a copy with every list cut to its first items is validated first:
+    # long lists of junk are refused for the price of a few items, with a short message.
+    for candidate, whole in ((_truncated(data), False), (data, True)):
+        try:
+            validated = model.model_validate(candidate)
+        except ValidationError as e:
+            raise RequestError(_validation_message(e, whole)) from None
+    return validated
+
+
+_VALIDATION_ITEMS = 16  # list items validated before the whole body is
+_MAX_REPORTED_ERRORS = 5
+
+
+def _truncated(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _truncated(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_truncated(v) for v in value[:_VALIDATION_ITEMS]]
+    return value
+
+
+def _validation_message(e: ValidationError, whole: bool) -> str:
+    count = e.error_count()
+    if whole and count > 10 * _MAX_REPORTED_ERRORS:  # listing them would cost more than it says
+        return (f"invalid request: {count} validation errors in list items beyond the first "
+                f"{_VALIDATION_ITEMS}")
+    parts = []
+    for err in e.errors(include_url=False, include_input=False)[:_MAX_REPORTED_ERRORS]:
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    more = f" (and {count - len(parts)} more)" if count > len(parts) else ""
+    return "invalid request: " + "; ".join(parts) + more
+
+
+async def collect(tm: TokenizerManager, item: GenItem) -> dict[str, Any]:
+    result = None
+    async for out in tm.generate(item):
+        result = out
+    assert result is not None
+    return result
+
+
+def sse(data: Any) -> bytes:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+def bearer_matches(header: str, key: str) -> bool:
+    """`Authorization: Bearer KEY`, the scheme case-insensitive (RFC 7235), the key compared in
+    constant time."""
+    scheme, _, token = header.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                              key.encode())
+
+
+async def gather_results(tm: TokenizerManager, items: list[GenItem]) -> list[dict[str, Any]]:
+    tasks = [asyncio.ensure_future(collect(tm, it)) for it in items]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()

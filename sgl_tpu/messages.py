@@ -21,7 +21,6 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
-    stream: bool = False
     session_id: str | None = None
 
 

@@ -1,0 +1,46 @@
+"""Every cross-process message survives msgpack encoding unchanged, and the decoder refuses
+what is not one of them (a process treats its inbox as untrusted)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from sgl_tpu import messages as M
+
+OUTPUT = M.ReqOutput(rid="r1", new_token_ids=[5, 6], finished=True,
+                     finish_reason={"type": "stop", "matched": "\n"}, prompt_tokens=9,
+                     completion_tokens=2, cached_tokens=8, stop_text_offset=3,
+                     skip_special_tokens=False, stop_strs=["\n"],
+                     output_token_logprobs=[[-0.5, 5], [-0.25, 6]],
+                     output_top_logprobs=[[[-0.5, 5]], [[-0.25, 6]]],
+                     input_token_logprobs=[[None, 1]], input_top_logprobs=[None])
+STR_OUT = M.ReqStrOut(rid="r1", text="héllo ✓", output_ids=[5, 6], finished=False,
+                      finish_reason=None, prompt_tokens=9, completion_tokens=2,
+                      cached_tokens=8, output_token_logprobs=[[-0.5, 5]])
+
+MESSAGES = [
+    M.TokenizedGenerateReq(rid="r1", input_ids=[1, 2, 3],
+                           sampling={"max_new_tokens": 4, "stop": ["x"], "seed": 2**63 - 1},
+                           return_logprob=True, logprob_start_len=0, top_logprobs_num=3,
+                           session_id="agent-7"),
+    M.AbortReq(rid="r1"),
+    M.ControlReq(call_id=7, name="server_info"),
+    M.ControlResp(call_id=7, ok=True, data={"memory": {"num_pages_free": 3}}),
+    M.ReadyMsg(process="scheduler", ok=False, error="boom", info={"pid": 1}),
+    M.BatchTokenIdOut(outputs=[OUTPUT]),
+    M.BatchStrOut(outputs=[STR_OUT]),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    decoded = M.decode(M.encode(msg))
+    assert type(decoded) is type(msg) and decoded == msg
+
+
+def test_decoder_refuses_foreign_data():
+    with pytest.raises(msgspec.DecodeError):
+        M.decode(msgspec.msgpack.encode({"type": "Nope", "rid": "x"}))
+    with pytest.raises(msgspec.ValidationError):  # right tag, wrong field type
+        M.decode(msgspec.msgpack.encode({"type": "AbortReq", "rid": 5}))

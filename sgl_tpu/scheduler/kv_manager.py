@@ -108,19 +108,17 @@ class KVManager:
             retain_s = self.session_retention_s if retain and req.session_id is not None else 0.0
             aligned, _ = self._insert(req, retain_s)
             taken_end = aligned // ps
-        to_free = req.pages[taken_end:]
-        if to_free:
-            self.allocator.free(np.asarray(to_free, np.int32))
-        if req.last_node is not None:
-            self.tree.dec_lock_ref(req.last_node)
-        req.pages = []
-        req.last_node = None
-        req.kv_len = req.tree_len = 0
+        self._drop(req, taken_end)
 
     def discard_req(self, req: Req) -> None:
         """Give up all of `req`'s KV without caching any of it (after a fault its content is
         not trusted): free the pages it owns, unlock the tree prefix it used."""
-        to_free = req.pages[req.tree_len // self.page_size:]
+        self._drop(req, req.tree_len // self.page_size)
+
+    def _drop(self, req: Req, tree_pages: int) -> None:
+        """Free `req`'s pages from `tree_pages` on (the ones before belong to the tree), unlock
+        its tree path and reset its KV state."""
+        to_free = req.pages[tree_pages:]
         if to_free:
             self.allocator.free(np.asarray(to_free, np.int32))
         if req.last_node is not None:

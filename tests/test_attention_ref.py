@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_helpers import dense_attention_oracle
 
 from sgl_tpu.kernels import paged_attention_ref as attn
 
@@ -72,7 +73,7 @@ def test_extend_matches_dense(page_size, kv_tile, block_q, sliding_window, logit
         sliding_window=sliding_window, logit_cap=logit_cap)
     t = 0
     for _prefix, new, _, q, k, v in per_seq:
-        ref = attn.dense_attention_oracle(q, k, v, scale=d**-0.5, sliding_window=sliding_window,
+        ref = dense_attention_oracle(q, k, v, scale=d**-0.5, sliding_window=sliding_window,
                                           logit_cap=logit_cap)
         np.testing.assert_allclose(np.asarray(out[t : t + new]), np.asarray(ref), atol=2e-5)
         t += new
@@ -97,7 +98,7 @@ def test_decode_matches_dense(page_size, kv_tile):
     out = attn.decode_attention(jnp.asarray(qs), jnp.asarray(k_pool), jnp.asarray(v_pool),
                                 page_table, seq_lens, kv_tile=kv_tile, scale=d**-0.5)
     for i, (_, _, _, q, k, v) in enumerate(per_seq):
-        ref = attn.dense_attention_oracle(q, k, v, scale=d**-0.5)
+        ref = dense_attention_oracle(q, k, v, scale=d**-0.5)
         np.testing.assert_allclose(np.asarray(out[i]), np.asarray(ref[0]), atol=2e-5)
     assert not np.asarray(out[len(per_seq):]).any(), "padding rows must be zero"
 

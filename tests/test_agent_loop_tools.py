@@ -31,6 +31,13 @@ def test_workload_offers_tools_required_then_auto():
     assert all(s.max_tokens >= 96 for s in steps)  # room for a call's JSON to close
 
 
+def test_named_variant_names_an_offered_function_each_turn():
+    steps = make_workload("tool-calls-named", SMALL, 0)[0].steps
+    names = tool_names(FUNCTION_TOOLS)
+    assert all(s.tool_choice["type"] == "function" for s in steps)
+    assert all(s.tool_choice["function"]["name"] in names for s in steps)
+
+
 def test_chat_body_carries_tools_and_is_not_length_forced():
     req = GenRequest([{"role": "user", "content": "hi"}], "p", 96, tools=FUNCTION_TOOLS,
                      tool_choice="required")

@@ -56,7 +56,7 @@ class GenRequest:
     seed: int = 0
     session_id: str | None = None
     tools: tuple[dict[str, Any], ...] = ()
-    tool_choice: str | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

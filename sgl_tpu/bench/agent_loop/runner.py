@@ -105,7 +105,7 @@ class ProgramRunner:
     async def _call(self, program: Program, step: int, branch: int, messages: Messages,
                     max_tokens: int, stop: tuple[str, ...] = (),
                     json_schema: dict | None = None, tools: tuple[dict[str, Any], ...] = (),
-                    tool_choice: str | None = None) -> RequestRecord:
+                    tool_choice: str | dict[str, Any] | None = None) -> RequestRecord:
         req = GenRequest(messages, self.render(renderable(messages)), max_tokens, stop,
                          json_schema,
                          request_seed(self.opts.seed, program.program_id, step, branch),

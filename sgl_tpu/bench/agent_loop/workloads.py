@@ -16,6 +16,8 @@ Workloads (modelled on the agentic programs of the SGLang paper):
   tree-of-thought  per tree, D levels: fork K branches from the state, judge, keep one
   tool-calls       react through OpenAI function tools: each turn is a `tools` request (tool
                    choice "required", the last turn "auto"), results go back as `tool` messages
+  tool-calls-named the same loop, each turn naming its function (drawn from the seed): the form
+                   servers without "required" (the llama.cpp server) can stream
   multi-turn-chat  M users x C turns, short and long answers alternating at random
   shared-prefix    single requests in G groups, each group sharing a long system prompt
 """
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sgl_tpu.bench.agent_loop import text
-from sgl_tpu.bench.agent_loop.tools import FUNCTION_TOOLS
+from sgl_tpu.bench.agent_loop.tools import FUNCTION_TOOLS, tool_names
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ class Gen:
     stop: tuple[str, ...] = ()
     json_schema: dict[str, Any] | None = None
     tools: tuple[dict[str, Any], ...] = ()  # OpenAI function tools (openai-chat API only)
-    tool_choice: str | None = None  # "auto" | "required" (with tools)
+    tool_choice: str | dict[str, Any] | None = None  # "auto" | "required" | a named function
 
 
 @dataclass(frozen=True)
@@ -178,21 +180,31 @@ def tool_json(cfg: WorkloadConfig, seed: int) -> list[Program]:
     return _agents(cfg, seed, "tool-json", json_calls=True)
 
 
-def tool_calls(cfg: WorkloadConfig, seed: int) -> list[Program]:
-    """Agents whose turns are OpenAI tool calls; the last turn may answer in text ("auto")."""
-    rng = random.Random(f"tool-calls/{seed}")
+def tool_calls(cfg: WorkloadConfig, seed: int, named: bool = False) -> list[Program]:
+    """Agents whose turns are OpenAI tool calls; the last turn may answer in text ("auto"), or
+    with `named` every turn names the function to call."""
+    name = "tool-calls-named" if named else "tool-calls"
+    rng = random.Random(f"{name}/{seed}")
     system = _agent_system(rng, cfg.system_tokens, json_calls=False, function_tools=True)
     max_tokens = max(cfg.output_tokens, 96)  # a call's JSON must close within the budget
     programs = []
     for a in range(cfg.num_programs):
         users = [f"Question: {text.question(rng)}"]
         users += [text.observation(rng, cfg.observation_tokens) for _ in range(cfg.turns - 1)]
-        steps = tuple(Gen(u, max_tokens, tools=FUNCTION_TOOLS,
-                          tool_choice="auto" if t == cfg.turns - 1 else "required")
-                      for t, u in enumerate(users))
-        programs.append(Program(f"tool-calls-{a}", f"tool-calls-{seed}-agent-{a}", system,
-                                steps))
+        choices = [_named_choice(rng) if named else "auto" if t == cfg.turns - 1
+                   else "required" for t in range(cfg.turns)]
+        steps = tuple(Gen(u, max_tokens, tools=FUNCTION_TOOLS, tool_choice=c)
+                      for u, c in zip(users, choices, strict=True))
+        programs.append(Program(f"{name}-{a}", f"{name}-{seed}-agent-{a}", system, steps))
     return programs
+
+
+def _named_choice(rng: random.Random) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": rng.choice(tool_names(FUNCTION_TOOLS))}}
+
+
+def tool_calls_named(cfg: WorkloadConfig, seed: int) -> list[Program]:
+    return tool_calls(cfg, seed, named=True)
 
 
 # ---- tree-of-thought --------------------------------------------------------------------------
@@ -262,6 +274,7 @@ WORKLOADS: dict[str, Callable[[WorkloadConfig, int], list[Program]]] = {
     "react": react,
     "tool-json": tool_json,
     "tool-calls": tool_calls,
+    "tool-calls-named": tool_calls_named,
     "tree-of-thought": tree_of_thought,
     "multi-turn-chat": multi_turn_chat,
     "shared-prefix": shared_prefix,

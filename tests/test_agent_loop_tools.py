@@ -54,6 +54,14 @@ def _chunk(delta: dict, finish: str | None = None) -> dict:
     return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
 
 
+def test_a_name_repeated_in_every_delta_is_kept_once():
+    state = StreamState()
+    for frag in ('{"query": ', '"x"}'):
+        DRIVERS["openai-chat"].update(state, _chunk({"tool_calls": [{
+            "index": 0, "id": "c", "function": {"name": "search", "arguments": frag}}]}), 0.0)
+    assert state.tool_calls == [{"id": "c", "name": "search", "arguments": '{"query": "x"}'}]
+
+
 def test_streamed_tool_call_fragments_join_per_index():
     events = [
         _chunk({"role": "assistant", "content": ""}),

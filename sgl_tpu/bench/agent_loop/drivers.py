@@ -256,7 +256,9 @@ class ChatDriver(_OpenAIDriver):
             call = state.tool_calls[index]
             fn = frag.get("function") or {}
             call["id"] = frag.get("id") or call["id"]
-            call["name"] += fn.get("name") or ""
+            # OpenAI sends the name once, in a call's first delta; some servers (llama.cpp)
+            # repeat it in every delta, so the first one is kept, never appended to.
+            call["name"] = call["name"] or fn.get("name") or ""
             call["arguments"] += fn.get("arguments") or ""
         return bool(fragments)
 

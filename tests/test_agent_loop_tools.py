@@ -11,7 +11,12 @@ import pytest
 from sgl_tpu.bench.agent_loop.drivers import DRIVERS, DriverOptions, GenRequest, StreamState
 from sgl_tpu.bench.agent_loop.metrics import summarize
 from sgl_tpu.bench.agent_loop.runner import ProgramRunner, RunOptions
-from sgl_tpu.bench.agent_loop.tools import FUNCTION_TOOLS, check_call, tool_names
+from sgl_tpu.bench.agent_loop.tools import (
+    FUNCTION_TOOLS,
+    assistant_message,
+    check_call,
+    tool_names,
+)
 from sgl_tpu.bench.agent_loop.trace import RequestRecord, Trace
 from sgl_tpu.bench.agent_loop.workloads import Gen, Program, WorkloadConfig, make_workload
 
@@ -45,6 +50,11 @@ def test_chat_body_carries_tools_and_is_not_length_forced():
     assert body["tools"] == list(FUNCTION_TOOLS) and body["tool_choice"] == "required"
     assert body["parallel_tool_calls"] is False
     assert "ignore_eos" not in body and "min_tokens" not in body
+    calls = [{"id": "c", "name": "search", "arguments": "{}"}]
+    req.messages.append(assistant_message("", calls))
+    assert DRIVERS["openai-chat"].body(req, DriverOptions())["messages"][-1]["content"] is None
+    llama = DRIVERS["openai-chat"].body(req, DriverOptions(json_dialect="llamacpp"))
+    assert llama["messages"][-1]["content"] == "" and llama["messages"][-1]["tool_calls"]
     for api in ("native", "openai-completions"):
         with pytest.raises(ValueError, match="openai-chat"):
             DRIVERS[api].body(req, DriverOptions())

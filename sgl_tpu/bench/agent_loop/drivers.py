@@ -26,7 +26,8 @@ llama.cpp answers HTTP 500 to OpenAI's `json_schema` form.
 Function tools (the `tool-calls` workload) exist only in the chat API: the body carries `tools`,
 `tool_choice` and `parallel_tool_calls: false` (one call per agent turn); streamed
 `delta.tool_calls` fragments are joined per call `index` into `StreamState.tool_calls`, and
-such requests are never length-forced (a call ends where its JSON does).
+such requests are never length-forced (a call ends where its JSON does). The llama.cpp dialect
+sends an assistant turn that only made calls with `content: ""` (it refuses OpenAI's null).
 """
 
 from __future__ import annotations
@@ -229,7 +230,11 @@ class ChatDriver(_OpenAIDriver):
     supports_tools = True
 
     def body(self, req: GenRequest, opts: DriverOptions) -> dict[str, Any]:
-        body = {"messages": req.messages, **self._common(req, opts)}
+        messages = req.messages
+        if opts.json_dialect == "llamacpp":  # it refuses an assistant turn with null content
+            messages = [m if m.get("content") is not None else {**m, "content": ""}
+                        for m in messages]
+        body = {"messages": messages, **self._common(req, opts)}
         if req.tools:
             body["tools"] = list(req.tools)
             body["tool_choice"] = req.tool_choice or "auto"

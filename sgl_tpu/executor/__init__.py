@@ -1,5 +1,5 @@
-"""Device-side execution: the model runners of both backends (executor/runner.py) and their
-samplers.
+"""Device-side execution: the step contract (`step.py`), the backend registry (`registry.py`)
+and the two runners with their samplers (`jax/`, `torch/`).
 
 OpenMP threads that spin while waiting stall badly when another process holds a core (a torch
 decode step measured 9x slower with 2 spinning threads on a busy 2-core machine, 1.1x with

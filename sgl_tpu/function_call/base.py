@@ -70,28 +70,36 @@ def dump_args(args: Any) -> str:
     return json.dumps(args, ensure_ascii=False)
 
 
-def json_value_end(s: str, i: int) -> int | None:
-    """End (exclusive) of the JSON object/array starting at s[i] ('{' or '['), by bracket
-    balance outside strings; None if the text ends first."""
-    depth, in_str, esc = 0, False, False
+def bracket_end(s: str, i: int = 0, *, quotes: str = '"', opening: str = "{[",
+                closing: str = "}]") -> int | None:
+    """End (exclusive) of the bracketed value starting at s[i], by bracket balance outside
+    string literals (delimited by any of `quotes`, backslash escapes); None if the text ends
+    first."""
+    depth, quote, esc = 0, None, False
     for j in range(i, len(s)):
         c = s[j]
-        if in_str:
+        if quote:
             if esc:
                 esc = False
             elif c == "\\":
                 esc = True
-            elif c == '"':
-                in_str = False
-        elif c == '"':
-            in_str = True
-        elif c in "{[":
+            elif c == quote:
+                quote = None
+        elif c in quotes:
+            quote = c
+        elif c in opening:
             depth += 1
-        elif c in "}]":
+        elif c in closing:
             depth -= 1
             if depth == 0:
                 return j + 1
     return None
+
+
+def json_value_end(s: str, i: int) -> int | None:
+    """End (exclusive) of the JSON object/array starting at s[i] ('{' or '['); None if the
+    text ends first."""
+    return bracket_end(s, i)
 
 
 def call_from_json(obj: Any, args_key: str = "arguments") -> ToolCall | None:

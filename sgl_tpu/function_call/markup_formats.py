@@ -11,7 +11,14 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from sgl_tpu.function_call.base import Scan, ToolCall, ToolCallParser, dump_args, loads
+from sgl_tpu.function_call.base import (
+    Scan,
+    ToolCall,
+    ToolCallParser,
+    bracket_end,
+    dump_args,
+    loads,
+)
 from sgl_tpu.function_call.json_formats import (
     JSON_LAYOUT,
     hoist_defs,
@@ -39,24 +46,7 @@ def _py_value(node: ast.expr, src: str) -> Any:
 
 def _bracket_end(s: str) -> int | None:
     """End (exclusive) of the [...] at s[0], skipping Python string literals; None: unclosed."""
-    depth, quote, esc = 0, None, False
-    for j, c in enumerate(s):
-        if quote:
-            if esc:
-                esc = False
-            elif c == "\\":
-                esc = True
-            elif c == quote:
-                quote = None
-        elif c in "'\"":
-            quote = c
-        elif c in "[({":
-            depth += 1
-        elif c in "])}":
-            depth -= 1
-            if depth == 0:
-                return j + 1
-    return None
+    return bracket_end(s, quotes="'\"", opening="[({", closing="])}")
 
 
 class PythonicParser(ToolCallParser):

@@ -7,6 +7,7 @@ list them (the CLI offers exactly these), and one check run before a model loads
     grammar_backend    constrained/__init__.py GRAMMAR_BACKENDS (+ none)
     tool_call_parser   function_call/          TOOL_CALL_PARSERS (None: from the template)
     reasoning_parser   reasoning_parser.py     REASONING_PARSERS (None: off)
+    quantization       quantization/           QUANTIZATION_METHODS (+ auto)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ def registry_choices() -> dict[str, tuple[str, ...]]:
     from sgl_tpu.executor.registry import BACKEND_CHOICES
     from sgl_tpu.function_call import TOOL_CALL_PARSERS
     from sgl_tpu.kernels.backends import ATTENTION_BACKENDS
+    from sgl_tpu.quantization import QUANTIZATION_CHOICES
     from sgl_tpu.reasoning_parser import REASONING_PARSERS
     from sgl_tpu.scheduler.policy import POLICIES
 
@@ -29,6 +31,7 @@ def registry_choices() -> dict[str, tuple[str, ...]]:
         "grammar_backend": (*GRAMMAR_BACKENDS, "none"),
         "tool_call_parser": tuple(TOOL_CALL_PARSERS),
         "reasoning_parser": tuple(REASONING_PARSERS),
+        "quantization": QUANTIZATION_CHOICES,
     }
 
 

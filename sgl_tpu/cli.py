@@ -41,6 +41,9 @@ _HELP = {
     "tool_call_parser": "tool-call format of the model (SGLang's names); default: picked from "
                         "the chat template, hermes-style <tool_call> blocks when it has none",
     "reasoning_parser": "split <think>...</think> into reasoning_content (qwen3, deepseek-r1)",
+    "quantization": "weights: none (dense --dtype), gguf (a GGUF's Q4_0/Q4_1 blocks as stored, "
+                    "exact), int8 / int4 (quantized at load), auto (gguf for a GGUF on the torch "
+                    "CPU backend, else none); quantized kernels run for decode-sized steps",
     "device": "torch backend device (auto: tpu if TorchTPU is installed, else cuda, else cpu)",
 }
 

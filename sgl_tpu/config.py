@@ -50,6 +50,7 @@ class RunnerConfig:
     backend: str = "jax"  # resolved executor backend: "jax" or "torch"
     compile: bool = True  # torch: torch.compile(dynamic=False) per bucket; False = eager
     device: str = "auto"  # torch: "cpu", "cuda", "tpu" or "auto"
+    quantization: str = "none"  # resolved: a sgl_tpu.quantization method name
 
     def __post_init__(self) -> None:
         if self.kv_tile % self.page_size:
@@ -120,6 +121,7 @@ class ServerArgs:
     torch_compile: str = "auto"  # torch backend: auto = on for tpu/cuda, off on CPU (see help)
     disable_compile: bool = False  # torch backend: run eagerly (debugging); = torch_compile off
     device: str = "auto"  # torch backend device
+    quantization: str = "auto"  # weights: none/gguf/int8/int4, auto (sgl_tpu/quantization)
     tool_call_parser: str | None = None  # None: picked from the chat template (logged)
     reasoning_parser: str | None = None  # "qwen3" / "deepseek-r1": split <think> blocks
 

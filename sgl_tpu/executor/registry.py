@@ -25,6 +25,7 @@ from sgl_tpu.config import RunnerConfig, ServerArgs, pow2_buckets
 from sgl_tpu.executor.step import ModelRunner
 from sgl_tpu.kernels.backends import resolve_attention_backend
 from sgl_tpu.models.config import ModelConfig
+from sgl_tpu.quantization import resolve_quantization
 
 
 @dataclass(frozen=True)
@@ -91,11 +92,34 @@ def _resolve_compile(args: ServerArgs, backend: str) -> bool:
     return resolve_device(args.device).type != "cpu"
 
 
+def _is_gguf_checkpoint(model_path: str | None) -> bool:
+    if model_path is None:
+        return True  # the default model (loader/default_model.py)
+    from pathlib import Path
+
+    from sgl_tpu.loader.gguf_loader import is_gguf_file
+
+    path = Path(model_path).expanduser()
+    return path.is_file() and is_gguf_file(path)
+
+
+def _resolve_quantization(args: ServerArgs, backend: str, compile: bool) -> str:
+    device_type = "cpu"
+    if backend == "torch":
+        from sgl_tpu.executor.torch.device import resolve_device
+
+        device_type = resolve_device(args.device).type
+    return resolve_quantization(args.quantization, backend=backend, device_type=device_type,
+                                compile=compile, is_gguf=_is_gguf_checkpoint(args.model_path))
+
+
 def runner_config(args: ServerArgs, model_context_len: int) -> RunnerConfig:
-    """The runner's frozen config with backend, dtype, compile and attention resolved."""
+    """The runner's frozen config with backend, dtype, compile, attention and quantization
+    resolved."""
     context_len = min(args.context_length or model_context_len, model_context_len)
     chunk = max(args.chunked_prefill_size, args.min_token_bucket)
     backend = resolve_backend(args.backend)
+    compile = _resolve_compile(args, backend)
     return RunnerConfig(
         model_path=args.model_path,
         dtype=_resolve_dtype(args, backend),
@@ -112,8 +136,9 @@ def runner_config(args: ServerArgs, model_context_len: int) -> RunnerConfig:
         warmup=not args.skip_warmup,
         attention_backend=resolve_attention_backend(args.attention_backend, backend),
         backend=backend,
-        compile=_resolve_compile(args, backend),
+        compile=compile,
         device=args.device,
+        quantization=_resolve_quantization(args, backend, compile),
     )
 
 

@@ -213,8 +213,14 @@ class LlamaTorch:
 
 def build_model(params: dict, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device,
                 prepack: bool, write_kv: WriteKV,
-                compile_fn: Callable[[Callable], Callable] | None = None) -> LlamaTorch:
-    """The registry's torch entry point (models/registry.py): loader params -> model."""
-    return LlamaTorch(cfg, convert_weights(params, cfg, dtype, device, prepack), write_kv,
-                      compile_fn)
+                compile_fn: Callable[[Callable], Callable] | None = None,
+                quantize: Callable[[Weights], Weights] | None = None) -> LlamaTorch:
+    """The registry's torch entry point (models/registry.py): loader params -> model.
+
+    `quantize` may swap projections for quantized ones (executor/torch/quantize.py) and
+    `Weights.linear` for a linear that accepts them."""
+    weights = convert_weights(params, cfg, dtype, device, prepack)
+    if quantize is not None:
+        weights = quantize(weights)
+    return LlamaTorch(cfg, weights, write_kv, compile_fn)
 

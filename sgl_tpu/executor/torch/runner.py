@@ -70,9 +70,11 @@ class TorchModelRunner:
         compile_fn = self._compile if config.compile else None
         prepack = (not config.compile and self.device.type == "cpu"
                    and self.dtype == torch.bfloat16)
+        self.quantization = None  # quantize.QuantizationReport when projections are quantized
         self.model = torch_model(model_config.arch).build_model(
             params, model_config, dtype=self.dtype, device=self.device, prepack=prepack,
-            write_kv=self.attn.write_kv, compile_fn=compile_fn)
+            write_kv=self.attn.write_kv, compile_fn=compile_fn,
+            quantize=self._quantizer(params, model_config))
         num_slots = config.num_pages * config.page_size
         shape = (num_slots, model_config.num_kv_heads, model_config.head_dim)
         self.kv_pools = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -80,8 +82,25 @@ class TorchModelRunner:
                          for _ in range(model_config.num_layers)]
         self.token_counts = torch.zeros((config.max_running_requests + 1, self.vocab_size),
                                         dtype=torch.int32, device=self.device)
-        logger.info("torch backend on %s, %s, compile=%s, prepacked weights=%s", self.device,
-                    config.dtype, config.compile, prepack)
+        logger.info("torch backend on %s, %s, compile=%s, prepacked weights=%s, "
+                    "quantization=%s", self.device, config.dtype, config.compile, prepack,
+                    config.quantization)
+
+    def _quantizer(self, params: dict, model_config: ModelConfig):
+        """Weights -> Weights with quantized projections (`config.quantization`), or None."""
+        method = self.config.quantization
+        if method == "none":
+            return None
+        from sgl_tpu.executor.torch import quantize
+
+        def apply(weights):
+            matrices = quantize.quantized_matrices(method, params, model_config,
+                                                   self.config.model_path)
+            weights, self.quantization = quantize.quantize_weights(weights, matrices, method,
+                                                                   self.dtype)
+            return weights
+
+        return apply
 
     # ---- compilation -------------------------------------------------------------------
     def _compile(self, fn):

@@ -1,0 +1,115 @@
+"""Weight-only quantized linear layers for the torch CPU backend, chosen per call by row count.
+
+    x [M, K] ──M <= max_rows──► quantized kernel (reads 4 or 8 bits per weight: wins while the
+            │                   GEMM is bound by memory, i.e. decode)
+            └─M >  max_rows──► dense (bf16 oneDNN-prepacked) weight, kept beside the codes
+                               (wins once the integer kernels turn compute-bound: prefill, big
+                               batches). Without a dense copy the kernel runs at every M.
+
+Kernels (torch CPU ops; N % 16 == 0 and K % 32 == 0 for the int4 ones):
+
+    Int4Kernel      `_weight_int4pack_mm_for_cpu`, group 32: w = (q - 8) * scale + zero, with
+                    scale and zero in the activation dtype (so bfloat16 rounds them)
+    Int8Kernel      `_weight_int8pack_mm`: w = q * scale[n], one scale per output feature
+
+GGUF Q8_0 (per-block scales) has no kernel here: `_weight_int8pack_mm` takes one scale per
+output feature (not exact for Q8_0), and the exact form, two int4 nibble planes summed
+(blocks.Int8Groups.split_nibbles), measured 1.3-1.7x slower than bf16 even at one row. Such
+matrices stay dense.
+
+`max_rows` comes from `MAX_KERNEL_ROWS`, the crossover measured by `sgl_tpu.bench.quant_linear`
+on a 2-core AVX512-BF16 CPU (no AMX); see that module for the numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from sgl_tpu.quantization.blocks import GROUP, Int4Groups, Int8Channels, Int8Groups
+
+# Largest batch rows for which each kernel beats the bf16 prepacked GEMM (measured, see above).
+MAX_KERNEL_ROWS = {"int4": 3, "int8": 2}
+
+
+class Int4Kernel:
+    kind = "int4"
+
+    def __init__(self, m: Int4Groups, dtype: torch.dtype) -> None:
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            torch.from_numpy(m.q.astype("int32")), 1)  # u8[N, K/2]
+        sz = torch.stack([torch.from_numpy(m.scale.T.copy()),
+                          torch.from_numpy(m.zero.T.copy())], dim=-1)
+        self.scales_zeros = sz.to(dtype).contiguous()  # [K/G, N, 2]
+        self.out_features = m.q.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP,
+                                                          self.scales_zeros)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_zeros.nbytes
+
+
+class Int8Kernel:
+    kind = "int8"
+
+    def __init__(self, m: Int8Channels, dtype: torch.dtype) -> None:
+        self.q = torch.from_numpy(m.q).contiguous()  # i8[N, K]
+        self.scale = torch.from_numpy(m.scale).to(dtype)  # [N]
+        self.out_features = m.q.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes
+
+
+Kernel = Int4Kernel | Int8Kernel
+
+
+def make_kernel(m: Int4Groups | Int8Groups | Int8Channels, dtype: torch.dtype) -> Kernel | None:
+    """The kernel for a quantized matrix, or None where none exists (Q8_0 blocks) or the CPU
+    op cannot take its shape."""
+    n, k = m.q.shape
+    if isinstance(m, Int8Channels):
+        return Int8Kernel(m, dtype)
+    if isinstance(m, Int4Groups) and n % 16 == 0 and k % GROUP == 0:
+        return Int4Kernel(m, dtype)
+    return None
+
+
+@dataclass(frozen=True)
+class QuantizedLinear:
+    """One projection: the kernel for up to `max_rows` rows, `dense` (the layout the runner's
+    dense linear takes) above, or the kernel at every M when `dense` is None."""
+
+    kernel: Kernel
+    dense: torch.Tensor | None
+    max_rows: int
+
+    @property
+    def kernel_bytes(self) -> int:
+        return self.kernel.nbytes
+
+
+Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def dispatching_linear(dense_linear: Linear) -> Linear:
+    """linear(x, w, b) taking a dense weight (-> `dense_linear`) or a QuantizedLinear."""
+
+    def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+        if not isinstance(w, QuantizedLinear):
+            return dense_linear(x, w, b)
+        if w.dense is not None and x.shape[0] > w.max_rows:
+            return dense_linear(x, w.dense, b)
+        y = w.kernel(x)
+        return y if b is None else y.add_(b)
+
+    return linear

@@ -1,0 +1,92 @@
+"""`--quantization` on the torch backend: the quantized form of each fused projection, and the
+model weights with those projections swapped for `QuantizedLinear`s.
+
+    gguf       read_gguf_quantized(file)        the stored Q4_x blocks, exact
+    int8/int4  quantize_int8/int4(params)       from the loader's float32 params
+                   ──quantize_weights(Weights)──► Weights whose wqkv / wo / w_gate_up / w_down
+                                                  are QuantizedLinear(kernel, dense copy) and
+                                                  whose `linear` dispatches on the weight type
+
+Memory: each quantized projection keeps its dense copy for steps above the kernel's row limit
+(the int kernels run 1.5-2.5x slower than bf16 at prefill sizes, see bench/quant_linear.py),
+so quantization adds the kernels' bytes (about a quarter of the bf16 bytes for int4, a half
+for int8) rather than saving memory; it saves memory traffic per decode step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sgl_tpu.executor.torch.quant_linear import (
+    MAX_KERNEL_ROWS,
+    QuantizedLinear,
+    dispatching_linear,
+    make_kernel,
+)
+from sgl_tpu.models.config import ModelConfig
+from sgl_tpu.quantization.blocks import QuantizedMatrix, quantize_int4, quantize_int8
+
+logger = logging.getLogger(__name__)
+
+# fused torch weight -> the loader's canonical [in, out] params stacked along out
+_FUSED_PARAMS = {"wqkv": ("wq", "wk", "wv"), "wo": ("wo",), "w_gate_up": ("w_gate", "w_up"),
+                 "w_down": ("w_down",)}
+_QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
+
+
+def quantized_matrices(method: str, params: dict, cfg: ModelConfig, model_path: str | None
+                       ) -> dict[str, QuantizedMatrix]:
+    """"layers.{i}.{fused}" -> quantized [N, K] matrix for every projection `method` covers."""
+    if method == "gguf":
+        from sgl_tpu.loader import default_model_path
+        from sgl_tpu.quantization.gguf_weights import read_gguf_quantized
+
+        return read_gguf_quantized(model_path or default_model_path(), cfg)
+    quantize = _QUANTIZERS[method]
+    out = {}
+    for i, lw in enumerate(params["layers"]):
+        for fused, parts in _FUSED_PARAMS.items():
+            w = np.concatenate([np.asarray(lw[p], np.float32) for p in parts], axis=1).T
+            out[f"layers.{i}.{fused}"] = quantize(np.ascontiguousarray(w))
+    return out
+
+
+@dataclass(frozen=True)
+class QuantizationReport:
+    method: str
+    quantized: int  # projections served by a kernel
+    dense_only: int  # projections left dense (no exact form, or a shape the kernel refuses)
+    kernel_bytes: int  # memory the kernels add beside the dense weights
+
+    def log_line(self) -> str:
+        return (f"quantization {self.method}: {self.quantized} projections on int kernels "
+                f"(+{self.kernel_bytes / 2**20:.0f} MiB beside the dense weights), "
+                f"{self.dense_only} dense only")
+
+
+def quantize_weights(weights, matrices: dict[str, QuantizedMatrix], method: str,
+                     dtype: torch.dtype):
+    """llama_torch.Weights -> (the same with QuantizedLinear projections, QuantizationReport)."""
+    layers, done, dense_only, nbytes = [], 0, 0, 0
+    for i, lw in enumerate(weights.layers):
+        changes = {}
+        for fused in _FUSED_PARAMS:
+            m = matrices.get(f"layers.{i}.{fused}")
+            kernel = None if m is None else make_kernel(m, dtype)
+            if kernel is None:
+                dense_only += 1
+                continue
+            changes[fused] = QuantizedLinear(kernel, getattr(lw, fused),
+                                             MAX_KERNEL_ROWS[kernel.kind])
+            done += 1
+            nbytes += kernel.nbytes
+        layers.append(dataclasses.replace(lw, **changes))
+    report = QuantizationReport(method, done, dense_only, nbytes)
+    logger.info(report.log_line())
+    return (dataclasses.replace(weights, layers=layers,
+                                linear=dispatching_linear(weights.linear)), report)

@@ -1,0 +1,65 @@
+"""Registry of weight quantization methods (`--quantization`, SGLang's flag) and the resolution
+of `auto`. Import-light: numpy-free, no torch, no JAX.
+
+    none  every weight dequantized to --dtype at load (GGUF blocks included): today's path
+    gguf  a GGUF's Q4_0 / Q4_1 projection blocks served as stored by the int4 group-32 kernel,
+          an exact re-encoding (quantization/blocks.py); Q8_0 and float tensors dequantized,
+          as no int8 kernel with per-block scales exists (the tied Q8_0 head stays dense)
+    int8  weight-only int8, one symmetric scale per output feature, quantized at load from the
+          float weights of any checkpoint (new quantization error)
+    int4  weight-only int4, asymmetric groups of 32 (Q4_1's scheme), quantized at load (new
+          quantization error)
+    auto  gguf for a GGUF checkpoint where the method runs (torch backend, CPU, eager), else
+          none; the start-up log names the choice
+
+Projections only (q/k/v, o, gate/up, down); embeddings, norms and the vocabulary head keep the
+dense path. The quantized kernels run for decode-sized steps and the dense copy above
+`MAX_KERNEL_ROWS` rows (executor/torch/quant_linear.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class QuantizationMethod:
+    description: str
+    backends: tuple[str, ...]  # executor backends that implement it
+    needs_gguf: bool = False  # only meaningful for a GGUF checkpoint
+
+
+QUANTIZATION_METHODS: dict[str, QuantizationMethod] = {
+    "none": QuantizationMethod("dense weights in --dtype", ("jax", "torch")),
+    "gguf": QuantizationMethod("the GGUF's Q4_0/Q4_1 blocks as stored (int4 group-32 kernel)",
+                               ("torch",), needs_gguf=True),
+    "int8": QuantizationMethod("weight-only int8, per-output-feature scales", ("torch",)),
+    "int4": QuantizationMethod("weight-only int4, asymmetric groups of 32", ("torch",)),
+}
+QUANTIZATION_CHOICES = ("auto", *QUANTIZATION_METHODS)
+
+
+def resolve_quantization(name: str, *, backend: str, device_type: str, compile: bool,
+                         is_gguf: bool) -> str:
+    """The method a runner uses for `--quantization name`; ValueError naming the conflict when
+    the combination cannot run."""
+    if name == "auto":
+        ok = backend == "torch" and device_type == "cpu" and not compile and is_gguf
+        return "gguf" if ok else "none"
+    method = QUANTIZATION_METHODS.get(name)
+    if method is None:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {name!r}")
+    if name == "none":
+        return name
+    if backend not in method.backends:
+        raise ValueError(f"--quantization {name} is implemented for --backend "
+                         f"{'/'.join(method.backends)}, not {backend}")
+    if backend == "torch" and device_type != "cpu":
+        raise ValueError(f"--quantization {name} uses PyTorch CPU kernels; device is "
+                         f"{device_type}")
+    if backend == "torch" and compile:
+        raise ValueError(f"--quantization {name} runs eagerly; use --torch-compile off")
+    if method.needs_gguf and not is_gguf:
+        raise ValueError(f"--quantization {name} needs a GGUF checkpoint (use int8 or int4 "
+                         f"for other formats)")
+    return name

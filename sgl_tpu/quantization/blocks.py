@@ -1,0 +1,155 @@
+"""Quantized weight matrices in numpy, independent of any kernel: the GGUF block formats decoded
+into integer codes and float scales, and weight-only quantization of float matrices.
+
+Dimensions: N = output features (rows, as stored in GGUF and `F.linear`), K = input features,
+G = 32 (the group / block length along K).
+
+    Int4Groups   q u8[N, K] in 0..15, scale f32[N, K/G], zero f32[N, K/G]
+                 w[n, k] = (q - 8) * scale[n, k // G] + zero[n, k // G]
+                 (the convention of torch's `_weight_int4pack_mm_for_cpu`, verified in tests)
+    Int8Groups   q i8[N, K], scale f32[N, K/G]           w = q * scale[n, k // G]
+    Int8Channels q i8[N, K], scale f32[N]                w = q * scale[n]
+
+GGUF blocks (ggml's layouts; each block holds G = 32 weights of one row, d and m are float16,
+weight j of a block is the low nibble of qs[j] for j < 16 and the high nibble of qs[j - 16]):
+
+    Q4_0  [d | qs 16 B]          w = d * (q - 8)   -> Int4Groups(scale d, zero 0)
+    Q4_1  [d | m | qs 16 B]      w = d * q + m     -> Int4Groups(scale d, zero m + 8 d)
+    Q8_0  [d | qs i8 x 32]       w = d * q         -> Int8Groups(scale d)
+
+The mappings are exact: d and m are float16 values, so scale, zero (m + 8 d, whose terms lie
+within 2^13 of each other for any real block) and every (q - 8) * d are exact in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+GROUP = 32
+
+# GGML type name -> (bytes per block of GROUP weights)
+GGUF_BLOCK_BYTES = {"Q4_0": 2 + 16, "Q4_1": 2 + 2 + 16, "Q8_0": 2 + 32}
+
+
+@dataclass(frozen=True, eq=False)
+class Int4Groups:
+    q: np.ndarray  # u8[N, K], 0..15
+    scale: np.ndarray  # f32[N, K/G]
+    zero: np.ndarray  # f32[N, K/G]
+
+    def dequantize(self) -> np.ndarray:  # f32[N, K]
+        s = np.repeat(self.scale, GROUP, axis=1)
+        z = np.repeat(self.zero, GROUP, axis=1)
+        return (self.q.astype(np.float32) - 8) * s + z
+
+
+@dataclass(frozen=True, eq=False)
+class Int8Groups:
+    q: np.ndarray  # i8[N, K]
+    scale: np.ndarray  # f32[N, K/G]
+
+    def dequantize(self) -> np.ndarray:  # f32[N, K]
+        return self.q.astype(np.float32) * np.repeat(self.scale, GROUP, axis=1)
+
+    def split_nibbles(self) -> tuple[Int4Groups, Int4Groups]:
+        """Two Int4Groups whose dequantized sum is this matrix exactly: q = 16 hi + lo with
+        lo in 0..15 and hi in -8..7, so w = (hi + 8 - 8) * 16 d + (lo - 8) * d + 8 d."""
+        q = self.q.astype(np.int16)
+        lo = (q & 0xF).astype(np.uint8)
+        hi = ((q >> 4) + 8).astype(np.uint8)  # arithmetic shift: -8..7 -> 0..15
+        zeros = np.zeros_like(self.scale)
+        return (Int4Groups(hi, self.scale * 16, zeros), Int4Groups(lo, self.scale, self.scale * 8))
+
+
+@dataclass(frozen=True, eq=False)
+class Int8Channels:
+    q: np.ndarray  # i8[N, K]
+    scale: np.ndarray  # f32[N]
+
+    def dequantize(self) -> np.ndarray:  # f32[N, K]
+        return self.q.astype(np.float32) * self.scale[:, None]
+
+
+QuantizedMatrix = Int4Groups | Int8Groups | Int8Channels
+
+
+def rows(m: QuantizedMatrix, index: np.ndarray) -> QuantizedMatrix:
+    """The same matrix with its rows (output features) taken in `index` order."""
+    if isinstance(m, Int4Groups):
+        return Int4Groups(m.q[index], m.scale[index], m.zero[index])
+    if isinstance(m, Int8Groups):
+        return Int8Groups(m.q[index], m.scale[index])
+    return Int8Channels(m.q[index], m.scale[index])
+
+
+def concat_rows(parts: list[QuantizedMatrix]) -> QuantizedMatrix | None:
+    """Stack matrices along N (a fused projection); None when their formats differ."""
+    kinds = {type(p) for p in parts}
+    if len(kinds) != 1:
+        return None
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    cat = np.concatenate
+    if isinstance(first, Int4Groups):
+        return Int4Groups(cat([p.q for p in parts]), cat([p.scale for p in parts]),
+                          cat([p.zero for p in parts]))
+    if isinstance(first, Int8Groups):
+        return Int8Groups(cat([p.q for p in parts]), cat([p.scale for p in parts]))
+    return Int8Channels(cat([p.q for p in parts]), cat([p.scale for p in parts]))
+
+
+# ---------------------------------------------------------------- GGUF blocks
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """qs u8[..., 16] -> codes u8[..., 32]: low nibbles are weights 0..15, high 16..31."""
+    return np.concatenate([qs & 0xF, qs >> 4], axis=-1)
+
+
+def decode_gguf_blocks(type_name: str, data: np.ndarray, num_cols: int) -> QuantizedMatrix:
+    """Raw GGUF tensor bytes u8[N, K/G * block bytes] of `type_name` -> its exact quantized
+    form. ValueError for a type without one."""
+    if type_name not in GGUF_BLOCK_BYTES:
+        raise ValueError(f"no quantized form for GGUF type {type_name}")
+    if num_cols % GROUP:
+        raise ValueError(f"{type_name} row length {num_cols} is not a multiple of {GROUP}")
+    n = data.shape[0]
+    blocks = np.ascontiguousarray(data).reshape(n, num_cols // GROUP, GGUF_BLOCK_BYTES[type_name])
+    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/G]
+    if type_name == "Q8_0":
+        q = blocks[..., 2:].copy().view(np.int8).reshape(n, num_cols)
+        return Int8Groups(q, d)
+    if type_name == "Q4_0":
+        q = _nibbles(blocks[..., 2:]).reshape(n, num_cols)
+        return Int4Groups(q, d, np.zeros_like(d))
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = _nibbles(blocks[..., 4:]).reshape(n, num_cols)
+    return Int4Groups(q, d, m + 8 * d)
+
+
+# ---------------------------------------------------------------- quantizing float weights
+
+
+def quantize_int4(w: np.ndarray) -> Int4Groups:
+    """f32[N, K] -> asymmetric 4-bit codes per group of 32 (min/max: the group's range spread
+    over 16 levels, as GGUF's Q4_1 does)."""
+    n, k = w.shape
+    if k % GROUP:
+        raise ValueError(f"int4 needs input features divisible by {GROUP}, got {k}")
+    g = w.reshape(n, k // GROUP, GROUP).astype(np.float32)
+    lo, hi = g.min(-1), g.max(-1)
+    scale = (hi - lo) / 15
+    safe = np.where(scale > 0, scale, 1)
+    q = np.clip(np.rint((g - lo[..., None]) / safe[..., None]), 0, 15).astype(np.uint8)
+    return Int4Groups(q.reshape(n, k), scale, lo + 8 * scale)
+
+
+def quantize_int8(w: np.ndarray) -> Int8Channels:
+    """f32[N, K] -> symmetric 8-bit codes with one scale per output feature (absmax / 127)."""
+    scale = np.abs(w).max(axis=1).astype(np.float32) / 127
+    safe = np.where(scale > 0, scale, 1)
+    q = np.clip(np.rint(w / safe[:, None]), -127, 127).astype(np.int8)
+    return Int8Channels(q, scale)

@@ -189,11 +189,14 @@ def make_tiny_gguf(
     tie_word_embeddings: bool = False,
     gguf_arch: str | None = None,
     i8_tensor: str | None = None,
+    projection_type: str | None = None,
 ) -> str:
     """Write a tiny `arch` GGUF at `path` and its HF twin at `hf_twin_dir(path)`.
 
     For error tests: `gguf_arch` overrides the architecture name written to the file, and the
     tensor named `i8_tensor` is stored as GGML type I8 (which gguf cannot dequantize).
+    `projection_type` ("Q4_0", "Q4_1", "Q8_0") stores every q/k/v/o/gate/up/down projection in
+    that block format (but `Q8_0_TENSOR`, always Q8_0), as llama.cpp's quantized files do.
     """
     import gguf
     import torch
@@ -207,6 +210,15 @@ def make_tiny_gguf(
     q8 = gguf.quants.quantize(gate.detach().numpy(), gguf.GGMLQuantizationType.Q8_0)
     with torch.no_grad():
         gate.copy_(torch.from_numpy(gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0)))
+    blocks: dict[str, np.ndarray] = {}  # HF name -> raw GGUF blocks (HF row order)
+    if projection_type is not None:
+        qtype = getattr(gguf.GGMLQuantizationType, projection_type)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("_proj.weight") and p is not gate:
+                    raw = gguf.quants.quantize(p.detach().numpy(), qtype)
+                    p.copy_(torch.from_numpy(gguf.quants.dequantize(raw, qtype)))
+                    blocks[name] = raw
     state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     if tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -243,6 +255,7 @@ def make_tiny_gguf(
     w.add_chat_template(CHATML_TEMPLATE)
 
     for name, arr in state.items():
+        arr = blocks.get(name, arr)  # row permutations below apply to block rows alike
         if name in _HF_TO_GGUF_TOP:
             gguf_name = _HF_TO_GGUF_TOP[name]
         else:
@@ -256,6 +269,8 @@ def make_tiny_gguf(
             w.add_tensor(gguf_name, np.zeros(arr.shape, dtype=np.int8))
         elif gguf_name == Q8_0_TENSOR:
             w.add_tensor(gguf_name, q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        elif name in blocks:
+            w.add_tensor(gguf_name, np.ascontiguousarray(arr), raw_dtype=qtype)
         else:
             w.add_tensor(gguf_name, np.ascontiguousarray(arr))
     w.write_header_to_file()

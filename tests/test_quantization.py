@@ -236,3 +236,40 @@ def test_gguf_needs_a_gguf_and_auto_resolves(tmp_path, q4_gguf):
         == "none"
     compiled = runner_config(ServerArgs(model_path=q4_gguf, torch_compile="on", **auto), 512)
     assert compiled.quantization == "none"
+
+
+# ---------------------------------------------------------------- JAX int8
+
+
+def test_jax_int8_equals_dequantized_reference(tmp_path):
+    """The JAX runner's weight-only int8 projections give the logits of the dense model whose
+    weights are the dequantized int8 values (float32: rounding differences only)."""
+    pytest.importorskip("jax")
+    from sgl_tpu.executor.registry import create_model_runner
+    from sgl_tpu.executor.step import ForwardMode, SeqStep
+    from sgl_tpu.loader import load_model
+    from sgl_tpu.sampling_params import SamplingParams
+
+    loaded = load_model(ck.make_tiny_hf_checkpoint(tmp_path / "hf", "qwen2"))
+    projections = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+    dequantized = {**loaded.params, "layers": [
+        {k: (quantize_int8(np.ascontiguousarray(v.T)).dequantize().T if k in projections else v)
+         for k, v in lw.items()} for lw in loaded.params["layers"]]}
+    ids = np.asarray(loaded.tokenizer.encode("The quick brown fox jumps over"), np.int32)
+
+    def logits(params, quantization):
+        args = ServerArgs(backend="jax", dtype="float32", quantization=quantization,
+                          skip_warmup=True, page_size=4, max_total_tokens=256, kv_tile=8,
+                          min_token_bucket=16, chunked_prefill_size=16,
+                          max_running_requests=2, max_extend_seqs=2)
+        runner = create_model_runner(loaded.config, params, runner_config(args, 512))
+        step = SeqStep(token_ids=ids, prefix_len=0, pages=np.arange(1, 4, dtype=np.int32),
+                       sampling=SamplingParams(temperature=0.0), seed=0, num_output_tokens=0)
+        res = runner.forward(ForwardMode.EXTEND, [step])
+        return runner.row_logits(res.hidden, np.arange(len(ids)))
+
+    w, w8 = loaded.params["layers"][0]["w_up"], dequantized["layers"][0]["w_up"]
+    assert np.abs(w8 - w).max() > 1e-5  # the int8 weights really differ from the floats
+    ref = logits(dequantized, "none")
+    out = logits(loaded.params, "int8")
+    assert np.abs(out - ref).max() <= 1e-4 * np.abs(ref).max()

@@ -1,18 +1,20 @@
 """Crossover of the weight-only quantized kernels against the bf16 prepacked GEMM, by batch rows.
 
     python -m sgl_tpu.bench.quant_linear [--rows 1,2,4,6,8,12,16,32,64,512] [--repeats 7]
-        [--threads 2] [--calls 20]
+        [--threads 2] [--calls 40] [--cold-bytes 268435456]
 
 For each projection shape of the default model (SmolLM2-135M: fused qkv, o, fused gate/up,
 down, the tied vocabulary head) and each row count M, times `--calls` calls of each method
-(bf16 oneDNN-prepacked `F.linear` equivalent, int4 group-32, the Q8_0 head as two int4 nibble
-planes, int8 per-channel), methods interleaved within each repetition (the machine is shared),
-and prints one JSON object: the fastest repetition's microseconds per call (on a shared machine
-the minimum is the uncontended cost; medians are reported beside it) and the ratio to bf16, plus
-per-M totals over one decoder step (layers x (qkv + o + gate_up + down) + head). The largest M where
-a kernel's step total still beats bf16 is its `MAX_KERNEL_ROWS` entry in
-`sgl_tpu/executor/torch/quant_linear.py` (the head stays dense in the runner; its columns show
-why).
+(bf16 oneDNN-prepacked `F.linear` equivalent, int4 group-32, int8 per-channel, and a Q8_0
+matrix as two int4 nibble planes), cycling through copies of the weight that together span
+`--cold-bytes` (a decoder step streams every weight from memory once; a matrix reused call
+after call sits in cache and favours the bf16 GEMM). Methods are interleaved within each
+repetition (the machine is shared). Prints one JSON object: the fastest repetition's
+microseconds per call (the uncontended cost; medians beside it), the ratio to bf16, and per-M
+totals over one decoder step (layers x (qkv + o + gate_up + down) + head). The runner's own
+crossover (`MAX_KERNEL_ROWS` in `sgl_tpu/executor/torch/quant_linear.py`) is measured on the
+real step with `python -m sgl_tpu.bench.executor --quantizations none,gguf
+--kernel-max-rows 64`; this bench shows it per matrix.
 """
 
 from __future__ import annotations
@@ -45,23 +47,29 @@ class Int4PairKernel:
         return self.hi(x).add_(self.lo(x))
 
 
-def _methods(n: int, k: int, rng: np.random.Generator) -> dict:
+def _methods(n: int, k: int, rng: np.random.Generator, copies: int) -> dict[str, list]:
+    """Each method over `copies` distinct weight matrices (same values, separate memory)."""
     import torch
 
     from sgl_tpu.executor.torch.quant_linear import Int4Kernel, Int8Kernel
     from sgl_tpu.quantization.blocks import GROUP, Int8Groups, quantize_int4, quantize_int8
 
     w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
-    dense = torch.ops.mkldnn._reorder_linear_weight(torch.from_numpy(w).bfloat16(), None)
-    out = {
-        "bf16": lambda x: torch.ops.mkldnn._linear_pointwise(x, dense, None, "none", [], ""),
-        "int4": Int4Kernel(quantize_int4(w), torch.bfloat16),
-        "int8": Int8Kernel(quantize_int8(w), torch.bfloat16),
-    }
+    q4, q8c = quantize_int4(w), quantize_int8(w)
     q8 = Int8Groups(rng.integers(-127, 128, (n, k)).astype(np.int8),
                     np.full((n, k // GROUP), 1e-3, np.float32))
-    out["int4x2"] = Int4PairKernel(q8, torch.bfloat16)
-    return out
+    w16 = torch.from_numpy(w).bfloat16()
+
+    def bf16():
+        dense = torch.ops.mkldnn._reorder_linear_weight(w16.clone(), None)
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, dense, None, "none", [], "")
+
+    return {
+        "bf16": [bf16() for _ in range(copies)],
+        "int4": [Int4Kernel(q4, torch.bfloat16) for _ in range(copies)],
+        "int8": [Int8Kernel(q8c, torch.bfloat16) for _ in range(copies)],
+        "int4x2": [Int4PairKernel(q8, torch.bfloat16) for _ in range(copies)],
+    }
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -71,21 +79,24 @@ def run(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(0)
     rows = [int(r) for r in args.rows.split(",")]
     results: dict = {"threads": args.threads, "calls": args.calls, "repeats": args.repeats,
+                     "cold_bytes": args.cold_bytes,
                      "unit": "us per call (min over repeats)", "shapes": {}}
     for name, (n, k) in SHAPES.items():
-        methods = _methods(n, k, rng)
+        # enough distinct copies that consecutive calls never find their weights in cache
+        copies = max(2, -(-args.cold_bytes // (2 * n * k)))
+        methods = _methods(n, k, rng, copies)
         per_m = {}
         for m in rows:
             x = torch.randn(m, k).bfloat16()
             times: dict[str, list[float]] = {key: [] for key in methods}
             with torch.inference_mode():
-                for fn in methods.values():
-                    fn(x)  # warm
+                for fns in methods.values():
+                    fns[0](x)  # warm
                 for _ in range(args.repeats):
-                    for key, fn in methods.items():  # interleaved
+                    for key, fns in methods.items():  # interleaved
                         t0 = time.perf_counter()
-                        for _ in range(args.calls):
-                            fn(x)
+                        for i in range(args.calls):
+                            fns[i % copies](x)
                         times[key].append((time.perf_counter() - t0) / args.calls * 1e6)
             best = {key: min(v) for key, v in times.items()}
             per_m[m] = {key: round(v, 1) for key, v in best.items()}
@@ -115,8 +126,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,2,4,6,8,12,16,32,64,512")
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--calls", type=int, default=40)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--cold-bytes", type=int, default=256 * 2**20,
+                   help="bf16 bytes the weight copies cycled through span (beyond the caches)")
     p.add_argument("--output", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     emit(run(args), args.output)

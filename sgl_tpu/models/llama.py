@@ -70,6 +70,15 @@ def _attention(
     )
 
 
+def matmul(x: jax.Array, w: jax.Array | dict) -> jax.Array:
+    """x [T, in] @ w [in, out]; w may be weight-only int8 {"q": i8[in, out], "scale": f32[out]}
+    (`--quantization int8`): w = q * scale, applied to the product, so the int8 matrix is what
+    the step reads from memory."""
+    if isinstance(w, dict):
+        return (x @ w["q"].astype(x.dtype)) * w["scale"].astype(x.dtype)
+    return x @ w
+
+
 def forward(
     params: Params,
     kv_pools: KVPools,
@@ -92,9 +101,9 @@ def forward(
     new_pools = []
     for layer, (k_pool, v_pool) in zip(params["layers"], kv_pools, strict=True):
         x = rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
-        q = x @ layer["wq"]  # [T, H*d]
-        k = x @ layer["wk"]  # [T, kvh*d]
-        v = x @ layer["wv"]
+        q = matmul(x, layer["wq"])  # [T, H*d]
+        k = matmul(x, layer["wk"])  # [T, kvh*d]
+        v = matmul(x, layer["wv"])
         if cfg.attention_bias:
             q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
         q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
@@ -108,11 +117,11 @@ def forward(
         k_pool, v_pool = attn.write_kv(k_pool, v_pool, k, v, fb.out_slots)
         new_pools.append((k_pool, v_pool))
         o = _attention(cfg, mode, q, k_pool, v_pool, fb, kv_tile, attn)
-        h = h + o.reshape(num_tokens, cfg.q_size) @ layer["wo"]
+        h = h + matmul(o.reshape(num_tokens, cfg.q_size), layer["wo"])
         x = rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
-        gate = x @ layer["w_gate"]  # [T, F]
-        up = x @ layer["w_up"]
-        h = h + (jax.nn.silu(gate) * up) @ layer["w_down"]
+        gate = matmul(x, layer["w_gate"])  # [T, F]
+        up = matmul(x, layer["w_up"])
+        h = h + matmul(jax.nn.silu(gate) * up, layer["w_down"])
     return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), new_pools
 
 

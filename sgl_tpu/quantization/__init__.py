@@ -6,7 +6,7 @@ of `auto`. Import-light: numpy-free, no torch, no JAX.
           an exact re-encoding (quantization/blocks.py); Q8_0 and float tensors dequantized,
           as no int8 kernel with per-block scales exists (the tied Q8_0 head stays dense)
     int8  weight-only int8, one symmetric scale per output feature, quantized at load from the
-          float weights of any checkpoint (new quantization error)
+          float weights of any checkpoint (new quantization error); torch and jax
     int4  weight-only int4, asymmetric groups of 32 (Q4_1's scheme), quantized at load (new
           quantization error)
     auto  gguf for a GGUF checkpoint where the method runs (torch backend, CPU, eager), else
@@ -33,7 +33,8 @@ QUANTIZATION_METHODS: dict[str, QuantizationMethod] = {
     "none": QuantizationMethod("dense weights in --dtype", ("jax", "torch")),
     "gguf": QuantizationMethod("the GGUF's Q4_0/Q4_1 blocks as stored (int4 group-32 kernel)",
                                ("torch",), needs_gguf=True),
-    "int8": QuantizationMethod("weight-only int8, per-output-feature scales", ("torch",)),
+    "int8": QuantizationMethod("weight-only int8, per-output-feature scales",
+                               ("torch", "jax")),
     "int4": QuantizationMethod("weight-only int4, asymmetric groups of 32", ("torch",)),
 }
 QUANTIZATION_CHOICES = ("auto", *QUANTIZATION_METHODS)

@@ -37,6 +37,7 @@ from sgl_tpu.executor.jax.sampler import sample
 from sgl_tpu.executor.step import ForwardMode, SeqStep, StepResult, mask_words, warmup_step
 from sgl_tpu.models.config import ModelConfig
 from sgl_tpu.models.registry import jax_model
+from sgl_tpu.quantization.blocks import quantize_int8
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +78,18 @@ def _row_logits_impl(params, hidden, rows, *, cfg: ModelConfig):
 ROW_LOGITS_BUCKET = 64  # rows per `row_logits` call (one compiled shape per token bucket)
 
 
-def params_to_device(params: dict, dtype) -> dict:
-    """numpy params -> device arrays; norms stay float32, matrices take the compute dtype."""
+_PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def params_to_device(params: dict, dtype, quantization: str = "none") -> dict:
+    """numpy params -> device arrays; norms stay float32, matrices take the compute dtype.
+    With `quantization` "int8" the layers' projections become {"q": i8[in, out], "scale":
+    f32[out]} (weight-only, one scale per output feature; see models/llama.py `matmul`)."""
 
     def conv(name: str, a: np.ndarray):
+        if quantization == "int8" and name in _PROJECTIONS:
+            m = quantize_int8(np.ascontiguousarray(np.asarray(a, np.float32).T))  # [out, in]
+            return {"q": jnp.asarray(m.q.T), "scale": jnp.asarray(m.scale)}
         keep_f32 = name.endswith("norm") or a.ndim == 1
         return jnp.asarray(a, jnp.float32 if keep_f32 else dtype)
 
@@ -100,7 +109,7 @@ class JaxModelRunner:
         self.dtype = _DTYPES[config.dtype]
         self.vocab_size = model_config.vocab_size
         self.vocab_words = mask_words(self.vocab_size)
-        self.params = params_to_device(params, self.dtype)
+        self.params = params_to_device(params, self.dtype, config.quantization)
         self.kv_pools = self._alloc_kv_pools()
         # Row 0 is a scratch row for padding sequences; request rows are 1..max_running.
         self.token_counts = jnp.zeros((config.max_running_requests + 1, self.vocab_size),

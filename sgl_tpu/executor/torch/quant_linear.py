@@ -31,7 +31,7 @@ import torch
 from sgl_tpu.quantization.blocks import GROUP, Int4Groups, Int8Channels, Int8Groups
 
 # Largest batch rows for which each kernel beats the bf16 prepacked GEMM (measured, see above).
-MAX_KERNEL_ROWS = {"int4": 3, "int8": 2}
+MAX_KERNEL_ROWS = {"int4": 8, "int8": 4}
 
 
 class Int4Kernel:

@@ -50,7 +50,8 @@ class RunnerConfig:
     backend: str = "jax"  # resolved executor backend: "jax" or "torch"
     compile: bool = True  # torch: torch.compile(dynamic=False) per bucket; False = eager
     device: str = "auto"  # torch: "cpu", "cuda", "tpu" or "auto"
-    quantization: str = "none"  # resolved: a sgl_tpu.quantization method name
+    quantization: str = "none"  # a sgl_tpu.quantization method, or "auto" (gguf if the
+    # runner's weights are the GGUF's blocks, else none; see sgl_tpu/quantization)
 
     def __post_init__(self) -> None:
         if self.kv_tile % self.page_size:

@@ -227,11 +227,14 @@ def test_unsupported_combinations_fail_at_start(q4_gguf, kwargs, match):
 
 
 def test_gguf_needs_a_gguf_and_auto_resolves(tmp_path, q4_gguf):
+    """auto stays a candidate ("auto") only where gguf can run on a GGUF; the runner then
+    decides from the weights it is given (next test)."""
     hf = ck.make_tiny_hf_checkpoint(tmp_path / "hf", "llama")
     with pytest.raises(ValueError, match="needs a GGUF checkpoint"):
         runner_config(ServerArgs(model_path=hf, backend="torch", quantization="gguf"), 512)
     auto = {"backend": "torch", "quantization": "auto"}
     assert runner_config(ServerArgs(model_path=hf, **auto), 512).quantization == "none"
+    assert runner_config(ServerArgs(model_path=q4_gguf, **auto), 512).quantization == "auto"
     assert runner_config(ServerArgs(model_path=q4_gguf, backend="jax"), 512).quantization \
         == "none"
     compiled = runner_config(ServerArgs(model_path=q4_gguf, torch_compile="on", **auto), 512)
@@ -273,3 +276,24 @@ def test_jax_int8_equals_dequantized_reference(tmp_path):
     ref = logits(dequantized, "none")
     out = logits(loaded.params, "int8")
     assert np.abs(out - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_auto_uses_the_file_only_for_its_own_weights(tmp_path, q4_gguf):
+    """auto serves the file's blocks when the runner's weights are the file's, and stays dense
+    (no error) when they are not, e.g. another model's params under the default model path;
+    an explicit gguf with foreign weights is an error naming the mismatch."""
+    from sgl_tpu.executor.registry import create_model_runner
+    from sgl_tpu.loader import load_model
+
+    own = _engine(q4_gguf, "auto").scheduler.runner
+    assert own.quantization is not None and own.quantization.method == "gguf"
+    other = load_model(ck.make_tiny_gguf(tmp_path / "other.gguf", "llama", seed=1,
+                                         projection_type="Q4_1"))
+    args = dict(backend="torch", dtype="float32", skip_warmup=True, page_size=4,
+                max_total_tokens=256, kv_tile=8, min_token_bucket=16, chunked_prefill_size=16,
+                max_running_requests=2, max_extend_seqs=2)
+    cfg = runner_config(ServerArgs(model_path=q4_gguf, quantization="auto", **args), 512)
+    assert create_model_runner(other.config, other.params, cfg).quantization is None
+    cfg = runner_config(ServerArgs(model_path=q4_gguf, quantization="gguf", **args), 512)
+    with pytest.raises(ValueError, match="differs from the loaded weights"):
+        create_model_runner(other.config, other.params, cfg)

@@ -88,8 +88,12 @@ def run(args: argparse.Namespace) -> dict:
                                    backend=backend, torch_compile=args.torch_compile,
                                    quantization=quant)
                 rcfg = runner_config(sargs, cfg.context_len)
-                runners.append(create_model_runner(cfg, loaded.params, rcfg))
-                tag = {"backend": rcfg.backend, "dtype": dtype, "quantization": rcfg.quantization}
+                runner = create_model_runner(cfg, loaded.params, rcfg)
+                runners.append(runner)
+                report = getattr(runner, "quantization", None)  # torch: what "auto" became
+                tag = {"backend": rcfg.backend, "dtype": dtype,
+                       "quantization": report.method if report else
+                       rcfg.quantization.replace("auto", "none")}
                 if rcfg.backend == "torch":
                     tag["compile"] = rcfg.compile
                 tags.append(tag)

@@ -88,6 +88,13 @@ def _perplexity(engine) -> tuple[float, int]:
     return math.exp(nll / (len(ids) - 1)), len(ids) - 1
 
 
+def _effective(runner) -> str:
+    """The method the torch runner applied ("auto" resolves there)."""
+    report = getattr(runner, "quantization", None)
+    return report.method if report is not None else runner.config.quantization.replace(
+        "auto", "none")
+
+
 def _agreement(ref: list[list[int]], out: list[list[int]]) -> list[int]:
     agree = []
     for a, b in zip(ref, out, strict=True):
@@ -116,7 +123,7 @@ def run(args: argparse.Namespace) -> dict:
             ref_tokens = tokens
         agree = _agreement(ref_tokens, tokens)
         results["modes"][spec] = {
-            "quantization": engine.scheduler.runner.config.quantization, "dtype": dtype,
+            "quantization": _effective(engine.scheduler.runner), "dtype": dtype,
             "perplexity": round(ppl, 4), "perplexity_tokens": n,
             "greedy_agree_tokens": agree, "greedy_identical_prompts": sum(
                 a == args.max_new_tokens for a in agree),

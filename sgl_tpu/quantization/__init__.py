@@ -9,8 +9,9 @@ of `auto`. Import-light: numpy-free, no torch, no JAX.
           float weights of any checkpoint (new quantization error); torch and jax
     int4  weight-only int4, asymmetric groups of 32 (Q4_1's scheme), quantized at load (new
           quantization error)
-    auto  gguf for a GGUF checkpoint where the method runs (torch backend, CPU, eager), else
-          none; the start-up log names the choice
+    auto  gguf where the method runs (torch backend, CPU, eager) and the loaded weights are a
+          GGUF's Q4_x blocks (the runner checks the file against the weights it was given),
+          else none; the start-up log names the choice
 
 Projections only (q/k/v, o, gate/up, down); embeddings, norms and the vocabulary head keep the
 dense path. The quantized kernels run for decode-sized steps and the dense copy above
@@ -42,11 +43,12 @@ QUANTIZATION_CHOICES = ("auto", *QUANTIZATION_METHODS)
 
 def resolve_quantization(name: str, *, backend: str, device_type: str, compile: bool,
                          is_gguf: bool) -> str:
-    """The method a runner uses for `--quantization name`; ValueError naming the conflict when
-    the combination cannot run."""
+    """The runner's `quantization` for `--quantization name`: a method name, or "auto" when
+    gguf can run and the runner is to use it if its weights are the file's blocks. ValueError
+    naming the conflict when the combination cannot run."""
     if name == "auto":
         ok = backend == "torch" and device_type == "cpu" and not compile and is_gguf
-        return "gguf" if ok else "none"
+        return "auto" if ok else "none"
     method = QUANTIZATION_METHODS.get(name)
     if method is None:
         raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {name!r}")

@@ -29,6 +29,7 @@ from sgl_tpu.executor.torch.quant_linear import (
     make_kernel,
 )
 from sgl_tpu.models.config import ModelConfig
+from sgl_tpu.quantization import QUANTIZATION_METHODS
 from sgl_tpu.quantization.blocks import QuantizedMatrix, quantize_int4, quantize_int8
 
 logger = logging.getLogger(__name__)
@@ -39,21 +40,66 @@ _FUSED_PARAMS = {"wqkv": ("wq", "wk", "wv"), "wo": ("wo",), "w_gate_up": ("w_gat
 _QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
 
 
+def _fused_param(params: dict, key: str) -> np.ndarray:
+    """"layers.{i}.{fused}" -> the loader's float32 params stacked like the torch weight
+    [N, K]."""
+    _, i, fused = key.split(".")
+    lw = params["layers"][int(i)]
+    return np.concatenate([np.asarray(lw[p], np.float32) for p in _FUSED_PARAMS[fused]],
+                          axis=1).T
+
+
+def _fused_shape(params: dict, key: str) -> tuple[int, int]:
+    _, i, fused = key.split(".")
+    parts = [np.shape(params["layers"][int(i)][p]) for p in _FUSED_PARAMS[fused]]  # [in, out]
+    return sum(shape[1] for shape in parts), parts[0][0]
+
+
+def params_keys(params: dict) -> set[str]:
+    """Every fused projection's key: "layers.{i}.{fused}"."""
+    return {f"layers.{i}.{fused}" for i in range(len(params["layers"])) for fused in _FUSED_PARAMS}
+
+
+def _gguf_mismatch(matrices: dict[str, QuantizedMatrix], params: dict) -> str | None:
+    """Why the file's blocks are not the runner's weights (None if they are): every shape, and
+    the values of the first and last projection (decoding is bit-exact, see blocks.py)."""
+    if not matrices:
+        return "the file has no Q4_0/Q4_1 projections"
+    keys, expected = sorted(matrices), params_keys(params)
+    for key in keys:
+        if key not in expected or matrices[key].q.shape != _fused_shape(params, key):
+            return f"{key} does not have the loaded weights' shape"
+    for key in (keys[0], keys[-1]):
+        if not np.array_equal(matrices[key].dequantize(), _fused_param(params, key)):
+            return f"{key} differs from the loaded weights"
+    return None
+
+
 def quantized_matrices(method: str, params: dict, cfg: ModelConfig, model_path: str | None
-                       ) -> dict[str, QuantizedMatrix]:
-    """"layers.{i}.{fused}" -> quantized [N, K] matrix for every projection `method` covers."""
-    if method == "gguf":
+                       ) -> dict[str, QuantizedMatrix] | None:
+    """"layers.{i}.{fused}" -> quantized [N, K] matrix for every projection `method` covers.
+
+    gguf / auto read the file at `model_path` (None: the default model) and check it against
+    `params`; a mismatch is a ValueError for gguf, and None (stay dense) for auto."""
+    if method in ("gguf", "auto"):
         from sgl_tpu.loader import default_model_path
         from sgl_tpu.quantization.gguf_weights import read_gguf_quantized
 
-        return read_gguf_quantized(model_path or default_model_path(), cfg)
+        path = model_path or default_model_path()
+        try:
+            matrices = read_gguf_quantized(path, cfg)
+            problem = _gguf_mismatch(matrices, params)
+        except ValueError as e:  # e.g. rows that do not split into cfg's heads
+            matrices, problem = {}, str(e)
+        if problem is None:
+            return matrices
+        if method == "gguf":
+            raise ValueError(f"--quantization gguf: {path}: {problem}")
+        logger.info("quantization auto -> none: %s: %s", path, problem)
+        return None
     quantize = _QUANTIZERS[method]
-    out = {}
-    for i, lw in enumerate(params["layers"]):
-        for fused, parts in _FUSED_PARAMS.items():
-            w = np.concatenate([np.asarray(lw[p], np.float32) for p in parts], axis=1).T
-            out[f"layers.{i}.{fused}"] = quantize(np.ascontiguousarray(w))
-    return out
+    return {key: quantize(np.ascontiguousarray(_fused_param(params, key)))
+            for key in sorted(params_keys(params))}
 
 
 @dataclass(frozen=True)
@@ -64,7 +110,9 @@ class QuantizationReport:
     kernel_bytes: int  # memory the kernels add beside the dense weights
 
     def log_line(self) -> str:
-        return (f"quantization {self.method}: {self.quantized} projections on int kernels "
+        desc = QUANTIZATION_METHODS[self.method].description
+        return (f"quantization {self.method} ({desc}): {self.quantized} projections on int "
+                f"kernels for steps of few rows "
                 f"(+{self.kernel_bytes / 2**20:.0f} MiB beside the dense weights), "
                 f"{self.dense_only} dense only")
 

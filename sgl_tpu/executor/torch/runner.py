@@ -84,7 +84,7 @@ class TorchModelRunner:
                                         dtype=torch.int32, device=self.device)
         logger.info("torch backend on %s, %s, compile=%s, prepacked weights=%s, "
                     "quantization=%s", self.device, config.dtype, config.compile, prepack,
-                    config.quantization)
+                    self.quantization.method if self.quantization else "none")
 
     def _quantizer(self, params: dict, model_config: ModelConfig):
         """Weights -> Weights with quantized projections (`config.quantization`), or None."""
@@ -93,11 +93,14 @@ class TorchModelRunner:
             return None
         from sgl_tpu.executor.torch import quantize
 
+        matrices = quantize.quantized_matrices(method, params, model_config,
+                                               self.config.model_path)
+        if matrices is None:
+            return None
+
         def apply(weights):
-            matrices = quantize.quantized_matrices(method, params, model_config,
-                                                   self.config.model_path)
-            weights, self.quantization = quantize.quantize_weights(weights, matrices, method,
-                                                                   self.dtype)
+            weights, self.quantization = quantize.quantize_weights(
+                weights, matrices, "gguf" if method == "auto" else method, self.dtype)
             return weights
 
         return apply

@@ -5,7 +5,7 @@ the loaders must know. Import-light (module names only): nothing here loads JAX 
                                                      kv_tile, attention_backend) -> (hidden,
                                                      pools); compute_logits(params, hidden, cfg)
                                       torch_module  build_model(params, cfg, dtype, device,
-                                                     prepack, compile_fn) -> model with
+                                                     prepack, compile_fn, quantize) -> model with
                                                      forward(...), logits(hidden), scale
                                       loader hooks  HF `architectures` entry, GGUF Q/K row
                                                      permutation, fixed per-family flags

@@ -17,8 +17,9 @@ output feature (not exact for Q8_0), and the exact form, two int4 nibble planes 
 (blocks.Int8Groups.split_nibbles), measured 1.3-1.7x slower than bf16 even at one row. Such
 matrices stay dense.
 
-`max_rows` comes from `MAX_KERNEL_ROWS`, the crossover measured by `sgl_tpu.bench.quant_linear`
-on a 2-core AVX512-BF16 CPU (no AMX); see that module for the numbers.
+`max_rows` comes from `MAX_KERNEL_ROWS`, the crossover measured on a 2-core AVX512-BF16 CPU (no
+AMX) with `python -m sgl_tpu.bench.executor --quantizations none,gguf --kernel-max-rows 64`
+(per matrix: `sgl_tpu.bench.quant_linear`).
 """
 
 from __future__ import annotations
@@ -30,8 +31,11 @@ import torch
 
 from sgl_tpu.quantization.blocks import GROUP, Int4Groups, Int8Channels, Int8Groups
 
-# Largest batch rows for which each kernel beats the bf16 prepacked GEMM (measured, see above).
-MAX_KERNEL_ROWS = {"int4": 8, "int8": 4}
+# Largest batch rows for which each kernel beats the bf16 prepacked GEMM in the runner's decode
+# step (default model, 2 threads; kernel forced at every M, step time vs dense): int4 0.66x at
+# 1 row, 0.86x at 4, 1.03x at 6, 1.21x at 16; int8 0.93x at 1, 0.95x at 2, 1.08x at 3
+# (benchmarks/results/quantization_crossover_int{4,8}.json).
+MAX_KERNEL_ROWS = {"int4": 4, "int8": 2}
 
 
 class Int4Kernel:
@@ -92,10 +96,6 @@ class QuantizedLinear:
     kernel: Kernel
     dense: torch.Tensor | None
     max_rows: int
-
-    @property
-    def kernel_bytes(self) -> int:
-        return self.kernel.nbytes
 
 
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]

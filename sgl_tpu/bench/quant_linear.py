@@ -41,7 +41,6 @@ class Int4PairKernel:
     def __init__(self, m, dtype) -> None:
         hi, lo = m.split_nibbles()
         self.hi, self.lo = quant_linear.Int4Kernel(hi, dtype), quant_linear.Int4Kernel(lo, dtype)
-        self.out_features = m.q.shape[0]
 
     def __call__(self, x):
         return self.hi(x).add_(self.lo(x))

@@ -12,10 +12,11 @@ Kernels (torch CPU ops; N % 16 == 0 and K % 32 == 0 for the int4 ones):
                     scale and zero in the activation dtype (so bfloat16 rounds them)
     Int8Kernel      `_weight_int8pack_mm`: w = q * scale[n], one scale per output feature
 
-GGUF Q8_0 (per-block scales) has no kernel here: `_weight_int8pack_mm` takes one scale per
-output feature (not exact for Q8_0), and the exact form, two int4 nibble planes summed
-(blocks.Int8Groups.split_nibbles), measured 1.3-1.7x slower than bf16 even at one row. Such
-matrices stay dense.
+GGUF Q8_0 (per-block scales) has no kernel here and stays dense: `_weight_int8pack_mm` takes
+one scale per output feature (not exact for Q8_0). The exact form, two int4 nibble planes
+summed (blocks.Int8Groups.split_nibbles), measured 0.76x of bf16 on the default model's
+49152-row head at one row on a quiet machine but 1.33x under load, and 0.86-1.14x on layer-sized
+matrices (`sgl_tpu.bench.quant_linear`): at most ~0.5 ms of a 25 ms batch-1 step, not taken.
 
 `max_rows` comes from `MAX_KERNEL_ROWS`, the crossover measured on a 2-core AVX512-BF16 CPU (no
 AMX) with `python -m sgl_tpu.bench.executor --quantizations none,gguf --kernel-max-rows 64`
@@ -47,7 +48,6 @@ class Int4Kernel:
         sz = torch.stack([torch.from_numpy(m.scale.T.copy()),
                           torch.from_numpy(m.zero.T.copy())], dim=-1)
         self.scales_zeros = sz.to(dtype).contiguous()  # [K/G, N, 2]
-        self.out_features = m.q.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP,
@@ -64,7 +64,6 @@ class Int8Kernel:
     def __init__(self, m: Int8Channels, dtype: torch.dtype) -> None:
         self.q = torch.from_numpy(m.q).contiguous()  # i8[N, K]
         self.scale = torch.from_numpy(m.scale).to(dtype)  # [N]
-        self.out_features = m.q.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)

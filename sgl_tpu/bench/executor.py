@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> dict:
                 if rcfg.backend == "torch":
                     tag["compile"] = rcfg.compile
                 tags.append(tag)
-    ps = 16  # ServerArgs' default page size
+    ps = ServerArgs.page_size  # the default, which every runner above uses
 
     def record(phase: dict, times: list[list[float]], per_s: int) -> None:
         base = min(times[0])
@@ -127,8 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--backends", default="torch,jax")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--torch-compile", default="auto", choices=("auto", "on", "off"))
-    p.add_argument("--quantizations", default="none",
-                   help="comma-separated --quantization values to compare (e.g. none,gguf)")
+    p.add_argument("--quantizations", default="auto",
+                   help="comma-separated --quantization values to compare (e.g. none,gguf; "
+                        "auto: what the server would use)")
     p.add_argument("--kernel-max-rows", type=int, default=None,
                    help="override the quantized kernels' row limit (crossover experiments)")
     p.add_argument("--prefill", default="128,512,2048")

@@ -14,7 +14,7 @@ and supervises the processes:
 2. The launcher waits until every replica answers `/health` (a replica that exits first ends
    the launch with a non-zero exit; its own error is on stderr above), then starts the router
    on `--host/--port` with the replicas' URLs and `--api-key` (for its probes of `/server_info`
-   and `/model_info`), and waits for the router's `/health`.
+   and `/model_info`), and waits until the router lists every replica.
 3. Supervision: a replica that dies later is reported once (the router's health checks route
    around it); the router dying, or every replica, ends the launch with exit 1. SIGTERM/SIGINT
    stop the router, then the replicas (SIGTERM, then SIGKILL after a grace period). Every child
@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import importlib.util
+import json
 import logging
 import os
 import signal
@@ -202,13 +203,25 @@ class ReplicaSet:
                 print(f"error: the router exited with code {self.router.returncode}",
                       file=sys.stderr, flush=True)
                 return False
-            if _status(f"http://{host}:{self.args.port}/health") == 200:
+            if self._router_has_replicas(f"http://{host}:{self.args.port}"):
                 return True
             time.sleep(POLL_PERIOD_S)
         if not self.stopping:
             print(f"error: the router did not answer /health within "
                   f"{ROUTER_READY_TIMEOUT_S:.0f} s", file=sys.stderr, flush=True)
         return False
+
+    def _router_has_replicas(self, url: str) -> bool:
+        """The router is up and has registered every replica (it answers /health before its
+        registration probes of /server_info and /model_info are done)."""
+        headers = {"Authorization": f"Bearer {self.args.api_key}"} if self.args.api_key else {}
+        try:
+            req = urllib.request.Request(url + "/workers", headers=headers)
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                workers = json.loads(resp.read()).get("workers", [])
+        except (urllib.error.URLError, OSError, ValueError, AttributeError):
+            return False
+        return len(workers) >= len(self.replicas)
 
     def supervise(self) -> int:
         """Until stopped: report dead replicas; the router's or every replica's death is fatal.

@@ -103,8 +103,8 @@ def _start_router(worker_urls: list[str], *extra: str) -> tuple[subprocess.Popen
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         assert proc.poll() is None, "the router exited"
-        try:
-            if requests.get(url + "/health", timeout=2).status_code == 200:
+        try:  # healthy, and the worker registered (the router answers /health before)
+            if requests.get(url + "/v1/models", timeout=2).status_code == 200:
                 return proc, url
         except requests.RequestException:
             pass
@@ -166,15 +166,22 @@ def test_one_worker_behind_the_router(tiny_model):
             **sampled["sampling_params"], "sampling_seed": 1234}}, timeout=60).json()["text"]
         assert via_router == seeded
 
-        # the routing key names the agent's session: its KV is retained after the request
-        assert requests.post(url + "/flush_cache", timeout=30).status_code == 200
+        # the routing key or session_params.id names the agent's session (both survive the
+        # router): its KV is retained after the request; without either it is not
         long_body = {**body, "text": _system_prompt(0)}  # many pages
-        requests.post(url + "/generate", json=long_body, timeout=60).raise_for_status()
-        assert _retained(worker.base_url) == 0
-        resp = requests.post(url + "/generate", json=long_body, timeout=60,
-                             headers={"X-SMG-Routing-Key": "agent-7"})
-        resp.raise_for_status()
-        assert _retained(worker.base_url) > 0
+        long_chat = {**chat, "messages": [{"role": "user", "content": _system_prompt(1)}]}
+        header = {"X-SMG-Routing-Key": "agent-7"}
+        for route, payload, headers in [
+                ("/generate", long_body, header),
+                ("/generate", {**long_body, "session_params": {"id": "agent-8"}}, {}),
+                ("/v1/chat/completions", long_chat, header)]:
+            assert requests.post(url + "/flush_cache", timeout=30).status_code == 200
+            plain = {k: v for k, v in payload.items() if k != "session_params"}
+            requests.post(url + route, json=plain, timeout=60).raise_for_status()
+            assert _retained(worker.base_url) == 0
+            requests.post(url + route, json=payload, timeout=60,
+                          headers=headers).raise_for_status()
+            assert _retained(worker.base_url) > 0, (route, payload.keys(), headers)
     finally:
         router.kill()
         router.wait()
@@ -217,8 +224,8 @@ def _run_agents(url: str) -> list[list[dict]]:
         return list(pool.map(agent, range(NUM_AGENTS)))
 
 
-def _worker_urls(router_url: str) -> list[str]:
-    workers = requests.get(router_url + "/workers", timeout=30).json()
+def _worker_urls(router_url: str, headers: dict[str, str] | None = None) -> list[str]:
+    workers = requests.get(router_url + "/workers", headers=headers, timeout=30).json()
     return sorted(w["url"] for w in workers["workers"])
 
 
@@ -295,9 +302,15 @@ def _port_free(port: int) -> bool:
 @pytest.mark.slow
 def test_replica_death_under_load_then_sigterm_ends_everything(tiny_model):
     server = launch_server(*FLAGS, "--dp-size", "2", "--router-policy", "round_robin",
-                           model_path=tiny_model)
+                           "--api-key", "sk-test", model_path=tiny_model)
+    auth = {"Authorization": "Bearer sk-test"}
     try:
-        workers = _worker_urls(server.base_url)
+        # the key reaches the replicas' registration probes; clients still need it
+        models = requests.get(server.base_url + "/v1/models", headers=auth, timeout=30)
+        assert [m["id"] for m in models.json()["data"]] == [MODEL]
+        assert requests.post(server.base_url + "/generate", json={"text": "Hi"},
+                             timeout=30).status_code == 401
+        workers = _worker_urls(server.base_url, auth)
         ports = [int(w.rsplit(":", 1)[1]) for w in workers]
         tree = _children(server.proc.pid)
         victim = next(p for p in tree if f"--port {ports[1]}" in _cmdline(p)
@@ -305,9 +318,10 @@ def test_replica_death_under_load_then_sigterm_ends_everything(tiny_model):
 
         def one(i: int) -> int:
             try:
-                return requests.post(server.base_url + "/generate", timeout=120, json={
-                    "text": f"request {i}: The quick brown fox", "sampling_params": {
-                        "max_new_tokens": 16, "temperature": 0}}).status_code
+                body = {"text": f"request {i}: The quick brown fox",
+                        "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
+                return requests.post(server.base_url + "/generate", json=body, headers=auth,
+                                     timeout=120).status_code
             except requests.RequestException:
                 return -1
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 from sgl_tpu.cli import to_argv
 from sgl_tpu.config import ServerArgs
+from sgl_tpu.launch_server import READY_MESSAGE
 
 logger = logging.getLogger("sgl_tpu.replicas")
 REPLICA_HOST = "127.0.0.1"  # replicas are reached through the router only
@@ -277,7 +278,7 @@ def launch_replicas(args: ServerArgs) -> None:
     try:
         replicas.start_replicas()
         if replicas.wait_replicas() and replicas.start_router():
-            print(f"The server is fired up and ready to roll! http://{args.host}:{args.port} "
+            print(f"{READY_MESSAGE} http://{args.host}:{args.port} "
                   f"({args.dp_size} replicas, router policy {args.router_policy})", flush=True)
             code = replicas.supervise()
         elif replicas.stopping:

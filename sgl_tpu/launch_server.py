@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import os
 
+# Printed once the server answers requests (SGLang's words, which scripts wait for). With
+# --dp-size, only after the router has registered every replica: the router's /health answers
+# 200 before that, so /health alone is not readiness there.
+READY_MESSAGE = "The server is fired up and ready to roll!"
+
 
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from sgl_tpu.bench.agent_loop.__main__ import main as agent_loop_main
 from sgl_tpu.cli import parse_args, to_argv
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.sampling_params import SamplingParams, expand_n
@@ -245,17 +246,19 @@ def _score(metas: list[list[dict]]) -> tuple[float, int]:
 
 
 @pytest.mark.slow
-def test_cache_aware_keeps_agents_on_their_replica(tiny_model):
+def test_cache_aware_keeps_agents_on_their_replica(tiny_model, tmp_path):
     scores = {}
     for policy in ("cache_aware", "round_robin"):
         server = launch_server(*FLAGS, "--dp-size", "2", "--router-policy", policy,
                                model_path=tiny_model)
         try:
             workers = _worker_urls(server.base_url)
-            assert len(workers) == 2
+            assert len(workers) == 2, server.log_tail()
             metas = _run_agents(server.base_url)
             share = [_finished(w) / (NUM_AGENTS * NUM_TURNS) for w in workers]
             scores[policy] = _score(metas)
+            if policy == "cache_aware":
+                harness = _run_harness(server.base_url, tiny_model, tmp_path)
         finally:
             server.stop()
         if policy == "cache_aware":
@@ -265,6 +268,20 @@ def test_cache_aware_keeps_agents_on_their_replica(tiny_model):
             assert all(0.25 <= s <= 0.75 for s in share), share
     print("policy scores (cached share after turn 1, agents kept):", scores)
     assert scores["round_robin"][0] < scores["cache_aware"][0] - 0.2, scores
+    # the agent harness drives the replicas like any server
+    react = harness["runs"]["server"]["react"]
+    assert react["requests"] == 6 and react["requests_failed"] == 0, react["errors"]
+    assert react["cache_hit_rate"] > 0.5
+
+
+def _run_harness(url: str, model: str, tmp_path: Path) -> dict:
+    out = tmp_path / "agent_loop.json"
+    agent_loop_main(["--base-url", url, "--model-path", model, "--workloads", "react",
+                     "--num-programs", "3", "--turns", "2", "--output-tokens", "4",
+                     "--system-tokens", "200", "--observation-tokens", "10",
+                     "--warmup-programs", "0", "--no-progress", "--session-hint",
+                     "--output", str(out)])
+    return json.loads(out.read_text())
 
 
 def _children(pid: int) -> list[int]:

@@ -26,6 +26,7 @@ import requests
 from sgl_tpu.bench.agent_loop.__main__ import main as agent_loop_main
 from sgl_tpu.cli import parse_args, to_argv
 from sgl_tpu.config import ServerArgs
+from sgl_tpu.engine import Engine
 from sgl_tpu.sampling_params import SamplingParams, expand_n
 from sgl_tpu.server.replicas import plan_placements, replica_argv, router_argv
 from tests.checkpoints import make_tiny_hf_checkpoint
@@ -389,3 +390,5 @@ def test_a_failing_replica_fails_the_launch(tmp_path):
 
 def test_server_args_default_is_one_replica():
     assert ServerArgs().dp_size == 1 and parse_args([]).router_args == ()
+    with pytest.raises(ValueError, match="launch_server --dp-size"):
+        Engine(dp_size=2)  # refused before a model loads

@@ -93,14 +93,14 @@ class Req:
                        seed=self.seed, num_output_tokens=len(self.output_ids),
                        counts_row=self.row, counts_reset=self.counts_fresh,
                        sample_valid=completes and self.sampling.max_new_tokens > 0,
-                       bitmask=mask)
+                       bitmask=mask, return_logprob=self.return_logprob)
 
     def decode_step(self, mask: np.ndarray | None) -> SeqStep:
         """This request's share of a DECODE: its last token, one new one sampled."""
         return SeqStep(token_ids=[self.output_ids[-1]], prefix_len=self.kv_len,
                        pages=self.pages, sampling=self.sampling, seed=self.seed,
                        num_output_tokens=len(self.output_ids), counts_row=self.row,
-                       bitmask=mask)
+                       bitmask=mask, return_logprob=self.return_logprob)
 
     @property
     def max_prefix_len(self) -> int:

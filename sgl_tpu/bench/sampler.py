@@ -93,8 +93,8 @@ def make_call(module: ModuleType, logits, mode: str, logprob_rows: str, num_top:
 def run(args: argparse.Namespace) -> dict:
     import torch
 
-    torch.set_num_threads(args.threads)
     peaked = real_logits(args.model_path)
+    torch.set_num_threads(args.threads)  # after the runner, which sets its own count
     vocab = peaked.shape[1]
     flat = np.random.default_rng(0).standard_normal((max(args.batches_list), vocab),
                                                     dtype=np.float32)

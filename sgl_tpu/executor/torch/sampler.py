@@ -16,8 +16,8 @@ distributed) samples for the same seed.
 Sampling rows avoid full-vocabulary passes (`_sample_rows`):
 
     x [R, V] ─topk─> C candidates [R, C] ─> thresholds ─┬─ kept set inside them: draw over C
-             (one pass; plus one exp-sum pass when a    └─ otherwise (top-k > C, nucleus wider
-              row's nucleus needs the whole mass)          than C, no truncation): draw over V,
+             (one selection; plus one exp-sum pass     └─ otherwise (top-k > C, nucleus wider
+              when a row's nucleus needs all the mass)     than C, no truncation): draw over V,
                                                            exact thresholds by radix selection
                                                            (no sort) when the candidates could
                                                            not give them
@@ -152,11 +152,10 @@ def _sample_rows(x, temperature, top_p, top_k, min_p, u, num_candidates: int) ->
 
     k_on = (top_k > 0) & (top_k < vocab_size)
     p_on = top_p < 1.0
-    full = None  # (scaled, weights) [R, V] of every row, once a stage needs them
-    total = None
-    if bool((p_on & ~(k_on & (top_k <= num_cand))).any()):
-        full = _scaled_and_weights(x, inv, row_max)
-        total = full[1].sum(dim=-1)  # [R]: the nucleus needs all the mass
+    weights_all = total = None  # [R, V], [R]
+    if bool((p_on & ~(k_on & (top_k <= num_cand))).any()):  # the nucleus needs all the mass
+        weights_all = _weights(x, inv, row_max)
+        total = weights_all.sum(dim=-1)
     thr, resolved = _thresholds(cand, cand_w, total, top_k, top_p, k_on, p_on,
                                 complete=num_cand == vocab_size)
     thr = torch.maximum(thr, _min_p_threshold(row_max, min_p))
@@ -170,10 +169,9 @@ def _sample_rows(x, temperature, top_p, top_k, min_p, u, num_candidates: int) ->
         f = fits.nonzero().flatten()
         token_ids[f] = _draw_candidates(cand[f], cand_w[f], cand_idx[f], thr[f], u[f])
     wide, pick = _row_picker(~fits)
-    if full is None:
-        scaled, weights = _scaled_and_weights(pick(x), pick(inv), pick(row_max))
-    else:
-        scaled, weights = pick(full[0]), pick(full[1])  # [R', V]
+    scaled = pick(x) / pick(inv)  # [R', V]; bit-equal to what the weights were made from
+    weights = _weights(pick(x), pick(inv), pick(row_max)) if weights_all is None \
+        else pick(weights_all)
     thr_w = pick(thr)
     if not bool(resolved[wide].all()):  # top-k beyond C or a nucleus wider than C
         redo, sub = _row_picker(~pick(resolved))
@@ -260,11 +258,11 @@ def _row_picker(mask: torch.Tensor):
     return index, partial(torch.index_select, dim=0, index=index)
 
 
-def _scaled_and_weights(x: torch.Tensor, inv: torch.Tensor, row_max: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x / T and exp(x / T - row_max), both [R, V]; the top token weighs 1."""
-    scaled = x / inv
-    return scaled, (scaled - row_max[:, None]).exp_()
+def _weights(x: torch.Tensor, inv: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """exp(x / T - row_max) [R, V] in one buffer (a large fresh tensor costs page faults);
+    the top token weighs 1."""
+    w = x / inv
+    return w.sub_(row_max[:, None]).exp_()
 
 
 def _min_p_threshold(row_max: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -8,9 +8,10 @@ paragraph (real, mostly confident predictions); `flat` are standard-normal logit
 vocabulary (a nucleus of tens of thousands of tokens). Rows are picked from them per batch.
 Modes: `greedy` (temperature 0) and `sampled` (temperature 0.7, top-p 0.9, seeded). `--baseline`
 names another sampler module file with the same `sample` function (e.g. an older version) to time
-in the same run; every configuration alternates the implementations (ABAB...) and reports median
-milliseconds, sampled/greedy ratios per implementation and baseline/current ratios. Prints one
-JSON object.
+in the same run; every configuration alternates the implementations (ABAB...; each timed call
+follows an untimed one of the same call, as in decoding, so no call pays for the buffers the
+previous one freed) and reports median milliseconds, sampled/greedy ratios per implementation
+and baseline/current ratios. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ def run(args: argparse.Namespace) -> dict:
                     fn()  # warm
                 for _ in range(args.repeats):  # interleaved: A B A B ...
                     for key, fn in calls.items():
+                        fn()  # untimed: the allocator in the state of repeated calls of fn
                         t0 = time.perf_counter()
                         fn()
                         times[key].append(time.perf_counter() - t0)

@@ -138,9 +138,9 @@ def _sample_rows(x, temperature, top_p, top_k, min_p, u, num_candidates: int) ->
     whose kept set lies inside them (its threshold above the C-th logit) draws from them alone.
     The other rows (top-k > C, a nucleus wider than C, or no truncation at all) draw over the
     whole vocabulary, with exact thresholds from `_radix_select` where the candidates did not
-    give them. Both draws walk
-    the kept tokens in vocabulary order with the same float32 weights, so they pick the same
-    token for the same uniform: which path a row takes never changes its sample.
+    give them. Both draws walk the kept tokens in vocabulary order with the same float32
+    weights, so they pick the same token for the same uniform: which path a row takes never
+    changes its sample.
     """
     vocab_size = x.shape[1]
     num_cand = min(num_candidates, vocab_size)

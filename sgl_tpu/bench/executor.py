@@ -3,12 +3,16 @@ and dtype.
 
     python -m sgl_tpu.bench.executor [--backends torch,jax] [--dtypes float32,bfloat16]
         [--prefill 128,512,2048] [--decode-batches 1,8,32,64] [--context 256] [--repeats 3]
-        [--torch-compile auto|on|off]
+        [--torch-compile auto|on|off] [--sampling greedy,sampled] [--baseline-sampler FILE]
 
 Runs the real step (paged KV, bucketed shapes, sampler) of each backend on the default model
 (or `--model-path`), compiles each shape once before timing, reports the best of `--repeats`
 runs, and prints one JSON object. Compare backends/dtypes/sizes as ratios within one run: the
-machine is shared.
+machine is shared. `--sampling` lists the decode modes: `greedy` (temperature 0) and `sampled`
+(temperature 0.7, top-p 0.9, a seed per sequence; no log-probs asked); with both, their decode
+steps alternate (ABAB...) and each sampled row reports its median step time over the greedy one.
+`--baseline-sampler FILE` (torch) times the same steps with another sampler module in the same
+alternation, for before/after ratios.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from functools import partial
 
@@ -23,19 +28,36 @@ import numpy as np
 
 from sgl_tpu.bench.report import emit
 
+SAMPLING = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.7, top_p=0.9)}
 
-def _steps(n_seqs: int, n_new: int, prefix: int, page_size: int, rng, vocab: int):
+
+def _steps(n_seqs: int, n_new: int, prefix: int, page_size: int, rng, vocab: int,
+           sampling: str = "greedy"):
     from sgl_tpu.executor.step import SeqStep
     from sgl_tpu.sampling_params import SamplingParams
 
-    greedy = SamplingParams(temperature=0.0)
+    params = SamplingParams(**SAMPLING[sampling])
     pages_per_seq = -(-(prefix + n_new) // page_size)
     steps = []
     for i in range(n_seqs):
         pages = np.arange(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq, dtype=np.int32)
         steps.append(SeqStep(token_ids=rng.integers(0, vocab, n_new), prefix_len=prefix,
-                             pages=pages, sampling=greedy, seed=0, num_output_tokens=0))
+                             pages=pages, sampling=params, seed=i, num_output_tokens=0,
+                             return_logprob=False))
     return steps
+
+
+def _interleaved(fns: dict, repeats: int) -> dict[str, list[float]]:
+    """Seconds of each of `fns` over `repeats` rounds, one call of each per round."""
+    for fn in fns.values():
+        fn()  # compile + warm
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def _best(fn, repeats: int) -> float:
@@ -84,14 +106,67 @@ def run(args: argparse.Namespace) -> dict:
                 results["runs"].append({**tag, "phase": "prefill", "tokens": n,
                                         "seconds": round(t, 4), "tok_per_s": round(n / t, 1)})
                 print(json.dumps(results["runs"][-1]), flush=True)
+            modes = args.sampling.split(",")
+            samplers = _samplers(args.baseline_sampler if rcfg.backend == "torch" else None)
             for b in batches:
-                steps = _steps(b, 1, args.context, ps, rng, cfg.vocab_size)
-                t = _best(partial(runner.forward, ForwardMode.DECODE, steps), args.repeats)
-                results["runs"].append({**tag, "phase": "decode", "batch": b,
-                                        "context": args.context, "step_ms": round(1e3 * t, 2),
-                                        "tok_per_s": round(b / t, 1)})
-                print(json.dumps(results["runs"][-1]), flush=True)
+                tokens = rng.integers(0, cfg.vocab_size, b)  # the same inputs in every mode
+                fns = {}
+                for mode in modes:
+                    steps = _steps(b, 1, args.context, ps, rng, cfg.vocab_size, mode)
+                    for st, tok in zip(steps, tokens, strict=True):
+                        st.token_ids = [int(tok)]
+                    for name, use in samplers.items():
+                        fns[name + mode] = partial(use, runner.forward, ForwardMode.DECODE, steps)
+                times = _interleaved(fns, args.repeats)
+                for name in samplers:
+                    for mode in modes:
+                        key, first = name + mode, name + modes[0]
+                        t, med = min(times[key]), statistics.median(times[key])
+                        row = {**tag, "phase": "decode", "batch": b, "context": args.context,
+                               "sampler": name.rstrip("-") or "current", "sampling": mode,
+                               "step_ms": round(1e3 * t, 2), "median_ms": round(1e3 * med, 2),
+                               "tok_per_s": round(b / t, 1)}
+                        if mode != modes[0]:
+                            row[f"median_over_{modes[0]}"] = round(
+                                med / statistics.median(times[first]), 3)
+                        if name:
+                            row["median_over_current"] = round(
+                                med / statistics.median(times[mode]), 3)
+                        results["runs"].append(row)
+                        print(json.dumps(row), flush=True)
     return results
+
+
+def _samplers(baseline: str | None) -> dict:
+    """{name prefix: call(fn, *args)}: the current torch sampler, and with `baseline` (a
+    sampler module file with the same `sample`) one that runs `fn` with that module swapped
+    into the torch runner."""
+    out = {"": lambda fn, *a: fn(*a)}
+    if baseline is None:
+        return out
+    import inspect
+    import types
+
+    from sgl_tpu.bench.sampler import load_sampler
+    from sgl_tpu.executor.torch import runner as torch_runner
+
+    current, module = torch_runner.sampler, load_sampler(baseline)
+    accepted = inspect.signature(module.sample).parameters
+
+    def sample(*a, **kw):
+        return module.sample(*a, **{k: v for k, v in kw.items() if k in accepted})
+
+    shim = types.SimpleNamespace(row_uniforms=module.row_uniforms, sample=sample)
+
+    def with_baseline(fn, *a):
+        torch_runner.sampler = shim
+        try:
+            return fn(*a)
+        finally:
+            torch_runner.sampler = current
+
+    out["baseline-"] = with_baseline
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -104,6 +179,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode-batches", default="1,8,32,64")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sampling", default="greedy",
+                   help="decode modes, comma list of " + "/".join(SAMPLING))
+    p.add_argument("--baseline-sampler", default=None,
+                   help="torch: another sampler module file (e.g. an older version) whose "
+                        "decode steps are timed in the same run (rows with sampler=baseline)")
     p.add_argument("--output", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     results = run(args)

@@ -24,6 +24,7 @@ import pytest
 import requests
 
 from sgl_tpu.bench.agent_loop.__main__ import main as agent_loop_main
+from sgl_tpu.bench.router_overhead import start_router
 from sgl_tpu.cli import parse_args, to_argv
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.engine import Engine
@@ -95,30 +96,10 @@ def tiny_model(tmp_path_factory) -> str:
     return path
 
 
-def _start_router(worker_urls: list[str], *extra: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port",
-         str(port), "--worker-urls", *worker_urls, "--log-level", "warn", *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the router exited"
-        try:  # healthy, and the worker registered (the router answers /health before)
-            if requests.get(url + "/v1/models", timeout=2).status_code == 200:
-                return proc, url
-        except requests.RequestException:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("router not healthy")
-
-
 @pytest.mark.slow
 def test_one_worker_behind_the_router(tiny_model):
     worker = launch_server(*FLAGS, model_path=tiny_model)
-    router, url = _start_router([worker.base_url])
+    router, url = start_router(worker.base_url)
     try:
         # registered under the served name, not "unknown"
         models = requests.get(url + "/v1/models", timeout=30).json()

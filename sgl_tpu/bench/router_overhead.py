@@ -25,11 +25,13 @@ from sgl_tpu.bench.report import emit
 from sgl_tpu.bench.serving import Server, free_port
 
 
-def _start_router(worker_url: str) -> tuple[subprocess.Popen, str]:
+def start_router(*worker_urls: str) -> tuple[subprocess.Popen, str]:
+    """The sglang-router on a free local port over `worker_urls`; returns once it has
+    registered a worker (its /v1/models answers)."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port",
-         str(port), "--worker-urls", worker_url, "--log-level", "warn"],
+         str(port), "--worker-urls", *worker_urls, "--log-level", "warn"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     router = None
     try:
         server.wait_ready()
-        router, router_url = _start_router(server.url)
+        router, router_url = start_router(server.url)
         body = {"text": "The capital of France is", "sampling_params": {
             "max_new_tokens": args.max_new_tokens, "temperature": 0}}
         times: dict[tuple[str, bool], list[float]] = {}

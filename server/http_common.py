@@ -1,6 +1,6 @@
 """HTTP helpers shared by every route module (native, OpenAI, Responses, metrics): the error
 body, JSON body parsing into a pydantic model, SSE framing, collecting results, the API-key
-check. Route modules import this; nothing here imports a route module.
+check, the agent-session hint. Route modules import this; nothing here imports a route module.
 
 Every error is JSON `{"error": {"message", "type", "code"}}` with a 4xx/5xx status. Bodies are
 checked in layers: size and content type by `BodyLimitMiddleware`, JSON syntax, depth, strings
@@ -50,6 +50,34 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
         except ValidationError as e:
             raise RequestError(_validation_message(e, whole)) from None
     return validated
+
+
+# The sglang-router forwards this header unchanged (its `manual` policy pins each key to one
+# worker) while it drops a top-level `session_id` when it re-serialises a body.
+ROUTING_KEY_HEADER = "x-smg-routing-key"
+
+
+def session_hint(session_id: Any, session_params: Any, request: Request) -> Any:
+    """The agent session a request belongs to (a KV retention hint, see
+    `KVManager.retain_prefix`), from the first of: the body's `session_id`, SGLang's
+    `session_params.id`, the `X-SMG-Routing-Key` header; the latter two survive the
+    sglang-router. `session_params` may be one object or a list with one per prompt (then a
+    list comes back); the values are checked later by `check_session_id`."""
+    if session_id is not None:
+        return session_id
+    if isinstance(session_params, list):
+        return [_params_id(p, f"session_params[{i}]") for i, p in enumerate(session_params)]
+    if session_params is not None:
+        return _params_id(session_params, "session_params")
+    return request.headers.get(ROUTING_KEY_HEADER)
+
+
+def _params_id(params: Any, name: str) -> Any:
+    if params is None:
+        return None
+    if not isinstance(params, dict):
+        raise RequestError(f"{name} must be an object")
+    return params.get("id")
 
 
 _VALIDATION_ITEMS = 16  # list items validated before the whole body is

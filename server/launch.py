@@ -17,6 +17,7 @@ import uvicorn
 
 from sgl_tpu.choices import check_registry_names
 from sgl_tpu.config import ServerArgs
+from sgl_tpu.launch_server import READY_MESSAGE
 from sgl_tpu.server.detokenizer_process import run_detokenizer_process
 from sgl_tpu.server.ipc import PortArgs
 from sgl_tpu.server.scheduler_process import run_scheduler_process
@@ -106,8 +107,7 @@ async def _serve(args: ServerArgs, ports: PortArgs, procs: dict[str, mp.Process]
     server.install_signal_handlers = lambda: None  # ours above
     serve = asyncio.ensure_future(server.serve())
     logger.info("server ready on http://%s:%d", args.host, args.port)
-    print(f"The server is fired up and ready to roll! http://{args.host}:{args.port}",
-          flush=True)
+    print(f"{READY_MESSAGE} http://{args.host}:{args.port}", flush=True)
     await asyncio.wait({serve, stopper}, return_when=asyncio.FIRST_COMPLETED)
     if tm.dead_reason:
         await asyncio.sleep(0.5)  # let failing requests get their error responses out

@@ -1,6 +1,7 @@
 """SGLang's native API (see shared docs `sglang-native-api.md`): `/generate` (single or batch,
 text or ids, streaming, log-probs), `/health`, `/health_generate`, `/get_model_info`,
-`/server_info` (`/get_server_info`), `/flush_cache`, `/abort_request`.
+`/model_info`, `/server_info` (`/get_server_info`), `/get_load`, `/flush_cache`,
+`/abort_request`.
 
     body ──parse_body──► GenerateReqInput ──expand_generate──► GenItems (one per prompt x n)
         ──tm.validate──► tm.generate ──► one dict per item, or SSE chunks (one item)
@@ -20,7 +21,14 @@ from pydantic import BaseModel, ConfigDict, StrictInt
 from sgl_tpu.response import incremental_logprobs
 from sgl_tpu.sampling_params import expand_n
 from sgl_tpu.server.body_limits import BodyError, parse_json
-from sgl_tpu.server.http_common import collect, error_response, gather_results, parse_body, sse
+from sgl_tpu.server.http_common import (
+    collect,
+    error_response,
+    gather_results,
+    parse_body,
+    session_hint,
+    sse,
+)
 from sgl_tpu.server.tokenizer_manager import GenItem, RequestError, ServerDead, TokenizerManager
 from sgl_tpu.validation import check_batch_size
 
@@ -40,19 +48,21 @@ class GenerateReqInput(BaseModel):
     stream: bool = False
     rid: str | list[str] | None = None
     # An agent's session: its KV is kept at eviction priority between turns. One for all
-    # prompts, or a list with one per prompt (None entries allowed).
+    # prompts, or a list with one per prompt (None entries allowed). Without it, SGLang's
+    # `session_params.id` or the X-SMG-Routing-Key header name the session (`session_hint`).
     session_id: str | list[str | None] | None = None
+    session_params: dict[str, Any] | list[dict[str, Any] | None] | None = None
 
 
 def _pick(value: Any, i: int) -> Any:
     return value[i] if isinstance(value, list) else value
 
 
-_PER_PROMPT_FIELDS = ("sampling_params", "rid", "session_id", "return_logprob",
+_PER_PROMPT_FIELDS = ("sampling_params", "rid", "session_id", "session_params", "return_logprob",
                       "logprob_start_len", "top_logprobs_num")
 
 
-async def expand_generate(tm: TokenizerManager, req: GenerateReqInput
+async def expand_generate(tm: TokenizerManager, req: GenerateReqInput, request: Request
                           ) -> tuple[list[GenItem], bool]:
     """Native request -> GenItems (n > 1 becomes n items); returns (items, is_batch)."""
     if (req.text is None) == (req.input_ids is None):
@@ -78,6 +88,7 @@ async def expand_generate(tm: TokenizerManager, req: GenerateReqInput
         prompts = [await tm.tokenize_async(t) for t in texts]
     else:
         prompts = req.input_ids if batch else [req.input_ids]
+    session = session_hint(req.session_id, req.session_params, request)
     items = []
     for i, ids in enumerate(prompts):
         sp = dict(_pick(req.sampling_params, i) or {})
@@ -93,7 +104,7 @@ async def expand_generate(tm: TokenizerManager, req: GenerateReqInput
                 logprob_start_len=int(_pick(req.logprob_start_len, i)),
                 top_logprobs_num=int(_pick(req.top_logprobs_num, i)),
                 return_text_in_logprobs=req.return_text_in_logprobs,
-                session_id=_pick(req.session_id, i))
+                session_id=_pick(session, i))
             if rid is not None:
                 item.rid = rid if n == 1 else f"{rid}-{k}"
             items.append(item)
@@ -116,6 +127,7 @@ def add_routes(app: FastAPI, tm: TokenizerManager) -> None:
         await collect(tm, item)
         return Response(status_code=200)
 
+    @app.get("/model_info")
     @app.get("/get_model_info")
     async def model_info() -> dict[str, Any]:
         # SGLang's frontend (`sgl.RuntimeEndpoint`) picks its chat template by regex on
@@ -133,18 +145,30 @@ def add_routes(app: FastAPI, tm: TokenizerManager) -> None:
             reported = f"{path}#chatml-tinyllama"
         return {"model_path": reported, "tokenizer_path": path, "real_model_path": path,
                 "is_generation": True, "preferred_sampling_params": None,
-                "served_model_name": tm.served_model_name, "weight_version": "default"}
+                "served_model_name": tm.served_model_name, "weight_version": "default",
+                "reasoning_parser": tm.args.reasoning_parser,
+                "tool_call_parser": tm.args.tool_call_parser,
+                "has_image_understanding": False, "has_audio_understanding": False}
 
     async def _server_info() -> dict[str, Any]:
         resp = await tm.control("server_info")
         args = {k: v for k, v in vars(tm.args).items() if k != "api_key"}
         # The resolved model, not the flags' None: the sglang-router reads both on registration.
         args.update(model_path=tm.model_path, served_model_name=tm.served_model_name)
+        # One rank of one replica: a `--dp-size` launcher runs each replica as its own server.
+        args.update(tp_size=1, dp_size=1)
         return {**args, **resp.data, "version": "0.1.0", "context_len": tm.context_len,
                 "uptime_s": _uptime(tm)}
 
     app.get("/server_info")(_server_info)
     app.get("/get_server_info")(_server_info)
+
+    @app.get("/get_load")
+    async def get_load() -> list[dict[str, Any]]:
+        """SGLang's load report, one entry per DP rank (one here); the sglang-router's
+        `power_of_two` policy polls it."""
+        resp = await tm.control("get_load")
+        return [{"dp_rank": 0, **resp.data, "ts_tic": time.perf_counter()}]
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
@@ -168,7 +192,7 @@ def add_routes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.post("/generate")
     async def generate(request: Request):
         req = await parse_body(request, GenerateReqInput)
-        items, batch = await expand_generate(tm, req)
+        items, batch = await expand_generate(tm, req, request)
         for item in items:
             tm.validate(item)
         if req.stream:

@@ -48,6 +48,7 @@ class SamplingRequest(BaseModel):
     json_schema: str | None = None  # a JSON schema as a string, like the native field
     rid: str | None = None
     session_id: str | None = None  # an agent's session: retention hint for its KV
+    session_params: dict[str, Any] | None = None  # SGLang's; its `id` names the session too
 
 
 class CompletionRequest(SamplingRequest):

@@ -31,7 +31,7 @@ from sgl_tpu.messages import (
     TokenizedGenerateReq,
 )
 from sgl_tpu.scheduler.faults import fault_reason, is_fatal
-from sgl_tpu.scheduler.stats import server_info
+from sgl_tpu.scheduler.stats import load_info, server_info
 from sgl_tpu.server.ipc import PortArgs, parent_alive, pull_socket, push_socket, recv_all, send
 
 logger = logging.getLogger("sgl_tpu.scheduler")
@@ -113,4 +113,6 @@ def _control(scheduler, msg: ControlReq) -> ControlResp:
         return ControlResp(call_id=msg.call_id, ok=scheduler.flush_cache())
     if msg.name == "server_info":
         return ControlResp(call_id=msg.call_id, ok=True, data=server_info(scheduler))
+    if msg.name == "get_load":
+        return ControlResp(call_id=msg.call_id, ok=True, data=load_info(scheduler))
     return ControlResp(call_id=msg.call_id, ok=False, data={"error": f"unknown call {msg.name}"})

@@ -1,4 +1,5 @@
-"""The one CLI parser: flags named as SGLang names them, mapped onto `ServerArgs`."""
+"""The one CLI parser: flags named as SGLang names them, mapped onto `ServerArgs`; and its
+inverse (`to_argv`), with which the `--dp-size` launcher starts each replica."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 import dataclasses
 
 from sgl_tpu.choices import registry_choices
-from sgl_tpu.config import DTYPES, TORCH_COMPILE, TORCH_DEVICES, ServerArgs
+from sgl_tpu.config import DTYPES, ROUTER_POLICIES, TORCH_COMPILE, TORCH_DEVICES, ServerArgs
 
 _HELP = {
     "model_path": "GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct Q4_1 "
@@ -45,10 +46,20 @@ _HELP = {
                     "exact), int8 / int4 (quantized at load), auto (gguf for a GGUF on the torch "
                     "CPU backend, else none); quantized kernels run for decode-sized steps",
     "device": "torch backend device (auto: tpu if TorchTPU is installed, else cuda, else cpu)",
+    "dp_size": "data parallelism: run this many replicas of the server behind the sglang-router "
+               "(pip install 'sgl-tpu[router]'), which listens on --port; the replicas listen "
+               "on 127.0.0.1 at the next free ports. Other --router-* flags go to the router "
+               "(e.g. --router-cache-threshold 0.5 becomes --cache-threshold 0.5)",
+    "router_policy": "with --dp-size > 1: the router's policy (cache_aware keeps each prefix on "
+                     "the replica that caches it)",
 }
+# Fields set by the launcher, not by a flag of their own.
+_NO_FLAG = frozenset({"router_args"})
+ROUTER_FLAG_PREFIX = "--router-"
 
 
-_CHOICES = {"dtype": DTYPES, "device": TORCH_DEVICES, "torch_compile": TORCH_COMPILE}
+_CHOICES = {"dtype": DTYPES, "device": TORCH_DEVICES, "torch_compile": TORCH_COMPILE,
+            "router_policy": ROUTER_POLICIES}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="sgl-tpu: LLM server with a radix prefix cache")
     choices = {**_CHOICES, **registry_choices()}
     for f in dataclasses.fields(ServerArgs):
-        flag = "--" + f.name.replace("_", "-")
+        if f.name in _NO_FLAG:
+            continue
+        flag = _flag(f.name)
         kw = {"help": _HELP.get(f.name), "default": f.default}
         if f.name == "allow_origins":
             p.add_argument(flag, nargs="+", default=(), help=_HELP[f.name])
@@ -77,11 +90,50 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
-    ns = vars(build_parser().parse_args(argv))
+    parser = build_parser()
+    known, unknown = parser.parse_known_args(argv)
+    ns = vars(known)
     ns.pop("mem_fraction_static")
     ns["allow_origins"] = tuple(ns["allow_origins"])
+    ns["router_args"] = _router_args(parser, unknown)
     try:
         return ServerArgs(**ns)
     except ValueError as e:
-        build_parser().error(str(e))
+        parser.error(str(e))
         raise
+
+
+def _router_args(parser: argparse.ArgumentParser, unknown: list[str]) -> tuple[str, ...]:
+    """`--router-NAME [VALUE...]` -> `--NAME [VALUE...]` for the sglang-router; any other
+    unknown flag is an error, as with a plain parse."""
+    out: list[str] = []
+    for token in unknown:
+        if token.startswith(ROUTER_FLAG_PREFIX):
+            out.append("--" + token[len(ROUTER_FLAG_PREFIX):])
+        elif token.startswith("-") or not out:
+            parser.error(f"unrecognized arguments: {token}")
+        else:
+            out.append(token)  # a value of the router flag before it
+    return tuple(out)
+
+
+def to_argv(args: ServerArgs) -> list[str]:
+    """The flags that `parse_args` turns back into `args` (fields at their default omitted)."""
+    argv: list[str] = []
+    for f in dataclasses.fields(ServerArgs):
+        value = getattr(args, f.name)
+        if f.name in _NO_FLAG or value == f.default:
+            continue
+        if isinstance(value, bool):
+            argv.append(_flag(f.name))
+        elif isinstance(value, tuple):
+            argv += [_flag(f.name), *value]
+        else:
+            argv += [_flag(f.name), str(value)]
+    for token in args.router_args:  # back to their --router-* spelling
+        argv.append(ROUTER_FLAG_PREFIX + token[2:] if token.startswith("--") else token)
+    return argv
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")

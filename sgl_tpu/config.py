@@ -17,6 +17,8 @@ import dataclasses
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16")
+# The sglang-router's routing policies (`--router-policy`, with `--dp-size` > 1).
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "manual")
 TORCH_DEVICES = ("auto", "cpu", "cuda", "tpu")
 TORCH_COMPILE = ("auto", "on", "off")
 
@@ -123,6 +125,11 @@ class ServerArgs:
     disable_compile: bool = False  # torch backend: run eagerly (debugging); = torch_compile off
     device: str = "auto"  # torch backend device
     quantization: str = "auto"  # weights: none/gguf/int8/int4, auto (sgl_tpu/quantization)
+    # Data parallelism: N replicas of this server behind the sglang-router on --port (see
+    # server/replicas.py); router_args are the `--router-*` flags, passed on to the router.
+    dp_size: int = 1
+    router_policy: str = "cache_aware"
+    router_args: tuple[str, ...] = ()
     tool_call_parser: str | None = None  # None: picked from the chat template (logged)
     reasoning_parser: str | None = None  # "qwen3" / "deepseek-r1": split <think> blocks
 
@@ -160,6 +167,14 @@ class ServerArgs:
                 or not 0 < self.responses_ttl_s < float("inf")):
             raise ValueError(f"responses_ttl_s must be a finite number > 0, "
                              f"got {self.responses_ttl_s!r}")
+        if isinstance(self.dp_size, bool) or not isinstance(self.dp_size, int) \
+                or not 1 <= self.dp_size <= 256:
+            raise ValueError(f"dp_size must be an integer in [1, 256], got {self.dp_size!r}")
+        if self.router_policy not in ROUTER_POLICIES:
+            raise ValueError(f"router_policy must be one of {ROUTER_POLICIES}, "
+                             f"got {self.router_policy!r}")
+        if self.router_args and self.dp_size == 1:
+            raise ValueError("router flags (--router-*) need --dp-size > 1")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name must not be empty")
 

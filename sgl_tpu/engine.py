@@ -59,6 +59,9 @@ def build_scheduler(args: ServerArgs) -> tuple[Scheduler, Any]:
 class Engine:
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
         self.server_args = ServerArgs(model_path=model_path, **kwargs)
+        if self.server_args.dp_size > 1:
+            raise ValueError("dp_size > 1 runs replicas behind the sglang-router: use "
+                             "python -m sgl_tpu.launch_server --dp-size N")
         self.scheduler, self.loaded = build_scheduler(self.server_args)
         self.tokenizer = self.loaded.tokenizer
         self.model_config = self.loaded.config

@@ -1,18 +1,31 @@
 """`python -m sgl_tpu.launch_server [flags]`: serve a model over HTTP (default: SmolLM2-135M on
-127.0.0.1:30000). See `python -m sgl_tpu.launch_server --help`."""
+127.0.0.1:30000); with `--dp-size N`, N replicas behind the sglang-router. See
+`python -m sgl_tpu.launch_server --help`."""
 
 from __future__ import annotations
 
 import os
+
+# Printed once the server answers requests (SGLang's words, which scripts wait for). With
+# --dp-size, only after the router has registered every replica: the router's /health answers
+# 200 before that, so /health alone is not readiness there.
+READY_MESSAGE = "The server is fired up and ready to roll!"
 
 
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                           os.path.expanduser("~/.cache/sgl_tpu/jax_cache"))
     from sgl_tpu.cli import parse_args
+
+    args = parse_args(argv)
+    if args.dp_size > 1:  # replicas behind the sglang-router
+        from sgl_tpu.server.replicas import launch_replicas
+
+        launch_replicas(args)
+        return
     from sgl_tpu.server.launch import launch_server
 
-    launch_server(parse_args(argv))
+    launch_server(args)
 
 
 if __name__ == "__main__":

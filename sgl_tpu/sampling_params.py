@@ -17,7 +17,10 @@ from typing import Any
 # Keys SGLang's frontend and native API send that change nothing here yet, or are handled by
 # the tokenizer side; accepted so that unmodified clients work.
 _ACCEPTED_NOOP_KEYS = frozenset({"spaces_between_special_tokens", "logit_bias",
-                                 "sampling_seed", "custom_params", "stream_interval"})
+                                 "custom_params", "stream_interval"})
+# Other names of a field: SGLang's native API calls the seed `sampling_seed` (and the
+# sglang-router keeps only that name when it re-serialises a request); OpenAI calls it `seed`.
+_ALIASES = {"sampling_seed": "seed"}
 MAX_STOP_REGEX = 16  # patterns per request (each is searched after every new token)
 INT64_MAX = 2**63 - 1
 # Every stop string is searched after every token, so their number and size are bounded.
@@ -127,13 +130,19 @@ class SamplingParams:
         if not isinstance(d, Mapping):
             raise ValueError("sampling_params must be an object")
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        unknown = set(d) - names - _ACCEPTED_NOOP_KEYS
+        unknown = set(d) - names - _ACCEPTED_NOOP_KEYS - set(_ALIASES)
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
         kwargs: dict[str, Any] = {}
         for key, value in d.items():
             if value is None or key in _ACCEPTED_NOOP_KEYS:
                 continue
+            if key in _ALIASES:
+                key = _ALIASES[key]
+                other = d.get(key)
+                if other is not None and other != value:
+                    raise ValueError(f"{key} and its alias {_alias_of(key)} disagree "
+                                     f"({other!r} vs {value!r}); give one")
             if key in ("stop", "stop_regex"):
                 value = (value,) if isinstance(value, str) else _as_tuple(key, value)
             elif key == "stop_token_ids":
@@ -152,11 +161,17 @@ def expand_n(sampling: Mapping[str, Any], n: int) -> list[dict[str, Any]]:
     out = []
     for k in range(n):
         d = {key: v for key, v in sampling.items() if key != "n"}
+        if d.get("seed") is None and d.get("sampling_seed") is not None:
+            d["seed"] = d.pop("sampling_seed")
         seed = d.get("seed")
         if n > 1 and isinstance(seed, int) and not isinstance(seed, bool):
             d["seed"] = (seed + k) % (INT64_MAX + 1)
         out.append(d)
     return out
+
+
+def _alias_of(name: str) -> str:
+    return next(alias for alias, target in _ALIASES.items() if target == name)
 
 
 def _as_tuple(name: str, value: Any) -> tuple:

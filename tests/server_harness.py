@@ -6,10 +6,11 @@
 
 Each launch picks a free port, runs `python -m sgl_tpu.launch_server` with `JAX_PLATFORMS=cpu`
 and a compilation cache shared by every test run (`.pytest_cache/jax_cache`, so a later launch
-with the same shapes reuses compiled code), and waits until `/health` answers 200. If the server
-exits first, the launch fails with the tail of its log. `SGL_TPU_TEST_BACKEND=jax|torch` adds
-`--backend` to every launch (the Makefile runs the end-to-end suites once more on the backend
-`auto` does not pick).
+with the same shapes reuses compiled code), and waits until `/health` answers 200 and the
+ready line is in its log (a `--dp-size` router answers /health before it has registered the
+replicas). If the server exits first, the launch fails with the tail of its log.
+`SGL_TPU_TEST_BACKEND=jax|torch` adds `--backend` to every launch (the Makefile runs the
+end-to-end suites once more on the backend `auto` does not pick).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from sgl_tpu.launch_server import READY_MESSAGE
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 JAX_CACHE_DIR = REPO_ROOT / ".pytest_cache" / "jax_cache"
@@ -104,7 +107,8 @@ def launch_server(*flags: str, model_path: str | None = None, timeout: float = 3
             server.stop()
             raise RuntimeError(f"server exited with code {proc.returncode} before it was "
                                f"healthy; log tail:\n{tail}")
-        if _health_status(server.base_url + "/health") == 200:
+        if (_health_status(server.base_url + "/health") == 200
+                and READY_MESSAGE in server.log_tail(num_chars=10**6)):
             return server
         if time.monotonic() > deadline:
             tail = server.log_tail()

@@ -113,7 +113,7 @@ def test_native_body_fixed_and_natural():
     sp = body["sampling_params"]
     assert body["text"] == REQ.prompt and body["stream"] is True and "session_id" not in body
     assert sp["ignore_eos"] is True and sp["min_new_tokens"] == 16 and "stop" not in sp
-    assert sp["temperature"] == 0.0 and sp["seed"] == 5
+    assert sp["temperature"] == 0.0 and sp["sampling_seed"] == 5
     sp = native.body(REQ, DriverOptions(output_mode="natural"))["sampling_params"]
     assert sp["stop"] == ["Observation:"] and "ignore_eos" not in sp
 

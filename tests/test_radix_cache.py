@@ -294,6 +294,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         self.clock = 0
         self.requests: list[tuple[list[int], np.ndarray, int, object, int]] = []
         self.seen_keys: list[list[int]] = []
+        self.peeks: dict[tuple[int, ...], object] = {}  # watched key -> its last PrefixPeek
 
     # -- model helpers --
 
@@ -440,6 +441,11 @@ class RadixCacheMachine(RuleBasedStateMachine):
         if not self.disable:
             self.retain(key, match.prefix_len, retain_s)
 
+    @rule(abstract=abstract_keys)
+    def watch(self, abstract):
+        """A waiting request whose cached prefix the lpm policy follows with peek hints."""
+        self.peeks.setdefault(tuple(self.key(abstract)), None)
+
     @rule(dt=st.sampled_from([1.0, 3.0, 8.0]))
     def advance_clock(self, dt):
         self.now += dt
@@ -454,6 +460,18 @@ class RadixCacheMachine(RuleBasedStateMachine):
         self.cache.reset()
         self.stored, self.stamp, self.deadline = {}, {}, {}
         assert self.allocator.num_free_pages == self.allocator.num_usable_pages
+
+    @invariant()
+    def peeks_follow_the_tree(self):
+        """peek_prefix, resumed from its last result through every change, equals the
+        longest stored prefix; it changes nothing (the LRU and content checks would see it)."""
+        for key, hint in self.peeks.items():
+            tokens = list(key)
+            peek = self.cache.peek_prefix(lambda tokens=tokens: tokens, hint)
+            assert peek.prefix_len == (0 if self.disable else self.longest(tokens))
+            fresh = self.cache.peek_prefix(lambda tokens=tokens: tokens, None)
+            assert fresh.prefix_len == peek.prefix_len
+            self.peeks[key] = peek
 
     @invariant()
     def consistent(self):

@@ -61,10 +61,14 @@ def run(
     allowed: np.ndarray | None = None,
     num_top_logprobs: int = TOP_K,
     num_candidates: int = S.DEFAULT_NUM_CANDIDATES,
+    logprob_rows: np.ndarray | None = None,
 ) -> S.SampleOutput:
-    """Sample with padded_batch = logits.shape[0]; rows past len(params) are padding."""
+    """Sample with padded_batch = logits.shape[0]; rows past len(params) are padding.
+    `logprob_rows` bool[B]: the rows that ask for log-probs (None: every row)."""
     batch, vocab = logits.shape
     arrays = H.build_sampling_arrays(params, batch, steps)
+    if logprob_rows is not None:
+        arrays = dataclasses.replace(arrays, return_logprob=jnp.asarray(logprob_rows))
     counts = np.zeros((batch, vocab), np.int32) if counts is None else counts
     mask = H.full_bitmask(batch, vocab) if allowed is None else H.pack_bitmask(allowed)
     if _BACKEND["name"] == "torch":
@@ -96,7 +100,8 @@ def _run_torch(logits, a: S.SamplingArrays, counts, mask, num_top_logprobs, num_
         min_p=t(a.min_p), uniforms=t(TS.row_uniforms(a.seed, a.step)),
         penalties=(t(counts), t(a.frequency_penalty), t(a.presence_penalty),
                    t(a.repetition_penalty)),
-        bitmask=t(mask), num_top_logprobs=num_top_logprobs, num_candidates=num_candidates)
+        bitmask=t(mask), num_top_logprobs=num_top_logprobs, num_candidates=num_candidates,
+        logprob_rows=None if a.return_logprob is None else t(a.return_logprob))
     return S.SampleOutput(token_ids=ids.int().numpy(), logprobs=lp.numpy(),
                           top_ids=top_ids.int().numpy(), top_logprobs=top_lp.numpy())
 
@@ -226,6 +231,99 @@ def test_bisection_fallback_equals_candidate_path(row: np.ndarray, params: Param
     assert_matches(fast, reference_probs(row, params))
 
 
+# --- candidate set and its fallback ---------------------------------------------------------
+# With 8 candidates of V = 100, each row below needs the exact fallback (JAX: bisection; torch:
+# radix selection and a draw over the whole vocabulary); the default (128 >= V) never does.
+SMALL_CANDIDATES = 8
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        Params(temperature=1.0, top_p=0.97, seed=31),  # nucleus wider than the candidates
+        Params(temperature=1.0, top_k=60, seed=32),  # top_k larger than the candidate count
+        Params(temperature=1.0, top_k=60, top_p=0.9, seed=33),
+        Params(temperature=1.3, min_p=0.02, seed=34),  # min-p keeps more than 8 tokens
+        Params(temperature=0.9, seed=35),  # no truncation: every token kept
+    ],
+    ids=["wide_nucleus", "top_k_over_candidates", "top_k_then_top_p", "min_p", "no_truncation"],
+)
+def test_fallback_rows_match_reference_and_candidate_path(row: np.ndarray, params: Params
+                                                          ) -> None:
+    wide = draw(row, params, num_candidates=SMALL_CANDIDATES)
+    np.testing.assert_array_equal(wide, draw(row, params))  # the path never changes a sample
+    assert_matches(wide, reference_probs(row, params))
+
+
+@pytest.mark.parametrize("num_candidates", [SMALL_CANDIDATES, S.DEFAULT_NUM_CANDIDATES])
+def test_flat_logits_keep_every_tied_token(num_candidates: int) -> None:
+    """All logits equal: every token reaches any threshold, so top-p / top-k keep them all
+    (ties are kept whole) and the draw is uniform."""
+    flat = np.full(V, 0.25, np.float32)
+    for params in (Params(temperature=0.7, top_p=0.9, seed=41),
+                   Params(temperature=1.0, top_k=20, top_p=0.5, seed=42)):
+        ids = draw(flat, params, num_candidates=num_candidates)
+        assert_matches(ids, np.full(V, 1.0 / V))
+
+
+def test_masked_row_with_wide_nucleus(row: np.ndarray) -> None:
+    allowed = np.random.default_rng(12).random(V) < 0.6  # ~60 tokens, more than 8 candidates
+    p = Params(temperature=1.2, top_p=0.95, seed=43)
+    ids = draw(row, p, allowed=allowed, num_candidates=SMALL_CANDIDATES)
+    np.testing.assert_array_equal(ids, draw(row, p, allowed=allowed))
+    assert_matches(ids, reference_probs(row, p, allowed))
+
+
+def test_seeded_row_same_whichever_path_its_batch_takes() -> None:
+    """One seeded request at one step: the same token alone, among rows that fit the
+    candidates, among rows that need the fallback, and with either candidate count."""
+    rng = np.random.default_rng(13)
+    target_row = rng.normal(size=V).astype(np.float32)
+    target = Params(temperature=1.0, top_p=0.95, seed=99)
+    narrow = Params(temperature=0.5, top_k=3, seed=1)  # fits any candidate set
+    wide = Params(temperature=2.0, seed=2)  # never fits a small one
+    expected = None
+    for mates in (narrow, wide):
+        for num_candidates in (SMALL_CANDIDATES, S.DEFAULT_NUM_CANDIDATES):
+            logits = rng.normal(size=(UNIT_BATCH, V)).astype(np.float32)
+            logits[5] = target_row
+            params = [mates] * UNIT_BATCH
+            params[5] = target
+            steps = [int(s) for s in rng.integers(0, 50, UNIT_BATCH)]
+            steps[5] = 23
+            got = run(logits, params, steps=steps, num_candidates=num_candidates).token_ids[5]
+            alone = np.zeros((UNIT_BATCH, V), np.float32)  # the rest is greedy padding
+            alone[0] = target_row
+            assert got == run(alone, [target], steps=[23],
+                              num_candidates=num_candidates).token_ids[0]
+            expected = got if expected is None else expected
+            assert got == expected
+
+
+def test_candidate_and_fallback_paths_agree_on_a_larger_vocabulary() -> None:
+    """48 rows of V = 2000 (peaked, flat, tied, masked; every knob): 4 candidates against the
+    whole vocabulary as candidates give the same tokens for the same uniforms."""
+    rng = np.random.default_rng(14)
+    vocab, batch = 2000, 48
+    scale = rng.choice([0.2, 1.0, 4.0], batch)[:, None]
+    logits = (rng.standard_normal((batch, vocab)) * scale).astype(np.float32)
+    logits[::7, :40] = 2.5  # a run of tied top logits
+    allowed = rng.random((batch, vocab)) < 0.9
+    allowed[1::2] = True
+    params = [Params(temperature=float(rng.choice([0.5, 0.7, 1.0, 1.5])),
+                     top_p=float(rng.choice([1.0, 0.5, 0.9, 0.99])),
+                     top_k=int(rng.choice([-1, 5, 200, 900])),
+                     min_p=float(rng.choice([0.0, 0.0, 0.05])), seed=int(i))
+              for i in range(batch)]
+    steps = list(range(batch))
+    few = run(logits, params, steps=steps, allowed=allowed, num_candidates=4,
+              num_top_logprobs=0)
+    every = run(logits, params, steps=steps, allowed=allowed, num_candidates=vocab,
+                num_top_logprobs=0)
+    np.testing.assert_array_equal(few.token_ids, every.token_ids)
+    assert allowed[np.arange(batch), few.token_ids].all()
+
+
 def test_bitmask_restricts_sampling(row: np.ndarray) -> None:
     allowed = np.random.default_rng(2).random(V) < 0.3
     allowed[int(row.argmax())] = False  # the mask must matter for the top token too
@@ -331,6 +429,24 @@ def test_logprobs_are_raw() -> None:
     assert out.top_ids.shape == (UNIT_BATCH, TOP_K) and out.top_ids.dtype == np.int32
 
 
+def test_logprobs_only_for_rows_that_ask() -> None:
+    rng = np.random.default_rng(15)
+    logits = (rng.normal(size=(UNIT_BATCH, V)) * 3).astype(np.float32)
+    params = [Params(temperature=0.8, top_p=0.9, seed=i) for i in range(UNIT_BATCH)]
+    every = run(logits, params)
+    asks = np.zeros(UNIT_BATCH, bool)
+    asks[[1, 6]] = True
+    some = run(logits, params, logprob_rows=asks)
+    np.testing.assert_array_equal(some.token_ids, every.token_ids)  # sampling unaffected
+    np.testing.assert_allclose(some.logprobs[asks], every.logprobs[asks], atol=1e-6)
+    np.testing.assert_array_equal(some.top_ids[asks], every.top_ids[asks])
+    np.testing.assert_allclose(some.top_logprobs[asks], every.top_logprobs[asks], atol=1e-6)
+    none = run(logits, params, logprob_rows=np.zeros(UNIT_BATCH, bool))
+    np.testing.assert_array_equal(none.token_ids, every.token_ids)
+    assert not none.logprobs.any() and not none.top_logprobs.any()
+    assert none.top_ids.shape == (UNIT_BATCH, TOP_K)
+
+
 def test_no_top_logprobs_has_empty_shape(row: np.ndarray) -> None:
     out = run(np.broadcast_to(row, (NUM_DRAWS, V)), [Params()], num_top_logprobs=0)
     assert out.top_ids.shape == (NUM_DRAWS, 0) and out.top_logprobs.shape == (NUM_DRAWS, 0)
@@ -369,6 +485,35 @@ def test_bitmask_greedy_and_fully_masked_row() -> None:
     assert out.token_ids[1] == 97
     assert out.token_ids[2] == logits[2].argmax()
     assert np.isfinite(out.logprobs).all() and np.isfinite(out.top_logprobs).all()
+
+
+# --- torch radix selection ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["torch"], indirect=True)
+def test_radix_select_equals_sorted_definition(backend) -> None:
+    """The largest v with sum(w[x >= v]) >= target, on rows with negative and positive values,
+    ties, -inf and zero weights, against the definition over a sorted row."""
+    import torch
+
+    from sgl_tpu.executor.torch import sampler as TS
+
+    rng = np.random.default_rng(16)
+    x = (rng.standard_normal((6, 5000)) * np.array([[0.01], [1], [30], [1], [1], [5]])
+         ).astype(np.float32)
+    x[3, :2000] = 0.5  # ties
+    x[4, rng.random(5000) < 0.5] = -np.inf
+    w = np.where(np.isneginf(x), 0.0, rng.random(x.shape)).astype(np.float32)
+    w[5] = 1.0  # counts (top-k)
+    target = np.array([0.3, 0.9, 0.5, 0.7, 0.99, 0.0], np.float64) * w.astype(np.float64).sum(1)
+    target[5] = 777
+    got = TS._radix_select(torch.from_numpy(x), torch.from_numpy(w),
+                           torch.from_numpy(target)).numpy()
+    for i in range(len(x)):
+        order = np.argsort(-x[i], kind="stable")
+        cum = np.cumsum(w[i, order].astype(np.float64))
+        expected = x[i, order[np.argmax(cum >= target[i])]]
+        assert got[i] == expected, (i, got[i], expected)
 
 
 # --- host builder and compilation -----------------------------------------------------------

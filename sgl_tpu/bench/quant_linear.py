@@ -13,8 +13,8 @@ repetition (the machine is shared). Prints one JSON object: the fastest repetiti
 microseconds per call (the uncontended cost; medians beside it), the ratio to bf16, and per-M
 totals over one decoder step (layers x (qkv + o + gate_up + down) + head). The runner's own
 crossover (`MAX_KERNEL_ROWS` in `sgl_tpu/executor/torch/quant_linear.py`) is measured on the
-real step with `python -m sgl_tpu.bench.executor --quantizations none,gguf
---kernel-max-rows 64`; this bench shows it per matrix.
+real step with `python -m sgl_tpu.bench.quant_executor --kernel-max-rows 64`; this bench shows
+it per matrix.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from sgl_tpu.bench.report import emit
+from sgl_tpu.launch_server import READY_MESSAGE
 
 
 def free_port() -> int:
@@ -54,7 +55,8 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}")
             try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                if (requests.get(self.url + "/health", timeout=2).status_code == 200
+                        and READY_MESSAGE in open(self.log.name, errors="replace").read()):
                     return
             except requests.RequestException:
                 pass

@@ -60,6 +60,7 @@ class SeqStep:
     counts_reset: bool = False
     sample_valid: bool = True  # False for a non-final prefill chunk
     bitmask: np.ndarray | None = None  # i32[W]
+    return_logprob: bool = True  # False: the runner may skip this row's log-prob work
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ class StepResult:
     """Host copies of one step's outputs, one row per real sequence."""
 
     token_ids: np.ndarray  # i32[n]
+    # Log-probs are only meaningful on rows whose SeqStep.return_logprob is set; a runner
+    # may leave zeros on the others.
     logprobs: np.ndarray  # f32[n]
     top_ids: np.ndarray  # i32[n, K]
     top_logprobs: np.ndarray  # f32[n, K]
@@ -182,6 +185,7 @@ class SamplingColumns:
     counts_rows: np.ndarray  # i32[S] penalty-count row of each sequence
     counts_reset: np.ndarray  # bool[S] clear that row first (a request's first step)
     sample_valid: np.ndarray  # bool[S] the sampled token is a real output (count it)
+    return_logprob: np.ndarray  # bool[S] the row's log-probs are read (padding: False)
     uses_penalties: bool  # any sequence uses a frequency/presence/repetition penalty
     bitmask: np.ndarray | None  # i32[S, W] allowed tokens (-1 = all); None: no row constrained
 
@@ -214,6 +218,7 @@ def sampling_columns(steps: Sequence[SeqStep], num_seqs: int, num_mask_words: in
         counts_rows=col(lambda s: s.counts_row, SCRATCH_COUNTS_ROW, np.int32),
         counts_reset=col(lambda s: s.counts_reset, False, np.bool_),
         sample_valid=col(lambda s: s.sample_valid, False, np.bool_),
+        return_logprob=col(lambda s: s.return_logprob, False, np.bool_),
         uses_penalties=any(s.sampling.uses_penalties for s in steps),
         bitmask=bitmask,
     )

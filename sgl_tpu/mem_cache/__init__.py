@@ -3,6 +3,7 @@
 from sgl_tpu.mem_cache.allocator import PageAllocator, pages_to_slots, slots_to_pages
 from sgl_tpu.mem_cache.radix_cache import (
     MatchResult,
+    PrefixPeek,
     RadixCache,
     TreeNode,
     check_page_accounting,
@@ -11,6 +12,7 @@ from sgl_tpu.mem_cache.radix_cache import (
 __all__ = [
     "MatchResult",
     "PageAllocator",
+    "PrefixPeek",
     "RadixCache",
     "TreeNode",
     "check_page_accounting",

@@ -21,6 +21,8 @@ Ownership and mutation:
   * The tree owns the pages of every value in it; ``insert`` takes ownership of the newly
     stored pages, ``evict``/``reset`` give pages back to the allocator.
   * ``match_prefix`` mutates: it may split a node and it refreshes access times (LRU).
+    ``peek_prefix`` is its read-only twin for ordering decisions: no split, no refresh, and
+    it resumes from an earlier result (``version`` counts the changes of the tree's content).
   * ``inc_lock_ref(node)`` pins the path node..root. A node with ``lock_ref > 0`` is protected
     and never evicted; its tokens count in ``protected_size()``, the rest in
     ``evictable_size()``. Because a lock covers the whole path, a parent's lock_ref is at least
@@ -91,6 +93,19 @@ class MatchResult:
         return len(self.slots)
 
 
+@dataclass(frozen=True)
+class PrefixPeek:
+    """What `peek_prefix` found for a key; hand it back to `peek_prefix` with the same key.
+
+    `node` is the deepest node whose whole edge matched (it ends `node_len` tokens in); the
+    match may go `prefix_len - node_len` tokens further into one of its children."""
+
+    prefix_len: int
+    node: TreeNode
+    node_len: int
+    version: int  # the tree's `version` when found
+
+
 class RadixCache:
     def __init__(self, allocator: PageAllocator, disable: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -103,6 +118,7 @@ class RadixCache:
         self._access_clock = itertools.count(1)  # logical LRU time, one tick per match/insert
         self.num_evicted_tokens = 0
         self.num_evicted_retained_tokens = 0  # evicted while still under retention
+        self.version = 0
         self._init_state()
 
     def _init_state(self) -> None:
@@ -110,6 +126,9 @@ class RadixCache:
         self._evictable_size = 0
         self._protected_size = 0
         self._evictable_leaves = LeafQueue(self.clock)
+        # Bumped whenever the stored content changes (a leaf added or deleted, a reset); a node
+        # split keeps the content. Read by `peek_prefix` hints.
+        self.version += 1
         # page -> held by the tree; catches a caller inserting pages the tree already owns.
         self._page_in_tree = np.zeros(self.allocator.num_pages, dtype=bool)
 
@@ -156,6 +175,33 @@ class RadixCache:
             key = key[match_len:]  # after a split the next page differs: the loop ends
         slots = np.concatenate(values) if values else _EMPTY_SLOTS
         return MatchResult(slots, node)
+
+    def peek_prefix(self, key: Callable[[], Sequence[int] | np.ndarray],
+                    hint: PrefixPeek | None = None) -> PrefixPeek:
+        """The prefix length `match_prefix(key())` would give, without changing the tree.
+
+        `key` is called only when the tree must be walked, and only its part past the hint's
+        node is converted (cheap for a long list resumed near its end). `hint`: this method's
+        earlier result for a key that has not changed since. Unchanged content: the hint is
+        returned as is. Otherwise the walk resumes at the hint's node while that node is still
+        in the tree (it then still ends where it did: only leaves are deleted, and a split keeps
+        the lower node), else it starts at the root.
+        """
+        if self.disable:
+            return PrefixPeek(0, self.root, 0, self.version)
+        if hint is not None and hint.version == self.version:
+            return hint
+        node, node_len = self.root, 0
+        if hint is not None and (hint.node.parent is not None or hint.node is self.root):
+            node, node_len = hint.node, hint.node_len
+        rest = self._page_aligned(np.asarray(key()[node_len:], dtype=np.int32))
+        while len(rest) and (child := node.children.get(self._page_key(rest))) is not None:
+            match_len = self._match_len(child.key, rest)
+            if match_len < len(child.key):
+                return PrefixPeek(node_len + match_len, node, node_len, self.version)
+            node, node_len = child, node_len + match_len
+            rest = rest[match_len:]
+        return PrefixPeek(node_len, node, node_len, self.version)
 
     def insert(self, key: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray,
                retain_s: float = 0.0) -> int:
@@ -329,6 +375,7 @@ class RadixCache:
             raise ValueError("insert: a page appears twice in the new slots")
         self._page_in_tree[pages] = True
         leaf = TreeNode(next(self._node_ids), parent, key, value, last_access_time=now)
+        self.version += 1
         parent.children[self._page_key(key)] = leaf
         self._evictable_leaves.discard(parent)  # no longer a leaf
         self._evictable_size += len(key)
@@ -336,6 +383,7 @@ class RadixCache:
         return leaf
 
     def _delete_leaf(self, node: TreeNode) -> None:
+        self.version += 1
         parent = node.parent
         del parent.children[self._page_key(node.key)]
         node.parent = None

@@ -3,6 +3,10 @@
 * `fcfs`        arrival order.
 * `lpm`         longest cached prefix first, so requests that reuse the tree run while their
                 prefix is still there (falls back to fcfs for long queues, as SGLang does).
+                Prefix lengths come from `RadixCache.peek_prefix` (read-only: ordering does not
+                refresh LRU times or split nodes) and are kept on each request between steps:
+                a step re-walks the tree only for requests whose key changed, and only from
+                where their last match ended, after the tree's content changed.
 * `dfs-weight`  depth-first over the radix tree, heavier subtrees (more waiting requests) first,
                 so requests sharing a prefix run back to back.
 """
@@ -36,9 +40,21 @@ def fcfs(waiting: list[Req], tree: RadixCache) -> list[Req]:
 def lpm(waiting: list[Req], tree: RadixCache) -> list[Req]:
     if tree.disable or len(waiting) > LPM_MAX_QUEUE:
         return fcfs(waiting, tree)
-    prefix = {id(r): tree.match_prefix(r.fill_ids[: r.max_prefix_len]).prefix_len
-              for r in waiting}
+    prefix = {id(r): cached_prefix_len(r, tree) for r in waiting}
     return sorted(waiting, key=lambda r: (-prefix[id(r)], r.arrival))
+
+
+def cached_prefix_len(req: Req, tree: RadixCache) -> int:
+    """`tree.match_prefix(req.fill_ids[:req.max_prefix_len]).prefix_len`, without changing the
+    tree, and from `req.prefix_peek` when it still holds. While a request waits its key only
+    changes through a retraction (which counts) or its log-prob window (its length)."""
+    limit = req.max_prefix_len
+    hint = None
+    if req.prefix_peek is not None and req.prefix_peek[:2] == (req.num_retractions, limit):
+        hint = req.prefix_peek[2]
+    peek = tree.peek_prefix(lambda: req.fill_ids[:limit], hint)
+    req.prefix_peek = (req.num_retractions, limit, peek)
+    return peek.prefix_len
 
 
 @register("dfs-weight")

@@ -22,7 +22,7 @@ import numpy as np
 from sgl_tpu.constrained.base import GrammarMatcher
 from sgl_tpu.detokenize import IncrementalDecoder
 from sgl_tpu.executor.step import SeqStep
-from sgl_tpu.mem_cache.radix_cache import TreeNode
+from sgl_tpu.mem_cache.radix_cache import PrefixPeek, TreeNode
 from sgl_tpu.sampling_params import SamplingParams
 
 _arrival = itertools.count()
@@ -50,6 +50,9 @@ class Req:
     counts_fresh: bool = False  # row newly assigned: the runner clears its counts first
     cached_tokens: int = 0  # prompt tokens served from the radix cache (reported)
     num_retractions: int = 0
+    # The waiting-queue policy's last look at this request's cached prefix, with the key it
+    # was for: (num_retractions, max_prefix_len, peek). Only valid while the request waits.
+    prefix_peek: tuple[int, int, PrefixPeek] | None = None
     jumped: bool = False  # jump-forward appended tokens that still need an EXTEND
     # Canonical forced tokens appended as a draft (greedy only): not yet sent, verified
     # against the model's masked argmax after the EXTEND that computes them.
@@ -93,20 +96,20 @@ class Req:
                        seed=self.seed, num_output_tokens=len(self.output_ids),
                        counts_row=self.row, counts_reset=self.counts_fresh,
                        sample_valid=completes and self.sampling.max_new_tokens > 0,
-                       bitmask=mask)
+                       bitmask=mask, return_logprob=self.return_logprob)
 
     def decode_step(self, mask: np.ndarray | None) -> SeqStep:
         """This request's share of a DECODE: its last token, one new one sampled."""
         return SeqStep(token_ids=[self.output_ids[-1]], prefix_len=self.kv_len,
                        pages=self.pages, sampling=self.sampling, seed=self.seed,
                        num_output_tokens=len(self.output_ids), counts_row=self.row,
-                       bitmask=mask)
+                       bitmask=mask, return_logprob=self.return_logprob)
 
     @property
     def max_prefix_len(self) -> int:
         """Longest cached prefix this request may reuse: at least one token must run (to get
         logits), and positions whose input log-probs are wanted must be computed."""
-        limit = len(self.fill_ids) - 1
+        limit = len(self.origin_input_ids) + len(self.output_ids) - 1  # no fill_ids copy
         if self.wants_input_logprobs:
             limit = min(limit, max(self.logprob_start_len - 1, 0))
         return max(limit, 0)

@@ -214,8 +214,10 @@ class Scheduler:
     def _admit_waiting(self, batch: list[tuple[Req, int]], budget: int) -> None:
         cfg = self.config
         ready = [r for r in self.waiting if r.grammar_future is None or r.matcher is not None]
-        if not ready or budget <= 0:
-            return
+        held = len(self.running) + len(self.jump_forward_reqs) + len(batch)
+        if not ready or budget <= 0 or len(batch) >= cfg.max_extend_seqs \
+                or held >= cfg.max_running_requests:
+            return  # nothing can be admitted: do not order the queue
         in_batch = InBatchPrefixes(self.kv.page_size)
         for req in order_waiting(cfg.schedule_policy, ready, self.kv.tree):
             held = len(self.running) + len(self.jump_forward_reqs) + len(batch)

@@ -1,5 +1,5 @@
-"""Scheduler counters (read by `/metrics`, `/server_info` and the periodic log line) and the
-memory report of the KV pool and radix tree."""
+"""Scheduler counters (read by `/metrics`, `/server_info` and the periodic log line), the
+memory report of the KV pool and radix tree, and the load report a router polls (`/get_load`)."""
 
 from __future__ import annotations
 
@@ -83,3 +83,17 @@ def server_info(scheduler: Scheduler) -> dict[str, Any]:
         except RuntimeError as e:
             data["integrity"] = str(e)
     return data
+
+
+def load_info(scheduler: Scheduler) -> dict[str, Any]:
+    """The load a router balances on (`/get_load`, SGLang's fields): requests running and
+    waiting, tokens whose K/V the running requests hold, prompt tokens still to compute. Cheap:
+    no integrity check, one pass over the queues."""
+    running = list(scheduler.running)
+    waiting = list(scheduler.waiting)
+    return {
+        "num_reqs": len(running) + len(waiting),
+        "num_waiting_reqs": len(waiting),
+        "num_tokens": sum(r.kv_len for r in running),
+        "num_pending_tokens": sum(r.prompt_len - r.kv_len for r in waiting),
+    }

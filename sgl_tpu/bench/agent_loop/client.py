@@ -45,7 +45,10 @@ class Client:
 
     async def _stream(self, req: GenRequest, state: StreamState) -> None:
         body = self.driver.body(req, self.opts)
-        async with self.session.post(self.url, json=body, headers=self.headers) as resp:
+        headers = self.headers
+        if req.session_id is not None:  # survives SGLang's router, which drops `session_id`
+            headers = {**headers, "X-SMG-Routing-Key": req.session_id}
+        async with self.session.post(self.url, json=body, headers=headers) as resp:
             if resp.status != 200:
                 text = (await resp.text())[:ERROR_BODY_CHARS]
                 raise StreamError(f"HTTP {resp.status}: {text}")

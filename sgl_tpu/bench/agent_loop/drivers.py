@@ -140,8 +140,10 @@ class NativeDriver(Driver):
 
     def body(self, req: GenRequest, opts: DriverOptions) -> dict[str, Any]:
         self.check(req)
+        # `sampling_seed`: SGLang's native name, the one its router keeps
         sp: dict[str, Any] = {"max_new_tokens": req.max_tokens, "temperature": opts.temperature,
-                              "seed": req.seed, **_length_fields(req, opts, "min_new_tokens")}
+                              "sampling_seed": req.seed,
+                              **_length_fields(req, opts, "min_new_tokens")}
         if req.json_schema is not None:
             sp["json_schema"] = json.dumps(req.json_schema)
         body: dict[str, Any] = {"text": req.prompt, "sampling_params": sp, "stream": True}

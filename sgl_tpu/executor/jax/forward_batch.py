@@ -142,7 +142,8 @@ def build_forward_batch(steps: Sequence[SeqStep], shape: BatchShape, page_size: 
             temperature=cols.temperature, top_p=cols.top_p, top_k=cols.top_k,
             min_p=cols.min_p, frequency_penalty=cols.frequency_penalty,
             presence_penalty=cols.presence_penalty,
-            repetition_penalty=cols.repetition_penalty, seed=cols.seed, step=cols.step),
+            repetition_penalty=cols.repetition_penalty, seed=cols.seed, step=cols.step,
+            return_logprob=cols.return_logprob),
         vocab_bitmask=bitmask,
     )
 

@@ -5,6 +5,7 @@ Data flow for one decode step (B = padded batch, V = vocab size):
     host: step.sampling_columns(steps) -> SamplingArrays  (numpy, packed with the ForwardBatch)
     device, inside the caller's jit:
         logits f32[B, V] ──┬─> raw log-softmax ──> SampleOutput.logprobs / top_logprobs
+                           │                           skipped unless a row asks
                            └─> penalties (token_counts)        skipped unless a row sets one
                                -> vocab bitmask (grammar)      skipped unless a row is constrained
                                -> greedy argmax                rows with temperature 0 / top_k 1
@@ -60,6 +61,9 @@ class SamplingArrays:
     repetition_penalty: jax.Array  # f32[B]; 1.0 = off; seen tokens: l > 0 ? l / p : l * p
     seed: jax.Array  # u32[B]; per-request seed
     step: jax.Array  # i32[B]; index of the output token being sampled (0 = first)
+    # bool[B]; rows whose log-probs are read. None = every row. The log-prob work (logsumexp
+    # and top-K over [B, V]) runs only when some row asks (a cond: static shapes).
+    return_logprob: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -112,9 +116,6 @@ def sample(
     if num_candidates < 1:
         raise ValueError(f"num_candidates must be >= 1, got {num_candidates}")
 
-    row_max = jnp.max(raw, axis=-1)  # [B]
-    lse = row_max + jnp.log(jnp.sum(jnp.exp(raw - row_max[:, None]), axis=-1))  # [B]
-
     no_row_masked = jnp.zeros((batch,), jnp.bool_)
     choose = functools.partial(_choose_tokens, arrays=arrays, num_candidates=num_candidates)
     if token_counts is None and vocab_bitmask is None:
@@ -135,19 +136,34 @@ def sample(
             lambda: choose(raw, no_row_masked),
         )
 
-    logprobs = jnp.take_along_axis(raw, token_ids[:, None], axis=-1)[:, 0] - lse  # [B]
-    if num_top_logprobs > 0:
-        top_vals, top_ids = lax.top_k(raw, num_top_logprobs)  # [B, K]
-        top_logprobs = top_vals - lse[:, None]
+    token_ids = token_ids.astype(jnp.int32)
+    logprob_fn = functools.partial(_logprobs, raw, token_ids, num_top_logprobs)
+    if arrays.return_logprob is None:
+        logprobs, top_ids, top_logprobs = logprob_fn()
     else:
-        top_ids = jnp.zeros((batch, 0), jnp.int32)
-        top_logprobs = jnp.zeros((batch, 0), jnp.float32)
+        logprobs, top_ids, top_logprobs = lax.cond(
+            jnp.any(arrays.return_logprob), logprob_fn,
+            lambda: (jnp.zeros((batch,), jnp.float32),
+                     jnp.zeros((batch, num_top_logprobs), jnp.int32),
+                     jnp.zeros((batch, num_top_logprobs), jnp.float32)))
     return SampleOutput(
-        token_ids=token_ids.astype(jnp.int32),
-        logprobs=logprobs,
-        top_ids=top_ids.astype(jnp.int32),
-        top_logprobs=top_logprobs,
+        token_ids=token_ids, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs
     )
+
+
+def _logprobs(
+    raw: jax.Array, token_ids: jax.Array, num_top: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Raw log-softmax of raw [B, V] at token_ids [B], and the top-`num_top` ids [B, K] and
+    log-probs [B, K] of each row."""
+    batch = raw.shape[0]
+    row_max = jnp.max(raw, axis=-1)  # [B]
+    lse = row_max + jnp.log(jnp.sum(jnp.exp(raw - row_max[:, None]), axis=-1))  # [B]
+    logprobs = jnp.take_along_axis(raw, token_ids[:, None], axis=-1)[:, 0] - lse  # [B]
+    if num_top > 0:
+        top_vals, top_ids = lax.top_k(raw, num_top)  # [B, K]
+        return logprobs, top_ids.astype(jnp.int32), top_vals - lse[:, None]
+    return logprobs, jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch, 0), jnp.float32)
 
 
 def _process_logits(

@@ -19,7 +19,7 @@ summed (blocks.Int8Groups.split_nibbles), measured 0.76x of bf16 on the default 
 matrices (`sgl_tpu.bench.quant_linear`): at most ~0.5 ms of a 25 ms batch-1 step, not taken.
 
 `max_rows` comes from `MAX_KERNEL_ROWS`, the crossover measured on a 2-core AVX512-BF16 CPU (no
-AMX) with `python -m sgl_tpu.bench.executor --quantizations none,gguf --kernel-max-rows 64`
+AMX) with `python -m sgl_tpu.bench.quant_executor --kernel-max-rows 64`
 (per matrix: `sgl_tpu.bench.quant_linear`).
 """
 

@@ -239,6 +239,7 @@ class TorchModelRunner:
             penalties=penalties,
             bitmask=None if cols.bitmask is None else t(cols.bitmask, torch.int32),
             num_top_logprobs=self.config.max_top_logprobs,
+            logprob_rows=t(cols.return_logprob, torch.bool),
         )
         valid = t(cols.sample_valid, torch.int32)
         self.token_counts.index_put_((rows, token_ids), valid, accumulate=True)

@@ -1,6 +1,7 @@
 """Token sampler of the PyTorch backend: the semantics of `sgl_tpu.executor.jax.sampler` in torch.
 
     logits f32[B, V] ──┬─> raw log-softmax ─> chosen log-prob, top-K log-probs
+                       │                      (only rows that asked: `logprob_rows`)
                        └─> penalties (counts) -> vocab bitmask -> greedy argmax
                            -> temperature -> top-k -> top-p -> min-p -> inverse-CDF draw
 
@@ -12,11 +13,22 @@ only on (seed, step) (`row_uniforms`), so a seeded request reproduces in any bat
 comes from a different generator than JAX's, so the two backends draw different (equally
 distributed) samples for the same seed.
 
-Thresholds come from the top `num_candidates` logits of each row; rows whose top-k or nucleus
-does not fit in them are redone over a full sort.
+Sampling rows avoid full-vocabulary passes (`_sample_rows`):
+
+    x [R, V] ─topk─> C candidates [R, C] ─> thresholds ─┬─ kept set inside them: draw over C
+             (one selection; plus one exp-sum pass     └─ otherwise (top-k > C, nucleus wider
+              when a row's nucleus needs all the mass)     than C, no truncation): draw over V,
+                                                           exact thresholds by radix selection
+                                                           (no sort) when the candidates could
+                                                           not give them
+
+Both draws walk the kept tokens in vocabulary order with bit-equal weights, so a row samples
+the same token for the same uniform whichever path it takes.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import numpy as np
 import torch
@@ -58,15 +70,16 @@ def sample(
     bitmask: torch.Tensor | None,  # i32[B, W]
     num_top_logprobs: int,
     num_candidates: int = DEFAULT_NUM_CANDIDATES,
+    logprob_rows: torch.Tensor | None = None,  # bool[B]; None = every row
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> token_ids i64[B], logprobs f32[B], top_ids i64[B, K], top_logprobs f32[B, K].
 
     `penalties` = (counts i32[B, V], frequency f32[B], presence f32[B], repetition f32[B]).
-    Log-probs are of the raw logits.
+    Log-probs are of the raw logits, computed only for `logprob_rows` (the other rows get
+    zeros).
     """
     raw = logits.float()
-    lse = torch.logsumexp(raw, dim=-1)  # [B]
-    x, fully_masked = raw, torch.zeros_like(lse, dtype=torch.bool)
+    x, fully_masked = raw, torch.zeros(raw.shape[0], dtype=torch.bool, device=raw.device)
     if penalties is not None:
         counts, freq, pres, rep = penalties
         c = counts.float()
@@ -79,61 +92,225 @@ def sample(
         x = torch.where(fully_masked[:, None], raw, masked)
 
     greedy = (temperature < GREEDY_TEMPERATURE_EPS) | (top_k == 1) | fully_masked
-    token_ids = x.argmax(dim=-1)
     rows = (~greedy).nonzero().flatten()
-    if rows.numel():
-        token_ids[rows] = _sample_rows(x[rows], temperature[rows], top_p[rows], top_k[rows],
-                                       min_p[rows], uniforms[rows], num_candidates)
+    sample_rows = partial(_sample_rows, num_candidates=num_candidates)
+    if rows.numel() == 0:
+        token_ids = x.argmax(dim=-1)
+    elif rows.numel() == x.shape[0]:  # every row samples: no argmax, no row copy
+        token_ids = sample_rows(x, temperature, top_p, top_k, min_p, uniforms)
+    else:
+        token_ids = x.argmax(dim=-1)
+        token_ids[rows] = sample_rows(x[rows], temperature[rows], top_p[rows], top_k[rows],
+                                      min_p[rows], uniforms[rows])
+    return (token_ids, *_logprobs(raw, token_ids, logprob_rows, num_top_logprobs))
 
-    logprobs = raw.gather(1, token_ids[:, None])[:, 0] - lse
-    top_lp, top_ids = torch.topk(raw, num_top_logprobs, dim=-1)
-    return token_ids, logprobs, top_ids, top_lp - lse[:, None]
+
+def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, want: torch.Tensor | None,
+              num_top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw log-softmax at token_ids [B] and the top-`num_top` ids / log-probs [B, K] of the
+    rows in `want` (None: all); zeros elsewhere, and no vocabulary pass when no row asks."""
+    batch = raw.shape[0]
+    if want is None or bool(want.all()):
+        rows, sub, ids = None, raw, token_ids
+    else:
+        rows = want.nonzero().flatten()
+        if rows.numel() == 0:
+            return (torch.zeros(batch, device=raw.device),
+                    torch.zeros(batch, num_top, dtype=torch.long, device=raw.device),
+                    torch.zeros(batch, num_top, device=raw.device))
+        sub, ids = raw[rows], token_ids[rows]
+    lse = torch.logsumexp(sub, dim=-1)  # [R]
+    chosen = sub.gather(1, ids[:, None])[:, 0] - lse
+    top_lp, top_ids = torch.topk(sub, num_top, dim=-1)
+    top_lp = top_lp - lse[:, None]
+    if rows is None:
+        return chosen, top_ids, top_lp
+    logprobs = torch.zeros(batch, device=raw.device).index_copy_(0, rows, chosen)
+    all_ids = torch.zeros(batch, num_top, dtype=torch.long, device=raw.device)
+    all_lp = torch.zeros(batch, num_top, device=raw.device)
+    return logprobs, all_ids.index_copy_(0, rows, top_ids), all_lp.index_copy_(0, rows, top_lp)
 
 
 def _sample_rows(x, temperature, top_p, top_k, min_p, u, num_candidates: int) -> torch.Tensor:
-    """Draw one token per row of x [R, V] (all rows sample); i64[R]."""
+    """Draw one token per row of x [R, V] (all rows sample); i64[R].
+
+    One partial selection gives each row's top C logits; thresholds come from them, and a row
+    whose kept set lies inside them (its threshold above the C-th logit) draws from them alone.
+    The other rows (top-k > C, a nucleus wider than C, or no truncation at all) draw over the
+    whole vocabulary, with exact thresholds from `_radix_select` where the candidates did not
+    give them. Both draws walk the kept tokens in vocabulary order with the same float32
+    weights, so they pick the same token for the same uniform: which path a row takes never
+    changes its sample.
+    """
     vocab_size = x.shape[1]
-    scaled = x / temperature[:, None]  # [R, V]
-    row_max = scaled.max(dim=-1).values  # [R]
-    weights = (scaled - row_max[:, None]).exp()  # [R, V]; the top token weighs 1
-    threshold = torch.full_like(row_max, -torch.inf)
+    num_cand = min(num_candidates, vocab_size)
+    inv = temperature[:, None]
+    cand_x, cand_idx = torch.topk(x, num_cand, dim=-1)  # [R, C] descending
+    cand = cand_x / inv  # [R, C]; bit-equal to x / T at those tokens
+    row_max = cand[:, 0]  # [R]
+    cand_w = (cand - row_max[:, None]).exp()  # [R, C]; the top token weighs 1
 
     k_on = (top_k > 0) & (top_k < vocab_size)
     p_on = top_p < 1.0
-    if bool((k_on | p_on).any()):
-        thr, ok = _top_k_top_p_threshold(scaled, weights, row_max, top_k, top_p, k_on, p_on,
-                                         min(num_candidates, vocab_size))
-        if not bool(ok.all()):
-            full, _ = _top_k_top_p_threshold(scaled, weights, row_max, top_k, top_p, k_on, p_on,
-                                             vocab_size)
-            thr = torch.where(ok, thr, full)
-        threshold = thr
-    min_p_thr = torch.where(min_p > 0, row_max + torch.log(min_p.clamp_min(1e-30)), -torch.inf)
-    threshold = torch.maximum(threshold, min_p_thr)
+    weights_all = total = None  # [R, V], [R]
+    if bool((p_on & ~(k_on & (top_k <= num_cand))).any()):  # the nucleus needs all the mass
+        weights_all = _weights(x, inv, row_max)
+        total = weights_all.sum(dim=-1)
+    thr, resolved = _thresholds(cand, cand_w, total, top_k, top_p, k_on, p_on,
+                                complete=num_cand == vocab_size)
+    thr = torch.maximum(thr, _min_p_threshold(row_max, min_p))
+    last = cand[:, -1]  # [R]; no token outside the candidates lies above it
+    fits = resolved & ((thr > last) | torch.isneginf(last) | (num_cand == vocab_size))
 
-    kept = torch.where(scaled >= threshold[:, None], weights, 0.0)  # [R, V]
-    cum = kept.cumsum(dim=-1)
-    target = u * cum[:, -1]
-    idx = torch.searchsorted(cum, target[:, None], right=True)[:, 0]  # first cum > target
-    iota = torch.arange(vocab_size, device=x.device)
-    last_positive = torch.where(kept > 0, iota, 0).max(dim=-1).values
-    return torch.minimum(idx, last_positive)
+    if bool(fits.all()):
+        return _draw_candidates(cand, cand_w, cand_idx, thr, u)
+    token_ids = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+    if bool(fits.any()):
+        f = fits.nonzero().flatten()
+        token_ids[f] = _draw_candidates(cand[f], cand_w[f], cand_idx[f], thr[f], u[f])
+    wide, pick = _row_picker(~fits)
+    scaled = pick(x) / pick(inv)  # [R', V]; bit-equal to what the weights were made from
+    weights = _weights(pick(x), pick(inv), pick(row_max)) if weights_all is None \
+        else pick(weights_all)
+    thr_w = pick(thr)
+    if not bool(resolved[wide].all()):  # top-k beyond C or a nucleus wider than C
+        redo, sub = _row_picker(~pick(resolved))
+        exact = _exact_threshold(sub(scaled), sub(weights), sub(pick(top_k)), sub(pick(top_p)),
+                                 sub(pick(k_on)), sub(pick(p_on)))
+        thr_w[redo] = torch.maximum(exact, _min_p_threshold(sub(pick(row_max)),
+                                                            sub(pick(min_p))))
+    token_ids[wide] = _draw(torch.where(scaled >= thr_w[:, None], weights, 0.0), pick(u))
+    return token_ids
 
 
-def _top_k_top_p_threshold(scaled, weights, row_max, top_k, top_p, k_on, p_on,
-                           num_cand: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Smallest kept scaled logit per row from the top `num_cand` candidates, and whether the
-    candidates sufficed (top-k within them, nucleus reached within them)."""
-    cand = torch.topk(scaled, num_cand, dim=-1).values  # [R, C] descending
-    cand_w = (cand - row_max[:, None]).exp()
+def _exact_threshold(scaled, weights, top_k, top_p, k_on, p_on) -> torch.Tensor:
+    """The threshold of `_thresholds` over whole rows [R, V], without sorting: the k-th largest
+    scaled logit, then the largest logit whose kept mass (over the top-k set) reaches top_p."""
+    top_k_thr = torch.full_like(scaled[:, 0], -torch.inf)
+    if bool(k_on.any()):
+        k = torch.where(k_on, top_k, 1).to(torch.float64)
+        top_k_thr = torch.where(k_on, _radix_select(scaled, torch.ones_like(weights), k),
+                                -torch.inf)
+    if not bool(p_on.any()):
+        return top_k_thr
+    in_k = weights  # [R, V]
+    if bool(k_on.any()):
+        in_k = torch.where(scaled >= top_k_thr[:, None], weights, 0.0)
+    target = top_p.double() * in_k.double().sum(dim=-1)
+    top_p_thr = torch.where(p_on, _radix_select(scaled, in_k, target), -torch.inf)
+    return torch.maximum(top_k_thr, top_p_thr)
+
+
+# Radix digits of the 32-bit order key, most significant first: (shift, bits).
+_RADIX_DIGITS = ((20, 12), (10, 10), (0, 10))
+
+
+def _radix_select(values: torch.Tensor, weights: torch.Tensor, target: torch.Tensor
+                  ) -> torch.Tensor:
+    """Per row, the largest v among values [R, V] (f32, no NaN) whose weight at or above it,
+    sum(weights[values >= v]), reaches target [R] (<= the row's whole weight); f32[R].
+
+    Each float maps to a signed 32-bit key with the same order. Three digit passes, most
+    significant first, each build a weighted histogram (float64) of one digit over the tokens
+    that match the digits chosen so far and keep the highest digit whose mass from there up
+    (plus the mass above the chosen prefix) reaches the target. The first pass reads [R, V];
+    the later ones only the tokens of the chosen top digit. No sort.
+    """
+    rows = values.shape[0]
+    bits = values.contiguous().view(torch.int32)
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # [R, V] signed, float order
+    row_ids = torch.arange(rows, dtype=torch.int32, device=values.device)
+    (shift, width), *lower = _RADIX_DIGITS
+    n = 1 << width
+    bins = (key >> shift) + (row_ids[:, None] * n + (n >> 1))  # [R, V] top digit in [0, n)
+    w = weights.double()
+    d, above = _pick_digit(bins, w, rows, n, target, torch.zeros_like(target))
+    r, c = (bins == (row_ids * n + d)[:, None]).nonzero(as_tuple=True)
+    rows_m, keys_m, w_m = r.to(torch.int32), key[r, c], w[r, c]  # [M] tokens of that digit
+    prefix = (d - (n >> 1)).to(torch.int32)  # [R] = key >> shift of the kept tokens
+    for i, (shift, width) in enumerate(lower):
+        n = 1 << width
+        bins = ((keys_m >> shift) & (n - 1)) + rows_m * n  # [M]
+        d, above = _pick_digit(bins, w_m, rows, n, target, above)
+        prefix = prefix * n + d.to(torch.int32)
+        if i + 1 < len(lower):
+            keep = (keys_m >> shift) == prefix[rows_m.long()]
+            rows_m, keys_m, w_m = rows_m[keep], keys_m[keep], w_m[keep]
+    return torch.where(prefix < 0, prefix ^ 0x7FFFFFFF, prefix).view(torch.float32)
+
+
+def _pick_digit(bins, w, rows: int, n: int, target, above) -> tuple[torch.Tensor, torch.Tensor]:
+    """Histogram w (f64) over bins (row * n + digit), then per row the highest digit whose
+    mass from there up plus `above` [R] reaches target [R]; -> (digit i64[R], the mass above
+    that digit f64[R])."""
+    mass = torch.bincount(bins.flatten(), w.flatten(), minlength=rows * n).view(rows, n)
+    suffix = mass.flip(-1).cumsum(-1).flip(-1) + above[:, None]  # [R, n] mass >= digit
+    d = ((suffix >= target[:, None]).sum(dim=-1) - 1).clamp_min(0)
+    return d, torch.cat([suffix, above[:, None]], dim=-1).gather(1, (d + 1)[:, None])[:, 0]
+
+
+def _row_picker(mask: torch.Tensor):
+    """(index, take): the rows where mask [R] holds, and a function taking them from a tensor
+    of R rows; no copy (index = all, take = identity) when every row is picked."""
+    if bool(mask.all()):
+        return slice(None), lambda t: t
+    index = mask.nonzero().flatten()
+    return index, partial(torch.index_select, dim=0, index=index)
+
+
+def _weights(x: torch.Tensor, inv: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """exp(x / T - row_max) [R, V] in one buffer (a large fresh tensor costs page faults);
+    the top token weighs 1."""
+    w = x / inv
+    return w.sub_(row_max[:, None]).exp_()
+
+
+def _min_p_threshold(row_max: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """prob >= min_p * max_prob  <=>  logit >= max_logit + log(min_p); f32[R]."""
+    return torch.where(min_p > 0, row_max + torch.log(min_p.clamp_min(1e-30)), -torch.inf)
+
+
+def _thresholds(cand, cand_w, total, top_k, top_p, k_on, p_on, *, complete: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Smallest kept scaled logit per row (top-k, then top-p over the renormalized top-k set)
+    from the C largest scaled logits `cand` [R, C] (descending) and their weights, and whether
+    they sufficed (the top-k set inside them, the nucleus reached within them). `total` [R]
+    is each row's whole weight (needed by rows with top-p and no top-k inside the candidates);
+    `complete`: the candidates are the whole row. A top-k threshold tied with the last
+    candidate may have tied tokens outside them, so such a row is not resolved either.
+    """
+    num_cand = cand.shape[1]
     k_fits = k_on & (top_k <= num_cand)
     k_idx = (top_k - 1).clamp(0, num_cand - 1)
     top_k_thr = torch.where(k_fits, cand.gather(1, k_idx[:, None])[:, 0], -torch.inf)
     cum = torch.where(cand >= top_k_thr[:, None], cand_w, 0.0).cumsum(dim=-1)  # [R, C]
-    mass = torch.where(k_fits, cum[:, -1], weights.sum(dim=-1))
+    mass = cum[:, -1] if total is None else torch.where(k_fits, cum[:, -1], total)
     reached = cum >= (top_p * mass)[:, None]
     found = reached.any(dim=-1)
     first = reached.int().argmax(dim=-1)
     top_p_thr = torch.where(p_on & found, cand.gather(1, first[:, None])[:, 0], -torch.inf)
-    ok = (~k_on | k_fits) & (~p_on | found)
+    last = cand[:, -1]
+    k_whole = k_fits & (complete | (top_k_thr > last) | torch.isneginf(last))
+    ok = (~k_on | k_whole) & (~p_on | found)
     return torch.maximum(top_k_thr, top_p_thr), ok
+
+
+def _draw_candidates(cand, cand_w, cand_idx, thr, u) -> torch.Tensor:
+    """The draw of `_draw` over the kept candidates only (every kept token is one); i64[R]."""
+    idx, order = cand_idx.sort(dim=-1)  # [R, C] vocabulary order
+    kept = torch.where(cand >= thr[:, None], cand_w, 0.0).gather(1, order)
+    return idx.gather(1, _draw(kept, u)[:, None])[:, 0]
+
+
+def _draw(kept: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw over kept weights [R, N] (>= 0, a positive sum per row): the first
+    position whose running sum exceeds u * total (a token of positive weight), or, when
+    rounding puts u * total at the total, the last token of positive weight; i64[R]."""
+    cum = kept.cumsum(dim=-1)
+    target = u * cum[:, -1]
+    idx = torch.searchsorted(cum, target[:, None], right=True)[:, 0]
+    over = (idx >= kept.shape[1]).nonzero().flatten()
+    if over.numel():
+        iota = torch.arange(kept.shape[1], device=kept.device)
+        idx[over] = torch.where(kept[over] > 0, iota, 0).max(dim=-1).values
+    return idx

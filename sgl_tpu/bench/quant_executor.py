@@ -1,0 +1,102 @@
+"""Executor steps per `--quantization`, A/B: the same prefill and decode steps on one runner per
+mode (torch backend), the runners interleaved A B A B ... in each round.
+
+    python -m sgl_tpu.bench.quant_executor [--quantizations none,gguf] [--dtype bfloat16]
+        [--prefill 512] [--decode-batches 1,4,8,32] [--context 256] [--repeats 15]
+        [--kernel-max-rows N]
+
+Prints one JSON object: per workload and mode the min and median step time and `min_vs_first`
+/ `median_vs_first` (ratios to the first mode). `--kernel-max-rows` overrides the kernels' row
+limit (`MAX_KERNEL_ROWS` in executor/torch/quant_linear.py): with a large value the kernel runs
+at every batch size, which is how the crossover is measured. The machine is shared: compare the
+ratios of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from functools import partial
+
+import numpy as np
+
+from sgl_tpu.bench.executor import _interleaved, _steps
+from sgl_tpu.bench.report import emit
+
+
+def run(args: argparse.Namespace) -> dict:
+    from sgl_tpu.config import ServerArgs
+    from sgl_tpu.executor.registry import create_model_runner, runner_config
+    from sgl_tpu.executor.step import ForwardMode
+    from sgl_tpu.loader import load_model
+
+    if args.kernel_max_rows is not None:
+        from sgl_tpu.executor.torch import quant_linear
+
+        for kind in quant_linear.MAX_KERNEL_ROWS:
+            quant_linear.MAX_KERNEL_ROWS[kind] = args.kernel_max_rows
+    loaded = load_model(args.model_path)
+    cfg = loaded.config
+    prefills = [int(x) for x in args.prefill.split(",") if x]
+    batches = [int(x) for x in args.decode_batches.split(",") if x]
+    max_tokens = max(prefills + [1])
+    pool_tokens = max(max_tokens, max(batches + [1]) * (args.context + 16)) + 64
+    runners = {}
+    for quant in args.quantizations.split(","):
+        sargs = ServerArgs(model_path=args.model_path, dtype=args.dtype, skip_warmup=True,
+                           max_total_tokens=pool_tokens, chunked_prefill_size=max_tokens,
+                           max_running_requests=max(batches + [1]), max_extend_seqs=1,
+                           backend="torch", quantization=quant)
+        runner = create_model_runner(cfg, loaded.params, runner_config(sargs, cfg.context_len))
+        report = runner.quantization  # what "auto" became
+        runners[report.method if report else "none"] = runner
+    results: dict = {"model": loaded.model_path, "dtype": args.dtype, "cpu_count": os.cpu_count(),
+                     "context_for_decode": args.context, "repeats": args.repeats,
+                     "kernel_max_rows": args.kernel_max_rows, "runs": []}
+    rng = np.random.default_rng(0)
+    page_size = ServerArgs.page_size
+
+    def record(phase: dict, fns: dict, per_step: int) -> None:
+        times = _interleaved(fns, args.repeats)
+        first = next(iter(times))
+        base_min, base_med = min(times[first]), statistics.median(times[first])
+        for mode, t in times.items():
+            best, med = min(t), statistics.median(t)
+            row = {"quantization": mode, **phase, "ms_min": round(1e3 * best, 2),
+                   "ms_median": round(1e3 * med, 2), "tok_per_s": round(per_step / best, 1),
+                   "min_vs_first": round(best / base_min, 3),
+                   "median_vs_first": round(med / base_med, 3)}
+            results["runs"].append(row)
+            print(json.dumps(row), flush=True)
+
+    for n in prefills:
+        steps = _steps(1, n, 0, page_size, rng, cfg.vocab_size)
+        record({"phase": "prefill", "tokens": n},
+               {m: partial(r.forward, ForwardMode.EXTEND, steps) for m, r in runners.items()}, n)
+    for b in batches:
+        steps = _steps(b, 1, args.context, page_size, rng, cfg.vocab_size)
+        record({"phase": "decode", "batch": b, "context": args.context},
+               {m: partial(r.forward, ForwardMode.DECODE, steps) for m, r in runners.items()}, b)
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-path", default=None)
+    p.add_argument("--quantizations", default="none,gguf")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--prefill", default="512")
+    p.add_argument("--decode-batches", default="1,4,8,32")
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--kernel-max-rows", type=int, default=None,
+                   help="override the quantized kernels' row limit (crossover experiments)")
+    p.add_argument("--output", default=None, help="also write the JSON here")
+    args = p.parse_args(argv)
+    emit(run(args), args.output)
+
+
+if __name__ == "__main__":
+    main()

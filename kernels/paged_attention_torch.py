@@ -35,6 +35,7 @@ layer (see sgl_tpu/models/llama_torch.py).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -95,8 +96,8 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     l_shared = batch.shared_slots.shape[0]
     _, kvh, d = k_pool.shape
     h = q.shape[1]
-    eye = torch.eye(kvh, dtype=q.dtype, device=q.device)
-    q_blocks = (q.view(b, kvh, h // kvh, 1, d) * eye.view(1, kvh, 1, kvh, 1)).reshape(b, h, -1)
+    eye = _block_eye(kvh, q.dtype, q.device)  # [1, kvh, 1, kvh, 1]
+    q_blocks = (q.view(b, kvh, h // kvh, 1, d) * eye).reshape(b, h, -1)
     flat = batch.slots.reshape(-1)
     k = k_pool.index_select(0, flat).view(b, l_own, kvh * d)
     v = v_pool.index_select(0, flat).view(b, l_own, kvh * d)
@@ -113,6 +114,13 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         r = r + torch.mm(p[:, :, :l_shared].reshape(b * h, l_shared), v_s).view(b, h, -1)
     r = r.view(b, kvh, h // kvh, kvh, d)  # the diagonal blocks are the outputs
     return torch.diagonal(r, dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(b, h, d)
+
+
+@functools.cache
+def _block_eye(kvh: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The identity that places each query head in its KV head's block, [1, kvh, 1, kvh, 1];
+    made once per (kvh, dtype, device), not per layer and step."""
+    return torch.eye(kvh, dtype=dtype, device=device).view(1, kvh, 1, kvh, 1)
 
 
 def context_slots(pages, page_size: int, length: int) -> torch.Tensor:

@@ -9,9 +9,10 @@ shared prefix (an agent fleet's system prompt), then `--batch` greedy requests o
 + own tokens, all at once, each generating exactly `--output-tokens`. In-process the bench
 drives `Scheduler.step()` of an `Engine` itself and timestamps each step's outputs; through the
 server it streams native `/generate` and timestamps each SSE chunk. ITL = the time between two
-consecutive updates of a request divided by the tokens they added. Rounds alternate (the
-machine may be shared: compare the ratio, not absolute times); the JSON reports each round and
-the medians, with `gap` = server ITL p50 / in-process ITL p50 - 1.
+consecutive updates of a request divided by the tokens they added. The in-process executor
+runs with the thread count the server's scheduler process picks (`--engine-threads` to change).
+Rounds alternate (the machine may be shared: compare the ratio, not absolute times); the JSON
+reports each round and the medians, with `gap` = server ITL p50 / in-process ITL p50 - 1.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> dict:
     from sgl_tpu.engine import Engine
 
     flags = shlex.split(args.server_flags)
-    engine_kwargs = _engine_kwargs(flags)
+    engine_kwargs = _engine_kwargs(flags, args.engine_threads)
     engine = Engine(args.model_path, **engine_kwargs)
     vocab = engine.model_config.vocab_size
     log = tempfile.NamedTemporaryFile(prefix="serve_gap-", suffix=".log", delete=False).name
@@ -140,14 +141,18 @@ def run(args: argparse.Namespace) -> dict:
             "gap": round(server_p50 / local_p50 - 1, 3)}
 
 
-def _engine_kwargs(flags: list[str]) -> dict:
-    """Server flags -> Engine keyword arguments (the same `ServerArgs`)."""
+def _engine_kwargs(flags: list[str], threads: int) -> dict:
+    """Server flags -> Engine keyword arguments: the same `ServerArgs`, with the executor
+    threads the server's scheduler process picks (or `threads`, when given)."""
     import dataclasses
 
     from sgl_tpu.cli import parse_args
+    from sgl_tpu.server.scheduler_process import with_serving_cpu_threads
 
-    parsed = dataclasses.asdict(parse_args(flags))
-    return {k: v for k, v in parsed.items() if k != "model_path"}
+    parsed = with_serving_cpu_threads(parse_args(flags))
+    if threads:
+        parsed = dataclasses.replace(parsed, torch_threads=threads)
+    return {k: v for k, v in dataclasses.asdict(parsed).items() if k != "model_path"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -159,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--server-flags", default="", help="flags for both the server and Engine")
+    p.add_argument("--engine-threads", type=int, default=0,
+                   help="in-process executor threads (default: what the server picks)")
     p.add_argument("--output", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     emit(run(args), args.output)

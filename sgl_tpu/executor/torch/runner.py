@@ -62,7 +62,7 @@ class TorchModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
-            logger.info("torch backend: %d CPU threads", set_cpu_threads())
+            logger.info("torch backend: %d CPU threads", set_cpu_threads(config.cpu_threads))
         self.dtype = _DTYPES[config.dtype]
         self.vocab_size = model_config.vocab_size
         self._compiles = 0

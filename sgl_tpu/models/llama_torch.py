@@ -101,7 +101,8 @@ def convert_weights(params: dict, cfg: ModelConfig, dtype: torch.dtype,
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in float32 over the last axis; x [..., n], weight f32[n]; one fused kernel."""
+    """RMSNorm in float32 over the last axis; x [..., n], weight f32[n]. One call instead of
+    six (bit-identical to writing out x * rsqrt(mean(x^2) + eps) * weight in float32)."""
     return F.rms_norm(x.float(), weight.shape, weight, eps).to(x.dtype)
 
 

@@ -42,6 +42,10 @@ _HELP = {
     "tool_call_parser": "tool-call format of the model (SGLang's names); default: picked from "
                         "the chat template, hermes-style <tool_call> blocks when it has none",
     "reasoning_parser": "split <think>...</think> into reasoning_content (qwen3, deepseek-r1)",
+    "torch_threads": "torch backend on CPU: the executor's intra-op threads, fixed at start; 0 "
+                     "= auto: every CPU the server may use but one, which is left to its HTTP "
+                     "and detokenizer processes (an OpenMP step whose thread loses its core to "
+                     "them stalls at every barrier)",
     "device": "torch backend device (auto: tpu if TorchTPU is installed, else cuda, else cpu)",
     "dp_size": "data parallelism: run this many replicas of the server behind the sglang-router "
                "(pip install 'sgl-tpu[router]'), which listens on --port; the replicas listen "

@@ -114,6 +114,7 @@ def runner_config(args: ServerArgs, model_context_len: int) -> RunnerConfig:
         backend=backend,
         compile=_resolve_compile(args, backend),
         device=args.device,
+        cpu_threads=args.torch_threads,
     )
 
 

@@ -35,6 +35,7 @@ layer (see sgl_tpu/models/llama_torch.py).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +58,9 @@ class DecodeBatch:
 
     shared_slots: torch.Tensor  # i64[Ls] context every sequence has, positions 0 .. Ls-1
     slots: torch.Tensor  # i64[B, Lown] the rest of each context; padding points at slot 0
-    mask: torch.Tensor  # bool[B, 1, Lown] True where the key is part of the context
+    # [B, 1, Lown] in the pool's dtype: 0 where the key is part of the context, -inf elsewhere
+    # (added to the scores by the score GEMM itself)
+    bias: torch.Tensor
 
 
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -95,24 +98,30 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     l_shared = batch.shared_slots.shape[0]
     _, kvh, d = k_pool.shape
     h = q.shape[1]
-    eye = torch.eye(kvh, dtype=q.dtype, device=q.device)
-    q_blocks = (q.view(b, kvh, h // kvh, 1, d) * eye.view(1, kvh, 1, kvh, 1)).reshape(b, h, -1)
+    eye = _block_eye(kvh, q.dtype, q.device)  # [1, kvh, 1, kvh, 1]
+    q_blocks = (q.view(b, kvh, h // kvh, 1, d) * eye).reshape(b, h, -1)
     flat = batch.slots.reshape(-1)
     k = k_pool.index_select(0, flat).view(b, l_own, kvh * d)
     v = v_pool.index_select(0, flat).view(b, l_own, kvh * d)
-    s = torch.bmm(q_blocks, k.transpose(1, 2)).float()  # [B, H, Lown]
-    s = s.masked_fill(~batch.mask, -torch.inf)
+    s = torch.baddbmm(batch.bias, q_blocks, k.transpose(1, 2))  # [B, H, Lown]
     if l_shared:
         k_s = k_pool.index_select(0, batch.shared_slots).view(l_shared, kvh * d)
         v_s = v_pool.index_select(0, batch.shared_slots).view(l_shared, kvh * d)
-        s_shared = torch.mm(q_blocks.view(b * h, -1), k_s.t()).float().view(b, h, l_shared)
+        s_shared = torch.mm(q_blocks.view(b * h, -1), k_s.t()).view(b, h, l_shared)
         s = torch.cat([s_shared, s], dim=-1)  # [B, H, Ls + Lown]
-    p = torch.softmax(s * scale, dim=-1).to(v.dtype)
+    p = torch.softmax(s.float() * scale, dim=-1).to(v.dtype)
     r = torch.bmm(p[:, :, l_shared:], v)  # [B, H, kvh * d]
     if l_shared:
         r = r + torch.mm(p[:, :, :l_shared].reshape(b * h, l_shared), v_s).view(b, h, -1)
     r = r.view(b, kvh, h // kvh, kvh, d)  # the diagonal blocks are the outputs
     return torch.diagonal(r, dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(b, h, d)
+
+
+@functools.cache
+def _block_eye(kvh: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The identity that places each query head in its KV head's block, [1, kvh, 1, kvh, 1];
+    made once per (kvh, dtype, device), not per layer and step."""
+    return torch.eye(kvh, dtype=dtype, device=device).view(1, kvh, 1, kvh, 1)
 
 
 def context_slots(pages, page_size: int, length: int) -> torch.Tensor:

@@ -18,12 +18,35 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sgl_tpu.server.body_limits import BodyError, BodyLimitMiddleware
 from sgl_tpu.server.http_common import bearer_matches, error_response
 from sgl_tpu.server.tokenizer_manager import RequestError, ServerDead, TokenizerManager
 
 logger = logging.getLogger("sgl_tpu.http")
+
+
+class ApiKeyMiddleware:
+    """`--api-key`: 401 for a request without the key (all routes but `/health` and CORS
+    preflights). Plain ASGI, so a streamed response's chunks pass straight through (a
+    `BaseHTTPMiddleware` would relay every SSE chunk through a memory stream and a task)."""
+
+    def __init__(self, app: ASGIApp, key: str | None) -> None:
+        self.app = app
+        self.key = key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (self.key and scope["type"] == "http" and scope["path"] != "/health"
+                and scope["method"] != "OPTIONS"):
+            auth = next((v.decode("latin-1") for k, v in scope.get("headers", [])
+                         if k.lower() == b"authorization"), "")
+            if not bearer_matches(auth, self.key):
+                response = error_response("invalid or missing API key", 401,
+                                          "AuthenticationError")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def create_app(tm: TokenizerManager) -> FastAPI:
@@ -63,13 +86,7 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=tm.args.max_request_bytes,
                        on_error=error_response)
 
-    @app.middleware("http")
-    async def _api_key(request: Request, call_next):
-        key = tm.args.api_key
-        if key and request.url.path != "/health" and request.method != "OPTIONS":
-            if not bearer_matches(request.headers.get("authorization", ""), key):
-                return error_response("invalid or missing API key", 401, "AuthenticationError")
-        return await call_next(request)
+    app.add_middleware(ApiKeyMiddleware, key=tm.args.api_key)
 
     # Middleware runs outermost-last-added: CORS (only with --allow-origins) answers
     # preflights, then the API key, then the body limits before any route reads a byte.

@@ -45,6 +45,10 @@ _HELP = {
     "quantization": "weights: none (dense --dtype), gguf (a GGUF's Q4_0/Q4_1 blocks as stored, "
                     "exact), int8 / int4 (quantized at load), auto (gguf for a GGUF on the torch "
                     "CPU backend, else none); quantized kernels run for decode-sized steps",
+    "torch_threads": "torch backend on CPU: the executor's intra-op threads, fixed at start; 0 "
+                     "= auto: every CPU the server may use but one, which is left to its HTTP "
+                     "and detokenizer processes (an OpenMP step whose thread loses its core to "
+                     "them stalls at every barrier)",
     "device": "torch backend device (auto: tpu if TorchTPU is installed, else cuda, else cpu)",
     "dp_size": "data parallelism: run this many replicas of the server behind the sglang-router "
                "(pip install 'sgl-tpu[router]'), which listens on --port; the replicas listen "

@@ -54,6 +54,7 @@ class RunnerConfig:
     device: str = "auto"  # torch: "cpu", "cuda", "tpu" or "auto"
     quantization: str = "none"  # a sgl_tpu.quantization method, or "auto" (gguf if the
     # runner's weights are the GGUF's blocks, else none; see sgl_tpu/quantization)
+    cpu_threads: int = 0  # torch on CPU: intra-op threads, fixed at start; 0 = every usable CPU
 
     def __post_init__(self) -> None:
         if self.kv_tile % self.page_size:
@@ -130,6 +131,9 @@ class ServerArgs:
     dp_size: int = 1
     router_policy: str = "cache_aware"
     router_args: tuple[str, ...] = ()
+    # torch on CPU: the executor's intra-op threads, fixed at start (0 = auto: the server leaves
+    # one CPU to its HTTP and detokenizer processes, the in-process Engine uses every CPU).
+    torch_threads: int = 0
     tool_call_parser: str | None = None  # None: picked from the chat template (logged)
     reasoning_parser: str | None = None  # "qwen3" / "deepseek-r1": split <think> blocks
 
@@ -147,6 +151,9 @@ class ServerArgs:
                 or not 0 <= self.session_retention_s < float("inf")):
             raise ValueError(f"session_retention_s must be a finite number >= 0, "
                              f"got {self.session_retention_s!r}")
+        if isinstance(self.torch_threads, bool) or not isinstance(self.torch_threads, int) \
+                or self.torch_threads < 0:
+            raise ValueError(f"torch_threads must be an integer >= 0, got {self.torch_threads!r}")
         if self.torch_compile not in TORCH_COMPILE:
             raise ValueError(f"torch_compile must be one of {TORCH_COMPILE}, "
                              f"got {self.torch_compile!r}")

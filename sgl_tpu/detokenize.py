@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from sgl_tpu.messages import ReqOutput, ReqStrOut
 
@@ -93,21 +94,39 @@ def stop_safe_len(text: str, stops: Sequence[str]) -> int:
 
 def error_str_out(rid: str, message: str, status_code: int) -> ReqStrOut:
     """A final output that ends request `rid` with an error status."""
-    return ReqStrOut(rid=rid, text="", output_ids=[], finished=True,
+    return ReqStrOut(rid=rid, new_text="", new_output_ids=[], finished=True,
                      finish_reason={"type": "abort", "message": message,
                                     "status_code": status_code},
                      prompt_tokens=0, completion_tokens=0, cached_tokens=0)
 
 
+@dataclass
+class _Stream:
+    """One request's decoder and how much of its text went out already."""
+
+    decoder: IncrementalDecoder
+    sent_len: int = 0  # characters of the decoded text delivered in earlier messages
+
+
 class DetokenizerState:
-    """Per-request decoders: scheduler `ReqOutput`s (token ids) -> `ReqStrOut`s (cumulative text).
+    """Per-request decoders: scheduler `ReqOutput`s (new token ids) -> `ReqStrOut`s (new text).
+
+    The text a request has so far is `decoder.text` cut where it must not go out yet:
+
+        decoder.text  |---- delivered ----|---- new_text ----|-- held --|
+                      0                sent_len             end
+
+    `end` is the whole text once finished (cut at a matched stop), else the text minus a tail
+    that could still turn into a stop string (`stop_safe_len`; it never moves backwards). Only
+    a final `end` can fall before `sent_len` (a `stop_regex` match in delivered text): then the
+    message says `text_cut=end`.
 
     Runs in the detokenizer process for the server and inline for the in-process `Engine`.
     """
 
     def __init__(self, decode: DecodeFn) -> None:
         self._decode = decode
-        self._decoders: dict[str, IncrementalDecoder] = {}
+        self._streams: dict[str, _Stream] = {}
 
     def process(self, outputs: Sequence[ReqOutput]) -> list[ReqStrOut]:
         """One `ReqStrOut` per output; an exception while decoding one request ends that
@@ -118,37 +137,43 @@ class DetokenizerState:
                 result.append(self._one(o))
             except Exception as e:
                 logger.error("request %s ended: detokenization failed", o.rid, exc_info=e)
-                self._decoders.pop(o.rid, None)
+                self._streams.pop(o.rid, None)
                 result.append(error_str_out(o.rid, f"internal error while detokenizing "
                                                    f"({type(e).__name__})", 500))
         return result
 
     def _one(self, o: ReqOutput) -> ReqStrOut:
-        dec = self._decoders.get(o.rid)
-        if dec is None:
-            dec = self._decoders[o.rid] = IncrementalDecoder(self._decode, o.skip_special_tokens)
+        stream = self._streams.get(o.rid)
+        if stream is None:
+            stream = self._streams[o.rid] = _Stream(
+                IncrementalDecoder(self._decode, o.skip_special_tokens))
+        dec = stream.decoder
         ids = o.new_token_ids
         matched = (o.finish_reason or {}).get("matched")
         if o.finished and isinstance(matched, int) and ids and ids[-1] == matched:
             ids = ids[:-1]  # a matched stop token is not part of the text
         dec.append(ids)
-        text = dec.text
-        if o.stop_strs and not o.finished:
-            text = text[: stop_safe_len(text, o.stop_strs)]
         if o.finished:
             dec.flush()
-            text = dec.text
+            end = len(dec.text)
             if o.stop_text_offset >= 0:
-                text = text[: o.stop_text_offset]
-            del self._decoders[o.rid]
-        output_ids = list(dec.ids)
-        if len(ids) != len(o.new_token_ids):
-            output_ids.append(o.new_token_ids[-1])
+                end = min(end, o.stop_text_offset)
+            del self._streams[o.rid]
+        elif o.stop_strs:
+            end = max(stop_safe_len(dec.text, o.stop_strs), stream.sent_len)
+        else:
+            end = len(dec.text)
+        text_cut = -1
+        if end < stream.sent_len:
+            text_cut, new_text = end, ""
+        else:
+            new_text = dec.text[stream.sent_len : end]
+        stream.sent_len = end
         return ReqStrOut(
-            rid=o.rid, text=text, output_ids=output_ids, finished=o.finished,
-            finish_reason=o.finish_reason, prompt_tokens=o.prompt_tokens,
+            rid=o.rid, new_text=new_text, new_output_ids=o.new_token_ids,
+            finished=o.finished, finish_reason=o.finish_reason, prompt_tokens=o.prompt_tokens,
             completion_tokens=o.completion_tokens, cached_tokens=o.cached_tokens,
-            output_token_logprobs=o.output_token_logprobs,
+            text_cut=text_cut, output_token_logprobs=o.output_token_logprobs,
             output_top_logprobs=o.output_top_logprobs,
             input_token_logprobs=o.input_token_logprobs,
             input_top_logprobs=o.input_top_logprobs)

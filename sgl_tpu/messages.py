@@ -4,6 +4,9 @@
     Scheduler        ──BatchTokenIdOut──► Detokenizer ──BatchStrOut──► TokenizerManager
     Scheduler        ──ControlResp / ReadyMsg──► TokenizerManager
 
+Per-step outputs are incremental: a `ReqOutput` carries the step's new token ids, a `ReqStrOut`
+the new text and ids, so a request of L tokens moves O(L) bytes in all, not O(L^2).
+
 The in-process `Engine` uses the same structs without encoding them.
 """
 
@@ -77,16 +80,23 @@ class BatchTokenIdOut(msgspec.Struct, tag=True):
 
 
 class ReqStrOut(msgspec.Struct):
-    """Detokenized state of one request: cumulative text plus everything the API reports."""
+    """Detokenized news of one request in one step: only what is new since its previous
+    message (the receiver accumulates; `ResponseAccumulator`), plus what the API reports.
+
+    The text so far is `(previous text)[:text_cut] + new_text` (`text_cut` -1: no cut). A cut
+    happens only in a final message, when a stop match (`stop_regex`) begins inside text that an
+    earlier message already delivered.
+    """
 
     rid: str
-    text: str  # cumulative output text so far (stop strings trimmed when finished)
-    output_ids: list[int]  # cumulative
+    new_text: str  # output text since the previous message (stop strings trimmed when finished)
+    new_output_ids: list[int]  # output token ids since the previous message
     finished: bool
     finish_reason: dict[str, Any] | None
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    text_cut: int = -1
     output_token_logprobs: list[list[Any]] | None = None  # new entries since the last message
     output_top_logprobs: list[Any] | None = None
     input_token_logprobs: list[list[Any]] | None = None

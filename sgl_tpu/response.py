@@ -1,4 +1,5 @@
-"""Builds SGLang-shaped `/generate` results from a request's stream of `ReqStrOut`s.
+"""Builds SGLang-shaped `/generate` results from a request's stream of `ReqStrOut`s, which
+carry only what is new (text, ids, log-probs); the accumulator holds the request's totals.
 
 Shared by the in-process `Engine` and the HTTP tokenizer manager, so both answer identically:
 
@@ -35,6 +36,8 @@ class ResponseAccumulator:
         self.start_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.last: ReqStrOut | None = None
+        self.text = ""  # output text so far
+        self.output_ids: list[int] = []  # output ids so far
         self.output_token_logprobs: list[list[Any]] = []
         self.output_top_logprobs: list[Any] = []
         self.input_token_logprobs: list[list[Any]] | None = None
@@ -48,6 +51,11 @@ class ResponseAccumulator:
         if self.first_token_time is None and out.completion_tokens:
             self.first_token_time = time.perf_counter()
         self.last = out
+        if out.text_cut >= 0:
+            self.text = self.text[: out.text_cut]
+        if out.new_text:
+            self.text += out.new_text
+        self.output_ids += out.new_output_ids
         if not self.return_logprob:
             return
         if out.output_token_logprobs:
@@ -82,7 +90,8 @@ class ResponseAccumulator:
             meta["output_token_logprobs_length"] = len(self.output_token_logprobs)
             meta["input_top_logprobs"] = self.input_top_logprobs or []
             meta["output_top_logprobs"] = self.output_top_logprobs
-        return {"text": o.text, "output_ids": o.output_ids, "meta_info": meta}
+        # A copy of the ids: a caller may keep a streamed dict while more tokens arrive.
+        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
 
 
 # Output-side log-prob lists that a streamed chunk carries only the new entries of.

@@ -15,9 +15,10 @@ OUTPUT = M.ReqOutput(rid="r1", new_token_ids=[5, 6], finished=True,
                      output_token_logprobs=[[-0.5, 5], [-0.25, 6]],
                      output_top_logprobs=[[[-0.5, 5]], [[-0.25, 6]]],
                      input_token_logprobs=[[None, 1]], input_top_logprobs=[None])
-STR_OUT = M.ReqStrOut(rid="r1", text="héllo ✓", output_ids=[5, 6], finished=False,
-                      finish_reason=None, prompt_tokens=9, completion_tokens=2,
-                      cached_tokens=8, output_token_logprobs=[[-0.5, 5]])
+STR_OUT = M.ReqStrOut(rid="r1", new_text="héllo ✓", new_output_ids=[5, 6], finished=True,
+                      finish_reason={"type": "stop", "matched": "x+"}, prompt_tokens=9,
+                      completion_tokens=2, cached_tokens=8, text_cut=3,
+                      output_token_logprobs=[[-0.5, 5]], output_top_logprobs=[[[-0.5, 5]]])
 
 MESSAGES = [
     M.TokenizedGenerateReq(rid="r1", input_ids=[1, 2, 3],

@@ -167,7 +167,7 @@ def test_detokenizer_fault_ends_only_its_request():
     outs = state.process([ReqOutput(rid="bad", new_token_ids=[13]),
                           ReqOutput(rid="good", new_token_ids=[1, 2], finished=True)])
     assert outs[0].finished and outs[0].finish_reason["status_code"] == 500
-    assert outs[1].text == "bc" and outs[1].finished
+    assert outs[1].new_text == "bc" and outs[1].finished
 
 
 def test_undecodable_batch_still_names_its_requests():

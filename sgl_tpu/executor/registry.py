@@ -139,6 +139,7 @@ def runner_config(args: ServerArgs, model_context_len: int) -> RunnerConfig:
         compile=compile,
         device=args.device,
         quantization=_resolve_quantization(args, backend, compile),
+        cpu_threads=args.torch_threads,
     )
 
 

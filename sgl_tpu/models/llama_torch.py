@@ -101,33 +101,44 @@ def convert_weights(params: dict, cfg: ModelConfig, dtype: torch.dtype,
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * weight).to(x.dtype)
+    """RMSNorm in float32 over the last axis; x [..., n], weight f32[n]. One call instead of
+    six (bit-identical to writing out x * rsqrt(mean(x^2) + eps) * weight in float32)."""
+    return F.rms_norm(x.float(), weight.shape, weight, eps).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (HF convention). x [T, heads, d]; cos/sin f32[T, 1, d/2]."""
+    """Rotate-half RoPE (HF convention) on every head of x [T, heads, d] at once.
+
+    cos/sin f32[T, 1, d] from `rope_tables`: cos = (cos, cos), sin = (-sin, sin), so that with
+    x = (x1, x2) and its halves swapped, x' = (x2, x1):
+
+        x * cos + x' * sin = (x1 cos - x2 sin, x2 cos + x1 sin)
+    """
     xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    t, n, d = xf.shape
+    swapped = xf.view(t, n, 2, d // 2).flip(2).view(t, n, d)
+    return torch.addcmul(xf * cos, swapped, sin).to(x.dtype)
 
 
 def layer_pre(h: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor,
               cfg: ModelConfig, linear: Linear = F.linear
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """h [T, D] -> q [T, H, d], k [T, kvh, d], v [T, kvh, d] (RoPE applied to q and k)."""
+    """h [T, D] -> q [T, H, d], k [T, kvh, d], v [T, kvh, d] (RoPE applied to q and k).
+
+    q and k lie side by side in the fused projection's output, so without q/k norms one RoPE
+    call rotates all H + kvh heads; q and k come back as views of its result.
+    """
     x = rms_norm(h, w.attn_norm, cfg.rms_norm_eps)
-    qkv = linear(x, w.wqkv, w.bqkv)
-    t = h.shape[0]
-    q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-    q = q.reshape(t, cfg.num_heads, cfg.head_dim)
-    k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-    v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    qkv = linear(x, w.wqkv, w.bqkv)  # [T, (H + 2 kvh) d]
+    t, h_q, h_kv, d = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, h_kv, d)
     if cfg.qk_norm:
-        q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()
+        q, k = qkv[:, : cfg.q_size + cfg.kv_size].split([cfg.q_size, cfg.kv_size], dim=-1)
+        q = rms_norm(q.reshape(t, h_q, d), w.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k.reshape(t, h_kv, d), w.k_norm, cfg.rms_norm_eps)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    qk = apply_rope(qkv[:, : cfg.q_size + cfg.kv_size].view(t, h_q + h_kv, d), cos, sin)
+    return qk[:, :h_q], qk[:, h_q:], v
 
 
 def layer_post(h: torch.Tensor, o: torch.Tensor, w: LayerWeights, cfg: ModelConfig,
@@ -141,9 +152,11 @@ def layer_post(h: torch.Tensor, o: torch.Tensor, w: LayerWeights, cfg: ModelConf
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions i64[T] -> cos, sin f32[T, 1, d/2]."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    return freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+    """positions i64[T] -> cos, sin f32[T, 1, d] in `apply_rope`'s form (once per step, for
+    every layer)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, d/2]
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat([cos, cos], -1)[:, None, :], torch.cat([-sin, sin], -1)[:, None, :]
 
 
 REFINE_TOP = 32  # bf16 logits recomputed in float32 per row (see LlamaTorch.logits)

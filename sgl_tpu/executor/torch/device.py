@@ -51,10 +51,10 @@ def default_dtype(device: str) -> str:
     return "float32"
 
 
-def set_cpu_threads() -> int:
-    """Intra-op threads = the CPUs this process may run on (`SGL_TPU_TORCH_THREADS` overrides);
-    one inter-op thread. Returns the thread count."""
-    n = int(os.environ.get("SGL_TPU_TORCH_THREADS", 0)) or len(os.sched_getaffinity(0))
+def set_cpu_threads(num_threads: int = 0) -> int:
+    """Intra-op threads = `num_threads`, or (0) the CPUs this process may run on; one inter-op
+    thread. Set once, at start: the count is never switched between steps. Returns it."""
+    n = num_threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(n)
     if torch.get_num_interop_threads() != 1:
         try:

@@ -62,7 +62,7 @@ class TorchModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
-            logger.info("torch backend: %d CPU threads", set_cpu_threads())
+            logger.info("torch backend: %d CPU threads", set_cpu_threads(config.cpu_threads))
         self.dtype = _DTYPES[config.dtype]
         self.vocab_size = model_config.vocab_size
         self._compiles = 0
@@ -181,11 +181,12 @@ class TorchModelRunner:
         own_lens = np.ones(num_rows, np.int64)  # padding rows see slot 0 (never all-masked)
         own_lens[: len(steps)] = lens - n_shared * ps
         mask = np.arange(own_pages * ps)[None, :] < own_lens[:, None]
+        bias = np.where(mask, np.float32(0), np.float32(-np.inf))[:, None, :]
         shared = (first[:n_shared, None] * ps + np.arange(ps)).reshape(-1)
         dev = self.device
         return self.attn.DecodeBatch(shared_slots=torch.from_numpy(shared).to(dev),
                                 slots=torch.from_numpy(slots).to(dev),
-                                mask=torch.from_numpy(mask[:, None, :]).to(dev))
+                                bias=torch.from_numpy(bias).to(dev, self.dtype))
 
     # ---- steps -------------------------------------------------------------------------
     def forward(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> StepResult:

@@ -423,10 +423,14 @@ def _run_concurrently(server: Server, bodies: list[dict[str, Any]], stall_s: flo
     last, last_change = _progress(server), time.monotonic()
     while any(t.is_alive() for t in threads):
         time.sleep(0.25)
+        # state first, then the counters: a long step (a JAX compile) that ends between the two
+        # reads shows up as progress, not as a stall
+        info = server.info()
         now = _progress(server)
         if now != last:
             last, last_change = now, time.monotonic()
-        info = server.info()
+        if not any(t.is_alive() for t in threads):
+            break
         assert time.monotonic() - last_change < stall_s, (
             f"no progress for {stall_s} s: {info['num_running_reqs']} running, "
             f"{info['num_waiting_reqs']} waiting, memory {info['memory']}")

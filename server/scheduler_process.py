@@ -10,17 +10,14 @@ exception while admitting one request answers that request with an error, and an
 a step ends the requests of that step (`Scheduler.fail_all`) while the process keeps serving.
 Only fatal faults (`scheduler/faults.py`) end the process; the launcher then answers 503.
 
-CPU threads (torch on CPU): unless `--torch-threads` says otherwise, the executor leaves one CPU
-to the HTTP and detokenizer processes, which wake once per step to stream its tokens. A step
-runs hundreds of OpenMP parallel regions, each ending in a barrier; when one of its threads
-loses its core to those processes (or anything else), every barrier waits for it, so a
-neighbour using a few percent of a core can double a step. The count is fixed at start:
-switching per step costs a slow first step after each switch.
+CPU threads (torch on CPU): `--torch-threads`, or every CPU the process may use, fixed at
+start (switching per step costs a slow first step after each switch). On a busy host give it
+fewer: a step runs hundreds of OpenMP parallel regions, each ending in a barrier, and when one
+of its threads loses its core every barrier waits for it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
@@ -54,7 +51,7 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, parent_pid: int) ->
     try:
         from sgl_tpu.engine import build_scheduler
 
-        scheduler, loaded = build_scheduler(with_serving_cpu_threads(args))
+        scheduler, loaded = build_scheduler(args)
     except Exception as e:  # report why start-up failed, then exit
         send(to_tokenizer, ReadyMsg(process="scheduler", ok=False,
                                     error=f"{type(e).__name__}: {e}"))
@@ -89,17 +86,6 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, parent_pid: int) ->
         if outputs:
             send(to_detok, BatchTokenIdOut(outputs=outputs))
     logger.info("parent process gone; scheduler exits")
-
-
-FRONTEND_CPUS = 1  # CPUs left to the HTTP and detokenizer processes
-
-
-def with_serving_cpu_threads(args: ServerArgs) -> ServerArgs:
-    """`--torch-threads 0` (auto) -> every CPU this process may use but FRONTEND_CPUS."""
-    if args.torch_threads:
-        return args
-    threads = max(1, len(os.sched_getaffinity(0)) - FRONTEND_CPUS)
-    return dataclasses.replace(args, torch_threads=threads)
 
 
 def _handle(scheduler, msg, to_tokenizer) -> ReqOutput | None:

@@ -46,9 +46,8 @@ _HELP = {
                     "exact), int8 / int4 (quantized at load), auto (gguf for a GGUF on the torch "
                     "CPU backend, else none); quantized kernels run for decode-sized steps",
     "torch_threads": "torch backend on CPU: the executor's intra-op threads, fixed at start; 0 "
-                     "= auto: every CPU the server may use but one, which is left to its HTTP "
-                     "and detokenizer processes (an OpenMP step whose thread loses its core to "
-                     "them stalls at every barrier)",
+                     "= every CPU the process may use. Give fewer on a busy host (an OpenMP "
+                     "step whose thread loses its core stalls at every barrier)",
     "device": "torch backend device (auto: tpu if TorchTPU is installed, else cuda, else cpu)",
     "dp_size": "data parallelism: run this many replicas of the server behind the sglang-router "
                "(pip install 'sgl-tpu[router]'), which listens on --port; the replicas listen "

@@ -131,8 +131,8 @@ class ServerArgs:
     dp_size: int = 1
     router_policy: str = "cache_aware"
     router_args: tuple[str, ...] = ()
-    # torch on CPU: the executor's intra-op threads, fixed at start (0 = auto: the server leaves
-    # one CPU to its HTTP and detokenizer processes, the in-process Engine uses every CPU).
+    # torch on CPU: the executor's intra-op threads, fixed at start (0 = every CPU the process
+    # may use).
     torch_threads: int = 0
     tool_call_parser: str | None = None  # None: picked from the chat template (logged)
     reasoning_parser: str | None = None  # "qwen3" / "deepseek-r1": split <think> blocks

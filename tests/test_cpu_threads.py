@@ -1,5 +1,5 @@
-"""The executor's CPU thread count: fixed at start, by `--torch-threads` or by the serving
-policy (every usable CPU but one, left to the HTTP and detokenizer processes)."""
+"""The executor's CPU thread count: fixed at start, by `--torch-threads` or (0) every CPU the
+process may use."""
 
 from __future__ import annotations
 
@@ -10,26 +10,19 @@ import pytest
 from sgl_tpu.cli import parse_args
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.executor.registry import runner_config
-from sgl_tpu.server.scheduler_process import FRONTEND_CPUS, with_serving_cpu_threads
 
 
 def test_flag_reaches_the_runner_config():
     args = parse_args(["--torch-threads", "3"])
     assert args.torch_threads == 3
     assert runner_config(args, 2048).cpu_threads == 3
-    assert runner_config(ServerArgs(), 2048).cpu_threads == 0  # Engine: every CPU
+    assert runner_config(ServerArgs(), 2048).cpu_threads == 0  # every CPU
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
 def test_bad_thread_counts_are_refused(bad):
     with pytest.raises(ValueError, match="torch_threads"):
         ServerArgs(torch_threads=bad)
-
-
-def test_serving_leaves_cpus_to_the_frontend():
-    cpus = len(os.sched_getaffinity(0))
-    assert with_serving_cpu_threads(ServerArgs()).torch_threads == max(1, cpus - FRONTEND_CPUS)
-    assert with_serving_cpu_threads(ServerArgs(torch_threads=5)).torch_threads == 5
 
 
 def test_set_cpu_threads_sets_torch():

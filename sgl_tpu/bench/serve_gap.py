@@ -142,14 +142,13 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _engine_kwargs(flags: list[str], threads: int) -> dict:
-    """Server flags -> Engine keyword arguments: the same `ServerArgs`, with the executor
-    threads the server's scheduler process picks (or `threads`, when given)."""
+    """Server flags -> Engine keyword arguments: the same `ServerArgs` (the same executor
+    threads as the server's scheduler process), or `threads` executor threads when given."""
     import dataclasses
 
     from sgl_tpu.cli import parse_args
-    from sgl_tpu.server.scheduler_process import with_serving_cpu_threads
 
-    parsed = with_serving_cpu_threads(parse_args(flags))
+    parsed = parse_args(flags)
     if threads:
         parsed = dataclasses.replace(parsed, torch_threads=threads)
     return {k: v for k, v in dataclasses.asdict(parsed).items() if k != "model_path"}

@@ -138,7 +138,8 @@ def _child_setup(cpus: tuple[int, ...] | None):
     return setup
 
 
-def _status(url: str) -> int | None:
+def http_status(url: str) -> int | None:
+    """The HTTP status of GET url, or None when nothing answers."""
     try:
         with urllib.request.urlopen(url, timeout=5) as resp:
             return resp.status
@@ -183,7 +184,7 @@ class ReplicaSet:
                     print(f"error: replica {i} (port {self.ports[i]}) exited with code {code} "
                           "before it was ready", file=sys.stderr, flush=True)
                     return False
-                if _status(f"http://{REPLICA_HOST}:{self.ports[i]}/health") == 200:
+                if http_status(f"http://{REPLICA_HOST}:{self.ports[i]}/health") == 200:
                     pending.discard(i)
             if time.monotonic() > deadline:
                 print(f"error: replicas {sorted(pending)} not ready after {READY_TIMEOUT_S:.0f} "

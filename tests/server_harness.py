@@ -16,6 +16,7 @@ end-to-end suites once more on the backend `auto` does not pick).
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import signal
 import socket
@@ -23,12 +24,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from sgl_tpu.launch_server import READY_MESSAGE
+from sgl_tpu.server.replicas import http_status
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 JAX_CACHE_DIR = REPO_ROOT / ".pytest_cache" / "jax_cache"
@@ -54,6 +55,22 @@ class ServerHandle:
         except OSError:
             return "(no log)"
 
+    def info(self) -> dict:
+        """`/server_info`."""
+        with urllib.request.urlopen(self.base_url + "/server_info", timeout=30) as resp:
+            return json.loads(resp.read())
+
+    def wait_idle(self, timeout: float = 30.0) -> dict:
+        """`/server_info` once no request is running or waiting (AssertionError after
+        `timeout` seconds)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.info()
+            if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0:
+                return info
+            assert time.monotonic() < deadline, "requests are still running"
+            time.sleep(0.1)
+
     def stop(self) -> None:
         """SIGTERM, then SIGKILL if the server has not exited after 20 s."""
         if self.proc.poll() is None:
@@ -67,16 +84,6 @@ class ServerHandle:
             self.log_path.unlink()
         except OSError:
             pass
-
-
-def _health_status(url: str) -> int | None:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return resp.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except (urllib.error.URLError, OSError):
-        return None
 
 
 def launch_server(*flags: str, model_path: str | None = None, timeout: float = 300
@@ -107,7 +114,7 @@ def launch_server(*flags: str, model_path: str | None = None, timeout: float = 3
             server.stop()
             raise RuntimeError(f"server exited with code {proc.returncode} before it was "
                                f"healthy; log tail:\n{tail}")
-        if (_health_status(server.base_url + "/health") == 200
+        if (http_status(server.base_url + "/health") == 200
                 and READY_MESSAGE in server.log_tail(num_chars=10**6)):
             return server
         if time.monotonic() > deadline:

@@ -53,6 +53,11 @@ _HELP = {
                "(pip install 'sgl-tpu[router]'), which listens on --port; the replicas listen "
                "on 127.0.0.1 at the next free ports. Other --router-* flags go to the router "
                "(e.g. --router-cache-threshold 0.5 becomes --cache-threshold 0.5)",
+    "tp_size": "tensor parallelism: split the model over this many devices (a JAX mesh) or "
+               "ranks (torch.distributed); the query and KV head counts must allow it",
+    "nnodes": "tensor parallelism across hosts: the number of hosts (one process each)",
+    "node_rank": "with --nnodes > 1: this host's rank; rank 0 serves HTTP",
+    "dist_init_addr": "with --nnodes > 1: HOST:PORT of rank 0, where the ranks meet",
     "router_policy": "with --dp-size > 1: the router's policy (cache_aware keeps each prefix on "
                      "the replica that caches it)",
 }

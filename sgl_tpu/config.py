@@ -55,6 +55,7 @@ class RunnerConfig:
     quantization: str = "none"  # a sgl_tpu.quantization method, or "auto" (gguf if the
     # runner's weights are the GGUF's blocks, else none; see sgl_tpu/quantization)
     cpu_threads: int = 0  # torch on CPU: intra-op threads, fixed at start; 0 = every usable CPU
+    tp_size: int = 1  # tensor parallelism: devices (JAX mesh) or ranks (torch) the model spans
 
     def __post_init__(self) -> None:
         if self.kv_tile % self.page_size:
@@ -131,6 +132,13 @@ class ServerArgs:
     dp_size: int = 1
     router_policy: str = "cache_aware"
     router_args: tuple[str, ...] = ()
+    # Tensor parallelism (SGLang's flags): the model split over tp_size devices; with nnodes > 1
+    # one process per host, rank 0 at node_rank 0 serves HTTP, jax.distributed /
+    # torch.distributed meet at dist_init_addr ("host:port").
+    tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
     # torch on CPU: the executor's intra-op threads, fixed at start (0 = every CPU the process
     # may use).
     torch_threads: int = 0
@@ -177,6 +185,16 @@ class ServerArgs:
         if isinstance(self.dp_size, bool) or not isinstance(self.dp_size, int) \
                 or not 1 <= self.dp_size <= 256:
             raise ValueError(f"dp_size must be an integer in [1, 256], got {self.dp_size!r}")
+        for name, hi in (("tp_size", 1024), ("nnodes", 1024)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
+                raise ValueError(f"{name} must be an integer in [1, {hi}], got {value!r}")
+        if isinstance(self.node_rank, bool) or not isinstance(self.node_rank, int) \
+                or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be an integer in [0, nnodes={self.nnodes}), "
+                             f"got {self.node_rank!r}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (rank 0's address)")
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(f"router_policy must be one of {ROUTER_POLICIES}, "
                              f"got {self.router_policy!r}")

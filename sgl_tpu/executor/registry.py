@@ -140,6 +140,7 @@ def runner_config(args: ServerArgs, model_context_len: int) -> RunnerConfig:
         device=args.device,
         quantization=_resolve_quantization(args, backend, compile),
         cpu_threads=args.torch_threads,
+        tp_size=args.tp_size,
     )
 
 

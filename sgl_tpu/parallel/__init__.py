@@ -1,4 +1,5 @@
-"""Tensor parallelism: one model over several ranks, driven by rank 0's scheduler.
+"""Tensor parallelism: the head-split rule (backend-neutral), the JAX mesh and its shardings,
+and the runner channel that drives follower ranks from rank 0's scheduler:
 
     rank 0 (the scheduler process)                      ranks 1..N-1 (followers)
     Scheduler ──► LeaderRunner ──Runner* call──ROUTER══DEALER──► run_follower loop

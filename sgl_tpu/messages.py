@@ -7,7 +7,7 @@
 Tensor parallelism (sgl_tpu/parallel) adds a second channel, decoded by `decode_runner`:
 
     leader (rank 0)  ──LeaderWelcome, Runner* calls──► follower ranks 1..N-1
-    follower         ──FollowerHello / FollowerFailed──► leader
+    follower         ──FollowerHello, FollowerReady / FollowerFailed──► leader
 
 Per-step outputs are incremental: a `ReqOutput` carries the step's new token ids, a `ReqStrOut`
 the new text and ids, so a request of L tokens moves O(L) bytes in all, not O(L^2).
@@ -176,6 +176,12 @@ class LeaderWelcome(msgspec.Struct, tag=True):
     world_size: int
 
 
+class FollowerReady(msgspec.Struct, tag=True):
+    """A follower loaded its weights and is about to join the group's collectives."""
+
+    rank: int
+
+
 class FollowerFailed(msgspec.Struct, tag=True):
     """A follower's replay raised: it exits, and the leader's next call reports this."""
 
@@ -184,7 +190,24 @@ class FollowerFailed(msgspec.Struct, tag=True):
 
 
 RunnerCall = RunnerForward | RunnerTokenLogprobs | RunnerRowLogits | RunnerWarmup | RunnerShutdown
-RunnerMessage = RunnerCall | FollowerHello | LeaderWelcome | FollowerFailed
+RunnerMessage = RunnerCall | FollowerHello | LeaderWelcome | FollowerReady | FollowerFailed
+
+
+class TorchFollowerSpec(msgspec.Struct, tag=True):
+    """What a local torch tensor-parallel follower process is started with (JSON on stdin;
+    parallel/torch_launch.py)."""
+
+    rank: int
+    world_size: int
+    leader_endpoint: str  # the leader's runner channel
+    init_method: str  # torch.distributed rendezvous, "tcp://host:port"
+    model_path: str | None
+    runner_config: dict[str, Any]  # the leader's RunnerConfig fields, this rank's device
+    parent_pid: int
+    local_rank: int = 0
+    log_level: str = "info"
+    connect_timeout_s: float = 60.0
+    dist_timeout_s: float = 300.0
 
 Message = (TokenizedGenerateReq | AbortReq | ControlReq | ControlResp | ReadyMsg
            | BatchTokenIdOut | BatchStrOut)

@@ -28,8 +28,8 @@ def ints_to_bytes(a: Sequence[int] | np.ndarray) -> bytes:
 
 
 def ints_from_bytes(b: bytes) -> np.ndarray:
-    """i64[n] (a read-only view of `b`)."""
-    return np.frombuffer(b, _WIRE_INT)
+    """i64[n], writable (torch refuses to wrap read-only buffers)."""
+    return np.frombuffer(b, _WIRE_INT).copy()
 
 
 @lru_cache(maxsize=1024)
@@ -59,5 +59,5 @@ def step_from_msg(m: SeqStepMsg) -> SeqStep:
         pages=ints_from_bytes(m.pages), sampling=_sampling(tuple(m.sampling)), seed=m.seed,
         num_output_tokens=m.num_output_tokens, counts_row=m.counts_row,
         counts_reset=m.counts_reset, sample_valid=m.sample_valid,
-        bitmask=None if m.bitmask is None else np.frombuffer(m.bitmask, _WIRE_MASK),
+        bitmask=None if m.bitmask is None else np.frombuffer(m.bitmask, _WIRE_MASK).copy(),
         return_logprob=m.return_logprob)

@@ -112,6 +112,28 @@ class FollowerGroup:
                         f" on {msg.host}" if msg.host else "")
         return dict(self.hellos)
 
+    def wait_until_ready(self, timeout_s: float,
+                         check: Callable[[], None] | None = None) -> None:
+        """Block until every connected follower sent `FollowerReady` (its weights are loaded),
+        raising `FollowerLost` for one that reported a failure instead."""
+        deadline = time.monotonic() + timeout_s
+        ready: set[int] = set()
+        while len(ready) < len(self._peers):
+            if check is not None:
+                check()
+            if time.monotonic() > deadline:
+                missing = sorted(set(self._peers) - ready)
+                raise FollowersNotConnected(f"follower rank(s) {missing} were not ready within "
+                                            f"{timeout_s:.0f} s")
+            if not self._sock.poll(POLL_MS):
+                continue
+            _, data = self._sock.recv_multipart()
+            msg = decode_or_none(data)
+            if isinstance(msg, M.FollowerFailed):
+                raise FollowerLost(f"follower rank {msg.rank} failed: {msg.error}")
+            if isinstance(msg, M.FollowerReady):
+                ready.add(msg.rank)
+
     # ---- calls ---------------------------------------------------------------------------
     def next_seq(self) -> int:
         self._seq += 1

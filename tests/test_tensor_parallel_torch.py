@@ -140,6 +140,7 @@ def test_server_tp3_default_model_matches_tp1_and_dies_with_its_scheduler():
                           json={"text": prompts, "sampling_params": body}, timeout=300)
         assert r.status_code == 200, r.text
         texts = [o["text"] for o in r.json()]
+        assert server.info()["tp_size"] == 3
         tree = descendants(server.proc.pid)
         scheduler = next(p for p in tree if len(descendants(p)) == 2)  # its two followers
         followers = descendants(scheduler)

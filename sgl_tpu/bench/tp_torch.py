@@ -110,7 +110,8 @@ def run(args: argparse.Namespace) -> dict:
     results: dict = {"model": os.path.relpath(loaded.model_path), "dtype": args.dtype,
                      "cpu_count": len(os.sched_getaffinity(0)), "context": args.context,
                      "tp": args.tp, "threads_single": single_threads,
-                     "threads_per_rank": rank_threads, "runs": []}
+                     "threads_per_rank": rank_threads,
+                     "load_average_1m_start": round(os.getloadavg()[0], 1), "runs": []}
     try:
         for b in batches:
             steps = _decode_steps(b, args.context, sargs.page_size, cfg.vocab_size, b)
@@ -129,6 +130,7 @@ def run(args: argparse.Namespace) -> dict:
             print(row, flush=True)
     finally:
         tp.close()
+    results["load_average_1m_end"] = round(os.getloadavg()[0], 1)
     return results
 
 

@@ -10,9 +10,9 @@ alternate in rounds (single, TP, single, TP, ...) so that load on the shared mac
 alike; each round sets that side's thread count first (`--torch-threads`, 0 = every CPU, for
 the single device; every rank gets CPUs // N) and runs one untimed step after the switch.
 
-A last pass runs TP decode steps under the torch profiler on rank 0 and splits the step into
-time inside collectives (c10d all_reduce / all_gather, waiting for the slowest rank included)
-and the rest. Prints one JSON object.
+A last pass splits rank 0's TP decode step into time inside collectives (wall-clock timers
+around each all-reduce / all-gather: enqueue plus the wait for the slowest rank) and the rest,
+and runs the same steps under the torch profiler. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -57,31 +57,59 @@ def _time_steps(runner, steps, n: int, threads: int) -> float:
 
 
 def _collective_share(runner, steps, n: int, threads: int) -> dict:
-    """Profile `n` TP decode steps on rank 0: ms per step inside collectives vs in total."""
+    """`n` TP decode steps on rank 0, split into time inside collectives and the rest, two
+    ways: wall-clock timers around every all-reduce / all-gather call (enqueue and wait for the
+    other ranks), and the torch profiler's c10d op times (gloo's wait may fall outside them)."""
     import torch
+    import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
     from sgl_tpu.executor.step import ForwardMode
+    from sgl_tpu.parallel import torch_tp
+
+    spent = {"all_reduce": 0.0, "all_gather": 0.0}
+    calls = {"all_reduce": 0, "all_gather": 0}
+
+    def timed(name, fn):
+        def call(*a, **kw):
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            spent[name] += time.perf_counter() - t0
+            calls[name] += 1
+            return out
+        return call
 
     torch.set_num_threads(threads)
     runner.forward(ForwardMode.DECODE, steps)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    reduce, gather = torch_tp._all_reduce, dist.all_gather
+    torch_tp._all_reduce, dist.all_gather = timed("all_reduce", reduce), timed("all_gather",
+                                                                              gather)
+    try:
         t0 = time.perf_counter()
         for _ in range(n):
             runner.forward(ForwardMode.DECODE, steps)
         wall = time.perf_counter() - t0
-    comm_us: dict[str, float] = {}
-    for ev in prof.key_averages():
-        name = ev.key.lower()
-        if name.startswith("c10d::") and ("allreduce" in name or "allgather" in name):
-            comm_us[ev.key] = ev.cpu_time_total  # the op with its wait for the other ranks
-    comm_ms = sum(comm_us.values()) / 1e3 / n
+    finally:
+        torch_tp._all_reduce, dist.all_gather = reduce, gather
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t1 = time.perf_counter()
+        for _ in range(n):
+            runner.forward(ForwardMode.DECODE, steps)
+        wall_profiled = time.perf_counter() - t1
+    op_us = {ev.key: ev.cpu_time_total for ev in prof.key_averages()
+             if ev.key.lower().startswith("c10d::")
+             and ("allreduce" in ev.key.lower() or "allgather" in ev.key.lower())}
     step_ms = 1e3 * wall / n
-    return {"steps": n, "step_ms_profiled": round(step_ms, 2),
+    comm_ms = 1e3 * sum(spent.values()) / n
+    prof_ms = sum(op_us.values()) / 1e3 / n
+    return {"steps": n, "step_ms": round(step_ms, 2),
+            "collective_calls_per_step": {k: v // n for k, v in calls.items()},
             "collective_ms_per_step": round(comm_ms, 2),
             "collective_fraction": round(comm_ms / step_ms, 3),
-            "compute_ms_per_step": round(step_ms - comm_ms, 2),
-            "ops": {k: round(v / 1e3 / n, 3) for k, v in sorted(comm_us.items())}}
+            "rest_ms_per_step": round(step_ms - comm_ms, 2),
+            "profiler": {"step_ms": round(1e3 * wall_profiled / n, 2),
+                         "c10d_op_ms_per_step": round(prof_ms, 2),
+                         "ops": {k: round(v / 1e3 / n, 3) for k, v in sorted(op_us.items())}}}
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -35,6 +35,7 @@ from sgl_tpu.messages import (
     ReqOutput,
     TokenizedGenerateReq,
 )
+from sgl_tpu.parallel.runner_factory import close_runner
 from sgl_tpu.scheduler.faults import fault_reason, is_fatal
 from sgl_tpu.scheduler.stats import load_info, server_info
 from sgl_tpu.server.ipc import PortArgs, parent_alive, pull_socket, push_socket, recv_all, send
@@ -86,6 +87,7 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, parent_pid: int) ->
         if outputs:
             send(to_detok, BatchTokenIdOut(outputs=outputs))
     logger.info("parent process gone; scheduler exits")
+    close_runner(runner)  # tensor parallelism: end the follower ranks
 
 
 def _handle(scheduler, msg, to_tokenizer) -> ReqOutput | None:

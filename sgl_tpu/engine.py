@@ -19,9 +19,10 @@ from sgl_tpu.choices import check_registry_names
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.constrained import GrammarManager, create_backend
 from sgl_tpu.detokenize import DetokenizerState
-from sgl_tpu.executor.registry import create_model_runner, runner_config
+from sgl_tpu.executor.registry import runner_config
 from sgl_tpu.loader import load_model
 from sgl_tpu.messages import TokenizedGenerateReq
+from sgl_tpu.parallel.runner_factory import close_runner, create_runner
 from sgl_tpu.response import ResponseAccumulator, error_status
 from sgl_tpu.sampling_params import SamplingParams, expand_n
 from sgl_tpu.scheduler.scheduler import Scheduler
@@ -39,10 +40,14 @@ def build_scheduler(args: ServerArgs) -> tuple[Scheduler, Any]:
     check_registry_names(args)
     loaded = load_model(args.model_path)
     runner_cfg = runner_config(args, loaded.config.context_len)
-    runner = create_model_runner(loaded.config, loaded.params, runner_cfg)
+    runner = create_runner(args, loaded, runner_cfg)  # tp_size > 1: rank 0 of a group
     logger.info("executor backend: %s (%s)", runner_cfg.backend, runner_cfg.dtype)
     if runner_cfg.warmup:
-        runner.warmup()
+        try:
+            runner.warmup()
+        except BaseException:
+            close_runner(runner)
+            raise
     eos = tuple(loaded.config.eos_token_ids) or tuple(loaded.tokenizer.eos_token_ids)
     grammar = None
     if args.grammar_backend != "none":
@@ -115,10 +120,12 @@ class Engine:
         return server_info(self.scheduler)
 
     def shutdown(self) -> None:
-        """Stop the grammar compiler threads and drop device state; the engine cannot be used
-        afterwards."""
+        """Stop the grammar compiler threads, end tensor-parallel follower ranks and drop device
+        state; the engine cannot be used afterwards."""
         if self.scheduler is not None and self.scheduler.grammar is not None:
             self.scheduler.grammar.shutdown()
+        if self.scheduler is not None:
+            close_runner(self.scheduler.runner)
         self.scheduler = None  # type: ignore[assignment]
 
     def __enter__(self) -> Engine:

@@ -4,6 +4,11 @@
     Scheduler        ──BatchTokenIdOut──► Detokenizer ──BatchStrOut──► TokenizerManager
     Scheduler        ──ControlResp / ReadyMsg──► TokenizerManager
 
+Tensor parallelism (sgl_tpu/parallel) adds a second channel, decoded by `decode_runner`:
+
+    leader (rank 0)  ──LeaderWelcome, Runner* calls──► follower ranks 1..N-1
+    follower         ──FollowerHello, FollowerReady / FollowerFailed──► leader
+
 Per-step outputs are incremental: a `ReqOutput` carries the step's new token ids, a `ReqStrOut`
 the new text and ids, so a request of L tokens moves O(L) bytes in all, not O(L^2).
 
@@ -107,16 +112,119 @@ class BatchStrOut(msgspec.Struct, tag=True):
     outputs: list[ReqStrOut]
 
 
+# ---- tensor parallelism: the leader's runner calls, replayed by every follower rank -------------
+class SeqStepMsg(msgspec.Struct, array_like=True):
+    """One `executor.step.SeqStep` on the wire. Arrays travel as little-endian bytes (a decode
+    step of 64 sequences with long page tables stays one memcpy per array, not 30k ints)."""
+
+    token_ids: bytes  # i64[k]
+    prefix_len: int
+    pages: bytes  # i64[num_pages]
+    sampling: list[float]  # parallel.calls.RUNNER_SAMPLING_FIELDS, in that order
+    seed: int
+    num_output_tokens: int
+    counts_row: int
+    counts_reset: bool
+    sample_valid: bool
+    bitmask: bytes | None  # i32[W]
+    return_logprob: bool
+
+
+class RunnerForward(msgspec.Struct, tag=True):
+    """`ModelRunner.forward(mode, steps)`; `seq` numbers every call of the channel."""
+
+    seq: int
+    mode: int  # executor.step.ForwardMode
+    steps: list[SeqStepMsg]
+
+
+class RunnerTokenLogprobs(msgspec.Struct, tag=True):
+    """`ModelRunner.token_logprobs` on the hidden states of forward call `hidden_seq`."""
+
+    seq: int
+    hidden_seq: int
+    target_ids: bytes  # i64[n]
+
+
+class RunnerRowLogits(msgspec.Struct, tag=True):
+    """`ModelRunner.row_logits` on the hidden states of forward call `hidden_seq`."""
+
+    seq: int
+    hidden_seq: int
+    rows: bytes  # i64[n]
+
+
+class RunnerWarmup(msgspec.Struct, tag=True):
+    seq: int
+
+
+class RunnerShutdown(msgspec.Struct, tag=True):
+    """The leader is closing: followers leave their loop and exit cleanly."""
+
+    seq: int
+
+
+class FollowerHello(msgspec.Struct, tag=True):
+    """A follower's first message; the leader answers `LeaderWelcome`."""
+
+    rank: int
+    pid: int
+    host: str = ""
+
+
+class LeaderWelcome(msgspec.Struct, tag=True):
+    world_size: int
+
+
+class FollowerReady(msgspec.Struct, tag=True):
+    """A follower loaded its weights and is about to join the group's collectives."""
+
+    rank: int
+
+
+class FollowerFailed(msgspec.Struct, tag=True):
+    """A follower's replay raised: it exits, and the leader's next call reports this."""
+
+    rank: int
+    error: str
+
+
+RunnerCall = RunnerForward | RunnerTokenLogprobs | RunnerRowLogits | RunnerWarmup | RunnerShutdown
+RunnerMessage = RunnerCall | FollowerHello | LeaderWelcome | FollowerReady | FollowerFailed
+
+
+class TorchFollowerSpec(msgspec.Struct, tag=True):
+    """What a local torch tensor-parallel follower process is started with (JSON on stdin;
+    parallel/torch_launch.py)."""
+
+    rank: int
+    world_size: int
+    leader_endpoint: str  # the leader's runner channel
+    init_method: str  # torch.distributed rendezvous, "tcp://host:port"
+    model_path: str | None
+    runner_config: dict[str, Any]  # the leader's RunnerConfig fields, this rank's device
+    parent_pid: int
+    local_rank: int = 0
+    log_level: str = "info"
+    connect_timeout_s: float = 60.0
+    dist_timeout_s: float = 300.0
+
 Message = (TokenizedGenerateReq | AbortReq | ControlReq | ControlResp | ReadyMsg
            | BatchTokenIdOut | BatchStrOut)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
+_runner_decoder = msgspec.msgpack.Decoder(RunnerMessage)
 
 
-def encode(msg: Message) -> bytes:
+def encode(msg: Message | RunnerMessage) -> bytes:
     return _encoder.encode(msg)
 
 
 def decode(data: bytes) -> Message:
     return _decoder.decode(data)
+
+
+def decode_runner(data: bytes) -> RunnerMessage:
+    """A message of the tensor-parallel runner channel (sgl_tpu/parallel)."""
+    return _runner_decoder.decode(data)

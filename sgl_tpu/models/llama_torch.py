@@ -142,12 +142,17 @@ def layer_pre(h: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Te
 
 
 def layer_post(h: torch.Tensor, o: torch.Tensor, w: LayerWeights, cfg: ModelConfig,
-               linear: Linear = F.linear) -> torch.Tensor:
-    """Attention output o [T, H, d] -> o-proj + residual -> SwiGLU MLP + residual; [T, D]."""
-    h = h + linear(o.reshape(h.shape[0], cfg.q_size), w.wo, None)
+               linear: Linear = F.linear,
+               all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """Attention output o [T, H, d] -> o-proj + residual -> SwiGLU MLP + residual; [T, D].
+
+    Under tensor parallelism (sgl_tpu/parallel/torch_tp.py) the o- and down-projections are
+    row-parallel: `all_reduce` sums the ranks' partial [T, D] outputs before each residual."""
+    reduce = all_reduce or (lambda t: t)
+    h = h + reduce(linear(o.reshape(h.shape[0], cfg.q_size), w.wo, None))
     x = rms_norm(h, w.mlp_norm, cfg.rms_norm_eps)
     gate, up = linear(x, w.w_gate_up, None).chunk(2, dim=-1)
-    return h + linear(F.silu(gate) * up, w.w_down, None)
+    return h + reduce(linear(F.silu(gate) * up, w.w_down, None))
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor
@@ -198,13 +203,17 @@ class LlamaTorch:
         """
         cfg = self.cfg
         cos, sin = rope_tables(positions, self.w.inv_freq)
-        h = self.w.embed.index_select(0, input_ids)  # [T, D]
+        h = self.embed(input_ids)  # [T, D]
         for w, (k_pool, v_pool) in zip(self.w.layers, kv_pools, strict=True):
             q, k, v = self.pre(h, w, cos, sin)
             self.write_kv(k_pool, v_pool, k, v, out_slots)
             o = attention(q, k_pool, v_pool)
             h = self.post(h, o, w)
         return self.final_norm(h, self.w.final_norm, cfg.rms_norm_eps)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """i64[T] -> [T, D] (a tensor-parallel model overrides it with a vocab-parallel one)."""
+        return self.w.embed.index_select(0, input_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> float32 logits [N, V].

@@ -1,1 +1,19 @@
-"""Tensor parallelism: the head-split rule (backend-neutral), the JAX mesh and its shardings."""
+"""Tensor parallelism: the head-split rule (backend-neutral), the JAX mesh and its shardings,
+and the runner channel that drives follower ranks from rank 0's scheduler:
+
+    rank 0 (the scheduler process)                      ranks 1..N-1 (followers)
+    Scheduler ──► LeaderRunner ──Runner* call──ROUTER══DEALER──► run_follower loop
+                     │ then the same call                           │ the same call
+                     ▼                                              ▼
+                  local runner (shard 0) ◄══ collectives (torch.distributed / JAX) ══► shard r
+
+Only runner calls cross the channel, never requests: the scheduler's state (queues, radix
+cache, deadlines, session retention) lives on rank 0 alone, and every rank's runner sees the
+same sequence of steps, so their collectives line up. Only rank 0's results are used.
+
+    calls.py       SeqStep <-> wire message
+    channel.py     socket settings (heartbeats) and decoding shared by both ends
+    leader.py      FollowerGroup (ROUTER), LeaderRunner (the scheduler's ModelRunner)
+    follower.py    connect_to_leader, run_follower (backend-neutral replay loop)
+    head_split.py  which tp sizes a model's attention heads allow
+"""

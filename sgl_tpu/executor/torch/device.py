@@ -19,6 +19,8 @@ _CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
 def resolve_device(device: str) -> torch.device:
+    """`device` is "auto", a type ("cpu", "cuda", "tpu") or a type with an index ("cuda:1",
+    one tensor-parallel rank's device)."""
     if device == "auto":
         if importlib.util.find_spec("torch_tpu") is not None:
             device = "tpu"
@@ -26,11 +28,12 @@ def resolve_device(device: str) -> torch.device:
             device = "cuda"
         else:
             device = "cpu"
-    if device == "tpu":
+    kind = device.partition(":")[0]
+    if kind == "tpu":
         if importlib.util.find_spec("torch_tpu") is None:
             raise ValueError("--device tpu needs TorchTPU (the torch_tpu package)")
         import torch_tpu  # noqa: F401  (registers the "tpu" device)
-    elif device == "cuda" and not torch.cuda.is_available():
+    elif kind == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is visible to PyTorch")
     return torch.device(device)
 

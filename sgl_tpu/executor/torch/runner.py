@@ -71,12 +71,10 @@ class TorchModelRunner:
         prepack = (not config.compile and self.device.type == "cpu"
                    and self.dtype == torch.bfloat16)
         self.quantization = None  # quantize.QuantizationReport when projections are quantized
-        self.model = torch_model(model_config.arch).build_model(
-            params, model_config, dtype=self.dtype, device=self.device, prepack=prepack,
-            write_kv=self.attn.write_kv, compile_fn=compile_fn,
-            quantize=self._quantizer(params, model_config))
+        self.model = self._build_model(params, model_config, prepack, compile_fn)
         num_slots = config.num_pages * config.page_size
-        shape = (num_slots, model_config.num_kv_heads, model_config.head_dim)
+        # The model's own head count: a tensor-parallel rank stores only its KV heads.
+        shape = (num_slots, self.model.cfg.num_kv_heads, model_config.head_dim)
         self.kv_pools = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                           torch.zeros(shape, dtype=self.dtype, device=self.device))
                          for _ in range(model_config.num_layers)]
@@ -85,6 +83,13 @@ class TorchModelRunner:
         logger.info("torch backend on %s, %s, compile=%s, prepacked weights=%s, "
                     "quantization=%s", self.device, config.dtype, config.compile, prepack,
                     self.quantization.method if self.quantization else "none")
+
+    def _build_model(self, params: dict, model_config: ModelConfig, prepack: bool, compile_fn):
+        """The registry's torch model for the architecture (parallel/torch_tp.py overrides)."""
+        return torch_model(model_config.arch).build_model(
+            params, model_config, dtype=self.dtype, device=self.device, prepack=prepack,
+            write_kv=self.attn.write_kv, compile_fn=compile_fn,
+            quantize=self._quantizer(params, model_config))
 
     def _quantizer(self, params: dict, model_config: ModelConfig):
         """Weights -> Weights with quantized projections (`config.quantization`), or None."""

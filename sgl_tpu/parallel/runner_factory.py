@@ -1,0 +1,32 @@
+"""The scheduler's runner: a single-device `ModelRunner`, or rank 0 of a tensor-parallel group.
+
+    tp_size 1, one node           executor/registry.create_model_runner
+    --backend torch, tp_size > 1  parallel/torch_launch.start_torch_tp -> LeaderRunner (local
+                                  follower processes, torch.distributed)
+    --backend jax                 the registry's runner (tp_size: its device mesh)
+
+Import-light: a backend's modules load only when it is chosen.
+"""
+
+from __future__ import annotations
+
+from sgl_tpu.config import RunnerConfig, ServerArgs
+from sgl_tpu.executor.registry import create_model_runner
+from sgl_tpu.executor.step import ModelRunner
+
+
+def create_runner(args: ServerArgs, loaded, runner_cfg: RunnerConfig) -> ModelRunner:
+    """`loaded`: the loader's `LoadedModel`."""
+    if runner_cfg.backend == "torch" and (runner_cfg.tp_size > 1 or args.nnodes > 1):
+        from sgl_tpu.parallel.torch_launch import start_torch_tp
+
+        return start_torch_tp(args, loaded.config, loaded.params, loaded.model_path, runner_cfg)
+    return create_model_runner(loaded.config, loaded.params, runner_cfg)
+
+
+def close_runner(runner: ModelRunner) -> None:
+    """Release what a runner holds beyond its own process (a group's follower ranks)."""
+    from sgl_tpu.parallel.leader import LeaderRunner
+
+    if isinstance(runner, LeaderRunner):
+        runner.close()

@@ -155,8 +155,8 @@ def add_routes(app: FastAPI, tm: TokenizerManager) -> None:
         args = {k: v for k, v in vars(tm.args).items() if k != "api_key"}
         # The resolved model, not the flags' None: the sglang-router reads both on registration.
         args.update(model_path=tm.model_path, served_model_name=tm.served_model_name)
-        # One rank of one replica: a `--dp-size` launcher runs each replica as its own server.
-        args.update(tp_size=1, dp_size=1)
+        # One replica (a `--dp-size` launcher runs each as its own server) of tp_size ranks.
+        args.update(tp_size=tm.args.tp_size, dp_size=1)
         return {**args, **resp.data, "version": "0.1.0", "context_len": tm.context_len,
                 "uptime_s": _uptime(tm)}
 

@@ -21,10 +21,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import checkpoints as ck
 import numpy as np
 import pytest
-
-import checkpoints as ck
 
 HERE = Path(__file__).parent
 NUM_DEVICES = 4

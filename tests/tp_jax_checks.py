@@ -111,6 +111,7 @@ def check_sharded_pallas() -> dict:
     pools = [jnp.asarray(rng.standard_normal(pool_shape), jnp.float32) for _ in range(2)]
     put = partial(jax.device_put, device=NamedSharding(mesh, KV_POOL_SPEC))
     heads = NamedSharding(mesh, HEADS_SPEC)
+    kw = dict(kv_tile=kv_tile, scale=d**-0.5)
     out = {}
     for mode, seqs in ((ForwardMode.EXTEND, [(10, 7), (0, 5), (33, 20)]),
                        (ForwardMode.DECODE, [(37, 1), (0, 1), (70, 1)])):
@@ -120,7 +121,6 @@ def check_sharded_pallas() -> dict:
         q = jnp.asarray(rng.standard_normal((t, kvh * group, d)), jnp.float32)
         k_new, v_new = (jnp.asarray(rng.standard_normal((t, kvh, d)), jnp.float32)
                         for _ in range(2))
-        kw = dict(kv_tile=kv_tile, scale=d**-0.5)
         if mode == ForwardMode.DECODE:
             batch = (fb.page_table, fb.seq_lens)
             attend, attend_ref = sharded.decode_attention, ref.decode_attention

@@ -41,7 +41,7 @@ from sgl_tpu.models.config import ModelConfig
 from sgl_tpu.models.registry import jax_model
 from sgl_tpu.parallel import mesh as tp_mesh
 from sgl_tpu.parallel.head_split import check_tp_size
-from sgl_tpu.parallel.shard_ops import gather_logits
+from sgl_tpu.parallel.shard_ops import gather_logits, replicated
 from sgl_tpu.quantization.blocks import quantize_int8
 
 logger = logging.getLogger(__name__)
@@ -70,6 +70,14 @@ def _step_impl(params, kv_pools, token_counts, fb: ForwardBatch, *, cfg: ModelCo
         token_counts = token_counts.at[fb.counts_rows].multiply(keep)
     token_counts = token_counts.at[fb.counts_rows, out.token_ids].add(
         fb.sample_valid.astype(token_counts.dtype))
+    if mesh is not None:
+        # Pin the shardings of what comes back in: an input sharding GSPMD chose differently
+        # from the allocation's would compile the step again on its next call.
+        token_counts, hidden = (lax.with_sharding_constraint(a, replicated(mesh))
+                                for a in (token_counts, hidden))
+        pool_sharding = NamedSharding(mesh, tp_mesh.KV_POOL_SPEC)
+        kv_pools = [tuple(lax.with_sharding_constraint(p, pool_sharding) for p in layer)
+                    for layer in kv_pools]
     return out, hidden, kv_pools, token_counts
 
 

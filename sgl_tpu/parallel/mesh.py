@@ -54,7 +54,10 @@ PARAM_SPECS: dict[str, P] = {
     "wo": _ROW,
     "w_down": _ROW,
 }
-KV_POOL_SPEC = P(TP_AXIS, None, None, None)  # [kvh, num_pages, page_size, d]
+# [kvh, num_pages, page_size, d] split on kvh. Written without trailing Nones: that is how a
+# jitted step reports its outputs' sharding, and a pool allocated as P("tp", None, None, None)
+# would differ from the step's returned one in the jit cache key (one more compilation).
+KV_POOL_SPEC = P(TP_AXIS)
 HEADS_SPEC = P(None, TP_AXIS, None)  # [T, heads, d]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from functools import partial
 
 import jax
@@ -76,7 +77,7 @@ def check_default_model() -> dict:
 def check_refusals() -> dict:
     """Sizes the heads or the devices do not allow: the message of each refusal."""
     out = {}
-    for tp in (2, 8):
+    for tp in (2, 9):
         try:
             Engine(None, tp_size=tp, **SMALL)
             out[f"tp{tp}"] = "accepted"
@@ -151,11 +152,15 @@ def check_sharded_pallas() -> dict:
 
 def main() -> None:
     out_path = sys.argv[1]
-    result = {"devices": jax.device_count(), "pallas": check_sharded_pallas()}
+    checks = {"pallas": check_sharded_pallas, "refusals": check_refusals,
+              "default": check_default_model}
     if len(sys.argv) > 2:
-        result["tiny"] = check_tiny(sys.argv[2])
-    result["refusals"] = check_refusals()
-    result["default"] = check_default_model()
+        checks["tiny"] = partial(check_tiny, sys.argv[2])
+    result: dict = {"devices": jax.device_count(), "seconds": {}}
+    for name, check in checks.items():
+        t0 = time.perf_counter()
+        result[name] = check()
+        result["seconds"][name] = round(time.perf_counter() - t0, 1)
     with open(out_path, "w") as f:
         json.dump(result, f)
 

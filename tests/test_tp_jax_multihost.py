@@ -86,7 +86,7 @@ def test_three_processes_serve_like_tp1(model_dir, tmp_path):
         t0 = time.monotonic()
         server.stop()  # one SIGTERM to rank 0
         for p in followers:
-            p.wait(timeout=60)
+            assert p.wait(timeout=60) == 0, "a follower must leave on the leader's shutdown"
         assert time.monotonic() - t0 < 60
     finally:
         if server is not None:

@@ -150,7 +150,7 @@ def measure(tp: int, batches: list[int], context: int, repeats: int) -> dict:
                  "context": context, "batches": {}}
     for n in batches:
         steps = _decode_steps(n, context, 16, cfg.vocab_size)
-        calls = {f"tp{size}": (lambda r=r: r.forward(ForwardMode.DECODE, steps))
+        calls = {f"tp{size}": (lambda r=r, s=steps: r.forward(ForwardMode.DECODE, s))
                  for size, r in runners.items()}
         sharded = runners[tp]
         calls["collectives_only"] = _collectives_only(

@@ -23,15 +23,18 @@ checkpoint from its own disk and places only its devices' slices (parallel/mesh.
 calls, not requests, are broadcast: the scheduler's time-based state (deadlines, session
 retention) exists once, on rank 0.
 
-Ending: SIGTERM to rank 0 ends its scheduler process; each follower sees its connection to the
-runner channel drop (socket close, or heartbeats stop when the host vanished) and exits. A
-normal close sends `RunnerShutdown`. The channel's port is the coordinator's plus one.
+Ending: SIGTERM to rank 0 stops its scheduler process, whose exit sends `RunnerShutdown`; the
+followers leave their loop, and all ranks leave `jax.distributed` together. A rank 0 that dies
+without a word drops the runner channel (socket closed, or heartbeats stop when its host
+vanished) and each follower exits at once. The channel's port is the coordinator's plus one.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -73,6 +76,9 @@ def init_jax_distributed(args: ServerArgs) -> None:
             f"at --dist-init-addr {host}:{port} within {args.dist_timeout} s (is every rank "
             f"started with the same --nnodes and --dist-init-addr, and rank 0's port reachable "
             f"from this host?): {str(e).splitlines()[0]}") from None
+    # jax.distributed installs a preemption notifier that swallows SIGTERM; a server must stop
+    # when told to.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if args.tp_size != jax.device_count():
         raise ValueError(f"--tp-size {args.tp_size} with --nnodes {args.nnodes}: the group has "
                          f"{jax.device_count()} devices ({jax.local_device_count()} here); "
@@ -91,7 +97,15 @@ def join_jax_group(args: ServerArgs):
     except BaseException:
         group.close()
         raise
+    # SIGTERM (the launcher stopping this process) exits through Python, so the atexit hook
+    # below tells the followers to stop before the JAX coordinator in this process goes away.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    atexit.register(group.close)
     return group
+
+
+def _exit_on_sigterm(signum: int, frame) -> None:
+    raise SystemExit(0)
 
 
 def start_jax_leader(group, loaded, runner_cfg: RunnerConfig) -> ModelRunner:

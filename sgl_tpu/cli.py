@@ -58,6 +58,8 @@ _HELP = {
     "nnodes": "tensor parallelism across hosts: the number of hosts (one process each)",
     "node_rank": "with --nnodes > 1: this host's rank; rank 0 serves HTTP",
     "dist_init_addr": "with --nnodes > 1: HOST:PORT of rank 0, where the ranks meet",
+    "dist_timeout": "with --nnodes > 1: seconds every rank has to join the group (a follower "
+                    "that cannot reach rank 0 exits with an error after this)",
     "router_policy": "with --dp-size > 1: the router's policy (cache_aware keeps each prefix on "
                      "the replica that caches it)",
 }

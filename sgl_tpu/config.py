@@ -139,6 +139,7 @@ class ServerArgs:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
+    dist_timeout: int = 120  # seconds every rank has to join the group (SGLang's --dist-timeout)
     # torch on CPU: the executor's intra-op threads, fixed at start (0 = every CPU the process
     # may use).
     torch_threads: int = 0
@@ -193,6 +194,10 @@ class ServerArgs:
                 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be an integer in [0, nnodes={self.nnodes}), "
                              f"got {self.node_rank!r}")
+        if isinstance(self.dist_timeout, bool) or not isinstance(self.dist_timeout, int) \
+                or self.dist_timeout < 1:
+            raise ValueError(f"dist_timeout must be a positive integer (seconds), got "
+                             f"{self.dist_timeout!r}")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (rank 0's address)")
         if self.router_policy not in ROUTER_POLICIES:

@@ -19,9 +19,10 @@ from sgl_tpu.choices import check_registry_names
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.constrained import GrammarManager, create_backend
 from sgl_tpu.detokenize import DetokenizerState
-from sgl_tpu.executor.registry import runner_config
+from sgl_tpu.executor.registry import resolve_backend, runner_config
 from sgl_tpu.loader import load_model
 from sgl_tpu.messages import TokenizedGenerateReq
+from sgl_tpu.parallel.jax_multihost import join_jax_group, start_jax_leader
 from sgl_tpu.parallel.runner_factory import close_runner, create_runner
 from sgl_tpu.response import ResponseAccumulator, error_status
 from sgl_tpu.sampling_params import SamplingParams, expand_n
@@ -38,9 +39,16 @@ class GenerationError(ValueError):
 def build_scheduler(args: ServerArgs) -> tuple[Scheduler, Any]:
     """Load the model, build and warm the runner, and wrap it in a scheduler."""
     check_registry_names(args)
+    # Multi-host JAX: rank 0 gathers its follower hosts and joins jax.distributed before
+    # anything starts JAX's backend (parallel/jax_multihost.py).
+    group = join_jax_group(args) if args.nnodes > 1 and resolve_backend(args.backend) == "jax" \
+        else None
     loaded = load_model(args.model_path)
     runner_cfg = runner_config(args, loaded.config.context_len)
-    runner = create_runner(args, loaded, runner_cfg)  # tp_size > 1: rank 0 of a group
+    if group is not None:
+        runner = start_jax_leader(group, loaded, runner_cfg)
+    else:
+        runner = create_runner(args, loaded, runner_cfg)  # tp_size > 1: rank 0 of a group
     logger.info("executor backend: %s (%s)", runner_cfg.backend, runner_cfg.dtype)
     if runner_cfg.warmup:
         try:

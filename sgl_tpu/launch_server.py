@@ -18,6 +18,10 @@ def main(argv: list[str] | None = None) -> None:
     from sgl_tpu.cli import parse_args
 
     args = parse_args(argv)
+    if args.nnodes > 1 and args.node_rank > 0:  # a follower host: no HTTP, no scheduler
+        from sgl_tpu.parallel.jax_multihost import run_jax_follower
+
+        raise SystemExit(run_jax_follower(args))
     if args.dp_size > 1:  # replicas behind the sglang-router
         from sgl_tpu.server.replicas import launch_replicas
 

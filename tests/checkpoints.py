@@ -80,7 +80,8 @@ def make_tiny_tokenizer() -> Any:
 
 
 def _build_model(arch: str, vocab_size: int, *, seed: int, tie_word_embeddings: bool,
-                 rope_scaling: dict[str, Any] | None) -> Any:
+                 rope_scaling: dict[str, Any] | None, heads: tuple[int, int] | None = None
+                 ) -> Any:
     import torch
     from transformers import (
         LlamaConfig,
@@ -99,6 +100,9 @@ def _build_model(arch: str, vocab_size: int, *, seed: int, tie_word_embeddings: 
     )
     if rope_scaling is not None:
         common["rope_scaling"] = rope_scaling
+    if heads is not None:
+        common.update(num_attention_heads=heads[0], num_key_value_heads=heads[1],
+                      hidden_size=16 * heads[0])
     classes = {
         "llama": (LlamaConfig, LlamaForCausalLM, {"rope_theta": 10000.0}),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"rope_theta": 1000000.0}),
@@ -108,6 +112,8 @@ def _build_model(arch: str, vocab_size: int, *, seed: int, tie_word_embeddings: 
         raise ValueError(f"unknown test arch {arch!r}")
     config_cls, model_cls, extra = classes[arch]
     torch.manual_seed(seed)
+    if heads is not None:
+        extra = {**extra, "head_dim": 16}
     model = model_cls(config_cls(**common, **extra)).eval()
     with torch.no_grad():  # non-trivial norms and biases, so a mix-up shows
         for p in model.parameters():
@@ -147,15 +153,19 @@ def make_tiny_hf_checkpoint(
     tie_word_embeddings: bool = False,
     rope_scaling: dict[str, Any] | None = None,
     dtype: str = "float32",
+    heads: tuple[int, int] | None = None,
 ) -> str:
-    """Save a tiny random `arch` model (hidden 64, 2 layers, 4 heads, 2 kv heads) into `dir`."""
+    """Save a tiny random `arch` model (hidden 64, 2 layers, 4 heads, 2 kv heads) into `dir`;
+    `heads` = (query heads, KV heads) instead, head_dim 16 and hidden 16 x query heads (e.g.
+    (6, 3) for 3-way TP)."""
     import torch
 
     out = Path(dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = make_tiny_tokenizer()
     model = _build_model(arch, tok.get_vocab_size(), seed=seed,
-                         tie_word_embeddings=tie_word_embeddings, rope_scaling=rope_scaling)
+                         tie_word_embeddings=tie_word_embeddings, rope_scaling=rope_scaling,
+                         heads=heads)
     model.to(getattr(torch, dtype)).save_pretrained(out, safe_serialization=True)
     _write_tokenizer_files(out, tok)
     return str(out)

@@ -21,12 +21,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from sgl_tpu.executor.jax.forward_batch import ForwardBatch
 from sgl_tpu.executor.step import ForwardMode
 from sgl_tpu.kernels.backends import AttentionBackend, get_attention_backend
 from sgl_tpu.models.config import ModelConfig
 from sgl_tpu.models.rope import rope_inv_freq
+from sgl_tpu.parallel.shard_ops import embed_lookup, shard_attention
 
 Params = dict
 KVPools = list  # [(k_pool, v_pool)] per layer, each [kvh, num_pages, page_size, d]
@@ -88,15 +90,22 @@ def forward(
     *,
     kv_tile: int,
     attention_backend: str = "ref",
+    mesh: Mesh | None = None,
 ) -> tuple[jax.Array, KVPools]:
     """Run the decoder; returns final-normed hidden states [T, D] and the updated pools.
 
     `attention_backend` names the KV-write and attention implementation (kernels/backends.py);
-    nothing else depends on it.
+    nothing else depends on it. With a tensor-parallel `mesh` (sgl_tpu/parallel) the params and
+    pools are sharded on it and `cfg` carries the padded sizes: attention runs per device on its
+    heads, the embedding is vocab-parallel, and GSPMD partitions the matmuls.
     """
     attn = get_attention_backend(attention_backend)
     inv_freq = rope_inv_freq(cfg)
-    h = params["embed"][fb.input_ids]  # [T, D]
+    if mesh is not None:
+        attn = shard_attention(attn, mesh)
+        h = embed_lookup(params["embed"], fb.input_ids, mesh)  # [T, D]
+    else:
+        h = params["embed"][fb.input_ids]  # [T, D]
     num_tokens = h.shape[0]
     new_pools = []
     for layer, (k_pool, v_pool) in zip(params["layers"], kv_pools, strict=True):

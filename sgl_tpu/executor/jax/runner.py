@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from sgl_tpu.config import RunnerConfig
 from sgl_tpu.executor.jax.forward_batch import (
@@ -37,6 +39,9 @@ from sgl_tpu.executor.jax.sampler import sample
 from sgl_tpu.executor.step import ForwardMode, SeqStep, StepResult, mask_words, warmup_step
 from sgl_tpu.models.config import ModelConfig
 from sgl_tpu.models.registry import jax_model
+from sgl_tpu.parallel import mesh as tp_mesh
+from sgl_tpu.parallel.head_split import check_tp_size
+from sgl_tpu.parallel.shard_ops import gather_logits, replicated
 from sgl_tpu.quantization.blocks import quantize_int8
 
 logger = logging.getLogger(__name__)
@@ -44,12 +49,20 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
+def _logits(params, hidden, cfg: ModelConfig, vocab_size: int, mesh: Mesh | None):
+    """hidden [N, D] -> float32 logits [N, V], gathered from the vocab shards under TP."""
+    logits = jax_model(cfg.arch).compute_logits(params, hidden, cfg)
+    return gather_logits(logits, vocab_size, mesh)
+
+
 def _step_impl(params, kv_pools, token_counts, fb: ForwardBatch, *, cfg: ModelConfig,
-               mode: ForwardMode, kv_tile: int, num_top: int, attention_backend: str):
+               mode: ForwardMode, kv_tile: int, num_top: int, attention_backend: str,
+               vocab_size: int, mesh: Mesh | None):
     model = jax_model(cfg.arch)
+    tp = {"mesh": mesh} if mesh is not None else {}
     hidden, kv_pools = model.forward(params, kv_pools, fb, cfg, mode, kv_tile=kv_tile,
-                                     attention_backend=attention_backend)
-    logits = model.compute_logits(params, hidden[fb.sample_idx], cfg)  # [S, V]
+                                     attention_backend=attention_backend, **tp)
+    logits = _logits(params, hidden[fb.sample_idx], cfg, vocab_size, mesh)  # [S, V]
     counts = jnp.where(fb.counts_reset[:, None], 0, token_counts[fb.counts_rows])  # [S, V]
     out = sample(logits, fb.sampling, counts, fb.vocab_bitmask, num_top_logprobs=num_top)
     if mode == ForwardMode.EXTEND:
@@ -57,12 +70,21 @@ def _step_impl(params, kv_pools, token_counts, fb: ForwardBatch, *, cfg: ModelCo
         token_counts = token_counts.at[fb.counts_rows].multiply(keep)
     token_counts = token_counts.at[fb.counts_rows, out.token_ids].add(
         fb.sample_valid.astype(token_counts.dtype))
+    if mesh is not None:
+        # Pin the shardings of what comes back in: an input sharding GSPMD chose differently
+        # from the allocation's would compile the step again on its next call.
+        token_counts, hidden = (lax.with_sharding_constraint(a, replicated(mesh))
+                                for a in (token_counts, hidden))
+        pool_sharding = NamedSharding(mesh, tp_mesh.KV_POOL_SPEC)
+        kv_pools = [tuple(lax.with_sharding_constraint(p, pool_sharding) for p in layer)
+                    for layer in kv_pools]
     return out, hidden, kv_pools, token_counts
 
 
-def _token_logprobs_impl(params, hidden, target_ids, *, cfg: ModelConfig, num_top: int):
+def _token_logprobs_impl(params, hidden, target_ids, *, cfg: ModelConfig, num_top: int,
+                         vocab_size: int, mesh: Mesh | None):
     """hidden [T, D], target_ids [T] -> logprob of each target [T], top-K ids/logprobs [T, K]."""
-    logits = jax_model(cfg.arch).compute_logits(params, hidden, cfg)
+    logits = _logits(params, hidden, cfg, vocab_size, mesh)
     logp = jax.nn.log_softmax(logits, axis=-1)  # [T, V]
     chosen = jnp.take_along_axis(logp, target_ids[:, None], axis=-1)[:, 0]
     top_lp, top_ids = lax.top_k(logp, num_top) if num_top else (
@@ -70,9 +92,10 @@ def _token_logprobs_impl(params, hidden, target_ids, *, cfg: ModelConfig, num_to
     return chosen, top_ids.astype(jnp.int32), top_lp
 
 
-def _row_logits_impl(params, hidden, rows, *, cfg: ModelConfig):
+def _row_logits_impl(params, hidden, rows, *, cfg: ModelConfig, vocab_size: int,
+                     mesh: Mesh | None):
     """hidden [T, D], rows i32[R] -> float32 logits [R, V] of those rows."""
-    return jax_model(cfg.arch).compute_logits(params, hidden[rows], cfg)
+    return _logits(params, hidden[rows], cfg, vocab_size, mesh)
 
 
 ROW_LOGITS_BUCKET = 64  # rows per `row_logits` call (one compiled shape per token bucket)
@@ -81,17 +104,27 @@ ROW_LOGITS_BUCKET = 64  # rows per `row_logits` call (one compiled shape per tok
 _PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
-def params_to_device(params: dict, dtype, quantization: str = "none") -> dict:
+def params_to_device(params: dict, dtype, quantization: str = "none",
+                     mesh: Mesh | None = None) -> dict:
     """numpy params -> device arrays; norms stay float32, matrices take the compute dtype.
     With `quantization` "int8" the layers' projections become {"q": i8[in, out], "scale":
-    f32[out]} (weight-only, one scale per output feature; see models/llama.py `matmul`)."""
+    f32[out]} (weight-only, one scale per output feature; see models/llama.py `matmul`).
+    With a tensor-parallel `mesh` each device receives only its slice (parallel/mesh.py)."""
+    place = tp_mesh.place_param(mesh) if mesh is not None else None
+
+    def put(name: str, a: np.ndarray, dt, spec=None) -> jax.Array:
+        if place is None:
+            return jnp.asarray(a, dt)
+        return place(name, np.asarray(a, dt), spec)
 
     def conv(name: str, a: np.ndarray):
         if quantization == "int8" and name in _PROJECTIONS:
             m = quantize_int8(np.ascontiguousarray(np.asarray(a, np.float32).T))  # [out, in]
-            return {"q": jnp.asarray(m.q.T), "scale": jnp.asarray(m.scale)}
+            return {"q": put(name, m.q.T, m.q.dtype),
+                    "scale": put(name, m.scale, m.scale.dtype,
+                                 tp_mesh.scale_spec(name) if place else None)}
         keep_f32 = name.endswith("norm") or a.ndim == 1
-        return jnp.asarray(a, jnp.float32 if keep_f32 else dtype)
+        return put(name, a, jnp.float32 if keep_f32 else dtype)
 
     return {
         k: ([{n: conv(n, a) for n, a in layer.items()} for layer in v] if k == "layers"
@@ -109,31 +142,53 @@ class JaxModelRunner:
         self.dtype = _DTYPES[config.dtype]
         self.vocab_size = model_config.vocab_size
         self.vocab_words = mask_words(self.vocab_size)
-        self.params = params_to_device(params, self.dtype, config.quantization)
+        # Tensor parallelism: the head rule and the device count are checked before any weight
+        # reaches a device; `shard_config` carries the padded sizes the sharded step computes.
+        self.mesh, self.shard_config = None, model_config
+        if config.tp_size > 1:
+            split = check_tp_size(model_config, config.tp_size)
+            self.mesh = tp_mesh.make_mesh(config.tp_size)
+            params = tp_mesh.pad_params(params, split, model_config.head_dim)
+            self.shard_config = dataclasses.replace(
+                model_config, num_kv_heads=split.num_kv_heads_padded,
+                intermediate_size=split.intermediate_size_padded,
+                vocab_size=split.vocab_size_padded)
+        self.params = params_to_device(params, self.dtype, config.quantization, self.mesh)
         self.kv_pools = self._alloc_kv_pools()
         # Row 0 is a scratch row for padding sequences; request rows are 1..max_running.
-        self.token_counts = jnp.zeros((config.max_running_requests + 1, self.vocab_size),
-                                      jnp.int32)
+        self.token_counts = self._zeros((config.max_running_requests + 1, self.vocab_size),
+                                        jnp.int32, replicated=True)
         num_top = config.max_top_logprobs
+        shared = dict(cfg=self.shard_config, vocab_size=self.vocab_size, mesh=self.mesh)
         self._step = jax.jit(
-            partial(_step_impl, cfg=model_config, kv_tile=config.kv_tile, num_top=num_top,
-                    attention_backend=config.attention_backend),
+            partial(_step_impl, kv_tile=config.kv_tile, num_top=num_top,
+                    attention_backend=config.attention_backend, **shared),
             static_argnames=("mode",),
             donate_argnames=("kv_pools", "token_counts"),
         )
         self._token_logprobs = jax.jit(
-            partial(_token_logprobs_impl, cfg=model_config, num_top=num_top))
-        self._row_logits = jax.jit(partial(_row_logits_impl, cfg=model_config))
+            partial(_token_logprobs_impl, num_top=num_top, **shared))
+        self._row_logits = jax.jit(partial(_row_logits_impl, **shared))
 
     # ---- device state -------------------------------------------------------------------
+    def _zeros(self, shape: tuple[int, ...], dtype, replicated: bool = False) -> jax.Array:
+        """Zeros made on the device(s): under TP split like a KV pool, or replicated."""
+        if self.mesh is None:
+            return jnp.zeros(shape, dtype)
+        spec = P() if replicated else tp_mesh.KV_POOL_SPEC
+        return jax.jit(partial(jnp.zeros, shape, dtype),
+                       out_shardings=NamedSharding(self.mesh, spec))()
+
     def _alloc_kv_pools(self) -> list:
-        c, m = self.config, self.model_config
+        c, m = self.config, self.shard_config
         shape = (m.num_kv_heads, c.num_pages, c.page_size, m.head_dim)
-        return [(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+        return [(self._zeros(shape, self.dtype), self._zeros(shape, self.dtype))
                 for _ in range(m.num_layers)]
 
     @property
     def kv_bytes(self) -> int:
+        """KV pool bytes of the whole model (summed over the TP devices; with replicated KV
+        heads each copy counts)."""
         k, _ = self.kv_pools[0]
         return 2 * k.size * k.dtype.itemsize * len(self.kv_pools)
 

@@ -92,8 +92,8 @@ def test_tiny_model_tp2_and_tp4_match_one_device(tiny):
     ("tiny", {"tp_size": 8}, r"4 query heads do not divide by 8"),
     ("tiny", {"tp_size": 2, "torch_compile": "on"}, "runs eagerly"),
     ("tiny", {"tp_size": 2, "quantization": "int8"}, "--quantization int8 with --tp-size > 1"),
-    ("tiny", {"tp_size": 2, "nnodes": 2, "dist_init_addr": "127.0.0.1:1"},
-     "--nnodes > 1 with --backend torch is not supported"),
+    ("tiny", {"tp_size": 3, "nnodes": 2, "dist_init_addr": "127.0.0.1:1"},
+     "--tp-size 3 over --nnodes 2: every host runs the same number of torch ranks"),
 ])
 def test_refusals_come_before_any_follower_starts(tiny, model, kw, message):
     before = set(descendants(os.getpid()))
@@ -106,7 +106,7 @@ def test_follower_that_cannot_connect_exits_with_a_clear_error(tmp_path):
     endpoint = f"ipc://{tempfile.gettempdir()}/sgl_tpu-test-{uuid.uuid4().hex[:12]}"
     spec = {"type": "TorchFollowerSpec", "rank": 1, "world_size": 2,
             "leader_endpoint": endpoint, "init_method": "tcp://127.0.0.1:1",
-            "model_path": str(tmp_path / "never-loaded"), "runner_config": {},
+            "model_path": str(tmp_path / "never-loaded"), "server_args": {},
             "parent_pid": os.getpid(), "connect_timeout_s": 1.0}
     proc = subprocess.run([sys.executable, "-m", "sgl_tpu.parallel.torch_follower"],
                           input=json.dumps(spec), capture_output=True, text=True, timeout=60)
@@ -152,3 +152,53 @@ def test_server_tp3_default_model_matches_tp1_and_dies_with_its_scheduler():
     with Engine(None, **{**SMALL, "max_total_tokens": 4096, "skip_warmup": True}) as engine:
         ref = [o["text"] for o in engine.generate(prompts, body)]
     assert texts == ref
+
+
+TWO_HOSTS = ("--backend", "torch", "--dtype", "float32", "--max-total-tokens", "1024",
+             "--max-running-requests", "2", "--chunked-prefill-size", "32",
+             "--min-token-bucket", "16", "--tp-size", "2", "--nnodes", "2")
+
+
+@pytest.mark.slow
+def test_two_hosts_serve_like_one_device_and_end_together(tiny, tmp_path):
+    """`--nnodes 2`, simulated with two launches on this machine: host 1 starts its rank and
+    no server; host 0 serves; SIGTERM to host 0 ends host 1's rank too."""
+    from server_harness import REPO_ROOT, free_port
+
+    want, _, _ = _run(tiny, PROMPTS[:2], skip_warmup=True)
+    addr = f"127.0.0.1:{free_port()}"
+    with open(tmp_path / "host1.log", "wb") as log:
+        host1 = subprocess.Popen(
+            [sys.executable, "-m", "sgl_tpu.launch_server", "--model-path", tiny, *TWO_HOSTS,
+             "--node-rank", "1", "--dist-init-addr", addr], stdout=log,
+            stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, cwd=REPO_ROOT)
+    server = None
+    try:
+        server = launch_server(*TWO_HOSTS, "--node-rank", "0", "--dist-init-addr", addr,
+                               model_path=tiny)
+        r = requests.post(server.base_url + "/generate",
+                          json={"text": PROMPTS[:2],
+                                "sampling_params": GREEDY}, timeout=120)
+        assert [o["output_ids"] for o in r.json()] == want
+        assert host1.poll() is None
+        server.stop()  # SIGTERM to host 0 only
+        assert host1.wait(timeout=60) == 0, (tmp_path / "host1.log").read_text()[-2000:]
+    finally:
+        if server is not None:
+            server.stop()
+        if host1.poll() is None:
+            host1.kill()
+            host1.wait()
+
+
+def test_host_without_leader_names_the_address(tiny):
+    from server_harness import REPO_ROOT, free_port
+
+    port = free_port()
+    proc = subprocess.run(
+        [sys.executable, "-m", "sgl_tpu.launch_server", "--model-path", tiny, *TWO_HOSTS,
+         "--node-rank", "1", "--dist-init-addr", f"127.0.0.1:{port}", "--dist-timeout", "2"],
+        env={**os.environ, "JAX_PLATFORMS": "cpu"}, cwd=REPO_ROOT, capture_output=True,
+        text=True, timeout=120)
+    assert proc.returncode == 1
+    assert f"rank 1: no leader answered at tcp://127.0.0.1:{port + 1} within 2 s" in proc.stderr

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import requests
 from parallel_helpers import descendants, wait_gone
-from server_harness import launch_server
+from server_harness import REPO_ROOT, free_port, launch_server
 
 from sgl_tpu import Engine
 from sgl_tpu.config import ServerArgs
@@ -163,8 +163,6 @@ TWO_HOSTS = ("--backend", "torch", "--dtype", "float32", "--max-total-tokens", "
 def test_two_hosts_serve_like_one_device_and_end_together(tiny, tmp_path):
     """`--nnodes 2`, simulated with two launches on this machine: host 1 starts its rank and
     no server; host 0 serves; SIGTERM to host 0 ends host 1's rank too."""
-    from server_harness import REPO_ROOT, free_port
-
     want, _, _ = _run(tiny, PROMPTS[:2], skip_warmup=True)
     addr = f"127.0.0.1:{free_port()}"
     with open(tmp_path / "host1.log", "wb") as log:
@@ -192,8 +190,6 @@ def test_two_hosts_serve_like_one_device_and_end_together(tiny, tmp_path):
 
 
 def test_host_without_leader_names_the_address(tiny):
-    from server_harness import REPO_ROOT, free_port
-
     port = free_port()
     proc = subprocess.run(
         [sys.executable, "-m", "sgl_tpu.launch_server", "--model-path", tiny, *TWO_HOSTS,

@@ -58,6 +58,16 @@ _HELP = {
     "nnodes": "tensor parallelism across hosts: the number of hosts (one process each)",
     "node_rank": "with --nnodes > 1: this host's rank; rank 0 serves HTTP",
     "dist_init_addr": "with --nnodes > 1: HOST:PORT of rank 0, where the ranks meet",
+    "speculative_algorithm": "speculative decoding: NGRAM drafts tokens from the request's "
+                             "own prompt and output (agents copy tool outputs, JSON keys, "
+                             "code) and verifies them in the decode step; exact (greedy: the "
+                             "same output; sampling: the same distribution, with a seed the "
+                             "same output). Off by default",
+    "speculative_num_draft_tokens": "most draft tokens per request and decode step (fewer "
+                                    "while its acceptance rate is low)",
+    "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix of the context matched",
+    "speculative_ngram_max_match_window_size": "NGRAM: longest suffix of the context matched "
+                                               "(the longest match wins)",
     "router_policy": "with --dp-size > 1: the router's policy (cache_aware keeps each prefix on "
                      "the replica that caches it)",
 }

@@ -280,3 +280,23 @@ def test_sampled_distribution_matches_plain_decoding(engine, monkeypatch):
         assert table.shape[1] >= 2, "degenerate distribution: the test would prove nothing"
         p_value = chi2_contingency(table)[1]
         assert p_value > 1e-3, (pos, table.tolist())
+
+
+def test_jax_backend_greedy_identical(tmp_path_factory):
+    """The JAX runner runs the same verify rows (a DECODE batch of more sequences)."""
+    model_dir = ck.make_tiny_hf_checkpoint(tmp_path_factory.mktemp("mj") / "llama", "llama")
+    eng = Engine(model_dir, page_size=4, max_total_tokens=2048, max_running_requests=8,
+                 max_extend_seqs=4, chunked_prefill_size=128, min_token_bucket=64,
+                 kv_tile=16, block_q=16, backend="jax", dtype="float32", skip_warmup=True,
+                 speculative_algorithm="NGRAM", speculative_num_draft_tokens=3)
+    try:
+        eng.scheduler.speculator.row_cost = 0.0
+        prompts = _prompts(eng, 2, seed=5)
+        params = [{"temperature": 0, "max_new_tokens": 24, "ignore_eos": True},
+                  {"temperature": 0.7, "seed": 3, "max_new_tokens": 24, "ignore_eos": True}]
+        base = _generate(eng, False, prompts, params)
+        spec = _generate(eng, True, prompts, params)
+        assert _tokens(spec) == _tokens(base)
+        assert eng.scheduler.stats.spec_accepted_tokens > 0
+    finally:
+        eng.shutdown()

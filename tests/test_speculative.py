@@ -23,7 +23,13 @@ from sgl_tpu import Engine
 from sgl_tpu.config import SchedulerConfig, ServerArgs
 from sgl_tpu.executor.step import ForwardMode
 from sgl_tpu.scheduler.ngram import NgramIndex
-from sgl_tpu.scheduler.speculative import accept, choose_num_draft, expected_kept
+from sgl_tpu.scheduler.speculative import (
+    ROW_COST_MAX,
+    Speculator,
+    accept,
+    choose_num_draft,
+    expected_kept,
+)
 
 
 # ---- drafter and rules ----------------------------------------------------------------------
@@ -51,6 +57,8 @@ def test_accept_and_draft_length_rule():
     assert choose_num_draft(0.9, 8, 0.0) == 8  # free rows: draft the most
     assert choose_num_draft(0.05, 8, 0.25) == 0  # rows cost more than they keep
     assert 0 < choose_num_draft(0.6, 8, 0.25) < 8
+    spec = Speculator("NGRAM", 4, 1, 8, max_rows=64)
+    assert spec.row_cost_at(1) < spec.row_cost_at(8) <= ROW_COST_MAX == spec.row_cost_at(64)
 
 
 def test_config_validation_and_cli():
@@ -89,7 +97,7 @@ def _spec_scheduler(num_pages: int = 64, max_running: int = 8, draft: int = 4):
     runner = PlusOneRunner()
     sched = Scheduler(cfg, runner, num_pages=num_pages, decode=lambda ids, skip: "",
                       eos_token_ids=(), vocab_size=1000)
-    sched.speculator.row_cost = 0.0
+    sched.speculator.row_cost = sched.speculator.row_cost_slope = 0.0
     return sched, runner
 
 
@@ -139,7 +147,8 @@ def engine(tmp_path_factory):
                  max_extend_seqs=8, chunked_prefill_size=256, min_token_bucket=32,
                  kv_tile=16, block_q=16, backend="torch", dtype="float32",
                  speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
-    eng.scheduler.speculator.row_cost = 0.0  # draft whenever the n-grams match (coverage)
+    spec = eng.scheduler.speculator
+    spec.row_cost = spec.row_cost_slope = 0.0  # draft whenever the n-grams match (coverage)
     yield eng
     eng.shutdown()
 
@@ -290,7 +299,7 @@ def test_jax_backend_greedy_identical(tmp_path_factory):
                  kv_tile=16, block_q=16, backend="jax", dtype="float32", skip_warmup=True,
                  speculative_algorithm="NGRAM", speculative_num_draft_tokens=3)
     try:
-        eng.scheduler.speculator.row_cost = 0.0
+        eng.scheduler.speculator.row_cost = eng.scheduler.speculator.row_cost_slope = 0.0
         prompts = _prompts(eng, 2, seed=5)
         params = [{"temperature": 0, "max_new_tokens": 24, "ignore_eos": True},
                   {"temperature": 0.7, "seed": 3, "max_new_tokens": 24, "ignore_eos": True}]

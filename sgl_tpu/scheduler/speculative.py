@@ -38,8 +38,9 @@ and drafts that do not fit the step (rows <= the largest decode batch), the free
 draft never evicts cached KV) or max_new_tokens.
 
 Whether to draft at all is decided per request and step (`choose_num_draft`): a verify row
-costs a fraction `row_cost` of a decode step, so a draft of k tokens pays off only while the
-expected number of kept tokens, from the request's running acceptance rate, beats k * row_cost.
+costs a fraction `row_cost_at(batch)` of a sequence's share of the step, so a draft of k tokens
+pays off only while the expected number of kept tokens, from the request's running acceptance
+rate, beats k * row_cost.
 """
 
 from __future__ import annotations
@@ -54,12 +55,20 @@ from sgl_tpu.executor.step import SeqStep
 from sgl_tpu.scheduler.ngram import NgramIndex
 from sgl_tpu.scheduler.req import Req
 
-# A verify row's cost as a fraction of a one-row decode step: measured on the 2-core CPU
-# (SmolLM2-135M, torch backend, 1-8 sequences, 1,300-token contexts) at 0.15-0.35
-# (benchmarks/results/speculative_rows.json); on an accelerator, where a decode step is bound
-# by reading the weights, it is far lower.
-DEFAULT_ROW_COST = 0.25
-ACCEPT_PRIOR = 0.5  # a new request's assumed per-token acceptance rate
+# A verify row's cost as a fraction of one sequence's share of the decode step (the quantity
+# that decides whether a draft raises throughput): on the 2-core CPU (SmolLM2-135M, torch
+# backend, 1,300-token contexts; `python -m sgl_tpu.bench.speculative`,
+# benchmarks/results/speculative_rows.json) 0.04-0.2 alone, 0.3-0.37 with 4 sequences and
+# 0.3-0.64 with 8 (an extra row costs about the same milliseconds while a sequence's share of
+# the step shrinks). Modelled as ROW_COST + ROW_COST_SLOPE * (batch - 1), at most
+# ROW_COST_MAX. On an accelerator, where a decode step is bound by reading the weights, rows
+# are far cheaper.
+ROW_COST = 0.15
+ROW_COST_SLOPE = 0.05
+ROW_COST_MAX = 0.5
+# A new request's assumed per-token acceptance rate: near what the agent-loop workloads
+# measured (react 62%, tool-json 80%), so that drafting is tried even in larger batches.
+ACCEPT_PRIOR = 0.7
 ACCEPT_EMA = 0.3  # weight of the latest verify in the running acceptance rate
 # While a request does not draft (low acceptance), its rate drifts back to the prior by this
 # fraction per step, so it is tried again later (what an agent copies changes within a turn).
@@ -142,14 +151,18 @@ class Speculator:
     Holds no request state of its own (that is on `Req.spec`)."""
 
     def __init__(self, algorithm: str, num_draft_tokens: int, min_window: int,
-                 max_window: int, max_rows: int, row_cost: float = DEFAULT_ROW_COST) -> None:
+                 max_window: int, max_rows: int) -> None:
         if algorithm not in DRAFTERS:
             raise ValueError(f"speculative_algorithm must be one of {tuple(DRAFTERS)}, "
                              f"got {algorithm!r}")
         self.propose = DRAFTERS[algorithm](min_window, max_window)
         self.num_draft_tokens = num_draft_tokens
         self.max_rows = max_rows
-        self.row_cost = row_cost
+        self.row_cost, self.row_cost_slope = ROW_COST, ROW_COST_SLOPE
+
+    def row_cost_at(self, batch: int) -> float:
+        """A verify row's cost relative to a sequence's share of a `batch`-sequence step."""
+        return min(ROW_COST_MAX, self.row_cost + self.row_cost_slope * (batch - 1))
 
     @staticmethod
     def eligible(req: Req) -> bool:
@@ -163,6 +176,7 @@ class Speculator:
     def drafts(self, running: Sequence[Req]) -> dict[int, list[int]]:
         """Drafts (by id(req)) for this step's requests, within the step's row budget."""
         spare = self.max_rows - len(running)
+        row_cost = self.row_cost_at(len(running))
         out: dict[int, list[int]] = {}
         for req in running:
             if spare <= 0:
@@ -173,7 +187,7 @@ class Speculator:
             if req.spec is None:
                 req.spec = SpecState()
             rate = req.spec.accept_rate
-            k = choose_num_draft(rate, room, self.row_cost)
+            k = choose_num_draft(rate, room, row_cost)
             if k == 0:
                 req.spec.accept_rate += ACCEPT_RECOVERY * (ACCEPT_PRIOR - rate)
                 continue

@@ -61,7 +61,10 @@ def run(args: argparse.Namespace) -> dict:
     rcfg = runner_config(sargs, cfg.context_len)
     runner = create_model_runner(cfg, loaded.params, rcfg)
     rng = np.random.default_rng(0)
-    out: dict = {"model": loaded.model_path, "backend": rcfg.backend, "dtype": rcfg.dtype,
+    model = loaded.model_path
+    if os.path.abspath(model).startswith(os.getcwd() + os.sep):
+        model = os.path.relpath(model)  # results are committed: no machine-specific paths
+    out: dict = {"model": model, "backend": rcfg.backend, "dtype": rcfg.dtype,
                  "cpu_count": os.cpu_count(), "shared_tokens": args.shared,
                  "own_tokens": args.own, "repeats": args.repeats, "runs": []}
     for b in batches:

@@ -16,6 +16,9 @@ appended: a lookup costs max_n - min_n + 1 dict probes, not a scan of the contex
 matching n-gram wins. A continuation that runs into the suffix itself (a repeating pattern of
 period p = len - position) is extended periodically, so "a b a b a b" drafts "a b a b ...".
 
+Cost: (max_n - min_n + 1) dict entries per context token, built at a request's first draft
+(about 10k entries for a 1,300-token agent prompt with the default windows 1..8).
+
 Drafts are only guesses: the scheduler verifies them against the model (speculative.py), so
 a stale or wrong index can lower the acceptance rate but never change an output.
 """

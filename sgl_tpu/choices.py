@@ -8,6 +8,7 @@ list them (the CLI offers exactly these), and one check run before a model loads
     tool_call_parser   function_call/          TOOL_CALL_PARSERS (None: from the template)
     reasoning_parser   reasoning_parser.py     REASONING_PARSERS (None: off)
     quantization       quantization/           QUANTIZATION_METHODS (+ auto)
+    speculative_algorithm  scheduler/speculative.py  DRAFTERS (None: off)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def registry_choices() -> dict[str, tuple[str, ...]]:
     from sgl_tpu.quantization import QUANTIZATION_CHOICES
     from sgl_tpu.reasoning_parser import REASONING_PARSERS
     from sgl_tpu.scheduler.policy import POLICIES
+    from sgl_tpu.scheduler.speculative import DRAFTERS
 
     return {
         "schedule_policy": tuple(POLICIES),
@@ -32,10 +34,12 @@ def registry_choices() -> dict[str, tuple[str, ...]]:
         "tool_call_parser": tuple(TOOL_CALL_PARSERS),
         "reasoning_parser": tuple(REASONING_PARSERS),
         "quantization": QUANTIZATION_CHOICES,
+        "speculative_algorithm": tuple(DRAFTERS),
     }
 
 
-_OPTIONAL = ("tool_call_parser", "reasoning_parser")  # None is allowed: see the table above
+# None is allowed: see the table above
+_OPTIONAL = ("tool_call_parser", "reasoning_parser", "speculative_algorithm")
 
 
 def check_registry_names(args: ServerArgs) -> None:

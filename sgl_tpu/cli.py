@@ -60,6 +60,16 @@ _HELP = {
     "dist_init_addr": "with --nnodes > 1: HOST:PORT of rank 0, where the ranks meet",
     "dist_timeout": "with --nnodes > 1: seconds every rank has to join the group (a follower "
                     "that cannot reach rank 0 exits with an error after this)",
+    "speculative_algorithm": "speculative decoding: NGRAM drafts tokens from the request's "
+                             "own prompt and output (agents copy tool outputs, JSON keys, "
+                             "code) and verifies them in the decode step; exact (greedy: the "
+                             "same output; sampling: the same distribution, with a seed the "
+                             "same output). Off by default",
+    "speculative_num_draft_tokens": "most draft tokens per request and decode step (fewer "
+                                    "while its acceptance rate is low)",
+    "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix of the context matched",
+    "speculative_ngram_max_match_window_size": "NGRAM: longest suffix of the context matched "
+                                               "(the longest match wins)",
     "router_policy": "with --dp-size > 1: the router's policy (cache_aware keeps each prefix on "
                      "the replica that caches it)",
 }

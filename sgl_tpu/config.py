@@ -80,6 +80,10 @@ class SchedulerConfig:
     disable_radix_cache: bool = False
     max_top_logprobs: int = 20
     session_retention_s: float = 30.0  # see ServerArgs
+    speculative_algorithm: str | None = None  # see ServerArgs
+    speculative_num_draft_tokens: int = 4
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 8
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,14 @@ class ServerArgs:
     skip_warmup: bool = False
     grammar_backend: str = "llguidance"  # or "outlines", "xgrammar", "none"
     disable_jump_forward: bool = False
+    # Speculative decoding (SGLang's flags; off by default): "NGRAM" drafts up to
+    # speculative_num_draft_tokens tokens per request and step from the request's own context
+    # (its last n tokens, n from the max down to the min window, matched earlier in it) and
+    # verifies them in the decode step (scheduler/speculative.py).
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 8
     log_level: str = "info"
     backend: str = "auto"  # executor: "jax", "torch", or "auto" (the faster one here)
     torch_compile: str = "auto"  # torch backend: auto = on for tpu/cuda, off on CPU (see help)
@@ -205,6 +217,16 @@ class ServerArgs:
                              f"got {self.router_policy!r}")
         if self.router_args and self.dp_size == 1:
             raise ValueError("router flags (--router-*) need --dp-size > 1")
+        for name, hi in (("speculative_num_draft_tokens", 64),
+                         ("speculative_ngram_min_match_window_size", 64),
+                         ("speculative_ngram_max_match_window_size", 64)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
+                raise ValueError(f"{name} must be an integer in [1, {hi}], got {value!r}")
+        if self.speculative_ngram_min_match_window_size \
+                > self.speculative_ngram_max_match_window_size:
+            raise ValueError("speculative_ngram_min_match_window_size must not exceed "
+                             "speculative_ngram_max_match_window_size")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name must not be empty")
 
@@ -222,4 +244,8 @@ class ServerArgs:
             disable_radix_cache=self.disable_radix_cache,
             max_top_logprobs=self.max_top_logprobs,
             session_retention_s=float(self.session_retention_s),
+            speculative_algorithm=self.speculative_algorithm,
+            speculative_num_draft_tokens=self.speculative_num_draft_tokens,
+            speculative_ngram_min_match_window_size=self.speculative_ngram_min_match_window_size,
+            speculative_ngram_max_match_window_size=self.speculative_ngram_max_match_window_size,
         )

@@ -152,11 +152,12 @@ class GrammarSteps:
         self.eos_token_ids = eos_token_ids
         self.disable_jump_forward = disable_jump_forward
 
-    def step_mask(self, req: Req) -> np.ndarray | None:
-        """The grammar's mask, with EOS and stop ids disallowed before min_new_tokens."""
+    def step_mask(self, req: Req, ahead: int = 0) -> np.ndarray | None:
+        """The grammar's mask, with EOS and stop ids disallowed before min_new_tokens; for the
+        output position `ahead` tokens past the request's outputs (a speculative draft's)."""
         row = fill_mask(req, self.mask_words)
         sp = req.sampling
-        if len(req.output_ids) < sp.min_new_tokens:
+        if len(req.output_ids) + ahead < sp.min_new_tokens:
             banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_token_ids)
             if banned:
                 row = np.full(self.mask_words, -1, np.int32) if row is None else row

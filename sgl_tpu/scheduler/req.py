@@ -58,6 +58,7 @@ class Req:
     # against the model's masked argmax after the EXTEND that computes them.
     draft: list[int] = field(default_factory=list)
     draft_masks: list[np.ndarray] = field(default_factory=list)
+    spec: Any = None  # speculative decoding's state (scheduler/speculative.py SpecState)
 
     finish_reason: dict[str, Any] | None = None
     stop_text_offset: int = -1

@@ -24,6 +24,7 @@ it the same way. This class only schedules; the rest of a step's host work lives
     intake.py         message -> Req (re-validated), or a 400 output
     policy.py         waiting-queue order; in-batch prefix sharing
     grammar_steps.py  masks, matcher advance, jump-forward and draft verification
+    speculative.py    speculative decoding: drafts (ngram.py) verified in the DECODE step
     finish.py         stop conditions and finish reasons (wire format)
     output.py         ReqOutput assembly, token log-prob entries
     logprobs.py       prompt log-probs of an EXTEND step
@@ -58,6 +59,7 @@ from sgl_tpu.scheduler.logprobs import collect_input_logprobs
 from sgl_tpu.scheduler.output import error_output, make_output, token_logprobs
 from sgl_tpu.scheduler.policy import InBatchPrefixes, order_waiting
 from sgl_tpu.scheduler.req import Req
+from sgl_tpu.scheduler.speculative import Speculator, accept, verify_steps
 from sgl_tpu.scheduler.stats import SchedulerStats, memory_info
 
 logger = logging.getLogger(__name__)
@@ -96,6 +98,11 @@ class Scheduler:
                              decode=decode)
         self.grammar_steps = GrammarSteps(vocab_size, self.eos_token_ids, disable_jump_forward)
         self._step_reqs: list[Req] = []  # the batch of the step in progress (for fail_all)
+        self.speculator = None if config.speculative_algorithm is None else Speculator(
+            config.speculative_algorithm, config.speculative_num_draft_tokens,
+            config.speculative_ngram_min_match_window_size,
+            config.speculative_ngram_max_match_window_size,
+            max_rows=config.max_running_requests)
 
     # ---- intake ----------------------------------------------------------------------------
     @property
@@ -295,27 +302,36 @@ class Scheduler:
     # ---- DECODE ----------------------------------------------------------------------------
     def _run_decode(self) -> list[ReqOutput]:
         self._ensure_decode_pages()
-        self._step_reqs = batch = []
-        steps, outputs = [], []
+        drafts = self._drafts()
+        self._step_reqs = reqs = []
+        batch, steps, outputs = [], [], []  # batch: (req, draft, its first row)
         for req in list(self.running):
+            draft = drafts.get(id(req), [])
             try:
-                mask = self.grammar_steps.step_mask(req)
+                if draft:
+                    draft, masks = self.speculator.masks(req, draft, self.grammar_steps.step_mask)
+                req_steps = verify_steps(req, draft, masks) if draft else [
+                    req.decode_step(self.grammar_steps.step_mask(req))]
             except Exception as e:
                 outputs.append(self.fail(req, e))
                 continue
-            batch.append(req)
-            steps.append(req.decode_step(mask))
+            reqs.append(req)
+            batch.append((req, draft, len(steps)))
+            steps += req_steps
         if not batch:
             return outputs
         result = self.runner.forward(ForwardMode.DECODE, steps)
         self.stats.num_decode_steps += 1
-        for i, req in enumerate(batch):
-            req.kv_len += 1
+        for req, draft, row in batch:
             try:
-                outputs.append(self._append_token(req, result, i))
+                if draft:
+                    outputs.append(self._append_verified(req, result, row, draft))
+                else:
+                    req.kv_len += 1
+                    outputs.append(self._append_token(req, result, row))
             except Exception as e:
                 outputs.append(self.fail(req, e))
-        self._take_jump_forward(batch)
+        self._take_jump_forward(reqs)
         self.running = [r for r in self.running if not r.finished and not r.jumped]
         return outputs
 
@@ -337,6 +353,24 @@ class Scheduler:
             victim = min(self.running, key=lambda r: (len(r.output_ids), -r.prompt_len))
             self.running.remove(victim)
             self._retract(victim)
+
+    def _drafts(self) -> dict[int, list[int]]:
+        """Speculative drafts (by id(req)) of the running requests, each cut to the pages it
+        holds unless free pages cover it with one page per running request left over (a
+        draft never evicts cached KV nor makes the next step retract)."""
+        if self.speculator is None:
+            return {}
+        drafts = self.speculator.drafts(self.running)
+        ps, alloc = self.kv.page_size, self.kv.allocator
+        for req in self.running:
+            draft = drafts.get(id(req))
+            if not draft:
+                continue
+            need = self.kv.pages_needed(req, req.kv_len + 1 + len(draft))
+            if need and (need + len(self.running) > alloc.num_free_pages
+                         or not self.kv.alloc_pages(req, need)):
+                drafts[id(req)] = draft[: max(0, len(req.pages) * ps - req.kv_len - 1)]
+        return drafts
 
     def _retract(self, req: Req) -> None:
         drop_draft(req)
@@ -372,6 +406,38 @@ class Scheduler:
         if req.finished:
             return self._finish(req, new_ids, logprobs)
         return make_output(req, new_ids, logprobs)
+
+    def _append_verified(self, req: Req, result: StepResult, row: int, draft: list[int]
+                         ) -> ReqOutput:
+        """Append what the verify of `draft` (rows row .. row + len(draft) of `result`) keeps
+        (speculative.py), token by token, stopping where a stop condition ends the request."""
+        sampled = result.token_ids[row : row + len(draft) + 1]
+        kept = accept(draft, sampled)
+        self.speculator.record(req, len(draft), len(kept) - 1)
+        self.stats.spec_verify_reqs += 1
+        self.stats.spec_draft_tokens += len(draft)
+        self.stats.spec_accepted_tokens += len(kept) - 1
+        new_ids: list[int] = []
+        logprobs, tops = [], []
+        for j, token in enumerate(kept):
+            req.kv_len += 1  # the K/V of the token before this one is now kept
+            req.output_ids.append(token)
+            new_ids.append(token)
+            self.stats.generated_tokens += 1
+            lp, top = token_logprobs(req, result, row + j, token)
+            logprobs += lp or []
+            tops += top or []
+            finish.check_finished(req, token, self.eos_token_ids)
+            self.grammar_steps.advance(req, token)
+            if req.finished:
+                break
+        forced = self.grammar_steps.jump_forward(req)
+        self.stats.jump_forward_tokens += len(forced)
+        self.stats.generated_tokens += len(forced)
+        entries = (logprobs, tops or None) if req.return_logprob else (None, None)
+        if req.finished:
+            return self._finish(req, new_ids + forced, entries)
+        return make_output(req, new_ids + forced, entries)
 
     def _take_jump_forward(self, reqs: list[Req]) -> None:
         for req in reqs:

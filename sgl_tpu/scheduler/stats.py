@@ -28,6 +28,11 @@ class SchedulerStats:
     num_decode_steps: int = 0
     jump_forward_tokens: int = 0  # tokens appended by jump-forward (no decode step)
     num_requests_failed: int = 0  # ended by an exception while handling them (faults.py)
+    # Speculative decoding (speculative.py): requests' verifies, their draft tokens, and the
+    # draft tokens kept (acceptance rate = accepted / draft).
+    spec_verify_reqs: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     last_log_time: float = field(default_factory=time.monotonic)
     last_log_tokens: int = 0
 

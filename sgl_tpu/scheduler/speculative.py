@@ -1,0 +1,234 @@
+"""Speculative decoding (host side, no JAX): draft a few tokens per running request, verify
+them all in one DECODE step, keep the longest verified run plus one token from the model.
+
+A request with draft d0 .. d(k-1) (from a drafter of `DRAFTERS`, e.g. n-gram lookup in its own
+context) takes k + 1 rows of the DECODE step instead of one. Row j feeds the token before
+output position o + j (o = outputs so far) and samples output position o + j:
+
+    row      input      prefix_len   samples position   mask (grammar / min_new_tokens)
+    0        last out   kv_len       o                  after the outputs
+    1        d0         kv_len + 1   o + 1              after d0
+    ...
+    k        d(k-1)     kv_len + k   o + k              after d0 .. d(k-1)
+
+Every row writes its input's K/V at its own position and attends to positions < prefix_len + 1,
+which the rows before it wrote in the same layer (each layer writes the step's K/V before its
+attention reads the pool), so row j sees exactly the context of plain decoding after
+d0 .. d(j-1). No new step kind is needed: the runners (both backends) run it as a DECODE batch
+of k + 1 sequences that share pages, and a radix-shared prompt is still read once per step.
+
+Verification is exact, for greedy and for sampling alike. Let s_j be the token row j sampled:
+with the row's own sampling knobs, mask, seed and output position, i.e. the very token plain
+decoding would sample at position o + j after the same prefix (the sampler's random draw is
+keyed by (seed, position), `executor/*/sampler.py`). The output keeps d_j while s_j == d_j and
+then s_j itself (the bonus token s_k when every draft token matched):
+
+    greedy:    s_j is the argmax, so the output is plain greedy decoding.
+    sampling:  s_j ~ p_j, so d_j is kept with probability p_j(d_j), and on a rejection the
+               token is s_j given s_j != d_j: p_j with d_j removed and renormalised. That is
+               the speculative rejection rule for a point-mass draft, whose output is
+               distributed as sampling from p_j; with a seed it is the same token sequence.
+
+The KV rows past the kept tokens hold rejected inputs; kv_len stops before them, so later
+steps overwrite them (pages allocated for a draft stay with the request until it ends).
+
+Excluded rows (they decode one token as before): requests with frequency / presence /
+repetition penalties (the penalty counts of position o + j would have to include d0 .. d(j-1)),
+and drafts that do not fit the step (rows <= the largest decode batch), the free pages (a
+draft never evicts cached KV) or max_new_tokens.
+
+Whether to draft at all is decided per request and step (`choose_num_draft`): a verify row
+costs a fraction `row_cost_at(batch)` of a sequence's share of the step, so a draft of k tokens
+pays off only while the expected number of kept tokens, from the request's running acceptance
+rate, beats k * row_cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from sgl_tpu.executor.step import SeqStep
+from sgl_tpu.scheduler.ngram import NgramIndex
+from sgl_tpu.scheduler.req import Req
+
+# A verify row's cost as a fraction of one sequence's share of the decode step (the quantity
+# that decides whether a draft raises throughput): on the 2-core CPU (SmolLM2-135M, torch
+# backend, 1,300-token contexts; `python -m sgl_tpu.bench.speculative`,
+# benchmarks/results/speculative_rows.json) 0.04-0.2 alone, 0.3-0.37 with 4 sequences and
+# 0.3-0.64 with 8 (an extra row costs about the same milliseconds while a sequence's share of
+# the step shrinks). Modelled as ROW_COST + ROW_COST_SLOPE * (batch - 1), at most
+# ROW_COST_MAX. On an accelerator, where a decode step is bound by reading the weights, rows
+# are far cheaper.
+ROW_COST = 0.15
+ROW_COST_SLOPE = 0.05
+ROW_COST_MAX = 0.5
+# A new request's assumed per-token acceptance rate: near what the agent-loop workloads
+# measured (react 71%, tool-json 83%), so that drafting is tried even in larger batches.
+ACCEPT_PRIOR = 0.7
+ACCEPT_EMA = 0.3  # weight of the latest verify in the running acceptance rate
+# While a request does not draft (low acceptance), its rate drifts back to the prior by this
+# fraction per step, so it is tried again later (what an agent copies changes within a turn).
+ACCEPT_RECOVERY = 0.05
+
+
+@dataclass
+class SpecState:
+    """One request's speculative-decoding state (on `Req.spec`)."""
+
+    accept_rate: float = ACCEPT_PRIOR
+    drafter: Any = None  # the drafter's own state (NGRAM: the request's NgramIndex)
+
+
+def _ngram_drafter(min_n: int, max_n: int) -> Callable[[Req, int], list[int]]:
+    def propose(req: Req, num_tokens: int) -> list[int]:
+        if req.spec.drafter is None:
+            req.spec.drafter = NgramIndex(min_n, max_n)
+        req.spec.drafter.sync(req.fill_ids)
+        return req.spec.drafter.propose(num_tokens)[0]
+
+    return propose
+
+
+# name (SGLang's --speculative-algorithm) -> factory(min window, max window) -> propose(req, k),
+# which may keep per-request state in req.spec.drafter
+DRAFTERS: dict[str, Callable[[int, int], Callable[[Req, int], list[int]]]] = {
+    "NGRAM": _ngram_drafter,
+}
+
+
+def expected_kept(accept_rate: float, k: int) -> float:
+    """Expected tokens a verify of k draft tokens appends: the bonus or correction token plus
+    the accepted run, each draft token accepted with `accept_rate` given the ones before."""
+    return sum(accept_rate**i for i in range(k + 1))
+
+
+def choose_num_draft(accept_rate: float, max_tokens: int, row_cost: float) -> int:
+    """The draft length (0..max_tokens) with the most expected tokens per unit of step cost
+    (1 + row_cost * k); 0 when drafting is not expected to pay."""
+    best, best_k = 1.0, 0
+    for k in range(1, max_tokens + 1):
+        gain = expected_kept(accept_rate, k) / (1.0 + row_cost * k)
+        if gain > best:
+            best, best_k = gain, k
+    return best_k
+
+
+def accept(draft: Sequence[int], sampled: Sequence[int]) -> list[int]:
+    """Tokens a verify appends: draft tokens while they equal the rows' samples, then the
+    first differing sample (or the bonus sample after a fully accepted draft).
+    sampled: the k + 1 rows' tokens."""
+    out: list[int] = []
+    for d, s in zip(draft, sampled, strict=False):
+        if d != s:
+            break
+        out.append(d)
+    out.append(int(sampled[len(out)]))
+    return out
+
+
+def verify_steps(req: Req, draft: Sequence[int], masks: Sequence[np.ndarray | None]
+                 ) -> list[SeqStep]:
+    """The k + 1 DECODE rows of `req` (module docstring); masks[j] for row j."""
+    inputs = [req.output_ids[-1], *draft]
+    o = len(req.output_ids)
+    return [SeqStep(token_ids=[int(inputs[j])], prefix_len=req.kv_len + j, pages=req.pages,
+                    sampling=req.sampling, seed=req.seed, num_output_tokens=o + j,
+                    counts_row=req.row, sample_valid=False, bitmask=masks[j],
+                    return_logprob=req.return_logprob)
+            for j in range(len(draft) + 1)]
+
+
+def mask_allows(mask: np.ndarray | None, token: int) -> bool:
+    return mask is None or bool((int(mask.view(np.uint32)[token // 32]) >> (token % 32)) & 1)
+
+
+class Speculator:
+    """Drafts for the running requests of a DECODE step and the bookkeeping of their verify.
+    Holds no request state of its own (that is on `Req.spec`)."""
+
+    def __init__(self, algorithm: str, num_draft_tokens: int, min_window: int,
+                 max_window: int, max_rows: int) -> None:
+        if algorithm not in DRAFTERS:
+            raise ValueError(f"speculative_algorithm must be one of {tuple(DRAFTERS)}, "
+                             f"got {algorithm!r}")
+        self.propose = DRAFTERS[algorithm](min_window, max_window)
+        self.num_draft_tokens = num_draft_tokens
+        self.max_rows = max_rows
+        self.row_cost, self.row_cost_slope = ROW_COST, ROW_COST_SLOPE
+
+    def row_cost_at(self, batch: int) -> float:
+        """A verify row's cost relative to a sequence's share of a `batch`-sequence step."""
+        return min(ROW_COST_MAX, self.row_cost + self.row_cost_slope * (batch - 1))
+
+    @staticmethod
+    def eligible(req: Req) -> bool:
+        return not req.sampling.uses_penalties and not req.finished
+
+    def draft_room(self, req: Req) -> int:
+        """Draft tokens `req` may take: the bonus token must still fit max_new_tokens."""
+        left = req.sampling.max_new_tokens - len(req.output_ids) - 1
+        return max(0, min(self.num_draft_tokens, left))
+
+    def drafts(self, running: Sequence[Req]) -> dict[int, list[int]]:
+        """Drafts (by id(req)) for this step's requests, within the step's row budget."""
+        spare = self.max_rows - len(running)
+        row_cost = self.row_cost_at(len(running))
+        out: dict[int, list[int]] = {}
+        for req in running:
+            if spare <= 0:
+                break
+            room = min(self.draft_room(req), spare)
+            if room == 0 or not self.eligible(req):
+                continue
+            if req.spec is None:
+                req.spec = SpecState()
+            rate = req.spec.accept_rate
+            k = choose_num_draft(rate, room, row_cost)
+            if k == 0:
+                req.spec.accept_rate += ACCEPT_RECOVERY * (ACCEPT_PRIOR - rate)
+                continue
+            draft = self.propose(req, k)
+            if draft:
+                out[id(req)] = draft
+                spare -= len(draft)
+        return out
+
+    @staticmethod
+    def masks(req: Req, draft: list[int], step_mask: Callable[[Req, int], np.ndarray | None]
+              ) -> tuple[list[int], list[np.ndarray | None]]:
+        """The mask of each verify row (`step_mask(req, j)`: the grammar's mask and the
+        min_new_tokens ban at output position o + j), with the draft cut at its first token
+        that a mask disallows or after which the grammar terminates. The grammar matcher is
+        advanced through the draft and rolled back."""
+        matcher = req.matcher
+        masks: list[np.ndarray | None] = []
+        kept = 0
+        try:
+            for j, token in enumerate(draft):
+                mask = step_mask(req, j)
+                masks.append(mask)
+                if not mask_allows(mask, token) or (
+                        matcher is not None and not matcher.accept_token(token)):
+                    break
+                kept = j + 1
+                if matcher is not None and matcher.is_terminated():
+                    break
+            draft = draft[:kept]
+            del masks[kept:]
+            masks.append(step_mask(req, kept))
+        finally:
+            if matcher is not None and kept:
+                matcher.rollback(kept)
+        return draft, masks
+
+    @staticmethod
+    def record(req: Req, num_draft: int, num_accepted: int) -> None:
+        """Fold one verify into the request's acceptance rate: num_accepted successes out of
+        num_accepted + 1 tries (one failure) or num_draft tries (all accepted)."""
+        tries = num_accepted + (num_accepted < num_draft)
+        rate = num_accepted / tries
+        req.spec.accept_rate += ACCEPT_EMA * (rate - req.spec.accept_rate)

@@ -1,0 +1,311 @@
+"""Speculative decoding (`--speculative-algorithm NGRAM`): the n-gram drafter, the draft-length
+rule, the scheduler against a hand-computable runner, and the in-process Engine with a tiny
+random model, where every output with speculation must equal the output without it:
+
+* greedy, with and without grammars (regex, JSON schema), with stop strings, min/max tokens;
+* seeded sampling (top-p / top-k / min-p), token for token, and log-probs;
+* unseeded sampling: a chi-square two-sample test on the sampled tokens at draft positions;
+* KV pages: integrity after every run, none left held.
+
+One engine serves both sides: speculation is switched by swapping the scheduler's
+`speculator` (same weights, same runner)."""
+
+from __future__ import annotations
+
+import json
+
+import checkpoints as ck
+import numpy as np
+import pytest
+from test_scheduler import PlusOneRunner, expected, request, run_all
+
+from sgl_tpu import Engine
+from sgl_tpu.config import SchedulerConfig, ServerArgs
+from sgl_tpu.executor.step import ForwardMode
+from sgl_tpu.scheduler.ngram import NgramIndex
+from sgl_tpu.scheduler.speculative import (
+    ROW_COST_MAX,
+    Speculator,
+    accept,
+    choose_num_draft,
+    expected_kept,
+)
+
+
+# ---- drafter and rules ----------------------------------------------------------------------
+def test_ngram_longest_match_wins_and_periodic_continuation():
+    idx = NgramIndex(1, 3)
+    idx.sync([1, 2, 3, 9, 2, 3, 7, 8, 1, 2, 3])
+    # suffix (1 2 3) occurred at 0..2, followed by 9; (2 3) alone would say 7 (its latest)
+    assert idx.propose(3) == ([9, 2, 3], 3)
+    idx.sync([1, 2, 3, 9, 2, 3, 7, 8, 1, 2, 3, 5])  # no earlier 5
+    assert idx.propose(4) == ([], 0)
+    rep = NgramIndex(1, 2)
+    rep.sync([4, 5, 4, 5, 4])  # period 2: the continuation runs into the suffix
+    assert rep.propose(5) == ([5, 4, 5, 4, 5], 2)
+    rep.sync([4, 5, 6])  # cut back and changed: rebuilt
+    assert rep.tokens == [4, 5, 6] and rep.propose(2) == ([], 0)
+    with pytest.raises(ValueError):
+        NgramIndex(3, 2)
+
+
+def test_accept_and_draft_length_rule():
+    assert accept([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all kept + bonus
+    assert accept([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # first mismatch replaced
+    assert accept([5], [4, 1]) == [4]
+    assert expected_kept(0.5, 2) == pytest.approx(1.75)
+    assert choose_num_draft(0.9, 8, 0.0) == 8  # free rows: draft the most
+    assert choose_num_draft(0.05, 8, 0.25) == 0  # rows cost more than they keep
+    assert 0 < choose_num_draft(0.6, 8, 0.25) < 8
+    spec = Speculator("NGRAM", 4, 1, 8, max_rows=64)
+    assert spec.row_cost_at(1) < spec.row_cost_at(8) <= ROW_COST_MAX == spec.row_cost_at(64)
+
+
+def test_config_validation_and_cli():
+    from sgl_tpu.choices import check_registry_names
+    from sgl_tpu.cli import parse_args
+
+    args = parse_args(["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens",
+                       "6"])
+    assert args.speculative_algorithm == "NGRAM"
+    assert args.scheduler_config(_runner_cfg()).speculative_num_draft_tokens == 6
+    with pytest.raises(ValueError, match="speculative_num_draft_tokens"):
+        ServerArgs(speculative_num_draft_tokens=0)
+    with pytest.raises(ValueError, match="must not exceed"):
+        ServerArgs(speculative_ngram_min_match_window_size=5,
+                   speculative_ngram_max_match_window_size=2)
+    with pytest.raises(ValueError, match="speculative_algorithm"):
+        check_registry_names(ServerArgs(speculative_algorithm="EAGLE"))
+
+
+def _runner_cfg():
+    from sgl_tpu.config import RunnerConfig
+
+    return RunnerConfig(model_path=None, dtype="float32", page_size=4, num_pages=8,
+                        max_running_requests=4, max_extend_seqs=4, context_len=64,
+                        token_buckets=(64,), seq_buckets=(1, 2, 4), kv_tile=8, block_q=8,
+                        max_top_logprobs=2)
+
+
+# ---- scheduler with a hand-computable runner ------------------------------------------------
+def _spec_scheduler(num_pages: int = 64, max_running: int = 8, draft: int = 4):
+    from sgl_tpu.scheduler.scheduler import Scheduler
+
+    cfg = SchedulerConfig(page_size=4, max_running_requests=max_running, max_extend_seqs=8,
+                          chunked_prefill_size=64, context_len=512,
+                          speculative_algorithm="NGRAM", speculative_num_draft_tokens=draft)
+    runner = PlusOneRunner()
+    sched = Scheduler(cfg, runner, num_pages=num_pages, decode=lambda ids, skip: "",
+                      eos_token_ids=(), vocab_size=1000)
+    sched.speculator.row_cost = sched.speculator.row_cost_slope = 0.0
+    return sched, runner
+
+
+def test_scheduler_verifies_drafts_in_decode_rows_exactly():
+    # The runner answers last token + 1; a prompt that already counted 100..119 once lets the
+    # drafter predict the continuation exactly, so every draft token is kept.
+    sched, runner = _spec_scheduler()
+    prompts = {"a": list(range(100, 130)) + list(range(100, 110)),
+               "b": list(range(300, 320)) + [7, 7] + list(range(300, 305))}
+    for rid, p in prompts.items():
+        assert sched.add_request(request(rid, p, 17)) is None
+    out = run_all(sched)
+    for rid, p in prompts.items():
+        assert out[rid]["ids"] == expected(p, 17), rid
+        assert out[rid]["reason"] == {"type": "length", "length": 17}
+    s = sched.stats
+    # one wrong guess: b's prompt went on with 7 after 319, the runner says 320
+    assert s.spec_accepted_tokens == s.spec_draft_tokens - 1 > 0
+    decodes = [c for m, c in runner.calls if m == ForwardMode.DECODE]
+    assert len(decodes) <= 6  # 16 tokens after the prefill's: 16 steps without drafts
+    # a verify is one DECODE row per input (the last token, then each draft token), within
+    # the largest decode batch (max_running_requests = 8 rows; 2 x 5 would not fit)
+    assert max(len(c) for c in decodes) == 8
+    assert sched.memory_info()["num_pages_requests"] == 0
+
+
+def test_scheduler_speculation_under_kv_pressure_keeps_outputs_exact():
+    # 15 usable pages of 4 tokens; each request grows to 20 + 24 tokens (11 pages)
+    sched, _ = _spec_scheduler(num_pages=16, max_running=6)
+    prompts = {f"r{i}": list(range(100 * i, 100 * i + 16)) + list(range(100 * i, 100 * i + 4))
+               for i in range(3)}
+    for rid, p in prompts.items():
+        assert sched.add_request(request(rid, p, 24)) is None
+    out = run_all(sched)  # checks integrity after every step
+    for rid, p in prompts.items():
+        assert out[rid]["ids"] == expected(p, 24), rid
+    assert sched.stats.spec_accepted_tokens > 0 and sched.stats.num_retractions > 0
+    tree_pages = sched.kv.tree.evictable_size() // 4
+    assert sched.kv.allocator.num_free_pages + tree_pages == 15
+
+
+# ---- the Engine with a tiny random model ----------------------------------------------------
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    model_dir = ck.make_tiny_hf_checkpoint(tmp_path_factory.mktemp("m") / "llama", "llama")
+    eng = Engine(model_dir, page_size=4, max_total_tokens=4096, max_running_requests=16,
+                 max_extend_seqs=8, chunked_prefill_size=256, min_token_bucket=32,
+                 kv_tile=16, block_q=16, backend="torch", dtype="float32",
+                 speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+    spec = eng.scheduler.speculator
+    spec.row_cost = spec.row_cost_slope = 0.0  # draft whenever the n-grams match (coverage)
+    yield eng
+    eng.shutdown()
+
+
+def _prompts(engine, n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat themselves (agents' context does), so the n-grams match."""
+    rng = np.random.default_rng(seed)
+    vocab = engine.model_config.vocab_size
+    out = []
+    for _ in range(n):
+        unit = rng.integers(3, vocab, int(rng.integers(4, 12))).tolist()
+        out.append(unit * 3 + rng.integers(3, vocab, 3).tolist() + unit[:2])
+    return out
+
+
+def _generate(engine, spec: bool, prompts, params, **kw):
+    sched = engine.scheduler
+    saved = sched.speculator
+    before = sched.stats.spec_verify_reqs
+    if not spec:
+        sched.speculator = None
+    try:
+        engine.flush_cache()
+        outs = engine.generate(input_ids=prompts, sampling_params=params, **kw)
+    finally:
+        sched.speculator = saved
+    sched.check_integrity()
+    assert sched.memory_info()["num_pages_requests"] == 0
+    if not spec:
+        assert sched.stats.spec_verify_reqs == before
+    return outs
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o["output_ids"] for o in outs]
+
+
+def test_greedy_identical_with_stops_and_lengths(engine):
+    prompts = _prompts(engine, 6)
+    params = [{"temperature": 0, "max_new_tokens": 40, "ignore_eos": True},
+              {"temperature": 0, "max_new_tokens": 7},
+              {"temperature": 0, "max_new_tokens": 30, "min_new_tokens": 20},
+              {"temperature": 0, "max_new_tokens": 30, "stop": ["e", " t"]},
+              {"temperature": 0, "max_new_tokens": 25, "frequency_penalty": 0.5},
+              {"temperature": 0, "max_new_tokens": 33, "top_k": 1}]
+    base = _generate(engine, False, prompts, params)
+    stats = engine.scheduler.stats
+    drafted, kept = stats.spec_draft_tokens, stats.spec_accepted_tokens
+    spec = _generate(engine, True, prompts, params)
+    assert stats.spec_verify_reqs > 0
+    assert _tokens(spec) == _tokens(base)
+    assert [o["text"] for o in spec] == [o["text"] for o in base]
+    assert [o["meta_info"]["finish_reason"] for o in spec] == \
+        [o["meta_info"]["finish_reason"] for o in base]
+    assert stats.spec_draft_tokens > drafted and stats.spec_accepted_tokens > kept
+
+
+def test_greedy_identical_under_grammars(engine):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "tags": {"type": "array", "maxItems": 4,
+                                                        "items": {"enum": ["ab", "cd"]}}},
+              "required": ["name", "tags"]}
+    prompts = _prompts(engine, 4, seed=1)
+    params = [{"temperature": 0, "max_new_tokens": 60, "json_schema": json.dumps(schema)},
+              {"temperature": 0, "max_new_tokens": 40, "regex": r"(ab|cd|e){3,20}"},
+              {"temperature": 0, "max_new_tokens": 60, "json_schema": json.dumps(schema)},
+              {"temperature": 0, "max_new_tokens": 30, "regex": r"[a-c]{1,25}x"}]
+    base = _generate(engine, False, prompts, params)
+    stats = engine.scheduler.stats
+    drafted, kept = stats.spec_draft_tokens, stats.spec_accepted_tokens
+    spec = _generate(engine, True, prompts, params)
+    assert _tokens(spec) == _tokens(base)
+    assert stats.spec_draft_tokens > drafted and stats.spec_accepted_tokens > kept
+    for o in spec[::2]:  # the tiny model rambles: the object may be cut at max_new_tokens
+        assert o["text"].startswith('{"name"')
+
+
+SAMPLED = [{"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 30},
+           {"temperature": 1.0, "top_k": 20, "max_new_tokens": 30},
+           {"temperature": 0.6, "min_p": 0.05, "max_new_tokens": 30, "stop": ["e"]},
+           {"temperature": 0.5, "max_new_tokens": 30, "presence_penalty": 0.3}]
+
+
+def test_seeded_sampling_identical_with_logprobs(engine):
+    prompts = _prompts(engine, 4, seed=2)
+    params = [{**p, "seed": 11 + i} for i, p in enumerate(SAMPLED)]
+    kw = {"return_logprob": True, "top_logprobs_num": 2}
+    base = _generate(engine, False, prompts, params, **kw)
+    spec = _generate(engine, True, prompts, params, **kw)
+    assert _tokens(spec) == _tokens(base)
+    for b, s in zip(base, spec, strict=True):
+        lb, ls = b["meta_info"]["output_token_logprobs"], s["meta_info"]["output_token_logprobs"]
+        assert [t[1] for t in ls] == [t[1] for t in lb] == s["output_ids"]
+        np.testing.assert_allclose([t[0] for t in ls], [t[0] for t in lb], atol=1e-4)
+        tb, ts = b["meta_info"]["output_top_logprobs"], s["meta_info"]["output_top_logprobs"]
+        assert [[t[1] for t in row] for row in ts] == [[t[1] for t in row] for row in tb]
+
+
+def test_sampled_distribution_matches_plain_decoding(engine, monkeypatch):
+    """Independent samples (disjoint seeds) with and without speculation: the tokens at output
+    positions 1..3, where drafts are verified, must be drawn from the same distribution
+    (chi-square two-sample test over the tokens seen at least 10 times, the rest pooled).
+    The drafts are the greedy continuation (the likeliest tokens), so the verify both keeps
+    and rejects them often."""
+    from scipy.stats import chi2_contingency
+
+    prompt = _prompts(engine, 1, seed=3)[0]
+    n = 240
+    # the random model's logits are flat: a low temperature and top-k make a spread of
+    # likely and unlikely tokens
+    sp = {"temperature": 0.15, "top_k": 3, "max_new_tokens": 4, "ignore_eos": True}
+    greedy = engine.generate(input_ids=prompt, sampling_params={**sp, "temperature": 0})
+    guess = greedy["output_ids"]
+    monkeypatch.setattr(engine.scheduler.speculator, "propose",
+                        lambda req, k: guess[len(req.output_ids) : len(req.output_ids) + k])
+    stats = engine.scheduler.stats
+    drafted, kept = stats.spec_draft_tokens, stats.spec_accepted_tokens
+    chunk = 4  # requests per call: their drafts fit the decode batch (16 rows)
+
+    def run(spec: bool, seed0: int) -> list[dict]:
+        return [o for c in range(0, n, chunk) for o in _generate(
+            engine, spec, [prompt] * chunk,
+            [{**sp, "seed": seed0 + c + s} for s in range(chunk)])]
+
+    spec = run(True, 0)
+    num_drafted, num_kept = stats.spec_draft_tokens - drafted, stats.spec_accepted_tokens - kept
+    assert num_drafted > n and 0.1 < num_kept / num_drafted < 0.9  # kept and rejected
+    base = run(False, 10_000)
+    for pos in (1, 2, 3):
+        a = [o["output_ids"][pos] for o in spec]
+        b = [o["output_ids"][pos] for o in base]
+        values, counts = np.unique(a + b, return_counts=True)
+        common = values[counts >= 10].tolist()
+        table = [[sum(t == v for t in side) for v in common]
+                 + [sum(t not in common for t in side)] for side in (a, b)]
+        table = np.array(table)
+        table = table[:, table.sum(axis=0) > 0]
+        assert table.shape[1] >= 2, "degenerate distribution: the test would prove nothing"
+        p_value = chi2_contingency(table)[1]
+        assert p_value > 1e-3, (pos, table.tolist())
+
+
+def test_jax_backend_greedy_identical(tmp_path_factory):
+    """The JAX runner runs the same verify rows (a DECODE batch of more sequences)."""
+    model_dir = ck.make_tiny_hf_checkpoint(tmp_path_factory.mktemp("mj") / "llama", "llama")
+    eng = Engine(model_dir, page_size=4, max_total_tokens=2048, max_running_requests=8,
+                 max_extend_seqs=4, chunked_prefill_size=128, min_token_bucket=64,
+                 kv_tile=16, block_q=16, backend="jax", dtype="float32", skip_warmup=True,
+                 speculative_algorithm="NGRAM", speculative_num_draft_tokens=3)
+    try:
+        eng.scheduler.speculator.row_cost = eng.scheduler.speculator.row_cost_slope = 0.0
+        prompts = _prompts(eng, 2, seed=5)
+        params = [{"temperature": 0, "max_new_tokens": 24, "ignore_eos": True},
+                  {"temperature": 0.7, "seed": 3, "max_new_tokens": 24, "ignore_eos": True}]
+        base = _generate(eng, False, prompts, params)
+        spec = _generate(eng, True, prompts, params)
+        assert _tokens(spec) == _tokens(base)
+        assert eng.scheduler.stats.spec_accepted_tokens > 0
+    finally:
+        eng.shutdown()

@@ -29,7 +29,7 @@ from sgl_tpu.parallel.shard_ops import shard_attention
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
 SMALL = dict(backend="jax", dtype="float32", page_size=4, max_total_tokens=1024,
-             max_running_requests=2, max_extend_seqs=2, chunked_prefill_size=32,
+             max_running_requests=1, max_extend_seqs=1, chunked_prefill_size=32,
              min_token_bucket=32, kv_tile=16, block_q=16)
 
 

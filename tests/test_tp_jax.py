@@ -86,6 +86,15 @@ def test_tiny_checkpoint_tp_equals_tp1(results, tp):
     assert r[f"tp{tp}_kv_heads_per_device"] == 1
 
 
+def test_decode_step_moves_only_activations(results):
+    """The compiled TP 2 decode step's collectives: one all-reduce of [S, D] after the
+    embedding and after each layer's o- and down-projection, one all-gather of the logits;
+    no weight or KV is ever moved between devices."""
+    r = results["tiny"]
+    assert r["tp2_decode_collectives"] == {"all-gather": 1,
+                                           "all-reduce": 2 * r["num_layers"] + 1}
+
+
 @pytest.mark.parametrize("mode", ["extend", "decode"])
 def test_sharded_pallas_equals_reference(results, mode):
     r = results["pallas"][mode]

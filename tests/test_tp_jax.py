@@ -101,3 +101,16 @@ def test_sharded_pallas_equals_reference(results, mode):
     assert r["pools_equal"], "the sharded KV write must write exactly the reference's slots"
     assert r["max_abs_diff"] < 1e-5
     assert "tp" in r["out_sharding"]
+
+
+def test_server_refuses_tp_size_before_starting_processes():
+    """`launch_server --tp-size 2` on the default model: one error line, exit 1, before the
+    scheduler process (which would load the weights) is started."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", "sgl_tpu.launch_server", "--backend", "jax",
+                           "--tp-size", "2"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 1
+    assert "error: --tp-size 2 does not fit this model's heads (9 query heads, 3 KV heads)" \
+        in proc.stderr
+    assert "scheduler" not in proc.stderr

@@ -16,4 +16,10 @@ same sequence of steps, so their collectives line up. Only rank 0's results are 
     leader.py      FollowerGroup (ROUTER), LeaderRunner (the scheduler's ModelRunner)
     follower.py    connect_to_leader, run_follower (backend-neutral replay loop)
     head_split.py  which tp sizes a model's attention heads allow
+
+    JAX (one program over a device mesh; on one host no follower processes at all):
+    mesh.py           the mesh, the weight-name -> PartitionSpec table, host-side padding
+    shard_ops.py      shard_map wrappers: attention/KV write per device, vocab-parallel
+                      embedding, logits gathered before the sampler
+    jax_multihost.py  --nnodes: jax.distributed + the runner channel (rank 0 and followers)
 """

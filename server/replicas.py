@@ -60,10 +60,12 @@ class Placement:
     env: dict[str, str]
 
 
-def plan_placements(dp_size: int, device: str, cpus: list[int]) -> list[Placement]:
+def plan_placements(dp_size: int, device: str, cpus: list[int], tp_size: int = 1
+                    ) -> list[Placement]:
     """Split the machine between `dp_size` replicas. `device` is "tpu", "cuda" or "cpu".
     On CPU each replica gets len(cpus) // dp_size cores (at least one; with more replicas than
-    cores they share round-robin)."""
+    cores they share round-robin; its tensor-parallel ranks split them); on CUDA `tp_size`
+    GPUs, one per tensor-parallel rank."""
     if device == "tpu":
         return [Placement(None, {
             "TPU_VISIBLE_CHIPS": str(i), "TPU_VISIBLE_DEVICES": str(i),
@@ -72,7 +74,8 @@ def plan_placements(dp_size: int, device: str, cpus: list[int]) -> list[Placemen
             "TPU_MESH_CONTROLLER_ADDRESS": f"localhost:{TPU_PORT_BASE + i}",
             "TPU_MESH_CONTROLLER_PORT": str(TPU_PORT_BASE + i)}) for i in range(dp_size)]
     if device == "cuda":
-        return [Placement(None, {"CUDA_VISIBLE_DEVICES": str(i)}) for i in range(dp_size)]
+        return [Placement(None, {"CUDA_VISIBLE_DEVICES": ",".join(
+            str(g) for g in range(i * tp_size, (i + 1) * tp_size))}) for i in range(dp_size)]
     per = max(1, len(cpus) // dp_size)
     out = []
     for i in range(dp_size):
@@ -164,7 +167,7 @@ class ReplicaSet:
         device = detect_device(self.args)
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
             else list(range(os.cpu_count() or 1))
-        placements = plan_placements(self.args.dp_size, device, cpus)
+        placements = plan_placements(self.args.dp_size, device, cpus, self.args.tp_size)
         self.ports = free_ports(self.args.port, self.args.dp_size)
         for i, (place, port) in enumerate(zip(placements, self.ports, strict=True)):
             logger.info("replica %d: port %d, %s", i, port,

@@ -19,9 +19,9 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     if args.nnodes > 1 and args.node_rank > 0:  # a follower host: no HTTP, no scheduler
-        from sgl_tpu.parallel.jax_multihost import run_jax_follower
+        from sgl_tpu.parallel.runner_factory import run_follower_host
 
-        raise SystemExit(run_jax_follower(args))
+        raise SystemExit(run_follower_host(args))
     if args.dp_size > 1:  # replicas behind the sglang-router
         from sgl_tpu.server.replicas import launch_replicas
 

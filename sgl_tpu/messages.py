@@ -202,9 +202,10 @@ class TorchFollowerSpec(msgspec.Struct, tag=True):
     leader_endpoint: str  # the leader's runner channel
     init_method: str  # torch.distributed rendezvous, "tcp://host:port"
     model_path: str | None
-    runner_config: dict[str, Any]  # the leader's RunnerConfig fields, this rank's device
+    server_args: dict[str, Any]  # the leader's ServerArgs fields (the runner config follows)
     parent_pid: int
-    local_rank: int = 0
+    local_rank: int = 0  # rank on its host: its device index
+    ranks_per_node: int = 1  # ranks on its host (they split the host's CPUs)
     log_level: str = "info"
     connect_timeout_s: float = 60.0
     dist_timeout_s: float = 300.0

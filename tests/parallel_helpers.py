@@ -3,6 +3,8 @@
 
     python tests/parallel_helpers.py follower ENDPOINT RANK   # replays into a RecordingRunner
     python tests/parallel_helpers.py leader ENDPOINT WORLD    # waits for followers, then idles
+
+and process-tree helpers (Linux /proc) for "nothing is left behind" checks.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -59,6 +62,36 @@ class RecordingRunner:
 
     def num_compilations(self) -> int:
         return 0
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc), children first."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        for c in children:
+            out += [c, *descendants(c)]
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def wait_gone(pids: list[int], timeout_s: float = 20.0) -> list[int]:
+    """The pids still alive after waiting up to `timeout_s` for them to exit."""
+    deadline = time.monotonic() + timeout_s
+    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
 
 
 def _main(argv: list[str]) -> None:

@@ -15,6 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 from parallel_helpers import RecordingRunner
@@ -51,6 +52,7 @@ RUNNER_MESSAGES = [
     M.RunnerShutdown(seq=5),
     M.FollowerHello(rank=2, pid=123, host="h"),
     M.LeaderWelcome(world_size=3),
+    M.FollowerReady(rank=2),
     M.FollowerFailed(rank=1, error="boom"),
 ]
 
@@ -59,6 +61,14 @@ RUNNER_MESSAGES = [
 def test_runner_messages_round_trip(msg):
     decoded = M.decode_runner(M.encode(msg))
     assert type(decoded) is type(msg) and decoded == msg
+
+
+def test_torch_follower_spec_round_trips_as_json():
+    spec = M.TorchFollowerSpec(rank=2, world_size=4, leader_endpoint="tcp://h:5001",
+                               init_method="tcp://h:5000", model_path=None,
+                               server_args={"tp_size": 4, "allow_origins": ["x"]},
+                               parent_pid=7, local_rank=0, ranks_per_node=2)
+    assert msgspec.json.decode(msgspec.json.encode(spec), type=M.TorchFollowerSpec) == spec
 
 
 def test_seq_step_survives_the_wire():

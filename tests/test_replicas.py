@@ -75,6 +75,8 @@ def test_placements_split_the_machine():
     assert [p.env["TPU_VISIBLE_CHIPS"] for p in tpu] == ["0", "1", "2", "3"]
     assert len({p.env["TPU_PROCESS_PORT"] for p in tpu}) == 4
     assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plan_placements(2, "cuda", [0])] == ["0", "1"]
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plan_placements(2, "cuda", [0], tp_size=2)
+            ] == ["0,1", "2,3"]  # each replica's tensor-parallel ranks get a GPU each
 
 
 def test_sampling_seed_is_the_seed():

@@ -170,11 +170,10 @@ def run_follower(runner: ModelRunner, leader: str | LeaderLink, *, rank: int | N
             if parent_pid is not None and os.getppid() != parent_pid:
                 return _gone(link, "its parent process exited")
             ready = dict(poller.poll(POLL_MS))
-            if link.monitor in ready:
-                event = recv_monitor_message(link.monitor)
-                if event["event"] == zmq.EVENT_DISCONNECTED:
+            if link.sock not in ready:  # calls first: a closing leader's last one is shutdown
+                if link.monitor in ready and (recv_monitor_message(link.monitor)["event"]
+                                              == zmq.EVENT_DISCONNECTED):
                     return _gone(link, "the connection dropped")
-            if link.sock not in ready:
                 continue
             msg = decode_or_none(link.sock.recv())
             if msg is None or not hasattr(msg, "seq"):

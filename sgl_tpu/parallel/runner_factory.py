@@ -1,8 +1,8 @@
 """The scheduler's runner: a single-device `ModelRunner`, or rank 0 of a tensor-parallel group.
 
     tp_size 1, one node           executor/registry.create_model_runner
-    --backend torch, tp_size > 1  parallel/torch_launch.start_torch_tp -> LeaderRunner (local
-                                  follower processes, torch.distributed)
+    --backend torch, tp_size > 1  parallel/torch_launch.start_torch_tp -> LeaderRunner (follower
+                                  processes, torch.distributed; --nnodes: several hosts)
     --backend jax                 the registry's runner (tp_size: its device mesh)
 
 Import-light: a backend's modules load only when it is chosen.
@@ -30,3 +30,17 @@ def close_runner(runner: ModelRunner) -> None:
 
     if isinstance(runner, LeaderRunner):
         runner.close()
+
+
+def run_follower_host(args: ServerArgs) -> int:
+    """`launch_server --nnodes M --node-rank R` with R > 0: this host's follower ranks of the
+    backend's multi-host group (no HTTP, no scheduler); the process exit code."""
+    from sgl_tpu.executor.registry import resolve_backend
+
+    if resolve_backend(args.backend) == "torch":
+        from sgl_tpu.parallel.torch_launch import run_torch_node
+
+        return run_torch_node(args)
+    from sgl_tpu.parallel.jax_multihost import run_jax_follower
+
+    return run_jax_follower(args)

@@ -42,12 +42,18 @@ def main() -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     try:
-        from sgl_tpu.config import RunnerConfig
+        from sgl_tpu.config import ServerArgs
+        from sgl_tpu.executor.registry import runner_config
+        from sgl_tpu.executor.torch.device import resolve_device
         from sgl_tpu.loader import load_model
+        from sgl_tpu.parallel.torch_launch import rank_runner_config
         from sgl_tpu.parallel.torch_tp import TorchTPModelRunner, TPRank
 
-        config = msgspec.convert(spec.runner_config, RunnerConfig)
+        args = msgspec.convert(spec.server_args, ServerArgs)
         loaded = load_model(spec.model_path)
+        config = rank_runner_config(runner_config(args, loaded.config.context_len),
+                                    resolve_device(args.device).type, spec.local_rank,
+                                    spec.ranks_per_node)
         link.send(FollowerReady(rank=spec.rank))
         runner = TorchTPModelRunner(
             loaded.config, loaded.params, config,

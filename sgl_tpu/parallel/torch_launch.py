@@ -1,5 +1,6 @@
-"""Start `--backend torch --tp-size N` on one host: rank 0 in the calling process (the scheduler
-process, or the caller of `Engine`), ranks 1..N-1 as follower processes.
+"""Start `--backend torch --tp-size N`: rank 0 in the calling process (the scheduler process, or
+the caller of `Engine`), ranks 1..N-1 as follower processes (on this host, or with `--nnodes M`
+N/M per host, started there by `run_torch_node`).
 
     start_torch_tp (rank 0)                            python -m sgl_tpu.parallel.torch_follower
       check_torch_tp: every refusal, before any          (one per rank, TorchFollowerSpec on stdin)
@@ -62,9 +63,7 @@ def _device_count(kind: str) -> int | None:
 def check_torch_tp(args: ServerArgs, model_config: ModelConfig) -> HeadSplit:
     """Every reason `--backend torch --tp-size N` cannot run, as a ValueError, before any
     follower starts or any weight reaches a device."""
-    if args.nnodes > 1:
-        raise ValueError("--nnodes > 1 with --backend torch is not supported: torch tensor "
-                         "parallelism starts its --tp-size ranks on this host")
+    check_nodes(args)
     split = check_tp_size(model_config, args.tp_size)
     if args.torch_compile == "on":
         raise ValueError("--tp-size > 1 with --backend torch runs eagerly: drop --torch-compile "
@@ -75,10 +74,21 @@ def check_torch_tp(args: ServerArgs, model_config: ModelConfig) -> HeadSplit:
     kind = resolve_device(args.device).type
     dist_backend(kind)
     available = _device_count(kind)
-    if available is not None and args.tp_size > available:
-        raise ValueError(f"--tp-size {args.tp_size} needs {args.tp_size} {kind} devices, one per "
-                         f"rank; {available} visible")
+    per_node = args.tp_size // args.nnodes
+    if available is not None and per_node > available:
+        where = "" if args.nnodes == 1 else f" on each of --nnodes {args.nnodes} hosts"
+        raise ValueError(f"--tp-size {args.tp_size} needs {per_node} {kind} devices{where}, one "
+                         f"per rank; {available} visible")
     return split
+
+
+def check_nodes(args: ServerArgs) -> int:
+    """Ranks per host; ValueError when --tp-size does not spread evenly over --nnodes."""
+    if args.tp_size % args.nnodes or args.tp_size < args.nnodes:
+        raise ValueError(f"--tp-size {args.tp_size} over --nnodes {args.nnodes}: every host runs "
+                         f"the same number of torch ranks, so --tp-size must be a multiple of "
+                         f"--nnodes")
+    return args.tp_size // args.nnodes
 
 
 def rank_runner_config(cfg: RunnerConfig, kind: str, local_rank: int, world_size: int
@@ -136,26 +146,43 @@ def _finish(procs: Mapping[int, subprocess.Popen], grace_s: float = REAP_GRACE_S
         dist.destroy_process_group()
 
 
+def _spawn_ranks(args: ServerArgs, ranks: range, per_node: int, leader_endpoint: str,
+                 init_method: str, connect_timeout_s: float) -> dict[int, subprocess.Popen]:
+    return {rank: _spawn(TorchFollowerSpec(
+        rank=rank, world_size=args.tp_size, leader_endpoint=leader_endpoint,
+        init_method=init_method, model_path=args.model_path,
+        server_args=msgspec.to_builtins(args), parent_pid=os.getpid(),
+        local_rank=rank % per_node, ranks_per_node=per_node, log_level=args.log_level,
+        connect_timeout_s=connect_timeout_s)) for rank in ranks}
+
+
 def start_torch_tp(args: ServerArgs, model_config: ModelConfig, params: dict,
                    model_path: str, runner_cfg: RunnerConfig) -> LeaderRunner:
-    """Rank 0's runner of a new local torch tensor-parallel group (see the module docstring)."""
+    """Rank 0's runner of a new torch tensor-parallel group (see the module docstring).
+
+    With `--nnodes M` the runner channel listens on `--dist-init-addr`'s port + 1 (as for
+    JAX, parallel/jax_multihost.py), the ranks meet at `--dist-init-addr`, and this host starts
+    ranks 1..N/M-1; hosts 1..M-1 start theirs with `run_torch_node`."""
     check_torch_tp(args, model_config)
-    tp = args.tp_size
+    tp, per_node = args.tp_size, args.tp_size // args.nnodes
     kind = resolve_device(args.device).type
-    leader_cfg = rank_runner_config(runner_cfg, kind, 0, tp)
-    group = FollowerGroup(f"ipc://{tempfile.gettempdir()}/sgl_tpu-{os.getpid()}-tp", tp)
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    leader_cfg = rank_runner_config(runner_cfg, kind, 0, per_node)
+    args = dataclasses.replace(args, model_path=model_path)  # followers load the same file
+    if args.nnodes > 1:
+        from sgl_tpu.parallel.jax_multihost import runner_channel
+
+        bind, dial = runner_channel(args, bind=True), runner_channel(args, bind=False)
+        init_method, connect_timeout_s = f"tcp://{args.dist_init_addr}", args.dist_timeout
+    else:
+        bind, dial = f"ipc://{tempfile.gettempdir()}/sgl_tpu-{os.getpid()}-tp", None
+        init_method, connect_timeout_s = f"tcp://127.0.0.1:{_free_port()}", CONNECT_TIMEOUT_S
+    group = FollowerGroup(bind, tp)
     procs: dict[int, subprocess.Popen] = {}
     try:
-        for rank in range(1, tp):
-            cfg = rank_runner_config(runner_cfg, kind, rank, tp)
-            procs[rank] = _spawn(TorchFollowerSpec(
-                rank=rank, world_size=tp, leader_endpoint=group.endpoint,
-                init_method=init_method, model_path=model_path,
-                runner_config=msgspec.to_builtins(cfg), parent_pid=os.getpid(),
-                local_rank=rank, log_level=args.log_level, connect_timeout_s=CONNECT_TIMEOUT_S))
+        procs = _spawn_ranks(args, range(1, per_node), per_node, dial or group.endpoint,
+                             init_method, connect_timeout_s)
         check = partial(_check_alive, procs)
-        group.wait_for_followers(CONNECT_TIMEOUT_S, check)
+        group.wait_for_followers(connect_timeout_s, check)
         group.wait_until_ready(READY_TIMEOUT_S, check)
         runner = TorchTPModelRunner(model_config, params, leader_cfg,
                                     TPRank(rank=0, world_size=tp, init_method=init_method))
@@ -163,6 +190,32 @@ def start_torch_tp(args: ServerArgs, model_config: ModelConfig, params: dict,
         group.close()
         _finish(procs, grace_s=0.0)  # followers still starting never read the shutdown call
         raise
-    logger.info("torch tensor parallelism: %d ranks (%s), followers %s", tp,
-                dist_backend(kind), {r: p.pid for r, p in procs.items()})
+    logger.info("torch tensor parallelism: %d ranks on %d host(s) (%s), local followers %s", tp,
+                args.nnodes, dist_backend(kind), {r: p.pid for r, p in procs.items()})
     return LeaderRunner(runner, group, on_close=partial(_finish, procs))
+
+
+def run_torch_node(args: ServerArgs) -> int:
+    """A follower host of multi-host torch tensor parallelism (`launch_server --node-rank R`,
+    R > 0): start this host's ranks, wait for them; the first non-zero exit code of theirs
+    (a rank that cannot reach rank 0 prints why), else 0. No HTTP, no scheduler."""
+    from sgl_tpu.parallel.jax_multihost import runner_channel
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"[%(asctime)s tp host {args.node_rank}] %(message)s")
+    try:
+        per_node = check_nodes(args)
+        dial = runner_channel(args, bind=False)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    ranks = range(args.node_rank * per_node, (args.node_rank + 1) * per_node)
+    procs = _spawn_ranks(args, ranks, per_node, dial, f"tcp://{args.dist_init_addr}",
+                         args.dist_timeout)
+    logger.info("host %d: ranks %s, pids %s", args.node_rank, list(ranks),
+                [p.pid for p in procs.values()])
+    try:
+        codes = [p.wait() for p in procs.values()]
+    finally:
+        reap(procs, 0.0)
+    return next((c for c in codes if c), 0)

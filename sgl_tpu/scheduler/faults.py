@@ -9,8 +9,9 @@ rather than cached (their content may be incomplete); everybody else keeps runni
     anything else (a bug, a backend fault) ..................... 500 "internal error ..."
 
 An exception outside any one request's code (the device step itself) fails the requests of that
-step; only `is_fatal` faults (out of memory, or the same step failing `MAX_CONSECUTIVE_FAULTS`
-times in a row) stop the process, which the launcher reports as a 503 and a clean exit.
+step; only `is_fatal` faults (out of memory, a lost tensor-parallel rank, or the same step
+failing `MAX_CONSECUTIVE_FAULTS` times in a row) stop the process, which the launcher reports
+as a 503 and a clean exit.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ def fault_reason(rid: str, exc: BaseException) -> FinishReason:
 def is_fatal(exc: BaseException, consecutive: int) -> bool:
     """Faults after which the process should die rather than serve on."""
     if isinstance(exc, MemoryError | SystemExit | KeyboardInterrupt):
+        return True
+    from sgl_tpu.parallel.leader import FollowerLost
+
+    if isinstance(exc, FollowerLost):  # a tensor-parallel group cannot run without a rank
         return True
     text = str(exc)
     if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():

@@ -18,6 +18,7 @@ import uvicorn
 from sgl_tpu.choices import check_registry_names
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.launch_server import READY_MESSAGE
+from sgl_tpu.parallel.head_split import check_tp_size
 from sgl_tpu.server.detokenizer_process import run_detokenizer_process
 from sgl_tpu.server.ipc import PortArgs
 from sgl_tpu.server.scheduler_process import run_scheduler_process
@@ -67,6 +68,11 @@ async def _serve(args: ServerArgs, ports: PortArgs, procs: dict[str, mp.Process]
         # A model that cannot be served: one clear line, no traceback, a non-zero exit.
         print(f"error: cannot load --model-path {args.model_path!r}: {e}", file=sys.stderr,
               flush=True)
+        raise SystemExit(1) from None
+    try:  # a --tp-size the heads do not allow: refused before any process starts
+        check_tp_size(loaded.config, args.tp_size)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     tm = TokenizerManager(args, ports, loaded.tokenizer, loaded.config.vocab_size,
                           loaded.model_path)

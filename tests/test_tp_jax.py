@@ -86,9 +86,31 @@ def test_tiny_checkpoint_tp_equals_tp1(results, tp):
     assert r[f"tp{tp}_kv_heads_per_device"] == 1
 
 
+def test_decode_step_moves_only_activations(results):
+    """The compiled TP 2 decode step's collectives: one all-reduce of [S, D] after the
+    embedding and after each layer's o- and down-projection, one all-gather of the logits;
+    no weight or KV is ever moved between devices."""
+    r = results["tiny"]
+    assert r["tp2_decode_collectives"] == {"all-gather": 1,
+                                           "all-reduce": 2 * r["num_layers"] + 1}
+
+
 @pytest.mark.parametrize("mode", ["extend", "decode"])
 def test_sharded_pallas_equals_reference(results, mode):
     r = results["pallas"][mode]
     assert r["pools_equal"], "the sharded KV write must write exactly the reference's slots"
     assert r["max_abs_diff"] < 1e-5
     assert "tp" in r["out_sharding"]
+
+
+def test_server_refuses_tp_size_before_starting_processes():
+    """`launch_server --tp-size 2` on the default model: one error line, exit 1, before the
+    scheduler process (which would load the weights) is started."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", "sgl_tpu.launch_server", "--backend", "jax",
+                           "--tp-size", "2"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 1
+    assert "error: --tp-size 2 does not fit this model's heads (9 query heads, 3 KV heads)" \
+        in proc.stderr
+    assert "scheduler" not in proc.stderr

@@ -29,7 +29,7 @@ NNODES = 3
 PROMPTS = ["Hello world! How are", "The quick brown fox"]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}
 SMALL = ("--backend", "jax", "--dtype", "float32", "--page-size", "4", "--max-total-tokens",
-         "1024", "--max-running-requests", "2", "--chunked-prefill-size", "32",
+         "1024", "--max-running-requests", "1", "--chunked-prefill-size", "32",
          "--min-token-bucket", "32")
 
 
@@ -61,7 +61,7 @@ def model_dir(tmp_path_factory) -> str:
 
 def test_three_processes_serve_like_tp1(model_dir, tmp_path):
     with Engine(model_dir, skip_warmup=True, backend="jax", dtype="float32", page_size=4,
-                max_total_tokens=1024, max_running_requests=2, chunked_prefill_size=32,
+                max_total_tokens=1024, max_running_requests=1, chunked_prefill_size=32,
                 min_token_bucket=32) as eng:
         want = [o["text"] for o in eng.generate(PROMPTS, GREEDY)]
 

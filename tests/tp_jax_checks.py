@@ -11,6 +11,7 @@ document; the assertions live in the test module.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from functools import partial
@@ -21,7 +22,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from sgl_tpu.engine import Engine
-from sgl_tpu.executor.step import ForwardMode
+from sgl_tpu.executor.jax.forward_batch import build_forward_batch
+from sgl_tpu.executor.step import ForwardMode, warmup_step
 from sgl_tpu.kernels import paged_attention_ref as ref
 from sgl_tpu.kernels.backends import get_attention_backend
 from sgl_tpu.parallel.mesh import HEADS_SPEC, KV_POOL_SPEC, TP_AXIS
@@ -29,7 +31,7 @@ from sgl_tpu.parallel.shard_ops import shard_attention
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
 SMALL = dict(backend="jax", dtype="float32", page_size=4, max_total_tokens=1024,
-             max_running_requests=2, max_extend_seqs=2, chunked_prefill_size=32,
+             max_running_requests=1, max_extend_seqs=1, chunked_prefill_size=32,
              min_token_bucket=32, kv_tile=16, block_q=16)
 
 
@@ -86,6 +88,18 @@ def check_refusals() -> dict:
     return out
 
 
+def _decode_collectives(runner) -> dict[str, int]:
+    """Collective ops in the compiled decode step (one sequence), counted from its HLO."""
+    steps = [warmup_step()]
+    fb = build_forward_batch(steps, runner.batch_shape(ForwardMode.DECODE, steps),
+                             runner.config.page_size)
+    hlo = runner._step.lower(runner.params, runner.kv_pools, runner.token_counts, fb,
+                             mode=ForwardMode.DECODE).compile().as_text()
+    ops = re.findall(r" (all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)"
+                     r"(?:-start)?\(", hlo)
+    return {op: ops.count(op) for op in sorted(set(ops))}
+
+
 def check_tiny(model_dir: str) -> dict:
     """The tiny checkpoint (4 query / 2 KV heads) at TP 1, 2 and 4 (KV heads replicated)."""
     prompts = ["Hello world! How are", "Hello world! The quick", "Hello world! JSON"]
@@ -95,6 +109,9 @@ def check_tiny(model_dir: str) -> dict:
         out[f"tp{tp}"] = _serve(eng, prompts)
         out[f"tp{tp}_kv_heads_per_device"] = eng.scheduler.runner.kv_pools[0][0] \
             .addressable_shards[0].data.shape[0]
+        if tp == 2:
+            out["num_layers"] = eng.model_config.num_layers
+            out["tp2_decode_collectives"] = _decode_collectives(eng.scheduler.runner)
         eng.shutdown()
     return out
 

@@ -25,7 +25,9 @@ same sequence of steps, so their collectives line up. Only rank 0's results are 
     torch_launch.py    checks, then rank 0 and the follower processes (one or several hosts)
     torch_follower.py  a follower process: connect, load, join, replay
 
-    JAX (`--backend jax`, one SPMD program over a device mesh):
-    mesh.py, shard_ops.py  the mesh, weight shardings, shard_map of attention
-    jax_multihost.py       several hosts over jax.distributed
+    JAX (`--backend jax`, one SPMD program over a device mesh; one host: no followers):
+    mesh.py            the mesh, the weight-name -> PartitionSpec table, host-side padding
+    shard_ops.py       shard_map wrappers: attention/KV write per device, vocab-parallel
+                       embedding, logits gathered before the sampler
+    jax_multihost.py   --nnodes: jax.distributed + the runner channel (rank 0 and followers)
 """

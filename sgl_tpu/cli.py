@@ -58,6 +58,11 @@ _HELP = {
     "nnodes": "tensor parallelism across hosts: the number of hosts (one process each)",
     "node_rank": "with --nnodes > 1: this host's rank; rank 0 serves HTTP",
     "dist_init_addr": "with --nnodes > 1: HOST:PORT of rank 0, where the ranks meet",
+    "enable_deterministic_inference": "batch-invariant kernels: a request's output (greedy, or "
+                                      "sampled with a seed) does not depend on what it is "
+                                      "batched with, how its prompt is chunked or whether its "
+                                      "prefix came from the radix cache (bf16, torch CPU and "
+                                      "JAX); slower, see the README",
     "router_policy": "with --dp-size > 1: the router's policy (cache_aware keeps each prefix on "
                      "the replica that caches it)",
 }

@@ -201,3 +201,51 @@ def test_flag_refuses_settings_it_cannot_honour():
     with pytest.raises(ValueError, match="attention-backend"):
         runner_config(ServerArgs(backend="torch", enable_deterministic_inference=True,
                                  attention_backend="torch-sdpa"), 4096)
+
+
+# ---- the reported case, real model through the HTTP server -----------------------------------
+CHAT = [{"role": "user", "content": "Name three colours of the rainbow and say one thing "
+                                    "about each."}]
+
+
+def _chat(base_url: str, stream: bool, messages=CHAT, max_tokens: int = 40) -> str:
+    import json
+    import urllib.request
+
+    body = json.dumps({"model": "default", "messages": messages, "temperature": 0,
+                       "max_tokens": max_tokens, "stream": stream}).encode()
+    req = urllib.request.Request(base_url + "/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        if not stream:
+            return json.loads(resp.read())["choices"][0]["message"]["content"]
+        text = []
+        for line in resp.read().decode().splitlines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                delta = json.loads(line[6:])["choices"][0].get("delta", {})
+                text.append(delta.get("content") or "")
+        return "".join(text)
+
+
+@pytest.mark.slow
+def test_chat_streamed_then_not_gives_one_answer_on_the_default_model():
+    """The reproduction from the issue: a temperature-0 chat sent streamed, then not (the second
+    hits the radix cache), then again beside a concurrent batch mate: one continuation."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server_harness import launch_server
+
+    server = launch_server("--skip-warmup", "--enable-deterministic-inference",
+                           "--max-total-tokens", "4096", "--max-running-requests", "4")
+    try:
+        streamed = _chat(server.base_url, True)
+        assert streamed
+        assert _chat(server.base_url, False) == streamed
+        other = [{"role": "user", "content": "Write a haiku about the sea."}]
+        with ThreadPoolExecutor(2) as pool:
+            mate = pool.submit(_chat, server.base_url, False, other, 60)
+            again = pool.submit(_chat, server.base_url, False)
+            assert again.result() == streamed
+            mate.result()
+    finally:
+        server.stop()

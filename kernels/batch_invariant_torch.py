@@ -19,8 +19,8 @@ masked by position):
 
 Two passes instead of an online softmax: the running rescale exp(m_old - m_new) is taken on
 [rows] tensors whose vector/scalar split depends on the row count, the tile tensors here are
-whole multiples of the vector width. EXTEND attends once per sequence ([kvh, 1, n * G, d]),
-DECODE once for the batch ([kvh, B, G, d]); the per-tile GEMMs differ only in batch and row
+whole multiples of the vector width. EXTEND attends once per sequence ([1, kvh, n * G, d]),
+DECODE once for the batch ([B, kvh, G, d]); the per-tile GEMMs differ only in batch and row
 counts, which the per-row results do not depend on.
 
 The pool layout, K/V write, `ExtendSeq`, `DecodeBatch` and `context_slots` are those of
@@ -43,25 +43,25 @@ KV_TILE = 256  # keys per tile: a multiple of every CPU vector width (16 floats 
 
 def _attend(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, q_pos: torch.Tensor,
             scale: float, kv_tile: int) -> torch.Tensor:
-    """q [kvh, B, R, d] (R = query rows x group heads), k_ctx/v_ctx [kvh, B, L, d] with L a
-    multiple of kv_tile, q_pos i64[B, R] each row's position -> [kvh, B, R, d] in q's dtype."""
+    """q [B, kvh, R, d] (R = query rows x group heads), k_ctx/v_ctx [B, kvh, L, d] with L a
+    multiple of kv_tile, q_pos i64[B, R] each row's position -> [B, kvh, R, d] in q's dtype."""
     num_tiles = k_ctx.shape[2] // kv_tile
     offsets = torch.arange(kv_tile, device=q.device)
     scores = []
     m = None
     for j in range(num_tiles):
-        kt = k_ctx[:, :, j * kv_tile : (j + 1) * kv_tile]  # [kvh, B, KT, d]
-        s = torch.matmul(q, kt.transpose(-1, -2)).float() * scale  # [kvh, B, R, KT]
-        masked = (j * kv_tile + offsets)[None, None, None, :] > q_pos[None, :, :, None]
+        kt = k_ctx[:, :, j * kv_tile : (j + 1) * kv_tile]  # [B, kvh, KT, d]
+        s = torch.matmul(q, kt.transpose(-1, -2)).float() * scale  # [B, kvh, R, KT]
+        masked = (j * kv_tile + offsets)[None, None, None, :] > q_pos[:, None, :, None]
         s.masked_fill_(masked, float("-inf"))
         scores.append(s)
-        tile_max = s.amax(-1)  # [kvh, B, R]
+        tile_max = s.amax(-1)  # [B, kvh, R]
         m = tile_max if m is None else torch.maximum(m, tile_max)
     l_sum = acc = None
     for j, s in enumerate(scores):
-        p = torch.exp(s - m[..., None])  # [kvh, B, R, KT]
+        p = torch.exp(s - m[..., None])  # [B, kvh, R, KT]
         vt = v_ctx[:, :, j * kv_tile : (j + 1) * kv_tile]
-        pv = torch.matmul(p.to(v_ctx.dtype), vt).float()  # [kvh, B, R, d]
+        pv = torch.matmul(p.to(v_ctx.dtype), vt).float()  # [B, kvh, R, d]
         tile_sum = p.sum(-1)
         l_sum = tile_sum if l_sum is None else l_sum + tile_sum
         acc = pv if acc is None else acc + pv
@@ -69,12 +69,11 @@ def _attend(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, q_pos: to
 
 
 def _gather(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """pool [num_slots, kvh, d], slots i64[B, L] -> head-major [kvh, B, L, d], contiguous (the
-    same layout on both paths; one gather through the pool's head-major view, about half the
-    time of a token-major gather plus a transposing copy)."""
+    """pool [num_slots, kvh, d], slots i64[B, L] -> head-major [B, kvh, L, d] (contiguous, the
+    same layout on both paths)."""
     b, length = slots.shape
-    rows = pool.permute(1, 0, 2).index_select(1, slots.reshape(-1))  # [kvh, B * L, d]
-    return rows.view(pool.shape[1], b, length, pool.shape[2])
+    rows = pool.index_select(0, slots.reshape(-1)).view(b, length, *pool.shape[1:])
+    return rows.permute(0, 2, 1, 3).contiguous()
 
 
 def _pad_tiles(slots: torch.Tensor, kv_tile: int) -> torch.Tensor:
@@ -93,12 +92,12 @@ def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     for s in seqs:
         n = s.num_new
         qs = q[s.start : s.start + n].view(n, kvh, group, d).permute(1, 0, 2, 3)
-        qs = qs.reshape(kvh, 1, n * group, d).contiguous()  # rows: token-major, then group
+        qs = qs.reshape(1, kvh, n * group, d).contiguous()  # rows: token-major, then group
         pos = torch.arange(s.prefix_len, s.prefix_len + n, device=q.device)
         q_pos = pos.repeat_interleave(group)[None, :]  # [1, n * G]
         slots = _pad_tiles(s.slots[None, :], kv_tile)
         o = _attend(qs, _gather(k_pool, slots), _gather(v_pool, slots), q_pos, scale, kv_tile)
-        out[s.start : s.start + n] = o.view(kvh, n, group, d).permute(1, 0, 2, 3).reshape(
+        out[s.start : s.start + n] = o[0].view(kvh, n, group, d).permute(1, 0, 2, 3).reshape(
             n, kvh * group, d)
     return out
 
@@ -117,6 +116,6 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     slots = torch.cat([batch.shared_slots.expand(b, l_shared), batch.slots], dim=1)
     slots = _pad_tiles(slots, kv_tile)
     q_pos = (l_shared + own_len - 1)[:, None].expand(b, group)  # [B, G]
-    qb = q.view(b, kvh, group, d).transpose(0, 1).contiguous()  # [kvh, B, G, d]
+    qb = q.view(b, kvh, group, d).contiguous()
     o = _attend(qb, _gather(k_pool, slots), _gather(v_pool, slots), q_pos, scale, kv_tile)
-    return o.transpose(0, 1).reshape(b, h, d)
+    return o.reshape(b, h, d)

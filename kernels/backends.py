@@ -13,8 +13,10 @@ JAX backends offer the same three functions with the reference's signatures:
 `ref` is the pure-jax.numpy reference (any JAX backend); `pallas` is the Pallas TPU kernel
 (compiled by Mosaic, TPU only); `pallas-interpret` is the same kernel run in TPU interpret mode
 (CPU; slow, for tests). The torch backend's `torch-sdpa` is `paged_attention_torch` (gathered
-pages into `scaled_dot_product_attention` / batched GEMMs). `auto` picks `pallas` for JAX on a
-TPU, else `ref`; `torch-sdpa` for torch.
+pages into `scaled_dot_product_attention` / batched GEMMs). `ref-invariant` and
+`torch-invariant` are the batch-invariant kernels of `--enable-deterministic-inference` (one
+tiled path for EXTEND and DECODE; sgl_tpu/executor/batch_invariant.py). `auto` picks
+`pallas` for JAX on a TPU, else `ref`; `torch-sdpa` for torch.
 """
 
 from __future__ import annotations
@@ -58,6 +60,20 @@ def _pallas(name: str, interpret: str | None) -> AttentionBackend:
     )
 
 
+def _ref_invariant() -> AttentionBackend:
+    from sgl_tpu.kernels import batch_invariant_ref as inv
+    from sgl_tpu.kernels import paged_attention_ref as ref
+
+    return AttentionBackend("ref-invariant", ref.write_kv, inv.extend_attention,
+                            inv.decode_attention)
+
+
+def _torch_invariant() -> Any:
+    from sgl_tpu.kernels import batch_invariant_torch
+
+    return batch_invariant_torch
+
+
 def _torch_sdpa() -> Any:
     from sgl_tpu.kernels import paged_attention_torch
 
@@ -70,6 +86,9 @@ ATTENTION_BACKENDS: dict[str, AttentionSpec] = {
     "pallas-interpret": AttentionSpec("jax", functools.partial(_pallas, "pallas-interpret",
                                                                "tpu")),
     "torch-sdpa": AttentionSpec("torch", _torch_sdpa),
+    # --enable-deterministic-inference: one tiled path for EXTEND and DECODE, per query row
+    "ref-invariant": AttentionSpec("jax", _ref_invariant),
+    "torch-invariant": AttentionSpec("torch", _torch_invariant),
 }
 
 

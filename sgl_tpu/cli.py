@@ -29,7 +29,8 @@ _HELP = {
     "attention_backend": "attention kernels: pallas (Pallas TPU kernel), ref (pure jax.numpy), "
                          "pallas-interpret (the kernel interpreted on CPU; tests) for jax; "
                          "torch-sdpa for torch; auto (pallas on TPU, ref elsewhere; "
-                         "torch-sdpa)",
+                         "torch-sdpa); ref-invariant / torch-invariant: the batch-invariant "
+                         "kernels of --enable-deterministic-inference",
     "session_retention_s": "seconds a finished request with a session_id keeps its KV at "
                            "eviction priority for the agent's next turn (0 disables)",
     "backend": "executor: jax (XLA), torch (PyTorch), or auto (torch on CPU when installed, "
@@ -70,6 +71,11 @@ _HELP = {
     "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix of the context matched",
     "speculative_ngram_max_match_window_size": "NGRAM: longest suffix of the context matched "
                                                "(the longest match wins)",
+    "enable_deterministic_inference": "batch-invariant kernels: a request's output (greedy, or "
+                                      "sampled with a seed) does not depend on what it is "
+                                      "batched with, how its prompt is chunked or whether its "
+                                      "prefix came from the radix cache (bf16, torch CPU and "
+                                      "JAX); slower, see the README",
     "router_policy": "with --dp-size > 1: the router's policy (cache_aware keeps each prefix on "
                      "the replica that caches it)",
 }

@@ -56,6 +56,8 @@ class RunnerConfig:
     # runner's weights are the GGUF's blocks, else none; see sgl_tpu/quantization)
     cpu_threads: int = 0  # torch on CPU: intra-op threads, fixed at start; 0 = every usable CPU
     tp_size: int = 1  # tensor parallelism: devices (JAX mesh) or ranks (torch) the model spans
+    # --enable-deterministic-inference: batch-invariant kernels (executor/batch_invariant.py)
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_tile % self.page_size:
@@ -157,6 +159,9 @@ class ServerArgs:
     torch_threads: int = 0
     tool_call_parser: str | None = None  # None: picked from the chat template (logged)
     reasoning_parser: str | None = None  # "qwen3" / "deepseek-r1": split <think> blocks
+    # A request's tokens do not depend on its batch mates, prompt chunking or radix-cache hits
+    # (batch-invariant kernels; see sgl_tpu/executor/batch_invariant.py for what it costs).
+    enable_deterministic_inference: bool = False
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_total_tokens", "max_running_requests", "max_extend_seqs",
@@ -227,6 +232,17 @@ class ServerArgs:
                 > self.speculative_ngram_max_match_window_size:
             raise ValueError("speculative_ngram_min_match_window_size must not exceed "
                              "speculative_ngram_max_match_window_size")
+        if self.enable_deterministic_inference and self.tp_size > 1:
+            raise ValueError("--enable-deterministic-inference is not batch-invariant across "
+                             "tensor-parallel ranks (their partial sums meet in an all-reduce); "
+                             "use --tp-size 1")
+        if self.enable_deterministic_inference and self.torch_compile == "on":
+            raise ValueError("--enable-deterministic-inference runs the torch backend eagerly; "
+                             "drop --torch-compile on")
+        if self.enable_deterministic_inference and self.quantization not in ("auto", "none"):
+            raise ValueError(f"--enable-deterministic-inference runs dense weights (quantized "
+                             f"kernels are chosen by row count); drop --quantization "
+                             f"{self.quantization}")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name must not be empty")
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sgl_tpu.config import RunnerConfig, ServerArgs, pow2_buckets
+from sgl_tpu.executor import batch_invariant
 from sgl_tpu.executor.step import ModelRunner
 from sgl_tpu.kernels.backends import resolve_attention_backend
 from sgl_tpu.models.config import ModelConfig
@@ -119,7 +120,13 @@ def runner_config(args: ServerArgs, model_context_len: int) -> RunnerConfig:
     context_len = min(args.context_length or model_context_len, model_context_len)
     chunk = max(args.chunked_prefill_size, args.min_token_bucket)
     backend = resolve_backend(args.backend)
-    compile = _resolve_compile(args, backend)
+    deterministic = args.enable_deterministic_inference
+    compile = _resolve_compile(args, backend) and not deterministic
+    seq_buckets = pow2_buckets(1, args.max_running_requests)
+    attention = resolve_attention_backend(args.attention_backend, backend)
+    if deterministic:
+        seq_buckets = batch_invariant.row_buckets(seq_buckets)
+        attention = batch_invariant.resolve_attention(args.attention_backend, backend)
     return RunnerConfig(
         model_path=args.model_path,
         dtype=_resolve_dtype(args, backend),
@@ -129,18 +136,20 @@ def runner_config(args: ServerArgs, model_context_len: int) -> RunnerConfig:
         max_extend_seqs=min(args.max_extend_seqs, args.max_running_requests),
         context_len=context_len,
         token_buckets=pow2_buckets(args.min_token_bucket, chunk),
-        seq_buckets=pow2_buckets(1, args.max_running_requests),
+        seq_buckets=seq_buckets,
         kv_tile=max(args.kv_tile, args.page_size),
         block_q=args.block_q,
         max_top_logprobs=args.max_top_logprobs,
         warmup=not args.skip_warmup,
-        attention_backend=resolve_attention_backend(args.attention_backend, backend),
+        attention_backend=attention,
         backend=backend,
         compile=compile,
         device=args.device,
-        quantization=_resolve_quantization(args, backend, compile),
+        # deterministic: dense weights (the quantized kernels are picked per row count)
+        quantization="none" if deterministic else _resolve_quantization(args, backend, compile),
         cpu_threads=args.torch_threads,
         tp_size=args.tp_size,
+        deterministic=deterministic,
     )
 
 

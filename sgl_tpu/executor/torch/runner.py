@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from sgl_tpu.config import RunnerConfig
+from sgl_tpu.executor import batch_invariant
 from sgl_tpu.executor import step as step_contract
 from sgl_tpu.executor.step import ForwardMode, SeqStep, StepResult
 from sgl_tpu.executor.torch import sampler
@@ -195,6 +196,9 @@ class TorchModelRunner:
 
     # ---- steps -------------------------------------------------------------------------
     def forward(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> StepResult:
+        if self.config.deterministic and len(steps) < batch_invariant.MIN_ROWS:
+            padded, num_rows = batch_invariant.pad_steps(mode, steps)
+            return batch_invariant.trim_result(self._run(mode, padded, num_rows), len(steps))
         return self._run(mode, steps, None)
 
     @torch.inference_mode()

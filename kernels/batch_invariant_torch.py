@@ -1,0 +1,123 @@
+"""Batch-invariant paged attention for the torch backend (`torch-invariant`, selected by
+`--enable-deterministic-inference`; see sgl_tpu/executor/batch_invariant.py).
+
+EXTEND and DECODE run one kernel, so a query row's output is a function of its own query and
+its context's K/V only: not of the other rows of its step, of how many new tokens its sequence
+has this step (chunked prefill), or of whether the context came from the radix cache.
+
+Each query row at position p attends to context positions 0 .. p, walked in tiles of
+`KV_TILE` keys in order from position 0 (the context is padded to whole tiles with slot 0 and
+masked by position):
+
+    context   [ tile 0 | tile 1 | tile 2 | pad ]     tiles past a row's horizon are all masked
+    scores    s_j = (q @ K_j^T) * scale              bf16 GEMM per tile (bit-identical per row
+                                                     for any row count, measured), f32 after
+    max       m   = max_j max(s_j)                   exact in any order
+    weights   p_j = exp(s_j - m), l = sum_j sum(p_j) per tile, tiles summed in order; a masked
+                                                     tile adds exactly 0
+    output    o   = (sum_j p_j @ V_j) / l            bf16 GEMM per tile, f32 accumulation
+
+Two passes instead of an online softmax: the running rescale exp(m_old - m_new) is taken on
+[rows] tensors whose vector/scalar split depends on the row count, the tile tensors here are
+whole multiples of the vector width. EXTEND attends once per sequence ([1, kvh, n * G, d]),
+DECODE once for the batch ([B, kvh, G, d]); the per-tile GEMMs differ only in batch and row
+counts, which the per-row results do not depend on.
+
+The pool layout, K/V write, `ExtendSeq`, `DecodeBatch` and `context_slots` are those of
+`paged_attention_torch` (the runner builds the same step description for both).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_tpu.kernels.paged_attention_torch import (  # noqa: F401  (the backend's interface)
+    DecodeBatch,
+    ExtendSeq,
+    context_slots,
+    write_kv,
+)
+
+KV_TILE = 128  # keys per tile: a multiple of every CPU vector width (16 floats on AVX-512);
+# 128 measured faster than 256 for decode at batch 8-32 and a 512-token prefill (less padding:
+# a 257-token context reads 384 keys, not 512), 64 slower at batch 1-8 (more tile passes)
+
+
+def _attend(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, q_pos: torch.Tensor,
+            scale: float, kv_tile: int) -> torch.Tensor:
+    """q [B, kvh, R, d] (R = query rows x group heads), k_ctx/v_ctx [B, kvh, L, d] with L a
+    multiple of kv_tile, q_pos i64[B, R] each row's position -> [B, kvh, R, d] in q's dtype."""
+    num_tiles = k_ctx.shape[2] // kv_tile
+    offsets = torch.arange(kv_tile, device=q.device)
+    scores = []
+    m = None
+    for j in range(num_tiles):
+        kt = k_ctx[:, :, j * kv_tile : (j + 1) * kv_tile]  # [B, kvh, KT, d]
+        s = torch.matmul(q, kt.transpose(-1, -2)).float() * scale  # [B, kvh, R, KT]
+        masked = (j * kv_tile + offsets)[None, None, None, :] > q_pos[:, None, :, None]
+        s.masked_fill_(masked, float("-inf"))
+        scores.append(s)
+        tile_max = s.amax(-1)  # [B, kvh, R]
+        m = tile_max if m is None else torch.maximum(m, tile_max)
+    l_sum = acc = None
+    for j, s in enumerate(scores):
+        p = torch.exp(s - m[..., None])  # [B, kvh, R, KT]
+        vt = v_ctx[:, :, j * kv_tile : (j + 1) * kv_tile]
+        pv = torch.matmul(p.to(v_ctx.dtype), vt).float()  # [B, kvh, R, d]
+        tile_sum = p.sum(-1)
+        l_sum = tile_sum if l_sum is None else l_sum + tile_sum
+        acc = pv if acc is None else acc + pv
+    return (acc / l_sum[..., None]).to(q.dtype)
+
+
+def _gather(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """pool [num_slots, kvh, d], slots i64[B, L] -> head-major [B, kvh, L, d] (contiguous, the
+    same layout on both paths)."""
+    b, length = slots.shape
+    rows = pool.index_select(0, slots.reshape(-1)).view(b, length, *pool.shape[1:])
+    return rows.permute(0, 2, 1, 3).contiguous()
+
+
+def _pad_tiles(slots: torch.Tensor, kv_tile: int) -> torch.Tensor:
+    """slots i64[B, L] -> [B, whole tiles], padded with slot 0 (masked by position)."""
+    pad = -slots.shape[1] % kv_tile
+    return torch.nn.functional.pad(slots, (0, pad)) if pad else slots
+
+
+def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                     seqs: list[ExtendSeq], scale: float, kv_tile: int = KV_TILE
+                     ) -> torch.Tensor:
+    """q [T, H, d] packed new tokens -> [T, H, d] (padding rows zero)."""
+    out = torch.zeros_like(q)
+    kvh, d = k_pool.shape[1], k_pool.shape[2]
+    group = q.shape[1] // kvh
+    for s in seqs:
+        n = s.num_new
+        qs = q[s.start : s.start + n].view(n, kvh, group, d).permute(1, 0, 2, 3)
+        qs = qs.reshape(1, kvh, n * group, d).contiguous()  # rows: token-major, then group
+        pos = torch.arange(s.prefix_len, s.prefix_len + n, device=q.device)
+        q_pos = pos.repeat_interleave(group)[None, :]  # [1, n * G]
+        slots = _pad_tiles(s.slots[None, :], kv_tile)
+        o = _attend(qs, _gather(k_pool, slots), _gather(v_pool, slots), q_pos, scale, kv_tile)
+        out[s.start : s.start + n] = o[0].view(kvh, n, group, d).permute(1, 0, 2, 3).reshape(
+            n, kvh * group, d)
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                     batch: DecodeBatch, scale: float, kv_tile: int = KV_TILE
+                     ) -> torch.Tensor:
+    """q [B, H, d], one token per sequence -> [B, H, d]. The shared + own split of the
+    runner's `DecodeBatch` is joined back into each row's whole context (positions 0 ..
+    len - 1 in order), so the row attends exactly as in an EXTEND."""
+    b, h, d = q.shape
+    kvh = k_pool.shape[1]
+    group = h // kvh
+    own_len = (batch.bias[:, 0, :] == 0).sum(-1)  # [B]
+    l_shared = batch.shared_slots.shape[0]
+    slots = torch.cat([batch.shared_slots.expand(b, l_shared), batch.slots], dim=1)
+    slots = _pad_tiles(slots, kv_tile)
+    q_pos = (l_shared + own_len - 1)[:, None].expand(b, group)  # [B, G]
+    qb = q.view(b, kvh, group, d).contiguous()
+    o = _attend(qb, _gather(k_pool, slots), _gather(v_pool, slots), q_pos, scale, kv_tile)
+    return o.reshape(b, h, d)

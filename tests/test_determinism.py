@@ -1,0 +1,251 @@
+"""`--enable-deterministic-inference`: a request's tokens (greedy, and sampled with a seed) do
+not depend on its batch mates, on its prompt's chunking, or on radix-cache hits (bfloat16, both
+executors, tiny random model, the real scheduler); the pieces it rests on hold on this machine
+(row-invariant GEMMs, one attention kernel for EXTEND and DECODE); without the flag the default
+kernels and buckets are chosen as before."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import checkpoints as ck
+import numpy as np
+import pytest
+
+from sgl_tpu import Engine
+from sgl_tpu.config import ServerArgs
+from sgl_tpu.executor import batch_invariant
+from sgl_tpu.executor.registry import runner_config
+from sgl_tpu.scheduler.scheduler import Scheduler
+
+MAX_NEW = 8
+CHUNK_SIZES = (8, 16, 32, 64)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return ck.make_tiny_hf_checkpoint(tmp_path_factory.mktemp("m") / "llama", "llama")
+
+
+@pytest.fixture(scope="module", params=["torch", "jax"])
+def engine(request, model_dir):
+    eng = Engine(model_dir, backend=request.param, dtype="bfloat16",
+                 enable_deterministic_inference=True, page_size=4, max_total_tokens=4096,
+                 max_running_requests=4, max_extend_seqs=4, chunked_prefill_size=64,
+                 min_token_bucket=64, kv_tile=16, block_q=16, grammar_backend="none",
+                 skip_warmup=True)  # JAX compiles the three buckets used on first use
+    yield eng
+    eng.shutdown()
+
+
+def _fresh_scheduler(engine: Engine, chunk: int) -> None:
+    """A new scheduler (empty radix cache) over the same runner, prefilling `chunk` tokens per
+    step; the runner's pool pages are simply reallocated."""
+    old = engine.scheduler
+    cfg = dataclasses.replace(old.config, chunked_prefill_size=chunk)
+    engine.scheduler = Scheduler(cfg, old.runner, num_pages=old.runner.config.num_pages,
+                                 decode=engine.tokenizer.decode, eos_token_ids=(),
+                                 vocab_size=engine.model_config.vocab_size, grammar=None)
+
+
+def _ids(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
+    return rng.integers(3, vocab, n).tolist()
+
+
+def _tokens(engine: Engine, prompts: list[list[int]], params: list[dict]) -> list[list]:
+    """Each request's output ids with their log-probs: equal log-probs mean equal logits, a far
+    finer check than equal tokens on a tiny model (whose argmax rarely flips)."""
+    outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+    return [[(t, lp[0]) for t, lp in zip(o["output_ids"], o["meta_info"]["output_token_logprobs"],
+                                         strict=True)] for o in outs]
+
+
+TARGETS = {
+    "greedy": {"temperature": 0.0, "max_new_tokens": MAX_NEW, "ignore_eos": True},
+    "seeded": {"temperature": 1.0, "top_p": 0.9, "seed": 7, "max_new_tokens": MAX_NEW,
+               "ignore_eos": True},
+}
+
+
+@pytest.mark.parametrize("kind", list(TARGETS))
+def test_same_tokens_whatever_the_batch_chunking_and_cache(engine, kind):
+    """Random trials: chunk size, a cached prefix of the target (none, part, all) and 0-3
+    batch mates of random lengths and sampling settings; the target's tokens and their
+    log-probs never change."""
+    vocab = engine.model_config.vocab_size
+    rng = np.random.default_rng(1)
+    target = _ids(rng, 70, vocab)  # longer than most chunks: chunked prefill
+    sp = TARGETS[kind]
+    _fresh_scheduler(engine, 64)
+    expected = _tokens(engine, [target], [sp])[0]
+    assert len(expected) == MAX_NEW
+    for trial in range(5):
+        _fresh_scheduler(engine, int(rng.choice(CHUNK_SIZES)))
+        cached = int(rng.choice([0, 12, 37, len(target)]))
+        if cached:  # leave target[:cached] in the radix cache
+            _tokens(engine, [target[:cached]], [{"max_new_tokens": 1}])
+        mates = [(_ids(rng, int(rng.integers(1, 90)), vocab),
+                  {"temperature": float(rng.choice([0.0, 0.7])), "seed": int(trial),
+                   "max_new_tokens": int(rng.integers(1, 2 * MAX_NEW))})
+                 for _ in range(int(rng.integers(0, 4)))]
+        if mates and rng.random() < 0.5:  # a mate sharing the target's first tokens
+            mates[0] = (target[: int(rng.integers(5, 60))] + mates[0][0], mates[0][1])
+        batch = [*mates, (target, sp)]
+        order = rng.permutation(len(batch))
+        got = _tokens(engine, [batch[i][0] for i in order], [batch[i][1] for i in order])
+        where = int(np.flatnonzero(order == len(batch) - 1)[0])
+        assert got[where] == expected, (
+            f"trial {trial}: chunk {engine.scheduler.config.chunked_prefill_size}, "
+            f"cached {cached}, {len(mates)} mates")
+        engine.scheduler.check_integrity()
+
+
+def test_decode_matches_extend_of_the_whole_sequence(engine):
+    """Greedy tokens of a prompt, then the prompt + those tokens prefilled in one EXTEND: the
+    continuation is the same (each generated token's K/V was computed by DECODE the first time
+    and by EXTEND the second)."""
+    vocab = engine.model_config.vocab_size
+    prompt = _ids(np.random.default_rng(2), 21, vocab)
+    sp = TARGETS["greedy"]
+    _fresh_scheduler(engine, 64)
+    first = _tokens(engine, [prompt], [sp])[0]
+    _fresh_scheduler(engine, 64)
+    again = _tokens(engine, [prompt + [t for t, _ in first[:4]]],
+                    [{**sp, "max_new_tokens": MAX_NEW - 4}])[0]
+    assert again == first[4:]
+
+
+# ---- the pieces, on this machine ------------------------------------------------------------
+ROW_COUNTS = (2, 3, 5, 8, 17, 33, 64, 100, 257)
+
+
+def test_torch_linear_rows_do_not_depend_on_row_count():
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    for k, n in ((576, 960), (1536, 576)):
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k).to(torch.bfloat16), None)
+        x = torch.randn(max(ROW_COUNTS), k).to(torch.bfloat16)
+        ref = torch.ops.mkldnn._linear_pointwise(x[:2], w, None, "none", [], "")
+        for m in ROW_COUNTS:
+            out = torch.ops.mkldnn._linear_pointwise(x[:m], w, None, "none", [], "")
+            assert torch.equal(out[:2], ref), (k, n, m)
+
+
+def test_jax_matmul_rows_do_not_depend_on_row_count():
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    dot = jax.jit(lambda x, w: x @ w)
+    for k, n in ((576, 960),):
+        w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
+        x = jnp.asarray(rng.standard_normal((max(ROW_COUNTS), k)), jnp.bfloat16)
+        ref = np.asarray(dot(x[:2], w).astype(jnp.float32))
+        for m in (3, 17, 64, 257):
+            assert np.array_equal(np.asarray(dot(x[:m], w).astype(jnp.float32))[:2], ref)
+
+
+def test_torch_invariant_attention_same_row_every_way():
+    """One sequence's last row: prefilled whole, as the tail of a chunk after a cached prefix,
+    and as a DECODE in a batch with other sequences (multi-tile contexts): bit-identical."""
+    torch = pytest.importorskip("torch")
+    from sgl_tpu.kernels import batch_invariant_torch as inv
+
+    torch.manual_seed(0)
+    kvh, group, d, tile = 2, 3, 16, 32
+    pool_k = torch.randn(512, kvh, d).to(torch.bfloat16)
+    pool_v = torch.randn(512, kvh, d).to(torch.bfloat16)
+    length = 75
+    slots = torch.randperm(511)[:length] + 1  # the sequence's slots, any order in the pool
+    q = torch.randn(length, kvh * group, d).to(torch.bfloat16)
+    whole = inv.extend_attention(q, pool_k, pool_v, [inv.ExtendSeq(0, length, 0, slots)],
+                                 0.25, kv_tile=tile)
+    for prefix in (1, 40, 74):
+        part = inv.extend_attention(q[prefix:], pool_k, pool_v,
+                                    [inv.ExtendSeq(0, length - prefix, prefix, slots)], 0.25,
+                                    kv_tile=tile)
+        assert torch.equal(part[-1], whole[-1]), prefix
+    other = torch.randperm(511)[:30] + 1
+    own = torch.zeros(2, length, dtype=torch.int64)
+    own[0], own[1, :30] = slots, other
+    bias = torch.full((2, 1, length), float("-inf")).to(torch.bfloat16)
+    bias[0, 0, :], bias[1, 0, :30] = 0, 0
+    batch = inv.DecodeBatch(shared_slots=torch.zeros(0, dtype=torch.int64), slots=own, bias=bias)
+    qd = torch.stack([q[-1], torch.randn(kvh * group, d).to(torch.bfloat16)])
+    dec = inv.decode_attention(qd, pool_k, pool_v, batch, 0.25, kv_tile=tile)
+    assert torch.equal(dec[0], whole[-1])
+
+
+# ---- without the flag ---------------------------------------------------------------------
+def test_without_the_flag_the_default_paths_are_chosen():
+    for backend, attention in (("torch", "torch-sdpa"), ("jax", "ref")):
+        args = ServerArgs(backend=backend, dtype="bfloat16", max_running_requests=8)
+        cfg = runner_config(args, 4096)
+        assert cfg.attention_backend == attention and not cfg.deterministic
+        assert cfg.seq_buckets == (1, 2, 4, 8)
+        on = runner_config(args.replace(enable_deterministic_inference=True), 4096)
+        assert on.attention_backend == batch_invariant.INVARIANT_ATTENTION[backend]
+        assert on.seq_buckets == (2, 4, 8) and on.deterministic and not on.compile
+        assert on.quantization == "none"
+        # everything else resolves as without the flag
+        assert dataclasses.replace(on, attention_backend=attention, seq_buckets=(1, 2, 4, 8),
+                                   deterministic=False, quantization=cfg.quantization,
+                                   compile=cfg.compile) == cfg
+
+
+def test_flag_refuses_settings_it_cannot_honour():
+    with pytest.raises(ValueError, match="torch-compile"):
+        ServerArgs(enable_deterministic_inference=True, torch_compile="on")
+    with pytest.raises(ValueError, match="quantization"):
+        ServerArgs(enable_deterministic_inference=True, quantization="int8")
+    with pytest.raises(ValueError, match="attention-backend"):
+        runner_config(ServerArgs(backend="torch", enable_deterministic_inference=True,
+                                 attention_backend="torch-sdpa"), 4096)
+
+
+# ---- the reported case, real model through the HTTP server -----------------------------------
+CHAT = [{"role": "user", "content": "Name three colours of the rainbow and say one thing "
+                                    "about each."}]
+
+
+def _chat(base_url: str, stream: bool, messages=CHAT, max_tokens: int = 40) -> str:
+    import json
+    import urllib.request
+
+    body = json.dumps({"model": "default", "messages": messages, "temperature": 0,
+                       "max_tokens": max_tokens, "stream": stream}).encode()
+    req = urllib.request.Request(base_url + "/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        if not stream:
+            return json.loads(resp.read())["choices"][0]["message"]["content"]
+        text = []
+        for line in resp.read().decode().splitlines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                delta = json.loads(line[6:])["choices"][0].get("delta", {})
+                text.append(delta.get("content") or "")
+        return "".join(text)
+
+
+@pytest.mark.slow
+def test_chat_streamed_then_not_gives_one_answer_on_the_default_model():
+    """The reproduction from the issue: a temperature-0 chat sent streamed, then not (the second
+    hits the radix cache), then again beside a concurrent batch mate: one continuation."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server_harness import launch_server
+
+    server = launch_server("--skip-warmup", "--enable-deterministic-inference",
+                           "--max-total-tokens", "4096", "--max-running-requests", "4")
+    try:
+        streamed = _chat(server.base_url, True)
+        assert streamed
+        assert _chat(server.base_url, False) == streamed
+        other = [{"role": "user", "content": "Write a haiku about the sea."}]
+        with ThreadPoolExecutor(2) as pool:
+            mate = pool.submit(_chat, server.base_url, False, other, 60)
+            again = pool.submit(_chat, server.base_url, False)
+            assert again.result() == streamed
+            mate.result()
+    finally:
+        server.stop()

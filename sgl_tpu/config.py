@@ -144,6 +144,7 @@ class ServerArgs:
     torch_threads: int = 0
     tool_call_parser: str | None = None  # None: picked from the chat template (logged)
     reasoning_parser: str | None = None  # "qwen3" / "deepseek-r1": split <think> blocks
+    chat_template: str | None = None  # built-in name or Jinja file; None: the model's own
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_total_tokens", "max_running_requests", "max_extend_seqs",
@@ -195,6 +196,10 @@ class ServerArgs:
                              f"got {self.node_rank!r}")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (rank 0's address)")
+        if self.chat_template is not None:
+            from sgl_tpu.loader.chat_templates import check_chat_template
+
+            check_chat_template(self.chat_template)
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(f"router_policy must be one of {ROUTER_POLICIES}, "
                              f"got {self.router_policy!r}")

@@ -299,7 +299,8 @@ class Tokenizer:
         Errors raised by the template (`raise_exception`) become ValueError.
         """
         if self._template is None:
-            raise ValueError("model has no chat template")
+            raise ValueError("model has no chat template (a base model): start the server "
+                             "with --chat-template NAME_OR_FILE to serve chat requests")
         context = {
             "bos_token": self.bos_token or "",
             "eos_token": self.eos_token,

@@ -16,15 +16,18 @@ and every logit equals the reference run of each sequence alone. Tolerance: max 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
-from gemma_checkpoints import WINDOW, make_tiny_gemma
+from gemma_checkpoints import WINDOW, make_tiny_gemma, make_tiny_gemma3_gguf
 from model_helpers import hf_logits
 
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.executor.registry import create_model_runner, runner_config
 from sgl_tpu.executor.step import ForwardMode, SeqStep
 from sgl_tpu.loader import load_model
+from sgl_tpu.loader.spm_tokenizer import merges_from_vocab, respell
 from sgl_tpu.sampling_params import SamplingParams
 
 ATOL = 2e-3
@@ -101,3 +104,61 @@ def test_gemma_prefill_and_paged_decode_match_transformers(checkpoint, backend):
         np.testing.assert_array_equal(got[clear], ref.argmax(-1)[clear])
         ref_lp = np.take_along_axis(_log_softmax(ref), got[:, None], axis=-1)[:, 0]
         np.testing.assert_allclose(lps, ref_lp, atol=ATOL)
+
+
+# ---------------------------------------------------------------- GGUF (tiny, written here)
+
+_STRINGS = ["the quick brown fox", "  the  lazy   dog ", "hello\n\nworld\n", "café naïve 日本語",
+            "12345 678", "return(fox);", "<start_of_turn>user\nhi<end_of_turn>",
+            "\t\u00a0\U0001f600", "thequickbrown", " ", "", "x" * 7, "    four spaces",
+            "e\u0301 ﬁ \x07"]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return make_tiny_gemma3_gguf(tmp_path_factory.mktemp("g3gguf") / "tiny-gemma3.gguf")
+
+
+def test_tiny_gemma3_gguf_matches_transformers_gguf_loading(tiny_gguf, tmp_path, monkeypatch):
+    """Config, weights (norms lose llama.cpp's +1), tokenizer and logits of a Gemma 3 GGUF
+    equal transformers' loading of the same file."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setenv("SGL_TPU_CACHE_DIR", str(tmp_path))
+    path = Path(tiny_gguf)
+    loaded = load_model(str(path))
+    cfg = loaded.config
+    assert cfg.arch == "gemma3" and cfg.head_dim == 256 and cfg.qk_norm
+    assert cfg.gemma.sliding_layers == (True,) * 5 + (False,)
+    assert (cfg.gemma.sliding_window, cfg.gemma.rope_local_theta, cfg.rope_theta) == (
+        WINDOW, 10000.0, 1000000.0)
+
+    ref_tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for s in _STRINGS:
+        ids = loaded.tokenizer.encode(s)
+        assert ids == ref_tok(s).input_ids, repr(s)
+        assert loaded.tokenizer.decode(ids) == ref_tok.decode(ids, skip_special_tokens=True)
+
+    torch.set_num_threads(2)
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                              dtype=torch.float32).eval()
+    sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+    np.testing.assert_array_equal(loaded.params["layers"][5]["post_mlp_norm"],
+                                  sd["model.layers.5.post_feedforward_layernorm.weight"])
+    np.testing.assert_array_equal(loaded.params["layers"][0]["wq"],
+                                  sd["model.layers.0.self_attn.q_proj.weight"].T)
+    ids = loaded.tokenizer.encode("the quick brown fox jumps over the lazy dog, hello world")
+    assert len(ids) > 2 * WINDOW
+    with torch.inference_mode():
+        want = hf(torch.tensor([ids])).logits[0].numpy()
+    _, runner = _runner(str(path), "torch")
+    (got,) = _extend_logits(runner, [(ids, 0, np.arange(1, 1 + -(-len(ids) // PAGE)))])
+    np.testing.assert_allclose(got, want, atol=ATOL)
+
+
+def test_spm_merges_follow_vocabulary_order():
+    """Merge priority is the merged piece's position, then the longer left part."""
+    pieces = ["a", "b", "c", "ab", "bc", "abc"]
+    assert merges_from_vocab(pieces) == [("a", "b"), ("b", "c"), ("ab", "c"), ("a", "bc")]
+    assert respell(["  ", "a b", " "]) == ["\u2581\u2581", "a b", "\u2581"]

@@ -162,3 +162,41 @@ def test_spm_merges_follow_vocabulary_order():
     pieces = ["a", "b", "c", "ab", "bc", "abc"]
     assert merges_from_vocab(pieces) == [("a", "b"), ("b", "c"), ("ab", "c"), ("a", "bc")]
     assert respell(["  ", "a b", " "]) == ["\u2581\u2581", "a b", "\u2581"]
+
+
+# ---------------------------------------------------------------- serving a base model
+
+
+def test_chat_template_flag(tmp_path):
+    from checkpoints import make_tiny_tokenizer
+
+    from sgl_tpu.loader.chat_templates import with_chat_template
+    from sgl_tpu.loader.tokenizer import Tokenizer
+
+    with pytest.raises(ValueError, match="chat_template must be one of gemma, chatml"):
+        ServerArgs(chat_template=str(tmp_path / "missing.jinja"))
+    base = Tokenizer(make_tiny_tokenizer(), bos_token_id=1, eos_token_ids=[2],
+                     chat_template=None)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]
+    with pytest.raises(ValueError, match="--chat-template"):
+        base.apply_chat_template(msgs)
+    gemma = with_chat_template(base, ServerArgs(chat_template="gemma").chat_template)
+    assert gemma.apply_chat_template(msgs) == (
+        "<|im_start|><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+        "<start_of_turn>model\nHello<end_of_turn>\n<start_of_turn>user\nBye<end_of_turn>\n"
+        "<start_of_turn>model\n")
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    custom = with_chat_template(base, ServerArgs(chat_template=str(path)).chat_template)
+    assert custom.apply_chat_template(msgs[1:2]) == "[Hi]"
+
+
+def test_packaged_model_without_its_wheel_names_the_install(monkeypatch):
+    from sgl_tpu.loader import packaged_models
+
+    spec = packaged_models.PackagedModel(package="no_such_model_wheel_xyz",
+                                         install="pip install no-such-wheel", description="x")
+    monkeypatch.setitem(packaged_models.PACKAGED_MODELS, "tiny-missing", spec)
+    with pytest.raises(FileNotFoundError, match="pip install no-such-wheel"):
+        load_model("tiny-missing")

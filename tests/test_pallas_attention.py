@@ -71,8 +71,6 @@ CASES = {
     # Gemma 3's head_dim 256 with a window that starts mid-page inside the cached prefix
     "mixed-ps16-g4-d256-f32-window": (EXTEND, [(21, 12), (0, 5)], 16, 4, 256, jnp.float32, 16,
                                       8, 10, None),
-    "decode-ps16-g4-d256-bf16-window": (DECODE, [(50, 1), (7, 1)], 16, 4, 256, jnp.bfloat16,
-                                        32, 1, 20, None),
 }
 
 

@@ -71,14 +71,20 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: tor
 
 
 def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                     seqs: list[ExtendSeq], scale: float) -> torch.Tensor:
-    """q [T, H, d] packed new tokens -> attention output [T, H, d] (padding rows zero)."""
+                     seqs: list[ExtendSeq], scale: float, sliding_window: int | None = None,
+                     logit_cap: float | None = None) -> torch.Tensor:
+    """q [T, H, d] packed new tokens -> attention output [T, H, d] (padding rows zero).
+
+    `sliding_window` W: a query at position p sees keys p - W + 1 .. p (a local layer);
+    `logit_cap` c: scores become c * tanh(scores / c) before the mask (Gemma 2)."""
     out = torch.zeros_like(q)
     for s in seqs:
         qs = q[s.start : s.start + s.num_new].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
         ks = k_pool.index_select(0, s.slots).transpose(0, 1).unsqueeze(0)  # [1, kvh, L, d]
         vs = v_pool.index_select(0, s.slots).transpose(0, 1).unsqueeze(0)
-        if s.prefix_len == 0:
+        if sliding_window is not None or logit_cap is not None:
+            o = _masked_attention(qs, ks, vs, s.prefix_len, scale, sliding_window, logit_cap)
+        elif s.prefix_len == 0:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                                enable_gqa=True)
         else:
@@ -91,9 +97,39 @@ def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     return out
 
 
+def _masked_attention(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, prefix_len: int,
+                      scale: float, sliding_window: int | None, logit_cap: float | None
+                      ) -> torch.Tensor:
+    """Causal attention of one sequence's new tokens with a sliding window and/or soft-capped
+    scores. qs [1, H, n, d], ks/vs [1, kvh, L, d] -> [1, H, n, d].
+
+    With a window only, SDPA takes the boolean mask; soft-capping needs the scores, so that
+    path writes the attention out (GQA by repeating K/V heads)."""
+    n, length = qs.shape[2], ks.shape[2]
+    q_pos = torch.arange(prefix_len, prefix_len + n, device=qs.device)[:, None]  # [n, 1]
+    k_pos = torch.arange(length, device=qs.device)[None, :]  # [1, L]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    if logit_cap is None:
+        return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
+                                              enable_gqa=True)
+    group = qs.shape[1] // ks.shape[1]
+    ks, vs = ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1)
+    s = torch.matmul(qs.float(), ks.float().transpose(-1, -2)) * scale  # [1, H, n, L]
+    s = torch.tanh(s / logit_cap) * logit_cap
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.matmul(p.to(vs.dtype), vs)
+
+
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                     batch: DecodeBatch, scale: float) -> torch.Tensor:
-    """q [B, H, d], one token per sequence -> [B, H, d]."""
+                     batch: DecodeBatch, scale: float, sliding_window: int | None = None,
+                     logit_cap: float | None = None) -> torch.Tensor:
+    """q [B, H, d], one token per sequence -> [B, H, d].
+
+    A sliding window masks the keys more than W - 1 positions behind each query (their K/V
+    stay in the pool and are still gathered); `logit_cap` soft-caps the scaled scores before
+    the context mask is applied."""
     b, l_own = batch.slots.shape
     l_shared = batch.shared_slots.shape[0]
     _, kvh, d = k_pool.shape
@@ -103,18 +139,41 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     flat = batch.slots.reshape(-1)
     k = k_pool.index_select(0, flat).view(b, l_own, kvh * d)
     v = v_pool.index_select(0, flat).view(b, l_own, kvh * d)
-    s = torch.baddbmm(batch.bias, q_blocks, k.transpose(1, 2))  # [B, H, Lown]
+    plain = sliding_window is None and logit_cap is None
+    if plain:
+        s = torch.baddbmm(batch.bias, q_blocks, k.transpose(1, 2))  # [B, H, Lown]
+    else:
+        s = torch.bmm(q_blocks, k.transpose(1, 2))
     if l_shared:
         k_s = k_pool.index_select(0, batch.shared_slots).view(l_shared, kvh * d)
         v_s = v_pool.index_select(0, batch.shared_slots).view(l_shared, kvh * d)
         s_shared = torch.mm(q_blocks.view(b * h, -1), k_s.t()).view(b, h, l_shared)
         s = torch.cat([s_shared, s], dim=-1)  # [B, H, Ls + Lown]
-    p = torch.softmax(s.float() * scale, dim=-1).to(v.dtype)
+    if plain:
+        p = torch.softmax(s.float() * scale, dim=-1).to(v.dtype)
+    else:
+        p = torch.softmax(_windowed_scores(s.float() * scale, batch, l_shared, sliding_window,
+                                           logit_cap), dim=-1).to(v.dtype)
     r = torch.bmm(p[:, :, l_shared:], v)  # [B, H, kvh * d]
     if l_shared:
         r = r + torch.mm(p[:, :, :l_shared].reshape(b * h, l_shared), v_s).view(b, h, -1)
     r = r.view(b, kvh, h // kvh, kvh, d)  # the diagonal blocks are the outputs
     return torch.diagonal(r, dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(b, h, d)
+
+
+def _windowed_scores(s: torch.Tensor, batch: DecodeBatch, l_shared: int,
+                     sliding_window: int | None, logit_cap: float | None) -> torch.Tensor:
+    """Scaled scores s f32[B, H, Ls + Lown] -> soft-capped and masked (context length and
+    sliding window). Key j lies at position j; the query at the context's last position."""
+    if logit_cap is not None:
+        s = torch.tanh(s / logit_cap) * logit_cap
+    own_ok = batch.bias[:, 0, :] == 0  # [B, Lown]
+    ok = torch.cat([own_ok.new_ones(own_ok.shape[0], l_shared), own_ok], dim=-1)
+    if sliding_window is not None:
+        k_pos = torch.arange(ok.shape[1], device=s.device)[None, :]  # [1, L]
+        q_pos = l_shared + own_ok.sum(-1, keepdim=True) - 1  # [B, 1]
+        ok &= k_pos > q_pos - sliding_window
+    return s.masked_fill(~ok[:, None, :], float("-inf"))
 
 
 @functools.cache

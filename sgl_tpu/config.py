@@ -162,6 +162,7 @@ class ServerArgs:
     # A request's tokens do not depend on its batch mates, prompt chunking or radix-cache hits
     # (batch-invariant kernels; see sgl_tpu/executor/batch_invariant.py for what it costs).
     enable_deterministic_inference: bool = False
+    chat_template: str | None = None  # built-in name or Jinja file; None: the model's own
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_total_tokens", "max_running_requests", "max_extend_seqs",
@@ -217,6 +218,10 @@ class ServerArgs:
                              f"{self.dist_timeout!r}")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (rank 0's address)")
+        if self.chat_template is not None:
+            from sgl_tpu.loader.chat_templates import check_chat_template
+
+            check_chat_template(self.chat_template)
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(f"router_policy must be one of {ROUTER_POLICIES}, "
                              f"got {self.router_policy!r}")

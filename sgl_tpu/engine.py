@@ -21,6 +21,7 @@ from sgl_tpu.constrained import GrammarManager, create_backend
 from sgl_tpu.detokenize import DetokenizerState
 from sgl_tpu.executor.registry import resolve_backend, runner_config
 from sgl_tpu.loader import load_model
+from sgl_tpu.loader.chat_templates import with_chat_template
 from sgl_tpu.messages import TokenizedGenerateReq
 from sgl_tpu.parallel.jax_multihost import join_jax_group, start_jax_leader
 from sgl_tpu.parallel.runner_factory import close_runner, create_runner
@@ -76,7 +77,7 @@ class Engine:
             raise ValueError("dp_size > 1 runs replicas behind the sglang-router: use "
                              "python -m sgl_tpu.launch_server --dp-size N")
         self.scheduler, self.loaded = build_scheduler(self.server_args)
-        self.tokenizer = self.loaded.tokenizer
+        self.tokenizer = with_chat_template(self.loaded.tokenizer, self.server_args.chat_template)
         self.model_config = self.loaded.config
         self._rids = itertools.count()
         self._pending: dict[str, ResponseAccumulator] = {}

@@ -68,6 +68,9 @@ CASES = {
                                            jnp.bfloat16, 16, 16, 12, 20.0),
     "mixed-ps64-g1-d64-f32-window": (EXTEND, [(70, 9), (0, 3), (64, 1)], 64, 1, 64,
                                      jnp.float32, 64, 8, 40, None),
+    # Gemma 3's head_dim 256 with a window that starts mid-page inside the cached prefix
+    "mixed-ps16-g4-d256-f32-window": (EXTEND, [(21, 12), (0, 5)], 16, 4, 256, jnp.float32, 16,
+                                      8, 10, None),
 }
 
 

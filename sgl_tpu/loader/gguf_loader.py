@@ -32,9 +32,10 @@ from typing import Any
 import numpy as np
 
 from sgl_tpu.loader.loaded import Params, check_params
+from sgl_tpu.loader.spm_tokenizer import build_spm_backend
 from sgl_tpu.loader.tokenizer import Tokenizer, build_gguf_backend
-from sgl_tpu.models.config import SUPPORTED_ARCHS, ModelConfig, RopeScaling
-from sgl_tpu.models.registry import get_model_spec
+from sgl_tpu.models.config import SUPPORTED_ARCHS, GemmaConfig, ModelConfig, RopeScaling
+from sgl_tpu.models.registry import get_model_spec, loader_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +141,8 @@ def _load_uncached(path: Path) -> tuple[ModelConfig, Params, Tokenizer]:
         raise ValueError(f"{path}: unsupported rope scaling type {scaling_type!r} in GGUF")
 
     tensors = {t.name: t for t in reader.tensors}
+    hooks = loader_hooks(arch)  # a family's own names and conversions (Gemma), else None
+    layer_names = {**_LAYER_TENSORS, **(hooks.GGUF_LAYER_TENSORS if hooks else {})}
     num_heads = fields.scalar(f"{arch}.attention.head_count")
     num_kv_heads = fields.scalar(f"{arch}.attention.head_count_kv", num_heads)
     hidden = fields.scalar(f"{arch}.embedding_length")
@@ -184,14 +187,19 @@ def _load_uncached(path: Path) -> tuple[ModelConfig, Params, Tokenizer]:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tuple(eos_ids),
     )
+    if hooks is not None:
+        config = dataclasses.replace(config, gemma=hooks.gemma_from_gguf(
+            arch, fields.scalar, config.num_layers, rope_theta, head_dim))
 
     params: Params = {"layers": [{} for _ in range(config.num_layers)]}
     permuted = get_model_spec(arch).gguf_permuted_qk
     for name in tensors:
         if name == _ROPE_FREQS:
             continue
-        layer_idx, target = _canonical_name(name, path)
+        layer_idx, target = _canonical_name(name, path, layer_names)
         w = dequant(name)
+        if hooks is not None:
+            w = hooks.from_gguf(target, w)
         if permuted and target in ("wq", "bq"):
             w = unpermute_qk(w, num_heads)
         elif permuted and target in ("wk", "bk"):
@@ -213,13 +221,14 @@ def _f32_to_float(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _canonical_name(name: str, path: Path) -> tuple[int | None, str]:
+def _canonical_name(name: str, path: Path, layer_names: dict[str, str]
+                    ) -> tuple[int | None, str]:
     if name in _TOP_TENSORS:
         return None, _TOP_TENSORS[name]
     prefix, _, rest = name.partition(".")
     idx, _, suffix = rest.partition(".")
-    if prefix == "blk" and idx.isdigit() and suffix in _LAYER_TENSORS:
-        return int(idx), _LAYER_TENSORS[suffix]
+    if prefix == "blk" and idx.isdigit() and suffix in layer_names:
+        return int(idx), layer_names[suffix]
     raise ValueError(f"{path}: unexpected tensor {name!r}")
 
 
@@ -230,8 +239,15 @@ def _gguf_tokenizer(fields: _Fields) -> Tokenizer:
     eot = fields.scalar("tokenizer.ggml.eot_token_id", None)
     if eot is not None:
         eos.append(eot)
+    model = fields.get("tokenizer.ggml.model")
+    if model == "llama":  # SentencePiece (Gemma)
+        backend = build_spm_backend(
+            tokens=tokens, token_types=fields.get("tokenizer.ggml.token_type"),
+            bos_token_id=bos, add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", True)))
+        return Tokenizer(backend, bos_token_id=bos, eos_token_ids=eos,
+                         chat_template=fields.get("tokenizer.chat_template", None))
     backend = build_gguf_backend(
-        tokenizer_model=fields.get("tokenizer.ggml.model"),
+        tokenizer_model=model,
         pre=fields.get("tokenizer.ggml.pre", "default"),
         tokens=tokens,
         token_types=fields.get("tokenizer.ggml.token_type", [1] * len(tokens)),
@@ -284,8 +300,11 @@ def _flat_arrays(params: Params) -> dict[str, np.ndarray]:
 
 def _config_from_dict(d: dict[str, Any]) -> ModelConfig:
     scaling = d.get("rope_scaling")
+    gemma = d.get("gemma")
+    if gemma:
+        gemma = GemmaConfig(**{**gemma, "sliding_layers": tuple(gemma["sliding_layers"])})
     return ModelConfig(**{**d, "rope_scaling": RopeScaling(**scaling) if scaling else None,
-                          "eos_token_ids": tuple(d["eos_token_ids"])})
+                          "eos_token_ids": tuple(d["eos_token_ids"]), "gemma": gemma})
 
 
 def _read_cache(entry: Path) -> tuple[ModelConfig, Params, Tokenizer] | None:

@@ -24,10 +24,12 @@ import numpy as np
 from sgl_tpu.loader.loaded import Params, check_params
 from sgl_tpu.loader.tokenizer import Tokenizer, load_hf_tokenizer
 from sgl_tpu.models.config import ModelConfig, RopeScaling
-from sgl_tpu.models.registry import MODELS
+from sgl_tpu.models.registry import MODELS, loader_hooks
 
 # config.json model_type -> architectures entry we expect for it.
-HF_ARCHS = {arch: spec.hf_architecture for arch, spec in MODELS.items()}
+HF_ARCHS = {spec.hf_model_type or arch: spec.hf_architecture for arch, spec in MODELS.items()}
+# config.json model_type -> our arch name (they differ for Gemma 3: "gemma3_text")
+_ARCH_OF_MODEL_TYPE = {spec.hf_model_type or arch: arch for arch, spec in MODELS.items()}
 
 _SAFETENSORS_DTYPES = {
     "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
@@ -93,6 +95,13 @@ def config_from_hf(cfg: dict[str, Any], gen_cfg: dict[str, Any], tensor_names: s
     if HF_ARCHS[model_type] not in archs:
         raise ValueError(f"{source}: unsupported architectures {archs}; "
                          f"expected {HF_ARCHS[model_type]} for model_type {model_type!r}")
+    hooks = loader_hooks(_ARCH_OF_MODEL_TYPE[model_type])
+    if hooks is not None:  # a family with its own config keys (Gemma)
+        tied = cfg.get("tie_word_embeddings")
+        eos = _as_id_list(gen_cfg.get("eos_token_id")) + _as_id_list(cfg.get("eos_token_id"))
+        return hooks.config_from_hf(_ARCH_OF_MODEL_TYPE[model_type], cfg, eos,
+                                    "lm_head.weight" not in tensor_names if tied is None
+                                    else bool(tied), source)
     if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias", False):
         raise ValueError(f"{source}: only silu MLPs without bias are supported")
     if cfg.get("use_sliding_window", False):
@@ -157,6 +166,8 @@ def load_hf(model_dir: str | Path) -> tuple[ModelConfig, Params, Tokenizer]:
     gen_cfg = _read_json(model_dir / "generation_config.json")
     config = config_from_hf(_read_json(model_dir / "config.json"), gen_cfg, set(tensors), source)
 
+    hooks = loader_hooks(config.arch)
+    layer_names = hooks.HF_LAYER_TENSORS if hooks is not None else _LAYER_TENSORS
     params: Params = {"layers": [{} for _ in range(config.num_layers)]}
     for name, w in tensors.items():
         if name in _TOP_TENSORS:
@@ -167,9 +178,9 @@ def load_hf(model_dir: str | Path) -> tuple[ModelConfig, Params, Tokenizer]:
             continue
         parts = name.split(".", 3)  # model, layers, i, rest
         if (len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
-                and parts[3] in _LAYER_TENSORS and int(parts[2]) < config.num_layers):
+                and parts[3] in layer_names and int(parts[2]) < config.num_layers):
             w = np.ascontiguousarray(w.T) if w.ndim == 2 else w
-            params["layers"][int(parts[2])][_LAYER_TENSORS[parts[3]]] = w
+            params["layers"][int(parts[2])][layer_names[parts[3]]] = w
         elif "rotary_emb" not in name:
             raise ValueError(f"{source}: unexpected tensor {name!r}")
     check_params(config, params, source)

@@ -9,6 +9,8 @@ rows in Hugging Face order, i.e. rotate-half RoPE):
                bq [q]  bk [kv]  bv [kv]                 (only if config.attention_bias)
                q_norm [head_dim]  k_norm [head_dim]     (only if config.qk_norm)
                mlp_norm [hidden]
+               post_attn_norm [hidden]  post_mlp_norm [hidden]   (only if config.gemma; Gemma
+                                        norms hold w of their (1 + w) scale)
                w_gate [hidden, inter]  w_up [hidden, inter]  w_down [inter, hidden]
 
 with q = num_heads * head_dim and kv = num_kv_heads * head_dim.
@@ -51,6 +53,8 @@ def expected_param_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...
         layer.update(bq=(q,), bk=(kv,), bv=(kv,))
     if config.qk_norm:
         layer.update(q_norm=(config.head_dim,), k_norm=(config.head_dim,))
+    if config.gemma is not None:  # norms after attention and after the MLP
+        layer.update(post_attn_norm=(h,), post_mlp_norm=(h,))
     return top, layer
 
 

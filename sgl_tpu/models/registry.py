@@ -29,14 +29,22 @@ class ModelSpec:
     gguf_permuted_qk: bool = False  # llama.cpp's converter permuted Q/K rows (undo on load)
     qkv_bias: bool = False  # bias on q/k/v projections whatever config.json says (Qwen2)
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    hf_model_type: str | None = None  # config.json "model_type" when it differs from the arch
+    # a module with the family's own config parsing and tensor names (see loader/gemma.py)
+    loader_hooks: str | None = None
 
 
 _LLAMA_JAX, _LLAMA_TORCH = "sgl_tpu.models.llama", "sgl_tpu.models.llama_torch"
+_GEMMA_JAX, _GEMMA_TORCH = "sgl_tpu.models.gemma", "sgl_tpu.models.gemma_torch"
+_GEMMA_HOOKS = "sgl_tpu.loader.gemma"
 
 MODELS: dict[str, ModelSpec] = {
     "llama": ModelSpec("LlamaForCausalLM", _LLAMA_JAX, _LLAMA_TORCH, gguf_permuted_qk=True),
     "qwen2": ModelSpec("Qwen2ForCausalLM", _LLAMA_JAX, _LLAMA_TORCH, qkv_bias=True),
     "qwen3": ModelSpec("Qwen3ForCausalLM", _LLAMA_JAX, _LLAMA_TORCH, qk_norm=True),
+    "gemma2": ModelSpec("Gemma2ForCausalLM", _GEMMA_JAX, _GEMMA_TORCH, loader_hooks=_GEMMA_HOOKS),
+    "gemma3": ModelSpec("Gemma3ForCausalLM", _GEMMA_JAX, _GEMMA_TORCH, qk_norm=True,
+                        hf_model_type="gemma3_text", loader_hooks=_GEMMA_HOOKS),
 }
 
 
@@ -49,6 +57,12 @@ def get_model_spec(arch: str) -> ModelSpec:
 
 def jax_model(arch: str) -> ModuleType:
     return importlib.import_module(get_model_spec(arch).jax_module)
+
+
+def loader_hooks(arch: str) -> ModuleType | None:
+    """The family's loader module (`ModelSpec.loader_hooks`), or None for Llama-shaped ones."""
+    name = get_model_spec(arch).loader_hooks
+    return None if name is None else importlib.import_module(name)
 
 
 def torch_model(arch: str) -> ModuleType:

@@ -26,3 +26,11 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
     scaled = np.where(mid, (1 - smooth) * inv_freq / rs.factor + smooth * inv_freq, scaled)
     return scaled.astype(np.float32)
+
+
+def gemma_inv_freqs(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(global, local) inverse frequencies [d/2] of a Gemma model: global layers use
+    `rope_theta` (with any Llama-3 scaling), local layers `gemma.rope_local_theta`, unscaled."""
+    d = cfg.head_dim
+    local = 1.0 / (cfg.gemma.rope_local_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    return rope_inv_freq(cfg), local.astype(np.float32)

@@ -71,20 +71,24 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: tor
 
 
 def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                     seqs: list[ExtendSeq], scale: float) -> torch.Tensor:
-    """q [T, H, d] packed new tokens -> attention output [T, H, d] (padding rows zero)."""
+                     seqs: list[ExtendSeq], scale: float, sliding_window: int | None = None
+                     ) -> torch.Tensor:
+    """q [T, H, d] packed new tokens -> attention output [T, H, d] (padding rows zero).
+    `sliding_window` (Mistral): a query at position p sees keys p - window + 1 .. p only."""
     out = torch.zeros_like(q)
     for s in seqs:
         qs = q[s.start : s.start + s.num_new].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
         ks = k_pool.index_select(0, s.slots).transpose(0, 1).unsqueeze(0)  # [1, kvh, L, d]
         vs = v_pool.index_select(0, s.slots).transpose(0, 1).unsqueeze(0)
-        if s.prefix_len == 0:
+        if s.prefix_len == 0 and sliding_window is None:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                                enable_gqa=True)
         else:
             q_pos = torch.arange(s.prefix_len, s.prefix_len + s.num_new, device=q.device)
             k_pos = torch.arange(s.prefix_len + s.num_new, device=q.device)
             mask = k_pos[None, :] <= q_pos[:, None]  # [n, L]
+            if sliding_window is not None:
+                mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
                                                enable_gqa=True)
         out[s.start : s.start + s.num_new] = o[0].transpose(0, 1)

@@ -80,15 +80,23 @@ def make_tiny_tokenizer() -> Any:
 
 
 def _build_model(arch: str, vocab_size: int, *, seed: int, tie_word_embeddings: bool,
-                 rope_scaling: dict[str, Any] | None) -> Any:
+                 rope_scaling: dict[str, Any] | None, **overrides: Any) -> Any:
     import torch
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     common: dict[str, Any] = dict(
@@ -103,12 +111,26 @@ def _build_model(arch: str, vocab_size: int, *, seed: int, tie_word_embeddings: 
         "llama": (LlamaConfig, LlamaForCausalLM, {"rope_theta": 10000.0}),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"rope_theta": 1000000.0}),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32, "rope_theta": 1000000.0}),
+        # 8 experts, top 2, unnormalised top-k weights (Qwen3-MoE's config default)
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {
+            "head_dim": 32, "rope_theta": 1000000.0, "num_experts": 8,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+        "mixtral": (MixtralConfig, MixtralForCausalLM, {
+            "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 48}),
+        # a window shorter than the test prompts, so the mask matters
+        "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 8}),
+        # LongRoPE with a pretrained context of 64 (longer than the test prompts: HF switches
+        # a whole sequence to the long factors past it, we switch per position)
+        "phi3": (Phi3Config, Phi3ForCausalLM, {"pad_token_id": 0, "rope_scaling": {
+            "rope_type": "longrope", "short_factor": [1.0 + 0.15 * i for i in range(8)],
+            "long_factor": [2.0 + 0.3 * i for i in range(8)],
+            "original_max_position_embeddings": 64}, "original_max_position_embeddings": 64}),
     }
     if arch not in classes:
         raise ValueError(f"unknown test arch {arch!r}")
     config_cls, model_cls, extra = classes[arch]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**common, **extra)).eval()
+    model = model_cls(config_cls(**{**common, **extra, **overrides})).eval()
     with torch.no_grad():  # non-trivial norms and biases, so a mix-up shows
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -136,6 +158,10 @@ ARCH_CASES = [
         "original_max_position_embeddings": 16}}),
     ("qwen2", {}),
     ("qwen3", {}),
+    ("qwen3_moe", {}),
+    ("mixtral", {}),
+    ("mistral", {}),
+    ("phi3", {}),
 ]
 
 
@@ -147,15 +173,18 @@ def make_tiny_hf_checkpoint(
     tie_word_embeddings: bool = False,
     rope_scaling: dict[str, Any] | None = None,
     dtype: str = "float32",
+    **overrides: Any,
 ) -> str:
-    """Save a tiny random `arch` model (hidden 64, 2 layers, 4 heads, 2 kv heads) into `dir`."""
+    """Save a tiny random `arch` model (hidden 64, 2 layers, 4 heads, 2 kv heads) into `dir`;
+    `overrides` replace fields of its transformers config."""
     import torch
 
     out = Path(dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = make_tiny_tokenizer()
     model = _build_model(arch, tok.get_vocab_size(), seed=seed,
-                         tie_word_embeddings=tie_word_embeddings, rope_scaling=rope_scaling)
+                         tie_word_embeddings=tie_word_embeddings, rope_scaling=rope_scaling,
+                         **overrides)
     model.to(getattr(torch, dtype)).save_pretrained(out, safe_serialization=True)
     _write_tokenizer_files(out, tok)
     return str(out)

@@ -10,6 +10,9 @@ rows in Hugging Face order, i.e. rotate-half RoPE):
                q_norm [head_dim]  k_norm [head_dim]     (only if config.qk_norm)
                mlp_norm [hidden]
                w_gate [hidden, inter]  w_up [hidden, inter]  w_down [inter, hidden]
+               or, with config.num_experts = E experts of width f (mixture of experts):
+               router [hidden, E]  w_gate_exps [E, hidden, f]  w_up_exps [E, hidden, f]
+               w_down_exps [E, f, hidden]
 
 with q = num_heads * head_dim and kv = num_kv_heads * head_dim.
 """
@@ -47,6 +50,12 @@ def expected_param_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...
         "attn_norm": (h,), "wq": (h, q), "wk": (h, kv), "wv": (h, kv), "wo": (q, h),
         "mlp_norm": (h,), "w_gate": (h, inter), "w_up": (h, inter), "w_down": (inter, h),
     }
+    if config.num_experts:  # routed experts instead of the dense MLP (models/moe.py)
+        e, f = config.num_experts, config.moe_intermediate_size
+        for name in ("w_gate", "w_up", "w_down"):
+            del layer[name]
+        layer.update(router=(h, e), w_gate_exps=(e, h, f), w_up_exps=(e, h, f),
+                     w_down_exps=(e, f, h))
     if config.attention_bias:
         layer.update(bq=(q,), bk=(kv,), bv=(kv,))
     if config.qk_norm:

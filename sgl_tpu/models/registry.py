@@ -29,14 +29,27 @@ class ModelSpec:
     gguf_permuted_qk: bool = False  # llama.cpp's converter permuted Q/K rows (undo on load)
     qkv_bias: bool = False  # bias on q/k/v projections whatever config.json says (Qwen2)
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    moe: bool = False  # mixture-of-experts MLPs (models/moe.py)
+    gguf_arch: str | None = None  # general.architecture in GGUF files, if not the name here
 
 
 _LLAMA_JAX, _LLAMA_TORCH = "sgl_tpu.models.llama", "sgl_tpu.models.llama_torch"
+_MOE_JAX, _MOE_TORCH = "sgl_tpu.models.moe", "sgl_tpu.models.moe_torch"
 
 MODELS: dict[str, ModelSpec] = {
     "llama": ModelSpec("LlamaForCausalLM", _LLAMA_JAX, _LLAMA_TORCH, gguf_permuted_qk=True),
     "qwen2": ModelSpec("Qwen2ForCausalLM", _LLAMA_JAX, _LLAMA_TORCH, qkv_bias=True),
     "qwen3": ModelSpec("Qwen3ForCausalLM", _LLAMA_JAX, _LLAMA_TORCH, qk_norm=True),
+    # sliding-window attention (ModelConfig.sliding_window); llama.cpp writes it as "llama"
+    "mistral": ModelSpec("MistralForCausalLM", _LLAMA_JAX, _LLAMA_TORCH, gguf_permuted_qk=True,
+                         gguf_arch="llama"),
+    # fused qkv / gate-up tensors split by the HF loader; LongRoPE (ModelConfig.long_rope)
+    "phi3": ModelSpec("Phi3ForCausalLM", _LLAMA_JAX, _LLAMA_TORCH),
+    "qwen3_moe": ModelSpec("Qwen3MoeForCausalLM", _MOE_JAX, _MOE_TORCH, qk_norm=True, moe=True,
+                           gguf_arch="qwen3moe"),
+    # llama.cpp writes Mixtral as a "llama" file with expert tensors
+    "mixtral": ModelSpec("MixtralForCausalLM", _MOE_JAX, _MOE_TORCH, gguf_permuted_qk=True,
+                         moe=True, gguf_arch="llama"),
 }
 
 
@@ -45,6 +58,15 @@ def get_model_spec(arch: str) -> ModelSpec:
     if spec is None:
         raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(MODELS)}")
     return spec
+
+
+def arch_for_gguf(gguf_arch: str, has_experts: bool) -> str | None:
+    """Registry name of a GGUF file's `general.architecture` (None if unsupported); a "llama"
+    file with expert tensors is Mixtral, without them Llama (Mistral files read as Llama)."""
+    for name, spec in MODELS.items():
+        if (spec.gguf_arch or name) == gguf_arch and spec.moe == has_experts:
+            return name
+    return None
 
 
 def jax_model(arch: str) -> ModuleType:

@@ -58,6 +58,14 @@ _HF_TO_GGUF_TOP = {
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
+_HF_TO_GGUF_LAYER.update({  # MoE: the router and the experts stacked [E, out, in]
+    "mlp.gate.weight": "ffn_gate_inp.weight", "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "experts.gate": "ffn_gate_exps.weight", "experts.up": "ffn_up_exps.weight",
+    "experts.down": "ffn_down_exps.weight",
+})
+_GGUF_MOE_ARCHS = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}  # our name -> llama.cpp's
+_EXPERT_ROLES = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                 "down_proj": "down", "w2": "down"}
 Q8_0_TENSOR = "blk.0.ffn_gate.weight"  # written quantized; the HF twin holds its dequantized value
 
 
@@ -158,11 +166,10 @@ ARCH_CASES = [
         "original_max_position_embeddings": 16}}),
     ("qwen2", {}),
     ("qwen3", {}),
-    ("qwen3_moe", {}),
-    ("mixtral", {}),
-    ("mistral", {}),
-    ("phi3", {}),
 ]
+# mixture of experts, sliding window, fused projections + LongRoPE (tests/test_moe.py too)
+NEW_ARCH_CASES = [("qwen3_moe", {}), ("mixtral", {}), ("mistral", {}), ("phi3", {})]
+ARCH_CASES += NEW_ARCH_CASES
 
 
 def make_tiny_hf_checkpoint(
@@ -210,6 +217,29 @@ def tokenizer_vocab(tok: Any) -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
+def _stack_experts(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """HF expert tensors (per expert, or fused as transformers 5 holds them) ->
+    "model.layers.{i}.experts.{role}" stacked [E, out, in]."""
+    out: dict[str, np.ndarray] = {}
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    for name, arr in state.items():
+        parts = name.split(".")
+        if name.endswith("experts.gate_up_proj"):  # transformers 5 in memory: [E, 2F, D]
+            base = f"model.layers.{parts[2]}.experts"
+            out[f"{base}.gate"], out[f"{base}.up"] = np.split(arr, 2, axis=1)
+        elif name.endswith("experts.down_proj"):  # [E, D, F]
+            out[f"model.layers.{parts[2]}.experts.down"] = arr
+        elif "experts" in parts:
+            at = parts.index("experts")
+            key = f"model.layers.{parts[2]}.experts.{_EXPERT_ROLES[parts[at + 2]]}"
+            stacks.setdefault(key, {})[int(parts[at + 1])] = arr
+        else:
+            out[name] = arr
+    for key, by_index in stacks.items():
+        out[key] = np.stack([by_index[j] for j in sorted(by_index)])
+    return out
+
+
 def make_tiny_gguf(
     path: str | Path,
     arch: str = "llama",
@@ -232,13 +262,19 @@ def make_tiny_gguf(
 
     path = Path(path)
     tok = make_tiny_tokenizer()
+    moe = arch in _GGUF_MOE_ARCHS
+    # llama.cpp renormalises Qwen3-MoE's top-k weights (the released models set it too)
     model = _build_model(arch, tok.get_vocab_size(), seed=seed,
-                         tie_word_embeddings=tie_word_embeddings, rope_scaling=None)
+                         tie_word_embeddings=tie_word_embeddings, rope_scaling=None,
+                         **({"norm_topk_prob": True} if arch == "qwen3_moe" else {}))
     cfg = model.config
-    gate = model.model.layers[0].mlp.gate_proj.weight
-    q8 = gguf.quants.quantize(gate.detach().numpy(), gguf.GGMLQuantizationType.Q8_0)
-    with torch.no_grad():
-        gate.copy_(torch.from_numpy(gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0)))
+    gate = model.model.layers[0].mlp.gate_proj.weight if not moe else None
+    q8 = None
+    if gate is not None:
+        q8 = gguf.quants.quantize(gate.detach().numpy(), gguf.GGMLQuantizationType.Q8_0)
+        with torch.no_grad():
+            gate.copy_(torch.from_numpy(gguf.quants.dequantize(
+                q8, gguf.GGMLQuantizationType.Q8_0)))
     blocks: dict[str, np.ndarray] = {}  # HF name -> raw GGUF blocks (HF row order)
     if projection_type is not None:
         qtype = getattr(gguf.GGMLQuantizationType, projection_type)
@@ -258,7 +294,13 @@ def make_tiny_gguf(
     _write_tokenizer_files(twin, tok)
 
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w = gguf.GGUFWriter(str(path), gguf_arch or arch)
+    w = gguf.GGUFWriter(str(path), gguf_arch or _GGUF_MOE_ARCHS.get(arch, arch))
+    if moe:
+        w.add_expert_count(cfg.num_local_experts if arch == "mixtral" else cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch == "qwen3_moe":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        state = _stack_experts(state)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -290,9 +332,9 @@ def make_tiny_gguf(
         else:
             _, _, idx, suffix = name.split(".", 3)
             gguf_name = f"blk.{idx}.{_HF_TO_GGUF_LAYER[suffix]}"
-            if arch == "llama" and suffix.startswith("self_attn.q_proj"):
+            if arch in ("llama", "mixtral") and suffix.startswith("self_attn.q_proj"):
                 arr = _llama_cpp_permute(arr, cfg.num_attention_heads)
-            elif arch == "llama" and suffix.startswith("self_attn.k_proj"):
+            elif arch in ("llama", "mixtral") and suffix.startswith("self_attn.k_proj"):
                 arr = _llama_cpp_permute(arr, cfg.num_key_value_heads)
         if gguf_name == i8_tensor:
             w.add_tensor(gguf_name, np.zeros(arr.shape, dtype=np.int8))

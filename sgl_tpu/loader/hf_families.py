@@ -8,6 +8,8 @@ out of `hf_loader.py`, which handles what every family shares.
         Qwen3-MoE mlp.experts.{j}.{gate,up,down}_proj     -> mlp.experts.{gate,up,down}_exps
         Mixtral  block_sparse_moe.experts.{j}.{w1,w3,w2}  -> the same (w1 gate, w3 up, w2 down)
                  block_sparse_moe.gate                    -> mlp.gate (the router)
+        either   mlp.experts.gate_up_proj [E, 2F, D], mlp.experts.down_proj [E, D, F] (the
+                 fused layout transformers 5 holds in memory) -> the same
 
 Stacked experts come out [E, in, out], already in the canonical layout (hf_loader transposes
 only 2-D weights).
@@ -97,6 +99,14 @@ def canonical_tensors(tensors: dict[str, np.ndarray], model_type: str, num_heads
         if m:
             layer, j, role = int(m[1]), int(m[2]), _EXPERT_ROLE[m[3]]
             experts.setdefault((layer, role), {})[j] = w
+        elif name.endswith("mlp.experts.gate_up_proj"):  # fused [E, 2F, D] (transformers 5)
+            base = name[: -len("gate_up_proj")]
+            gate, up = np.split(w, 2, axis=1)
+            out[base + "gate_exps"] = np.ascontiguousarray(gate.transpose(0, 2, 1))
+            out[base + "up_exps"] = np.ascontiguousarray(up.transpose(0, 2, 1))
+        elif name.endswith("mlp.experts.down_proj"):  # fused [E, D, F]
+            out[name[: -len("down_proj")] + "down_exps"] = np.ascontiguousarray(
+                w.transpose(0, 2, 1))
         elif model_type == "mixtral" and name.endswith("block_sparse_moe.gate.weight"):
             out[name.replace("block_sparse_moe.gate", "mlp.gate")] = w
         elif name.endswith("self_attn.qkv_proj.weight"):

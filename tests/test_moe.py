@@ -139,3 +139,15 @@ def test_torch_paged_decode_logprobs_match_transformers(tmp_path, arch, kw):
             np.testing.assert_allclose(result.top_logprobs[i], ref_lp[top], atol=ATOL)
             assert top[0] == int(np.argmax(ref)) or np.sort(ref)[-2] > ref.max() - 10 * ATOL
         nxt = [int(t) for t in result.token_ids]
+
+
+def test_moe_layers_mixed_with_dense_refused(tmp_path):
+    import json
+
+    model_dir = ck.make_tiny_hf_checkpoint(tmp_path / "m", "qwen3_moe")
+    cfg_file = tmp_path / "m" / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["mlp_only_layers"] = [0]
+    cfg_file.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="dense layers among MoE layers"):
+        load_model(model_dir)

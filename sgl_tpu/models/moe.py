@@ -22,12 +22,12 @@ Two implementations of the grouped SwiGLU, same result (tests compare them):
   enumerated on the device and walked by one `fori_loop` that stops at the number in use:
 
         sorted rows   [0 0 0 | 0 2 2 | 2 5 7 | 7 . .]      (expert of each row, tiles of 3)
-        items         (t0,e0) (t1,e0) (t1,e1) (t1,e2) (t2,e2) ... (t3,e7)
+        items         (t0,e0) (t1,e0) (t1,e2) (t2,e2) (t2,e5) (t2,e7) (t3,e7)
 
-  At most N / MOE_TILE + E items, each reading one expert: prefill costs about the active
-  FLOPs (plus one tile per expert), and a decode step of a few tokens reads only the experts
-  its tokens picked. Experts between two picked ones inside a tile (e1 above) cost an empty
-  item; a bound, not the common case.
+  An item starts at each sorted row that begins a tile or changes expert, so only experts
+  with rows get items: at most min(N, N / MOE_TILE + E - 1), each reading one expert. Prefill
+  costs about the active FLOPs (plus at most one partial tile per expert), and a decode step of
+  a few tokens reads only the experts its tokens picked.
 """
 
 from __future__ import annotations
@@ -75,16 +75,15 @@ def _grouped_tiled(xs: jax.Array, sorted_expert: jax.Array, layer: dict,
     xs = jnp.pad(xs, ((0, pad), (0, 0)))  # [NT * tile, D]
     # padding rows take expert -1: never equal to an item's expert, so masked out
     row_expert = jnp.pad(sorted_expert, (0, pad), constant_values=-1)
-    tiles = row_expert.reshape(num_tiles, MOE_TILE)
-    first = tiles[:, 0]  # [NT] experts ascend within a tile; its first row is never padding
-    last = jnp.max(tiles, axis=1)
-    counts = last - first + 1  # [NT] items per tile
-    starts = jnp.cumsum(counts) - counts  # [NT] first item of each tile
-    num_items = starts[-1] + counts[-1]
-    max_items = num_tiles + num_experts - 1
-    item = jnp.arange(max_items, dtype=jnp.int32)
-    item_tile = jnp.clip(jnp.searchsorted(starts, item, side="right") - 1, 0, num_tiles - 1)
-    item_expert = first[item_tile] + item - starts[item_tile]  # [max_items]
+    # an item starts at every real row that begins a tile or follows another expert's row
+    row = jnp.arange(num_tiles * MOE_TILE)
+    prev = jnp.concatenate([jnp.full((1,), -1, row_expert.dtype), row_expert[:-1]])
+    starts = (row_expert >= 0) & ((row % MOE_TILE == 0) | (row_expert != prev))
+    num_items = starts.sum()
+    max_items = min(n, num_tiles + num_experts - 1)
+    (first_row,) = jnp.nonzero(starts, size=max_items, fill_value=0)  # [max_items]
+    item_tile = first_row // MOE_TILE
+    item_expert = row_expert[first_row]
 
     def body(i, ys):
         t, e = item_tile[i], item_expert[i]

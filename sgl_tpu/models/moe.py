@@ -16,7 +16,7 @@ Two implementations of the grouped SwiGLU, same result (tests compare them):
 * `ragged_dot`: `jax.lax.ragged_dot` with per-expert group sizes. XLA lowers it natively on
   TPU and GPU; on CPU its fallback expands the rows to a dense [E, N, D] operand, so compute
   scales with all experts there.
-* `tiled` (the default off TPU/GPU): the sorted rows are cut into tiles of `MOE_TILE` rows; a
+* `tiled` (the default off TPU/GPU): the sorted rows are cut into tiles (`tile_rows`); a
   tile spans a run of experts, and each (tile, expert) pair is one work item: one expert's
   weights times the tile's rows, masked to the rows routed to that expert. Items are
   enumerated on the device and walked by one `fori_loop` that stops at the number in use:
@@ -25,7 +25,7 @@ Two implementations of the grouped SwiGLU, same result (tests compare them):
         items         (t0,e0) (t1,e0) (t1,e2) (t2,e2) (t2,e5) (t2,e7) (t3,e7)
 
   An item starts at each sorted row that begins a tile or changes expert, so only experts
-  with rows get items: at most min(N, N / MOE_TILE + E - 1), each reading one expert. Prefill
+  with rows get items: at most min(N, N / tile + E - 1), each reading one expert. Prefill
   costs about the active FLOPs (plus at most one partial tile per expert), and a decode step of
   a few tokens reads only the experts its tokens picked.
 """
@@ -39,7 +39,15 @@ from jax import lax
 from sgl_tpu.models import llama
 from sgl_tpu.models.config import ModelConfig
 
-MOE_TILE = 8  # sorted rows per work item of the tiled grouped SwiGLU
+MOE_TILE = 8  # fewest sorted rows per work item of the tiled grouped SwiGLU
+
+
+def tile_rows(num_rows: int, num_experts: int) -> int:
+    """Rows per tile: MOE_TILE for decode-sized steps; for N rows over E experts the largest
+    power of two <= N / (2E), so the partial tiles (at most one per expert) add at most half
+    the active rows while the item count stays near 3E (fewer, larger GEMMs for prefill)."""
+    target = num_rows // (2 * num_experts)
+    return max(MOE_TILE, 1 << max(target.bit_length() - 1, 0))
 
 compute_logits = llama.compute_logits
 
@@ -70,33 +78,34 @@ def _grouped_tiled(xs: jax.Array, sorted_expert: jax.Array, layer: dict,
                    num_experts: int) -> jax.Array:
     """Same contract as `_grouped_ragged_dot`, as (tile, expert) work items (module doc)."""
     n, d = xs.shape
-    num_tiles = -(-n // MOE_TILE)
-    pad = num_tiles * MOE_TILE - n
+    tile = tile_rows(n, num_experts)
+    num_tiles = -(-n // tile)
+    pad = num_tiles * tile - n
     xs = jnp.pad(xs, ((0, pad), (0, 0)))  # [NT * tile, D]
     # padding rows take expert -1: never equal to an item's expert, so masked out
     row_expert = jnp.pad(sorted_expert, (0, pad), constant_values=-1)
     # an item starts at every real row that begins a tile or follows another expert's row
-    row = jnp.arange(num_tiles * MOE_TILE)
+    row = jnp.arange(num_tiles * tile)
     prev = jnp.concatenate([jnp.full((1,), -1, row_expert.dtype), row_expert[:-1]])
-    starts = (row_expert >= 0) & ((row % MOE_TILE == 0) | (row_expert != prev))
+    starts = (row_expert >= 0) & ((row % tile == 0) | (row_expert != prev))
     num_items = starts.sum()
     max_items = min(n, num_tiles + num_experts - 1)
     (first_row,) = jnp.nonzero(starts, size=max_items, fill_value=0)  # [max_items]
-    item_tile = first_row // MOE_TILE
+    item_tile = first_row // tile
     item_expert = row_expert[first_row]
 
     def body(i, ys):
         t, e = item_tile[i], item_expert[i]
-        rows = lax.dynamic_slice_in_dim(xs, t * MOE_TILE, MOE_TILE)  # [tile, D]
+        rows = lax.dynamic_slice_in_dim(xs, t * tile, tile)  # [tile, D]
         gate = rows @ layer["w_gate_exps"][e]  # [tile, F]
         up = rows @ layer["w_up_exps"][e]
         y = (jax.nn.silu(gate) * up) @ layer["w_down_exps"][e]  # [tile, D]
-        mine = lax.dynamic_slice_in_dim(row_expert, t * MOE_TILE, MOE_TILE) == e
-        acc = lax.dynamic_slice_in_dim(ys, t * MOE_TILE, MOE_TILE)
+        mine = lax.dynamic_slice_in_dim(row_expert, t * tile, tile) == e
+        acc = lax.dynamic_slice_in_dim(ys, t * tile, tile)
         return lax.dynamic_update_slice_in_dim(ys, acc + jnp.where(mine[:, None], y, 0),
-                                               t * MOE_TILE, 0)
+                                               t * tile, 0)
 
-    ys = lax.fori_loop(0, num_items, body, jnp.zeros((num_tiles * MOE_TILE, d), xs.dtype))
+    ys = lax.fori_loop(0, num_items, body, jnp.zeros((num_tiles * tile, d), xs.dtype))
     return ys[:n]
 
 

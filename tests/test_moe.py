@@ -151,3 +151,24 @@ def test_moe_layers_mixed_with_dense_refused(tmp_path):
     cfg_file.write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="dense layers among MoE layers"):
         load_model(model_dir)
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_bfloat16_experts_close(tmp_path, backend):
+    """bfloat16 expert GEMMs against transformers in float32, with every expert active (k = E),
+    so that no near-tied routing choice can flip under rounding: within 5% of the largest
+    logit, as the dense families' bfloat16 checks."""
+    model_dir = ck.make_tiny_hf_checkpoint(tmp_path / "m", "mixtral", num_experts_per_tok=8)
+    loaded = load_model(model_dir)
+    ids = np.random.default_rng(4).integers(3, loaded.config.vocab_size, 19).tolist()
+    ref = hf_logits(model_dir, ids)
+    args = ServerArgs(backend=backend, dtype="bfloat16", torch_compile="off", skip_warmup=True,
+                      page_size=4, max_total_tokens=256, kv_tile=16, block_q=8,
+                      min_token_bucket=16, chunked_prefill_size=64, max_running_requests=2)
+    runner = create_model_runner(loaded.config, loaded.params,
+                                 runner_config(args, loaded.config.context_len))
+    steps = [SeqStep(token_ids=ids, prefix_len=0, pages=np.arange(1, 6), sampling=GREEDY,
+                     seed=0, num_output_tokens=0)]
+    result = runner.forward(ForwardMode.EXTEND, steps)
+    logits = runner.row_logits(result.hidden, np.arange(len(ids), dtype=np.int32))
+    assert np.abs(logits - ref).max() < 0.05 * np.abs(ref).max()

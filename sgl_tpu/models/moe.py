@@ -57,7 +57,8 @@ def route(x: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array,
 
     Softmax over all experts, then the top k; their probabilities renormalised to sum 1 when
     `norm_topk_prob` (Mixtral: always, which equals a softmax over the top-k logits)."""
-    logits = jnp.dot(x, router.astype(x.dtype), preferred_element_type=jnp.float32)  # [T, E]
+    # float32 router: in bf16 near-tied experts swap, and a swapped expert moves the logits
+    logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32))  # [T, E]
     probs = jax.nn.softmax(logits, axis=-1)
     weights, experts = lax.top_k(probs, cfg.num_experts_per_tok)  # [T, k]
     if cfg.norm_topk_prob:

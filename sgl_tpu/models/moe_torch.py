@@ -29,7 +29,7 @@ from sgl_tpu.models.llama_torch import LayerWeights, LlamaTorch, WriteKV, rms_no
 
 @dataclass(frozen=True)
 class MoeLayerWeights(LayerWeights):
-    router: torch.Tensor | None = None  # [E, D]
+    router: torch.Tensor | None = None  # f32[E, D]
     w_gate_up_exps: torch.Tensor | None = None  # [E, 2F, D]
     w_down_exps: torch.Tensor | None = None  # [E, D, F]
 
@@ -37,7 +37,8 @@ class MoeLayerWeights(LayerWeights):
 def moe_ffn(x: torch.Tensor, w: MoeLayerWeights, cfg: ModelConfig) -> torch.Tensor:
     """Routed SwiGLU experts: x [T, D] -> [T, D] (module doc)."""
     num_tokens, k = x.shape[0], cfg.num_experts_per_tok
-    probs = F.linear(x, w.router).float().softmax(dim=-1)  # [T, E]
+    # float32 router: in bf16 near-tied experts swap, and a swapped expert moves the logits
+    probs = F.linear(x.float(), w.router).softmax(dim=-1)  # [T, E]
     weights, experts = probs.topk(k, dim=-1)  # [T, k]
     if cfg.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -91,7 +92,7 @@ def convert_moe_weights(params: dict, cfg: ModelConfig, dtype: torch.dtype,
         gate_up = np.concatenate([lw["w_gate_exps"], lw["w_up_exps"]], axis=2)  # [E, D, 2F]
         layers.append(MoeLayerWeights(
             **{f.name: getattr(dense, f.name) for f in dataclasses.fields(LayerWeights)},
-            router=t(lw["router"].T),
+            router=torch.from_numpy(np.ascontiguousarray(lw["router"].T)).to(device),  # f32
             w_gate_up_exps=t(gate_up.transpose(0, 2, 1)),
             w_down_exps=t(lw["w_down_exps"].transpose(0, 2, 1))))
     return dataclasses.replace(weights, layers=layers)

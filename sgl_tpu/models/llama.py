@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama / Llama 3, Qwen2 with qkv bias, Qwen3 with q/k norm) over a
-paged KV pool.
+"""Llama-family decoder (Llama / Llama 3, Qwen2 with qkv bias, Qwen3 with q/k norm, Mistral's
+sliding window, Phi-3's LongRoPE; models/moe.py swaps in routed experts) over a paged KV pool.
 
 A pure function of (params, kv pools, ForwardBatch). The layer loop is unrolled in Python over
 per-layer weight dicts and per-layer KV pools: on XLA:CPU that was 2-4x faster for decode than
@@ -72,7 +72,7 @@ def _attention(
     attn: AttentionBackend,
 ) -> jax.Array:
     scale = cfg.head_dim**-0.5
-    # Mistral / Phi-3: the window goes to the backend only when set (not every backend has it)
+    # Mistral / Phi-3: the window is passed only when set, so other models' calls are unchanged
     window = {} if cfg.sliding_window is None else {"sliding_window": cfg.sliding_window}
     if mode == ForwardMode.DECODE:
         return attn.decode_attention(

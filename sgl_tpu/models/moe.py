@@ -49,6 +49,7 @@ def tile_rows(num_rows: int, num_experts: int) -> int:
     target = num_rows // (2 * num_experts)
     return max(MOE_TILE, 1 << max(target.bit_length() - 1, 0))
 
+
 compute_logits = llama.compute_logits
 
 

@@ -48,7 +48,8 @@ def _extend(runner, seqs: list[tuple[list[int], int, np.ndarray]]) -> list[np.nd
 # The newer families run the JAX runner's compile-heavy step only in test_model.py (prefill,
 # paged decode, ragged batch over a cached prefix through the same model code), to keep CI time.
 @pytest.mark.parametrize("arch,kw,backend", [
-    (arch, kw, backend) for arch, kw in ck.ARCH_CASES
+    pytest.param(arch, kw, backend, id=f"{arch}-kw{i}-{backend}")
+    for i, (arch, kw) in enumerate(ck.ARCH_CASES)
     for backend in (["torch"] if (arch, kw) in ck.NEW_ARCH_CASES else ["jax", "torch"])])
 def test_runner_logits_match_transformers(tmp_path, backend, arch, kw):
     model_dir = ck.make_tiny_hf_checkpoint(tmp_path / "m", arch, **kw)

@@ -62,8 +62,13 @@ _HF_TO_GGUF_LAYER.update({  # MoE: the router and the experts stacked [E, out, i
     "mlp.gate.weight": "ffn_gate_inp.weight", "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
     "experts.gate": "ffn_gate_exps.weight", "experts.up": "ffn_up_exps.weight",
     "experts.down": "ffn_down_exps.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 })
-_GGUF_MOE_ARCHS = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}  # our name -> llama.cpp's
+# our name -> llama.cpp's
+_GGUF_MOE_ARCHS = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
 _EXPERT_ROLES = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
                  "down_proj": "down", "w2": "down"}
 Q8_0_TENSOR = "blk.0.ffn_gate.weight"  # written quantized; the HF twin holds its dequantized value
@@ -101,6 +106,8 @@ def _build_model(arch: str, vocab_size: int, *, seed: int, tie_word_embeddings: 
         Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
         Qwen3MoeConfig,
@@ -123,6 +130,10 @@ def _build_model(arch: str, vocab_size: int, *, seed: int, tie_word_embeddings: 
         "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {
             "head_dim": 32, "rope_theta": 1000000.0, "num_experts": 8,
             "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+        # plus a shared expert behind a sigmoid gate; qkv bias
+        "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, {
+            "rope_theta": 1000000.0, "num_experts": 8, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}),
         "mixtral": (MixtralConfig, MixtralForCausalLM, {
             "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 48}),
         # a window shorter than the test prompts, so the mask matters
@@ -168,7 +179,8 @@ ARCH_CASES = [
     ("qwen3", {}),
 ]
 # mixture of experts, sliding window, fused projections + LongRoPE (tests/test_moe.py too)
-NEW_ARCH_CASES = [("qwen3_moe", {}), ("mixtral", {}), ("mistral", {}), ("phi3", {})]
+NEW_ARCH_CASES = [("qwen3_moe", {}), ("qwen2_moe", {}), ("mixtral", {}), ("mistral", {}),
+                  ("phi3", {})]
 ARCH_CASES += NEW_ARCH_CASES
 
 
@@ -298,8 +310,10 @@ def make_tiny_gguf(
     if moe:
         w.add_expert_count(cfg.num_local_experts if arch == "mixtral" else cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
-        if arch == "qwen3_moe":
+        if arch in ("qwen3_moe", "qwen2_moe"):
             w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if arch == "qwen2_moe":
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
         state = _stack_experts(state)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)

@@ -85,14 +85,14 @@ def _runner(loaded, backend: str = "torch"):
                                runner_config(args, loaded.config.context_len))
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_gguf_moe_matches_hf_twin(tmp_path, arch, monkeypatch):
     monkeypatch.setenv("SGL_TPU_CACHE_DIR", str(tmp_path / "cache"))
     path = ck.make_tiny_gguf(tmp_path / "m.gguf", arch)
     from_gguf, from_hf = load_model(path), load_model(ck.hf_twin_dir(path))
     assert from_gguf.config.arch == from_hf.config.arch == arch
     for field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                  "norm_topk_prob"):
+                  "norm_topk_prob", "shared_expert_intermediate_size"):
         assert getattr(from_gguf.config, field) == getattr(from_hf.config, field), field
     for i, (lg, lh) in enumerate(zip(from_gguf.params["layers"], from_hf.params["layers"],
                                      strict=True)):

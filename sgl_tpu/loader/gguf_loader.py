@@ -53,6 +53,8 @@ _LAYER_TENSORS = {
     # mixture of experts: router [E, D] and experts stacked [E, out, in] (numpy order)
     "ffn_gate_inp.weight": "router", "ffn_gate_exps.weight": "w_gate_exps",
     "ffn_up_exps.weight": "w_up_exps", "ffn_down_exps.weight": "w_down_exps",
+    "ffn_gate_shexp.weight": "w_gate_shexp", "ffn_up_shexp.weight": "w_up_shexp",
+    "ffn_down_shexp.weight": "w_down_shexp", "ffn_gate_inp_shexp.weight": "shexp_gate",
 }
 _TOP_TENSORS = {"token_embd.weight": "embed", "output_norm.weight": "final_norm",
                 "output.weight": "lm_head"}
@@ -206,6 +208,8 @@ def _load_uncached(path: Path) -> tuple[ModelConfig, Params, Tokenizer]:
             w = unpermute_qk(w, num_kv_heads)
         if w.ndim == 2 and target != "embed":
             w = np.ascontiguousarray(w.T)  # (out, in) -> (in, out)
+        elif target == "shexp_gate" and w.ndim == 1:  # llama.cpp's shape: [D]
+            w = w[:, None]
         elif w.ndim == 3:  # stacked experts (E, out, in) -> (E, in, out)
             w = np.ascontiguousarray(w.transpose(0, 2, 1))
         if layer_idx is None:
@@ -231,7 +235,10 @@ def _moe_fields(fields: _Fields, meta: str, tensors: dict, arch: str) -> dict[st
     return dict(num_experts=num_experts,
                 num_experts_per_tok=fields.scalar(f"{meta}.expert_used_count"),
                 moe_intermediate_size=int(gate.shape[1]),  # GGUF dims: [D, F, E]
-                norm_topk_prob=bool(fields.scalar(f"{meta}.expert_weights_norm", True)))
+                norm_topk_prob=bool(fields.scalar(f"{meta}.expert_weights_norm",
+                                                  arch != "qwen2_moe")),
+                shared_expert_intermediate_size=fields.scalar(
+                    f"{meta}.expert_shared_feed_forward_length", 0))
 
 
 def _f32_to_float(value: float) -> float:

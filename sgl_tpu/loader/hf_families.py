@@ -1,4 +1,4 @@
-"""Family-specific parts of reading an HF checkpoint (Phi-3, Mistral, Qwen3-MoE, Mixtral), kept
+"""Family-specific parts of reading an HF checkpoint (Phi-3, Mistral, Qwen2/3-MoE, Mixtral), kept
 out of `hf_loader.py`, which handles what every family shares.
 
     config.json --family_fields--> ModelConfig fields: experts, sliding window, LongRoPE
@@ -33,7 +33,12 @@ _EXPERT_ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
 # canonical per-layer names (after "model.layers.{i}.") that hf_loader maps to params
 STACKED_EXPERT_TENSORS = {"mlp.gate.weight": "router", "mlp.experts.gate_exps": "w_gate_exps",
                           "mlp.experts.up_exps": "w_up_exps",
-                          "mlp.experts.down_exps": "w_down_exps"}
+                          "mlp.experts.down_exps": "w_down_exps",
+                          # Qwen2-MoE's shared expert and its gate
+                          "mlp.shared_expert.gate_proj.weight": "w_gate_shexp",
+                          "mlp.shared_expert.up_proj.weight": "w_up_shexp",
+                          "mlp.shared_expert.down_proj.weight": "w_down_shexp",
+                          "mlp.shared_expert_gate.weight": "shexp_gate"}
 
 
 def family_fields(model_type: str, cfg: dict[str, Any], source: str) -> dict[str, Any]:
@@ -44,14 +49,16 @@ def family_fields(model_type: str, cfg: dict[str, Any], source: str) -> dict[str
     if model_type in ("mistral", "phi3"):
         window = cfg.get("sliding_window")
         fields["sliding_window"] = int(window) if window else None
-    if model_type == "qwen3_moe":
+    if model_type in ("qwen3_moe", "qwen2_moe"):
         if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
             raise ValueError(f"{source}: dense layers among MoE layers (mlp_only_layers, "
                              "decoder_sparse_step) are not supported")
         fields.update(num_experts=int(cfg.get("num_experts") or cfg["num_local_experts"]),
                       num_experts_per_tok=int(cfg["num_experts_per_tok"]),
                       moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-                      norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
+                      norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                      shared_expert_intermediate_size=int(
+                          cfg.get("shared_expert_intermediate_size") or 0))
     if model_type == "mixtral":  # softmax over the top-k logits == renormalised top-k probs
         fields.update(num_experts=int(cfg["num_local_experts"]),
                       num_experts_per_tok=int(cfg["num_experts_per_tok"]),

@@ -70,6 +70,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    # Qwen2-MoE: one always-on shared expert of this width beside the routed ones, its output
+    # scaled by sigmoid(x @ shexp_gate) (0: none)
+    shared_expert_intermediate_size: int = 0
     sliding_window: int | None = None  # Mistral/Phi-3: each query sees its last N keys
     long_rope: LongRope | None = None  # Phi-3 LongRoPE (instead of rope_scaling)
 
@@ -94,6 +97,8 @@ class ModelConfig:
                 f"model config: MoE needs 0 < num_experts_per_tok ({self.num_experts_per_tok}) "
                 f"<= num_experts ({self.num_experts}) and a positive moe_intermediate_size "
                 f"({self.moe_intermediate_size})")
+        if self.shared_expert_intermediate_size and not self.num_experts:
+            raise ValueError("model config: a shared expert needs num_experts > 0")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(
                 f"model config: sliding_window must be positive, got {self.sliding_window}")

@@ -1,4 +1,4 @@
-"""Mixture-of-experts decoder (Qwen3-MoE, Mixtral) in JAX: the Llama-family decoder of
+"""Mixture-of-experts decoder (Qwen3-MoE, Mixtral, Qwen2-MoE) in JAX: the Llama-family decoder of
 `models/llama.py` with each layer's MLP replaced by routed SwiGLU experts.
 
 Per layer (T tokens, E experts, k experts per token, N = T * k assignments, D hidden,
@@ -10,6 +10,7 @@ F expert width):
       sorted_expert [N] (ascending), sorted_token [N] (the row of x each one reads)
     grouped SwiGLU over the sorted rows (row r uses expert sorted_expert[r]) -> y [N, D]
     out [T, D] = sum over each token's k rows of weight * y
+      (+ sigmoid(x @ shexp_gate) * SwiGLU_shared(x) with Qwen2-MoE's shared expert)
 
 Two implementations of the grouped SwiGLU, same result (tests compare them):
 
@@ -131,6 +132,12 @@ def moe_mlp(x: jax.Array, layer: dict, cfg: ModelConfig, impl: str | None = None
     ys = grouped(x[sorted_token], sorted_expert, layer, cfg.num_experts)  # [N, D]
     ys = ys.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     out = jnp.zeros((num_tokens, x.shape[1]), jnp.float32).at[sorted_token].add(ys)
+    if cfg.shared_expert_intermediate_size:  # Qwen2-MoE: every token also takes the shared one
+        gate = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), layer["shexp_gate"].astype(
+            jnp.float32)))  # [T, 1]
+        shared = {"w_gate": layer["w_gate_shexp"], "w_up": layer["w_up_shexp"],
+                  "w_down": layer["w_down_shexp"]}
+        out = out + gate * llama.dense_mlp(x, shared, cfg).astype(jnp.float32)
     return out.astype(x.dtype)
 
 

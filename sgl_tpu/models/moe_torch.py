@@ -1,5 +1,6 @@
-"""Mixture-of-experts decoder (Qwen3-MoE, Mixtral) in PyTorch: `llama_torch.LlamaTorch` with each
-layer's MLP replaced by routed SwiGLU experts; the twin of `sgl_tpu.models.moe`.
+"""Mixture-of-experts decoder (Qwen3-MoE, Mixtral, Qwen2-MoE) in PyTorch: `llama_torch.LlamaTorch`
+with each layer's MLP replaced by routed SwiGLU experts (plus Qwen2-MoE's gated shared expert);
+the twin of `sgl_tpu.models.moe`.
 
 A layer's `post` is split in two: the o-proj, residual and RMSNorm keep fixed shapes (compiled
 per bucket like the dense model); the experts run eagerly on sorted tokens, one GEMM pair per
@@ -32,6 +33,9 @@ class MoeLayerWeights(LayerWeights):
     router: torch.Tensor | None = None  # f32[E, D]
     w_gate_up_exps: torch.Tensor | None = None  # [E, 2F, D]
     w_down_exps: torch.Tensor | None = None  # [E, D, F]
+    shexp_gate_up: torch.Tensor | None = None  # [2S, D] Qwen2-MoE shared expert
+    shexp_down: torch.Tensor | None = None  # [D, S]
+    shexp_gate: torch.Tensor | None = None  # f32[1, D]
 
 
 def moe_ffn(x: torch.Tensor, w: MoeLayerWeights, cfg: ModelConfig) -> torch.Tensor:
@@ -56,7 +60,12 @@ def moe_ffn(x: torch.Tensor, w: MoeLayerWeights, cfg: ModelConfig) -> torch.Tens
         start += n
     ys = ys.float() * weights.reshape(-1)[order][:, None]
     out = torch.zeros((num_tokens, x.shape[1]), dtype=torch.float32, device=x.device)
-    return out.index_add_(0, tokens, ys).to(x.dtype)
+    out.index_add_(0, tokens, ys)
+    if w.shexp_gate is not None:  # Qwen2-MoE: every token also takes the shared expert
+        gate, up = F.linear(x, w.shexp_gate_up).chunk(2, dim=-1)
+        shared = F.linear(F.silu(gate) * up, w.shexp_down).float()
+        out += torch.sigmoid(F.linear(x.float(), w.shexp_gate)) * shared
+    return out.to(x.dtype)
 
 
 class MoeTorch(LlamaTorch):
@@ -90,11 +99,17 @@ def convert_moe_weights(params: dict, cfg: ModelConfig, dtype: torch.dtype,
     layers = []
     for lw, dense in zip(params["layers"], weights.layers, strict=True):
         gate_up = np.concatenate([lw["w_gate_exps"], lw["w_up_exps"]], axis=2)  # [E, D, 2F]
+        shared = {}
+        if "shexp_gate" in lw:
+            shared = dict(
+                shexp_gate_up=t(np.concatenate([lw["w_gate_shexp"], lw["w_up_shexp"]], 1).T),
+                shexp_down=t(lw["w_down_shexp"].T),
+                shexp_gate=torch.from_numpy(np.array(lw["shexp_gate"].T)).to(device))  # f32
         layers.append(MoeLayerWeights(
             **{f.name: getattr(dense, f.name) for f in dataclasses.fields(LayerWeights)},
-            router=torch.from_numpy(np.ascontiguousarray(lw["router"].T)).to(device),  # f32
+            router=torch.from_numpy(np.array(lw["router"].T)).to(device),  # f32
             w_gate_up_exps=t(gate_up.transpose(0, 2, 1)),
-            w_down_exps=t(lw["w_down_exps"].transpose(0, 2, 1))))
+            w_down_exps=t(lw["w_down_exps"].transpose(0, 2, 1)), **shared))
     return dataclasses.replace(weights, layers=layers)
 
 

@@ -45,6 +45,9 @@ MODELS: dict[str, ModelSpec] = {
                          gguf_arch="llama"),
     # fused qkv / gate-up tensors split by the HF loader; LongRoPE (ModelConfig.long_rope)
     "phi3": ModelSpec("Phi3ForCausalLM", _LLAMA_JAX, _LLAMA_TORCH),
+    # routed experts plus a gated shared expert (ModelConfig.shared_expert_intermediate_size)
+    "qwen2_moe": ModelSpec("Qwen2MoeForCausalLM", _MOE_JAX, _MOE_TORCH, qkv_bias=True, moe=True,
+                           gguf_arch="qwen2moe"),
     "qwen3_moe": ModelSpec("Qwen3MoeForCausalLM", _MOE_JAX, _MOE_TORCH, qk_norm=True, moe=True,
                            gguf_arch="qwen3moe"),
     # llama.cpp writes Mixtral as a "llama" file with expert tensors

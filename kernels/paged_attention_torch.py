@@ -91,6 +91,8 @@ def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
             q_pos = torch.arange(s.prefix_len, s.prefix_len + s.num_new, device=q.device)
             k_pos = torch.arange(s.prefix_len + s.num_new, device=q.device)
             mask = k_pos[None, :] <= q_pos[:, None]  # [n, L]
+            if sliding_window is not None:
+                mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
                                                enable_gqa=True)
         out[s.start : s.start + s.num_new] = o[0].transpose(0, 1)

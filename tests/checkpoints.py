@@ -58,6 +58,19 @@ _HF_TO_GGUF_TOP = {
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
+_HF_TO_GGUF_LAYER.update({  # MoE: the router and the experts stacked [E, out, in]
+    "mlp.gate.weight": "ffn_gate_inp.weight", "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "experts.gate": "ffn_gate_exps.weight", "experts.up": "ffn_up_exps.weight",
+    "experts.down": "ffn_down_exps.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+})
+# our name -> llama.cpp's
+_GGUF_MOE_ARCHS = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
+_EXPERT_ROLES = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                 "down_proj": "down", "w2": "down"}
 Q8_0_TENSOR = "blk.0.ffn_gate.weight"  # written quantized; the HF twin holds its dequantized value
 
 
@@ -80,16 +93,26 @@ def make_tiny_tokenizer() -> Any:
 
 
 def _build_model(arch: str, vocab_size: int, *, seed: int, tie_word_embeddings: bool,
-                 rope_scaling: dict[str, Any] | None, heads: tuple[int, int] | None = None
-                 ) -> Any:
+                 rope_scaling: dict[str, Any] | None, heads: tuple[int, int] | None = None,
+                 **overrides: Any) -> Any:
     import torch
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     common: dict[str, Any] = dict(
@@ -107,6 +130,24 @@ def _build_model(arch: str, vocab_size: int, *, seed: int, tie_word_embeddings: 
         "llama": (LlamaConfig, LlamaForCausalLM, {"rope_theta": 10000.0}),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"rope_theta": 1000000.0}),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32, "rope_theta": 1000000.0}),
+        # 8 experts, top 2, unnormalised top-k weights (Qwen3-MoE's config default)
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {
+            "head_dim": 32, "rope_theta": 1000000.0, "num_experts": 8,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+        # plus a shared expert behind a sigmoid gate; qkv bias
+        "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, {
+            "rope_theta": 1000000.0, "num_experts": 8, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}),
+        "mixtral": (MixtralConfig, MixtralForCausalLM, {
+            "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 48}),
+        # a window shorter than the test prompts, so the mask matters
+        "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 8}),
+        # LongRoPE with a pretrained context of 64 (longer than the test prompts: HF switches
+        # a whole sequence to the long factors past it, we switch per position)
+        "phi3": (Phi3Config, Phi3ForCausalLM, {"pad_token_id": 0, "rope_scaling": {
+            "rope_type": "longrope", "short_factor": [1.0 + 0.15 * i for i in range(8)],
+            "long_factor": [2.0 + 0.3 * i for i in range(8)],
+            "original_max_position_embeddings": 64}, "original_max_position_embeddings": 64}),
     }
     if arch not in classes:
         raise ValueError(f"unknown test arch {arch!r}")
@@ -114,7 +155,7 @@ def _build_model(arch: str, vocab_size: int, *, seed: int, tie_word_embeddings: 
     torch.manual_seed(seed)
     if heads is not None:
         extra = {**extra, "head_dim": 16}
-    model = model_cls(config_cls(**common, **extra)).eval()
+    model = model_cls(config_cls(**{**common, **extra, **overrides})).eval()
     with torch.no_grad():  # non-trivial norms and biases, so a mix-up shows
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -143,6 +184,10 @@ ARCH_CASES = [
     ("qwen2", {}),
     ("qwen3", {}),
 ]
+# mixture of experts, sliding window, fused projections + LongRoPE (tests/test_moe.py too)
+NEW_ARCH_CASES = [("qwen3_moe", {}), ("qwen2_moe", {}), ("mixtral", {}), ("mistral", {}),
+                  ("phi3", {})]
+ARCH_CASES += NEW_ARCH_CASES
 
 
 def make_tiny_hf_checkpoint(
@@ -154,10 +199,11 @@ def make_tiny_hf_checkpoint(
     rope_scaling: dict[str, Any] | None = None,
     dtype: str = "float32",
     heads: tuple[int, int] | None = None,
+    **overrides: Any,
 ) -> str:
     """Save a tiny random `arch` model (hidden 64, 2 layers, 4 heads, 2 kv heads) into `dir`;
     `heads` = (query heads, KV heads) instead, head_dim 16 and hidden 16 x query heads (e.g.
-    (6, 3) for 3-way TP)."""
+    (6, 3) for 3-way TP); `overrides` replace fields of its transformers config."""
     import torch
 
     out = Path(dir)
@@ -165,7 +211,7 @@ def make_tiny_hf_checkpoint(
     tok = make_tiny_tokenizer()
     model = _build_model(arch, tok.get_vocab_size(), seed=seed,
                          tie_word_embeddings=tie_word_embeddings, rope_scaling=rope_scaling,
-                         heads=heads)
+                         heads=heads, **overrides)
     model.to(getattr(torch, dtype)).save_pretrained(out, safe_serialization=True)
     _write_tokenizer_files(out, tok)
     return str(out)
@@ -191,6 +237,29 @@ def tokenizer_vocab(tok: Any) -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
+def _stack_experts(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """HF expert tensors (per expert, or fused as transformers 5 holds them) ->
+    "model.layers.{i}.experts.{role}" stacked [E, out, in]."""
+    out: dict[str, np.ndarray] = {}
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    for name, arr in state.items():
+        parts = name.split(".")
+        if name.endswith("experts.gate_up_proj"):  # transformers 5 in memory: [E, 2F, D]
+            base = f"model.layers.{parts[2]}.experts"
+            out[f"{base}.gate"], out[f"{base}.up"] = np.split(arr, 2, axis=1)
+        elif name.endswith("experts.down_proj"):  # [E, D, F]
+            out[f"model.layers.{parts[2]}.experts.down"] = arr
+        elif "experts" in parts:
+            at = parts.index("experts")
+            key = f"model.layers.{parts[2]}.experts.{_EXPERT_ROLES[parts[at + 2]]}"
+            stacks.setdefault(key, {})[int(parts[at + 1])] = arr
+        else:
+            out[name] = arr
+    for key, by_index in stacks.items():
+        out[key] = np.stack([by_index[j] for j in sorted(by_index)])
+    return out
+
+
 def make_tiny_gguf(
     path: str | Path,
     arch: str = "llama",
@@ -213,13 +282,19 @@ def make_tiny_gguf(
 
     path = Path(path)
     tok = make_tiny_tokenizer()
+    moe = arch in _GGUF_MOE_ARCHS
+    # llama.cpp renormalises Qwen3-MoE's top-k weights (the released models set it too)
     model = _build_model(arch, tok.get_vocab_size(), seed=seed,
-                         tie_word_embeddings=tie_word_embeddings, rope_scaling=None)
+                         tie_word_embeddings=tie_word_embeddings, rope_scaling=None,
+                         **({"norm_topk_prob": True} if arch == "qwen3_moe" else {}))
     cfg = model.config
-    gate = model.model.layers[0].mlp.gate_proj.weight
-    q8 = gguf.quants.quantize(gate.detach().numpy(), gguf.GGMLQuantizationType.Q8_0)
-    with torch.no_grad():
-        gate.copy_(torch.from_numpy(gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0)))
+    gate = model.model.layers[0].mlp.gate_proj.weight if not moe else None
+    q8 = None
+    if gate is not None:
+        q8 = gguf.quants.quantize(gate.detach().numpy(), gguf.GGMLQuantizationType.Q8_0)
+        with torch.no_grad():
+            gate.copy_(torch.from_numpy(gguf.quants.dequantize(
+                q8, gguf.GGMLQuantizationType.Q8_0)))
     blocks: dict[str, np.ndarray] = {}  # HF name -> raw GGUF blocks (HF row order)
     if projection_type is not None:
         qtype = getattr(gguf.GGMLQuantizationType, projection_type)
@@ -239,7 +314,15 @@ def make_tiny_gguf(
     _write_tokenizer_files(twin, tok)
 
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w = gguf.GGUFWriter(str(path), gguf_arch or arch)
+    w = gguf.GGUFWriter(str(path), gguf_arch or _GGUF_MOE_ARCHS.get(arch, arch))
+    if moe:
+        w.add_expert_count(cfg.num_local_experts if arch == "mixtral" else cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch in ("qwen3_moe", "qwen2_moe"):
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if arch == "qwen2_moe":
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+        state = _stack_experts(state)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -271,9 +354,9 @@ def make_tiny_gguf(
         else:
             _, _, idx, suffix = name.split(".", 3)
             gguf_name = f"blk.{idx}.{_HF_TO_GGUF_LAYER[suffix]}"
-            if arch == "llama" and suffix.startswith("self_attn.q_proj"):
+            if arch in ("llama", "mixtral") and suffix.startswith("self_attn.q_proj"):
                 arr = _llama_cpp_permute(arr, cfg.num_attention_heads)
-            elif arch == "llama" and suffix.startswith("self_attn.k_proj"):
+            elif arch in ("llama", "mixtral") and suffix.startswith("self_attn.k_proj"):
                 arr = _llama_cpp_permute(arr, cfg.num_key_value_heads)
         if gguf_name == i8_tensor:
             w.add_tensor(gguf_name, np.zeros(arr.shape, dtype=np.int8))

@@ -13,15 +13,16 @@ from sgl_tpu.executor.jax.forward_batch import build_forward_batch
 from sgl_tpu.executor.jax.runner import JaxModelRunner
 from sgl_tpu.executor.registry import runner_config
 from sgl_tpu.executor.step import SeqStep
-from sgl_tpu.models import llama
+from sgl_tpu.models.registry import jax_model
 from sgl_tpu.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
 class PagedModel:
-    """Runs sequences through `llama.forward` with the runner's real batch packing, and keeps
-    each sequence's pages so later steps read the cached prefix from the pool."""
+    """Runs sequences through the architecture's JAX `forward` with the runner's real batch
+    packing, and keeps each sequence's pages so later steps read the cached prefix from the
+    pool."""
 
     def __init__(self, loaded, page_size: int = 4, **kw):
         args = ServerArgs(skip_warmup=True, backend="jax", page_size=page_size,
@@ -37,8 +38,9 @@ class PagedModel:
 
     @staticmethod
     def _logits(params, pools, fb, *, cfg, mode, kv_tile):
-        hidden, pools = llama.forward(params, pools, fb, cfg, mode, kv_tile=kv_tile)
-        return llama.compute_logits(params, hidden, cfg), pools
+        model = jax_model(cfg.arch)
+        hidden, pools = model.forward(params, pools, fb, cfg, mode, kv_tile=kv_tile)
+        return model.compute_logits(params, hidden, cfg), pools
 
     def new_pages(self, n_tokens: int) -> np.ndarray:
         n = -(-n_tokens // self.ps)

@@ -201,6 +201,26 @@ def test_flag_refuses_settings_it_cannot_honour():
     with pytest.raises(ValueError, match="attention-backend"):
         runner_config(ServerArgs(backend="torch", enable_deterministic_inference=True,
                                  attention_backend="torch-sdpa"), 4096)
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        ServerArgs(enable_deterministic_inference=True, tp_size=3)
+
+
+@pytest.mark.parametrize("overrides, what", [
+    ({"sliding_window": 8}, "sliding-window"),
+    ({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}, "experts"),
+])
+def test_flag_refuses_layers_it_does_not_cover(overrides, what):
+    import dataclasses
+
+    from sgl_tpu.executor.registry import check_deterministic_model
+    from sgl_tpu.models.config import ModelConfig
+
+    base = ModelConfig(arch="llama", vocab_size=300, hidden_size=64, intermediate_size=128,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e4,
+                       rms_norm_eps=1e-6, context_len=256, tie_word_embeddings=False)
+    check_deterministic_model(base)  # dense full attention: covered
+    with pytest.raises(ValueError, match=what):
+        check_deterministic_model(dataclasses.replace(base, **overrides))
 
 
 # ---- the reported case, real model through the HTTP server -----------------------------------

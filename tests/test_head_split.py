@@ -33,3 +33,13 @@ def test_tiny_replicates_kv_at_tp4() -> None:
     assert split.vocab_size_padded == 300 and check_tp_size(TINY, 2).kv_replication == 1
     with pytest.raises(ValueError, match="tp_size must be a positive integer"):
         check_tp_size(TINY, 0)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3_moe", "mixtral", "mistral", "phi3"])
+def test_families_not_split_are_refused_above_tp1(arch: str) -> None:
+    cfg = SimpleNamespace(**vars(TINY), arch=arch)
+    pattern = rf"splits llama, qwen2, qwen3 models; this one is '{arch}'"
+    with pytest.raises(ValueError, match=pattern):
+        check_tp_size(cfg, 2)
+    assert check_tp_size(cfg, 1).tp == 1
+    assert check_tp_size(SimpleNamespace(**vars(TINY), arch="qwen2"), 2).tp == 2

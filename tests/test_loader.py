@@ -350,8 +350,8 @@ def _edit_config(model_dir: str, **changes: object) -> None:
 
 def test_unsupported_hf_arch(tmp_path: Path) -> None:
     model_dir = ck.make_tiny_hf_checkpoint(tmp_path / "m", "llama")
-    _edit_config(model_dir, model_type="mistral", architectures=["MistralForCausalLM"])
-    with pytest.raises(ValueError, match="unsupported model_type 'mistral'.*llama, qwen2, qwen3"):
+    _edit_config(model_dir, model_type="falcon", architectures=["FalconForCausalLM"])
+    with pytest.raises(ValueError, match="unsupported model_type 'falcon'.*llama, qwen2, qwen3"):
         load_model(model_dir)
 
 

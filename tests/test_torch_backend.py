@@ -87,6 +87,9 @@ def _assert_close(got: np.ndarray, ref: np.ndarray, dtype: str) -> None:
 def test_prefill_and_decode_match_transformers(tmp_path, arch, kw, dtype):
     model_dir = ck.make_tiny_hf_checkpoint(tmp_path / "m", arch, **kw)
     loaded = load_model(model_dir)
+    if dtype == "bfloat16" and loaded.config.num_experts:
+        pytest.skip("bfloat16 rounding may swap near-tied experts of a random router (a "
+                    "different top-k, not an error); see test_moe.py for MoE in bfloat16")
     ids = np.random.default_rng(0).integers(3, loaded.config.vocab_size, 23).tolist()
     ref = hf_logits(model_dir, ids)
     m = TorchPaged(loaded, dtype)

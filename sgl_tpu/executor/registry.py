@@ -153,6 +153,18 @@ def runner_config(args: ServerArgs, model_context_len: int) -> RunnerConfig:
     )
 
 
+def check_deterministic_model(model_config: ModelConfig) -> None:
+    """--enable-deterministic-inference covers dense full-attention layers: the invariant
+    attention kernels have no sliding window or soft-cap, and expert GEMMs see a row count that
+    depends on the batch's routing."""
+    why = ("sliding-window / soft-capped attention" if model_config.gemma is not None
+           or model_config.sliding_window is not None else
+           "mixture-of-experts layers" if model_config.num_experts else None)
+    if why:
+        raise ValueError(f"--enable-deterministic-inference does not cover {why} yet "
+                         f"({model_config.arch!r}); run without it")
+
+
 def create_model_runner(model_config: ModelConfig, params: dict, config: RunnerConfig
                         ) -> ModelRunner:
     """Build the runner of `config.backend` (already resolved)."""
@@ -161,6 +173,8 @@ def create_model_runner(model_config: ModelConfig, params: dict, config: RunnerC
         raise ValueError(f"unknown backend {config.backend!r}")
     if importlib.util.find_spec(spec.requires) is None:
         raise ValueError(f"--backend {config.backend} needs {spec.requires}: {spec.install_hint}")
+    if config.deterministic:
+        check_deterministic_model(model_config)
     module, _, cls = spec.runner.partition(":")
     factory: Callable[..., ModelRunner] = getattr(importlib.import_module(module), cls)
     return factory(model_config, params, config)

@@ -34,8 +34,8 @@ import numpy as np
 from sgl_tpu.loader.loaded import Params, check_params
 from sgl_tpu.loader.spm_tokenizer import build_spm_backend
 from sgl_tpu.loader.tokenizer import Tokenizer, build_gguf_backend
-from sgl_tpu.models.config import SUPPORTED_ARCHS, GemmaConfig, ModelConfig, RopeScaling
-from sgl_tpu.models.registry import get_model_spec, loader_hooks
+from sgl_tpu.models.config import GemmaConfig, ModelConfig, RopeScaling
+from sgl_tpu.models.registry import MODELS, arch_for_gguf, get_model_spec, loader_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,11 @@ _LAYER_TENSORS = {
     "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
     "ffn_norm.weight": "mlp_norm",
     "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down",
+    # mixture of experts: router [E, D] and experts stacked [E, out, in] (numpy order)
+    "ffn_gate_inp.weight": "router", "ffn_gate_exps.weight": "w_gate_exps",
+    "ffn_up_exps.weight": "w_up_exps", "ffn_down_exps.weight": "w_down_exps",
+    "ffn_gate_shexp.weight": "w_gate_shexp", "ffn_up_shexp.weight": "w_up_shexp",
+    "ffn_down_shexp.weight": "w_down_shexp", "ffn_gate_inp_shexp.weight": "shexp_gate",
 }
 _TOP_TENSORS = {"token_embd.weight": "embed", "output_norm.weight": "final_norm",
                 "output.weight": "lm_head"}
@@ -87,7 +92,7 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def load_gguf(path: str | Path) -> tuple[ModelConfig, Params, Tokenizer]:
-    """Load a llama/qwen2/qwen3 GGUF, from the cache when possible."""
+    """Load a GGUF of a registry architecture, from the cache when possible."""
     path = Path(path).resolve()
     if not is_gguf_file(path):
         raise ValueError(f"{path}: not a GGUF file (does not start with b'GGUF')")
@@ -130,27 +135,31 @@ def _load_uncached(path: Path) -> tuple[ModelConfig, Params, Tokenizer]:
 
     reader = gguf.GGUFReader(path)
     fields = _Fields(reader, path)
-    arch = fields.get("general.architecture")
-    if arch not in SUPPORTED_ARCHS:
+    file_arch = fields.get("general.architecture")
+    arch = arch_for_gguf(file_arch, has_experts=bool(fields.scalar(f"{file_arch}.expert_count",
+                                                                     0)))
+    if arch is None:
+        supported = sorted({spec.gguf_arch or name for name, spec in MODELS.items()})
         raise ValueError(
-            f"{path}: unsupported GGUF architecture {arch!r}; "
-            f"supported: {', '.join(SUPPORTED_ARCHS)}"
+            f"{path}: unsupported GGUF architecture {file_arch!r}; "
+            f"supported: {', '.join(supported)}"
         )
-    scaling_type = fields.get(f"{arch}.rope.scaling.type", "none")
+    meta = file_arch  # metadata keys carry the file's architecture name
+    scaling_type = fields.get(f"{meta}.rope.scaling.type", "none")
     if scaling_type not in ("none", ""):
         raise ValueError(f"{path}: unsupported rope scaling type {scaling_type!r} in GGUF")
 
     tensors = {t.name: t for t in reader.tensors}
     hooks = loader_hooks(arch)  # a family's own names and conversions (Gemma), else None
     layer_names = {**_LAYER_TENSORS, **(hooks.GGUF_LAYER_TENSORS if hooks else {})}
-    num_heads = fields.scalar(f"{arch}.attention.head_count")
-    num_kv_heads = fields.scalar(f"{arch}.attention.head_count_kv", num_heads)
-    hidden = fields.scalar(f"{arch}.embedding_length")
-    head_dim = fields.scalar(f"{arch}.attention.key_length", hidden // num_heads)
-    rope_dim = fields.scalar(f"{arch}.rope.dimension_count", head_dim)
+    num_heads = fields.scalar(f"{meta}.attention.head_count")
+    num_kv_heads = fields.scalar(f"{meta}.attention.head_count_kv", num_heads)
+    hidden = fields.scalar(f"{meta}.embedding_length")
+    head_dim = fields.scalar(f"{meta}.attention.key_length", hidden // num_heads)
+    rope_dim = fields.scalar(f"{meta}.rope.dimension_count", head_dim)
     if rope_dim != head_dim:
         raise ValueError(f"{path}: partial rotary (rope dim {rope_dim} != head_dim {head_dim})")
-    rope_theta = _f32_to_float(fields.scalar(f"{arch}.rope.freq_base", 10000.0))
+    rope_theta = _f32_to_float(fields.scalar(f"{meta}.rope.freq_base", 10000.0))
 
     def dequant(name: str) -> np.ndarray:
         t = tensors[name]
@@ -172,20 +181,21 @@ def _load_uncached(path: Path) -> tuple[ModelConfig, Params, Tokenizer]:
         arch=arch,
         vocab_size=embed_rows,
         hidden_size=hidden,
-        intermediate_size=fields.scalar(f"{arch}.feed_forward_length"),
-        num_layers=fields.scalar(f"{arch}.block_count"),
+        intermediate_size=fields.scalar(f"{meta}.feed_forward_length"),
+        num_layers=fields.scalar(f"{meta}.block_count"),
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         rope_theta=rope_theta,
-        rms_norm_eps=_f32_to_float(fields.scalar(f"{arch}.attention.layer_norm_rms_epsilon")),
-        context_len=fields.scalar(f"{arch}.context_length"),
+        rms_norm_eps=_f32_to_float(fields.scalar(f"{meta}.attention.layer_norm_rms_epsilon")),
+        context_len=fields.scalar(f"{meta}.context_length"),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         rope_scaling=rope_scaling,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tuple(eos_ids),
+        **_moe_fields(fields, meta, tensors, arch),
     )
     if hooks is not None:
         config = dataclasses.replace(config, gemma=hooks.gemma_from_gguf(
@@ -206,6 +216,10 @@ def _load_uncached(path: Path) -> tuple[ModelConfig, Params, Tokenizer]:
             w = unpermute_qk(w, num_kv_heads)
         if w.ndim == 2 and target != "embed":
             w = np.ascontiguousarray(w.T)  # (out, in) -> (in, out)
+        elif target == "shexp_gate" and w.ndim == 1:  # llama.cpp's shape: [D]
+            w = w[:, None]
+        elif w.ndim == 3:  # stacked experts (E, out, in) -> (E, in, out)
+            w = np.ascontiguousarray(w.transpose(0, 2, 1))
         if layer_idx is None:
             params[target] = w
         elif layer_idx < config.num_layers:
@@ -214,6 +228,25 @@ def _load_uncached(path: Path) -> tuple[ModelConfig, Params, Tokenizer]:
             raise ValueError(f"{path}: tensor {name!r} beyond block_count {config.num_layers}")
     check_params(config, params, str(path))
     return config, params, tokenizer
+
+
+def _moe_fields(fields: _Fields, meta: str, tensors: dict, arch: str) -> dict[str, Any]:
+    """ModelConfig's expert fields. llama.cpp renormalises the top-k weights of Mixtral and
+    Qwen3-MoE files (the released Qwen3-MoE models set norm_topk_prob), unless the file says
+    otherwise in `expert_weights_norm`."""
+    if not get_model_spec(arch).moe:
+        return {}
+    num_experts = fields.scalar(f"{meta}.expert_count")
+    gate = tensors.get("blk.0.ffn_gate_exps.weight")
+    if gate is None:
+        raise ValueError(f"{meta}: expert_count {num_experts} but no blk.0.ffn_gate_exps")
+    return dict(num_experts=num_experts,
+                num_experts_per_tok=fields.scalar(f"{meta}.expert_used_count"),
+                moe_intermediate_size=int(gate.shape[1]),  # GGUF dims: [D, F, E]
+                norm_topk_prob=bool(fields.scalar(f"{meta}.expert_weights_norm",
+                                                  arch != "qwen2_moe")),
+                shared_expert_intermediate_size=fields.scalar(
+                    f"{meta}.expert_shared_feed_forward_length", 0))
 
 
 def _f32_to_float(value: float) -> float:

@@ -21,6 +21,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from sgl_tpu.loader.hf_families import STACKED_EXPERT_TENSORS, canonical_tensors, family_fields
 from sgl_tpu.loader.loaded import Params, check_params
 from sgl_tpu.loader.tokenizer import Tokenizer, load_hf_tokenizer
 from sgl_tpu.models.config import ModelConfig, RopeScaling
@@ -45,6 +46,7 @@ _LAYER_TENSORS = {
     "post_attention_layernorm.weight": "mlp_norm",
     "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up",
     "mlp.down_proj.weight": "w_down",
+    **STACKED_EXPERT_TENSORS,  # MoE families, after hf_families.canonical_tensors
 }
 _TOP_TENSORS = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm",
                 "lm_head.weight": "lm_head"}
@@ -67,11 +69,12 @@ def _rope(cfg: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
     theta = float(cfg.get("rope_theta", params.get("rope_theta", 10000.0)))
     scaling = cfg.get("rope_scaling") or params
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
+    if rope_type in ("default", "longrope"):  # longrope: hf_families.long_rope_from_hf
         return theta, None
     if rope_type != "llama3":
         raise ValueError(
-            f"{source}: unsupported rope scaling type {rope_type!r}; supported: llama3"
+            f"{source}: unsupported rope scaling type {rope_type!r}; supported: llama3, "
+            "longrope (phi3)"
         )
     try:
         return theta, RopeScaling(
@@ -130,6 +133,7 @@ def config_from_hf(cfg: dict[str, Any], gen_cfg: dict[str, Any], tensor_names: s
         rope_scaling=scaling,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(eos)),
+        **family_fields(model_type, cfg, source),
     )
 
 
@@ -165,6 +169,8 @@ def load_hf(model_dir: str | Path) -> tuple[ModelConfig, Params, Tokenizer]:
         tensors.update(read_safetensors(f))
     gen_cfg = _read_json(model_dir / "generation_config.json")
     config = config_from_hf(_read_json(model_dir / "config.json"), gen_cfg, set(tensors), source)
+    tensors = canonical_tensors(tensors, config.arch, config.num_heads, config.num_kv_heads,
+                                config.head_dim, source)
 
     hooks = loader_hooks(config.arch)
     layer_names = hooks.HF_LAYER_TENSORS if hooks is not None else _LAYER_TENSORS

@@ -12,6 +12,11 @@ rows in Hugging Face order, i.e. rotate-half RoPE):
                post_attn_norm [hidden]  post_mlp_norm [hidden]   (only if config.gemma; Gemma
                                         norms hold w of their (1 + w) scale)
                w_gate [hidden, inter]  w_up [hidden, inter]  w_down [inter, hidden]
+               or, with config.num_experts = E experts of width f (mixture of experts):
+               router [hidden, E]  w_gate_exps [E, hidden, f]  w_up_exps [E, hidden, f]
+               w_down_exps [E, f, hidden]
+               + with a shared expert of width s (Qwen2-MoE): w_gate_shexp [hidden, s]
+               w_up_shexp [hidden, s]  w_down_shexp [s, hidden]  shexp_gate [hidden, 1]
 
 with q = num_heads * head_dim and kv = num_kv_heads * head_dim.
 """
@@ -49,6 +54,16 @@ def expected_param_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...
         "attn_norm": (h,), "wq": (h, q), "wk": (h, kv), "wv": (h, kv), "wo": (q, h),
         "mlp_norm": (h,), "w_gate": (h, inter), "w_up": (h, inter), "w_down": (inter, h),
     }
+    if config.num_experts:  # routed experts instead of the dense MLP (models/moe.py)
+        e, f = config.num_experts, config.moe_intermediate_size
+        for name in ("w_gate", "w_up", "w_down"):
+            del layer[name]
+        layer.update(router=(h, e), w_gate_exps=(e, h, f), w_up_exps=(e, h, f),
+                     w_down_exps=(e, f, h))
+        s = config.shared_expert_intermediate_size
+        if s:
+            layer.update(w_gate_shexp=(h, s), w_up_shexp=(h, s), w_down_shexp=(s, h),
+                         shexp_gate=(h, 1))
     if config.attention_bias:
         layer.update(bq=(q,), bk=(kv,), bv=(kv,))
     if config.qk_norm:

@@ -1,8 +1,9 @@
 """Architecture description of a decoder-only transformer, read from GGUF metadata or an HF config.
 
 One frozen dataclass covers the families we serve (Llama incl. Llama-3 rope scaling, Qwen2/2.5
-with qkv bias, Qwen3 with q/k RMSNorm). The model implementations (`models/registry.py`) read
-only this; loaders produce it.
+with qkv bias, Qwen3 with q/k RMSNorm, Mistral's sliding window, Phi-3's LongRoPE, and the
+mixture-of-experts MLPs of Qwen3-MoE and Mixtral). The model implementations
+(`models/registry.py`) read only this; loaders produce it.
 """
 
 from __future__ import annotations
@@ -52,6 +53,24 @@ class GemmaConfig:
 
 
 @dataclass(frozen=True)
+class LongRope:
+    """Phi-3 LongRoPE (`rope_type == "longrope"`): per-frequency divisors of the inverse
+    frequencies, `short_factor` for positions inside the pretrained context and `long_factor`
+    beyond it, and a constant `attention_factor` on cos/sin (so on q.k squared)."""
+
+    short_factor: tuple[float, ...]  # [d/2]
+    long_factor: tuple[float, ...]  # [d/2]
+    original_max_position_embeddings: int
+    attention_factor: float
+
+    def __post_init__(self) -> None:
+        if len(self.short_factor) != len(self.long_factor):
+            raise ValueError("longrope: short_factor and long_factor differ in length")
+        if self.original_max_position_embeddings <= 0:
+            raise ValueError("longrope: original_max_position_embeddings must be positive")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     arch: str  # one of SUPPORTED_ARCHS
     vocab_size: int
@@ -71,6 +90,19 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     gemma: GemmaConfig | None = None  # Gemma 2/3 layer structure (sliding windows, norms)
+    # Mixture of experts (Qwen3-MoE, Mixtral; models/moe.py): every layer's MLP is
+    # `num_experts` SwiGLU experts of width `moe_intermediate_size`, each token routed to the
+    # top `num_experts_per_tok` by softmax router probability (renormalised to sum 1 when
+    # `norm_topk_prob`). 0 experts: the dense MLP of width `intermediate_size`.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    # Qwen2-MoE: one always-on shared expert of this width beside the routed ones, its output
+    # scaled by sigmoid(x @ shexp_gate) (0: none)
+    shared_expert_intermediate_size: int = 0
+    sliding_window: int | None = None  # Mistral/Phi-3: each query sees its last N keys
+    long_rope: LongRope | None = None  # Phi-3 LongRoPE (instead of rope_scaling)
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:
@@ -90,6 +122,21 @@ class ModelConfig:
         if self.gemma is not None and len(self.gemma.sliding_layers) != self.num_layers:
             raise ValueError(f"model config: {len(self.gemma.sliding_layers)} layer kinds for "
                              f"{self.num_layers} layers")
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
+                                     and self.moe_intermediate_size > 0):
+            raise ValueError(
+                f"model config: MoE needs 0 < num_experts_per_tok ({self.num_experts_per_tok}) "
+                f"<= num_experts ({self.num_experts}) and a positive moe_intermediate_size "
+                f"({self.moe_intermediate_size})")
+        if self.shared_expert_intermediate_size and not self.num_experts:
+            raise ValueError("model config: a shared expert needs num_experts > 0")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(
+                f"model config: sliding_window must be positive, got {self.sliding_window}")
+        if self.long_rope is not None and len(self.long_rope.short_factor) != self.head_dim // 2:
+            raise ValueError(
+                f"model config: longrope factors have {len(self.long_rope.short_factor)} "
+                f"entries, expected head_dim / 2 = {self.head_dim // 2}")
 
     @property
     def q_size(self) -> int:

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama / Llama 3, Qwen2 with qkv bias, Qwen3 with q/k norm) over a
-paged KV pool.
+"""Llama-family decoder (Llama / Llama 3, Qwen2 with qkv bias, Qwen3 with q/k norm, Mistral's
+sliding window, Phi-3's LongRoPE; models/moe.py swaps in routed experts) over a paged KV pool.
 
 A pure function of (params, kv pools, ForwardBatch). The layer loop is unrolled in Python over
 per-layer weight dicts and per-layer KV pools: on XLA:CPU that was 2-4x faster for decode than
@@ -18,6 +18,8 @@ Logits are computed by the caller only for the rows it needs (`compute_logits`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,8 +28,8 @@ from jax.sharding import Mesh
 from sgl_tpu.executor.jax.forward_batch import ForwardBatch
 from sgl_tpu.executor.step import ForwardMode
 from sgl_tpu.kernels.backends import AttentionBackend, get_attention_backend
-from sgl_tpu.models.config import ModelConfig
-from sgl_tpu.models.rope import rope_inv_freq
+from sgl_tpu.models.config import LongRope, ModelConfig
+from sgl_tpu.models.rope import long_inv_freq, rope_inv_freq
 from sgl_tpu.parallel.shard_ops import embed_lookup, shard_attention
 
 Params = dict
@@ -40,11 +42,21 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (xf * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate-half RoPE (HF convention). x [T, heads, d], positions [T]."""
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, d/2]
-    cos = jnp.cos(freqs)[:, None, :]
-    sin = jnp.sin(freqs)[:, None, :]
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray,
+               long_rope: LongRope | None = None) -> jax.Array:
+    """Rotate-half RoPE (HF convention). x [T, heads, d], positions [T].
+
+    With Phi-3's LongRoPE `inv_freq` holds the short-context frequencies; positions at or past
+    the pretrained context use the long ones, and cos/sin carry the attention factor."""
+    pos = positions.astype(jnp.float32)[:, None]  # [T, 1]
+    freqs = pos * inv_freq[None, :]  # [T, d/2]
+    factor = 1.0
+    if long_rope is not None:
+        long = pos * long_inv_freq(inv_freq, long_rope)[None, :]
+        freqs = jnp.where(pos >= long_rope.original_max_position_embeddings, long, freqs)
+        factor = long_rope.attention_factor
+    cos = (jnp.cos(freqs) * factor)[:, None, :]
+    sin = (jnp.sin(freqs) * factor)[:, None, :]
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -62,13 +74,17 @@ def _attention(
     attn: AttentionBackend,
 ) -> jax.Array:
     scale = cfg.head_dim**-0.5
+    # Mistral / Phi-3: the window is passed only when set, so other models' calls are unchanged
+    window = {} if cfg.sliding_window is None else {"sliding_window": cfg.sliding_window}
     if mode == ForwardMode.DECODE:
         return attn.decode_attention(
-            q, k_pool, v_pool, fb.page_table, fb.seq_lens, kv_tile=kv_tile, scale=scale
+            q, k_pool, v_pool, fb.page_table, fb.seq_lens, kv_tile=kv_tile, scale=scale,
+            **window,
         )
     return attn.extend_attention(
         q, k_pool, v_pool, fb.page_table, fb.block_rows, fb.block_seq, fb.block_q_start,
         fb.seq_lens, fb.item_block, fb.item_tile, fb.num_items, kv_tile=kv_tile, scale=scale,
+        **window,
     )
 
 
@@ -91,6 +107,7 @@ def forward(
     kv_tile: int,
     attention_backend: str = "ref",
     mesh: Mesh | None = None,
+    mlp: Callable[[jax.Array, dict, ModelConfig], jax.Array] | None = None,
 ) -> tuple[jax.Array, KVPools]:
     """Run the decoder; returns final-normed hidden states [T, D] and the updated pools.
 
@@ -98,7 +115,10 @@ def forward(
     nothing else depends on it. With a tensor-parallel `mesh` (sgl_tpu/parallel) the params and
     pools are sharded on it and `cfg` carries the padded sizes: attention runs per device on its
     heads, the embedding is vocab-parallel, and GSPMD partitions the matmuls.
+    `mlp(x [T, D], layer, cfg) -> [T, D]` replaces the dense SwiGLU MLP (models/moe.py passes
+    its mixture of experts).
     """
+    mlp = mlp or dense_mlp
     attn = get_attention_backend(attention_backend)
     inv_freq = rope_inv_freq(cfg)
     if mesh is not None:
@@ -121,17 +141,22 @@ def forward(
         if cfg.qk_norm:
             q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
             k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
-        q = apply_rope(q, fb.positions, inv_freq)
-        k = apply_rope(k, fb.positions, inv_freq)
+        q = apply_rope(q, fb.positions, inv_freq, cfg.long_rope)
+        k = apply_rope(k, fb.positions, inv_freq, cfg.long_rope)
         k_pool, v_pool = attn.write_kv(k_pool, v_pool, k, v, fb.out_slots)
         new_pools.append((k_pool, v_pool))
         o = _attention(cfg, mode, q, k_pool, v_pool, fb, kv_tile, attn)
         h = h + matmul(o.reshape(num_tokens, cfg.q_size), layer["wo"])
         x = rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
-        gate = matmul(x, layer["w_gate"])  # [T, F]
-        up = matmul(x, layer["w_up"])
-        h = h + matmul(jax.nn.silu(gate) * up, layer["w_down"])
+        h = h + mlp(x, layer, cfg)
     return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), new_pools
+
+
+def dense_mlp(x: jax.Array, layer: dict, cfg: ModelConfig) -> jax.Array:
+    """SwiGLU MLP: x [T, D] -> [T, D]."""
+    gate = matmul(x, layer["w_gate"])  # [T, F]
+    up = matmul(x, layer["w_up"])
+    return matmul(jax.nn.silu(gate) * up, layer["w_down"])
 
 
 def compute_logits(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:

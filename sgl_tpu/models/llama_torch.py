@@ -1,5 +1,6 @@
-"""Llama-family decoder in PyTorch (Llama / Llama 3, Qwen2 qkv bias, Qwen3 q/k norm) over a
-token-major paged KV pool; the twin of `sgl_tpu.models.llama` for `--backend torch`.
+"""Llama-family decoder in PyTorch (Llama / Llama 3, Qwen2 qkv bias, Qwen3 q/k norm, Mistral,
+Phi-3 LongRoPE; models/moe_torch.py adds routed experts) over a token-major paged KV pool;
+the twin of `sgl_tpu.models.llama` for `--backend torch`.
 
 Each layer is split in three so the parts with fixed shapes can be compiled once per bucket:
 
@@ -26,8 +27,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sgl_tpu.models.config import ModelConfig
-from sgl_tpu.models.rope import rope_inv_freq
+from sgl_tpu.models.config import LongRope, ModelConfig
+from sgl_tpu.models.rope import long_inv_freq, rope_inv_freq
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,8 @@ class LayerWeights:
     k_norm: torch.Tensor | None
     wo: torch.Tensor  # [D, H d]
     mlp_norm: torch.Tensor  # f32[D]
-    w_gate_up: torch.Tensor  # [2F, D]
-    w_down: torch.Tensor  # [D, F]
+    w_gate_up: torch.Tensor | None  # [2F, D]; None in MoE layers (models/moe_torch.py)
+    w_down: torch.Tensor | None  # [D, F]
 
 
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -60,6 +61,7 @@ class Weights:
     head_rows: torch.Tensor  # [V, D] the same matrix, never packed (row gathers)
     inv_freq: torch.Tensor  # f32[d/2]
     linear: Linear  # F.linear, or the oneDNN call for prepacked projections
+    long_inv_freq: torch.Tensor | None = None  # f32[d/2] LongRoPE past the pretrained context
 
 
 def convert_weights(params: dict, cfg: ModelConfig, dtype: torch.dtype,
@@ -85,8 +87,8 @@ def convert_weights(params: dict, cfg: ModelConfig, dtype: torch.dtype,
             k_norm=vec(lw.get("k_norm")) if cfg.qk_norm else None,
             wo=mat(lw["wo"]),
             mlp_norm=vec(lw["mlp_norm"]),
-            w_gate_up=mat(lw["w_gate"], lw["w_up"]),
-            w_down=mat(lw["w_down"]),
+            w_gate_up=mat(lw["w_gate"], lw["w_up"]) if "w_gate" in lw else None,
+            w_down=mat(lw["w_down"]) if "w_down" in lw else None,
         ))
     embed = torch.from_numpy(np.array(params["embed"])).to(device, dtype)
     if cfg.tie_word_embeddings:
@@ -97,7 +99,9 @@ def convert_weights(params: dict, cfg: ModelConfig, dtype: torch.dtype,
     return Weights(embed=embed, layers=layers, final_norm=vec(params["final_norm"]),
                    lm_head=lm_head, head_rows=head_rows,
                    inv_freq=torch.from_numpy(rope_inv_freq(cfg)).to(device),
-                   linear=_packed_linear if prepack else F.linear)
+                   linear=_packed_linear if prepack else F.linear,
+                   long_inv_freq=None if cfg.long_rope is None else torch.from_numpy(
+                       long_inv_freq(rope_inv_freq(cfg), cfg.long_rope)).to(device))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -155,11 +159,20 @@ def layer_post(h: torch.Tensor, o: torch.Tensor, w: LayerWeights, cfg: ModelConf
     return h + reduce(linear(F.silu(gate) * up, w.w_down, None))
 
 
-def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor,
+                long_rope: LongRope | None = None, long_inv: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """positions i64[T] -> cos, sin f32[T, 1, d] in `apply_rope`'s form (once per step, for
-    every layer)."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, d/2]
+    every layer). With Phi-3's LongRoPE, positions past the pretrained context take the long
+    frequencies and cos/sin carry the attention factor (as models/llama.py `apply_rope`)."""
+    pos = positions.float()[:, None]  # [T, 1]
+    freqs = pos * inv_freq[None, :]  # [T, d/2]
+    if long_rope is not None:
+        long = pos * long_inv[None, :]
+        freqs = torch.where(pos >= long_rope.original_max_position_embeddings, long, freqs)
+        factor = long_rope.attention_factor
+        cos, sin = freqs.cos() * factor, freqs.sin() * factor
+        return torch.cat([cos, cos], -1)[:, None, :], torch.cat([-sin, sin], -1)[:, None, :]
     cos, sin = freqs.cos(), freqs.sin()
     return torch.cat([cos, cos], -1)[:, None, :], torch.cat([-sin, sin], -1)[:, None, :]
 
@@ -202,7 +215,8 @@ class LlamaTorch:
         batch description bound in; the K/V write happens here, before it.
         """
         cfg = self.cfg
-        cos, sin = rope_tables(positions, self.w.inv_freq)
+        cos, sin = rope_tables(positions, self.w.inv_freq, cfg.long_rope,
+                               self.w.long_inv_freq)
         h = self.embed(input_ids)  # [T, D]
         for w, (k_pool, v_pool) in zip(self.w.layers, kv_pools, strict=True):
             q, k, v = self.pre(h, w, cos, sin)

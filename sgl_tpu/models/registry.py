@@ -32,11 +32,14 @@ class ModelSpec:
     hf_model_type: str | None = None  # config.json "model_type" when it differs from the arch
     # a module with the family's own config parsing and tensor names (see loader/gemma.py)
     loader_hooks: str | None = None
+    moe: bool = False  # mixture-of-experts MLPs (models/moe.py)
+    gguf_arch: str | None = None  # general.architecture in GGUF files, if not the name here
 
 
 _LLAMA_JAX, _LLAMA_TORCH = "sgl_tpu.models.llama", "sgl_tpu.models.llama_torch"
 _GEMMA_JAX, _GEMMA_TORCH = "sgl_tpu.models.gemma", "sgl_tpu.models.gemma_torch"
 _GEMMA_HOOKS = "sgl_tpu.loader.gemma"
+_MOE_JAX, _MOE_TORCH = "sgl_tpu.models.moe", "sgl_tpu.models.moe_torch"
 
 MODELS: dict[str, ModelSpec] = {
     "llama": ModelSpec("LlamaForCausalLM", _LLAMA_JAX, _LLAMA_TORCH, gguf_permuted_qk=True),
@@ -45,6 +48,19 @@ MODELS: dict[str, ModelSpec] = {
     "gemma2": ModelSpec("Gemma2ForCausalLM", _GEMMA_JAX, _GEMMA_TORCH, loader_hooks=_GEMMA_HOOKS),
     "gemma3": ModelSpec("Gemma3ForCausalLM", _GEMMA_JAX, _GEMMA_TORCH, qk_norm=True,
                         hf_model_type="gemma3_text", loader_hooks=_GEMMA_HOOKS),
+    # sliding-window attention (ModelConfig.sliding_window); llama.cpp writes it as "llama"
+    "mistral": ModelSpec("MistralForCausalLM", _LLAMA_JAX, _LLAMA_TORCH, gguf_permuted_qk=True,
+                         gguf_arch="llama"),
+    # fused qkv / gate-up tensors split by the HF loader; LongRoPE (ModelConfig.long_rope)
+    "phi3": ModelSpec("Phi3ForCausalLM", _LLAMA_JAX, _LLAMA_TORCH),
+    # routed experts plus a gated shared expert (ModelConfig.shared_expert_intermediate_size)
+    "qwen2_moe": ModelSpec("Qwen2MoeForCausalLM", _MOE_JAX, _MOE_TORCH, qkv_bias=True, moe=True,
+                           gguf_arch="qwen2moe"),
+    "qwen3_moe": ModelSpec("Qwen3MoeForCausalLM", _MOE_JAX, _MOE_TORCH, qk_norm=True, moe=True,
+                           gguf_arch="qwen3moe"),
+    # llama.cpp writes Mixtral as a "llama" file with expert tensors
+    "mixtral": ModelSpec("MixtralForCausalLM", _MOE_JAX, _MOE_TORCH, gguf_permuted_qk=True,
+                         moe=True, gguf_arch="llama"),
 }
 
 
@@ -53,6 +69,15 @@ def get_model_spec(arch: str) -> ModelSpec:
     if spec is None:
         raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(MODELS)}")
     return spec
+
+
+def arch_for_gguf(gguf_arch: str, has_experts: bool) -> str | None:
+    """Registry name of a GGUF file's `general.architecture` (None if unsupported); a "llama"
+    file with expert tensors is Mixtral, without them Llama (Mistral files read as Llama)."""
+    for name, spec in MODELS.items():
+        if (spec.gguf_arch or name) == gguf_arch and spec.moe == has_experts:
+            return name
+    return None
 
 
 def jax_model(arch: str) -> ModuleType:

@@ -36,6 +36,12 @@ class HeadCounts(Protocol):
     vocab_size: int
 
 
+# Families whose layers the tensor-parallel runners split (dense Llama-shaped decoders, full
+# attention). Others (Gemma's sliding/soft-capped layers, MoE experts, Mistral's window, Phi-3's
+# LongRoPE) are refused at tp > 1 until their layers are split and tested.
+TP_ARCHS = ("llama", "qwen2", "qwen3")
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -76,6 +82,11 @@ def check_tp_size(model_config: HeadCounts, tp: int) -> HeadSplit:
     sizes that would work) when they do not allow it."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp_size must be a positive integer, got {tp!r}")
+    arch = getattr(model_config, "arch", None)
+    if tp > 1 and arch is not None and arch not in TP_ARCHS:
+        raise ValueError(f"--tp-size {tp}: tensor parallelism splits {', '.join(TP_ARCHS)} "
+                         f"models; this one is {arch!r} (use --tp-size 1, or --dp-size "
+                         f"replicas to scale it out)")
     h, kvh = model_config.num_heads, model_config.num_kv_heads
     if h % tp or (kvh % tp and tp % kvh):
         why = (f"{h} query heads do not divide by {tp}" if h % tp else

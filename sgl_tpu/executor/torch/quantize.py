@@ -56,8 +56,10 @@ def _fused_shape(params: dict, key: str) -> tuple[int, int]:
 
 
 def params_keys(params: dict) -> set[str]:
-    """Every fused projection's key: "layers.{i}.{fused}"."""
-    return {f"layers.{i}.{fused}" for i in range(len(params["layers"])) for fused in _FUSED_PARAMS}
+    """Every fused projection's key: "layers.{i}.{fused}" (MoE layers have no dense MLP; their
+    experts stay unquantized)."""
+    return {f"layers.{i}.{fused}" for i, lw in enumerate(params["layers"])
+            for fused, parts in _FUSED_PARAMS.items() if all(p in lw for p in parts)}
 
 
 def _gguf_mismatch(matrices: dict[str, QuantizedMatrix], params: dict) -> str | None:

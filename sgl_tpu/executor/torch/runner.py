@@ -178,7 +178,9 @@ class TorchModelRunner:
         for t in tables[1:]:
             same = first == t[: len(first)]
             first = first[: len(first) if same.all() else int(same.argmin())]
-        n_shared = len(first) if len(steps) > 1 else 0
+        # a sliding window masks each sequence's own oldest keys: no shared part then
+        window = self.model_config.sliding_window
+        n_shared = len(first) if len(steps) > 1 and window is None else 0
         own_pages = max(len(t) for t in tables) - n_shared
         pages = np.zeros((num_rows, own_pages), np.int64)
         for i, t in enumerate(tables):
@@ -187,6 +189,8 @@ class TorchModelRunner:
         own_lens = np.ones(num_rows, np.int64)  # padding rows see slot 0 (never all-masked)
         own_lens[: len(steps)] = lens - n_shared * ps
         mask = np.arange(own_pages * ps)[None, :] < own_lens[:, None]
+        if window is not None:
+            mask &= np.arange(own_pages * ps)[None, :] > own_lens[:, None] - 1 - window
         bias = np.where(mask, np.float32(0), np.float32(-np.inf))[:, None, :]
         shared = (first[:n_shared, None] * ps + np.arange(ps)).reshape(-1)
         dev = self.device
@@ -208,6 +212,8 @@ class TorchModelRunner:
         scale = self.model.scale
         if mode == ForwardMode.EXTEND:
             attention = partial(self.attn.extend_attention, seqs=batch.extend_seqs, scale=scale)
+            if self.model_config.sliding_window is not None:
+                attention = partial(attention, sliding_window=self.model_config.sliding_window)
         else:
             attention = partial(self.attn.decode_attention, batch=batch.decode, scale=scale)
         hidden = self.model.forward(batch.input_ids, batch.positions, batch.out_slots,

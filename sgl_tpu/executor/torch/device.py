@@ -47,6 +47,12 @@ def cpu_has_bf16_units() -> bool:
     return any(flag in flags for flag in _CPU_BF16_FLAGS)
 
 
+def cpu_prepacks_bf16() -> bool:
+    """Whether oneDNN can prepack bf16 linear weights on this CPU (it needs AVX512-BW/VL/DQ or
+    AVX-NE-CONVERT; on AVX2-only CPUs bf16 weights stay plain tensors for `F.linear`)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def default_dtype(device: str) -> str:
     dev = resolve_device(device)
     if dev.type != "cpu" or cpu_has_bf16_units():

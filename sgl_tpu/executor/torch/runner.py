@@ -32,7 +32,7 @@ from sgl_tpu.executor import batch_invariant
 from sgl_tpu.executor import step as step_contract
 from sgl_tpu.executor.step import ForwardMode, SeqStep, StepResult
 from sgl_tpu.executor.torch import sampler
-from sgl_tpu.executor.torch.device import resolve_device, set_cpu_threads
+from sgl_tpu.executor.torch.device import cpu_prepacks_bf16, resolve_device, set_cpu_threads
 from sgl_tpu.kernels.backends import get_attention_backend
 from sgl_tpu.models.config import ModelConfig
 from sgl_tpu.models.registry import torch_model
@@ -70,7 +70,7 @@ class TorchModelRunner:
         self.attn = get_attention_backend(config.attention_backend)
         compile_fn = self._compile if config.compile else None
         prepack = (not config.compile and self.device.type == "cpu"
-                   and self.dtype == torch.bfloat16)
+                   and self.dtype == torch.bfloat16 and cpu_prepacks_bf16())
         self.quantization = None  # quantize.QuantizationReport when projections are quantized
         self.model = self._build_model(params, model_config, prepack, compile_fn)
         num_slots = config.num_pages * config.page_size

@@ -15,12 +15,14 @@ import numpy as np
 import pytest
 import torch
 
+from sgl_tpu import Engine
 from sgl_tpu.cli import parse_args
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.executor.registry import create_model_runner, runner_config
 from sgl_tpu.executor.step import ForwardMode, SeqStep
 from sgl_tpu.executor.torch import decode_state as ds
 from sgl_tpu.executor.torch import sampler
+from sgl_tpu.executor.torch.static_decode import StaticDecode
 from sgl_tpu.loader import load_model
 from sgl_tpu.sampling_params import SamplingParams
 
@@ -31,8 +33,13 @@ SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, frequency_penalty
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    return load_model(ck.make_tiny_hf_checkpoint(tmp_path_factory.mktemp("llama"), "llama"))
+def llama_dir(tmp_path_factory):
+    return ck.make_tiny_hf_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="module")
+def llama(llama_dir):
+    return load_model(llama_dir)
 
 
 def _runner(loaded, *, static: bool, device: str = "cpu"):
@@ -151,6 +158,46 @@ def test_unchanged_batch_copies_nothing_and_check_catches_drift(llama):
     state.ints[0, ds.STEP] += 1  # drift the device behind the host's back
     with pytest.raises(RuntimeError, match=r"decode state ints\[0, 3\]"):
         d.decode([0, 1])
+
+
+def test_engine_traffic_identical_with_static_step(llama_dir):
+    """The scheduler's real steps (chunked prefill, a shared prefix from the radix cache,
+    n > 1, seeds, penalties, a regex, stop tokens, requests finishing mid-batch) through one
+    Engine, with the packing path and then with the static step (state checked every step)."""
+    eng = Engine(llama_dir, page_size=4, max_total_tokens=2048, max_running_requests=8,
+                 max_extend_seqs=4, chunked_prefill_size=64, min_token_bucket=16, kv_tile=8,
+                 backend="torch", dtype="float32", torch_compile="off", torch_threads=1,
+                 skip_warmup=True)
+    try:
+        runner = eng.scheduler.runner
+        vocab = eng.model_config.vocab_size
+        rng = np.random.default_rng(5)
+        shared = rng.integers(3, vocab, 70).tolist()
+        prompts = [shared + rng.integers(3, vocab, n).tolist() for n in (4, 9, 1, 13, 6)]
+        params = [{"temperature": 0, "max_new_tokens": 7},
+                  {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 15, "seed": 3},
+                  {"temperature": 0.7, "frequency_penalty": 0.5, "repetition_penalty": 1.2,
+                   "max_new_tokens": 11, "seed": 4},
+                  {"temperature": 0, "max_new_tokens": 20, "regex": "[a-z]+ [0-9]{2,4}"},
+                  {"temperature": 1.0, "top_k": 5, "n": 2, "max_new_tokens": 9, "seed": 8}]
+
+        def run():
+            assert eng.scheduler.flush_cache()  # both runs prefill from scratch
+            outs = eng.generate(input_ids=prompts, sampling_params=params)
+            eng.scheduler.check_integrity()
+            return [o["output_ids"] for o in outs]
+
+        packing = run()
+        cfg = dataclasses.replace(runner.config, static_decode=True, static_decode_max_bs=8,
+                                  check_decode_state=True)
+        runner.static_decode = StaticDecode(cfg, runner.model, runner.attn, runner.kv_pools,
+                                            runner.token_counts, runner.device, runner.dtype,
+                                            runner.model_config.sliding_window)
+        static = run()
+        assert runner.static_decode.state.rows_copied > 0  # the static step ran
+        assert static == packing
+    finally:
+        eng.shutdown()
 
 
 def test_row_uniforms_on_device_match_host():

@@ -219,19 +219,27 @@ def test_cuda_graph_flags():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_graph_replay_matches_packing_path(llama):
-    loaded = llama
+def test_cuda_graph_replay_matches_eager(llama):
+    """On CUDA: the replayed graphs give exactly what the same static step gives eagerly
+    (greedy rows take the captured tail, the sampled row the eager sampler), and the packing
+    path's greedy tokens."""
     rng = np.random.default_rng(7)
-    prompts = [rng.integers(3, loaded.config.vocab_size, n).tolist() for n in (3, 6, 9)]
-    ids = []
-    for static in (False, True):
-        runner = _runner(loaded, static=static, device="cuda")
-        assert runner.config.cuda_graph == static  # on for CUDA unless disabled
-        d = Driver(runner, prompts, [GREEDY] * 3)
+    prompts = [rng.integers(3, llama.config.vocab_size, n).tolist() for n in (3, 6, 9)]
+    runs = {}
+    for name in ("packing", "static", "graphs"):
+        runner = _runner(llama, static=name != "packing", device="cuda")
+        assert runner.config.cuda_graph == (name != "packing")  # on for CUDA unless disabled
+        if name == "static":  # the same step without graphs
+            runner.static_decode.use_graphs = False
+        d = Driver(runner, prompts, [GREEDY, SAMPLED, GREEDY])
         d.prefill([0, 1, 2])
-        for _ in range(6):
-            d.decode([0, 1, 2])
-        ids.append([r["ids"] for r in d.reqs])
-        if static:
-            assert runner.static_decode.num_graphs() >= 1
-    assert ids[0] == ids[1]
+        results = [d.decode([0, 1, 2]) for _ in range(3)]
+        results += [d.decode([0, 2]) for _ in range(3)]  # plain greedy: the captured tail
+        runs[name] = ([r["ids"] for r in d.reqs], results)
+        if name == "graphs":
+            assert runner.static_decode.num_graphs() >= 3  # forward + tail per bucket
+    ids, results = runs["graphs"]
+    assert ids == runs["static"][0]
+    for a, b in zip(results, runs["static"][1], strict=True):
+        np.testing.assert_array_equal(a.top_logprobs, b.top_logprobs)
+    assert [ids[0], ids[2]] == [runs["packing"][0][0], runs["packing"][0][2]]

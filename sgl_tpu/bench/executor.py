@@ -98,7 +98,8 @@ def run(args: argparse.Namespace) -> dict:
             sargs = ServerArgs(model_path=args.model_path, dtype=dtype, skip_warmup=True,
                                max_total_tokens=pool_tokens, chunked_prefill_size=max_tokens,
                                max_running_requests=max(batches + [1]), max_extend_seqs=1,
-                               backend=backend, torch_compile=args.torch_compile)
+                               backend=backend, torch_compile=args.torch_compile,
+                               quantization=args.quantization)
             rcfg = runner_config(sargs, cfg.context_len)
             paths = {"": create_model_runner(cfg, loaded.params, _decode_path(rcfg, "packing"))}
             if rcfg.backend == "torch" and "static" in args.torch_decode_paths.split(","):
@@ -225,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--baseline-sampler", default=None,
                    help="torch: another sampler module file (e.g. an older version) whose "
                         "decode steps are timed in the same run (rows with sampler=baseline)")
+    p.add_argument("--quantization", default="auto", help="weights, as the server's flag")
     p.add_argument("--torch-decode-paths", default="packing",
                    help="torch decode paths timed in one alternation: packing, static "
                         "(comma list; static = the CUDA-graph step, run eagerly off CUDA)")

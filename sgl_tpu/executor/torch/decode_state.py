@@ -32,10 +32,10 @@ import torch
 from sgl_tpu.executor.step import PAD_PAGE, SCRATCH_COUNTS_ROW, SeqStep
 
 INT_COLUMNS = ("input_id", "position", "seed", "step", "counts_row", "sample_valid",
-               "return_logprob", "top_k")
+               "return_logprob", "top_k", "active")
 FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
                  "repetition_penalty")
-IN, POS, SEED, STEP, COUNTS_ROW, VALID, RET_LP, TOP_K = range(len(INT_COLUMNS))
+IN, POS, SEED, STEP, COUNTS_ROW, VALID, RET_LP, TOP_K, ACTIVE = range(len(INT_COLUMNS))
 TEMP, TOP_P, MIN_P, FREQ, PRES, REP = range(len(FLOAT_COLUMNS))
 # padding row: greedy (temperature 0), no truncation, no penalty
 _PAD_INTS = {COUNTS_ROW: SCRATCH_COUNTS_ROW, TOP_K: -1}
@@ -61,7 +61,7 @@ def host_rows(steps: Sequence[SeqStep], num_rows: int, num_page_cols: int, page_
     for i, st in enumerate(steps):
         s = st.sampling
         ints[i] = (st.token_ids[0], st.prefix_len, st.seed & 0xFFFFFFFF, st.num_output_tokens,
-                   st.counts_row, st.sample_valid, st.return_logprob, s.top_k)
+                   st.counts_row, st.sample_valid, st.return_logprob, s.top_k, 1)
         floats[i] = (s.temperature, s.top_p, s.min_p, s.frequency_penalty, s.presence_penalty,
                      s.repetition_penalty)
         k = pages_needed(st, page_size)
@@ -114,11 +114,13 @@ class DecodeState:
             self.rows_copied += changed.size
 
     def advance(self, token_ids: torch.Tensor) -> None:
-        """After a step on the device: rows [0, n) one token further (token_ids i64[n])."""
-        n = token_ids.shape[0]
-        self.ints[:n, POS] += 1
-        self.ints[:n, STEP] += 1
-        self.ints[:n, IN] = token_ids
+        """After a step on the device: the active rows of [0, S) one token further
+        (token_ids i64[S]; padding rows keep their values). Fixed shapes: graph-capturable."""
+        ints = self.ints[: token_ids.shape[0]]
+        active = ints[:, ACTIVE]
+        ints[:, POS] += active
+        ints[:, STEP] += active
+        ints[:, IN] = torch.where(active.bool(), token_ids, ints[:, IN])
 
     def advance_mirror(self, token_ids: np.ndarray) -> None:
         advance_rows(self._ints, np.asarray(token_ids, np.int64))

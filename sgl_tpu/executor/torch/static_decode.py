@@ -6,9 +6,11 @@
         positions = rows' cached lengths; KV slots from the page table (gather)
         K/V write (index_copy_) and paged decode attention (the backend's decode_attention
         over [S, P * page_size] gathered keys, masked by length) inside every layer
-        ──► logits f32[S, V]                       <- one CUDA graph per (S, P) on CUDA
-    sample rows [0, n) (the eager sampler, reading the state's sampling columns on the
-    device; uniforms from the state's seeds and steps) ──► penalty counts ──► state.advance
+        ──► logits f32[S, V] (a persistent buffer)  <- one CUDA graph per (S, P) on CUDA
+    then, every row greedy with no penalty and no grammar mask (the common case):
+    greedy_tail(S)  argmax, log-probs, penalty counts, state.advance  <- one graph per S
+    else: the eager sampler over rows [0, n) (knobs read from the state's columns, uniforms
+    from its seeds and steps), penalty counts and state.advance, eagerly
 
 The same `static_forward` runs eagerly on CPU (tests prove it equals the packing path), so
 every line a graph records is exercised without a GPU. Graphs share one memory pool, are
@@ -73,8 +75,10 @@ class StaticDecode:
         self._offsets = torch.arange(ps, dtype=torch.int64, device=device)  # [ps]
         self._key_pos = torch.arange(self.page_buckets[-1] * ps, device=device)  # [Pmax * ps]
         self._no_slots = torch.zeros(0, dtype=torch.int64, device=device)
+        self._logits = torch.zeros((max_rows, model.cfg.vocab_size), dtype=torch.float32,
+                                   device=device)  # [Smax, V] written by static_forward
         self.use_graphs = config.cuda_graph and device.type == "cuda"
-        self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int], tuple[Any, Any]] = {}  # (S, P) or (S, 0): tail
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     # ---- which steps ------------------------------------------------------------------
@@ -95,9 +99,12 @@ class StaticDecode:
         n = len(steps)
         num_rows, num_pages = self.buckets(steps)
         self.state.sync(steps, num_rows, num_pages)
-        logits = self._logits(num_rows, num_pages)[:n]  # f32[n, V]
-        token_ids, logprobs, top_ids, top_lp = self._sample(steps, logits)
-        self.state.advance(token_ids)
+        self._replay((num_rows, num_pages), partial(self.static_forward, num_rows, num_pages))
+        if _plain_greedy(steps):
+            out = self._replay((num_rows, 0), partial(self.greedy_tail, num_rows))
+        else:
+            out = self._sample(steps, self._logits[:n])
+        token_ids, logprobs, top_ids, top_lp = (t[:n] for t in out)
         result = StepResult(
             token_ids=token_ids.to(torch.int32).cpu().numpy(),
             logprobs=logprobs.cpu().numpy(),
@@ -110,15 +117,16 @@ class StaticDecode:
             self.state.check(steps, result.token_ids, num_rows, num_pages)
         return result
 
-    def _logits(self, num_rows: int, num_pages: int) -> torch.Tensor:
+    def _replay(self, key: tuple[int, int], fn):
+        """fn() eagerly, or on CUDA the replay of its graph (captured on first use); returns
+        fn's outputs (the graph's static output tensors)."""
         if not self.use_graphs:
-            return self.static_forward(num_rows, num_pages)
-        key = (num_rows, num_pages)
+            return fn()
         if key not in self._graphs:
-            self._graphs[key] = self._capture(num_rows, num_pages)
-        graph, logits = self._graphs[key]
+            self._graphs[key] = self._capture(fn)
+        graph, out = self._graphs[key]
         graph.replay()
-        return logits
+        return out
 
     def static_forward(self, num_rows: int, num_pages: int) -> torch.Tensor:
         """Rows [0, S) of the state, one token each -> logits f32[S, V]; K/V written.
@@ -143,7 +151,29 @@ class StaticDecode:
         batch = self.attn.DecodeBatch(shared_slots=self._no_slots, slots=slots, bias=bias)
         attention = partial(self.attn.decode_attention, batch=batch, scale=self.model.scale)
         hidden = self.model.forward(input_ids, positions, out_slots, self.kv_pools, attention)
-        return self.model.logits(hidden)
+        return self._logits[:num_rows].copy_(self.model.logits(hidden))
+
+    def greedy_tail(self, num_rows: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sampler's greedy path over all S rows of the logits buffer, fixed shapes:
+        argmax, raw log-probs (zeros on rows that did not ask, as the sampler gives), penalty
+        counts of valid rows, state advance; -> token ids i64[S], log-probs f32[S], top ids
+        i64[S, K], top log-probs f32[S, K]."""
+        ints = self.state.ints[:num_rows]
+        logits = self._logits[:num_rows]
+        token_ids = logits.argmax(dim=-1)  # [S]
+        lse = torch.logsumexp(logits, dim=-1)
+        chosen = logits.gather(1, token_ids[:, None])[:, 0] - lse
+        top_lp, top_ids = torch.topk(logits, self.config.max_top_logprobs, dim=-1)
+        want = ints[:, ds.RET_LP].bool()
+        chosen = torch.where(want, chosen, 0.0)
+        top_ids = torch.where(want[:, None], top_ids, 0)
+        top_lp = torch.where(want[:, None], top_lp - lse[:, None], 0.0)
+        valid = (ints[:, ds.VALID] * ints[:, ds.ACTIVE]).to(torch.int32)
+        self.token_counts.index_put_((ints[:, ds.COUNTS_ROW], token_ids), valid,
+                                     accumulate=True)
+        self.state.advance(token_ids)
+        return token_ids, chosen, top_ids, top_lp
 
     def _sample(self, steps: Sequence[SeqStep], logits: torch.Tensor):
         """The eager sampler over rows [0, n), its per-row knobs read from the state."""
@@ -172,23 +202,28 @@ class StaticDecode:
             logprob_rows=ints[:, ds.RET_LP].bool())
         valid = ints[:, ds.VALID].to(torch.int32)
         self.token_counts.index_put_((rows, token_ids), valid, accumulate=True)
+        self.state.advance(token_ids)  # rows [0, n): all active
         return token_ids, logprobs, top_ids, top_lp
 
     # ---- CUDA graphs --------------------------------------------------------------------
-    def _capture(self, num_rows: int, num_pages: int) -> tuple[Any, torch.Tensor]:
-        """Record static_forward(S, P) into a CUDA graph: warm runs on a side stream first
-        (compilation, cuBLAS workspaces, cached constants happen outside the capture)."""
-        fn = partial(self.static_forward, num_rows, num_pages)
+    def _capture(self, fn) -> tuple[Any, Any]:
+        """Record fn() into a CUDA graph; -> (graph, fn's output tensors). One warm run on a
+        side stream first (compilation, cuBLAS workspaces, cached constants happen outside
+        the capture). The warm run of the tail advances the state as a step would, so the
+        tail is captured with the state saved and restored around it."""
+        saved = self.state.ints.clone()
+        counts = self.token_counts.clone()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn()
+            fn()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = fn()
-        return graph, logits
+            out = fn()
+        self.state.ints.copy_(saved)
+        self.token_counts.copy_(counts)
+        return graph, out
 
     @torch.inference_mode()
     def warmup(self) -> float:
@@ -199,8 +234,9 @@ class StaticDecode:
         t0 = time.perf_counter()
         for num_rows in reversed(self.batch_buckets):
             for num_pages in reversed(self.page_buckets):
-                if (num_rows, num_pages) not in self._graphs:
-                    self._graphs[(num_rows, num_pages)] = self._capture(num_rows, num_pages)
+                self._replay((num_rows, num_pages),
+                             partial(self.static_forward, num_rows, num_pages))
+            self._replay((num_rows, 0), partial(self.greedy_tail, num_rows))
         elapsed = time.perf_counter() - t0
         logger.info("captured %d CUDA graphs of the decode step (batch buckets %s, page "
                     "buckets %s) in %.1f s", len(self._graphs), self.batch_buckets,
@@ -209,3 +245,10 @@ class StaticDecode:
 
     def num_graphs(self) -> int:
         return len(self._graphs)
+
+
+def _plain_greedy(steps: Sequence[SeqStep]) -> bool:
+    """Every row greedy (the sampler's rule), no penalty, no grammar mask: greedy_tail."""
+    return all((st.sampling.temperature < step_contract.GREEDY_TEMPERATURE_EPS
+                or st.sampling.top_k == 1) and not st.sampling.uses_penalties
+               and st.bitmask is None for st in steps)

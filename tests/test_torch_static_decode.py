@@ -125,6 +125,7 @@ def test_static_step_greedy_parity(tmp_path, llama, arch):
     (ids_a, res_a, eager), (ids_b, res_b, static) = _script(loaded, [GREEDY] * 4)
     assert eager.static_decode is None and static.static_decode is not None
     assert ids_a == ids_b
+    torch.testing.assert_close(eager.token_counts, static.token_counts)  # the greedy tail's
     for a, b in zip(res_a, res_b, strict=True):
         np.testing.assert_array_equal(a.top_ids, b.top_ids)
         np.testing.assert_allclose(a.top_logprobs, b.top_logprobs, atol=1e-4)

@@ -170,8 +170,8 @@ class StaticDecode:
         top_ids = torch.where(want[:, None], top_ids, 0)
         top_lp = torch.where(want[:, None], top_lp - lse[:, None], 0.0)
         valid = (ints[:, ds.VALID] * ints[:, ds.ACTIVE]).to(torch.int32)
-        self.token_counts.index_put_((ints[:, ds.COUNTS_ROW], token_ids), valid,
-                                     accumulate=True)
+        cells = ints[:, ds.COUNTS_ROW] * self.token_counts.shape[1] + token_ids  # [S]
+        self.token_counts.view(-1).scatter_add_(0, cells, valid)  # a plain kernel: capturable
         self.state.advance(token_ids)
         return token_ids, chosen, top_ids, top_lp
 

@@ -244,3 +244,18 @@ def test_cuda_graph_replay_matches_eager(llama):
     for a, b in zip(results, runs["static"][1], strict=True):
         np.testing.assert_array_equal(a.top_logprobs, b.top_logprobs)
     assert [ids[0], ids[2]] == [runs["packing"][0][0], runs["packing"][0][2]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_warmup_captures_every_bucket(llama):
+    runner = _runner(llama, static=True, device="cuda")
+    runner.warmup()
+    sd = runner.static_decode
+    expected = len(sd.batch_buckets) * (len(sd.page_buckets) + 1)  # forward per (S, P) + tail
+    assert sd.num_graphs() == expected
+    prompts = [list(range(3, 3 + n)) for n in (5, 11)]
+    d = Driver(runner, prompts, [GREEDY, SAMPLED])
+    d.prefill([0, 1])
+    for _ in range(3):
+        d.decode([0, 1])
+    assert sd.num_graphs() == expected  # served from the captured graphs

@@ -74,7 +74,7 @@ class Driver:
         return SeqStep(token_ids=token_ids, prefix_len=prefix_len, pages=r["pages"],
                        sampling=r["sp"], seed=r["seed"],
                        num_output_tokens=len(r["ids"]) - r["prompt_len"], counts_row=r["row"],
-                       counts_reset=fresh)
+                       counts_reset=fresh, return_logprob=r["row"] != 3)  # one row asks none
 
     def prefill(self, which: list[int]):
         steps = [self._step(self.reqs[i], self.reqs[i]["ids"], 0, fresh=True) for i in which]

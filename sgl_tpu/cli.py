@@ -52,6 +52,11 @@ _HELP = {
     "torch_threads": "torch backend on CPU: the executor's intra-op threads, fixed at start; 0 "
                      "= every CPU the process may use. Give fewer on a busy host (an OpenMP "
                      "step whose thread loses its core stalls at every barrier)",
+    "cuda_graph_max_bs": "torch on CUDA: decode batches up to this many sequences replay "
+                         "captured CUDA graphs (default: --max-running-requests); ignored "
+                         "elsewhere",
+    "disable_cuda_graph": "torch on CUDA: run decode steps without CUDA graphs (accepted and "
+                          "inert on CPU, where no graphs are captured)",
     "device": "torch backend device (auto: tpu if TorchTPU is installed, else cuda, else cpu)",
     "dp_size": "data parallelism: run this many replicas of the server behind the sglang-router "
                "(pip install 'sgl-tpu[router]'), which listens on --port; the replicas listen "
@@ -110,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
             kw["choices"] = choices[f.name]
         typ = int if isinstance(f.default, int) else float if isinstance(f.default, float) \
             else str
-        if f.name == "context_length":
+        if f.name in ("context_length", "cuda_graph_max_bs"):
             typ = int
         p.add_argument(flag, type=typ, **kw)
     p.add_argument("--mem-fraction-static", type=float, default=None,

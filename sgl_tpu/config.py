@@ -58,6 +58,14 @@ class RunnerConfig:
     tp_size: int = 1  # tensor parallelism: devices (JAX mesh) or ranks (torch) the model spans
     # --enable-deterministic-inference: batch-invariant kernels (executor/batch_invariant.py)
     deterministic: bool = False
+    # torch DECODE steps of at most `static_decode_max_bs` sequences run the static-shape step
+    # over device-resident batch state (executor/torch/static_decode.py); `cuda_graph`: its
+    # buckets are captured as CUDA graphs and replayed. Off: every step packs afresh (eager).
+    static_decode: bool = False
+    static_decode_max_bs: int = 0
+    cuda_graph: bool = False
+    # debug: after every static step, compare the device batch state with a host recomputation
+    check_decode_state: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_tile % self.page_size:
@@ -157,6 +165,11 @@ class ServerArgs:
     # torch on CPU: the executor's intra-op threads, fixed at start (0 = every CPU the process
     # may use).
     torch_threads: int = 0
+    # CUDA graphs of the torch backend's decode step (SGLang's flags): batches up to
+    # cuda_graph_max_bs sequences (None: --max-running-requests) replay a captured graph.
+    # Accepted and inert on CPU/TPU.
+    cuda_graph_max_bs: int | None = None
+    disable_cuda_graph: bool = False
     tool_call_parser: str | None = None  # None: picked from the chat template (logged)
     reasoning_parser: str | None = None  # "qwen3" / "deepseek-r1": split <think> blocks
     # A request's tokens do not depend on its batch mates, prompt chunking or radix-cache hits
@@ -181,6 +194,11 @@ class ServerArgs:
         if isinstance(self.torch_threads, bool) or not isinstance(self.torch_threads, int) \
                 or self.torch_threads < 0:
             raise ValueError(f"torch_threads must be an integer >= 0, got {self.torch_threads!r}")
+        if self.cuda_graph_max_bs is not None and (
+                isinstance(self.cuda_graph_max_bs, bool)
+                or not isinstance(self.cuda_graph_max_bs, int) or self.cuda_graph_max_bs < 1):
+            raise ValueError(f"cuda_graph_max_bs must be a positive integer, "
+                             f"got {self.cuda_graph_max_bs!r}")
         if self.torch_compile not in TORCH_COMPILE:
             raise ValueError(f"torch_compile must be one of {TORCH_COMPILE}, "
                              f"got {self.torch_compile!r}")

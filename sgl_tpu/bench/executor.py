@@ -4,6 +4,7 @@ and dtype.
     python -m sgl_tpu.bench.executor [--backends torch,jax] [--dtypes float32,bfloat16]
         [--prefill 128,512,2048] [--decode-batches 1,8,32,64] [--context 256] [--repeats 3]
         [--torch-compile auto|on|off] [--sampling greedy,sampled] [--baseline-sampler FILE]
+        [--torch-decode-paths packing,static] [--count-calls]
 
 Runs the real step (paged KV, bucketed shapes, sampler) of each backend on the default model
 (or `--model-path`), compiles each shape once before timing, reports the best of `--repeats`
@@ -12,7 +13,11 @@ machine is shared. `--sampling` lists the decode modes: `greedy` (temperature 0)
 (temperature 0.7, top-p 0.9, a seed per sequence; no log-probs asked); with both, their decode
 steps alternate (ABAB...) and each sampled row reports its median step time over the greedy one.
 `--baseline-sampler FILE` (torch) times the same steps with another sampler module in the same
-alternation, for before/after ratios.
+alternation, for before/after ratios. `--torch-decode-paths packing,static` (torch) times the
+decode steps of the packing path and of the static-shape step over device-resident state
+(executor/torch/static_decode.py; CUDA graphs on CUDA) in the same alternation, each row with
+`decode_path` and the static rows with their median over the packing path's; `--count-calls`
+adds each path's Python function calls per decode step (cProfile of one step).
 """
 
 from __future__ import annotations
@@ -93,9 +98,14 @@ def run(args: argparse.Namespace) -> dict:
             sargs = ServerArgs(model_path=args.model_path, dtype=dtype, skip_warmup=True,
                                max_total_tokens=pool_tokens, chunked_prefill_size=max_tokens,
                                max_running_requests=max(batches + [1]), max_extend_seqs=1,
-                               backend=backend, torch_compile=args.torch_compile)
+                               backend=backend, torch_compile=args.torch_compile,
+                               quantization=args.quantization)
             rcfg = runner_config(sargs, cfg.context_len)
-            runner = create_model_runner(cfg, loaded.params, rcfg)
+            paths = {"": create_model_runner(cfg, loaded.params, _decode_path(rcfg, "packing"))}
+            if rcfg.backend == "torch" and "static" in args.torch_decode_paths.split(","):
+                paths["static-"] = create_model_runner(cfg, loaded.params,
+                                                       _decode_path(rcfg, "static"))
+            runner = paths[""]
             tag = {"backend": rcfg.backend, "dtype": dtype}
             if rcfg.backend == "torch":
                 tag["compile"] = rcfg.compile
@@ -115,26 +125,58 @@ def run(args: argparse.Namespace) -> dict:
                     steps = _steps(b, 1, args.context, ps, rng, cfg.vocab_size, mode)
                     for st, tok in zip(steps, tokens, strict=True):
                         st.token_ids = [int(tok)]
-                    for name, use in samplers.items():
-                        fns[name + mode] = partial(use, runner.forward, ForwardMode.DECODE, steps)
+                    for path, path_runner in paths.items():
+                        for name, use in samplers.items():
+                            fns[path + name + mode] = partial(use, path_runner.forward,
+                                                              ForwardMode.DECODE, steps)
                 times = _interleaved(fns, args.repeats)
-                for name in samplers:
-                    for mode in modes:
-                        key, first = name + mode, name + modes[0]
-                        t, med = min(times[key]), statistics.median(times[key])
-                        row = {**tag, "phase": "decode", "batch": b, "context": args.context,
-                               "sampler": name.rstrip("-") or "current", "sampling": mode,
-                               "step_ms": round(1e3 * t, 2), "median_ms": round(1e3 * med, 2),
-                               "tok_per_s": round(b / t, 1)}
-                        if mode != modes[0]:
-                            row[f"median_over_{modes[0]}"] = round(
-                                med / statistics.median(times[first]), 3)
-                        if name:
-                            row["median_over_current"] = round(
-                                med / statistics.median(times[mode]), 3)
-                        results["runs"].append(row)
-                        print(json.dumps(row), flush=True)
+                for path in paths:
+                    for name in samplers:
+                        for mode in modes:
+                            key, first = path + name + mode, path + name + modes[0]
+                            t, med = min(times[key]), statistics.median(times[key])
+                            row = {**tag, "phase": "decode", "batch": b,
+                                   "context": args.context,
+                                   "decode_path": path.rstrip("-") or "packing",
+                                   "sampler": name.rstrip("-") or "current", "sampling": mode,
+                                   "step_ms": round(1e3 * t, 2),
+                                   "median_ms": round(1e3 * med, 2),
+                                   "tok_per_s": round(b / t, 1)}
+                            if mode != modes[0]:
+                                row[f"median_over_{modes[0]}"] = round(
+                                    med / statistics.median(times[first]), 3)
+                            if name:
+                                row["median_over_current"] = round(
+                                    med / statistics.median(times[path + mode]), 3)
+                            if path:
+                                row["median_over_packing"] = round(
+                                    med / statistics.median(times[name + mode]), 3)
+                            if args.count_calls:
+                                row["python_calls_per_step"] = _count_calls(fns[key])
+                            results["runs"].append(row)
+                            print(json.dumps(row), flush=True)
     return results
+
+
+def _decode_path(rcfg, path: str):
+    """The runner config of one decode path: `static` forces the static step (graphs stay as
+    resolved: on for CUDA), `packing` turns it off."""
+    import dataclasses
+
+    if path == "static":
+        max_bs = rcfg.static_decode_max_bs or rcfg.max_running_requests
+        return dataclasses.replace(rcfg, static_decode=True, static_decode_max_bs=max_bs)
+    return dataclasses.replace(rcfg, static_decode=False, cuda_graph=False)
+
+
+def _count_calls(fn) -> int:
+    """Python function calls (cProfile's count, primitive and recursive) of one fn()."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(fn)
+    return pstats.Stats(prof).total_calls
 
 
 def _samplers(baseline: str | None) -> dict:
@@ -184,6 +226,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--baseline-sampler", default=None,
                    help="torch: another sampler module file (e.g. an older version) whose "
                         "decode steps are timed in the same run (rows with sampler=baseline)")
+    p.add_argument("--quantization", default="auto", help="weights, as the server's flag")
+    p.add_argument("--torch-decode-paths", default="packing",
+                   help="torch decode paths timed in one alternation: packing, static "
+                        "(comma list; static = the CUDA-graph step, run eagerly off CUDA)")
+    p.add_argument("--count-calls", action="store_true",
+                   help="report Python function calls per decode step (cProfile)")
     p.add_argument("--output", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     results = run(args)

@@ -150,7 +150,21 @@ def runner_config(args: ServerArgs, model_context_len: int) -> RunnerConfig:
         cpu_threads=args.torch_threads,
         tp_size=args.tp_size,
         deterministic=deterministic,
+        **_resolve_cuda_graph(args, backend, deterministic),
     )
+
+
+def _resolve_cuda_graph(args: ServerArgs, backend: str, deterministic: bool) -> dict:
+    """RunnerConfig's static-decode fields: on for torch on CUDA (one rank, not deterministic)
+    unless --disable-cuda-graph; everywhere else the eager step (the flags are accepted)."""
+    if backend != "torch" or args.disable_cuda_graph or deterministic or args.tp_size > 1:
+        return {}
+    from sgl_tpu.executor.torch.device import resolve_device
+
+    if resolve_device(args.device).type != "cuda":
+        return {}
+    max_bs = min(args.cuda_graph_max_bs or args.max_running_requests, args.max_running_requests)
+    return dict(static_decode=True, static_decode_max_bs=max_bs, cuda_graph=True)
 
 
 def check_deterministic_model(model_config: ModelConfig) -> None:

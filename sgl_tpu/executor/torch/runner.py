@@ -13,6 +13,10 @@ Owns the torch device state and implements `sgl_tpu.executor.step.ModelRunner`:
 Device state: weights (`llama_torch.Weights`), a token-major KV pool per layer
 ([num_pages * page_size, kvh, d]; page 0 takes padding writes) and the penalty-count rows
 ([max_running + 1, V] int32, row 0 scratch), all updated in place.
+
+With `config.static_decode` (on for CUDA, where its buckets become CUDA graphs), DECODE steps
+of one token per sequence take the static-shape step over device-resident batch state instead
+(static_decode.py, decode_state.py); other steps take the packing path above.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from sgl_tpu.executor import step as step_contract
 from sgl_tpu.executor.step import ForwardMode, SeqStep, StepResult
 from sgl_tpu.executor.torch import sampler
 from sgl_tpu.executor.torch.device import cpu_prepacks_bf16, resolve_device, set_cpu_threads
+from sgl_tpu.executor.torch.static_decode import StaticDecode
 from sgl_tpu.kernels.backends import get_attention_backend
 from sgl_tpu.models.config import ModelConfig
 from sgl_tpu.models.registry import torch_model
@@ -81,9 +86,16 @@ class TorchModelRunner:
                          for _ in range(model_config.num_layers)]
         self.token_counts = torch.zeros((config.max_running_requests + 1, self.vocab_size),
                                         dtype=torch.int32, device=self.device)
+        self.static_decode = None
+        if config.static_decode:
+            self.static_decode = StaticDecode(
+                config, self.model, self.attn, self.kv_pools, self.token_counts, self.device,
+                self.dtype, model_config.sliding_window)
         logger.info("torch backend on %s, %s, compile=%s, prepacked weights=%s, "
-                    "quantization=%s", self.device, config.dtype, config.compile, prepack,
-                    self.quantization.method if self.quantization else "none")
+                    "quantization=%s, static decode=%s, CUDA graphs=%s", self.device,
+                    config.dtype, config.compile, prepack,
+                    self.quantization.method if self.quantization else "none",
+                    config.static_decode, config.cuda_graph)
 
     def _build_model(self, params: dict, model_config: ModelConfig, prepack: bool, compile_fn):
         """The registry's torch model for the architecture (parallel/torch_tp.py overrides)."""
@@ -203,6 +215,9 @@ class TorchModelRunner:
         if self.config.deterministic and len(steps) < batch_invariant.MIN_ROWS:
             padded, num_rows = batch_invariant.pad_steps(mode, steps)
             return batch_invariant.trim_result(self._run(mode, padded, num_rows), len(steps))
+        if (mode == ForwardMode.DECODE and self.static_decode is not None
+                and self.static_decode.accepts(steps)):
+            return self.static_decode.run(steps)
         return self._run(mode, steps, None)
 
     @torch.inference_mode()
@@ -290,6 +305,8 @@ class TorchModelRunner:
             self.token_logprobs(result.hidden, np.zeros(1, np.int32))
         for n_seqs in c.seq_buckets if all_buckets else c.seq_buckets[:1]:
             self._run(ForwardMode.DECODE, [step] * n_seqs, n_seqs)
+        if self.static_decode is not None:  # CUDA graphs of the decode buckets (else no-op)
+            self.static_decode.warmup()
         elapsed = time.perf_counter() - t0
         logger.info("warm-up: %d compiled graphs in %.1f s", self._compiles, elapsed)
         return elapsed

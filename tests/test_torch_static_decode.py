@@ -1,0 +1,261 @@
+"""The torch backend's static decode step (executor/torch/static_decode.py) over device-resident
+batch state (decode_state.py): on CPU the function a CUDA graph records runs eagerly and must
+give the packing path's tokens and log-probs for padded buckets, ragged contexts and page
+boundaries, with the device state equal to a host recomputation after every step (the debug
+check is on in every runner here). CUDA graph replay is checked where a GPU is visible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import checkpoints as ck
+import gemma_checkpoints as gck
+import numpy as np
+import pytest
+import torch
+
+from sgl_tpu import Engine
+from sgl_tpu.cli import parse_args
+from sgl_tpu.config import ServerArgs
+from sgl_tpu.executor.registry import create_model_runner, runner_config
+from sgl_tpu.executor.step import ForwardMode, SeqStep
+from sgl_tpu.executor.torch import decode_state as ds
+from sgl_tpu.executor.torch import sampler
+from sgl_tpu.executor.torch.static_decode import StaticDecode
+from sgl_tpu.loader import load_model
+from sgl_tpu.sampling_params import SamplingParams
+
+PAGE = 4
+GREEDY = SamplingParams(temperature=0.0)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, frequency_penalty=0.5,
+                         repetition_penalty=1.2)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return ck.make_tiny_hf_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="module")
+def llama(llama_dir):
+    return load_model(llama_dir)
+
+
+def _runner(loaded, *, static: bool, device: str = "cpu"):
+    args = ServerArgs(skip_warmup=True, backend="torch", torch_compile="off", dtype="float32",
+                      page_size=PAGE, max_total_tokens=2048, kv_tile=8, min_token_bucket=16,
+                      chunked_prefill_size=128, max_running_requests=8, max_extend_seqs=8,
+                      device=device, disable_cuda_graph=not static, quantization="none",
+                      torch_threads=1)
+    cfg = runner_config(args, 4096)
+    if static:
+        cfg = dataclasses.replace(cfg, static_decode=True, static_decode_max_bs=8,
+                                  check_decode_state=True)
+    return create_model_runner(loaded.config, loaded.params, cfg)
+
+
+class Driver:
+    """Requests with page tables and penalty rows, prefilled then decoded step by step; the
+    same script drives two runners (the packing path and the static step)."""
+
+    def __init__(self, runner, prompts: list[list[int]], params: list[SamplingParams]):
+        self.runner = runner
+        self.reqs = []
+        next_page = 1
+        for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+            n_pages = -(-(len(prompt) + 40) // PAGE)
+            pages = np.arange(next_page, next_page + n_pages, dtype=np.int32)
+            next_page += n_pages
+            self.reqs.append(dict(ids=list(prompt), prompt_len=len(prompt), pages=pages, sp=sp,
+                                  row=i + 1, seed=100 + i))
+
+    def _step(self, r, token_ids, prefix_len, fresh=False) -> SeqStep:
+        return SeqStep(token_ids=token_ids, prefix_len=prefix_len, pages=r["pages"],
+                       sampling=r["sp"], seed=r["seed"],
+                       num_output_tokens=len(r["ids"]) - r["prompt_len"], counts_row=r["row"],
+                       counts_reset=fresh, return_logprob=r["row"] != 3)  # one row asks none
+
+    def prefill(self, which: list[int]):
+        steps = [self._step(self.reqs[i], self.reqs[i]["ids"], 0, fresh=True) for i in which]
+        res = self.runner.forward(ForwardMode.EXTEND, steps)
+        for i, t in zip(which, res.token_ids, strict=True):
+            self.reqs[i]["ids"].append(int(t))
+
+    def decode(self, which: list[int]):
+        steps = [self._step(self.reqs[i], [self.reqs[i]["ids"][-1]],
+                            len(self.reqs[i]["ids"]) - 1) for i in which]
+        res = self.runner.forward(ForwardMode.DECODE, steps)
+        for i, t in zip(which, res.token_ids, strict=True):
+            self.reqs[i]["ids"].append(int(t))
+        return res
+
+
+def _script(loaded, params) -> list[tuple[list[int], object]]:
+    """Prompts of 3, 6, 9, 14 tokens (pages of 4: ragged, some ending on a page boundary);
+    decode batches of 3 (bucket 4: one padding row), then 4, then 2 after two leave."""
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, loaded.config.vocab_size, n).tolist() for n in (3, 6, 9, 14)]
+    out = []
+    for static in (False, True):
+        d = Driver(_runner(loaded, static=static), prompts, params)
+        results = []
+        d.prefill([0, 1, 2])
+        for _ in range(5):
+            results.append(d.decode([0, 1, 2]))
+        d.prefill([3])
+        for _ in range(4):
+            results.append(d.decode([0, 1, 2, 3]))
+        for _ in range(4):
+            results.append(d.decode([1, 3]))
+        out.append(([r["ids"] for r in d.reqs], results, d.runner))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3"])
+def test_static_step_greedy_parity(tmp_path, llama, arch):
+    """llama; mistral: a sliding window in the length mask; gemma3: local layers' window and
+    the score soft-cap inside the attention kernel."""
+    if arch == "llama":
+        loaded = llama
+    elif arch == "gemma3":
+        loaded = load_model(gck.make_tiny_gemma(tmp_path / "m", "gemma3"))
+    else:
+        loaded = load_model(ck.make_tiny_hf_checkpoint(tmp_path / "m", arch))
+    (ids_a, res_a, eager), (ids_b, res_b, static) = _script(loaded, [GREEDY] * 4)
+    assert eager.static_decode is None and static.static_decode is not None
+    assert ids_a == ids_b
+    torch.testing.assert_close(eager.token_counts, static.token_counts)  # the greedy tail's
+    for a, b in zip(res_a, res_b, strict=True):
+        np.testing.assert_array_equal(a.top_ids, b.top_ids)
+        np.testing.assert_allclose(a.top_logprobs, b.top_logprobs, atol=1e-4)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+
+
+def test_static_step_sampling_and_penalty_parity(llama):
+    """Seeded sampling (temperature, top-p, top-k) with frequency and repetition penalties:
+    the uniforms come from the device state's seeds/steps, the counts from its rows."""
+    loaded = llama
+    params = [SAMPLED, GREEDY, SAMPLED, dataclasses.replace(SAMPLED, min_p=0.05)]
+    (ids_a, _, eager), (ids_b, _, static) = _script(loaded, params)
+    assert ids_a == ids_b
+    torch.testing.assert_close(eager.token_counts, static.token_counts)
+
+
+def test_unchanged_batch_copies_nothing_and_check_catches_drift(llama):
+    loaded = llama
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, loaded.config.vocab_size, n).tolist() for n in (5, 6)]
+    d = Driver(_runner(loaded, static=True), prompts, [GREEDY, GREEDY])
+    state = d.runner.static_decode.state
+    d.prefill([0, 1])
+    d.decode([0, 1])  # first step: every row is new
+    copied = state.rows_copied
+    assert copied > 0
+    d.decode([0, 1])  # contexts of 7 and 8 tokens: no new page
+    assert state.rows_copied == copied
+    d.decode([0, 1])  # 8 and 9: the second needs a third page: one page-table row
+    assert state.rows_copied == copied + 1
+    state.ints[0, ds.STEP] += 1  # drift the device behind the host's back
+    with pytest.raises(RuntimeError, match=r"decode state ints\[0, 3\]"):
+        d.decode([0, 1])
+
+
+def test_engine_traffic_identical_with_static_step(llama_dir):
+    """The scheduler's real steps (chunked prefill, a shared prefix from the radix cache,
+    n > 1, seeds, penalties, a regex, stop tokens, requests finishing mid-batch) through one
+    Engine, with the packing path and then with the static step (state checked every step)."""
+    eng = Engine(llama_dir, page_size=4, max_total_tokens=2048, max_running_requests=8,
+                 max_extend_seqs=4, chunked_prefill_size=64, min_token_bucket=16, kv_tile=8,
+                 backend="torch", dtype="float32", torch_compile="off", torch_threads=1,
+                 skip_warmup=True)
+    try:
+        runner = eng.scheduler.runner
+        vocab = eng.model_config.vocab_size
+        rng = np.random.default_rng(5)
+        shared = rng.integers(3, vocab, 70).tolist()
+        prompts = [shared + rng.integers(3, vocab, n).tolist() for n in (4, 9, 1, 13, 6)]
+        params = [{"temperature": 0, "max_new_tokens": 7},
+                  {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 15, "seed": 3},
+                  {"temperature": 0.7, "frequency_penalty": 0.5, "repetition_penalty": 1.2,
+                   "max_new_tokens": 11, "seed": 4},
+                  {"temperature": 0, "max_new_tokens": 20, "regex": "[a-z]+ [0-9]{2,4}"},
+                  {"temperature": 1.0, "top_k": 5, "n": 2, "max_new_tokens": 9, "seed": 8}]
+
+        def run():
+            assert eng.scheduler.flush_cache()  # both runs prefill from scratch
+            outs = eng.generate(input_ids=prompts, sampling_params=params)
+            eng.scheduler.check_integrity()
+            return [o["output_ids"] for o in outs]
+
+        packing = run()
+        cfg = dataclasses.replace(runner.config, static_decode=True, static_decode_max_bs=8,
+                                  check_decode_state=True)
+        runner.static_decode = StaticDecode(cfg, runner.model, runner.attn, runner.kv_pools,
+                                            runner.token_counts, runner.device, runner.dtype,
+                                            runner.model_config.sliding_window)
+        static = run()
+        assert runner.static_decode.state.rows_copied > 0  # the static step ran
+        assert static == packing
+    finally:
+        eng.shutdown()
+
+
+def test_row_uniforms_on_device_match_host():
+    rng = np.random.default_rng(0)
+    seeds = rng.integers(0, 2**32, 512, dtype=np.uint64).astype(np.uint32)
+    steps = rng.integers(0, 2**31 - 1, 512).astype(np.int32)
+    got = ds.row_uniforms(torch.from_numpy(seeds.astype(np.int64)),
+                          torch.from_numpy(steps.astype(np.int64)))
+    np.testing.assert_array_equal(got.numpy(), sampler.row_uniforms(seeds, steps))
+
+
+def test_cuda_graph_flags():
+    args = parse_args(["--cuda-graph-max-bs", "16", "--disable-cuda-graph"])
+    assert args.cuda_graph_max_bs == 16 and args.disable_cuda_graph
+    with pytest.raises(ValueError, match="cuda_graph_max_bs"):
+        ServerArgs(cuda_graph_max_bs=0)
+    cpu = runner_config(ServerArgs(backend="torch", device="cpu", cuda_graph_max_bs=16), 4096)
+    assert not cpu.static_decode and not cpu.cuda_graph  # accepted, inert on CPU
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_replay_matches_eager(llama):
+    """On CUDA: the replayed graphs give exactly what the same static step gives eagerly
+    (greedy rows take the captured tail, the sampled row the eager sampler), and the packing
+    path's greedy tokens."""
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, llama.config.vocab_size, n).tolist() for n in (3, 6, 9)]
+    runs = {}
+    for name in ("packing", "static", "graphs"):
+        runner = _runner(llama, static=name != "packing", device="cuda")
+        assert runner.config.cuda_graph == (name != "packing")  # on for CUDA unless disabled
+        if name == "static":  # the same step without graphs
+            runner.static_decode.use_graphs = False
+        d = Driver(runner, prompts, [GREEDY, SAMPLED, GREEDY])
+        d.prefill([0, 1, 2])
+        results = [d.decode([0, 1, 2]) for _ in range(3)]
+        results += [d.decode([0, 2]) for _ in range(3)]  # plain greedy: the captured tail
+        runs[name] = ([r["ids"] for r in d.reqs], results)
+        if name == "graphs":
+            assert runner.static_decode.num_graphs() >= 3  # forward + tail per bucket
+    ids, results = runs["graphs"]
+    assert ids == runs["static"][0]
+    for a, b in zip(results, runs["static"][1], strict=True):
+        np.testing.assert_array_equal(a.top_logprobs, b.top_logprobs)
+    assert [ids[0], ids[2]] == [runs["packing"][0][0], runs["packing"][0][2]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_warmup_captures_every_bucket(llama):
+    runner = _runner(llama, static=True, device="cuda")
+    runner.warmup()
+    sd = runner.static_decode
+    expected = len(sd.batch_buckets) * (len(sd.page_buckets) + 1)  # forward per (S, P) + tail
+    assert sd.num_graphs() == expected
+    prompts = [list(range(3, 3 + n)) for n in (5, 11)]
+    d = Driver(runner, prompts, [GREEDY, SAMPLED])
+    d.prefill([0, 1])
+    for _ in range(3):
+        d.decode([0, 1])
+    assert sd.num_graphs() == expected  # served from the captured graphs

@@ -103,13 +103,14 @@ def test_decode_matches_dense(page_size, kv_tile):
     assert not np.asarray(out[len(per_seq):]).any(), "padding rows must be zero"
 
 
-def test_write_kv_touches_only_given_slots():
+@pytest.mark.parametrize("slots", [[3, 4], [5]])  # one token: the (page, offset) scatter
+def test_write_kv_touches_only_given_slots(slots):
     pool = jnp.ones((1, 4, 2, 3))  # [kvh, pages, page_size, d]
-    k = jnp.full((2, 1, 3), 7.0)
-    new_k, _ = attn.write_kv(pool, pool, k, k, jnp.array([3, 4]))
+    k = jnp.full((len(slots), 1, 3), 7.0)
+    new_k, _ = attn.write_kv(pool, pool, k, k, jnp.array(slots))
     flat = np.asarray(new_k).reshape(8, 3)
-    assert (flat[[3, 4]] == 7).all()
-    assert (np.delete(flat, [3, 4], axis=0) == 1).all()
+    assert (flat[slots] == 7).all()
+    assert (np.delete(flat, slots, axis=0) == 1).all()
 
 
 def test_bfloat16_close_to_float32():

@@ -10,13 +10,15 @@ JAX backends offer the same three functions with the reference's signatures:
                      seq_lens, item_block, item_tile, num_items, *, kv_tile, scale, ...)
     decode_attention(q, k_pool, v_pool, page_table, seq_lens, *, kv_tile, scale, ...)
 
-`ref` is the pure-jax.numpy reference (any JAX backend); `pallas` is the Pallas TPU kernel
+`ref` is the pure-jax.numpy reference (any JAX backend); `gathered` gathers each sequence's pages
+into one padded dense view and attends in a few large ops (for GPUs, where the reference's tile
+loop is a long chain of small kernels); `pallas` is the Pallas TPU kernel
 (compiled by Mosaic, TPU only); `pallas-interpret` is the same kernel run in TPU interpret mode
 (CPU; slow, for tests). The torch backend's `torch-sdpa` is `paged_attention_torch` (gathered
 pages into `scaled_dot_product_attention` / batched GEMMs). `ref-invariant` and
 `torch-invariant` are the batch-invariant kernels of `--enable-deterministic-inference` (one
 tiled path for EXTEND and DECODE; sgl_tpu/executor/batch_invariant.py). `auto` picks
-`pallas` for JAX on a TPU, else `ref`; `torch-sdpa` for torch.
+`pallas` for JAX on a TPU, `gathered` on a GPU, else `ref`; `torch-sdpa` for torch.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ class AttentionBackend:
     write_kv: Callable
     extend_attention: Callable
     decode_attention: Callable
+    # True: the cost grows with the page-table width (not with the tokens in use), so the runner
+    # cuts page tables to a width bucket per step (`RunnerConfig.page_buckets`).
+    bucket_page_table: bool = False
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,13 @@ def _ref() -> AttentionBackend:
     from sgl_tpu.kernels import paged_attention_ref as ref
 
     return AttentionBackend("ref", ref.write_kv, ref.extend_attention, ref.decode_attention)
+
+
+def _gathered() -> AttentionBackend:
+    from sgl_tpu.kernels import paged_attention_gathered as gathered
+
+    return AttentionBackend("gathered", gathered.write_kv, gathered.extend_attention,
+                            gathered.decode_attention, bucket_page_table=True)
 
 
 def _pallas(name: str, interpret: str | None) -> AttentionBackend:
@@ -82,6 +94,7 @@ def _torch_sdpa() -> Any:
 
 ATTENTION_BACKENDS: dict[str, AttentionSpec] = {
     "ref": AttentionSpec("jax", _ref),
+    "gathered": AttentionSpec("jax", _gathered),
     "pallas": AttentionSpec("jax", functools.partial(_pallas, "pallas", None)),
     "pallas-interpret": AttentionSpec("jax", functools.partial(_pallas, "pallas-interpret",
                                                                "tpu")),
@@ -94,8 +107,8 @@ ATTENTION_BACKENDS: dict[str, AttentionSpec] = {
 
 def resolve_attention_backend(name: str, framework: str = "jax", platform: str | None = None
                               ) -> str:
-    """`auto` -> the framework's default (`pallas` for JAX on a TPU, `ref` for JAX elsewhere,
-    `torch-sdpa` for torch); a given name is checked against the framework."""
+    """`auto` -> the framework's default (`pallas` for JAX on a TPU, `gathered` on a GPU, `ref`
+    elsewhere; `torch-sdpa` for torch); a given name is checked against the framework."""
     if name == "auto":
         if framework == "torch":
             return "torch-sdpa"
@@ -103,7 +116,7 @@ def resolve_attention_backend(name: str, framework: str = "jax", platform: str |
             import jax
 
             platform = jax.default_backend()
-        return "pallas" if platform == "tpu" else "ref"
+        return {"tpu": "pallas", "gpu": "gathered"}.get(platform, "ref")
     spec = ATTENTION_BACKENDS.get(name)
     if spec is None:
         raise ValueError(f"unknown attention_backend {name!r}; "

@@ -45,6 +45,14 @@ def write_kv(
     flat = (kvh, num_pages * page_size, d)
     k_new = k.astype(k_pool.dtype).transpose(1, 0, 2)  # [kvh, T, d]
     v_new = v.astype(v_pool.dtype).transpose(1, 0, 2)
+    if k.shape[0] == 1:
+        # One token (a batch-1 decode): XLA turns the scatter into a dynamic-update-slice, and
+        # on the flattened view of a donated pool XLA:CPU then copied the whole pool (up to four
+        # times per layer when attention read it whole). Indexing (page, offset) keeps it in
+        # place; for more tokens the flat scatter is faster.
+        pages, offsets = slots // page_size, slots % page_size
+        return (k_pool.at[:, pages, offsets].set(k_new, mode="promise_in_bounds"),
+                v_pool.at[:, pages, offsets].set(v_new, mode="promise_in_bounds"))
     flat_k = k_pool.reshape(flat).at[:, slots].set(k_new)
     flat_v = v_pool.reshape(flat).at[:, slots].set(v_new)
     return flat_k.reshape(k_pool.shape), flat_v.reshape(v_pool.shape)

@@ -103,13 +103,14 @@ def test_decode_matches_dense(page_size, kv_tile):
     assert not np.asarray(out[len(per_seq):]).any(), "padding rows must be zero"
 
 
-def test_write_kv_touches_only_given_slots():
+@pytest.mark.parametrize("slots", [[3, 4], [5]])  # one token: the (page, offset) scatter
+def test_write_kv_touches_only_given_slots(slots):
     pool = jnp.ones((1, 4, 2, 3))  # [kvh, pages, page_size, d]
-    k = jnp.full((2, 1, 3), 7.0)
-    new_k, _ = attn.write_kv(pool, pool, k, k, jnp.array([3, 4]))
+    k = jnp.full((len(slots), 1, 3), 7.0)
+    new_k, _ = attn.write_kv(pool, pool, k, k, jnp.array(slots))
     flat = np.asarray(new_k).reshape(8, 3)
-    assert (flat[[3, 4]] == 7).all()
-    assert (np.delete(flat, [3, 4], axis=0) == 1).all()
+    assert (flat[slots] == 7).all()
+    assert (np.delete(flat, slots, axis=0) == 1).all()
 
 
 def test_bfloat16_close_to_float32():
@@ -128,3 +129,33 @@ def test_bfloat16_close_to_float32():
                                 scale=d**-0.5)
     assert o16.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(o16, np.float32), np.asarray(o32), atol=3e-2)
+
+
+@pytest.mark.parametrize("backend", ["ref", "gathered"])
+def test_one_token_write_keeps_donated_pools_in_place(backend):
+    """A batch-1 decode step writes one token then attends: the compiled program must not copy
+    the donated pools (the flat scatter's dynamic-update-slice made XLA:CPU copy each one)."""
+    import re
+
+    import jax
+
+    from sgl_tpu.kernels.backends import get_attention_backend
+
+    impl = get_attention_backend(backend)
+    kvh, num_pages, ps, d = 2, 33, 4, 16
+
+    def step(pools, k, slots, page_table, seq_lens, q):
+        out, o = [], 0
+        for k_pool, v_pool in pools:
+            k_pool, v_pool = impl.write_kv(k_pool, v_pool, k, k, slots)
+            out.append((k_pool, v_pool))
+            o = o + impl.decode_attention(q, k_pool, v_pool, page_table, seq_lens, kv_tile=8,
+                                          scale=0.25)
+        return out, o
+
+    pools = [(jnp.zeros((kvh, num_pages, ps, d)),) * 2 for _ in range(2)]
+    args = (pools, jnp.ones((1, kvh, d)), jnp.array([9], jnp.int32),
+            jnp.ones((1, 8), jnp.int32), jnp.array([10], jnp.int32), jnp.ones((1, 2 * kvh, d)))
+    hlo = jax.jit(step, donate_argnums=0).lower(*args).compile().as_text()
+    pool_copy = rf"= f32\[{kvh},({num_pages * ps}|{num_pages},{ps}),{d}\]\S* copy\("
+    assert not re.findall(pool_copy, hlo)

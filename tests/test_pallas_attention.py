@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_helpers import paged_batch as _batch
+from attention_helpers import random_pools as _pools
 
 from sgl_tpu.choices import check_registry_names
 from sgl_tpu.config import ServerArgs
@@ -29,28 +31,6 @@ from sgl_tpu.sampling_params import SamplingParams
 GREEDY = SamplingParams(temperature=0.0)
 TOL = {jnp.float32: {"atol": 1e-5, "rtol": 1e-5}, jnp.bfloat16: {"atol": 2e-2, "rtol": 0}}
 EXTEND, DECODE = ForwardMode.EXTEND, ForwardMode.DECODE
-
-
-def _batch(rng, mode, seqs, *, page_size, kv_tile, block_q, num_pages, max_pages=16,
-           token_buckets=(32, 64, 128), seq_buckets=(4, 8)):
-    """seqs: (prefix_len, new_len) per sequence -> ForwardBatch (numpy) on random pages."""
-    free = list(rng.permutation(np.arange(1, num_pages)))
-    steps = []
-    for prefix, new in seqs:
-        pages = [free.pop() for _ in range(-(-(prefix + new) // page_size))]
-        steps.append(SeqStep(token_ids=[1] * new, prefix_len=prefix, pages=np.array(pages),
-                             sampling=GREEDY, seed=0, num_output_tokens=0))
-    shape = batch_shape_for(mode, steps, token_buckets=token_buckets, seq_buckets=seq_buckets,
-                            max_extend_seqs=seq_buckets[0], max_pages=max_pages,
-                            block_q=block_q, vocab_words=1, pages_per_tile=kv_tile // page_size)
-    return build_forward_batch(steps, shape, page_size)
-
-
-def _pools(rng, *, kvh, num_pages, page_size, d, dtype):
-    """Random K/V everywhere, so reading a wrong page or slot changes the result."""
-    shape = (kvh, num_pages, page_size, d)
-    return (jnp.asarray(rng.standard_normal(shape), dtype),
-            jnp.asarray(rng.standard_normal(shape), dtype))
 
 
 # (mode, (prefix_len, new_len) per sequence, page_size, GQA group, head_dim, dtype, kv_tile,
@@ -174,7 +154,7 @@ def test_attention_backend_flag_resolution():
 
     assert resolve_attention_backend("auto", platform="tpu") == "pallas"
     assert resolve_attention_backend("auto", platform="cpu") == "ref"
-    assert resolve_attention_backend("auto", platform="gpu") == "ref"
+    assert resolve_attention_backend("auto", platform="gpu") == "gathered"
     assert ServerArgs().attention_backend == "auto"
     assert runner_config(ServerArgs(backend="jax"), 4096).attention_backend == (
         "pallas" if jax.default_backend() == "tpu" else "ref")

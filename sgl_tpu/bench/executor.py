@@ -5,6 +5,7 @@ and dtype.
         [--prefill 128,512,2048] [--decode-batches 1,8,32,64] [--context 256] [--repeats 3]
         [--torch-compile auto|on|off] [--sampling greedy,sampled] [--baseline-sampler FILE]
         [--torch-decode-paths packing,static] [--count-calls]
+        [--attention-backend auto|ref|gathered|...]
 
 Runs the real step (paged KV, bucketed shapes, sampler) of each backend on the default model
 (or `--model-path`), compiles each shape once before timing, reports the best of `--repeats`
@@ -99,14 +100,16 @@ def run(args: argparse.Namespace) -> dict:
                                max_total_tokens=pool_tokens, chunked_prefill_size=max_tokens,
                                max_running_requests=max(batches + [1]), max_extend_seqs=1,
                                backend=backend, torch_compile=args.torch_compile,
-                               quantization=args.quantization)
+                               quantization=args.quantization,
+                               attention_backend=args.attention_backend
+                               if backend == "jax" else "auto")
             rcfg = runner_config(sargs, cfg.context_len)
             paths = {"": create_model_runner(cfg, loaded.params, _decode_path(rcfg, "packing"))}
             if rcfg.backend == "torch" and "static" in args.torch_decode_paths.split(","):
                 paths["static-"] = create_model_runner(cfg, loaded.params,
                                                        _decode_path(rcfg, "static"))
             runner = paths[""]
-            tag = {"backend": rcfg.backend, "dtype": dtype}
+            tag = {"backend": rcfg.backend, "dtype": dtype, "attention": rcfg.attention_backend}
             if rcfg.backend == "torch":
                 tag["compile"] = rcfg.compile
             ps = sargs.page_size
@@ -217,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--backends", default="torch,jax")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--torch-compile", default="auto", choices=("auto", "on", "off"))
+    p.add_argument("--attention-backend", default="auto",
+                   help="the jax runs' attention backend (kernels/backends.py)")
     p.add_argument("--prefill", default="128,512,2048")
     p.add_argument("--decode-batches", default="1,8,32,64")
     p.add_argument("--context", type=int, default=256)

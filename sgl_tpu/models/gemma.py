@@ -53,33 +53,39 @@ def forward(
     for layer, (k_pool, v_pool), sliding in zip(params["layers"], kv_pools, g.sliding_layers,
                                                 strict=True):
         window = g.sliding_window if sliding else None
-        x = gemma_norm(h, layer["attn_norm"], eps)
-        q = matmul(x, layer["wq"]).reshape(num_tokens, cfg.num_heads, cfg.head_dim)
-        k = matmul(x, layer["wk"]).reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = matmul(x, layer["wv"]).reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q = gemma_norm(q, layer["q_norm"], eps)
-            k = gemma_norm(k, layer["k_norm"], eps)
-        inv_freq = inv_local if sliding else inv_global
-        q = apply_rope(q, fb.positions, inv_freq)
-        k = apply_rope(k, fb.positions, inv_freq)
-        k_pool, v_pool = attn.write_kv(k_pool, v_pool, k, v, fb.out_slots)
+        with jax.named_scope("qkv_proj"):  # scopes as in llama.py
+            x = gemma_norm(h, layer["attn_norm"], eps)
+            q = matmul(x, layer["wq"]).reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+            k = matmul(x, layer["wk"]).reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            v = matmul(x, layer["wv"]).reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            if cfg.qk_norm:
+                q = gemma_norm(q, layer["q_norm"], eps)
+                k = gemma_norm(k, layer["k_norm"], eps)
+            inv_freq = inv_local if sliding else inv_global
+            q = apply_rope(q, fb.positions, inv_freq)
+            k = apply_rope(k, fb.positions, inv_freq)
+        with jax.named_scope("kv_write"):
+            k_pool, v_pool = attn.write_kv(k_pool, v_pool, k, v, fb.out_slots)
         new_pools.append((k_pool, v_pool))
         kw = dict(kv_tile=kv_tile, scale=scale, sliding_window=window,
                   logit_cap=g.attn_logit_softcap)
-        if mode == ForwardMode.DECODE:
-            o = attn.decode_attention(q, k_pool, v_pool, fb.page_table, fb.seq_lens, **kw)
-        else:
-            o = attn.extend_attention(
-                q, k_pool, v_pool, fb.page_table, fb.block_rows, fb.block_seq,
-                fb.block_q_start, fb.seq_lens, fb.item_block, fb.item_tile, fb.num_items, **kw)
-        a = matmul(o.reshape(num_tokens, cfg.q_size), layer["wo"])
-        h = h + gemma_norm(a, layer["post_attn_norm"], eps)
-        x = gemma_norm(h, layer["mlp_norm"], eps)
-        gate = matmul(x, layer["w_gate"])  # [T, F]
-        up = matmul(x, layer["w_up"])
-        m = matmul(jax.nn.gelu(gate, approximate=True) * up, layer["w_down"])
-        h = h + gemma_norm(m, layer["post_mlp_norm"], eps)
+        with jax.named_scope("attention"):
+            if mode == ForwardMode.DECODE:
+                o = attn.decode_attention(q, k_pool, v_pool, fb.page_table, fb.seq_lens, **kw)
+            else:
+                o = attn.extend_attention(
+                    q, k_pool, v_pool, fb.page_table, fb.block_rows, fb.block_seq,
+                    fb.block_q_start, fb.seq_lens, fb.item_block, fb.item_tile, fb.num_items,
+                    **kw)
+        with jax.named_scope("o_proj"):
+            a = matmul(o.reshape(num_tokens, cfg.q_size), layer["wo"])
+            h = h + gemma_norm(a, layer["post_attn_norm"], eps)
+        with jax.named_scope("mlp"):
+            x = gemma_norm(h, layer["mlp_norm"], eps)
+            gate = matmul(x, layer["w_gate"])  # [T, F]
+            up = matmul(x, layer["w_up"])
+            m = matmul(jax.nn.gelu(gate, approximate=True) * up, layer["w_down"])
+            h = h + gemma_norm(m, layer["post_mlp_norm"], eps)
     return gemma_norm(h, params["final_norm"], eps), new_pools
 
 

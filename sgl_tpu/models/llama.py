@@ -128,27 +128,34 @@ def forward(
         h = params["embed"][fb.input_ids]  # [T, D]
     num_tokens = h.shape[0]
     new_pools = []
+    # Named scopes (kept in the compiled program's op names) let a profile split the step into
+    # parts: sgl_tpu/bench/jax_step_profile.py.
     for layer, (k_pool, v_pool) in zip(params["layers"], kv_pools, strict=True):
-        x = rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
-        q = matmul(x, layer["wq"])  # [T, H*d]
-        k = matmul(x, layer["wk"])  # [T, kvh*d]
-        v = matmul(x, layer["wv"])
-        if cfg.attention_bias:
-            q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
-        q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
-        q = apply_rope(q, fb.positions, inv_freq, cfg.long_rope)
-        k = apply_rope(k, fb.positions, inv_freq, cfg.long_rope)
-        k_pool, v_pool = attn.write_kv(k_pool, v_pool, k, v, fb.out_slots)
+        with jax.named_scope("qkv_proj"):
+            x = rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
+            q = matmul(x, layer["wq"])  # [T, H*d]
+            k = matmul(x, layer["wk"])  # [T, kvh*d]
+            v = matmul(x, layer["wv"])
+            if cfg.attention_bias:
+                q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
+            q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+            k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            if cfg.qk_norm:
+                q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
+                k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+            q = apply_rope(q, fb.positions, inv_freq, cfg.long_rope)
+            k = apply_rope(k, fb.positions, inv_freq, cfg.long_rope)
+        with jax.named_scope("kv_write"):
+            k_pool, v_pool = attn.write_kv(k_pool, v_pool, k, v, fb.out_slots)
         new_pools.append((k_pool, v_pool))
-        o = _attention(cfg, mode, q, k_pool, v_pool, fb, kv_tile, attn)
-        h = h + matmul(o.reshape(num_tokens, cfg.q_size), layer["wo"])
-        x = rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
-        h = h + mlp(x, layer, cfg)
+        with jax.named_scope("attention"):
+            o = _attention(cfg, mode, q, k_pool, v_pool, fb, kv_tile, attn)
+        with jax.named_scope("o_proj"):
+            h = h + matmul(o.reshape(num_tokens, cfg.q_size), layer["wo"])
+        with jax.named_scope("mlp"):
+            x = rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
+            h = h + mlp(x, layer, cfg)
     return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), new_pools
 
 

@@ -1,8 +1,8 @@
 """The three places where the tensor-parallel step leaves XLA's automatic (GSPMD) partitioning
 and says per device what to do, with `jax.shard_map`:
 
-    shard_attention(attn, mesh)   the KV write and attention of ANY backend (ref, pallas,
-                                  pallas-interpret), run per device on its own heads:
+    shard_attention(attn, mesh)   the KV write and attention of ANY backend (ref, gathered,
+                                  pallas, pallas-interpret), run per device on its own heads:
                                     q [T, H, d] and new k/v [T, kvh, d]   split on heads
                                     pools [kvh, pages, page_size, d]     split on kvh
                                     page table, lengths, blocks, items   replicated
@@ -59,7 +59,7 @@ def shard_attention(attn: AttentionBackend, mesh: Mesh) -> AttentionBackend:
         return _per_device(fn, mesh, specs, HEADS_SPEC)(q, k_pool, v_pool, *batch)
 
     return AttentionBackend(f"{attn.name}@tp{mesh.size}", write_kv, extend_attention,
-                            decode_attention)
+                            decode_attention, attn.bucket_page_table)
 
 
 def embed_lookup(embed: jax.Array, ids: jax.Array, mesh: Mesh) -> jax.Array:

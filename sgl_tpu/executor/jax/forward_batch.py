@@ -11,7 +11,8 @@ once per bucket:
 
     T  tokens in the step   (EXTEND: a token bucket;  DECODE: the sequence bucket)
     S  sequences            (EXTEND: max_extend_seqs; DECODE: the sequence bucket)
-    P  page-table width     (max_pages_per_seq, fixed)
+    P  page-table width     (max_pages_per_seq; or, for attention backends whose cost grows
+                             with it, a width bucket holding the step's longest sequence)
     NB query blocks         (EXTEND only: T // block_q + S, an upper bound)
     W  attention work items (EXTEND only: (block, KV tile) pairs; the loop stops at the last)
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from sgl_tpu.config import pow2_buckets
 from sgl_tpu.executor.jax.sampler import SamplingArrays
 from sgl_tpu.executor.step import (
     ForwardMode,
@@ -148,6 +150,12 @@ def build_forward_batch(steps: Sequence[SeqStep], shape: BatchShape, page_size: 
     )
 
 
+def page_buckets(max_pages: int, pages_per_tile: int) -> tuple[int, ...]:
+    """Page-table widths of a bucketing attention backend: 1, 2, 4, ... KV tiles, up to
+    `max_pages` (a whole number of tiles)."""
+    return tuple(b * pages_per_tile for b in pow2_buckets(1, max_pages // pages_per_tile))
+
+
 def batch_shape_for(
     mode: ForwardMode,
     steps: Sequence[SeqStep],
@@ -159,10 +167,38 @@ def batch_shape_for(
     block_q: int,
     vocab_words: int,
     pages_per_tile: int,
+    page_widths: Sequence[int] | None = None,
 ) -> BatchShape:
+    """The step's static sizes; `page_widths` (ascending, see `page_buckets`) cuts the page
+    table to the smallest width holding every sequence's pages (None: always `max_pages`)."""
+    if page_widths is not None:
+        longest = max((len(st.pages) for st in steps), default=1)
+        max_pages = min(max_pages, pick_bucket(page_widths, longest, "pages per sequence"))
     if mode == ForwardMode.DECODE:
         s = pick_bucket(seq_buckets, len(steps), "decode batch size")
         return BatchShape(mode, s, s, max_pages, 1, vocab_words, pages_per_tile)
     n_tokens = sum(len(st.token_ids) for st in steps)
     t = pick_bucket(token_buckets, n_tokens, "extend batch tokens")
     return BatchShape(mode, t, max_extend_seqs, max_pages, block_q, vocab_words, pages_per_tile)
+
+
+def warmup_shapes(
+    *,
+    token_buckets: Sequence[int],
+    seq_buckets: Sequence[int],
+    max_extend_seqs: int,
+    max_pages: int,
+    block_q: int,
+    vocab_words: int,
+    pages_per_tile: int,
+    page_widths: Sequence[int] | None = None,
+) -> list[BatchShape]:
+    """Every shape `batch_shape_for` can return with these buckets: what warm-up compiles."""
+    widths = [max_pages] if page_widths is None else [min(w, max_pages) for w in page_widths]
+    shapes = []
+    for width in dict.fromkeys(widths):
+        shapes += [BatchShape(ForwardMode.EXTEND, t, max_extend_seqs, width, block_q,
+                              vocab_words, pages_per_tile) for t in token_buckets]
+        shapes += [BatchShape(ForwardMode.DECODE, s, s, width, 1, vocab_words, pages_per_tile)
+                   for s in seq_buckets]
+    return shapes

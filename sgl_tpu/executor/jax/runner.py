@@ -34,9 +34,12 @@ from sgl_tpu.executor.jax.forward_batch import (
     ForwardBatch,
     batch_shape_for,
     build_forward_batch,
+    page_buckets,
+    warmup_shapes,
 )
 from sgl_tpu.executor.jax.sampler import sample
 from sgl_tpu.executor.step import ForwardMode, SeqStep, StepResult, mask_words, warmup_step
+from sgl_tpu.kernels.backends import get_attention_backend
 from sgl_tpu.models.config import ModelConfig
 from sgl_tpu.models.registry import jax_model
 from sgl_tpu.parallel import mesh as tp_mesh
@@ -60,16 +63,22 @@ def _step_impl(params, kv_pools, token_counts, fb: ForwardBatch, *, cfg: ModelCo
                vocab_size: int, mesh: Mesh | None):
     model = jax_model(cfg.arch)
     tp = {"mesh": mesh} if mesh is not None else {}
-    hidden, kv_pools = model.forward(params, kv_pools, fb, cfg, mode, kv_tile=kv_tile,
-                                     attention_backend=attention_backend, **tp)
-    logits = _logits(params, hidden[fb.sample_idx], cfg, vocab_size, mesh)  # [S, V]
-    counts = jnp.where(fb.counts_reset[:, None], 0, token_counts[fb.counts_rows])  # [S, V]
-    out = sample(logits, fb.sampling, counts, fb.vocab_bitmask, num_top_logprobs=num_top)
-    if mode == ForwardMode.EXTEND:
-        keep = (~fb.counts_reset).astype(token_counts.dtype)[:, None]
-        token_counts = token_counts.at[fb.counts_rows].multiply(keep)
-    token_counts = token_counts.at[fb.counts_rows, out.token_ids].add(
-        fb.sample_valid.astype(token_counts.dtype))
+    # Named scopes split a profile of the step into parts (sgl_tpu/bench/jax_step_profile.py);
+    # the model names its layer parts inside "layers".
+    with jax.named_scope("layers"):
+        hidden, kv_pools = model.forward(params, kv_pools, fb, cfg, mode, kv_tile=kv_tile,
+                                         attention_backend=attention_backend, **tp)
+    with jax.named_scope("logits"):
+        logits = _logits(params, hidden[fb.sample_idx], cfg, vocab_size, mesh)  # [S, V]
+    with jax.named_scope("sampler"):
+        counts = jnp.where(fb.counts_reset[:, None], 0, token_counts[fb.counts_rows])  # [S, V]
+        out = sample(logits, fb.sampling, counts, fb.vocab_bitmask, num_top_logprobs=num_top)
+    with jax.named_scope("penalty_counts"):
+        if mode == ForwardMode.EXTEND:
+            keep = (~fb.counts_reset).astype(token_counts.dtype)[:, None]
+            token_counts = token_counts.at[fb.counts_rows].multiply(keep)
+        token_counts = token_counts.at[fb.counts_rows, out.token_ids].add(
+            fb.sample_valid.astype(token_counts.dtype))
     if mesh is not None:
         # Pin the shardings of what comes back in: an input sharding GSPMD chose differently
         # from the allocation's would compile the step again on its next call.
@@ -158,6 +167,12 @@ class JaxModelRunner:
         # Row 0 is a scratch row for padding sequences; request rows are 1..max_running.
         self.token_counts = self._zeros((config.max_running_requests + 1, self.vocab_size),
                                         jnp.int32, replicated=True)
+        # Page-table widths the steps are cut to: one (the full width) unless the attention
+        # backend's cost grows with the width (kernels/backends.py `bucket_page_table`).
+        pages_per_tile = config.kv_tile // config.page_size
+        self.page_widths = (page_buckets(config.max_pages_per_seq, pages_per_tile)
+                            if get_attention_backend(config.attention_backend).bucket_page_table
+                            else (config.max_pages_per_seq,))
         num_top = config.max_top_logprobs
         shared = dict(cfg=self.shard_config, vocab_size=self.vocab_size, mesh=self.mesh)
         self._step = jax.jit(
@@ -198,19 +213,28 @@ class JaxModelRunner:
                 + self._row_logits._cache_size())
 
     # ---- steps -------------------------------------------------------------------------
-    def batch_shape(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> BatchShape:
+    @property
+    def _bucket_sizes(self) -> dict:
+        """The bucket lists and static sizes `batch_shape_for` / `warmup_shapes` take."""
         c = self.config
-        return batch_shape_for(
-            mode, steps, token_buckets=c.token_buckets, seq_buckets=c.seq_buckets,
-            max_extend_seqs=c.max_extend_seqs, max_pages=c.max_pages_per_seq,
-            block_q=c.block_q, vocab_words=self.vocab_words,
-            pages_per_tile=c.kv_tile // c.page_size)
+        return dict(token_buckets=c.token_buckets, seq_buckets=c.seq_buckets,
+                    max_extend_seqs=c.max_extend_seqs, max_pages=c.max_pages_per_seq,
+                    block_q=c.block_q, vocab_words=self.vocab_words,
+                    pages_per_tile=c.kv_tile // c.page_size, page_widths=self.page_widths)
 
-    def forward(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> StepResult:
-        shape = self.batch_shape(mode, steps)
+    def batch_shape(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> BatchShape:
+        return batch_shape_for(mode, steps, **self._bucket_sizes)
+
+    def _run(self, mode: ForwardMode, steps: Sequence[SeqStep], shape: BatchShape):
+        """Pack `steps` to `shape` and dispatch the jitted step; (SampleOutput, hidden) stay on
+        the device."""
         fb = build_forward_batch(steps, shape, self.config.page_size)
         out, hidden, self.kv_pools, self.token_counts = self._step(
             self.params, self.kv_pools, self.token_counts, fb, mode=mode)
+        return out, hidden
+
+    def forward(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> StepResult:
+        out, hidden = self._run(mode, steps, self.batch_shape(mode, steps))
         n = len(steps)
         token_ids, logprobs, top_ids, top_lp = jax.device_get(
             (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs))
@@ -243,22 +267,20 @@ class JaxModelRunner:
 
     # ---- warm-up -----------------------------------------------------------------------
     def warmup(self) -> float:
-        """Compile every bucket by running dummy batches that write only into page 0."""
+        """Compile every shape the scheduler can send (`warmup_shapes`: each EXTEND token bucket
+        and DECODE sequence bucket at each page-table width), plus the log-prob entry points per
+        token bucket, by running a dummy sequence that writes only into page 0."""
         t0 = time.perf_counter()
-        for n_tokens in self.config.token_buckets:
-            # A one-page dummy sequence; the bucket is chosen by the padded token count.
-            steps = [warmup_step()]
-            shape = self.batch_shape(ForwardMode.EXTEND, steps)
-            shape = dataclasses.replace(shape, num_tokens=n_tokens)
-            fb = build_forward_batch(steps, shape, self.config.page_size)
-            out, hidden, self.kv_pools, self.token_counts = self._step(
-                self.params, self.kv_pools, self.token_counts, fb, mode=ForwardMode.EXTEND)
-            self._token_logprobs(self.params, hidden, np.zeros(n_tokens, np.int32))
-            self.row_logits(hidden, np.zeros(1, np.int32))
-        for n_seqs in self.config.seq_buckets:
-            self.forward(ForwardMode.DECODE, [warmup_step()] * n_seqs)
+        steps = [warmup_step()]  # one sequence fits every shape; the rest is padding
+        logprob_buckets = set()
+        for shape in warmup_shapes(**self._bucket_sizes):
+            _, hidden = self._run(shape.mode, steps, shape)
+            if shape.mode == ForwardMode.EXTEND and shape.num_tokens not in logprob_buckets:
+                logprob_buckets.add(shape.num_tokens)
+                self._token_logprobs(self.params, hidden, np.zeros(shape.num_tokens, np.int32))
+                self.row_logits(hidden, np.zeros(1, np.int32))
         jax.block_until_ready(self.kv_pools)
         elapsed = time.perf_counter() - t0
-        logger.info("warm-up compiled %d step variants in %.1f s", self.num_compilations(),
-                    elapsed)
+        logger.info("warm-up compiled %d step variants (%d page-table widths) in %.1f s",
+                    self.num_compilations(), len(self.page_widths), elapsed)
         return elapsed

@@ -151,6 +151,7 @@ def sample(
     )
 
 
+@jax.named_scope("logprobs")
 def _logprobs(
     raw: jax.Array, token_ids: jax.Array, num_top: int
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -166,6 +167,7 @@ def _logprobs(
     return logprobs, jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch, 0), jnp.float32)
 
 
+@jax.named_scope("penalties_mask")
 def _process_logits(
     raw: jax.Array,
     token_counts: jax.Array | None,
@@ -251,6 +253,7 @@ def _sample_random(
     return _inverse_cdf(x, weights, _row_uniforms(arrays.seed, arrays.step))
 
 
+@jax.named_scope("top_k_top_p")
 def _top_k_top_p_threshold(
     x: jax.Array,
     inv_temperature: jax.Array,
@@ -300,6 +303,7 @@ def _top_k_top_p_threshold(
     )
 
 
+@jax.named_scope("bisect")
 def _bisect_threshold(
     scaled: jax.Array,
     row_max: jax.Array,
@@ -415,6 +419,7 @@ def _take_block(blocks: jax.Array, block_idx: jax.Array) -> jax.Array:
     return jnp.take_along_axis(blocks, block_idx[:, None, None], axis=1)[:, 0]
 
 
+@jax.named_scope("argmax")
 def _argmax(x: jax.Array) -> jax.Array:
     """First index of the row maximum, i32[B] (same ties as jnp.argmax)."""
     blocks = _to_blocks(x, -jnp.inf)  # [B, NB, S]
@@ -423,6 +428,7 @@ def _argmax(x: jax.Array) -> jax.Array:
     return (block_idx * _BLOCK_SIZE + inner).astype(jnp.int32)
 
 
+@jax.named_scope("draw")
 def _inverse_cdf(
     x: jax.Array, weights: Callable[[jax.Array], jax.Array], u: jax.Array
 ) -> jax.Array:

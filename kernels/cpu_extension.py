@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import os
 import platform
 import sys
 from pathlib import Path
@@ -94,6 +95,9 @@ def build(verbose: bool = False) -> Path:
     """Compile (native, else portable) unless a build of this source exists; its path."""
     from torch.utils import cpp_extension
 
+    # the venv's own ninja (a dependency) when the interpreter's bin dir is not on PATH
+    bin_dir = str(Path(sys.executable).parent)
+    os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
     failures = []
     for flavour, flags in FLAVOURS.items():
         path = _built_path(flavour)

@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -118,6 +119,7 @@ inline vf vsoftcap(vf x, float cap) {
 struct Scratch {
   std::vector<float> buf;
   float* qt;     // [d][L]      queries, transposed and scaled
+  float* qr;     // [L][d]      the same, row-major (the narrow score path's layout)
   float* acc;    // [L][d]      running P @ V per row
   float* m;      // [L]         running max per row
   float* l;      // [L]         running sum of exp per row
@@ -129,10 +131,11 @@ struct Scratch {
 
   void setup(int d) {
     const size_t L = kMaxRows;
-    const size_t need = d * L + L * d + 3 * L + kTile * L + 2 * kTile * d;
+    const size_t need = 2 * d * L + L * d + 3 * L + kTile * L + 2 * kTile * d;
     if (buf.size() < need) buf.resize(need);
     float* p = buf.data();
     qt = p; p += d * L;
+    qr = p; p += L * d;
     acc = p; p += L * d;
     m = p; p += L;
     l = p; p += L;
@@ -172,9 +175,10 @@ void load_rows(Scratch& s, int R, int d, float scale, QRow q_row) {
   for (int r = 0; r < L; ++r) {
     if (r < R) {
       const T* q = q_row(r);
-      for (int i = 0; i < d; ++i) s.qt[i * L + r] = static_cast<float>(q[i]) * scale;
+      for (int i = 0; i < d; ++i)
+        s.qt[i * L + r] = s.qr[r * d + i] = static_cast<float>(q[i]) * scale;
     } else {
-      for (int i = 0; i < d; ++i) s.qt[i * L + r] = 0.0f;
+      for (int i = 0; i < d; ++i) s.qt[i * L + r] = s.qr[r * d + i] = 0.0f;
       s.qpos[r] = -1;
     }
     s.m[r] = -std::numeric_limits<float>::infinity();
@@ -183,14 +187,68 @@ void load_rows(Scratch& s, int R, int d, float scale, QRow q_row) {
   std::memset(s.acc, 0, sizeof(float) * L * d);
 }
 
+// Pointers to the tile's n K (or V) rows of this head as float32: into the pool itself for a
+// float32 pool, else widened into buf [kTile][d].
+template <typename T>
+inline void rows_f32(const float** rows, float* buf, const T* head, const int64_t* slots, int n,
+                     int d, int64_t slot_stride) {
+  for (int j = 0; j < n; ++j) {
+    const T* src = head + slots[j] * slot_stride;
+    if constexpr (std::is_same_v<T, float>) {
+      rows[j] = src;
+    } else {
+      for (int c = 0; c < d; c += kLanes) storef(buf + j * d + c, load16(src + c));
+      rows[j] = buf + j * d;
+    }
+  }
+}
+
+typedef float vf4 __attribute__((vector_size(16)));
+
+inline float hsum(vf v) {
+  vf4 a = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int c = 0; c < kLanes; c += 4) {
+    vf4 part;
+    std::memcpy(&part, reinterpret_cast<const float*>(&v) + c, sizeof part);
+    a += part;
+  }
+  return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+// Scores of NR <= 4 rows (a decode GQA group) as dot products: rows in vector lanes would
+// leave most lanes idle. Two keys at a time share each q load. sp[j][r] as the wide path.
+template <int NR>
+void narrow_scores(Scratch& s, const float* const* krows, int n, int d, int L) {
+  for (int j = 0; j < n; j += 2) {
+    const bool two = j + 1 < n;
+    const float* k0 = krows[j];
+    const float* k1 = two ? krows[j + 1] : k0;
+    vf a0[NR], a1[NR];
+    for (int r = 0; r < NR; ++r) a0[r] = a1[r] = splat(0.0f);
+    for (int c = 0; c < d; c += kLanes) {
+      const vf kv0 = loadf(k0 + c), kv1 = loadf(k1 + c);
+      for (int r = 0; r < NR; ++r) {
+        const vf qv = loadf(s.qr + r * d + c);
+        a0[r] += qv * kv0;
+        a1[r] += qv * kv1;
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      s.sp[j * L + r] = hsum(a0[r]);
+      if (two) s.sp[(j + 1) * L + r] = hsum(a1[r]);
+    }
+  }
+}
+
 // acc[0 .. NC vectors) = acc * a + sum_j p[j][r] * V[j][c ..]: NC accumulators in registers
 template <int NC>
-inline void pv_block(const Scratch& s, float* acc, float a, int r, int n, int d, int c, int L) {
+inline void pv_block(const Scratch& s, const float* const* vrows, float* acc, float a, int r,
+                     int n, int c, int L) {
   vf o[NC];
   for (int u = 0; u < NC; ++u) o[u] = loadf(acc + u * kLanes) * a;
   for (int j = 0; j < n; ++j) {
     const vf p = splat(s.sp[j * L + r]);
-    const float* vrow = s.vfl + j * d + c;
+    const float* vrow = vrows[j] + c;
     for (int u = 0; u < NC; ++u) o[u] += p * loadf(vrow + u * kLanes);
   }
   for (int u = 0; u < NC; ++u) storef(acc + u * kLanes, o[u]);
@@ -218,19 +276,29 @@ void attend(Scratch& s, int R, int d, const T* k_head, const T* v_head, int64_t 
   }
   for (int64_t kb = begin; kb < end; kb += kTile) {
     const int n = static_cast<int>(std::min<int64_t>(kTile, end - kb));
-    for (int j = 0; j < n; ++j) {
-      const T* src = k_head + keys.slots[kb + j] * slot_stride;
-      for (int c = 0; c < d; c += kLanes) storef(s.kf + j * d + c, load16(src + c));
-    }
+    const float* krows[kTile];
+    const float* vrows[kTile];
+    rows_f32(krows, s.kf, k_head, keys.slots + kb, n, d, slot_stride);
     // scores, two keys x kBlock row vectors at a time (each Qt load feeds two FMAs; the
     // accumulators stay in registers)
     constexpr int VB = RV < kBlock ? RV : kBlock;
     static_assert(RV % VB == 0, "row vectors come in whole blocks");
-    for (int vb = 0; vb < RV; vb += VB) {
+    const bool narrow = RV == 1 && R <= 4;  // a GQA group of a decode row
+    if (narrow) {
+      for (int j = 0; j < n; ++j)  // rows past R: masked below, but never garbage
+        for (int r = R; r < L; ++r) s.sp[j * L + r] = 0.0f;
+      switch (R) {
+        case 1: narrow_scores<1>(s, krows, n, d, L); break;
+        case 2: narrow_scores<2>(s, krows, n, d, L); break;
+        case 3: narrow_scores<3>(s, krows, n, d, L); break;
+        default: narrow_scores<4>(s, krows, n, d, L); break;
+      }
+    }
+    for (int vb = 0; !narrow && vb < RV; vb += VB) {
       for (int j = 0; j < n; j += 2) {
         const bool two = j + 1 < n;
-        const float* k0 = s.kf + j * d;
-        const float* k1 = two ? k0 + d : k0;
+        const float* k0 = krows[j];
+        const float* k1 = two ? krows[j + 1] : k0;
         const float* qt = s.qt + vb * kLanes;
         vf a0[VB], a1[VB];
         for (int u = 0; u < VB; ++u) a0[u] = a1[u] = splat(0.0f);
@@ -273,17 +341,14 @@ void attend(Scratch& s, int R, int d, const T* k_head, const T* v_head, int64_t 
       storef(s.m + v * kLanes, m_new);
       storef(s.alpha + v * kLanes, alpha);
     }
-    for (int j = 0; j < n; ++j) {
-      const T* src = v_head + keys.slots[kb + j] * slot_stride;
-      for (int c = 0; c < d; c += kLanes) storef(s.vfl + j * d + c, load16(src + c));
-    }
+    rows_f32(vrows, s.vfl, v_head, keys.slots + kb, n, d, slot_stride);
     // acc[r] = acc[r] * alpha[r] + sum_j p[j][r] * V[j]
     for (int r = 0; r < R; ++r) {
       const float a = s.alpha[r];
       float* acc = s.acc + r * d;
       int c = 0;
-      for (; c + 4 * kLanes <= d; c += 4 * kLanes) pv_block<4>(s, acc + c, a, r, n, d, c, L);
-      for (; c < d; c += kLanes) pv_block<1>(s, acc + c, a, r, n, d, c, L);
+      for (; c + 4 * kLanes <= d; c += 4 * kLanes) pv_block<4>(s, vrows, acc + c, a, r, n, c, L);
+      for (; c < d; c += kLanes) pv_block<1>(s, vrows, acc + c, a, r, n, c, L);
     }
   }
 }

@@ -120,7 +120,8 @@ struct Scratch {
   std::vector<float> buf;
   float* qt;     // [d][L]      queries, transposed and scaled
   float* qr;     // [L][d]      the same, row-major (the narrow score path's layout)
-  float* acc;    // [L][d]      running P @ V per row
+  float* acc;    // running P @ V: [L][d] on the narrow path, transposed [d][L] on the wide
+                 // one (back to [R][d] when the item's keys are done)
   float* m;      // [L]         running max per row
   float* l;      // [L]         running sum of exp per row
   float* alpha;  // [L]         this tile's rescale per row
@@ -254,6 +255,41 @@ inline void pv_block(const Scratch& s, const float* const* vrows, float* acc, fl
   for (int u = 0; u < NC; ++u) storef(acc + u * kLanes, o[u]);
 }
 
+// The wide path's P @ V with rows in vector lanes, on the transposed accumulator
+// accT [d][L]: accT[c] = accT[c] * alpha + sum_j V[j][c] * p[j] (two output dims x kBlock row
+// vectors of accumulators in registers; alpha rescales 16 or 8 rows per instruction).
+template <int RV>
+void pv_wide(Scratch& s, const float* const* vrows, int n, int d) {
+  constexpr int L = RV * kLanes;
+  constexpr int VB = RV < kBlock ? RV : kBlock;
+  for (int vb = 0; vb < RV; vb += VB) {
+    vf al[VB];
+    for (int u = 0; u < VB; ++u) al[u] = loadf(s.alpha + (vb + u) * kLanes);
+    for (int c = 0; c < d; c += 2) {
+      float* o0p = s.acc + c * L + vb * kLanes;
+      float* o1p = o0p + L;
+      vf o0[VB], o1[VB];
+      for (int u = 0; u < VB; ++u) {
+        o0[u] = loadf(o0p + u * kLanes) * al[u];
+        o1[u] = loadf(o1p + u * kLanes) * al[u];
+      }
+      for (int j = 0; j < n; ++j) {
+        const vf b0 = splat(vrows[j][c]), b1 = splat(vrows[j][c + 1]);
+        const float* pj = s.sp + j * L + vb * kLanes;
+        for (int u = 0; u < VB; ++u) {
+          const vf p = loadf(pj + u * kLanes);
+          o0[u] += b0 * p;
+          o1[u] += b1 * p;
+        }
+      }
+      for (int u = 0; u < VB; ++u) {
+        storef(o0p + u * kLanes, o0[u]);
+        storef(o1p + u * kLanes, o1[u]);
+      }
+    }
+  }
+}
+
 // Walk the item's keys (rows R of s already loaded): online softmax into s.m / s.l / s.acc.
 template <typename T, int RV>
 void attend(Scratch& s, int R, int d, const T* k_head, const T* v_head, int64_t slot_stride,
@@ -274,6 +310,7 @@ void attend(Scratch& s, int R, int d, const T* k_head, const T* v_head, int64_t 
     qp[v] = loadi(s.qpos + v * kLanes);
     ql[v] = qp[v] - (window - 1);
   }
+  const bool narrow = RV == 1 && R <= 4;  // a GQA group of a decode row: dot products
   for (int64_t kb = begin; kb < end; kb += kTile) {
     const int n = static_cast<int>(std::min<int64_t>(kTile, end - kb));
     const float* krows[kTile];
@@ -283,7 +320,6 @@ void attend(Scratch& s, int R, int d, const T* k_head, const T* v_head, int64_t 
     // accumulators stay in registers)
     constexpr int VB = RV < kBlock ? RV : kBlock;
     static_assert(RV % VB == 0, "row vectors come in whole blocks");
-    const bool narrow = RV == 1 && R <= 4;  // a GQA group of a decode row
     if (narrow) {
       for (int j = 0; j < n; ++j)  // rows past R: masked below, but never garbage
         for (int r = R; r < L; ++r) s.sp[j * L + r] = 0.0f;
@@ -342,14 +378,23 @@ void attend(Scratch& s, int R, int d, const T* k_head, const T* v_head, int64_t 
       storef(s.alpha + v * kLanes, alpha);
     }
     rows_f32(vrows, s.vfl, v_head, keys.slots + kb, n, d, slot_stride);
-    // acc[r] = acc[r] * alpha[r] + sum_j p[j][r] * V[j]
-    for (int r = 0; r < R; ++r) {
-      const float a = s.alpha[r];
-      float* acc = s.acc + r * d;
-      int c = 0;
-      for (; c + 4 * kLanes <= d; c += 4 * kLanes) pv_block<4>(s, vrows, acc + c, a, r, n, c, L);
-      for (; c < d; c += kLanes) pv_block<1>(s, vrows, acc + c, a, r, n, c, L);
+    // acc = acc * alpha + P @ V
+    if (narrow) {
+      for (int r = 0; r < R; ++r) {
+        const float a = s.alpha[r];
+        float* acc = s.acc + r * d;
+        int c = 0;
+        for (; c + 4 * kLanes <= d; c += 4 * kLanes) pv_block<4>(s, vrows, acc + c, a, r, n, c, L);
+        for (; c < d; c += kLanes) pv_block<1>(s, vrows, acc + c, a, r, n, c, L);
+      }
+    } else {
+      pv_wide<RV>(s, vrows, n, d);
     }
+  }
+  if (!narrow) {  // accT [d][L] -> acc [R][d], through qr (free once the scores are done)
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < d; ++c) s.qr[r * d + c] = s.acc[c * L + r];
+    std::memcpy(s.acc, s.qr, sizeof(float) * R * d);
   }
 }
 

@@ -31,8 +31,10 @@ _HELP = {
     "skip_warmup": "do not compile the shape buckets at start-up (they compile on first use)",
     "attention_backend": "attention kernels: pallas (Pallas TPU kernel), ref (pure jax.numpy), "
                          "pallas-interpret (the kernel interpreted on CPU; tests) for jax; "
-                         "torch-sdpa for torch; auto (pallas on TPU, ref elsewhere; "
-                         "torch-sdpa); ref-invariant / torch-invariant: the batch-invariant "
+                         "torch-sdpa, torch-cpu-fused (compiled CPU kernel, built by make "
+                         "install) for torch; auto (pallas on TPU, ref elsewhere; "
+                         "torch-cpu-fused on CPU when built, else torch-sdpa); "
+                         "ref-invariant / torch-invariant: the batch-invariant "
                          "kernels of --enable-deterministic-inference",
     "session_retention_s": "seconds a finished request with a session_id keeps its KV at "
                            "eviction priority for the agent's next turn (0 disables)",

@@ -2,7 +2,8 @@
 (paged_attention_cpu), one layer's call, interleaved in one run.
 
     python -m sgl_tpu.bench.attention_cpu [--dtypes float32,bfloat16] [--decode-batches 1,8,32]
-        [--shared 1312] [--own 300,700] [--repeats 7] [--layers 30] [--output FILE]
+        [--shared 1312] [--own 300,700] [--repeats 7] [--layers 30] [--clocks thread,wall]
+        [--output FILE]
 
 Shapes are SmolLM2-135M's (3 KV heads x 3 query heads, head_dim 64, page size 16) over a pool
 whose pages are handed out in a scattered order, as a radix cache leaves them:
@@ -15,8 +16,13 @@ whose pages are handed out in a scattered order, as a radix cache leaves them:
 
 Each case times both kernels alternately (ABAB..., the machine is shared) and reports the best
 and median per call, their ratio, and for decode the memory floor: the K/V bytes a step must
-read (each distinct key once per KV head) over the read bandwidth measured in the same run
-(`sum` of a 256 MB tensor on all threads). `step_ms` multiplies a call by --layers.
+read (each distinct key once per KV head) over the read bandwidth measured in the same run and
+clock (`sum` of a 256 MB tensor). `step_ms` multiplies a call by --layers. Two clocks:
+
+    thread  one intra-op thread, CPU time of that thread (`time.thread_time`): what the work
+            costs, robust to a loaded machine descheduling the process
+    wall    all intra-op threads, wall time: what a step waits for on this machine now (on an
+            oversubscribed machine the OpenMP barriers of many small ops inflate it)
 """
 
 from __future__ import annotations
@@ -34,30 +40,30 @@ from sgl_tpu.bench.report import emit
 KVH, GROUP, HEAD_DIM, PAGE = 3, 3, 64, 16
 
 
-def _interleaved(fns: dict, repeats: int) -> dict[str, list[float]]:
+def _interleaved(fns: dict, repeats: int, clock) -> dict[str, list[float]]:
     for fn in fns.values():
         fn()  # warm
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
     return times
 
 
-def _read_bandwidth(torch) -> float:
-    """Bytes/s of a multi-threaded read (best of 5 sums over a 256 MB float32 tensor)."""
+def _read_bandwidth(torch, clock) -> float:
+    """Bytes/s of a read (best of 5 sums over a 256 MB float32 tensor)."""
     x = torch.ones(64 << 20)
     x.sum()
-    best = min(_timed(x.sum) for _ in range(5))
+    best = min(_timed(x.sum, clock) for _ in range(5))
     return x.numel() * 4 / best
 
 
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
+def _timed(fn, clock) -> float:
+    t0 = clock()
     fn()
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
 class _Pool:
@@ -127,6 +133,7 @@ def main() -> None:
     p.add_argument("--own", default="300,700", help="own tokens per sequence, min,max")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--clocks", default="thread,wall")
     p.add_argument("--output", default=None)
     args = p.parse_args()
 
@@ -136,42 +143,55 @@ def main() -> None:
 
     impls = {"torch-sdpa": backends.get_attention_backend("torch-sdpa"),
              "torch-cpu-fused": backends.get_attention_backend("torch-cpu-fused")}
-    rng = np.random.default_rng(0)
-    bw = _read_bandwidth(torch)
     own = tuple(int(x) for x in args.own.split(","))
-    results: dict = {"torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-                     "load_avg_1m": os.getloadavg()[0], "read_gb_per_s": round(bw / 1e9, 2),
-                     "layers": args.layers, "cases": []}
-    for dtype_name in args.dtypes.split(","):
-        dtype = getattr(torch, dtype_name)
-        cases = [("decode", *_decode_case(torch, dtype, impls, int(b), args.shared, own, rng))
-                 for b in args.decode_batches.split(",")]
-        cases += [("extend", *_extend_case(torch, dtype, impls, 512, 0, rng)),
-                  ("extend", *_extend_case(torch, dtype, impls, 200, 1300, rng))]
-        for phase, fns, outs, ctx in cases:
-            with torch.inference_mode():
-                times = _interleaved(fns, args.repeats)
-            diff = (outs["torch-sdpa"].float() - outs["torch-cpu-fused"].float()).abs().max()
-            row = {"phase": phase, "dtype": dtype_name, **ctx,
-                   "max_abs_diff": float(diff)}
-            for name, ts in times.items():
-                row[name] = {"best_ms": round(1e3 * min(ts), 3),
-                             "median_ms": round(1e3 * statistics.median(ts), 3),
-                             "step_ms": round(1e3 * min(ts) * args.layers, 2)}
-            best = {name: min(ts) for name, ts in times.items()}
-            row["speedup"] = round(best["torch-sdpa"] / best["torch-cpu-fused"], 2)
-            if phase == "decode":
-                floor = ctx["kv_bytes"] / bw
-                row["floor_ms"] = round(1e3 * floor, 3)
-                row["fused_over_floor"] = round(best["torch-cpu-fused"] / floor, 2)
-                row["sdpa_over_floor"] = round(best["torch-sdpa"] / floor, 2)
-            else:
-                for name in times:
-                    row[name]["gflop_per_s"] = round(ctx["flops"] / best[name] / 1e9, 1)
-            results["cases"].append(row)
-            print({k: row[k] for k in ("phase", "dtype", "speedup")}, flush=True)
+    threads = torch.get_num_threads()
+    results: dict = {"cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
+                     "layers": args.layers, "clocks": {}}
+    for clock_name in args.clocks.split(","):
+        clock = {"thread": time.thread_time, "wall": time.perf_counter}[clock_name]
+        torch.set_num_threads(1 if clock_name == "thread" else threads)
+        rng = np.random.default_rng(0)
+        bw = _read_bandwidth(torch, clock)
+        out = results["clocks"][clock_name] = {
+            "torch_threads": torch.get_num_threads(), "read_gb_per_s": round(bw / 1e9, 2),
+            "cases": []}
+        for dtype_name in args.dtypes.split(","):
+            dtype = getattr(torch, dtype_name)
+            cases = [("decode", *_decode_case(torch, dtype, impls, int(b), args.shared, own,
+                                              rng)) for b in args.decode_batches.split(",")]
+            cases += [("extend", *_extend_case(torch, dtype, impls, 512, 0, rng)),
+                      ("extend", *_extend_case(torch, dtype, impls, 200, 1300, rng))]
+            for phase, fns, outs, ctx in cases:
+                with torch.inference_mode():
+                    times = _interleaved(fns, args.repeats, clock)
+                row = _row(phase, dtype_name, ctx, outs, times, bw, args.layers)
+                out["cases"].append(row)
+                print({"clock": clock_name, **{k: row.get(k) for k in
+                       ("phase", "dtype", "batch", "new_tokens", "speedup",
+                        "fused_over_floor")}}, flush=True)
     results["load_avg_1m_end"] = os.getloadavg()[0]
     emit(results, args.output)
+
+
+def _row(phase: str, dtype_name: str, ctx: dict, outs: dict, times: dict, bw: float,
+         layers: int) -> dict:
+    diff = (outs["torch-sdpa"].float() - outs["torch-cpu-fused"].float()).abs().max()
+    row = {"phase": phase, "dtype": dtype_name, **ctx, "max_abs_diff": float(diff)}
+    for name, ts in times.items():
+        row[name] = {"best_ms": round(1e3 * min(ts), 3),
+                     "median_ms": round(1e3 * statistics.median(ts), 3),
+                     "step_ms": round(1e3 * min(ts) * layers, 2)}
+    best = {name: min(ts) for name, ts in times.items()}
+    row["speedup"] = round(best["torch-sdpa"] / best["torch-cpu-fused"], 2)
+    if phase == "decode":
+        floor = ctx["kv_bytes"] / bw
+        row["floor_ms"] = round(1e3 * floor, 3)
+        row["fused_over_floor"] = round(best["torch-cpu-fused"] / floor, 2)
+        row["sdpa_over_floor"] = round(best["torch-sdpa"] / floor, 2)
+    else:
+        for name in times:
+            row[name]["gflop_per_s"] = round(ctx["flops"] / best[name] / 1e9, 1)
+    return row
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ and dtype.
     python -m sgl_tpu.bench.executor [--backends torch,jax] [--dtypes float32,bfloat16]
         [--prefill 128,512,2048] [--decode-batches 1,8,32,64] [--context 256] [--repeats 3]
         [--torch-compile auto|on|off] [--sampling greedy,sampled] [--baseline-sampler FILE]
+        [--attention-backend auto]
 
 Runs the real step (paged KV, bucketed shapes, sampler) of each backend on the default model
 (or `--model-path`), compiles each shape once before timing, reports the best of `--repeats`
@@ -93,10 +94,11 @@ def run(args: argparse.Namespace) -> dict:
             sargs = ServerArgs(model_path=args.model_path, dtype=dtype, skip_warmup=True,
                                max_total_tokens=pool_tokens, chunked_prefill_size=max_tokens,
                                max_running_requests=max(batches + [1]), max_extend_seqs=1,
-                               backend=backend, torch_compile=args.torch_compile)
+                               backend=backend, torch_compile=args.torch_compile,
+                               attention_backend=args.attention_backend)
             rcfg = runner_config(sargs, cfg.context_len)
             runner = create_model_runner(cfg, loaded.params, rcfg)
-            tag = {"backend": rcfg.backend, "dtype": dtype}
+            tag = {"backend": rcfg.backend, "dtype": dtype, "attention": rcfg.attention_backend}
             if rcfg.backend == "torch":
                 tag["compile"] = rcfg.compile
             ps = sargs.page_size
@@ -173,6 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-path", default=None)
     p.add_argument("--backends", default="torch,jax")
+    p.add_argument("--attention-backend", default="auto",
+                   help="--attention-backend of the runners (kernels/backends.py)")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--torch-compile", default="auto", choices=("auto", "on", "off"))
     p.add_argument("--prefill", default="128,512,2048")

@@ -204,6 +204,12 @@ inline void rows_f32(const float** rows, float* buf, const T* head, const int64_
   }
 }
 
+template <typename T>
+inline void prefetch_row(const T* row, int d) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < int64_t(d) * int64_t(sizeof(T)); b += 64) __builtin_prefetch(p + b);
+}
+
 typedef float vf4 __attribute__((vector_size(16)));
 
 inline float hsum(vf v) {
@@ -313,6 +319,13 @@ void attend(Scratch& s, int R, int d, const T* k_head, const T* v_head, int64_t 
   const bool narrow = RV == 1 && R <= 4;  // a GQA group of a decode row: dot products
   for (int64_t kb = begin; kb < end; kb += kTile) {
     const int n = static_cast<int>(std::min<int64_t>(kTile, end - kb));
+    // the next tile's K/V rows start arriving while this one computes (its pages are
+    // scattered over the pool: the hardware prefetcher cannot guess them)
+    const int64_t next_n = std::min<int64_t>(kTile, end - kb - n);
+    for (int64_t j = 0; j < next_n; ++j) {
+      prefetch_row(k_head + keys.slots[kb + n + j] * slot_stride, d);
+      prefetch_row(v_head + keys.slots[kb + n + j] * slot_stride, d);
+    }
     const float* krows[kTile];
     const float* vrows[kTile];
     rows_f32(krows, s.kf, k_head, keys.slots + kb, n, d, slot_stride);

@@ -23,6 +23,7 @@ import hashlib
 import importlib.util
 import os
 import platform
+import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -104,14 +105,21 @@ def build(verbose: bool = False) -> Path:
         if path.exists():
             return path
         name = module_name(flavour)
-        out_dir = BUILD_DIR / name
-        out_dir.mkdir(parents=True, exist_ok=True)
+        # built in a private directory, renamed into place when complete: a server starting
+        # meanwhile never loads a half-written module
+        tmp_dir = BUILD_DIR / f".{name}.{os.getpid()}"
+        tmp_dir.mkdir(parents=True, exist_ok=True)
         try:
             cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags,
-                               build_directory=str(out_dir), verbose=verbose)
+                               build_directory=str(tmp_dir), verbose=verbose)
         except Exception as e:  # a compiler or ninja error: try the next flavour
+            shutil.rmtree(tmp_dir, ignore_errors=True)
             failures.append(f"{flavour}: {e}")
             continue
+        try:
+            os.replace(tmp_dir, path.parent)
+        except OSError:  # another build of the same source finished first
+            shutil.rmtree(tmp_dir, ignore_errors=True)
         if path.exists():
             return path
         failures.append(f"{flavour}: no {path.name} after the build")

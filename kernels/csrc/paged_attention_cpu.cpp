@@ -7,11 +7,14 @@
 //
 // A work item is one KV head h, a set of R query rows (R <= 128) that all read that head, and
 // a range of key positions. It walks its keys in tiles of 16: each tile's K/V rows are read
-// from the pool once (by slot, no gather copy), widened to float32, and used by all R rows.
+// from the pool once (by slot, no gather copy; bfloat16 widened to float32, float32 read in
+// place; the next tile's rows prefetched) and used by all R rows.
 //
-//     rows in vector lanes: Qt [d][R] (queries transposed once per item, pre-scaled), so
-//     S[key][rows] = sum_i K[key][i] * Qt[i][rows] needs no horizontal sums, and the online
-//     softmax (max, rescale, exp, row sums) runs a vector of rows per instruction.
+//     wide    rows in vector lanes: Qt [d][R] (queries transposed once per item, pre-scaled),
+//             so S[key][rows] = sum_i K[key][i] * Qt[i][rows] and accT[c][rows] +=
+//             V[key][c] * P[key][rows] need no horizontal sums, and the online softmax (max,
+//             rescale, exp, row sums) runs a vector of rows per instruction
+//     narrow  R <= 4 (a decode row's GQA group): scores as dot products over d, P @ V per row
 //
 //     EXTEND  item = (sequence, kv head, block of query tokens); rows = tokens x GQA group;
 //             keys = positions 0 .. last query (causal, sliding window); writes the output.

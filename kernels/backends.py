@@ -32,6 +32,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class AttentionBackend:
     """A JAX attention implementation (what `get_attention_backend` returns for jax names)."""

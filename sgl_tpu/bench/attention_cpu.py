@@ -3,7 +3,7 @@
 
     python -m sgl_tpu.bench.attention_cpu [--dtypes float32,bfloat16] [--decode-batches 1,8,32]
         [--shared 1312] [--own 300,700] [--repeats 7] [--layers 30] [--clocks thread,wall]
-        [--output FILE]
+        [--model-steps] [--output FILE]
 
 Shapes are SmolLM2-135M's (3 KV heads x 3 query heads, head_dim 64, page size 16) over a pool
 whose pages are handed out in a scattered order, as a radix cache leaves them:
@@ -23,6 +23,10 @@ clock (`sum` of a 256 MB tensor). `step_ms` multiplies a call by --layers. Two c
             costs, robust to a loaded machine descheduling the process
     wall    all intra-op threads, wall time: what a step waits for on this machine now (on an
             oversubscribed machine the OpenMP barriers of many small ops inflate it)
+
+`--model-steps` adds the whole DECODE step of the default model (float32 runners, one per
+backend, eager), the decode batches above with the same agent contexts, on the thread clock
+(the K/V contents do not change the time, so no prefill runs first).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import argparse
 import os
 import statistics
 import time
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -125,6 +130,51 @@ def _extend_case(torch, dtype, impls, new: int, prefix: int, rng):
                        "flops": 4 * KVH * GROUP * HEAD_DIM * attended}
 
 
+def _model_steps(args, torch, own: tuple[int, int]) -> list[dict]:
+    """The real runner's DECODE step per attention backend, alternating, thread clock."""
+    from sgl_tpu.config import ServerArgs
+    from sgl_tpu.executor.registry import create_model_runner, runner_config
+    from sgl_tpu.executor.step import ForwardMode, SeqStep
+    from sgl_tpu.loader import load_model
+    from sgl_tpu.sampling_params import SamplingParams
+
+    torch.set_num_threads(1)
+    loaded = load_model(None)
+    batches = [int(b) for b in args.decode_batches.split(",")]
+    runners = {}
+    for name in ("torch-sdpa", "torch-cpu-fused"):
+        sargs = ServerArgs(skip_warmup=True, backend="torch", torch_compile="off",
+                           dtype="float32", attention_backend=name, page_size=PAGE,
+                           max_total_tokens=args.shared + max(batches) * (own[1] + PAGE),
+                           max_running_requests=max(batches))
+        cfg = runner_config(sargs, loaded.config.context_len)
+        runners[name] = create_model_runner(loaded.config, loaded.params, cfg)
+    rows = []
+    for b in batches:
+        lens = ([(own[0] + own[1]) // 2] if b == 1
+                else np.linspace(own[0], own[1], b).astype(int).tolist())
+        first = 1 + args.shared // PAGE
+        prefix, steps = np.arange(1, first), []
+        for n in lens:
+            pages = np.arange(first, first + -(-n // PAGE))
+            first += len(pages)
+            steps.append(SeqStep(token_ids=[5], prefix_len=args.shared + n - 1,
+                                 pages=np.concatenate([prefix, pages]),
+                                 sampling=SamplingParams(temperature=0.0), seed=0,
+                                 num_output_tokens=1))
+        fns = {name: partial(r.forward, ForwardMode.DECODE, steps)
+               for name, r in runners.items()}
+        times = _interleaved(fns, args.repeats, time.thread_time)
+        row = {"phase": "model_decode_step", "batch": b, "dtype": "float32"}
+        for name, ts in times.items():
+            row[name] = {"best_ms": round(1e3 * min(ts), 2),
+                         "median_ms": round(1e3 * statistics.median(ts), 2)}
+        row["speedup"] = round(min(times["torch-sdpa"]) / min(times["torch-cpu-fused"]), 2)
+        rows.append(row)
+        print({k: row[k] for k in ("phase", "batch", "speedup")}, flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dtypes", default="float32,bfloat16")
@@ -134,6 +184,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--clocks", default="thread,wall")
+    p.add_argument("--model-steps", action="store_true",
+                   help="also time the default model's whole DECODE step per backend")
     p.add_argument("--output", default=None)
     args = p.parse_args()
 
@@ -169,6 +221,8 @@ def main() -> None:
                 print({"clock": clock_name, **{k: row.get(k) for k in
                        ("phase", "dtype", "batch", "new_tokens", "speedup",
                         "fused_over_floor")}}, flush=True)
+    if args.model_steps:
+        results["model_steps"] = _model_steps(args, torch, own)
     results["load_avg_1m_end"] = os.getloadavg()[0]
     emit(results, args.output)
 

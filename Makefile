@@ -16,10 +16,16 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps 'sglang==0.5.23'
 	touch $(STAMP)
 
-.PHONY: install serve test
-install: $(STAMP)
+# The fused CPU attention kernel (`--attention-backend torch-cpu-fused`), compiled for this
+# machine into the venv; a no-op when this source is already built. If it cannot be built
+# (no C++ compiler), `auto` serves with torch-sdpa instead.
+.PHONY: install serve test cpu-attention
+cpu-attention: $(STAMP)
+	-$(PY) -m sgl_tpu.kernels.cpu_extension
 
-serve: $(STAMP)
+install: $(STAMP) cpu-attention
+
+serve: $(STAMP) cpu-attention
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m sgl_tpu.launch_server $(ARGS)
 
 # The whole suite runs on the default executor backend (`auto`: torch on this CPU), then the
@@ -27,7 +33,7 @@ serve: $(STAMP)
 E2E_SUITES := tests/test_server_native.py tests/test_openai_api.py tests/test_structured.py \
 	tests/test_frontend.py
 
-test: $(STAMP)
+test: $(STAMP) cpu-attention
 	$(PY) -m ruff check sgl_tpu server kernels tests examples
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q --durations=20 tests
 	JAX_PLATFORMS=cpu SGL_TPU_TEST_BACKEND=jax $(PY) -m pytest -q --durations=10 $(E2E_SUITES)

@@ -15,18 +15,25 @@ into one padded dense view and attends in a few large ops (for GPUs, where the r
 loop is a long chain of small kernels); `pallas` is the Pallas TPU kernel
 (compiled by Mosaic, TPU only); `pallas-interpret` is the same kernel run in TPU interpret mode
 (CPU; slow, for tests). The torch backend's `torch-sdpa` is `paged_attention_torch` (gathered
-pages into `scaled_dot_product_attention` / batched GEMMs). `ref-invariant` and
+pages into `scaled_dot_product_attention` / batched GEMMs); `torch-cpu-fused` is
+`paged_attention_cpu` (a compiled kernel walking the page table, CPU only; built by
+`make install`, see cpu_extension.py). `ref-invariant` and
 `torch-invariant` are the batch-invariant kernels of `--enable-deterministic-inference` (one
 tiled path for EXTEND and DECODE; sgl_tpu/executor/batch_invariant.py). `auto` picks
-`pallas` for JAX on a TPU, `gathered` on a GPU, else `ref`; `torch-sdpa` for torch.
+`pallas` for JAX on a TPU, `gathered` on a GPU, else `ref`; for torch `torch-cpu-fused` on a
+CPU when its compiled module loads (else `torch-sdpa`, with one log line saying why),
+`torch-sdpa` elsewhere.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,15 @@ def _torch_sdpa() -> Any:
     return paged_attention_torch
 
 
+def _torch_cpu_fused() -> Any:
+    from sgl_tpu.kernels import cpu_extension, paged_attention_cpu
+
+    if cpu_extension.load() is None:
+        raise RuntimeError(f"attention_backend 'torch-cpu-fused': "
+                           f"{cpu_extension.why_unavailable()}")
+    return paged_attention_cpu
+
+
 ATTENTION_BACKENDS: dict[str, AttentionSpec] = {
     "ref": AttentionSpec("jax", _ref),
     "gathered": AttentionSpec("jax", _gathered),
@@ -99,6 +115,7 @@ ATTENTION_BACKENDS: dict[str, AttentionSpec] = {
     "pallas-interpret": AttentionSpec("jax", functools.partial(_pallas, "pallas-interpret",
                                                                "tpu")),
     "torch-sdpa": AttentionSpec("torch", _torch_sdpa),
+    "torch-cpu-fused": AttentionSpec("torch", _torch_cpu_fused),
     # --enable-deterministic-inference: one tiled path for EXTEND and DECODE, per query row
     "ref-invariant": AttentionSpec("jax", _ref_invariant),
     "torch-invariant": AttentionSpec("torch", _torch_invariant),
@@ -108,10 +125,19 @@ ATTENTION_BACKENDS: dict[str, AttentionSpec] = {
 def resolve_attention_backend(name: str, framework: str = "jax", platform: str | None = None
                               ) -> str:
     """`auto` -> the framework's default (`pallas` for JAX on a TPU, `gathered` on a GPU, `ref`
-    elsewhere; `torch-sdpa` for torch); a given name is checked against the framework."""
+    elsewhere; `torch-cpu-fused` for torch on a CPU when built, else `torch-sdpa`); a given name
+    is checked against the framework. `platform`: JAX's backend or the torch device type (None:
+    JAX's default backend; a CPU for torch)."""
     if name == "auto":
         if framework == "torch":
-            return "torch-sdpa"
+            if platform not in (None, "cpu"):
+                return "torch-sdpa"
+            from sgl_tpu.kernels import cpu_extension
+
+            if cpu_extension.load() is None:
+                _log_fallback(cpu_extension.why_unavailable())
+                return "torch-sdpa"
+            return "torch-cpu-fused"
         if platform is None:
             import jax
 
@@ -125,7 +151,20 @@ def resolve_attention_backend(name: str, framework: str = "jax", platform: str |
         usable = [n for n, s in ATTENTION_BACKENDS.items() if s.framework == framework]
         raise ValueError(f"attention_backend {name!r} runs on the {spec.framework} executor, "
                          f"not {framework}; choose from auto, {', '.join(usable)}")
+    if name == "torch-cpu-fused":
+        if platform not in (None, "cpu"):
+            raise ValueError(f"attention_backend 'torch-cpu-fused' runs on a CPU only, not "
+                             f"{platform}; choose auto or torch-sdpa")
+        from sgl_tpu.kernels import cpu_extension
+
+        if cpu_extension.load() is None:
+            raise ValueError(f"attention_backend 'torch-cpu-fused': "
+                             f"{cpu_extension.why_unavailable()}")
     return name
+
+
+def _log_fallback(why: str) -> None:
+    logger.warning("attention_backend auto: torch-sdpa, not torch-cpu-fused (%s)", why)
 
 
 @functools.cache

@@ -32,9 +32,11 @@ _HELP = {
     "attention_backend": "attention kernels: pallas (Pallas TPU kernel), ref (pure jax.numpy), "
                          "gathered (pages gathered into a dense view, few large ops; GPUs), "
                          "pallas-interpret (the kernel interpreted on CPU; tests) for jax; "
-                         "torch-sdpa for torch; auto (pallas on TPU, gathered on GPU, ref "
-                         "elsewhere; torch-sdpa); ref-invariant / torch-invariant: the "
-                         "batch-invariant kernels of --enable-deterministic-inference",
+                         "torch-sdpa, torch-cpu-fused (compiled CPU kernel, built by make "
+                         "install) for torch; auto (pallas on TPU, gathered on GPU, ref "
+                         "elsewhere; torch-cpu-fused on CPU when built, else torch-sdpa); "
+                         "ref-invariant / torch-invariant: the batch-invariant "
+                         "kernels of --enable-deterministic-inference",
     "session_retention_s": "seconds a finished request with a session_id keeps its KV at "
                            "eviction priority for the agent's next turn (0 disables)",
     "backend": "executor: jax (XLA), torch (PyTorch), or auto (torch on CPU when installed, "

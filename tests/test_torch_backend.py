@@ -220,7 +220,11 @@ def test_auto_backend_and_bad_choices():
     cfg = runner_config(ServerArgs(backend="torch"), 2048)
     # CPU auto: bf16 where the CPU has bf16 units (AMX / AVX512-BF16), else float32
     assert cfg.backend == "torch" and cfg.dtype == default_dtype("cpu") and not cfg.compile
-    assert cfg.attention_backend == "torch-sdpa"
+    from sgl_tpu.kernels import cpu_extension
+
+    # the fused CPU kernel when `make install` built it, else the SDPA path
+    fused = cpu_extension.load() is not None
+    assert cfg.attention_backend == ("torch-cpu-fused" if fused else "torch-sdpa")
 
 
 def test_compiled_buckets_do_not_recompile_on_mixed_traffic(tmp_path):

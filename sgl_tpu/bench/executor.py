@@ -5,7 +5,7 @@ and dtype.
         [--prefill 128,512,2048] [--decode-batches 1,8,32,64] [--context 256] [--repeats 3]
         [--torch-compile auto|on|off] [--sampling greedy,sampled] [--baseline-sampler FILE]
         [--torch-decode-paths packing,static] [--count-calls]
-        [--attention-backend auto|ref|gathered|...]
+        [--attention-backend auto|ref|gathered|torch-sdpa|torch-cpu-fused|...]
 
 Runs the real step (paged KV, bucketed shapes, sampler) of each backend on the default model
 (or `--model-path`), compiles each shape once before timing, reports the best of `--repeats`
@@ -101,8 +101,7 @@ def run(args: argparse.Namespace) -> dict:
                                max_running_requests=max(batches + [1]), max_extend_seqs=1,
                                backend=backend, torch_compile=args.torch_compile,
                                quantization=args.quantization,
-                               attention_backend=args.attention_backend
-                               if backend == "jax" else "auto")
+                               attention_backend=args.attention_backend)
             rcfg = runner_config(sargs, cfg.context_len)
             paths = {"": create_model_runner(cfg, loaded.params, _decode_path(rcfg, "packing"))}
             if rcfg.backend == "torch" and "static" in args.torch_decode_paths.split(","):
@@ -218,10 +217,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-path", default=None)
     p.add_argument("--backends", default="torch,jax")
+    p.add_argument("--attention-backend", default="auto",
+                   help="--attention-backend of the runners (kernels/backends.py)")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--torch-compile", default="auto", choices=("auto", "on", "off"))
-    p.add_argument("--attention-backend", default="auto",
-                   help="the jax runs' attention backend (kernels/backends.py)")
     p.add_argument("--prefill", default="128,512,2048")
     p.add_argument("--decode-batches", default="1,8,32,64")
     p.add_argument("--context", type=int, default=256)

@@ -105,13 +105,15 @@ def _is_gguf_checkpoint(model_path: str | None) -> bool:
 
 
 def _resolve_quantization(args: ServerArgs, backend: str, compile: bool) -> str:
-    device_type = "cpu"
-    if backend == "torch":
-        from sgl_tpu.executor.torch.device import resolve_device
-
-        device_type = resolve_device(args.device).type
+    device_type = _torch_device_type(args) if backend == "torch" else "cpu"
     return resolve_quantization(args.quantization, backend=backend, device_type=device_type,
                                 compile=compile, is_gguf=_is_gguf_checkpoint(args.model_path))
+
+
+def _torch_device_type(args: ServerArgs) -> str:
+    from sgl_tpu.executor.torch.device import resolve_device
+
+    return resolve_device(args.device).type
 
 
 def runner_config(args: ServerArgs, model_context_len: int) -> RunnerConfig:
@@ -123,7 +125,9 @@ def runner_config(args: ServerArgs, model_context_len: int) -> RunnerConfig:
     deterministic = args.enable_deterministic_inference
     compile = _resolve_compile(args, backend) and not deterministic
     seq_buckets = pow2_buckets(1, args.max_running_requests)
-    attention = resolve_attention_backend(args.attention_backend, backend)
+    attention = resolve_attention_backend(args.attention_backend, backend,
+                                          _torch_device_type(args) if backend == "torch"
+                                          else None)
     if deterministic:
         seq_buckets = batch_invariant.row_buckets(seq_buckets)
         attention = batch_invariant.resolve_attention(args.attention_backend, backend)

@@ -1,0 +1,658 @@
+// Fused paged attention for CPUs: the `torch-cpu-fused` attention backend's compiled half
+// (kernels/paged_attention_cpu.py is the Python half; kernels/cpu_extension.py builds it).
+//
+// Pool layout (token-major, as kernels/paged_attention_torch.py):
+//
+//     pool [num_slots, kvh, d]      slot = page * page_size + offset
+//
+// A work item is one KV head h, a set of R query rows (R <= 128) that all read that head, and
+// a range of key positions. It walks its keys in tiles of 16: each tile's K/V rows are read
+// from the pool once (by slot, no gather copy; bfloat16 widened to float32, float32 read in
+// place; the next tile's rows prefetched) and used by all R rows.
+//
+//     wide    rows in vector lanes: Qt [d][R] (queries transposed once per item, pre-scaled),
+//             so S[key][rows] = sum_i K[key][i] * Qt[i][rows] and accT[c][rows] +=
+//             V[key][c] * P[key][rows] need no horizontal sums, and the online softmax (max,
+//             rescale, exp, row sums) runs a vector of rows per instruction
+//     narrow  R <= 4 (a decode row's GQA group): scores as dot products over d, P @ V per row
+//
+//     EXTEND  item = (sequence, kv head, block of query tokens); rows = tokens x GQA group;
+//             keys = positions 0 .. last query (causal, sliding window); writes the output.
+//     DECODE  item = (kv head, row group, chunk of the shared prefix): rows = every
+//             (sequence, group head) of the batch, so shared pages are read once per step;
+//             or (sequence, kv head, chunk of its own keys): rows = the GQA group. Items
+//             write (max, sum, acc) partials, merged per (sequence, head) afterwards.
+//
+// Accumulation is float32 (scores, softmax, P @ V); inputs and outputs float32 or bfloat16.
+// Written with GCC/Clang vector extensions, one register wide (16 floats with AVX-512, else
+// 8): -march=native picks the widest, a portable build gets the baseline ISA's.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// One vector register of floats: 16 with AVX-512, else 8 (AVX2; narrower ISAs split it).
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+constexpr int kTile = 16;         // keys per tile
+constexpr int kMaxRows = 128;     // query rows per item
+constexpr int kBlock = 4;         // row vectors per score accumulator block
+constexpr int64_t kChunk = 256;   // DECODE keys per item (splits long contexts over threads)
+constexpr int kNoWindow = 1 << 30;
+
+typedef float vf __attribute__((vector_size(4 * kLanes)));
+typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
+typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));
+typedef uint16_t vh __attribute__((vector_size(2 * kLanes)));
+
+inline vf splat(float x) { return vf{} + x; }
+inline vi splati(int32_t x) { return vi{} + x; }
+inline vf loadf(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void storef(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vi loadi(const int32_t* p) { vi v; std::memcpy(&v, p, sizeof v); return v; }
+
+inline vf load16(const float* p) { return loadf(p); }
+inline vf load16(const at::BFloat16* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  vu u = __builtin_convertvector(h, vu) << 16;
+  vf f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline void store16(float* p, vf v) { storef(p, v); }
+inline void store16(at::BFloat16* p, vf v) {  // round to nearest even
+  vu u;
+  std::memcpy(&u, &v, sizeof u);
+  u = u + 0x7FFFu + ((u >> 16) & 1u);
+  vh h = __builtin_convertvector(u >> 16, vh);
+  std::memcpy(p, &h, sizeof h);
+}
+
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+
+// exp(x), Cephes' expf polynomial (relative error ~2e-7); x <= -87 gives ~1e-38, not 0:
+// callers zero masked lanes themselves.
+inline vf vexp(vf x) {
+  x = x > 88.0f ? splat(88.0f) : x;
+  x = x < -87.0f ? splat(-87.0f) : x;
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  vf n = (x * 1.44269504088896341f + magic) - magic;
+  vf r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf s;
+  std::memcpy(&s, &e, sizeof s);
+  return p * s;
+}
+
+// cap * tanh(x / cap) (Gemma 2's attention soft-cap)
+inline vf vsoftcap(vf x, float cap) {
+  vf y = x * (2.0f / cap);
+  vf ay = y < 0.0f ? -y : y;
+  vf t = 1.0f - 2.0f / (vexp(ay) + 1.0f);  // tanh(|x| / cap)
+  return (y < 0.0f ? -t : t) * cap;
+}
+
+// Per-thread scratch of one work item (reused across items and calls: no allocation per
+// step once grown). L = R rounded up to whole vectors.
+struct Scratch {
+  std::vector<float> buf;
+  float* qt;     // [d][L]      queries, transposed and scaled
+  float* qr;     // [L][d]      the same, row-major (the narrow score path's layout)
+  float* acc;    // running P @ V: [L][d] on the narrow path, transposed [d][L] on the wide
+                 // one (back to [R][d] when the item's keys are done)
+  float* m;      // [L]         running max per row
+  float* l;      // [L]         running sum of exp per row
+  float* alpha;  // [L]         this tile's rescale per row
+  float* sp;     // [kTile][L]  scores, then probabilities
+  float* kf;     // [kTile][d]  the tile's K rows in float32
+  float* vfl;    // [kTile][d]  the tile's V rows in float32
+  int32_t qpos[kMaxRows];  // position of each row's query; -1 for padding rows
+
+  void setup(int d) {
+    const size_t L = kMaxRows;
+    const size_t need = 2 * d * L + L * d + 3 * L + kTile * L + 2 * kTile * d;
+    if (buf.size() < need) buf.resize(need);
+    float* p = buf.data();
+    qt = p; p += d * L;
+    qr = p; p += L * d;
+    acc = p; p += L * d;
+    m = p; p += L;
+    l = p; p += L;
+    alpha = p; p += L;
+    sp = p; p += kTile * L;
+    kf = p; p += kTile * d;
+    vfl = p;
+  }
+};
+
+Scratch& scratch(int d) {
+  thread_local Scratch s;
+  s.setup(d);
+  return s;
+}
+
+// Where an item's keys come from: key index j in [begin, end) lies in pool slot slots[j], at
+// position pos_base + j of its sequence.
+struct Keys {
+  const int64_t* slots;
+  int64_t begin, end;
+  int64_t pos_base;
+};
+
+// Vectors of rows an item of R rows uses: whole vectors, and whole score blocks past the first
+// block (R <= kMaxRows: at most 8 with AVX-512, 16 with AVX2).
+inline int row_vectors(int R) {
+  const int rv = (R + kLanes - 1) / kLanes;
+  return rv > kBlock ? (rv + kBlock - 1) / kBlock * kBlock : rv;
+}
+
+// Start an item: rows' queries into Qt (scaled), running state reset. `q_row(r)` points at
+// row r's query vector [d].
+template <typename T, typename QRow>
+void load_rows(Scratch& s, int R, int d, float scale, QRow q_row) {
+  const int L = row_vectors(R) * kLanes;
+  for (int r = 0; r < L; ++r) {
+    if (r < R) {
+      const T* q = q_row(r);
+      for (int i = 0; i < d; ++i)
+        s.qt[i * L + r] = s.qr[r * d + i] = static_cast<float>(q[i]) * scale;
+    } else {
+      for (int i = 0; i < d; ++i) s.qt[i * L + r] = s.qr[r * d + i] = 0.0f;
+      s.qpos[r] = -1;
+    }
+    s.m[r] = -std::numeric_limits<float>::infinity();
+    s.l[r] = 0.0f;
+  }
+  std::memset(s.acc, 0, sizeof(float) * L * d);
+}
+
+// Pointers to the tile's n K (or V) rows of this head as float32: into the pool itself for a
+// float32 pool, else widened into buf [kTile][d].
+template <typename T>
+inline void rows_f32(const float** rows, float* buf, const T* head, const int64_t* slots, int n,
+                     int d, int64_t slot_stride) {
+  for (int j = 0; j < n; ++j) {
+    const T* src = head + slots[j] * slot_stride;
+    if constexpr (std::is_same_v<T, float>) {
+      rows[j] = src;
+    } else {
+      for (int c = 0; c < d; c += kLanes) storef(buf + j * d + c, load16(src + c));
+      rows[j] = buf + j * d;
+    }
+  }
+}
+
+template <typename T>
+inline void prefetch_row(const T* row, int d) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < int64_t(d) * int64_t(sizeof(T)); b += 64) __builtin_prefetch(p + b);
+}
+
+typedef float vf4 __attribute__((vector_size(16)));
+
+inline float hsum(vf v) {
+  vf4 a = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int c = 0; c < kLanes; c += 4) {
+    vf4 part;
+    std::memcpy(&part, reinterpret_cast<const float*>(&v) + c, sizeof part);
+    a += part;
+  }
+  return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+// Scores of NR <= 4 rows (a decode GQA group) as dot products: rows in vector lanes would
+// leave most lanes idle. Two keys at a time share each q load. sp[j][r] as the wide path.
+template <int NR>
+void narrow_scores(Scratch& s, const float* const* krows, int n, int d, int L) {
+  for (int j = 0; j < n; j += 2) {
+    const bool two = j + 1 < n;
+    const float* k0 = krows[j];
+    const float* k1 = two ? krows[j + 1] : k0;
+    vf a0[NR], a1[NR];
+    for (int r = 0; r < NR; ++r) a0[r] = a1[r] = splat(0.0f);
+    for (int c = 0; c < d; c += kLanes) {
+      const vf kv0 = loadf(k0 + c), kv1 = loadf(k1 + c);
+      for (int r = 0; r < NR; ++r) {
+        const vf qv = loadf(s.qr + r * d + c);
+        a0[r] += qv * kv0;
+        a1[r] += qv * kv1;
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      s.sp[j * L + r] = hsum(a0[r]);
+      if (two) s.sp[(j + 1) * L + r] = hsum(a1[r]);
+    }
+  }
+}
+
+// acc[0 .. NC vectors) = acc * a + sum_j p[j][r] * V[j][c ..]: NC accumulators in registers
+template <int NC>
+inline void pv_block(const Scratch& s, const float* const* vrows, float* acc, float a, int r,
+                     int n, int c, int L) {
+  vf o[NC];
+  for (int u = 0; u < NC; ++u) o[u] = loadf(acc + u * kLanes) * a;
+  for (int j = 0; j < n; ++j) {
+    const vf p = splat(s.sp[j * L + r]);
+    const float* vrow = vrows[j] + c;
+    for (int u = 0; u < NC; ++u) o[u] += p * loadf(vrow + u * kLanes);
+  }
+  for (int u = 0; u < NC; ++u) storef(acc + u * kLanes, o[u]);
+}
+
+// The wide path's P @ V with rows in vector lanes, on the transposed accumulator
+// accT [d][L]: accT[c] = accT[c] * alpha + sum_j V[j][c] * p[j] (two output dims x kBlock row
+// vectors of accumulators in registers; alpha rescales 16 or 8 rows per instruction).
+template <int RV>
+void pv_wide(Scratch& s, const float* const* vrows, int n, int d) {
+  constexpr int L = RV * kLanes;
+  constexpr int VB = RV < kBlock ? RV : kBlock;
+  for (int vb = 0; vb < RV; vb += VB) {
+    vf al[VB];
+    for (int u = 0; u < VB; ++u) al[u] = loadf(s.alpha + (vb + u) * kLanes);
+    for (int c = 0; c < d; c += 2) {
+      float* o0p = s.acc + c * L + vb * kLanes;
+      float* o1p = o0p + L;
+      vf o0[VB], o1[VB];
+      for (int u = 0; u < VB; ++u) {
+        o0[u] = loadf(o0p + u * kLanes) * al[u];
+        o1[u] = loadf(o1p + u * kLanes) * al[u];
+      }
+      for (int j = 0; j < n; ++j) {
+        const vf b0 = splat(vrows[j][c]), b1 = splat(vrows[j][c + 1]);
+        const float* pj = s.sp + j * L + vb * kLanes;
+        for (int u = 0; u < VB; ++u) {
+          const vf p = loadf(pj + u * kLanes);
+          o0[u] += b0 * p;
+          o1[u] += b1 * p;
+        }
+      }
+      for (int u = 0; u < VB; ++u) {
+        storef(o0p + u * kLanes, o0[u]);
+        storef(o1p + u * kLanes, o1[u]);
+      }
+    }
+  }
+}
+
+// Walk the item's keys (rows R of s already loaded): online softmax into s.m / s.l / s.acc.
+template <typename T, int RV>
+void attend(Scratch& s, int R, int d, const T* k_head, const T* v_head, int64_t slot_stride,
+            Keys keys, int32_t window, float cap) {
+  constexpr int L = RV * kLanes;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  // the key positions any row can see: skip the rest without reading them
+  int64_t lo = std::numeric_limits<int64_t>::max(), hi = -1;
+  for (int r = 0; r < R; ++r) {
+    if (s.qpos[r] < 0) continue;
+    lo = std::min<int64_t>(lo, int64_t(s.qpos[r]) - window + 1);
+    hi = std::max<int64_t>(hi, s.qpos[r]);
+  }
+  const int64_t begin = std::max(keys.begin, lo - keys.pos_base);
+  const int64_t end = std::min(keys.end, hi - keys.pos_base + 1);
+  vi qp[RV], ql[RV];
+  for (int v = 0; v < RV; ++v) {
+    qp[v] = loadi(s.qpos + v * kLanes);
+    ql[v] = qp[v] - (window - 1);
+  }
+  const bool narrow = RV == 1 && R <= 4;  // a GQA group of a decode row: dot products
+  for (int64_t kb = begin; kb < end; kb += kTile) {
+    const int n = static_cast<int>(std::min<int64_t>(kTile, end - kb));
+    // the next tile's K/V rows start arriving while this one computes (its pages are
+    // scattered over the pool: the hardware prefetcher cannot guess them)
+    const int64_t next_n = std::min<int64_t>(kTile, end - kb - n);
+    for (int64_t j = 0; j < next_n; ++j) {
+      prefetch_row(k_head + keys.slots[kb + n + j] * slot_stride, d);
+      prefetch_row(v_head + keys.slots[kb + n + j] * slot_stride, d);
+    }
+    const float* krows[kTile];
+    const float* vrows[kTile];
+    rows_f32(krows, s.kf, k_head, keys.slots + kb, n, d, slot_stride);
+    // scores, two keys x kBlock row vectors at a time (each Qt load feeds two FMAs; the
+    // accumulators stay in registers)
+    constexpr int VB = RV < kBlock ? RV : kBlock;
+    static_assert(RV % VB == 0, "row vectors come in whole blocks");
+    if (narrow) {
+      for (int j = 0; j < n; ++j)  // rows past R: masked below, but never garbage
+        for (int r = R; r < L; ++r) s.sp[j * L + r] = 0.0f;
+      switch (R) {
+        case 1: narrow_scores<1>(s, krows, n, d, L); break;
+        case 2: narrow_scores<2>(s, krows, n, d, L); break;
+        case 3: narrow_scores<3>(s, krows, n, d, L); break;
+        default: narrow_scores<4>(s, krows, n, d, L); break;
+      }
+    }
+    for (int vb = 0; !narrow && vb < RV; vb += VB) {
+      for (int j = 0; j < n; j += 2) {
+        const bool two = j + 1 < n;
+        const float* k0 = krows[j];
+        const float* k1 = two ? krows[j + 1] : k0;
+        const float* qt = s.qt + vb * kLanes;
+        vf a0[VB], a1[VB];
+        for (int u = 0; u < VB; ++u) a0[u] = a1[u] = splat(0.0f);
+        for (int i = 0; i < d; ++i) {
+          const vf b0 = splat(k0[i]), b1 = splat(k1[i]);
+          for (int u = 0; u < VB; ++u) {
+            const vf qv = loadf(qt + i * L + u * kLanes);
+            a0[u] += b0 * qv;
+            a1[u] += b1 * qv;
+          }
+        }
+        for (int u = 0; u < VB; ++u) {
+          storef(s.sp + j * L + (vb + u) * kLanes, a0[u]);
+          if (two) storef(s.sp + (j + 1) * L + (vb + u) * kLanes, a1[u]);
+        }
+      }
+    }
+    // mask, online softmax (16 rows per vector)
+    for (int v = 0; v < RV; ++v) {
+      vf mx = splat(neg_inf);
+      for (int j = 0; j < n; ++j) {
+        vf sc = loadf(s.sp + j * L + v * kLanes);
+        if (cap > 0.0f) sc = vsoftcap(sc, cap);
+        const vi pos = splati(static_cast<int32_t>(keys.pos_base + kb + j));
+        sc = (pos <= qp[v]) & (pos >= ql[v]) ? sc : neg_inf;
+        storef(s.sp + j * L + v * kLanes, sc);
+        mx = vmax(mx, sc);
+      }
+      const vf m_old = loadf(s.m + v * kLanes);
+      const vf m_new = vmax(m_old, mx);
+      const vf alpha = m_old == neg_inf ? splat(0.0f) : vexp(m_old - m_new);
+      vf sum = splat(0.0f);
+      for (int j = 0; j < n; ++j) {
+        const vf sc = loadf(s.sp + j * L + v * kLanes);
+        const vf p = sc == neg_inf ? splat(0.0f) : vexp(sc - m_new);
+        storef(s.sp + j * L + v * kLanes, p);
+        sum += p;
+      }
+      storef(s.l + v * kLanes, loadf(s.l + v * kLanes) * alpha + sum);
+      storef(s.m + v * kLanes, m_new);
+      storef(s.alpha + v * kLanes, alpha);
+    }
+    rows_f32(vrows, s.vfl, v_head, keys.slots + kb, n, d, slot_stride);
+    // acc = acc * alpha + P @ V
+    if (narrow) {
+      for (int r = 0; r < R; ++r) {
+        const float a = s.alpha[r];
+        float* acc = s.acc + r * d;
+        int c = 0;
+        for (; c + 4 * kLanes <= d; c += 4 * kLanes) pv_block<4>(s, vrows, acc + c, a, r, n, c, L);
+        for (; c < d; c += kLanes) pv_block<1>(s, vrows, acc + c, a, r, n, c, L);
+      }
+    } else {
+      pv_wide<RV>(s, vrows, n, d);
+    }
+  }
+  if (!narrow) {  // accT [d][L] -> acc [R][d], through qr (free once the scores are done)
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < d; ++c) s.qr[r * d + c] = s.acc[c * L + r];
+    std::memcpy(s.acc, s.qr, sizeof(float) * R * d);
+  }
+}
+
+template <typename T>
+void attend_rows(Scratch& s, int R, int d, const T* k_head, const T* v_head,
+                 int64_t slot_stride, Keys keys, int32_t window, float cap) {
+  switch (row_vectors(R)) {
+#define SGL_CASE(RV) \
+  case RV: return attend<T, RV>(s, R, d, k_head, v_head, slot_stride, keys, window, cap);
+    SGL_CASE(1) SGL_CASE(2) SGL_CASE(3) SGL_CASE(4) SGL_CASE(8) SGL_CASE(12) SGL_CASE(16)
+#undef SGL_CASE
+    default: TORCH_CHECK(false, "paged_attention_cpu: too many rows per item: ", R);
+  }
+}
+
+// Run f(i) for i in [0, n) on torch's intra-op threads, handing out items dynamically
+// (items differ in cost: causal blocks, ragged contexts).
+template <typename F>
+void for_each_item(int64_t n, const F& f) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t i; (i = next.fetch_add(1)) < n;) f(i);
+  });
+}
+
+void check_inputs(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool) {
+  TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu(), "paged_attention_cpu: CPU only");
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && k_pool.sizes() == v_pool.sizes(),
+              "paged_attention_cpu: q [T, H, d], pools [slots, kvh, d]");
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() &&
+                  k_pool.scalar_type() == v_pool.scalar_type(),
+              "paged_attention_cpu: q and the pools must share one dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "paged_attention_cpu: float32 or bfloat16, got ", q.scalar_type());
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(),
+              "paged_attention_cpu: pools must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1, "paged_attention_cpu: q's last dim must be contiguous");
+  const int64_t d = q.size(2), kvh = k_pool.size(1);
+  TORCH_CHECK(k_pool.size(2) == d && d % kLanes == 0 && d <= 512,
+              "paged_attention_cpu: head_dim must be a multiple of 16, at most 512, got ", d);
+  TORCH_CHECK(q.size(1) % kvh == 0 && q.size(1) / kvh <= kMaxRows,
+              "paged_attention_cpu: query heads must be a multiple of KV heads");
+}
+
+template <typename T>
+void extend_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                 const std::vector<at::Tensor>& slots, const std::vector<int64_t>& starts,
+                 const std::vector<int64_t>& num_new, const std::vector<int64_t>& prefix_lens,
+                 double scale, int64_t window, double cap, at::Tensor& out) {
+  const int64_t H = q.size(1), d = q.size(2), kvh = k_pool.size(1), G = H / kvh;
+  const int64_t block = std::max<int64_t>(1, kMaxRows / G);  // query tokens per item
+  struct Item { int64_t seq, head, t0, t1; };
+  std::vector<Item> items;
+  for (size_t s = 0; s < starts.size(); ++s) {
+    TORCH_CHECK(slots[s].scalar_type() == at::kLong && slots[s].is_contiguous() &&
+                    slots[s].numel() >= prefix_lens[s] + num_new[s],
+                "paged_attention_cpu: sequence ", s, " needs i64 slots for its context");
+    for (int64_t t0 = 0; t0 < num_new[s]; t0 += block)
+      for (int64_t h = 0; h < kvh; ++h)
+        items.push_back({int64_t(s), h, t0, std::min(num_new[s], t0 + block)});
+  }
+  // the longest walks (last query blocks of long contexts) first
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
+    return prefix_lens[a.seq] + a.t1 > prefix_lens[b.seq] + b.t1;
+  });
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_pool.data_ptr<T>();
+  const T* vp = v_pool.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  for_each_item(static_cast<int64_t>(items.size()), [&](int64_t idx) {
+    const Item it = items[idx];
+    const int R = static_cast<int>((it.t1 - it.t0) * G);
+    const int64_t start = starts[it.seq], prefix = prefix_lens[it.seq];
+    Scratch& s = scratch(static_cast<int>(d));
+    for (int r = 0; r < R; ++r) s.qpos[r] = static_cast<int32_t>(prefix + it.t0 + r / G);
+    load_rows<T>(s, R, d, static_cast<float>(scale), [&](int r) {
+      return qp + (start + it.t0 + r / G) * qs0 + (it.head * G + r % G) * qs1;
+    });
+    Keys keys{slots[it.seq].template data_ptr<int64_t>(), 0, prefix + it.t1, 0};
+    attend_rows<T>(s, R, d, kp + it.head * d, vp + it.head * d, kvh * d, keys,
+                   static_cast<int32_t>(window), static_cast<float>(cap));
+    for (int r = 0; r < R; ++r) {
+      const float inv = s.l[r] > 0.0f ? 1.0f / s.l[r] : 0.0f;
+      T* o = op + ((start + it.t0 + r / G) * H + it.head * G + r % G) * d;
+      for (int c = 0; c < d; c += kLanes) store16(o + c, loadf(s.acc + r * d + c) * inv);
+    }
+  });
+}
+
+at::Tensor extend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                  const std::vector<at::Tensor>& slots, const std::vector<int64_t>& starts,
+                  const std::vector<int64_t>& num_new, const std::vector<int64_t>& prefix_lens,
+                  double scale, int64_t window, double cap) {
+  check_inputs(q, k_pool, v_pool);
+  TORCH_CHECK(slots.size() == starts.size() && starts.size() == num_new.size() &&
+                  num_new.size() == prefix_lens.size(),
+              "paged_attention_cpu.extend: one slots / start / num_new / prefix_len per seq");
+  at::Tensor out = at::zeros({q.size(0), q.size(1), q.size(2)}, q.options());
+  const int64_t w = window > 0 ? window : kNoWindow;
+  if (q.scalar_type() == at::kBFloat16)
+    extend_impl<at::BFloat16>(q, k_pool, v_pool, slots, starts, num_new, prefix_lens, scale, w,
+                              cap, out);
+  else
+    extend_impl<float>(q, k_pool, v_pool, slots, starts, num_new, prefix_lens, scale, w, cap,
+                       out);
+  return out;
+}
+
+template <typename T>
+void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                 const at::Tensor& shared_slots, const at::Tensor& own_slots,
+                 const at::Tensor& own_lo, const at::Tensor& own_hi, double scale,
+                 int64_t window, double cap, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), d = q.size(2), kvh = k_pool.size(1);
+  const int64_t G = H / kvh, Ls = shared_slots.numel();
+  const int64_t* lo = own_lo.data_ptr<int64_t>();
+  const int64_t* hi = own_hi.data_ptr<int64_t>();
+  // Items; each owns R partial rows [m, l, acc[d]] at `part` in the partials buffer.
+  struct Item { int64_t head, row0, rows, k0, k1, part; bool shared; };
+  std::vector<Item> items;
+  // items[first[h * (B + 1)] ..] are head h's shared-prefix items, then its sequences' own
+  // items: sequence b's are items[first[h * (B + 1) + b + 1] .. first[h * (B + 1) + b + 2])
+  std::vector<int64_t> first(kvh * (B + 1) + 1);
+  const int64_t row_floats = d + 2;
+  int64_t parts = 0;
+  for (int64_t h = 0; h < kvh; ++h) {
+    first[h * (B + 1)] = static_cast<int64_t>(items.size());
+    for (int64_t k0 = 0; k0 < Ls; k0 += kChunk)  // shared prefix: all B * G rows
+      for (int64_t r0 = 0; r0 < B * G; r0 += kMaxRows) {
+        const int64_t rows = std::min<int64_t>(kMaxRows, B * G - r0);
+        items.push_back({h, r0, rows, k0, std::min(Ls, k0 + kChunk), parts, true});
+        parts += rows * row_floats;
+      }
+    for (int64_t b = 0; b < B; ++b) {  // each sequence's own keys: its G rows
+      first[h * (B + 1) + b + 1] = static_cast<int64_t>(items.size());
+      for (int64_t k0 = lo[b]; k0 < hi[b]; k0 += kChunk) {
+        items.push_back({h, b * G, G, k0, std::min(hi[b], k0 + kChunk), parts, false});
+        parts += G * row_floats;
+      }
+    }
+  }
+  first[kvh * (B + 1)] = static_cast<int64_t>(items.size());
+  at::Tensor partials = at::empty({std::max<int64_t>(parts, 1)}, q.options().dtype(at::kFloat));
+  float* pp = partials.data_ptr<float>();
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_pool.data_ptr<T>();
+  const T* vp = v_pool.data_ptr<T>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  const int64_t* shared = Ls ? shared_slots.data_ptr<int64_t>() : nullptr;
+  const int64_t* own = own_slots.data_ptr<int64_t>();
+  const int64_t own_len = own_slots.size(1);
+  for_each_item(static_cast<int64_t>(items.size()), [&](int64_t idx) {
+    const Item it = items[idx];
+    const int R = static_cast<int>(it.rows);
+    Scratch& s = scratch(static_cast<int>(d));
+    // row r of the item: flat row it.row0 + r = sequence b, group head g
+    for (int r = 0; r < R; ++r) {
+      const int64_t b = (it.row0 + r) / G;
+      s.qpos[r] = static_cast<int32_t>(Ls + hi[b] - 1);
+    }
+    load_rows<T>(s, R, d, static_cast<float>(scale), [&](int r) {
+      const int64_t b = (it.row0 + r) / G, g = (it.row0 + r) % G;
+      return qp + b * qs0 + (it.head * G + g) * qs1;
+    });
+    const int64_t b0 = it.row0 / G;
+    Keys keys = it.shared ? Keys{shared, it.k0, it.k1, 0}
+                          : Keys{own + b0 * own_len, it.k0, it.k1, Ls};
+    attend_rows<T>(s, R, d, kp + it.head * d, vp + it.head * d, kvh * d, keys,
+                   static_cast<int32_t>(window), static_cast<float>(cap));
+    float* part = pp + it.part;
+    for (int r = 0; r < R; ++r) {
+      part[r * row_floats] = s.m[r];
+      part[r * row_floats + 1] = s.l[r];
+      std::memcpy(part + r * row_floats + 2, s.acc + r * d, sizeof(float) * d);
+    }
+  });
+  // merge: per (sequence, kv head), its shared-prefix partials and its own ones
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, B * kvh, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> o(d);
+    std::vector<const float*> rows;
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / kvh, h = bh % kvh;
+      const int64_t* f = first.data() + h * (B + 1);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t row = b * G + g;
+        rows.clear();
+        for (int64_t i = f[0]; i < f[1]; ++i) {  // shared items: the row group holding row
+          const Item& it = items[i];
+          if (row >= it.row0 && row < it.row0 + it.rows)
+            rows.push_back(pp + it.part + (row - it.row0) * row_floats);
+        }
+        for (int64_t i = f[b + 1]; i < f[b + 2]; ++i)  // sequence b's own items
+          rows.push_back(pp + items[i].part + g * row_floats);
+        float M = neg_inf;
+        for (const float* part : rows) M = std::max(M, part[0]);
+        float Lsum = 0.0f;
+        std::fill(o.begin(), o.end(), 0.0f);
+        for (const float* part : rows) {
+          if (part[0] == neg_inf) continue;
+          const float w = std::exp(part[0] - M);
+          Lsum += part[1] * w;
+          for (int64_t c = 0; c < d; ++c) o[c] += part[2 + c] * w;
+        }
+        const float inv = Lsum > 0.0f ? 1.0f / Lsum : 0.0f;
+        T* dst = op + (b * H + h * G + g) * d;
+        for (int64_t c = 0; c < d; c += kLanes) store16(dst + c, loadf(o.data() + c) * inv);
+      }
+    }
+  });
+}
+
+at::Tensor decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                  const at::Tensor& shared_slots, const at::Tensor& own_slots,
+                  const at::Tensor& own_lo, const at::Tensor& own_hi, double scale,
+                  int64_t window, double cap) {
+  check_inputs(q, k_pool, v_pool);
+  const int64_t B = q.size(0);
+  for (const at::Tensor* t : {&shared_slots, &own_slots, &own_lo, &own_hi})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
+                "paged_attention_cpu.decode: slot and length tensors must be contiguous i64");
+  TORCH_CHECK(own_slots.dim() == 2 && own_slots.size(0) == B && own_lo.numel() == B &&
+                  own_hi.numel() == B,
+              "paged_attention_cpu.decode: own_slots [B, Lown], own_lo / own_hi [B]");
+  at::Tensor out = at::empty({B, q.size(1), q.size(2)}, q.options());
+  const int64_t w = window > 0 ? window : kNoWindow;
+  if (q.scalar_type() == at::kBFloat16)
+    decode_impl<at::BFloat16>(q, k_pool, v_pool, shared_slots, own_slots, own_lo, own_hi,
+                              scale, w, cap, out);
+  else
+    decode_impl<float>(q, k_pool, v_pool, shared_slots, own_slots, own_lo, own_hi, scale, w,
+                       cap, out);
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Fused paged attention for CPUs (sgl_tpu torch-cpu-fused backend)";
+  m.def("extend", &extend, "EXTEND: packed new tokens of ragged sequences over the paged pool");
+  m.def("decode", &decode, "DECODE: one query per sequence; shared prefix read once");
+}

@@ -1,0 +1,200 @@
+"""The fused CPU attention (`torch-cpu-fused`) against a float64 reference and against
+`torch-sdpa`: ragged, paged (scattered pages, contexts ending mid-page), shared-prefix decode
+batches, GQA, sliding windows and soft-cap, float32 and bfloat16; then the registry's `auto`
+choice and its fallback, and greedy parity of two runners on a tiny model."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import checkpoints as ck
+import numpy as np
+import pytest
+import torch
+
+from sgl_tpu.config import ServerArgs
+from sgl_tpu.executor.registry import create_model_runner, runner_config
+from sgl_tpu.executor.step import ForwardMode, SeqStep
+from sgl_tpu.executor.torch.runner import TorchModelRunner
+from sgl_tpu.kernels import backends, cpu_extension
+from sgl_tpu.kernels import paged_attention_torch as sdpa
+from sgl_tpu.loader import load_model
+from sgl_tpu.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(cpu_extension.load() is None,
+                                reason=f"not built: {cpu_extension.why_unavailable()}")
+
+PS, KVH, G = 4, 2, 3  # page size, KV heads, query heads per KV head
+GREEDY = SamplingParams(temperature=0.0)
+# max abs error against the float64 reference, per dtype (outputs are rounded to the dtype)
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def fused():
+    from sgl_tpu.kernels import paged_attention_cpu
+
+    return paged_attention_cpu
+
+
+class Pool:
+    """Random K/V pools with pages handed out in a scattered order (page 0 reserved)."""
+
+    def __init__(self, d: int, dtype: torch.dtype, num_pages: int = 96, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.k = torch.randn(num_pages * PS, KVH, d, generator=g).to(dtype)
+        self.v = torch.randn(num_pages * PS, KVH, d, generator=g).to(dtype)
+        self.free = (1 + torch.randperm(num_pages - 1, generator=g)).tolist()
+
+    def pages(self, n_tokens: int) -> np.ndarray:
+        n = -(-n_tokens // PS)
+        out, self.free = self.free[:n], self.free[n:]
+        return np.asarray(out, np.int64)
+
+
+def reference(q, pool, slots, q_pos, scale, window=None, cap=None) -> torch.Tensor:
+    """float64 attention of queries q [n, H, d] at positions q_pos over the keys in `slots`
+    (key j at position j)."""
+    k = pool.k[slots].double().repeat_interleave(G, dim=1)  # [L, H, d]
+    v = pool.v[slots].double().repeat_interleave(G, dim=1)
+    s = torch.einsum("nhd,lhd->hnl", q.double(), k) * scale
+    if cap is not None:
+        s = cap * torch.tanh(s / cap)
+    k_pos = torch.arange(len(slots))[None, :]
+    ok = k_pos <= q_pos[:, None]
+    if window is not None:
+        ok &= k_pos > q_pos[:, None] - window
+    p = torch.softmax(s.masked_fill(~ok, float("-inf")), dim=-1)
+    return torch.einsum("hnl,lhd->nhd", p, v)
+
+
+VARIANTS = [dict(), dict(sliding_window=7), dict(logit_cap=3.0),
+            dict(sliding_window=5, logit_cap=3.0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", VARIANTS, ids=["plain", "window", "softcap", "both"])
+def test_extend_matches_reference_on_a_ragged_paged_batch(dtype, variant):
+    d, scale = 32, 32 ** -0.5
+    pool = Pool(d, dtype)
+    # (prefix_len, num_new): fresh, cached prefix ending mid-page, one token on a long prefix,
+    # more new tokens than one query block (128 / G rows)
+    shapes = [(0, 37), (13, 5), (40, 1), (6, 90)]
+    seqs, start = [], 0
+    for prefix, new in shapes:
+        pages = pool.pages(prefix + new)
+        seqs.append(sdpa.ExtendSeq(start=start, num_new=new, prefix_len=prefix,
+                                   slots=sdpa.context_slots(pages, PS, prefix + new)))
+        start += new
+    q = torch.randn(start + 3, KVH * G, d).to(dtype)  # 3 padding rows
+    out = fused().extend_attention(q, pool.k, pool.v, seqs, scale, **variant)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert (out[start:] == 0).all()
+    for s in seqs:
+        pos = torch.arange(s.prefix_len, s.prefix_len + s.num_new)
+        want = reference(q[s.start : s.start + s.num_new], pool, s.slots, pos, scale,
+                         variant.get("sliding_window"), variant.get("logit_cap"))
+        got = out[s.start : s.start + s.num_new].double()
+        assert (got - want).abs().max() < TOL[dtype]
+    # and the gathered-SDPA backend agrees with both
+    base = sdpa.extend_attention(q, pool.k, pool.v, seqs, scale, **variant)
+    assert (out.double() - base.double()).abs().max() < 2 * TOL[dtype]
+
+
+def decode_batch(steps: list[SeqStep], num_rows: int, window: int | None,
+                 dtype: torch.dtype):
+    """The runner's own DECODE description (shared-prefix split, own slots, bias)."""
+    fake = SimpleNamespace(config=SimpleNamespace(page_size=PS),
+                           model_config=SimpleNamespace(sliding_window=window),
+                           attn=fused(), device=torch.device("cpu"), dtype=dtype)
+    return TorchModelRunner._decode_batch(fake, steps, num_rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["shared", "model_window", *["window", "softcap"]])
+def test_decode_matches_reference_with_a_shared_prefix(dtype, case):
+    """Forks of one prefix (its pages read once for the whole batch) plus an unrelated
+    sequence; contexts ending mid-page and on a page boundary; one padding row."""
+    d, scale = 64, 0.125
+    pool = Pool(d, dtype, num_pages=160, seed=1)
+    window = 6 if case == "window" else None
+    model_window = 9 if case == "model_window" else None  # Mistral: in the bias, no shared
+    cap = 2.5 if case == "softcap" else None
+    prefix = pool.pages(300)  # 75 whole pages, longer than one kernel chunk of 256 keys
+    lens = [300 + 1, 300 + 17, 300 + 40]
+    tables = [np.concatenate([prefix, pool.pages(n - 300)]) for n in lens]
+    # the first row's cache is not a fork: it breaks the shared prefix unless case == shared
+    steps = [SeqStep(token_ids=[0], prefix_len=n - 1, pages=t, sampling=GREEDY, seed=0,
+                     num_output_tokens=1) for n, t in zip(lens, tables, strict=True)]
+    if case != "shared":
+        solo = pool.pages(23)
+        steps.append(SeqStep(token_ids=[0], prefix_len=22, pages=solo, sampling=GREEDY,
+                             seed=0, num_output_tokens=1))
+    batch = decode_batch(steps, len(steps) + 1, model_window, dtype)
+    if case == "shared":
+        assert batch.shared_slots.shape[0] == 300
+    q = torch.randn(len(steps) + 1, KVH * G, d).to(dtype)
+    out = fused().decode_attention(q, pool.k, pool.v, batch, scale, sliding_window=window,
+                                   logit_cap=cap)
+    for i, st in enumerate(steps):
+        n = st.prefix_len + 1
+        slots = sdpa.context_slots(st.pages, PS, n)
+        want = reference(q[i : i + 1], pool, slots, torch.tensor([n - 1]), scale,
+                         window or model_window, cap)
+        assert (out[i : i + 1].double() - want).abs().max() < TOL[dtype]
+    base = sdpa.decode_attention(q, pool.k, pool.v, batch, scale, sliding_window=window,
+                                 logit_cap=cap)
+    assert (out.double() - base.double()).abs().max() < 2 * TOL[dtype]
+
+
+def test_auto_picks_fused_on_cpu_and_falls_back_when_missing(monkeypatch, caplog):
+    assert backends.resolve_attention_backend("auto", "torch", "cpu") == "torch-cpu-fused"
+    assert backends.resolve_attention_backend("auto", "torch", "cuda") == "torch-sdpa"
+    monkeypatch.setattr(cpu_extension, "_load", lambda: (None, "not built (test)"))
+    with caplog.at_level(logging.WARNING):
+        assert backends.resolve_attention_backend("auto", "torch", "cpu") == "torch-sdpa"
+    assert "not built (test)" in caplog.text
+    with pytest.raises(ValueError, match="torch-cpu-fused.*not built"):
+        backends.resolve_attention_backend("torch-cpu-fused", "torch", "cpu")
+    with pytest.raises(ValueError, match="CPU"):
+        backends.resolve_attention_backend("torch-cpu-fused", "torch", "cuda")
+
+
+def test_runner_greedy_parity_with_sdpa(tmp_path):
+    """Two float32 torch runners of one tiny model, `torch-sdpa` and `torch-cpu-fused`: the
+    same logits on a ragged EXTEND batch over a cached prefix and the same greedy tokens over
+    decode steps of a batch whose forks share prefix pages (bfloat16: the kernel tests)."""
+    loaded = load_model(ck.make_tiny_hf_checkpoint(tmp_path / "m", "llama"))
+    vocab = loaded.config.vocab_size
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, vocab, n).tolist() for n in (41, 9, 26)]
+    runs = {}
+    for attn in ("torch-sdpa", "torch-cpu-fused"):
+        args = ServerArgs(skip_warmup=True, backend="torch", torch_compile="off", dtype="float32",
+                          attention_backend=attn, page_size=PS, max_total_tokens=1024,
+                          max_running_requests=8)
+        runner = create_model_runner(loaded.config, loaded.params, runner_config(args, 1024))
+        assert runner.config.attention_backend == attn
+        # prompt 0's first 40 tokens are cached (10 pages), then forked three ways: every
+        # decode row shares those pages
+        shared = np.arange(1, 11)
+        tables = [np.concatenate([shared, own]) for own in
+                  (np.arange(11, 16), np.arange(16, 21), np.arange(21, 30))]
+        mk = lambda ids, prefix, pages: SeqStep(  # noqa: E731
+            token_ids=ids, prefix_len=prefix, pages=pages, sampling=GREEDY, seed=0,
+            num_output_tokens=0)
+        runner.forward(ForwardMode.EXTEND, [mk(prompts[0][:40], 0, tables[0])])
+        res = runner.forward(ForwardMode.EXTEND, [
+            mk(prompts[0][40:], 40, tables[0]), mk(prompts[1], 40, tables[1]),
+            mk(prompts[2], 40, tables[2])])
+        logits = runner.row_logits(res.hidden, np.arange(res.hidden.shape[0]))
+        tokens, lens = [list(res.token_ids)], [41, 49, 66]
+        for _ in range(6):
+            res = runner.forward(ForwardMode.DECODE, [
+                mk([int(t)], n, tb) for t, n, tb in zip(tokens[-1], lens, tables, strict=True)])
+            tokens.append(list(res.token_ids))
+            lens = [n + 1 for n in lens]
+        runs[attn] = (logits, tokens)
+    (l_sdpa, t_sdpa), (l_fused, t_fused) = runs["torch-sdpa"], runs["torch-cpu-fused"]
+    np.testing.assert_allclose(l_fused, l_sdpa, atol=1e-4)
+    assert t_fused == t_sdpa

@@ -3,7 +3,8 @@ real sgl-tpu server: gen with stops, select, dtype/regex/json_schema constraints
 run_batch, chat roles, streaming, flush_cache/get_server_info, bad input; the `examples/dsl_*.py`
 scripts; then the package's own frontend test programs (`sglang/test/test_programs.py`).
 
-One server serves the whole module (the default model, SmolLM2-135M-Instruct, ChatML). The
+One server serves the whole module (the default model, SmolLM2-135M-Instruct, ChatML: the
+session's float32 server of tests/conftest.py, shared with tests/test_agent_api.py). The
 programs written here sample greedily, so the assertions are about the server's behaviour, not
 luck; where an assertion depends on what the model knows, the context states the answer.
 """
@@ -23,17 +24,16 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import pytest
 import requests
-from server_harness import REPO_ROOT, ServerHandle, launch_server
+from server_harness import REPO_ROOT, ServerHandle
 from sglang_frontend import sgl
 
 pytestmark = pytest.mark.slow
 
-# Few distinct batch shapes (each new one compiles for ~10-20 s on first use).
-# float32: SGLang's test programs check a 135M model's answers, and in bfloat16 those depend on
-# batch composition (e.g. test_decode_json once drew a raw control character inside a JSON
-# string its regex allows); float32 makes them reproducible on either backend.
-SERVER_FLAGS = ("--skip-warmup", "--max-running-requests", "16", "--chunked-prefill-size", "512",
-                "--max-total-tokens", "16384", "--dtype", "float32")
+# The server (tests/conftest.py) has few distinct batch shapes (each new one compiles for ~10-20 s
+# on first use) and runs float32: SGLang's test programs check a 135M model's answers, and in
+# bfloat16 those depend on batch composition (e.g. test_decode_json once drew a raw control
+# character inside a JSON string its regex allows); float32 makes them reproducible on either
+# backend.
 PAGE_SIZE = 16  # the server's default
 PROGRAM_TIMEOUT_S = 240.0
 # The regexes the frontend sends for dtype=int/float/bool/str.
@@ -42,10 +42,8 @@ REGEX_BOOL, REGEX_STR = sgl.lang.ir.REGEX_BOOL, sgl.lang.ir.REGEX_STR
 
 
 @pytest.fixture(scope="module")
-def server() -> ServerHandle:
-    handle = launch_server(*SERVER_FLAGS)
-    yield handle
-    handle.stop()
+def server(default_model_server_f32) -> ServerHandle:
+    return default_model_server_f32
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_harness import launch_server
 
 from sgl_tpu.detokenize import stop_safe_len as _safe_len
-from sgl_tpu.loader import default_model_path
 
 pytestmark = pytest.mark.slow
 
@@ -295,25 +294,17 @@ def test_safe_len_holds_back_stop_prefixes():
 
 
 @pytest.mark.backend_independent
-def test_default_model_chat():
-    """The one test on the real default model (SmolLM2-135M), where the text must make sense."""
-    try:
-        default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    smol = launch_server("--skip-warmup", "--max-total-tokens", "4096",
-                         "--max-running-requests", "8", "--chunked-prefill-size", "256")
-    try:
-        c = openai.OpenAI(base_url=smol.base_url + "/v1", api_key="x", max_retries=0,
-                          timeout=120)
-        model = c.models.list().data[0].id
-        kw = dict(model=model, max_tokens=24, temperature=0,
-                  messages=[{"role": "user", "content": "What is the capital of France?"}])
-        resp = c.chat.completions.create(**kw)
-        content = resp.choices[0].message.content
-        assert "Paris" in content and resp.choices[0].finish_reason == "stop"
-        assert "<|im_end|>" not in content
-        stream = c.chat.completions.create(**kw, stream=True)
-        assert "".join(ch.choices[0].delta.content or "" for ch in stream) == content
-    finally:
-        smol.stop()
+def test_default_model_chat(default_model_server):
+    """The one test on the real default model (SmolLM2-135M; the session's server of
+    tests/conftest.py), where the text must make sense."""
+    c = openai.OpenAI(base_url=default_model_server.base_url + "/v1", api_key="x",
+                      max_retries=0, timeout=120)
+    model = c.models.list().data[0].id
+    kw = dict(model=model, max_tokens=24, temperature=0,
+              messages=[{"role": "user", "content": "What is the capital of France?"}])
+    resp = c.chat.completions.create(**kw)
+    content = resp.choices[0].message.content
+    assert "Paris" in content and resp.choices[0].finish_reason == "stop"
+    assert "<|im_end|>" not in content
+    stream = c.chat.completions.create(**kw, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream) == content

@@ -6,7 +6,8 @@ Servers (module scoped, launched on first use; a tiny random model unless noted)
     llguidance_nojf     --disable-jump-forward      (the reference for jump-forward exactness)
     outlines            --grammar-backend outlines
     outlines_nojf       --grammar-backend outlines --disable-jump-forward
-    smol                the default SmolLM2 model: one realistic OpenAI `response_format` check
+    smol                the default SmolLM2 model (the session's server, tests/conftest.py):
+                        one realistic OpenAI `response_format` check
 
 The tiny model's outputs are gibberish, but the grammar masks still force every output into the
 requested format, so sampled outputs (temperature 1, `n: 20`) are checked against the regex or
@@ -149,10 +150,8 @@ def server_nojf(servers, backend) -> Server:
 
 
 @pytest.fixture(scope="module")
-def smol():
-    server = _launch("smol", None, "--max-running-requests", "4", "--max-total-tokens", "4096")
-    yield server
-    server.handle.stop()
+def smol(default_model_server) -> Server:
+    return Server(default_model_server, "smol")
 
 
 # ---- helpers --------------------------------------------------------------------------------

@@ -7,6 +7,11 @@ One server serves the whole module (the default model, SmolLM2-135M-Instruct, Ch
 session's float32 server of tests/conftest.py, shared with tests/test_agent_api.py). The
 programs written here sample greedily, so the assertions are about the server's behaviour, not
 luck; where an assertion depends on what the model knows, the context states the answer.
+
+Tests marked `backend_independent` run on the default executor backend only (`make test`'s JAX
+pass deselects them): the `/get_model_info` mapping is the HTTP process's, and the example
+scripts make the calls this module's own programs make on JAX too (gen with stops, fork/join,
+chat turns streamed, regex and JSON-schema fields); what they add is their printed output.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ def backend(server: ServerHandle):
 
 # ---- the chat template the frontend picks ----------------------------------------------------
 
+@pytest.mark.backend_independent
 def test_model_info_maps_to_chatml(server: ServerHandle, backend) -> None:
     info = requests.get(server.base_url + "/get_model_info", timeout=30).json()
     assert backend.chat_template.name == "chatml", info["model_path"]
@@ -353,6 +359,7 @@ def test_flush_cache_and_server_info(server: ServerHandle, backend) -> None:
 
 # ---- examples/dsl_*.py -------------------------------------------------------------------------
 
+@pytest.mark.backend_independent
 @pytest.mark.parametrize("script, extra, expect", [
     ("dsl_react_agent.py", [], "-> answer:"),
     ("dsl_fork_join.py", [], "Verdict:"),

@@ -9,6 +9,8 @@ list them (the CLI offers exactly these), and one check run before a model loads
     reasoning_parser   reasoning_parser.py     REASONING_PARSERS (None: off)
     quantization       quantization/           QUANTIZATION_METHODS (+ auto)
     speculative_algorithm  scheduler/speculative.py  DRAFTERS (None: off)
+    chat_template      loader/chat_templates.py BUILTIN_TEMPLATES, or a Jinja file (None: the
+                                                model's own; not a CLI choice list)
 """
 
 from __future__ import annotations
@@ -38,19 +40,30 @@ def registry_choices() -> dict[str, tuple[str, ...]]:
     }
 
 
+def check_chat_template_choice(args: ServerArgs) -> None:
+    """ValueError unless `args.chat_template` is None, a built-in name or an existing file (the
+    CLI runs it when parsing, where a bad value is a usage error)."""
+    if args.chat_template is not None:
+        from sgl_tpu.loader.chat_templates import check_chat_template
+
+        check_chat_template(args.chat_template)
+
+
 # None is allowed: see the table above
 _OPTIONAL = ("tool_call_parser", "reasoning_parser", "speculative_algorithm")
 
 
 def check_registry_names(args: ServerArgs) -> None:
-    """ValueError naming the field when a registry-backed value is unknown, or an attention
-    backend that the chosen executor cannot run."""
+    """ValueError naming the field when a registry-backed value is unknown (a chat template
+    neither built in nor an existing file), or an attention backend that the chosen executor
+    cannot run."""
     for field, allowed in registry_choices().items():
         value = getattr(args, field)
         if value is None and field in _OPTIONAL:
             continue
         if value not in allowed:
             raise ValueError(f"{field} must be one of {allowed}, got {value!r}")
+    check_chat_template_choice(args)
     from sgl_tpu.executor.registry import resolve_backend
     from sgl_tpu.kernels.backends import resolve_attention_backend
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from sgl_tpu.choices import registry_choices
+from sgl_tpu.choices import check_chat_template_choice, registry_choices
 from sgl_tpu.config import DTYPES, ROUTER_POLICIES, TORCH_COMPILE, TORCH_DEVICES, ServerArgs
 
 _HELP = {
@@ -134,7 +134,9 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     ns["allow_origins"] = tuple(ns["allow_origins"])
     ns["router_args"] = _router_args(parser, unknown)
     try:
-        return ServerArgs(**ns)
+        args = ServerArgs(**ns)
+        check_chat_template_choice(args)
+        return args
     except ValueError as e:
         parser.error(str(e))
         raise

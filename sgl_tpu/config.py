@@ -7,7 +7,7 @@ accept, with SGLang's flag names) from which each component gets only its own fr
               └──► HTTP settings    (host, port, api key; read directly by the server)
 
 A leaf module: it imports nothing of the project. Fields that name a registry entry (policy,
-executor, attention and grammar backends) are checked against the registries by
+executor, attention and grammar backends, chat template) are checked against the registries by
 `sgl_tpu.choices` before a model loads.
 """
 
@@ -236,10 +236,6 @@ class ServerArgs:
                              f"{self.dist_timeout!r}")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (rank 0's address)")
-        if self.chat_template is not None:
-            from sgl_tpu.loader.chat_templates import check_chat_template
-
-            check_chat_template(self.chat_template)
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(f"router_policy must be one of {ROUTER_POLICIES}, "
                              f"got {self.router_policy!r}")

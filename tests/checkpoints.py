@@ -260,6 +260,37 @@ def _stack_experts(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
+def gguf_tensor_name(hf_name: str, layer_names: dict[str, str]) -> str:
+    """llama.cpp's name of the HF tensor `hf_name`: top-level ones from `_HF_TO_GGUF_TOP`,
+    per-layer ones `blk.{i}.` + `layer_names[suffix]`."""
+    if hf_name in _HF_TO_GGUF_TOP:
+        return _HF_TO_GGUF_TOP[hf_name]
+    _, _, idx, suffix = hf_name.split(".", 3)
+    return f"blk.{idx}.{layer_names[suffix]}"
+
+
+def add_gguf_model_shape(w: Any, cfg: Any, head_dim: int) -> None:
+    """The shape keys every architecture's GGUF carries (`w`: a `gguf.GGUFWriter`); key and
+    value lengths only where `head_dim` is not hidden / heads, as llama.cpp's converter does."""
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+
+
+def finish_gguf(w: Any) -> None:
+    """Write the header, the metadata and the tensors of `w`, then close it."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def make_tiny_gguf(
     path: str | Path,
     arch: str = "llama",
@@ -323,15 +354,7 @@ def make_tiny_gguf(
         if arch == "qwen2_moe":
             w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
         state = _stack_experts(state)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
+    add_gguf_model_shape(w, cfg, head_dim)
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
@@ -349,15 +372,11 @@ def make_tiny_gguf(
 
     for name, arr in state.items():
         arr = blocks.get(name, arr)  # row permutations below apply to block rows alike
-        if name in _HF_TO_GGUF_TOP:
-            gguf_name = _HF_TO_GGUF_TOP[name]
-        else:
-            _, _, idx, suffix = name.split(".", 3)
-            gguf_name = f"blk.{idx}.{_HF_TO_GGUF_LAYER[suffix]}"
-            if arch in ("llama", "mixtral") and suffix.startswith("self_attn.q_proj"):
-                arr = _llama_cpp_permute(arr, cfg.num_attention_heads)
-            elif arch in ("llama", "mixtral") and suffix.startswith("self_attn.k_proj"):
-                arr = _llama_cpp_permute(arr, cfg.num_key_value_heads)
+        gguf_name = gguf_tensor_name(name, _HF_TO_GGUF_LAYER)
+        if arch in ("llama", "mixtral") and ".self_attn.q_proj." in name:
+            arr = _llama_cpp_permute(arr, cfg.num_attention_heads)
+        elif arch in ("llama", "mixtral") and ".self_attn.k_proj." in name:
+            arr = _llama_cpp_permute(arr, cfg.num_key_value_heads)
         if gguf_name == i8_tensor:
             w.add_tensor(gguf_name, np.zeros(arr.shape, dtype=np.int8))
         elif gguf_name == Q8_0_TENSOR:
@@ -366,8 +385,5 @@ def make_tiny_gguf(
             w.add_tensor(gguf_name, np.ascontiguousarray(arr), raw_dtype=qtype)
         else:
             w.add_tensor(gguf_name, np.ascontiguousarray(arr))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return str(path)

@@ -15,15 +15,34 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from checkpoints import _write_tokenizer_files, make_tiny_tokenizer
+from checkpoints import (
+    _HF_TO_GGUF_LAYER,
+    _write_tokenizer_files,
+    add_gguf_model_shape,
+    finish_gguf,
+    gguf_tensor_name,
+    make_tiny_tokenizer,
+)
 
 WINDOW = 6  # tokens a local layer's query sees (itself included)
 
 _LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
 
 
-def _build(arch: str, vocab_size: int, seed: int) -> Any:
+def _random_model(model_cls: Any, config: Any, seed: int) -> Any:
+    """A seeded `model_cls(config)` in eval mode with every parameter moved off its initial
+    value, so a missing (1 + w) or a swapped norm shows."""
     import torch
+
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def _build(arch: str, vocab_size: int, seed: int) -> Any:
     from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 
     common: dict[str, Any] = dict(
@@ -41,12 +60,7 @@ def _build(arch: str, vocab_size: int, seed: int) -> Any:
         model_cls = Gemma2ForCausalLM
     else:
         raise ValueError(f"unknown gemma test arch {arch!r}")
-    torch.manual_seed(seed)
-    model = model_cls(config).eval()
-    with torch.no_grad():  # non-trivial norms, so a missing (1 + w) or a swapped norm shows
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return model
+    return _random_model(model_cls, config, seed)
 
 
 def make_tiny_gemma(dir: str | Path, arch: str, *, seed: int = 0) -> str:
@@ -62,17 +76,12 @@ def make_tiny_gemma(dir: str | Path, arch: str, *, seed: int = 0) -> str:
 
 # ---------------------------------------------------------------- a tiny Gemma 3 GGUF
 
-_GGUF_LAYER = {  # HF per-layer suffix -> llama.cpp's Gemma 3 tensor suffix
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
+_GGUF_LAYER = {  # HF per-layer suffix -> llama.cpp's Gemma 3 tensor suffix: Llama's, but the
+    # four norms around attention and the MLP
+    **_HF_TO_GGUF_LAYER,
     "post_attention_layernorm.weight": "post_attention_norm.weight",
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
 }
 _SPM_WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "world",
               "return", "café", "naïve", "日本", "12", "345"]
@@ -101,7 +110,6 @@ def make_tiny_gemma3_gguf(path: str | Path, *, seed: int = 0) -> str:
     writes one: norms stored as 1 + w, Q/K rows unpermuted, a SentencePiece vocabulary with no
     merges. Float32 tensors, so a reader must reproduce the weights exactly."""
     import gguf
-    import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     tokens, types = tiny_spm_vocab()
@@ -109,20 +117,9 @@ def make_tiny_gemma3_gguf(path: str | Path, *, seed: int = 0) -> str:
         vocab_size=len(tokens), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
         num_attention_heads=2, num_key_value_heads=1, head_dim=256, sliding_window=WINDOW,
         max_position_embeddings=512, bos_token_id=2, eos_token_id=1, pad_token_id=0)
-    torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
+    model = _random_model(Gemma3ForCausalLM, config, seed)
     w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_block_count(config.num_hidden_layers)
-    w.add_context_length(config.max_position_embeddings)
-    w.add_embedding_length(config.hidden_size)
-    w.add_feed_forward_length(config.intermediate_size)
-    w.add_head_count(config.num_attention_heads)
-    w.add_head_count_kv(config.num_key_value_heads)
-    w.add_key_length(config.head_dim)
-    w.add_value_length(config.head_dim)
+    add_gguf_model_shape(w, config, config.head_dim)  # 256 != 64 / 2: key/value lengths too
     w.add_rope_freq_base(1000000.0)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_sliding_window(WINDOW)
@@ -141,18 +138,9 @@ def make_tiny_gemma3_gguf(path: str | Path, *, seed: int = 0) -> str:
         arr = t.detach().numpy().astype(np.float32)
         if name == "lm_head.weight":
             continue  # tied
-        if name == "model.embed_tokens.weight":
-            gguf_name = "token_embd.weight"
-        elif name == "model.norm.weight":
-            gguf_name = "output_norm.weight"
-        else:
-            _, _, idx, suffix = name.split(".", 3)
-            gguf_name = f"blk.{idx}.{_GGUF_LAYER[suffix]}"
+        gguf_name = gguf_tensor_name(name, _GGUF_LAYER)
         if gguf_name.endswith("norm.weight"):
             arr = arr + np.float32(1)
         w.add_tensor(gguf_name, np.ascontiguousarray(arr))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return str(path)

@@ -35,6 +35,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 JAX_CACHE_DIR = REPO_ROOT / ".pytest_cache" / "jax_cache"
 STOP_TIMEOUT_S = 20.0
 LOG_TAIL_CHARS = 4000
+# The session's default-model servers (tests/conftest.py).
+SERVED_F32 = "smol"  # the float32 one's --served-model-name
+_DEFAULT_MODEL_COMMON = ("--skip-warmup", "--chunked-prefill-size", "512")
+DEFAULT_MODEL_FLAGS = (*_DEFAULT_MODEL_COMMON, "--max-total-tokens", "8192",
+                       "--max-running-requests", "8")
+DEFAULT_MODEL_F32_FLAGS = (*_DEFAULT_MODEL_COMMON, "--max-total-tokens", "16384",
+                           "--max-running-requests", "16", "--dtype", "float32",
+                           "--served-model-name", SERVED_F32)
 
 
 def free_port() -> int:

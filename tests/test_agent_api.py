@@ -1,4 +1,5 @@
-"""The agent-facing API end to end on the real default model (SmolLM2-135M), one server:
+"""The agent-facing API end to end on the real default model (SmolLM2-135M), one server (the
+session's float32 one, tests/conftest.py):
 OpenAI compatibility (any model name, `--served-model-name`, `/server_info`), `stop_regex`,
 SGLang's streamed log-prob chunks, the Responses API through the official `openai` client
 (non-streamed, streamed, `previous_response_id` with cached tokens, 404s), and the OpenAI
@@ -15,29 +16,20 @@ import re
 import openai
 import pytest
 import requests
-from server_harness import ServerHandle, launch_server
+from server_harness import SERVED_F32 as SERVED
+from server_harness import ServerHandle
 
 from sgl_tpu.loader import default_model_path
 
 pytestmark = pytest.mark.slow
 
-SERVED = "smol"
 PAGE_SIZE = 16  # the server's default; cached prefixes are whole pages
-SERVER_FLAGS = ("--skip-warmup", "--served-model-name", SERVED, "--max-total-tokens", "8192",
-                "--max-running-requests", "8", "--chunked-prefill-size", "512",
-                "--dtype", "float32")
 GREEDY = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def server() -> ServerHandle:
-    try:
-        default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    handle = launch_server(*SERVER_FLAGS)
-    yield handle
-    handle.stop()
+def server(default_model_server_f32) -> ServerHandle:
+    return default_model_server_f32
 
 
 @pytest.fixture(scope="module")

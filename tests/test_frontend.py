@@ -3,9 +3,15 @@ real sgl-tpu server: gen with stops, select, dtype/regex/json_schema constraints
 run_batch, chat roles, streaming, flush_cache/get_server_info, bad input; the `examples/dsl_*.py`
 scripts; then the package's own frontend test programs (`sglang/test/test_programs.py`).
 
-One server serves the whole module (the default model, SmolLM2-135M-Instruct, ChatML). The
+One server serves the whole module (the default model, SmolLM2-135M-Instruct, ChatML: the
+session's float32 server of tests/conftest.py, shared with tests/test_agent_api.py). The
 programs written here sample greedily, so the assertions are about the server's behaviour, not
 luck; where an assertion depends on what the model knows, the context states the answer.
+
+Tests marked `backend_independent` run on the default executor backend only (`make test`'s JAX
+pass deselects them): the `/get_model_info` mapping is the HTTP process's, and the example
+scripts make the calls this module's own programs make on JAX too (gen with stops, fork/join,
+chat turns streamed, regex and JSON-schema fields); what they add is their printed output.
 """
 
 from __future__ import annotations
@@ -23,17 +29,16 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import pytest
 import requests
-from server_harness import REPO_ROOT, ServerHandle, launch_server
+from server_harness import REPO_ROOT, ServerHandle
 from sglang_frontend import sgl
 
 pytestmark = pytest.mark.slow
 
-# Few distinct batch shapes (each new one compiles for ~10-20 s on first use).
-# float32: SGLang's test programs check a 135M model's answers, and in bfloat16 those depend on
-# batch composition (e.g. test_decode_json once drew a raw control character inside a JSON
-# string its regex allows); float32 makes them reproducible on either backend.
-SERVER_FLAGS = ("--skip-warmup", "--max-running-requests", "16", "--chunked-prefill-size", "512",
-                "--max-total-tokens", "16384", "--dtype", "float32")
+# The server (tests/conftest.py) has few distinct batch shapes (each new one compiles for ~10-20 s
+# on first use) and runs float32: SGLang's test programs check a 135M model's answers, and in
+# bfloat16 those depend on batch composition (e.g. test_decode_json once drew a raw control
+# character inside a JSON string its regex allows); float32 makes them reproducible on either
+# backend.
 PAGE_SIZE = 16  # the server's default
 PROGRAM_TIMEOUT_S = 240.0
 # The regexes the frontend sends for dtype=int/float/bool/str.
@@ -42,10 +47,8 @@ REGEX_BOOL, REGEX_STR = sgl.lang.ir.REGEX_BOOL, sgl.lang.ir.REGEX_STR
 
 
 @pytest.fixture(scope="module")
-def server() -> ServerHandle:
-    handle = launch_server(*SERVER_FLAGS)
-    yield handle
-    handle.stop()
+def server(default_model_server_f32) -> ServerHandle:
+    return default_model_server_f32
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +61,7 @@ def backend(server: ServerHandle):
 
 # ---- the chat template the frontend picks ----------------------------------------------------
 
+@pytest.mark.backend_independent
 def test_model_info_maps_to_chatml(server: ServerHandle, backend) -> None:
     info = requests.get(server.base_url + "/get_model_info", timeout=30).json()
     assert backend.chat_template.name == "chatml", info["model_path"]
@@ -355,6 +359,7 @@ def test_flush_cache_and_server_info(server: ServerHandle, backend) -> None:
 
 # ---- examples/dsl_*.py -------------------------------------------------------------------------
 
+@pytest.mark.backend_independent
 @pytest.mark.parametrize("script, extra, expect", [
     ("dsl_react_agent.py", [], "-> answer:"),
     ("dsl_fork_join.py", [], "Verdict:"),

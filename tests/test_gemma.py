@@ -170,11 +170,12 @@ def test_spm_merges_follow_vocabulary_order():
 def test_chat_template_flag(tmp_path):
     from checkpoints import make_tiny_tokenizer
 
+    from sgl_tpu.choices import check_registry_names
     from sgl_tpu.loader.chat_templates import with_chat_template
     from sgl_tpu.loader.tokenizer import Tokenizer
 
     with pytest.raises(ValueError, match="chat_template must be one of gemma, chatml"):
-        ServerArgs(chat_template=str(tmp_path / "missing.jinja"))
+        check_registry_names(ServerArgs(chat_template=str(tmp_path / "missing.jinja")))
     base = Tokenizer(make_tiny_tokenizer(), bos_token_id=1, eos_token_ids=[2],
                      chat_template=None)
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},

@@ -1,6 +1,12 @@
 """End-to-end tests of the OpenAI API and `/metrics`, driven by the real `openai` client against
 a real server (a tiny random-weight model: outputs are gibberish but deterministic under greedy
-decoding, which is all these tests compare)."""
+decoding, which is all these tests compare).
+
+Tests marked `backend_independent` run on the default backend only (`make test`'s JAX pass
+deselects them): name routing, request validation, auth and metrics are answered by the HTTP
+process whatever the executor; the default-model chat's path (ChatML template, greedy chat,
+streaming equal to non-streaming) runs on JAX in tests/test_frontend.py on the same model.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +21,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_harness import launch_server
 
 from sgl_tpu.detokenize import stop_safe_len as _safe_len
-from sgl_tpu.loader import default_model_path
 
 pytestmark = pytest.mark.slow
 
@@ -49,6 +54,7 @@ def greedy_chat(client: openai.OpenAI, max_tokens: int = 12, **kw):
                                           temperature=0, **kw)
 
 
+@pytest.mark.backend_independent
 def test_models(client, tiny_model):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
@@ -195,6 +201,7 @@ def test_completions_json_schema_extension(client):
                                   extra_body={"json_schema": "{not json"})
 
 
+@pytest.mark.backend_independent
 def test_any_model_name(client):
     """Any name is served by the one model (SGLang's docs send "default"); only SGLang's
     `served:adapter` form is parsed, and adapters are refused; retrieving an unknown model 404s."""
@@ -206,6 +213,7 @@ def test_any_model_name(client):
         client.models.retrieve("no-such-model")
 
 
+@pytest.mark.backend_independent
 @pytest.mark.parametrize("bad, field", [
     ({"temperature": -1}, "temperature"),
     ({"top_p": 2}, "top_p"),
@@ -219,6 +227,7 @@ def test_bad_values(client, bad, field):
     assert greedy_chat(client, max_tokens=2).choices[0].finish_reason in ("stop", "length")
 
 
+@pytest.mark.backend_independent
 def test_bad_messages(client, server):
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model=MODEL, messages=[])
@@ -233,6 +242,7 @@ def test_bad_messages(client, server):
     assert greedy_chat(client, max_tokens=2).choices[0].finish_reason in ("stop", "length")
 
 
+@pytest.mark.backend_independent
 def test_metrics(client, server):
     greedy_chat(client, max_tokens=3)
     text = requests.get(server.base_url + "/metrics", timeout=30).text
@@ -246,6 +256,7 @@ def test_metrics(client, server):
     assert 0 <= samples["sglang:cache_hit_rate"] <= 1
 
 
+@pytest.mark.backend_independent
 def test_api_key(tiny_model):
     keyed = launch_server(*SERVER_FLAGS, "--api-key", "secret", model_path=tiny_model)
     try:
@@ -274,6 +285,7 @@ def test_stream_disconnect_frees_the_request(client, server):
     assert info.get("integrity") == "ok"
 
 
+@pytest.mark.backend_independent
 def test_safe_len_holds_back_stop_prefixes():
     assert _safe_len("hello wor", ["world"]) == len("hello ")
     assert _safe_len("hello", ["xyz"]) == 5
@@ -281,25 +293,18 @@ def test_safe_len_holds_back_stop_prefixes():
     assert _safe_len("", ["a"]) == 0
 
 
-def test_default_model_chat():
-    """The one test on the real default model (SmolLM2-135M), where the text must make sense."""
-    try:
-        default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    smol = launch_server("--skip-warmup", "--max-total-tokens", "4096",
-                         "--max-running-requests", "8", "--chunked-prefill-size", "256")
-    try:
-        c = openai.OpenAI(base_url=smol.base_url + "/v1", api_key="x", max_retries=0,
-                          timeout=120)
-        model = c.models.list().data[0].id
-        kw = dict(model=model, max_tokens=24, temperature=0,
-                  messages=[{"role": "user", "content": "What is the capital of France?"}])
-        resp = c.chat.completions.create(**kw)
-        content = resp.choices[0].message.content
-        assert "Paris" in content and resp.choices[0].finish_reason == "stop"
-        assert "<|im_end|>" not in content
-        stream = c.chat.completions.create(**kw, stream=True)
-        assert "".join(ch.choices[0].delta.content or "" for ch in stream) == content
-    finally:
-        smol.stop()
+@pytest.mark.backend_independent
+def test_default_model_chat(default_model_server):
+    """The one test on the real default model (SmolLM2-135M; the session's server of
+    tests/conftest.py), where the text must make sense."""
+    c = openai.OpenAI(base_url=default_model_server.base_url + "/v1", api_key="x",
+                      max_retries=0, timeout=120)
+    model = c.models.list().data[0].id
+    kw = dict(model=model, max_tokens=24, temperature=0,
+              messages=[{"role": "user", "content": "What is the capital of France?"}])
+    resp = c.chat.completions.create(**kw)
+    content = resp.choices[0].message.content
+    assert "Paris" in content and resp.choices[0].finish_reason == "stop"
+    assert "<|im_end|>" not in content
+    stream = c.chat.completions.create(**kw, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream) == content

@@ -6,11 +6,19 @@ Servers (module scoped, launched on first use; a tiny random model unless noted)
     llguidance_nojf     --disable-jump-forward      (the reference for jump-forward exactness)
     outlines            --grammar-backend outlines
     outlines_nojf       --grammar-backend outlines --disable-jump-forward
-    smol                the default SmolLM2 model: one realistic OpenAI `response_format` check
+    smol                the default SmolLM2 model (the session's server, tests/conftest.py):
+                        one realistic OpenAI `response_format` check
 
 The tiny model's outputs are gibberish, but the grammar masks still force every output into the
 requested format, so sampled outputs (temperature 1, `n: 20`) are checked against the regex or
 schema, and greedy outputs with and without jump-forward are compared token for token.
+
+Tests marked `backend_independent` run on the default executor backend only (`make test`'s JAX
+pass deselects them). Grammars compile and jump-forward runs on the host, and every grammar
+backend fills the same packed token mask, which the executor applies alike: on JAX the
+llguidance cases cover the executor's side, so the outlines cases, the host-side grammar errors,
+the kv-pressure case without jump-forward (the retraction path is the same) and the default-model
+`response_format` check (tests/test_frontend.py runs a JSON schema on that model) run once.
 
 Regexes are checked with the `regex` module, not `re`: both backends give `\\d`, `\\w`, `\\s` the
 Unicode (UTS #18) meaning, under which `\\w` also covers combining marks and other alphabetic
@@ -125,7 +133,8 @@ def servers(tiny_model):
         server.handle.stop()
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=[b if b == "llguidance" else pytest.param(
+    b, marks=pytest.mark.backend_independent) for b in BACKENDS])
 def backend(request) -> str:
     return request.param
 
@@ -141,10 +150,8 @@ def server_nojf(servers, backend) -> Server:
 
 
 @pytest.fixture(scope="module")
-def smol():
-    server = _launch("smol", None, "--max-running-requests", "4", "--max-total-tokens", "4096")
-    yield server
-    server.handle.stop()
+def smol(default_model_server) -> Server:
+    return Server(default_model_server, "smol")
 
 
 # ---- helpers --------------------------------------------------------------------------------
@@ -444,7 +451,7 @@ def _run_concurrently(server: Server, bodies: list[dict[str, Any]], stall_s: flo
 
 @pytest.mark.parametrize("jump_forward", [
     True,
-    False,
+    pytest.param(False, marks=pytest.mark.backend_independent),
 ], ids=["jump_forward", "no_jump_forward"])
 def test_constrained_under_kv_pressure_matches_roomy(servers, tiny_model, jump_forward):
     """Retraction keeps the grammar state: a tight pool gives the same greedy outputs."""
@@ -478,6 +485,7 @@ BAD_GRAMMARS = [
 ]
 
 
+@pytest.mark.backend_independent
 @pytest.mark.parametrize(("kind", "text", "words"), BAD_GRAMMARS,
                          ids=[f"{k}:{t}" for k, t, _ in BAD_GRAMMARS])
 def test_bad_grammar_is_400(server, kind, text, words):
@@ -494,6 +502,7 @@ def test_bad_grammar_is_400(server, kind, text, words):
     server.assert_clean()
 
 
+@pytest.mark.backend_independent
 def test_ebnf_errors(servers):
     sp = {**GREEDY, "max_new_tokens": 8}
     r = servers("outlines").post("/generate", {"text": PROMPT, "sampling_params": {
@@ -504,6 +513,7 @@ def test_ebnf_errors(servers):
     assert_error(r, "foo")
 
 
+@pytest.mark.backend_independent
 def test_bad_grammar_request_shapes(servers):
     server = servers("llguidance")
     cases = [
@@ -601,6 +611,7 @@ def test_openai_response_format_json_schema(server, backend):
     server.assert_clean()
 
 
+@pytest.mark.backend_independent
 def test_openai_response_format_realistic_smol(smol):
     """The default SmolLM2 model: greedy JSON that validates and ends on its own."""
     client = _client(smol)

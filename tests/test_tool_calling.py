@@ -18,12 +18,7 @@ import requests
 from checkpoints import make_tiny_hf_checkpoint
 from server_harness import launch_server
 
-from sgl_tpu.loader import default_model_path
-
 pytestmark = pytest.mark.slow
-
-FLAGS = ("--skip-warmup", "--max-total-tokens", "8192", "--max-running-requests", "8",
-         "--chunked-prefill-size", "512")
 
 FLIGHT = {"type": "function", "function": {
     "name": "book_flight", "description": "Book a flight",
@@ -50,14 +45,9 @@ ASK_FLIGHT = [{"role": "user", "content": "Book me a business flight from Oslo o
 
 
 @pytest.fixture(scope="module")
-def server():
-    try:
-        default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    handle = launch_server(*FLAGS)
-    yield handle
-    handle.stop()
+def server(default_model_server):
+    """The session's default-model server (tests/conftest.py)."""
+    return default_model_server
 
 
 @pytest.fixture(scope="module")

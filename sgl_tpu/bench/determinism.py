@@ -13,27 +13,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 from functools import partial
 
 import numpy as np
 
 from sgl_tpu.bench.executor import _steps
 from sgl_tpu.bench.report import emit
-
-
-def _alternate(fns: dict, repeats: int) -> dict[str, float]:
-    """Median seconds of each of `fns`, one call of each per round after a warm-up call."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
+from sgl_tpu.bench.timing import interleaved_median
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -71,8 +57,8 @@ def run(args: argparse.Namespace) -> dict:
             cases.append((f"decode_b{b}", ForwardMode.DECODE,
                           _steps(b, 1, args.context, ps, rng, cfg.vocab_size), {"batch": b}))
         for name, mode, steps, info in cases:
-            med = _alternate({k: partial(r.forward, mode, steps) for k, r in runners.items()},
-                             args.repeats)
+            med = interleaved_median(
+                {k: partial(r.forward, mode, steps) for k, r in runners.items()}, args.repeats)
             row = {"backend": backend, "phase": name, **info,
                    "off_ms": round(1e3 * med["off"], 2), "on_ms": round(1e3 * med["on"], 2),
                    "on_over_off": round(med["on"] / med["off"], 3)}

@@ -27,12 +27,12 @@ import argparse
 import json
 import os
 import statistics
-import time
 from functools import partial
 
 import numpy as np
 
 from sgl_tpu.bench.report import emit
+from sgl_tpu.bench.timing import best, interleaved
 
 SAMPLING = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.7, top_p=0.9)}
 
@@ -51,29 +51,6 @@ def _steps(n_seqs: int, n_new: int, prefix: int, page_size: int, rng, vocab: int
                              pages=pages, sampling=params, seed=i, num_output_tokens=0,
                              return_logprob=False))
     return steps
-
-
-def _interleaved(fns: dict, repeats: int) -> dict[str, list[float]]:
-    """Seconds of each of `fns` over `repeats` rounds, one call of each per round."""
-    for fn in fns.values():
-        fn()  # compile + warm
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return times
-
-
-def _best(fn, repeats: int) -> float:
-    fn()  # compile + warm
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -114,7 +91,7 @@ def run(args: argparse.Namespace) -> dict:
             ps = sargs.page_size
             for n in prefills:
                 steps = _steps(1, n, 0, ps, rng, cfg.vocab_size)
-                t = _best(partial(runner.forward, ForwardMode.EXTEND, steps), args.repeats)
+                t = best(partial(runner.forward, ForwardMode.EXTEND, steps), args.repeats)
                 results["runs"].append({**tag, "phase": "prefill", "tokens": n,
                                         "seconds": round(t, 4), "tok_per_s": round(n / t, 1)})
                 print(json.dumps(results["runs"][-1]), flush=True)
@@ -131,7 +108,7 @@ def run(args: argparse.Namespace) -> dict:
                         for name, use in samplers.items():
                             fns[path + name + mode] = partial(use, path_runner.forward,
                                                               ForwardMode.DECODE, steps)
-                times = _interleaved(fns, args.repeats)
+                times = interleaved(fns, args.repeats)
                 for path in paths:
                     for name in samplers:
                         for mode in modes:

@@ -21,24 +21,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from functools import partial
 
 import numpy as np
 
 from sgl_tpu.bench.report import emit
-
-
-def _best(fn, repeats: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn())  # compile + warm
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return min(times)
+from sgl_tpu.bench.timing import best
 
 
 def _case(args, mode, seqs, rng, dtype):
@@ -123,7 +111,7 @@ def run(args: argparse.Namespace) -> dict:
         nbytes = (2 * kv_tokens * args.kv_heads + 2 * num_tokens * heads) * d * itemsize
         impls = ["ref", "pallas"] if on_tpu else ["ref"]
         for impl in impls:
-            t = _best(jax.jit(partial(fn, impl)), args.repeats)
+            t = best(jax.jit(partial(fn, impl)), args.repeats, sync=jax.block_until_ready)
             row = {"phase": phase, "impl": impl, "seqs": len(seqs), "query_tokens": num_tokens,
                    "kv_tokens": kv_tokens, "seconds": round(t, 6),
                    "tok_per_s": round(num_tokens / t, 1),

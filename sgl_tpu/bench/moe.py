@@ -28,8 +28,9 @@ from functools import partial
 
 import numpy as np
 
-from sgl_tpu.bench.executor import _best, _interleaved, _steps
+from sgl_tpu.bench.executor import _steps
 from sgl_tpu.bench.report import emit
+from sgl_tpu.bench.timing import best, interleaved
 
 
 def _configs(args: argparse.Namespace) -> dict:
@@ -97,8 +98,8 @@ def _runner_rows(args: argparse.Namespace, configs: dict) -> list[dict]:
         phases += [("decode", b, ForwardMode.DECODE, _steps(b, 1, args.context, ps, rng, vocab))
                    for b in batches]
         for phase, batch, mode, steps in phases:
-            times = _interleaved({name: partial(r.forward, mode, steps)
-                                  for name, r in runners.items()}, args.repeats)
+            times = interleaved({name: partial(r.forward, mode, steps)
+                                 for name, r in runners.items()}, args.repeats)
             for name, cfg in configs.items():
                 t = min(times[name])
                 row = {"backend": backend, "model": name, **_params_per_token(cfg),
@@ -131,8 +132,8 @@ def _layer_rows(args: argparse.Namespace, configs: dict) -> list[dict]:
             fns[name] = jax.jit(partial(llama.dense_mlp, cfg=configs[name]))
         for name, fn in fns.items():
             layer = layers["moe" if name.startswith("moe") else name]
-            t = _best(lambda fn=fn, x=x, layer=layer: jax.block_until_ready(fn(x, layer)),
-                      args.repeats * 3)
+            t = best(lambda fn=fn, x=x, layer=layer: jax.block_until_ready(fn(x, layer)),
+                     args.repeats * 3)
             rows.append({"backend": "jax", "phase": "mlp_layer", "mlp": name,
                          "tokens": num_tokens, "us": round(1e6 * t, 1)})
             print(json.dumps(rows[-1]), flush=True)

@@ -22,8 +22,9 @@ from functools import partial
 
 import numpy as np
 
-from sgl_tpu.bench.executor import _interleaved, _steps
+from sgl_tpu.bench.executor import _steps
 from sgl_tpu.bench.report import emit
+from sgl_tpu.bench.timing import interleaved
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> dict:
     page_size = ServerArgs.page_size
 
     def record(phase: dict, fns: dict, per_step: int) -> None:
-        times = _interleaved(fns, args.repeats)
+        times = interleaved(fns, args.repeats)
         first = next(iter(times))
         base_min, base_med = min(times[first]), statistics.median(times[first])
         for mode, t in times.items():

@@ -1,0 +1,39 @@
+"""Timing loops shared by the micro-benchmarks: every function runs once untimed first (compile
+and warm), then is timed with `time.perf_counter`. `sync` waits for an asynchronous result (pass
+`jax.block_until_ready` for JAX calls that are not synchronised inside `fn`)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def _identity(result: Any) -> Any:
+    return result
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], repeats: int,
+                sync: Callable[[Any], Any] = _identity) -> dict[str, list[float]]:
+    """Seconds of each of `fns` over `repeats` rounds, one call of each per round (ABAB..., so
+    a load change on a shared machine hits every function alike)."""
+    for fn in fns.values():
+        sync(fn())
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            sync(fn())
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def interleaved_median(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median seconds of each of `fns` under `interleaved`."""
+    return {name: statistics.median(t) for name, t in interleaved(fns, repeats).items()}
+
+
+def best(fn: Callable[[], Any], repeats: int, sync: Callable[[Any], Any] = _identity) -> float:
+    """The fastest of `repeats` timed calls, in seconds."""
+    return min(interleaved({"fn": fn}, repeats, sync)["fn"])

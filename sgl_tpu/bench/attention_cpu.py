@@ -41,20 +41,9 @@ from types import SimpleNamespace
 import numpy as np
 
 from sgl_tpu.bench.report import emit
+from sgl_tpu.bench.timing import interleaved
 
 KVH, GROUP, HEAD_DIM, PAGE = 3, 3, 64, 16
-
-
-def _interleaved(fns: dict, repeats: int, clock) -> dict[str, list[float]]:
-    for fn in fns.values():
-        fn()  # warm
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = clock()
-            fn()
-            times[name].append(clock() - t0)
-    return times
 
 
 def _read_bandwidth(torch, clock) -> float:
@@ -164,7 +153,7 @@ def _model_steps(args, torch, own: tuple[int, int]) -> list[dict]:
                                  num_output_tokens=1))
         fns = {name: partial(r.forward, ForwardMode.DECODE, steps)
                for name, r in runners.items()}
-        times = _interleaved(fns, args.repeats, time.thread_time)
+        times = interleaved(fns, args.repeats, clock=time.thread_time)
         row = {"phase": "model_decode_step", "batch": b, "dtype": "float32"}
         for name, ts in times.items():
             row[name] = {"best_ms": round(1e3 * min(ts), 2),
@@ -215,7 +204,7 @@ def main() -> None:
                       ("extend", *_extend_case(torch, dtype, impls, 200, 1300, rng))]
             for phase, fns, outs, ctx in cases:
                 with torch.inference_mode():
-                    times = _interleaved(fns, args.repeats, clock)
+                    times = interleaved(fns, args.repeats, clock=clock)
                 row = _row(phase, dtype_name, ctx, outs, times, bw, args.layers)
                 out["cases"].append(row)
                 print({"clock": clock_name, **{k: row.get(k) for k in

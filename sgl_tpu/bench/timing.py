@@ -15,17 +15,19 @@ def _identity(result: Any) -> Any:
 
 
 def interleaved(fns: dict[str, Callable[[], Any]], repeats: int,
-                sync: Callable[[Any], Any] = _identity) -> dict[str, list[float]]:
+                sync: Callable[[Any], Any] = _identity,
+                clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
     """Seconds of each of `fns` over `repeats` rounds, one call of each per round (ABAB..., so
-    a load change on a shared machine hits every function alike)."""
+    a load change on a shared machine hits every function alike). `clock`: wall time by
+    default; `time.thread_time` counts only this thread's CPU time (a loaded machine)."""
     for fn in fns.values():
         sync(fn())
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             sync(fn())
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
     return times
 
 

@@ -5,8 +5,11 @@ one jitted step and returns host numpy results.
 
 Jitted entry points (all here, compiled per bucket at warm-up):
 
-    _step(params, kv_pools, token_counts, fb; mode)      -> (SampleOutput, hidden, kv_pools, counts)
-        donates kv_pools and token_counts, so the KV write and the count update are in place.
+    _step(params, kv_pools, token_counts, prev_token_ids, fb; mode)
+                                  -> (SampleOutput, hidden, kv_pools, counts, last_token_ids)
+        donates kv_pools and token_counts, so the KV write and the count update are in place;
+        resolves placeholder input ids (overlap scheduling, executor/step.py) from the previous
+        step's token ids, kept on the device padded to a fixed width.
     _token_logprobs(params, hidden, target_ids; T)        -> input log-probs for prompt positions
 
 `num_compilations()` counts XLA compilations of these functions, so tests can assert that mixed
@@ -55,10 +58,13 @@ def _logits(params, hidden, cfg: ModelConfig, vocab_size: int, mesh: Mesh | None
     return gather_logits(logits, vocab_size, mesh)
 
 
-def _step_impl(params, kv_pools, token_counts, fb: ForwardBatch, *, cfg: ModelConfig,
-               mode: ForwardMode, kv_tile: int, num_top: int, attention_backend: str,
-               vocab_size: int, mesh: Mesh | None):
+def _step_impl(params, kv_pools, token_counts, prev_token_ids, fb: ForwardBatch, *,
+               cfg: ModelConfig, mode: ForwardMode, kv_tile: int, num_top: int,
+               attention_backend: str, vocab_size: int, mesh: Mesh | None):
     model = jax_model(cfg.arch)
+    ids = fb.input_ids  # [T]; placeholder -(i + 1) = the previous step's token of sequence i
+    ids = jnp.where(ids < 0, prev_token_ids[jnp.maximum(-ids - 1, 0)], ids)
+    fb = dataclasses.replace(fb, input_ids=ids)
     tp = {"mesh": mesh} if mesh is not None else {}
     hidden, kv_pools = model.forward(params, kv_pools, fb, cfg, mode, kv_tile=kv_tile,
                                      attention_backend=attention_backend, **tp)
@@ -70,15 +76,18 @@ def _step_impl(params, kv_pools, token_counts, fb: ForwardBatch, *, cfg: ModelCo
         token_counts = token_counts.at[fb.counts_rows].multiply(keep)
     token_counts = token_counts.at[fb.counts_rows, out.token_ids].add(
         fb.sample_valid.astype(token_counts.dtype))
+    last_token_ids = jnp.zeros_like(prev_token_ids).at[: out.token_ids.shape[0]].set(
+        out.token_ids.astype(prev_token_ids.dtype))  # [L]
     if mesh is not None:
         # Pin the shardings of what comes back in: an input sharding GSPMD chose differently
         # from the allocation's would compile the step again on its next call.
-        token_counts, hidden = (lax.with_sharding_constraint(a, replicated(mesh))
-                                for a in (token_counts, hidden))
+        token_counts, hidden, last_token_ids = (
+            lax.with_sharding_constraint(a, replicated(mesh))
+            for a in (token_counts, hidden, last_token_ids))
         pool_sharding = NamedSharding(mesh, tp_mesh.KV_POOL_SPEC)
         kv_pools = [tuple(lax.with_sharding_constraint(p, pool_sharding) for p in layer)
                     for layer in kv_pools]
-    return out, hidden, kv_pools, token_counts
+    return out, hidden, kv_pools, token_counts, last_token_ids
 
 
 def _token_logprobs_impl(params, hidden, target_ids, *, cfg: ModelConfig, num_top: int,
@@ -133,6 +142,27 @@ def params_to_device(params: dict, dtype, quantization: str = "none",
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class _PendingJaxStep:
+    """A dispatched step's device outputs; `result()` copies them to the host."""
+
+    out: object  # sampler.SampleOutput of device arrays, S rows
+    hidden: jax.Array | None  # [T, D] (EXTEND)
+    num_seqs: int  # n real sequences
+
+    def result(self) -> StepResult:
+        n = self.num_seqs
+        token_ids, logprobs, top_ids, top_lp = jax.device_get(
+            (self.out.token_ids, self.out.logprobs, self.out.top_ids, self.out.top_logprobs))
+        return StepResult(
+            token_ids=np.asarray(token_ids[:n]),
+            logprobs=np.asarray(logprobs[:n], np.float32),
+            top_ids=np.asarray(top_ids[:n]),
+            top_logprobs=np.asarray(top_lp[:n], np.float32),
+            hidden=self.hidden,
+        )
+
+
 class JaxModelRunner:
     backend = "jax"
 
@@ -158,6 +188,9 @@ class JaxModelRunner:
         # Row 0 is a scratch row for padding sequences; request rows are 1..max_running.
         self.token_counts = self._zeros((config.max_running_requests + 1, self.vocab_size),
                                         jnp.int32, replicated=True)
+        # The last step's sampled ids, padded to the widest step (placeholders read them).
+        width = max(*config.seq_buckets, config.max_extend_seqs)
+        self._last_token_ids = self._zeros((width,), jnp.int32, replicated=True)
         num_top = config.max_top_logprobs
         shared = dict(cfg=self.shard_config, vocab_size=self.vocab_size, mesh=self.mesh)
         self._step = jax.jit(
@@ -207,20 +240,15 @@ class JaxModelRunner:
             pages_per_tile=c.kv_tile // c.page_size)
 
     def forward(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> StepResult:
+        return self.dispatch(mode, steps).result()
+
+    def dispatch(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> _PendingJaxStep:
+        """Enqueue the jitted step (JAX dispatch is asynchronous) without waiting for it."""
         shape = self.batch_shape(mode, steps)
         fb = build_forward_batch(steps, shape, self.config.page_size)
-        out, hidden, self.kv_pools, self.token_counts = self._step(
-            self.params, self.kv_pools, self.token_counts, fb, mode=mode)
-        n = len(steps)
-        token_ids, logprobs, top_ids, top_lp = jax.device_get(
-            (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs))
-        return StepResult(
-            token_ids=np.asarray(token_ids[:n]),
-            logprobs=np.asarray(logprobs[:n], np.float32),
-            top_ids=np.asarray(top_ids[:n]),
-            top_logprobs=np.asarray(top_lp[:n], np.float32),
-            hidden=hidden if mode == ForwardMode.EXTEND else None,
-        )
+        out, hidden, self.kv_pools, self.token_counts, self._last_token_ids = self._step(
+            self.params, self.kv_pools, self.token_counts, self._last_token_ids, fb, mode=mode)
+        return _PendingJaxStep(out, hidden if mode == ForwardMode.EXTEND else None, len(steps))
 
     def token_logprobs(self, hidden: jax.Array, target_ids: np.ndarray
                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -251,8 +279,9 @@ class JaxModelRunner:
             shape = self.batch_shape(ForwardMode.EXTEND, steps)
             shape = dataclasses.replace(shape, num_tokens=n_tokens)
             fb = build_forward_batch(steps, shape, self.config.page_size)
-            out, hidden, self.kv_pools, self.token_counts = self._step(
-                self.params, self.kv_pools, self.token_counts, fb, mode=ForwardMode.EXTEND)
+            out, hidden, self.kv_pools, self.token_counts, self._last_token_ids = self._step(
+                self.params, self.kv_pools, self.token_counts, self._last_token_ids, fb,
+                mode=ForwardMode.EXTEND)
             self._token_logprobs(self.params, hidden, np.zeros(n_tokens, np.int32))
             self.row_logits(hidden, np.zeros(1, np.int32))
         for n_seqs in self.config.seq_buckets:

@@ -376,7 +376,8 @@ class Scheduler:
         """Whether the next DECODE may be dispatched before the one in flight is processed:
         nothing to admit, extend or abort, no request that needs its last token on the host,
         and a page for every running request's next token without retracting any."""
-        if self._aborts or self.chunked_req is not None or self.jump_forward_reqs:
+        if not self.overlap or self._aborts or self.chunked_req is not None \
+                or self.jump_forward_reqs:
             return False
         if any(r.grammar_future is None or r.matcher is not None for r in self.waiting):
             return False  # admissible now: the serial loop would prefill it next

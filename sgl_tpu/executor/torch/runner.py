@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -210,7 +211,7 @@ class TorchModelRunner:
     # ---- steps -------------------------------------------------------------------------
     def forward(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> StepResult:
         if self._in_flight is not None:  # keep the order of dispatched steps
-            self._in_flight.result()
+            futures.wait([self._in_flight])  # (its error, if any, went to its caller)
             self._in_flight = None
         return self._forward(mode, steps)
 

@@ -7,7 +7,14 @@ import argparse
 import dataclasses
 
 from sgl_tpu.choices import check_chat_template_choice, registry_choices
-from sgl_tpu.config import DTYPES, ROUTER_POLICIES, TORCH_COMPILE, TORCH_DEVICES, ServerArgs
+from sgl_tpu.config import (
+    DTYPES,
+    OVERLAP_SCHEDULE,
+    ROUTER_POLICIES,
+    TORCH_COMPILE,
+    TORCH_DEVICES,
+    ServerArgs,
+)
 
 _HELP = {
     "model_path": "GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct Q4_1 "
@@ -46,6 +53,11 @@ _HELP = {
     "torch_compile": "torch backend: torch.compile(dynamic=False) per shape bucket; auto = on "
                      "for tpu/cuda, off on CPU (eager with oneDNN-prepacked weights measured "
                      "faster there)",
+    "overlap_schedule": "overlap scheduling: dispatch each decode step before the previous "
+                        "step's tokens reach the host, which processes them while the device "
+                        "runs (exact: the same outputs); auto = on for accelerators (tpu/gpu), "
+                        "off on CPU",
+    "disable_overlap_schedule": "SGLang's flag: the same as --overlap-schedule off",
     "tool_call_parser": "tool-call format of the model (SGLang's names); default: picked from "
                         "the chat template, hermes-style <tool_call> blocks when it has none",
     "reasoning_parser": "split <think>...</think> into reasoning_content (qwen3, deepseek-r1)",
@@ -96,7 +108,7 @@ ROUTER_FLAG_PREFIX = "--router-"
 
 
 _CHOICES = {"dtype": DTYPES, "device": TORCH_DEVICES, "torch_compile": TORCH_COMPILE,
-            "router_policy": ROUTER_POLICIES}
+            "overlap_schedule": OVERLAP_SCHEDULE, "router_policy": ROUTER_POLICIES}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,6 +21,7 @@ DTYPES = ("auto", "float32", "bfloat16")
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "manual")
 TORCH_DEVICES = ("auto", "cpu", "cuda", "tpu")
 TORCH_COMPILE = ("auto", "on", "off")
+OVERLAP_SCHEDULE = ("auto", "on", "off")
 
 
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
@@ -94,6 +95,9 @@ class SchedulerConfig:
     speculative_num_draft_tokens: int = 4
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 8
+    # Dispatch a DECODE step before the previous one's tokens reach the host (resolved from
+    # ServerArgs.overlap_schedule by executor/registry.py; see scheduler/overlap.py).
+    overlap_schedule: bool = False
 
 
 @dataclass(frozen=True)
@@ -147,6 +151,8 @@ class ServerArgs:
     backend: str = "auto"  # executor: "jax", "torch", or "auto" (the faster one here)
     torch_compile: str = "auto"  # torch backend: auto = on for tpu/cuda, off on CPU (see help)
     disable_compile: bool = False  # torch backend: run eagerly (debugging); = torch_compile off
+    overlap_schedule: str = "auto"  # see the CLI help; resolved by executor/registry.py
+    disable_overlap_schedule: bool = False  # SGLang's flag; = overlap_schedule off
     device: str = "auto"  # torch backend device
     quantization: str = "auto"  # weights: none/gguf/int8/int4, auto (sgl_tpu/quantization)
     # Data parallelism: N replicas of this server behind the sglang-router on --port (see
@@ -199,6 +205,9 @@ class ServerArgs:
                 or not isinstance(self.cuda_graph_max_bs, int) or self.cuda_graph_max_bs < 1):
             raise ValueError(f"cuda_graph_max_bs must be a positive integer, "
                              f"got {self.cuda_graph_max_bs!r}")
+        if self.overlap_schedule not in OVERLAP_SCHEDULE:
+            raise ValueError(f"overlap_schedule must be one of {OVERLAP_SCHEDULE}, "
+                             f"got {self.overlap_schedule!r}")
         if self.torch_compile not in TORCH_COMPILE:
             raise ValueError(f"torch_compile must be one of {TORCH_COMPILE}, "
                              f"got {self.torch_compile!r}")
@@ -268,7 +277,8 @@ class ServerArgs:
     def replace(self, **changes) -> ServerArgs:
         return dataclasses.replace(self, **changes)
 
-    def scheduler_config(self, runner: RunnerConfig) -> SchedulerConfig:
+    def scheduler_config(self, runner: RunnerConfig, overlap_schedule: bool = False
+                         ) -> SchedulerConfig:
         return SchedulerConfig(
             page_size=self.page_size,
             max_running_requests=self.max_running_requests,
@@ -283,4 +293,5 @@ class ServerArgs:
             speculative_num_draft_tokens=self.speculative_num_draft_tokens,
             speculative_ngram_min_match_window_size=self.speculative_ngram_min_match_window_size,
             speculative_ngram_max_match_window_size=self.speculative_ngram_max_match_window_size,
+            overlap_schedule=overlap_schedule,
         )

@@ -171,3 +171,58 @@ def test_unsupported_architecture(tmp_path):
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="mamba"):
         Engine(model_dir, skip_warmup=True)
+
+
+def test_overlap_schedule_gives_the_serial_outputs(engine):
+    """The same engine with overlap scheduling off, then on: token-for-token the same outputs
+    (and log-probs) under mixed traffic: chunked prefill, greedy and seeded sampling with
+    penalties, stop ids and strings met mid-batch (found one step late under overlap),
+    max_new_tokens hit mid-batch, n > 1, and a grammar with jump-forward (its steps run the
+    serial way). Every page is back once all finish."""
+    sched = engine.scheduler
+    vocab = engine.model_config.vocab_size
+    shared = _ids(150, 11, vocab)  # longer than one chunk
+    base = engine.generate(input_ids=shared, sampling_params={**GREEDY, "max_new_tokens": 16,
+                                                               "ignore_eos": True})
+    text = base["text"]
+    stop_str = text[len(text) // 2 : len(text) // 2 + 2]
+    prompts = [shared, shared + _ids(9, 12, vocab), _ids(30, 13, vocab), shared,
+               _ids(5, 14, vocab), _ids(40, 15, vocab), _ids(12, 16, vocab)]
+    params = [{**GREEDY, "max_new_tokens": 16, "stop_token_ids": [base["output_ids"][6]]},
+              {**GREEDY, "max_new_tokens": 9},
+              {"temperature": 0.9, "top_k": 20, "frequency_penalty": 0.4,
+               "repetition_penalty": 1.1, "max_new_tokens": 14, "seed": 3, "ignore_eos": True},
+              {**GREEDY, "max_new_tokens": 16, "ignore_eos": True,
+               **({"stop": [stop_str]} if stop_str.strip() else {})},
+              {**GREEDY, "max_new_tokens": 1},
+              {**GREEDY, "max_new_tokens": 20, "ignore_eos": True},
+              {"temperature": 1.0, "max_new_tokens": 7, "seed": 5, "n": 3, "ignore_eos": True}]
+    grammar = {**GREEDY, "max_new_tokens": 12, "regex": r"The answer is (yes|no)\. [0-9]{3}"}
+
+    def run() -> list:
+        assert sched.flush_cache()  # the same (uncached) prefills in both runs
+        outs = [engine.generate(input_ids=p, sampling_params=sp, return_logprob=True,
+                                top_logprobs_num=2) for p, sp in zip(prompts[-1:], params[-1:],
+                                                                     strict=True)][0]
+        outs += engine.generate(input_ids=prompts[:-1], sampling_params=params[:-1],
+                                return_logprob=True, top_logprobs_num=2)
+        outs += engine.generate(input_ids=prompts[1:4], sampling_params=[
+            params[1], grammar, params[5]], return_logprob=True)
+        sched.check_integrity()
+        assert engine.scheduler.memory_info()["num_pages_requests"] == 0
+        return [(o["output_ids"], o["meta_info"]["finish_reason"],
+                 [round(e[0], 4) for e in o["meta_info"]["output_token_logprobs"]])
+                for o in outs]
+
+    enabled = sched.overlap
+    try:
+        sched.overlap = False
+        serial = run()
+        sched.overlap = True
+        overlapped = sched.stats.num_overlapped_steps
+        assert run() == serial
+        assert sched.stats.num_overlapped_steps > overlapped + 10
+    finally:
+        sched.overlap = enabled
+    assert any(r[1]["type"] == "stop" for r in serial)  # a stop did end a request early
+    assert engine.tokenizer.decode(serial[-2][0]).startswith("The answer is ")  # the grammar

@@ -5,6 +5,7 @@ checked exactly, with no model, plus the KV integrity invariant after every step
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -156,3 +157,86 @@ def test_requests_that_cannot_run_are_refused_at_intake(bad, message):
     err = sched.add_request(TokenizedGenerateReq(rid="x", input_ids=[1, 2, 3], sampling=bad))
     assert err is not None and err.finished and message in err.finish_reason["message"]
     assert not sched.has_work and not runner.calls
+
+
+# ---- overlap scheduling (scheduler/overlap.py) --------------------------------------------------
+class OverlapPlusOneRunner(PlusOneRunner):
+    """PlusOneRunner that also dispatches: placeholder inputs resolve, as on a device, from the
+    last dispatched step's tokens; results come back only when asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last_ids = np.zeros(0, np.int32)
+        self.lagged_steps = 0  # dispatched steps with placeholder inputs
+
+    def dispatch(self, mode: ForwardMode, steps: Sequence[SeqStep]):
+        from sgl_tpu.executor.step import DoneStep, has_placeholders, resolve_placeholders
+
+        self.lagged_steps += has_placeholders(steps)
+        resolved = [dataclasses.replace(s, token_ids=resolve_placeholders(
+            np.asarray(s.token_ids), self.last_ids).tolist()) for s in steps]
+        result = self.forward(mode, resolved)
+        self.last_ids = result.token_ids
+        return DoneStep(result)
+
+
+def _mixed_traffic(overlap: bool) -> tuple[dict[str, dict], object]:
+    """Chunked prompts, stop tokens met mid-stream (found one step late under overlap), an
+    abort, a late arrival and KV pressure (retraction); run to idle."""
+    from sgl_tpu.scheduler.scheduler import Scheduler
+
+    cfg = SchedulerConfig(page_size=PAGE, max_running_requests=4, max_extend_seqs=4,
+                          chunked_prefill_size=24, context_len=512, overlap_schedule=overlap)
+    runner = OverlapPlusOneRunner()
+    sched = Scheduler(cfg, runner, num_pages=22, decode=lambda ids, skip: "",
+                      eos_token_ids=(), vocab_size=V)
+    reqs = [request("long", list(range(100, 140)), 9),  # 40 tokens: two chunks
+            request("stop", list(range(200, 205)), 30, stop_token_ids=[211]),
+            request("stop1", list(range(300, 305)), 30, stop_token_ids=[306]),  # 1st decode
+            request("drop", list(range(400, 410)), 40),
+            request("one", [7, 8, 9], 1),
+            request("grow", list(range(500, 512)), 25)]
+    for r in reqs:
+        assert sched.add_request(r) is None
+    out = run_steps(sched, {}, max_steps=6)
+    sched.abort("drop")
+    sched.add_request(request("late", list(range(600, 606)), 11, stop_token_ids=[613]))
+    run_steps(sched, out)
+    assert not sched.has_work
+    return out, sched
+
+
+def test_overlap_gives_the_serial_outputs_and_frees_every_page():
+    serial, _ = _mixed_traffic(overlap=False)
+    out, sched = _mixed_traffic(overlap=True)
+    assert sched.runner.lagged_steps > 5  # the overlap path did run
+    assert sched.stats.num_retractions > 0
+    assert out["drop"]["reason"]["type"] == "abort"
+    del serial["drop"], out["drop"]  # how far an abort gets depends on when it arrives
+    assert out == serial
+    assert out["stop"]["ids"] == list(range(205, 212))  # ends at the stop token, nothing more
+    assert out["stop1"]["ids"] == [305, 306]
+    assert out["late"]["ids"] == [606, 607, 608, 609, 610, 611, 612, 613]
+    assert out["grow"]["ids"] == expected(list(range(500, 512)), 25)
+    assert sched.flush_cache()
+    assert sched.kv.allocator.num_free_pages == 21  # all but the reserved page
+
+
+def test_overlap_discards_the_row_of_a_request_that_finished_one_step_late():
+    from sgl_tpu.scheduler.scheduler import Scheduler
+
+    cfg = SchedulerConfig(page_size=PAGE, max_running_requests=4, max_extend_seqs=4,
+                          chunked_prefill_size=64, context_len=512, overlap_schedule=True)
+    runner = OverlapPlusOneRunner()
+    sched = Scheduler(cfg, runner, num_pages=16, decode=lambda ids, skip: "",
+                      eos_token_ids=(), vocab_size=V)
+    sched.add_request(request("a", [1, 2, 3], 20, stop_token_ids=[6]))
+    sched.add_request(request("b", [50, 51, 52], 6))
+    out = run_all(sched)
+    assert out["a"] == {"ids": [4, 5, 6], "reason": {"type": "stop", "matched": 6},
+                        "cached": 0}
+    assert out["b"]["ids"] == expected([50, 51, 52], 6)
+    # decode steps: a and b (lag 0), a and b (a's stop token not yet seen), then b alone
+    # twice more; b's last step has no second row: its length finish is known in advance
+    decodes = [len(c) for m, c in runner.calls if m == ForwardMode.DECODE]
+    assert decodes == [2, 2, 2, 1, 1]

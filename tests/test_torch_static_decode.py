@@ -259,3 +259,39 @@ def test_cuda_warmup_captures_every_bucket(llama):
     for _ in range(3):
         d.decode([0, 1])
     assert sd.num_graphs() == expected  # served from the captured graphs
+
+
+def test_static_step_resolves_overlap_placeholders(llama):
+    """Overlap scheduling dispatches decode step t+1 before step t's tokens reach the host, its
+    inputs naming them by placeholder (`placeholder_id(row in step t)`). The static step gets
+    the tokens a plain serial loop gets: three requests' steps dispatched back to back, then
+    two of them after the first leaves (the rows shift: each names its row of step t)."""
+    from sgl_tpu.executor.step import placeholder_id
+
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, llama.config.vocab_size, n).tolist() for n in (5, 8, 11)]
+    schedule = [[0, 1, 2]] * 3 + [[1, 2]] * 3
+    serial = Driver(_runner(llama, static=False), prompts, [GREEDY] * 3)
+    serial.prefill([0, 1, 2])
+    for which in schedule:
+        serial.decode(which)
+
+    d = Driver(_runner(llama, static=True), prompts, [GREEDY] * 3)
+    d.prefill([0, 1, 2])  # each request now holds its prompt and one token
+    emitted = {i: 1 for i in range(3)}
+    prev_row = {i: i for i in range(3)}  # the request's row in the previous step
+    handles = []
+    for which in schedule:
+        steps = []
+        for i in which:
+            r = d.reqs[i]
+            steps.append(d._step(r, [placeholder_id(prev_row[i])],
+                                 r["prompt_len"] + emitted[i] - 1))
+            emitted[i] += 1
+        prev_row = {i: row for row, i in enumerate(which)}
+        handles.append((which, d.runner.dispatch(ForwardMode.DECODE, steps)))
+    for which, handle in handles:
+        for i, t in zip(which, handle.result().token_ids, strict=True):
+            d.reqs[i]["ids"].append(int(t))
+    assert d.runner.static_decode.state.rows_copied > 0  # the static path ran
+    assert [r["ids"] for r in d.reqs] == [r["ids"] for r in serial.reqs]

@@ -93,8 +93,9 @@ def _decode_collectives(runner) -> dict[str, int]:
     steps = [warmup_step()]
     fb = build_forward_batch(steps, runner.batch_shape(ForwardMode.DECODE, steps),
                              runner.config.page_size)
-    hlo = runner._step.lower(runner.params, runner.kv_pools, runner.token_counts, fb,
-                             mode=ForwardMode.DECODE).compile().as_text()
+    lowered = runner._step.lower(runner.params, runner.kv_pools, runner.token_counts,
+                                 runner._last_token_ids, fb, mode=ForwardMode.DECODE)
+    hlo = lowered.compile().as_text()
     ops = re.findall(r" (all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)"
                      r"(?:-start)?\(", hlo)
     return {op: ops.count(op) for op in sorted(set(ops))}

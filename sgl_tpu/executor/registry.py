@@ -93,6 +93,23 @@ def _resolve_compile(args: ServerArgs, backend: str) -> bool:
     return resolve_device(args.device).type != "cpu"
 
 
+def resolve_overlap_schedule(args: ServerArgs, backend: str) -> bool:
+    """--overlap-schedule: auto = on for accelerators. On this project's CPUs the host work it
+    hides is small next to a step and the worker thread competes with it for the cores
+    (README, "Overlap scheduling")."""
+    if args.disable_overlap_schedule or args.overlap_schedule == "off":
+        return False
+    if args.overlap_schedule == "on":
+        return True
+    if backend == "torch":
+        from sgl_tpu.executor.torch.device import resolve_device
+
+        return resolve_device(args.device).type != "cpu"
+    import jax
+
+    return jax.default_backend() != "cpu"
+
+
 def _is_gguf_checkpoint(model_path: str | None) -> bool:
     if model_path is None:
         return True  # the default model (loader/default_model.py)

@@ -9,6 +9,14 @@
                       sampling_columns  per-row    │
                                      sampling knobs│
 
+Overlap scheduling (`Scheduler`, `--disable-overlap-schedule`): a runner that also has
+`dispatch(mode, steps) -> PendingStep` starts a step without waiting for it, so the host can
+post-process step t while the device runs step t+1. A DECODE step dispatched before step t's
+tokens reached the host names them by placeholder: `placeholder_id(i)` as a sequence's input
+token means "the token step t sampled for its sequence i", and the runner resolves it on the
+device from the last dispatched step's token ids (`resolve_placeholders`). Steps run in
+dispatch order.
+
 A runner pads every step to a shape bucket so compiled programs are reused: EXTEND steps to a
 token bucket (`RunnerConfig.token_buckets`), DECODE steps to a sequence bucket (`seq_buckets`).
 Padding tokens write their K/V into the reserved page 0; padding sequences sample greedily into
@@ -36,6 +44,22 @@ SCRATCH_COUNTS_ROW = 0  # penalty-count row of padding sequences; requests use 1
 MASK_BITS_PER_WORD = 32
 
 
+def placeholder_id(row: int) -> int:
+    """The input token id that stands for "what the previous step sampled for sequence `row`"
+    (negative: real token ids are >= 0)."""
+    return -(row + 1)
+
+
+def resolve_placeholders(input_ids: np.ndarray, prev_token_ids: np.ndarray) -> np.ndarray:
+    """input_ids [T] with placeholders replaced from the previous step's token ids [n_prev]
+    (the numpy statement of what each runner does on its device)."""
+    input_ids = np.asarray(input_ids)
+    if not (input_ids < 0).any():
+        return input_ids
+    prev_rows = np.maximum(-input_ids - 1, 0)
+    return np.where(input_ids < 0, np.asarray(prev_token_ids)[prev_rows], input_ids)
+
+
 def mask_words(vocab_size: int) -> int:
     """Words of one packed allowed-token mask row: token t is bit t % 32 of word t // 32."""
     return -(-vocab_size // MASK_BITS_PER_WORD)
@@ -50,7 +74,7 @@ class ForwardMode(enum.IntEnum):
 class SeqStep:
     """One sequence's share of a step."""
 
-    token_ids: Sequence[int] | np.ndarray  # tokens to run now
+    token_ids: Sequence[int] | np.ndarray  # tokens to run now (or a placeholder_id)
     prefix_len: int  # tokens of this sequence already in the KV pool
     pages: Sequence[int] | np.ndarray  # page ids covering [0, prefix_len + len(token_ids))
     sampling: SamplingParams
@@ -76,6 +100,28 @@ class StepResult:
     hidden: Any  # [T, D] backend-owned device array (EXTEND only): hand it back to the runner
 
 
+def has_placeholders(steps: Sequence[SeqStep]) -> bool:
+    """Whether any sequence's input is a placeholder (only ever a DECODE sequence's single
+    input token)."""
+    return any(len(st.token_ids) and int(st.token_ids[0]) < 0 for st in steps)
+
+
+class PendingStep(Protocol):
+    """A dispatched step; `result()` waits for it and returns its host copies."""
+
+    def result(self) -> StepResult: ...
+
+
+@dataclass(frozen=True)
+class DoneStep:
+    """A step that already finished (runners that cannot overlap, tests)."""
+
+    step_result: StepResult
+
+    def result(self) -> StepResult:
+        return self.step_result
+
+
 class ModelRunner(Protocol):
     """What the scheduler needs from an executor backend (see the module docstring)."""
 
@@ -86,6 +132,9 @@ class ModelRunner(Protocol):
 
     def forward(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> StepResult:
         """Run one step (write K/V, attend, sample one token per sequence)."""
+
+    # Optional (overlap scheduling): `dispatch(mode, steps) -> PendingStep` starts the step
+    # and returns at once; its input ids may hold placeholders (see the module docstring).
 
     def token_logprobs(self, hidden: Any, target_ids: np.ndarray
                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -21,7 +21,7 @@ import numpy as np
 
 from sgl_tpu.constrained.base import GrammarMatcher
 from sgl_tpu.detokenize import IncrementalDecoder
-from sgl_tpu.executor.step import SeqStep
+from sgl_tpu.executor.step import SeqStep, placeholder_id
 from sgl_tpu.mem_cache.radix_cache import PrefixPeek, TreeNode
 from sgl_tpu.sampling_params import SamplingParams
 
@@ -99,11 +99,18 @@ class Req:
                        sample_valid=completes and self.sampling.max_new_tokens > 0,
                        bitmask=mask, return_logprob=self.return_logprob)
 
-    def decode_step(self, mask: np.ndarray | None) -> SeqStep:
-        """This request's share of a DECODE: its last token, one new one sampled."""
-        return SeqStep(token_ids=[self.output_ids[-1]], prefix_len=self.kv_len,
-                       pages=self.pages, sampling=self.sampling, seed=self.seed,
-                       num_output_tokens=len(self.output_ids), counts_row=self.row,
+    def decode_step(self, mask: np.ndarray | None, prev_row: int | None = None) -> SeqStep:
+        """This request's share of a DECODE: its last token, one new one sampled.
+
+        `prev_row` (overlap scheduling, scheduler/overlap.py): its last token is the one the
+        step in flight samples at that row, not yet on the host, so it runs as a placeholder
+        and the step is one token further than the host's record (pages must cover it)."""
+        lag = 0 if prev_row is None else 1
+        token = self.output_ids[-1] if prev_row is None else placeholder_id(prev_row)
+        # A copy of the pages: the host may change the list while a step is in flight.
+        return SeqStep(token_ids=[token], prefix_len=self.kv_len + lag, pages=list(self.pages),
+                       sampling=self.sampling, seed=self.seed,
+                       num_output_tokens=len(self.output_ids) + lag, counts_row=self.row,
                        bitmask=mask, return_logprob=self.return_logprob)
 
     @property

@@ -16,6 +16,11 @@ Each `step()` is: take aborts, build one batch, run it, post-process.
   `session_retention_s`: under memory pressure it is evicted after all unretained KV, since the
   agent's next turn resends it (`KVManager`, `mem_cache/eviction.py`).
 
+With overlap scheduling (`SchedulerConfig.overlap_schedule`, scheduler/overlap.py) a DECODE
+step is dispatched before the previous one's tokens reach the host, and the host processes
+step t while the device runs step t+1; a step that needs host data first drains the one in
+flight and runs the serial way.
+
 The scheduler owns a `KVManager` (allocator + tree) and drives a `ModelRunner` through the
 numpy-only step contract of `executor/step.py` (`forward(mode, steps) -> StepResult`,
 `token_logprobs`, `row_logits`); the in-process `Engine` and the scheduler process both drive
@@ -25,6 +30,7 @@ it the same way. This class only schedules; the rest of a step's host work lives
     policy.py         waiting-queue order; in-batch prefix sharing
     grammar_steps.py  masks, matcher advance, jump-forward and draft verification
     speculative.py    speculative decoding: drafts (ngram.py) verified in the DECODE step
+    overlap.py        which DECODE steps may overlap the previous one; the step in flight
     finish.py         stop conditions and finish reasons (wire format)
     output.py         ReqOutput assembly, token log-prob entries
     logprobs.py       prompt log-probs of an EXTEND step
@@ -41,7 +47,7 @@ import numpy as np
 
 from sgl_tpu.config import SchedulerConfig
 from sgl_tpu.constrained.grammar_manager import GrammarManager
-from sgl_tpu.executor.step import ForwardMode, ModelRunner, StepResult
+from sgl_tpu.executor.step import DoneStep, ForwardMode, ModelRunner, StepResult
 from sgl_tpu.mem_cache.allocator import PageAllocator
 from sgl_tpu.mem_cache.radix_cache import RadixCache
 from sgl_tpu.messages import ReqOutput, TokenizedGenerateReq
@@ -57,6 +63,7 @@ from sgl_tpu.scheduler.intake import Intake
 from sgl_tpu.scheduler.kv_manager import KVManager
 from sgl_tpu.scheduler.logprobs import collect_input_logprobs
 from sgl_tpu.scheduler.output import error_output, make_output, token_logprobs
+from sgl_tpu.scheduler.overlap import PendingDecode, finishes_in_flight, overlappable
 from sgl_tpu.scheduler.policy import InBatchPrefixes, order_waiting
 from sgl_tpu.scheduler.req import Req
 from sgl_tpu.scheduler.speculative import Speculator, accept, verify_steps
@@ -103,6 +110,10 @@ class Scheduler:
             config.speculative_ngram_min_match_window_size,
             config.speculative_ngram_max_match_window_size,
             max_rows=config.max_running_requests)
+        # A DECODE step in flight whose results are not processed yet (overlap scheduling).
+        self._pending: PendingDecode | None = None
+        self.overlap = (config.overlap_schedule and self.speculator is None
+                        and hasattr(runner, "dispatch"))
 
     # ---- intake ----------------------------------------------------------------------------
     @property
@@ -138,7 +149,8 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._aborts) or next(self._queued(), None) is not None
+        return (bool(self._aborts) or self._pending is not None
+                or next(self._queued(), None) is not None)
 
     # ---- the loop --------------------------------------------------------------------------
     def step(self) -> list[ReqOutput]:
@@ -146,12 +158,23 @@ class Scheduler:
 
         An exception in one request's host code ends that request (`fail`); one outside any
         request's code propagates, and the caller decides (`fail_all` or die, `faults.py`)."""
-        outputs = self._process_aborts() + self._poll_grammars()
-        batch = self._schedule_extend()
-        if batch:
-            outputs += self._run_extend(batch)
-        elif self.running:
-            outputs += self._run_decode()
+        outputs = []
+        if self._pending is not None and not self._can_overlap():
+            outputs += self._drain()  # the serial way from here
+        outputs += self._process_aborts() + self._poll_grammars()
+        if self._pending is not None:
+            # Overlap: step t+1 goes to the device first, then the host processes step t.
+            in_flight = self._pending
+            self._pending = self._dispatch_lagged_decode(in_flight)
+            outputs += self._process_decode(in_flight)
+            if not self.running:  # what is in flight now has only finished requests' rows
+                outputs += self._drain()
+        else:
+            batch = self._schedule_extend()
+            if batch:
+                outputs += self._run_extend(batch)
+            elif self.running:
+                outputs += self._run_decode()
         self._step_reqs = []
         self.stats.maybe_log(len(self.running), len(self.waiting),
                              self.kv.allocator.num_free_pages)
@@ -176,6 +199,7 @@ class Scheduler:
         reqs = {id(r): r for r in [*self._step_reqs, *(r for _, r in self._queued())]
                 if not r.finished}
         self._step_reqs = []
+        self._pending = None  # its results are not trusted either
         return [self.fail(r, exc) for r in reqs.values()]
 
     # ---- EXTEND ----------------------------------------------------------------------------
@@ -320,9 +344,21 @@ class Scheduler:
             steps += req_steps
         if not batch:
             return outputs
-        result = self.runner.forward(ForwardMode.DECODE, steps)
+        if self.overlap and all(overlappable(req) for req in reqs):
+            self._pending = PendingDecode(batch, self.runner.dispatch(ForwardMode.DECODE, steps))
+            return outputs  # processed in the next step(), while the device runs the one after
+        return outputs + self._process_decode(PendingDecode(
+            batch, DoneStep(self.runner.forward(ForwardMode.DECODE, steps))))
+
+    def _process_decode(self, decode: PendingDecode) -> list[ReqOutput]:
+        """Wait for `decode`'s tokens and append them; rows of requests that ended while it
+        was in flight (overlap: one step late) are discarded."""
+        result = decode.step.result()
         self.stats.num_decode_steps += 1
-        for req, draft, row in batch:
+        outputs = []
+        for req, draft, row in decode.batch:
+            if req.finished:
+                continue
             try:
                 if draft:
                     outputs.append(self._append_verified(req, result, row, draft))
@@ -331,9 +367,47 @@ class Scheduler:
                     outputs.append(self._append_token(req, result, row))
             except Exception as e:
                 outputs.append(self.fail(req, e))
-        self._take_jump_forward(reqs)
+        self._take_jump_forward(decode.reqs)
         self.running = [r for r in self.running if not r.finished and not r.jumped]
         return outputs
+
+    # ---- overlap (scheduler/overlap.py) ------------------------------------------------------
+    def _can_overlap(self) -> bool:
+        """Whether the next DECODE may be dispatched before the one in flight is processed:
+        nothing to admit, extend or abort, no request that needs its last token on the host,
+        and a page for every running request's next token without retracting any."""
+        if not self.overlap or self._aborts or self.chunked_req is not None \
+                or self.jump_forward_reqs:
+            return False
+        if any(r.grammar_future is None or r.matcher is not None for r in self.waiting):
+            return False  # admissible now: the serial loop would prefill it next
+        if not all(overlappable(r) for r in self.running):
+            return False
+        needy = sum(1 for r in self.running if not finishes_in_flight(r)
+                    and self.kv.pages_needed(r, r.kv_len + 2))
+        return needy <= self.kv.available_pages()
+
+    def _dispatch_lagged_decode(self, in_flight: PendingDecode) -> PendingDecode | None:
+        """Dispatch the DECODE after `in_flight` (see `_can_overlap`): each running request
+        that `in_flight` does not certainly finish runs the token `in_flight` samples for it,
+        read on the device."""
+        rows = {id(req): row for req, _, row in in_flight.batch}
+        reqs = [r for r in self.running if not finishes_in_flight(r)]
+        for r in reqs:
+            if not self.kv.alloc_pages(r, self.kv.pages_needed(r, r.kv_len + 2)):
+                raise RuntimeError("page allocation failed despite available pages")
+        if not reqs:
+            return None
+        self._step_reqs = reqs
+        self.stats.num_overlapped_steps += 1
+        steps = [r.decode_step(None, prev_row=rows[id(r)]) for r in reqs]
+        batch = [(r, [], i) for i, r in enumerate(reqs)]
+        return PendingDecode(batch, self.runner.dispatch(ForwardMode.DECODE, steps))
+
+    def _drain(self) -> list[ReqOutput]:
+        """Process the step in flight, if any."""
+        in_flight, self._pending = self._pending, None
+        return [] if in_flight is None else self._process_decode(in_flight)
 
     def _ensure_decode_pages(self) -> None:
         """Every running request gets room for one more token; retract when memory is short."""

@@ -26,6 +26,7 @@ class SchedulerStats:
     num_retractions: int = 0
     num_extend_steps: int = 0
     num_decode_steps: int = 0
+    num_overlapped_steps: int = 0  # decode steps dispatched before the last one's tokens came
     jump_forward_tokens: int = 0  # tokens appended by jump-forward (no decode step)
     num_requests_failed: int = 0  # ended by an exception while handling them (faults.py)
     # Speculative decoding (speculative.py): requests' verifies, their draft tokens, and the

@@ -5,8 +5,11 @@ one jitted step and returns host numpy results.
 
 Jitted entry points (all here, compiled per bucket at warm-up):
 
-    _step(params, kv_pools, token_counts, fb; mode)      -> (SampleOutput, hidden, kv_pools, counts)
-        donates kv_pools and token_counts, so the KV write and the count update are in place.
+    _step(params, kv_pools, token_counts, prev_token_ids, fb; mode)
+                                  -> (SampleOutput, hidden, kv_pools, counts, last_token_ids)
+        donates kv_pools and token_counts, so the KV write and the count update are in place;
+        resolves placeholder input ids (overlap scheduling, executor/step.py) from the previous
+        step's token ids, kept on the device padded to a fixed width.
     _token_logprobs(params, hidden, target_ids; T)        -> input log-probs for prompt positions
 
 `num_compilations()` counts XLA compilations of these functions, so tests can assert that mixed
@@ -58,10 +61,13 @@ def _logits(params, hidden, cfg: ModelConfig, vocab_size: int, mesh: Mesh | None
     return gather_logits(logits, vocab_size, mesh)
 
 
-def _step_impl(params, kv_pools, token_counts, fb: ForwardBatch, *, cfg: ModelConfig,
-               mode: ForwardMode, kv_tile: int, num_top: int, attention_backend: str,
-               vocab_size: int, mesh: Mesh | None):
+def _step_impl(params, kv_pools, token_counts, prev_token_ids, fb: ForwardBatch, *,
+               cfg: ModelConfig, mode: ForwardMode, kv_tile: int, num_top: int,
+               attention_backend: str, vocab_size: int, mesh: Mesh | None):
     model = jax_model(cfg.arch)
+    ids = fb.input_ids  # [T]; placeholder -(i + 1) = the previous step's token of sequence i
+    ids = jnp.where(ids < 0, prev_token_ids[jnp.maximum(-ids - 1, 0)], ids)
+    fb = dataclasses.replace(fb, input_ids=ids)
     tp = {"mesh": mesh} if mesh is not None else {}
     # Named scopes split a profile of the step into parts (sgl_tpu/bench/jax_step_profile.py);
     # the model names its layer parts inside "layers".
@@ -79,15 +85,18 @@ def _step_impl(params, kv_pools, token_counts, fb: ForwardBatch, *, cfg: ModelCo
             token_counts = token_counts.at[fb.counts_rows].multiply(keep)
         token_counts = token_counts.at[fb.counts_rows, out.token_ids].add(
             fb.sample_valid.astype(token_counts.dtype))
+    last_token_ids = jnp.zeros_like(prev_token_ids).at[: out.token_ids.shape[0]].set(
+        out.token_ids.astype(prev_token_ids.dtype))  # [L]
     if mesh is not None:
         # Pin the shardings of what comes back in: an input sharding GSPMD chose differently
         # from the allocation's would compile the step again on its next call.
-        token_counts, hidden = (lax.with_sharding_constraint(a, replicated(mesh))
-                                for a in (token_counts, hidden))
+        token_counts, hidden, last_token_ids = (
+            lax.with_sharding_constraint(a, replicated(mesh))
+            for a in (token_counts, hidden, last_token_ids))
         pool_sharding = NamedSharding(mesh, tp_mesh.KV_POOL_SPEC)
         kv_pools = [tuple(lax.with_sharding_constraint(p, pool_sharding) for p in layer)
                     for layer in kv_pools]
-    return out, hidden, kv_pools, token_counts
+    return out, hidden, kv_pools, token_counts, last_token_ids
 
 
 def _token_logprobs_impl(params, hidden, target_ids, *, cfg: ModelConfig, num_top: int,
@@ -142,6 +151,27 @@ def params_to_device(params: dict, dtype, quantization: str = "none",
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class _PendingJaxStep:
+    """A dispatched step's device outputs; `result()` copies them to the host."""
+
+    out: object  # sampler.SampleOutput of device arrays, S rows
+    hidden: jax.Array | None  # [T, D] (EXTEND)
+    num_seqs: int  # n real sequences
+
+    def result(self) -> StepResult:
+        n = self.num_seqs
+        token_ids, logprobs, top_ids, top_lp = jax.device_get(
+            (self.out.token_ids, self.out.logprobs, self.out.top_ids, self.out.top_logprobs))
+        return StepResult(
+            token_ids=np.asarray(token_ids[:n]),
+            logprobs=np.asarray(logprobs[:n], np.float32),
+            top_ids=np.asarray(top_ids[:n]),
+            top_logprobs=np.asarray(top_lp[:n], np.float32),
+            hidden=self.hidden,
+        )
+
+
 class JaxModelRunner:
     backend = "jax"
 
@@ -173,6 +203,9 @@ class JaxModelRunner:
         self.page_widths = (page_buckets(config.max_pages_per_seq, pages_per_tile)
                             if get_attention_backend(config.attention_backend).bucket_page_table
                             else (config.max_pages_per_seq,))
+        # The last step's sampled ids, padded to the widest step (placeholders read them).
+        width = max(*config.seq_buckets, config.max_extend_seqs)
+        self._last_token_ids = self._zeros((width,), jnp.int32, replicated=True)
         num_top = config.max_top_logprobs
         shared = dict(cfg=self.shard_config, vocab_size=self.vocab_size, mesh=self.mesh)
         self._step = jax.jit(
@@ -227,24 +260,20 @@ class JaxModelRunner:
 
     def _run(self, mode: ForwardMode, steps: Sequence[SeqStep], shape: BatchShape):
         """Pack `steps` to `shape` and dispatch the jitted step; (SampleOutput, hidden) stay on
-        the device."""
+        the device (JAX dispatch is asynchronous), and so do the step's token ids that the next
+        step's placeholders read."""
         fb = build_forward_batch(steps, shape, self.config.page_size)
-        out, hidden, self.kv_pools, self.token_counts = self._step(
-            self.params, self.kv_pools, self.token_counts, fb, mode=mode)
+        out, hidden, self.kv_pools, self.token_counts, self._last_token_ids = self._step(
+            self.params, self.kv_pools, self.token_counts, self._last_token_ids, fb, mode=mode)
         return out, hidden
 
     def forward(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> StepResult:
+        return self.dispatch(mode, steps).result()
+
+    def dispatch(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> _PendingJaxStep:
+        """Enqueue the jitted step without waiting for it."""
         out, hidden = self._run(mode, steps, self.batch_shape(mode, steps))
-        n = len(steps)
-        token_ids, logprobs, top_ids, top_lp = jax.device_get(
-            (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs))
-        return StepResult(
-            token_ids=np.asarray(token_ids[:n]),
-            logprobs=np.asarray(logprobs[:n], np.float32),
-            top_ids=np.asarray(top_ids[:n]),
-            top_logprobs=np.asarray(top_lp[:n], np.float32),
-            hidden=hidden if mode == ForwardMode.EXTEND else None,
-        )
+        return _PendingJaxStep(out, hidden if mode == ForwardMode.EXTEND else None, len(steps))
 
     def token_logprobs(self, hidden: jax.Array, target_ids: np.ndarray
                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

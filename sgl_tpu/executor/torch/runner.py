@@ -10,6 +10,11 @@ Owns the torch device state and implements `sgl_tpu.executor.step.ModelRunner`:
                                             torch.compile(dynamic=False); attention eager)
         ──logits of the sampled rows──► sampler.sample(step.sampling_columns) ──► StepResult
 
+Overlap scheduling: `dispatch` runs the step in one worker thread (torch releases the GIL in
+its kernels, so the scheduler's host work runs meanwhile); steps run in dispatch order, and a
+DECODE step's placeholder input ids are resolved at its start from the token ids the previous
+step left on the device (`_last_token_ids`).
+
 Device state: weights (`llama_torch.Weights`), a token-major KV pool per layer
 ([num_pages * page_size, kvh, d]; page 0 takes padding writes) and the penalty-count rows
 ([max_running + 1, V] int32, row 0 scratch), all updated in place.
@@ -21,9 +26,12 @@ of one token per sequence take the static-shape step over device-resident batch 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -91,6 +99,9 @@ class TorchModelRunner:
             self.static_decode = StaticDecode(
                 config, self.model, self.attn, self.kv_pools, self.token_counts, self.device,
                 self.dtype, model_config.sliding_window)
+        self._last_token_ids: torch.Tensor | None = None  # i64[n] of the last step run
+        self._worker: ThreadPoolExecutor | None = None  # runs dispatched steps, in order
+        self._in_flight: Future | None = None  # the last dispatched step
         logger.info("torch backend on %s, %s, compile=%s, prepacked weights=%s, "
                     "quantization=%s, static decode=%s, CUDA graphs=%s", self.device,
                     config.dtype, config.compile, prepack,
@@ -212,18 +223,50 @@ class TorchModelRunner:
 
     # ---- steps -------------------------------------------------------------------------
     def forward(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> StepResult:
+        if self._in_flight is not None:  # keep the order of dispatched steps
+            futures.wait([self._in_flight])  # (its error, if any, went to its caller)
+            self._in_flight = None
+        return self._forward(mode, steps)
+
+    def dispatch(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> Future:
+        """Start the step in the worker thread; the Future's `result()` is its StepResult."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="torch-step")
+        self._in_flight = self._worker.submit(self._forward, mode, steps)
+        return self._in_flight
+
+    def _forward(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> StepResult:
         if self.config.deterministic and len(steps) < batch_invariant.MIN_ROWS:
             padded, num_rows = batch_invariant.pad_steps(mode, steps)
             return batch_invariant.trim_result(self._run(mode, padded, num_rows), len(steps))
         if (mode == ForwardMode.DECODE and self.static_decode is not None
                 and self.static_decode.accepts(steps)):
-            return self.static_decode.run(steps)
+            return self._run_static(steps)
         return self._run(mode, steps, None)
+
+    def _run_static(self, steps: Sequence[SeqStep]) -> StepResult:
+        """The static decode step. Its batch state is synced from the host's view of the steps,
+        so placeholder input ids are resolved on the host first, from the previous step's
+        token ids: that step has finished (steps run in order, and each one's tokens were
+        copied to the host for its StepResult), so this waits for nothing."""
+        if step_contract.has_placeholders(steps):
+            prev = self._last_token_ids.cpu().numpy()  # [n_prev]
+            steps = [dataclasses.replace(st, token_ids=step_contract.resolve_placeholders(
+                np.asarray(st.token_ids), prev)) for st in steps]
+        result = self.static_decode.run(steps)
+        self._last_token_ids = torch.as_tensor(result.token_ids, dtype=torch.int64,
+                                               device=self.device)
+        return result
 
     @torch.inference_mode()
     def _run(self, mode: ForwardMode, steps: Sequence[SeqStep], num_rows: int | None
              ) -> StepResult:
         batch = self._pack(mode, steps, num_rows)
+        input_ids = batch.input_ids
+        if step_contract.has_placeholders(steps):
+            prev = self._last_token_ids  # [n_prev]
+            input_ids = torch.where(input_ids < 0, prev[(-input_ids - 1).clamp(min=0)],
+                                    input_ids)
         scale = self.model.scale
         if mode == ForwardMode.EXTEND:
             attention = partial(self.attn.extend_attention, seqs=batch.extend_seqs, scale=scale)
@@ -231,10 +274,11 @@ class TorchModelRunner:
                 attention = partial(attention, sliding_window=self.model_config.sliding_window)
         else:
             attention = partial(self.attn.decode_attention, batch=batch.decode, scale=scale)
-        hidden = self.model.forward(batch.input_ids, batch.positions, batch.out_slots,
+        hidden = self.model.forward(input_ids, batch.positions, batch.out_slots,
                                     self.kv_pools, attention)
         logits = self.model.logits(hidden.index_select(0, batch.sample_rows))  # [n, V]
         token_ids, logprobs, top_ids, top_lp = self._sample(mode, steps, logits)
+        self._last_token_ids = token_ids
         return StepResult(
             token_ids=token_ids.to(torch.int32).cpu().numpy(),
             logprobs=logprobs.cpu().numpy(),

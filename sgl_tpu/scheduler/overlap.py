@@ -1,0 +1,48 @@
+"""Overlap scheduling (SGLang's "zero-overhead" scheduler): which DECODE steps may be dispatched
+before the previous step's tokens reached the host, and the step in flight.
+
+    host:   dispatch t │ dispatch t+1 (inputs: placeholders for t's tokens) │ process t │ ...
+    device:            │ ......... run t ......... │ ......... run t+1 ......... │ ...
+
+While the device runs step t+1, the host appends step t's tokens, checks stop conditions and
+sends outputs. So every request of step t+1 is one token ahead of its host state ("lagged"):
+its input token is `placeholder_id(its row in step t)`, resolved by the runner on the device,
+and its KV length and output count are one more than the host has recorded.
+
+Exactness: a request step t finishes (EOS, stop string) has one extra row in step t+1; that
+row's token is discarded, and the page it wrote is the request's own (the tree keeps only
+whole pages of KV the host has recorded), freed when the request finishes. A request that
+step t certainly finishes (it reaches max_new_tokens) gets no row. Everything else whose next
+step needs host data first runs the serial way (`Scheduler._can_overlap`): requests waiting to
+be admitted or extended (prefill, chunks, jump-forward), grammars (the mask depends on the
+token), speculative decoding (drafts depend on it), aborts and retraction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sgl_tpu.executor.step import PendingStep
+from sgl_tpu.scheduler.req import Req
+
+
+@dataclass(frozen=True)
+class PendingDecode:
+    """A dispatched DECODE step whose results the host has not processed yet."""
+
+    batch: list[tuple[Req, list[int], int]]  # (request, its draft, its first row)
+    step: PendingStep
+
+    @property
+    def reqs(self) -> list[Req]:
+        return [req for req, _, _ in self.batch]
+
+
+def overlappable(req: Req) -> bool:
+    """Whether `req`'s next decode step can be built without its last token on the host."""
+    return req.matcher is None and not req.draft and not req.jumped
+
+
+def finishes_in_flight(req: Req) -> bool:
+    """Whether the step in flight certainly ends `req` (its last token by max_new_tokens)."""
+    return len(req.output_ids) + 1 >= req.sampling.max_new_tokens

@@ -8,7 +8,7 @@ virtualenv), never when a server starts. The module's name carries a hash of the
 torch and Python versions and (for the `-march=native` build) this CPU's feature flags, so a
 server loads only a build of exactly its own source for exactly its machine:
 
-    native    -O3 -march=native   (AVX-512 here), tried first
+    native    -O3 -march=native   (AVX2 or AVX-512: what this CPU has), tried first
     portable  -O3                 (the compiler's baseline ISA), when the native build fails
 
 `load()` returns the module or None (missing or unloadable: `auto` then falls back to

@@ -16,6 +16,7 @@ from sgl_tpu import Engine
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.executor import batch_invariant
 from sgl_tpu.executor.registry import runner_config
+from sgl_tpu.kernels.backends import resolve_attention_backend
 from sgl_tpu.scheduler.scheduler import Scheduler
 
 MAX_NEW = 8
@@ -189,7 +190,8 @@ def test_torch_invariant_attention_same_row_every_way():
 
 # ---- without the flag ---------------------------------------------------------------------
 def test_without_the_flag_the_default_paths_are_chosen():
-    for backend, attention in (("torch", "torch-sdpa"), ("jax", "ref")):
+    torch_auto = resolve_attention_backend("auto", "torch", "cpu")  # fused kernel if built
+    for backend, attention in (("torch", torch_auto), ("jax", "ref")):
         args = ServerArgs(backend=backend, dtype="bfloat16", max_running_requests=8)
         cfg = runner_config(args, 4096)
         assert cfg.attention_backend == attention and not cfg.deterministic

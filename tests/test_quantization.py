@@ -232,9 +232,12 @@ def test_gguf_needs_a_gguf_and_auto_resolves(tmp_path, q4_gguf):
     hf = ck.make_tiny_hf_checkpoint(tmp_path / "hf", "llama")
     with pytest.raises(ValueError, match="needs a GGUF checkpoint"):
         runner_config(ServerArgs(model_path=hf, backend="torch", quantization="gguf"), 512)
-    auto = {"backend": "torch", "quantization": "auto"}
+    auto = {"backend": "torch", "quantization": "auto", "dtype": "bfloat16"}
     assert runner_config(ServerArgs(model_path=hf, **auto), 512).quantization == "none"
     assert runner_config(ServerArgs(model_path=q4_gguf, **auto), 512).quantization == "auto"
+    # float32 activations: the int kernels lose to a dense float32 GEMV, so auto serves dense
+    f32 = {**auto, "dtype": "float32"}
+    assert runner_config(ServerArgs(model_path=q4_gguf, **f32), 512).quantization == "none"
     assert runner_config(ServerArgs(model_path=q4_gguf, backend="jax"), 512).quantization \
         == "none"
     compiled = runner_config(ServerArgs(model_path=q4_gguf, torch_compile="on", **auto), 512)
@@ -285,11 +288,11 @@ def test_auto_uses_the_file_only_for_its_own_weights(tmp_path, q4_gguf):
     from sgl_tpu.executor.registry import create_model_runner
     from sgl_tpu.loader import load_model
 
-    own = _engine(q4_gguf, "auto").scheduler.runner
+    own = _engine(q4_gguf, "auto", dtype="bfloat16").scheduler.runner
     assert own.quantization is not None and own.quantization.method == "gguf"
     other = load_model(ck.make_tiny_gguf(tmp_path / "other.gguf", "llama", seed=1,
                                          projection_type="Q4_1"))
-    args = dict(backend="torch", dtype="float32", skip_warmup=True, page_size=4,
+    args = dict(backend="torch", dtype="bfloat16", skip_warmup=True, page_size=4,
                 max_total_tokens=256, kv_tile=8, min_token_bucket=16, chunked_prefill_size=16,
                 max_running_requests=2, max_extend_seqs=2)
     cfg = runner_config(ServerArgs(model_path=q4_gguf, quantization="auto", **args), 512)

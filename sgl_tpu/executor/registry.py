@@ -124,7 +124,8 @@ def _is_gguf_checkpoint(model_path: str | None) -> bool:
 def _resolve_quantization(args: ServerArgs, backend: str, compile: bool) -> str:
     device_type = _torch_device_type(args) if backend == "torch" else "cpu"
     return resolve_quantization(args.quantization, backend=backend, device_type=device_type,
-                                compile=compile, is_gguf=_is_gguf_checkpoint(args.model_path))
+                                compile=compile, is_gguf=_is_gguf_checkpoint(args.model_path),
+                                dtype=_resolve_dtype(args, backend))
 
 
 def _torch_device_type(args: ServerArgs) -> str:

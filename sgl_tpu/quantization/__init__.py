@@ -42,12 +42,17 @@ QUANTIZATION_CHOICES = ("auto", *QUANTIZATION_METHODS)
 
 
 def resolve_quantization(name: str, *, backend: str, device_type: str, compile: bool,
-                         is_gguf: bool) -> str:
+                         is_gguf: bool, dtype: str = "bfloat16") -> str:
     """The runner's `quantization` for `--quantization name`: a method name, or "auto" when
     gguf can run and the runner is to use it if its weights are the file's blocks. ValueError
-    naming the conflict when the combination cannot run."""
+    naming the conflict when the combination cannot run.
+
+    `auto` needs bfloat16 activations: the int kernels' crossover was measured against bf16
+    GEMMs, and with float32 activations (CPUs without bf16 units, where `--dtype auto` is
+    float32) the int4 kernel measured ~8x slower than a float32 dense GEMV (AVX2, decode rows)."""
     if name == "auto":
-        ok = backend == "torch" and device_type == "cpu" and not compile and is_gguf
+        ok = (backend == "torch" and device_type == "cpu" and not compile and is_gguf
+              and dtype == "bfloat16")
         return "auto" if ok else "none"
     method = QUANTIZATION_METHODS.get(name)
     if method is None:

@@ -7,8 +7,9 @@
 Each launch picks a free port, runs `python -m sgl_tpu.launch_server` with `JAX_PLATFORMS=cpu`
 and a compilation cache shared by every test run (`.pytest_cache/jax_cache`, so a later launch
 with the same shapes reuses compiled code), and waits until `/health` answers 200 and the
-ready line is in its log (a `--dp-size` router answers /health before it has registered the
-replicas). If the server exits first, the launch fails with the tail of its log.
+ready line naming its port is in its log (a `--dp-size` router answers /health before it has
+registered the replicas, whose own ready lines share the log). If the server exits first, the
+launch fails with the tail of its log.
 `SGL_TPU_TEST_BACKEND=jax|torch` adds `--backend` to every launch (the Makefile runs the
 end-to-end suites once more on the backend `auto` does not pick).
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -28,7 +30,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from sgl_tpu.launch_server import READY_MESSAGE
+from sgl_tpu.launch_server import ready_line
 from sgl_tpu.server.replicas import http_status
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -45,10 +47,37 @@ DEFAULT_MODEL_F32_FLAGS = (*_DEFAULT_MODEL_COMMON, "--max-total-tokens", "16384"
                            "--served-model-name", SERVED_F32)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(count: int = 1) -> int:
+    """A port P with P..P+count-1 free now, below the kernel's ephemeral range.
+
+    Tests dial ports before anything listens there (health polls, a follower host dialing rank
+    0's `--dist-init-addr` port + 1). Dialing a loopback port inside the ephemeral range can
+    pick that very port as the source and connect to itself (TCP simultaneous open); the
+    server's bind then fails with "address already in use". Ports below the range are never
+    picked as sources.
+    """
+    high = min(_ephemeral_low(), 65536) - count
+    rng = random.Random()
+    for _ in range(500):
+        port = rng.randrange(max(1024, high - 12000), high)
+        socks = [socket.socket() for _ in range(count)]
+        try:
+            for i, s in enumerate(socks):
+                s.bind(("127.0.0.1", port + i))
+            return port
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {count} adjacent free ports below the ephemeral range")
 
 
 @dataclass
@@ -115,6 +144,7 @@ def launch_server(*flags: str, model_path: str | None = None, timeout: float = 3
                                 cwd=REPO_ROOT)
     server = ServerHandle(f"http://127.0.0.1:{port}", proc, Path(log_name))
     atexit.register(server.stop)  # no server outlives an interrupted test run
+    ready = ready_line(port)
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
@@ -123,7 +153,7 @@ def launch_server(*flags: str, model_path: str | None = None, timeout: float = 3
             raise RuntimeError(f"server exited with code {proc.returncode} before it was "
                                f"healthy; log tail:\n{tail}")
         if (http_status(server.base_url + "/health") == 200
-                and READY_MESSAGE in server.log_tail(num_chars=10**6)):
+                and ready.search(server.log_tail(num_chars=10**6))):
             return server
         if time.monotonic() > deadline:
             tail = server.log_tail()

@@ -164,7 +164,7 @@ def test_two_hosts_serve_like_one_device_and_end_together(tiny, tmp_path):
     """`--nnodes 2`, simulated with two launches on this machine: host 1 starts its rank and
     no server; host 0 serves; SIGTERM to host 0 ends host 1's rank too."""
     want, _, _ = _run(tiny, PROMPTS[:2], skip_warmup=True)
-    addr = f"127.0.0.1:{free_port()}"
+    addr = f"127.0.0.1:{free_port(2)}"
     with open(tmp_path / "host1.log", "wb") as log:
         host1 = subprocess.Popen(
             [sys.executable, "-m", "sgl_tpu.launch_server", "--model-path", tiny, *TWO_HOSTS,
@@ -190,7 +190,7 @@ def test_two_hosts_serve_like_one_device_and_end_together(tiny, tmp_path):
 
 
 def test_host_without_leader_names_the_address(tiny):
-    port = free_port()
+    port = free_port(2)
     proc = subprocess.run(
         [sys.executable, "-m", "sgl_tpu.launch_server", "--model-path", tiny, *TWO_HOSTS,
          "--node-rank", "1", "--dist-init-addr", f"127.0.0.1:{port}", "--dist-timeout", "2"],

@@ -65,7 +65,7 @@ def test_three_processes_serve_like_tp1(model_dir, tmp_path):
                 min_token_bucket=32) as eng:
         want = [o["text"] for o in eng.generate(PROMPTS, GREEDY)]
 
-    coordinator = free_port()
+    coordinator = free_port(2)
     addr = f"127.0.0.1:{coordinator}"
     follower_ports = [free_port() for _ in range(1, NNODES)]
     logs = [open(tmp_path / f"rank{r}.log", "wb") for r in range(1, NNODES)]
@@ -100,7 +100,7 @@ def test_three_processes_serve_like_tp1(model_dir, tmp_path):
 
 
 def test_follower_without_leader_names_the_address(model_dir):
-    port = free_port()
+    port = free_port(2)
     addr = f"127.0.0.1:{port}"
     proc = subprocess.run(
         [sys.executable, "-m", "sgl_tpu.launch_server", "--model-path", model_dir, *SMALL,

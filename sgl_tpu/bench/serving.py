@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from sgl_tpu.bench.report import emit
-from sgl_tpu.launch_server import READY_MESSAGE
+from sgl_tpu.launch_server import ready_line
 
 
 def free_port() -> int:
@@ -50,13 +50,14 @@ class Server:
     def wait_ready(self, timeout: float = 900) -> None:
         import requests
 
+        ready = ready_line(self.port)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}")
             try:
                 if (requests.get(self.url + "/health", timeout=2).status_code == 200
-                        and READY_MESSAGE in open(self.log.name, errors="replace").read()):
+                        and ready.search(open(self.log.name, errors="replace").read())):
                     return
             except requests.RequestException:
                 pass

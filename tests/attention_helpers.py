@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sgl_tpu.executor.jax.forward_batch import ForwardBatch, batch_shape_for, build_forward_batch
+from sgl_tpu.executor.jax.forward_batch import ForwardBatch, ShapeBuckets, build_forward_batch
 from sgl_tpu.executor.step import ForwardMode, SeqStep
 from sgl_tpu.kernels.paged_attention_ref import _mask
 from sgl_tpu.sampling_params import SamplingParams
@@ -61,10 +61,12 @@ def paged_batch(rng, mode: ForwardMode, seqs: Sequence[tuple[int, int]], *, page
         steps.append(SeqStep(token_ids=[1] * new, prefix_len=prefix, pages=np.array(pages),
                              sampling=SamplingParams(temperature=0.0), seed=0,
                              num_output_tokens=0))
-    shape = batch_shape_for(mode, steps, token_buckets=token_buckets, seq_buckets=seq_buckets,
-                            max_extend_seqs=seq_buckets[0], max_pages=max_pages,
-                            block_q=block_q, vocab_words=1, pages_per_tile=kv_tile // page_size,
-                            page_widths=page_widths)
+    buckets = ShapeBuckets(
+        token_buckets=tuple(token_buckets), seq_buckets=tuple(seq_buckets),
+        max_extend_seqs=seq_buckets[0], max_pages=max_pages, block_q=block_q, vocab_words=1,
+        pages_per_tile=kv_tile // page_size,
+        page_widths=None if page_widths is None else tuple(page_widths))
+    shape = buckets.shape_for(mode, steps)
     return build_forward_batch(steps, shape, page_size)
 
 

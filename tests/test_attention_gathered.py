@@ -21,7 +21,7 @@ import pytest
 from attention_helpers import paged_batch, random_pools
 
 from sgl_tpu import Engine
-from sgl_tpu.executor.jax.forward_batch import batch_shape_for, page_buckets, warmup_shapes
+from sgl_tpu.executor.jax.forward_batch import ShapeBuckets, page_buckets
 from sgl_tpu.executor.step import ForwardMode, SeqStep
 from sgl_tpu.kernels import paged_attention_gathered as gathered
 from sgl_tpu.kernels import paged_attention_ref as ref
@@ -97,13 +97,15 @@ def test_page_buckets_and_batch_width():
 
 
 def test_warmup_shapes_cover_every_step_shape():
-    """Warm-up compiles `warmup_shapes`; every step the scheduler can send (any sequence count
-    and length within the limits) must map to one of them, or it compiles mid-traffic."""
+    """Warm-up compiles `ShapeBuckets.warmup_shapes`; every step the scheduler can send (any
+    sequence count and length within the limits) must map to one of them, or it compiles
+    mid-traffic."""
     sizes = dict(token_buckets=(32, 64), seq_buckets=(1, 2, 4), max_extend_seqs=2, max_pages=32,
                  block_q=16, vocab_words=3, pages_per_tile=4)
     rng = np.random.default_rng(0)
     for widths in (None, page_buckets(32, 4)):
-        planned = warmup_shapes(**sizes, page_widths=widths)
+        buckets = ShapeBuckets(**sizes, page_widths=widths)
+        planned = buckets.warmup_shapes()
         assert len(planned) == len(set(planned)) == 5 * (1 if widths is None else 4)
         seen = set()
         for _ in range(200):
@@ -114,7 +116,7 @@ def test_warmup_shapes_cover_every_step_shape():
             steps = [SeqStep(token_ids=[1] * k, prefix_len=max(int(t) - k, 0),
                              pages=np.arange(-(-max(int(t), k) // 4)), sampling=GREEDY, seed=0,
                              num_output_tokens=0) for t, k in zip(lens, new, strict=True)]
-            shape = batch_shape_for(mode, steps, **sizes, page_widths=widths)
+            shape = buckets.shape_for(mode, steps)
             assert shape in planned
             seen.add(shape)
         assert len(seen) > len(planned) // 2, "the random steps reach most planned shapes"

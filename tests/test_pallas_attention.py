@@ -20,7 +20,7 @@ from attention_helpers import random_pools as _pools
 
 from sgl_tpu.choices import check_registry_names
 from sgl_tpu.config import ServerArgs
-from sgl_tpu.executor.jax.forward_batch import batch_shape_for, build_forward_batch
+from sgl_tpu.executor.jax.forward_batch import ShapeBuckets, build_forward_batch
 from sgl_tpu.executor.registry import runner_config
 from sgl_tpu.executor.step import ForwardMode, SeqStep
 from sgl_tpu.kernels import paged_attention_ref as ref
@@ -193,9 +193,9 @@ def test_default_model_logits_through_kernel_equal_reference():
     def batch(mode, seqs):
         steps = [SeqStep(token_ids=t, prefix_len=p, pages=np.array(pg), sampling=GREEDY, seed=0,
                          num_output_tokens=0) for t, p, pg in seqs]
-        shape = batch_shape_for(mode, steps, token_buckets=(16,), seq_buckets=(4,),
-                                max_extend_seqs=4, max_pages=max_pages, block_q=block_q,
-                                vocab_words=1, pages_per_tile=1)
+        shape = ShapeBuckets(token_buckets=(16,), seq_buckets=(4,), max_extend_seqs=4,
+                             max_pages=max_pages, block_q=block_q, vocab_words=1,
+                             pages_per_tile=1).shape_for(mode, steps)
         return build_forward_batch(steps, shape, ps)
 
     rng = np.random.default_rng(0)

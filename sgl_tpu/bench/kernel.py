@@ -33,7 +33,7 @@ def _case(args, mode, seqs, rng, dtype):
     """seqs: (prefix_len, new_len) -> (fn(impl, interpret) -> out, attended keys, kv tokens)."""
     import jax.numpy as jnp
 
-    from sgl_tpu.executor.jax.forward_batch import batch_shape_for, build_forward_batch
+    from sgl_tpu.executor.jax.forward_batch import ShapeBuckets, build_forward_batch
     from sgl_tpu.executor.step import ForwardMode, SeqStep
     from sgl_tpu.kernels import paged_attention_ref as ref
     from sgl_tpu.kernels import ragged_paged_attention as rpa
@@ -49,10 +49,10 @@ def _case(args, mode, seqs, rng, dtype):
                              sampling=SamplingParams(temperature=0.0), seed=0,
                              num_output_tokens=0))
     num_tokens = sum(n for _, n in seqs)
-    shape = batch_shape_for(mode, steps, token_buckets=(num_tokens,), seq_buckets=(len(seqs),),
-                            max_extend_seqs=len(seqs), max_pages=pages_per_seq,
-                            block_q=args.block_q, vocab_words=1,
-                            pages_per_tile=kv_tile // ps)
+    shape = ShapeBuckets(token_buckets=(num_tokens,), seq_buckets=(len(seqs),),
+                         max_extend_seqs=len(seqs), max_pages=pages_per_seq,
+                         block_q=args.block_q, vocab_words=1,
+                         pages_per_tile=kv_tile // ps).shape_for(mode, steps)
     fb = build_forward_batch(steps, shape, ps)
     pool_shape = (kvh, num_pages, ps, d)
     k_pool = jnp.asarray(rng.standard_normal(pool_shape), dtype)

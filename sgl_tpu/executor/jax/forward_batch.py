@@ -156,49 +156,46 @@ def page_buckets(max_pages: int, pages_per_tile: int) -> tuple[int, ...]:
     return tuple(b * pages_per_tile for b in pow2_buckets(1, max_pages // pages_per_tile))
 
 
-def batch_shape_for(
-    mode: ForwardMode,
-    steps: Sequence[SeqStep],
-    *,
-    token_buckets: Sequence[int],
-    seq_buckets: Sequence[int],
-    max_extend_seqs: int,
-    max_pages: int,
-    block_q: int,
-    vocab_words: int,
-    pages_per_tile: int,
-    page_widths: Sequence[int] | None = None,
-) -> BatchShape:
-    """The step's static sizes; `page_widths` (ascending, see `page_buckets`) cuts the page
-    table to the smallest width holding every sequence's pages (None: always `max_pages`)."""
-    if page_widths is not None:
-        longest = max((len(st.pages) for st in steps), default=1)
-        max_pages = min(max_pages, pick_bucket(page_widths, longest, "pages per sequence"))
-    if mode == ForwardMode.DECODE:
-        s = pick_bucket(seq_buckets, len(steps), "decode batch size")
-        return BatchShape(mode, s, s, max_pages, 1, vocab_words, pages_per_tile)
-    n_tokens = sum(len(st.token_ids) for st in steps)
-    t = pick_bucket(token_buckets, n_tokens, "extend batch tokens")
-    return BatchShape(mode, t, max_extend_seqs, max_pages, block_q, vocab_words, pages_per_tile)
+@dataclass(frozen=True)
+class ShapeBuckets:
+    """The static sizes a runner pads its steps to: `shape_for` picks one step's shape,
+    `warmup_shapes` lists every shape it can pick (what warm-up compiles)."""
 
+    token_buckets: tuple[int, ...]  # EXTEND: tokens per step (T)
+    seq_buckets: tuple[int, ...]  # DECODE: sequences per step (S = T)
+    max_extend_seqs: int  # EXTEND: S
+    max_pages: int  # P, the full page-table width
+    block_q: int
+    vocab_words: int  # 32-token words of the grammar bitmask
+    pages_per_tile: int  # pages per KV tile
+    # Ascending widths (see `page_buckets`) the page table is cut to: the smallest holding
+    # every sequence's pages. None: always `max_pages`.
+    page_widths: tuple[int, ...] | None = None
 
-def warmup_shapes(
-    *,
-    token_buckets: Sequence[int],
-    seq_buckets: Sequence[int],
-    max_extend_seqs: int,
-    max_pages: int,
-    block_q: int,
-    vocab_words: int,
-    pages_per_tile: int,
-    page_widths: Sequence[int] | None = None,
-) -> list[BatchShape]:
-    """Every shape `batch_shape_for` can return with these buckets: what warm-up compiles."""
-    widths = [max_pages] if page_widths is None else [min(w, max_pages) for w in page_widths]
-    shapes = []
-    for width in dict.fromkeys(widths):
-        shapes += [BatchShape(ForwardMode.EXTEND, t, max_extend_seqs, width, block_q,
-                              vocab_words, pages_per_tile) for t in token_buckets]
-        shapes += [BatchShape(ForwardMode.DECODE, s, s, width, 1, vocab_words, pages_per_tile)
-                   for s in seq_buckets]
-    return shapes
+    def shape_for(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> BatchShape:
+        """The step's static sizes."""
+        max_pages = self.max_pages
+        if self.page_widths is not None:
+            longest = max((len(st.pages) for st in steps), default=1)
+            max_pages = min(max_pages, pick_bucket(self.page_widths, longest,
+                                                   "pages per sequence"))
+        if mode == ForwardMode.DECODE:
+            s = pick_bucket(self.seq_buckets, len(steps), "decode batch size")
+            return BatchShape(mode, s, s, max_pages, 1, self.vocab_words, self.pages_per_tile)
+        n_tokens = sum(len(st.token_ids) for st in steps)
+        t = pick_bucket(self.token_buckets, n_tokens, "extend batch tokens")
+        return BatchShape(mode, t, self.max_extend_seqs, max_pages, self.block_q,
+                          self.vocab_words, self.pages_per_tile)
+
+    def warmup_shapes(self) -> list[BatchShape]:
+        """Every shape `shape_for` can return."""
+        widths = ([self.max_pages] if self.page_widths is None
+                  else [min(w, self.max_pages) for w in self.page_widths])
+        shapes = []
+        for width in dict.fromkeys(widths):
+            shapes += [BatchShape(ForwardMode.EXTEND, t, self.max_extend_seqs, width,
+                                  self.block_q, self.vocab_words, self.pages_per_tile)
+                       for t in self.token_buckets]
+            shapes += [BatchShape(ForwardMode.DECODE, s, s, width, 1, self.vocab_words,
+                                  self.pages_per_tile) for s in self.seq_buckets]
+        return shapes

@@ -35,10 +35,9 @@ from sgl_tpu.config import RunnerConfig
 from sgl_tpu.executor.jax.forward_batch import (
     BatchShape,
     ForwardBatch,
-    batch_shape_for,
+    ShapeBuckets,
     build_forward_batch,
     page_buckets,
-    warmup_shapes,
 )
 from sgl_tpu.executor.jax.sampler import sample
 from sgl_tpu.executor.step import ForwardMode, SeqStep, StepResult, mask_words, warmup_step
@@ -203,6 +202,11 @@ class JaxModelRunner:
         self.page_widths = (page_buckets(config.max_pages_per_seq, pages_per_tile)
                             if get_attention_backend(config.attention_backend).bucket_page_table
                             else (config.max_pages_per_seq,))
+        self.buckets = ShapeBuckets(
+            token_buckets=tuple(config.token_buckets), seq_buckets=tuple(config.seq_buckets),
+            max_extend_seqs=config.max_extend_seqs, max_pages=config.max_pages_per_seq,
+            block_q=config.block_q, vocab_words=self.vocab_words, pages_per_tile=pages_per_tile,
+            page_widths=self.page_widths)
         # The last step's sampled ids, padded to the widest step (placeholders read them).
         width = max(*config.seq_buckets, config.max_extend_seqs)
         self._last_token_ids = self._zeros((width,), jnp.int32, replicated=True)
@@ -246,17 +250,8 @@ class JaxModelRunner:
                 + self._row_logits._cache_size())
 
     # ---- steps -------------------------------------------------------------------------
-    @property
-    def _bucket_sizes(self) -> dict:
-        """The bucket lists and static sizes `batch_shape_for` / `warmup_shapes` take."""
-        c = self.config
-        return dict(token_buckets=c.token_buckets, seq_buckets=c.seq_buckets,
-                    max_extend_seqs=c.max_extend_seqs, max_pages=c.max_pages_per_seq,
-                    block_q=c.block_q, vocab_words=self.vocab_words,
-                    pages_per_tile=c.kv_tile // c.page_size, page_widths=self.page_widths)
-
     def batch_shape(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> BatchShape:
-        return batch_shape_for(mode, steps, **self._bucket_sizes)
+        return self.buckets.shape_for(mode, steps)
 
     def _run(self, mode: ForwardMode, steps: Sequence[SeqStep], shape: BatchShape):
         """Pack `steps` to `shape` and dispatch the jitted step; (SampleOutput, hidden) stay on
@@ -302,7 +297,7 @@ class JaxModelRunner:
         t0 = time.perf_counter()
         steps = [warmup_step()]  # one sequence fits every shape; the rest is padding
         logprob_buckets = set()
-        for shape in warmup_shapes(**self._bucket_sizes):
+        for shape in self.buckets.warmup_shapes():
             _, hidden = self._run(shape.mode, steps, shape)
             if shape.mode == ForwardMode.EXTEND and shape.num_tokens not in logprob_buckets:
                 logprob_buckets.add(shape.num_tokens)

@@ -30,6 +30,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -101,7 +102,7 @@ void q4_rows(const float* x, int64_t K, const float* xsum, const uint8_t* qs,
     block_fma<R>(x + b * kGroup, K, widen8(lo), widen8(_mm_unpackhi_epi64(lo, lo)),
                  widen8(hi), widen8(_mm_unpackhi_epi64(hi, hi)), _mm256_set1_ps(scale[b]),
                  acc);
-    for (int r = 0; r < R; ++r) zacc[r] += zero[b] * xsum[r * nb + b];
+    for (int r = 0; r < R; ++r) zacc[r] = std::fma(zero[b], xsum[r * nb + b], zacc[r]);
   }
   for (int r = 0; r < R; ++r) y[r * N] = hsum(acc[r]) + zacc[r];
 #else

@@ -5,8 +5,8 @@ Dimensions: M activation rows, K input features, N output features, G = 32, nb =
 
     pack_q4(q u8[N, K] in 0..15, scale f32[N, nb], zero f32[N, nb])
         -> Q4Blocks(qs u8[N, nb, 16], scale, zero)      w = (q - 8) * scale + zero
-           byte j of a block = weight j (low nibble) | weight j + 16 (high nibble): GGUF's
-           order, so each block is 16 contiguous bytes read with one load
+           byte t of a block = weight 2t (low nibble) | weight 2t + 1 (high nibble): each
+           32-bit word holds 8 consecutive weights, widened to 8 lanes by one shift and mask
     pack_q8(q i8[N, K], scale f32[N, nb]) -> Q8Blocks(qs i8[N, nb, 32], scale)   w = q * scale
 
     q4_gemm(x f32[M, K], Q4Blocks) / q8_gemm(x, Q8Blocks) -> f32[M, N] = x @ w.T
@@ -78,7 +78,7 @@ def pack_q4(q: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> Q4Blocks:
     if k % GROUP:
         raise ValueError(f"Q4 blocks need K divisible by {GROUP}, got {k}")
     g = q.reshape(n, k // GROUP, GROUP).astype(np.uint8)
-    qs = (g[..., :16] & 0xF) | ((g[..., 16:] & 0xF) << 4)  # [N, nb, 16]
+    qs = (g[..., 0::2] & 0xF) | ((g[..., 1::2] & 0xF) << 4)  # [N, nb, 16]
     return Q4Blocks(torch.from_numpy(np.ascontiguousarray(qs)), _f32(scale), _f32(zero))
 
 

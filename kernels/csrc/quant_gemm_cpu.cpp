@@ -5,18 +5,19 @@
 // block of weights of one output row along K), nb = K / G.
 //
 //     x      f32[M, K]          activations, row-major
-//     Q4     qs u8[N, nb, 16]   GGUF nibble order: byte j holds weight j (low nibble) and
-//                               weight j + 16 (high nibble) of its block
+//     Q4     qs u8[N, nb, 16]   byte t holds weight 2t (low nibble) and 2t + 1 (high) of
+//                               its block
 //            scale f32[N, nb], zero f32[N, nb]      w = (q - 8) * scale + zero
 //     Q8     qs i8[N, nb, 32], scale f32[N, nb]     w = q * scale
 //     y      f32[M, N]          y = x @ w.T
 //
 // The weights stay exactly what the blocks store: each block's codes are widened to float32
-// in registers ((q - 8) exactly, -8..7 or -128..127), multiplied with the activations and
-// accumulated in float32, then the block's sum is scaled:
+// in registers (0..15 or -128..127, exact), multiplied with the activations and accumulated in
+// float32, then the block's sum is scaled:
 //
-//     y[m, n] = sum_b scale[n, b] * sum_j x[m, bG + j] (q[n, bG + j] - 8)
-//             + sum_b zero[n, b] * xsum[m, b]           (xsum = the activations' block sums)
+//     y[m, n] = sum_b scale[n, b] * sum_j x[m, bG + j] q[n, bG + j]
+//             + sum_b (zero[n, b] - 8 scale[n, b]) * xsum[m, b]   (Q4 only; xsum = the
+//                                                                  activations' block sums)
 //
 // which is sum_k x w with the stored w (only the float32 summation order differs from a
 // dense GEMV). Each output row's blocks are read once for all M rows: the rows are processed
@@ -32,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -86,6 +88,9 @@ inline void block_fma(const float* x, int64_t K, __m256 w0, __m256 w1, __m256 w2
 #endif
 
 // y[r, n] for r < R: output feature n (its blocks at `qs`, `scale`, `zero`) of R rows of x.
+// Byte t of a block holds weights 2t (low nibble) and 2t + 1 (high), so 32-bit word i holds
+// weights 8i .. 8i + 7 at bits 4p: one broadcast, a per-lane shift and a mask give 8 codes.
+// The -8 is applied to the block sums: sum_j x_j (q_j - 8) = sum_j x_j q_j - 8 xsum.
 template <int R>
 void q4_rows(const float* x, int64_t K, const float* xsum, const uint8_t* qs,
              const float* scale, const float* zero, float* y, int64_t N) {
@@ -94,15 +99,22 @@ void q4_rows(const float* x, int64_t K, const float* xsum, const uint8_t* qs,
 #if SGL_QGEMM_AVX2
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m128i low = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  const __m256i low = _mm256_set1_epi32(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + b * 16));
-    const __m128i lo = _mm_sub_epi8(_mm_and_si128(raw, low), eight);  // weights 0..15
-    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), low), eight);
-    block_fma<R>(x + b * kGroup, K, widen8(lo), widen8(_mm_unpackhi_epi64(lo, lo)),
-                 widen8(hi), widen8(_mm_unpackhi_epi64(hi, hi)), _mm256_set1_ps(scale[b]),
-                 acc);
-    for (int r = 0; r < R; ++r) zacc[r] = std::fma(zero[b], xsum[r * nb + b], zacc[r]);
+    const uint8_t* q = qs + b * 16;
+    auto w = [q, shifts, low](int i) {
+      int32_t word;
+      std::memcpy(&word, q + 4 * i, 4);
+      const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts),
+                                             low);
+      return _mm256_cvtepi32_ps(codes);
+    };
+    block_fma<R>(x + b * kGroup, K, w(0), w(1), w(2), w(3), _mm256_set1_ps(scale[b]), acc);
+    for (int r = 0; r < R; ++r) {
+      zacc[r] = std::fma(zero[b], xsum[r * nb + b], zacc[r]);
+      zacc[r] = std::fma(-8.0f * scale[b], xsum[r * nb + b], zacc[r]);
+    }
   }
   for (int r = 0; r < R; ++r) y[r * N] = hsum(acc[r]) + zacc[r];
 #else
@@ -112,10 +124,10 @@ void q4_rows(const float* x, int64_t K, const float* xsum, const uint8_t* qs,
     for (int r = 0; r < R; ++r) {
       const float* xr = x + r * K + b * kGroup;
       float s = 0.0f;
-      for (int j = 0; j < 16; ++j)
-        s += xr[j] * float((q[j] & 0x0F) - 8) + xr[j + 16] * float((q[j] >> 4) - 8);
+      for (int j = 0; j < kGroup; ++j) s += xr[j] * float((q[j / 2] >> (4 * (j & 1))) & 0x0F);
       acc[r] += scale[b] * s;
-      zacc[r] += zero[b] * xsum[r * nb + b];
+      zacc[r] = std::fma(zero[b], xsum[r * nb + b], zacc[r]);
+      zacc[r] = std::fma(-8.0f * scale[b], xsum[r * nb + b], zacc[r]);
     }
   }
   for (int r = 0; r < R; ++r) y[r * N] = acc[r] + zacc[r];

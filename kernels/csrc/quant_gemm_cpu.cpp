@@ -111,12 +111,28 @@ void q4_rows(const float* x, int64_t K, const float* xsum, const uint8_t* qs,
       return _mm256_cvtepi32_ps(codes);
     };
     block_fma<R>(x + b * kGroup, K, w(0), w(1), w(2), w(3), _mm256_set1_ps(scale[b]), acc);
+  }
+  // the zero terms, 8 blocks per vector: sum_b (zero_b xsum_b - 8 scale_b xsum_b)
+  const __m256 minus8 = _mm256_set1_ps(-8.0f);
+  __m256 zv[R];
+  for (int r = 0; r < R; ++r) zv[r] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    const __m256 z = _mm256_loadu_ps(zero + b);
+    const __m256 s8 = _mm256_mul_ps(minus8, _mm256_loadu_ps(scale + b));
     for (int r = 0; r < R; ++r) {
-      zacc[r] = std::fma(zero[b], xsum[r * nb + b], zacc[r]);
-      zacc[r] = std::fma(-8.0f * scale[b], xsum[r * nb + b], zacc[r]);
+      const __m256 xs = _mm256_loadu_ps(xsum + r * nb + b);
+      zv[r] = _mm256_fmadd_ps(s8, xs, _mm256_fmadd_ps(z, xs, zv[r]));
     }
   }
-  for (int r = 0; r < R; ++r) y[r * N] = hsum(acc[r]) + zacc[r];
+  for (int r = 0; r < R; ++r) {
+    zacc[r] = hsum(zv[r]);
+    for (int64_t t = b; t < nb; ++t) {
+      zacc[r] = std::fma(zero[t], xsum[r * nb + t], zacc[r]);
+      zacc[r] = std::fma(-8.0f * scale[t], xsum[r * nb + t], zacc[r]);
+    }
+    y[r * N] = hsum(acc[r]) + zacc[r];
+  }
 #else
   float acc[R] = {};
   for (int64_t b = 0; b < nb; ++b) {

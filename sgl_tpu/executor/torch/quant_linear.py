@@ -2,7 +2,7 @@
 
     x [M, K] ──M <= max_rows──► quantized kernel (reads 4 or 8 bits per weight: wins while the
             │                   GEMM is bound by memory, i.e. decode)
-            └─M >  max_rows──► dense (bf16 oneDNN-prepacked) weight, kept beside the codes
+            └─M >  max_rows──► dense (bf16 oneDNN-prepacked or float32) weight, kept beside the codes
                                (wins once the integer kernels turn compute-bound: prefill, big
                                batches). Without a dense copy the kernel runs at every M.
 
@@ -27,7 +27,8 @@ summed (blocks.Int8Groups.split_nibbles), measured 0.76x of bf16 on the default 
 matrices (`sgl_tpu.bench.quant_linear`): at most ~0.5 ms of a 25 ms batch-1 step, not taken.
 
 `max_rows` comes from `MAX_KERNEL_ROWS`, the crossover measured on a 2-core AVX512-BF16 CPU (no
-AMX) with `python -m sgl_tpu.bench.quant_executor --kernel-max-rows 64`
+AMX; the float32 kernels on a 2-core AVX2 CPU) with
+`python -m sgl_tpu.bench.quant_executor --kernel-max-rows 64 [--dtype float32]`
 (per matrix: `sgl_tpu.bench.quant_linear`).
 """
 
@@ -44,8 +45,11 @@ from sgl_tpu.quantization.blocks import GROUP, Int4Groups, Int8Channels, Int8Gro
 # Largest batch rows for which each kernel beats the bf16 prepacked GEMM in the runner's decode
 # step (default model, 2 threads; kernel forced at every M, step time vs dense): int4 0.66x at
 # 1 row, 0.86x at 4, 1.03x at 6, 1.21x at 16; int8 0.93x at 1, 0.95x at 2, 1.08x at 3
-# (benchmarks/results/quantization_crossover_int{4,8}.json).
-MAX_KERNEL_ROWS = {"int4": 4, "int8": 2, "q4-f32": 16, "q8-f32": 16}
+# (benchmarks/results/quantization_crossover_int{4,8}.json). The float32 block kernels against
+# dense float32 on a 2-core AVX2 CPU (no bf16 units; gguf = Q4_1 layers + Q8_0 head, kernel at
+# every M): 0.42x at 16 rows, 0.56x at 24, 0.80x at 32, 1.13x at 64
+# (benchmarks/results/quantization_crossover_f32.json).
+MAX_KERNEL_ROWS = {"int4": 4, "int8": 2, "q4-f32": 32, "q8-f32": 32}
 
 
 class Int4Kernel:

@@ -28,8 +28,8 @@ import os
 import platform
 import shutil
 import sys
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 CSRC = Path(__file__).parent / "csrc"

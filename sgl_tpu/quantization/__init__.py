@@ -16,8 +16,8 @@ of `auto`. Import-light: numpy-free, no torch, no JAX.
           none; the start-up log names the choice
 
 Projections (q/k/v, o, gate/up, down) and, with float32 activations, a block-format vocabulary
-head; embeddings and norms keep the dense path. The quantized kernels run for decode-sized steps and the dense copy above
-`MAX_KERNEL_ROWS` rows (executor/torch/quant_linear.py).
+head; embeddings and norms keep the dense path. The quantized kernels run for decode-sized
+steps and the dense copy above `MAX_KERNEL_ROWS` rows (executor/torch/quant_linear.py).
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
     x [M, K] ──M <= max_rows──► quantized kernel (reads 4 or 8 bits per weight: wins while the
             │                   GEMM is bound by memory, i.e. decode)
-            └─M >  max_rows──► dense (bf16 oneDNN-prepacked or float32) weight, kept beside the codes
-                               (wins once the integer kernels turn compute-bound: prefill, big
-                               batches). Without a dense copy the kernel runs at every M.
+            └─M >  max_rows──► dense (bf16 oneDNN-prepacked, or float32) weight, kept beside
+                               the codes (wins once the integer kernels turn compute-bound:
+                               prefill, big batches). Without a dense copy the kernel runs at
+                               every M.
 
 Kernels (N % 16 == 0 and K % 32 == 0 for the torch int4 op; K % 32 == 0 for the others):
 

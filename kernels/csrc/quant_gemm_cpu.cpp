@@ -1,7 +1,7 @@
 // Weight-only quantized GEMM for CPUs with float32 activations, for decode-sized row counts:
 // the compiled half of kernels/quant_gemm_cpu.py (kernels/cpu_extension.py builds it).
 //
-// Dimensions: M activation rows (1 .. ~16), K input features, N output features, G = 32 (one
+// Dimensions: M activation rows (1 .. 32 in the runner), K input features, N output features, G = 32 (one
 // block of weights of one output row along K), nb = K / G.
 //
 //     x      f32[M, K]          activations, row-major
@@ -20,7 +20,9 @@
 //                                                                  activations' block sums)
 //
 // which is sum_k x w with the stored w (only the float32 summation order differs from a
-// dense GEMV). Each output row's blocks are read once for all M rows: the rows are processed
+// dense GEMV; the zero term is summed as zero * xsum and -8 scale * xsum, so zero - 8 scale is
+// never rounded). Every row runs the same operations whatever M is: a row's result does not
+// depend on the rows beside it. Each output row's blocks are read once for all M rows: the rows are processed
 // in tiles of up to 4 (accumulators in registers) inside the loop over output features, so a
 // later tile finds the row's bytes in L1. Output features are split over torch's threads
 // (at::parallel_for). AVX2 + FMA intrinsics where the build has them, a scalar loop otherwise.

@@ -170,6 +170,12 @@ def quantize_weights(weights, matrices: dict[str, QuantizedMatrix], method: str,
         top["lm_head"] = QuantizedLinear(head_kernel, weights.lm_head,
                                          MAX_KERNEL_ROWS[head_kernel.kind])
         nbytes += head_kernel.nbytes
+    if dtype == torch.float32 and "int4" in kinds:
+        from sgl_tpu.kernels import quant_gemm_cpu
+
+        logger.warning("quantization %s: float32 activations on torch's int4 op, measured ~8x "
+                       "slower than dense float32 on AVX2 (the compiled block kernels: %s)",
+                       method, quant_gemm_cpu.why_unavailable())
     report = QuantizationReport(method, done, dense_only, nbytes, tuple(kinds),
                                 head_kernel.kind if "lm_head" in top else None)
     logger.info(report.log_line())

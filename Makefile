@@ -16,16 +16,20 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps 'sglang==0.5.23'
 	touch $(STAMP)
 
-# The fused CPU attention kernel (`--attention-backend torch-cpu-fused`), compiled for this
-# machine into the venv; a no-op when this source is already built. If it cannot be built
-# (no C++ compiler), `auto` serves with torch-sdpa instead.
-.PHONY: install serve test cpu-attention
-cpu-attention: $(STAMP)
+# The compiled CPU kernels (kernels/cpu_extension.py): the fused attention
+# (`--attention-backend torch-cpu-fused`) and the float32 quantized GEMM (`--quantization` on
+# CPUs without bf16 units), built for this machine into the venv; a no-op when these sources are
+# already built. If they cannot be built (no C++ compiler), `auto` serves with torch-sdpa and,
+# on float32, dense projections instead.
+.PHONY: install serve test cpu-kernels cpu-attention
+cpu-kernels: $(STAMP)
 	-$(PY) -m sgl_tpu.kernels.cpu_extension
 
-install: $(STAMP) cpu-attention
+cpu-attention: cpu-kernels
 
-serve: $(STAMP) cpu-attention
+install: $(STAMP) cpu-kernels
+
+serve: $(STAMP) cpu-kernels
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m sgl_tpu.launch_server $(ARGS)
 
 # The whole suite runs on the default executor backend (`auto`: torch on this CPU), then the
@@ -34,7 +38,7 @@ serve: $(STAMP) cpu-attention
 E2E_SUITES := tests/test_server_native.py tests/test_openai_api.py tests/test_structured.py \
 	tests/test_frontend.py
 
-test: $(STAMP) cpu-attention
+test: $(STAMP) cpu-kernels
 	$(PY) -m ruff check sgl_tpu server kernels tests examples
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q --durations=20 tests
 	JAX_PLATFORMS=cpu SGL_TPU_TEST_BACKEND=jax $(PY) -m pytest -q --durations=10 \

@@ -1,8 +1,10 @@
-"""Build and load the compiled half of the `torch-cpu-fused` attention backend.
+"""Build and load the compiled CPU kernels: the `torch-cpu-fused` attention backend
+(`csrc/paged_attention_cpu.cpp`) and the quantized GEMM with float32 activations
+(`csrc/quant_gemm_cpu.cpp`, kernels/quant_gemm_cpu.py).
 
     python -m sgl_tpu.kernels.cpu_extension      (run by `make install`; prints what it built)
 
-`csrc/paged_attention_cpu.cpp` is compiled once, at install time, with
+Each source is compiled once, at install time, with
 `torch.utils.cpp_extension` into `<sys.prefix>/share/sgl-tpu/extensions/` (inside the
 virtualenv), never when a server starts. The module's name carries a hash of the source, the
 torch and Python versions and (for the `-march=native` build) this CPU's feature flags, so a
@@ -11,9 +13,10 @@ server loads only a build of exactly its own source for exactly its machine:
     native    -O3 -march=native   (AVX2 or AVX-512: what this CPU has), tried first
     portable  -O3                 (the compiler's baseline ISA), when the native build fails
 
-`load()` returns the module or None (missing or unloadable: `auto` then falls back to
-`torch-sdpa`); `why_unavailable()` says why, for the log line and for the error of an explicit
-`--attention-backend torch-cpu-fused`.
+`load_extension(ext)` returns (module, "") or (None, why): missing or unloadable, the caller
+falls back (attention `auto` to `torch-sdpa`, float32 quantization to dense weights) and the
+reason goes to the log line and to the error of an explicit choice. `load()` /
+`why_unavailable()` are the attention extension's.
 """
 
 from __future__ import annotations
@@ -25,16 +28,47 @@ import os
 import platform
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+CSRC = Path(__file__).parent / "csrc"
 BUILD_DIR = Path(sys.prefix) / "share" / "sgl-tpu" / "extensions"
 FLAVOURS = {
     "native": ["-O3", "-march=native", "-ffp-contract=fast", "-Wno-psabi"],
     "portable": ["-O3", "-ffp-contract=fast", "-Wno-psabi"],
 }
 INSTALL_HINT = "build it with `make install` (or `python -m sgl_tpu.kernels.cpu_extension`)"
+
+
+@dataclass(frozen=True)
+class CpuExtension:
+    """One compiled source under csrc/: `prefix` names its modules, `title` its messages."""
+
+    source: Path
+    prefix: str
+    title: str
+
+    def module_name(self, flavour: str) -> str:
+        """`<prefix>_<flavour>_<hash>`: one name per source x torch x Python (x CPU)."""
+        import torch
+
+        h = hashlib.sha256(self.source.read_bytes())
+        h.update(f"{torch.__version__}|{sys.version_info[:2]}|{FLAVOURS[flavour]}".encode())
+        if flavour == "native":
+            h.update(_cpu_flags().encode())
+        return f"{self.prefix}_{flavour}_{h.hexdigest()[:16]}"
+
+    def built_path(self, flavour: str) -> Path:
+        return BUILD_DIR / self.module_name(flavour) / f"{self.module_name(flavour)}.so"
+
+
+ATTENTION = CpuExtension(CSRC / "paged_attention_cpu.cpp", "sgl_tpu_attn_cpu",
+                         "fused CPU attention")
+QUANT_GEMM = CpuExtension(CSRC / "quant_gemm_cpu.cpp", "sgl_tpu_qgemm_cpu",
+                          "quantized CPU GEMM")
+EXTENSIONS = (ATTENTION, QUANT_GEMM)
+SOURCE = ATTENTION.source  # the attention extension's (the module-level functions below)
 
 
 def _cpu_flags() -> str:
@@ -45,23 +79,8 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def module_name(flavour: str) -> str:
-    """`sgl_tpu_attn_cpu_<flavour>_<hash>`: one name per source x torch x Python (x CPU)."""
-    import torch
-
-    h = hashlib.sha256(SOURCE.read_bytes())
-    h.update(f"{torch.__version__}|{sys.version_info[:2]}|{FLAVOURS[flavour]}".encode())
-    if flavour == "native":
-        h.update(_cpu_flags().encode())
-    return f"sgl_tpu_attn_cpu_{flavour}_{h.hexdigest()[:16]}"
-
-
-def _built_path(flavour: str) -> Path:
-    return BUILD_DIR / module_name(flavour) / f"{module_name(flavour)}.so"
-
-
 @functools.cache
-def _load() -> tuple[ModuleType | None, str]:
+def load_extension(ext: CpuExtension) -> tuple[ModuleType | None, str]:
     """(module, "") or (None, why)."""
     try:
         import torch  # noqa: F401  (the extension links against libtorch)
@@ -69,19 +88,28 @@ def _load() -> tuple[ModuleType | None, str]:
         return None, "torch is not installed"
     errors = []
     for flavour in FLAVOURS:
-        path = _built_path(flavour)
+        path = ext.built_path(flavour)
         if not path.exists():
             continue
         try:
-            spec = importlib.util.spec_from_file_location(module_name(flavour), path)
+            spec = importlib.util.spec_from_file_location(ext.module_name(flavour), path)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
             return module, ""
         except (ImportError, OSError) as e:
             errors.append(f"{path}: {e}")
     if errors:
-        return None, "the compiled fused attention failed to load (" + "; ".join(errors) + ")"
-    return None, f"the fused CPU attention is not built for this source and machine; {INSTALL_HINT}"
+        return None, f"the compiled {ext.title} failed to load (" + "; ".join(errors) + ")"
+    return None, f"the {ext.title} is not built for this source and machine; {INSTALL_HINT}"
+
+
+# The attention extension's interface (kernels/paged_attention_cpu.py, kernels/backends.py).
+def module_name(flavour: str) -> str:
+    return ATTENTION.module_name(flavour)
+
+
+def _load() -> tuple[ModuleType | None, str]:
+    return load_extension(ATTENTION)
 
 
 def load() -> ModuleType | None:
@@ -92,7 +120,7 @@ def why_unavailable() -> str:
     return _load()[1]
 
 
-def build(verbose: bool = False) -> Path:
+def build(ext: CpuExtension = ATTENTION, verbose: bool = False) -> Path:
     """Compile (native, else portable) unless a build of this source exists; its path."""
     from torch.utils import cpp_extension
 
@@ -101,16 +129,16 @@ def build(verbose: bool = False) -> Path:
     os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
     failures = []
     for flavour, flags in FLAVOURS.items():
-        path = _built_path(flavour)
+        path = ext.built_path(flavour)
         if path.exists():
             return path
-        name = module_name(flavour)
+        name = ext.module_name(flavour)
         # built in a private directory, renamed into place when complete: a server starting
         # meanwhile never loads a half-written module
         tmp_dir = BUILD_DIR / f".{name}.{os.getpid()}"
         tmp_dir.mkdir(parents=True, exist_ok=True)
         try:
-            cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags,
+            cpp_extension.load(name=name, sources=[str(ext.source)], extra_cflags=flags,
                                build_directory=str(tmp_dir), verbose=verbose)
         except Exception as e:  # a compiler or ninja error: try the next flavour
             shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -123,18 +151,22 @@ def build(verbose: bool = False) -> Path:
         if path.exists():
             return path
         failures.append(f"{flavour}: no {path.name} after the build")
-    raise RuntimeError("building the fused CPU attention failed:\n" + "\n".join(failures))
+    raise RuntimeError(f"building the {ext.title} failed:\n" + "\n".join(failures))
 
 
 def main() -> int:
-    try:
-        path = build(verbose="-v" in sys.argv)
-    except (ImportError, RuntimeError) as e:
-        print(f"sgl-tpu: fused CPU attention not built ({e}); torch-sdpa will be used",
-              file=sys.stderr)
-        return 1
-    print(f"sgl-tpu: fused CPU attention built: {path}")
-    return 0
+    fallback = {ATTENTION: "torch-sdpa will be used",
+                QUANT_GEMM: "float32 servers keep dense projections"}
+    status = 0
+    for ext in EXTENSIONS:
+        try:
+            path = build(ext, verbose="-v" in sys.argv)
+        except (ImportError, RuntimeError) as e:
+            print(f"sgl-tpu: {ext.title} not built ({e}); {fallback[ext]}", file=sys.stderr)
+            status = 1
+            continue
+        print(f"sgl-tpu: {ext.title} built: {path}")
+    return status
 
 
 if __name__ == "__main__":

@@ -62,8 +62,10 @@ _HELP = {
                         "the chat template, hermes-style <tool_call> blocks when it has none",
     "reasoning_parser": "split <think>...</think> into reasoning_content (qwen3, deepseek-r1)",
     "quantization": "weights: none (dense --dtype), gguf (a GGUF's Q4_0/Q4_1 blocks as stored, "
-                    "exact), int8 / int4 (quantized at load), auto (gguf for a GGUF on the torch "
-                    "CPU backend, else none); quantized kernels run for decode-sized steps",
+                    "exact; float32 also its Q8_0 head), int8 / int4 (quantized at load), auto "
+                    "(gguf for a GGUF on the torch CPU backend with bfloat16, or float32 when "
+                    "the compiled kernels are built, else none); quantized kernels run for "
+                    "decode-sized steps",
     "torch_threads": "torch backend on CPU: the executor's intra-op threads, fixed at start; 0 "
                      "= every CPU the process may use. Give fewer on a busy host (an OpenMP "
                      "step whose thread loses its core stalls at every barrier)",

@@ -67,8 +67,7 @@ def test_int4pack_kernel_float32_bit_exact_to_gguf(type_name):
     gguf's, bit for bit: the zero-point convention (q - 8) * scale + zero is the op's."""
     qtype = getattr(gguf.GGMLQuantizationType, type_name)
     raw = gguf.quants.quantize(_weights(), qtype)
-    kernel = make_kernel(decode_gguf_blocks(type_name, raw, 96), torch.float32)
-    assert isinstance(kernel, Int4Kernel)
+    kernel = Int4Kernel(decode_gguf_blocks(type_name, raw, 96), torch.float32)
     w = kernel(torch.eye(96)).T.numpy()  # [N, K]
     np.testing.assert_array_equal(w, gguf.quants.dequantize(raw, qtype))
 
@@ -148,6 +147,7 @@ def test_gguf_projections_equal_loader_weights(q4_gguf):
     loaded = load_model(q4_gguf)
     mats = read_gguf_quantized(q4_gguf, loaded.config)
     assert "layers.0.w_gate_up" not in mats
+    assert "lm_head" not in mats  # a float head
     assert len(mats) == 4 * loaded.config.num_layers - 1
     for i, lw in enumerate(loaded.params["layers"]):
         for fused, parts in {"wqkv": ("wq", "wk", "wv"), "wo": ("wo",),
@@ -235,9 +235,13 @@ def test_gguf_needs_a_gguf_and_auto_resolves(tmp_path, q4_gguf):
     auto = {"backend": "torch", "quantization": "auto", "dtype": "bfloat16"}
     assert runner_config(ServerArgs(model_path=hf, **auto), 512).quantization == "none"
     assert runner_config(ServerArgs(model_path=q4_gguf, **auto), 512).quantization == "auto"
-    # float32 activations: the int kernels lose to a dense float32 GEMV, so auto serves dense
+    # float32 activations: torch's int kernels lose to a dense float32 GEMV, so auto serves the
+    # blocks only on the compiled float32 kernels (tests/test_quant_gemm_cpu.py)
+    from sgl_tpu.executor.torch.quant_linear import f32_kernels_available
+
     f32 = {**auto, "dtype": "float32"}
-    assert runner_config(ServerArgs(model_path=q4_gguf, **f32), 512).quantization == "none"
+    assert runner_config(ServerArgs(model_path=q4_gguf, **f32), 512).quantization == (
+        "auto" if f32_kernels_available() else "none")
     assert runner_config(ServerArgs(model_path=q4_gguf, backend="jax"), 512).quantization \
         == "none"
     compiled = runner_config(ServerArgs(model_path=q4_gguf, torch_compile="on", **auto), 512)

@@ -8,8 +8,9 @@ mode (torch backend), the runners interleaved A B A B ... in each round.
 Prints one JSON object: per workload and mode the min and median step time and `min_vs_first`
 / `median_vs_first` (ratios to the first mode). `--kernel-max-rows` overrides the kernels' row
 limit (`MAX_KERNEL_ROWS` in executor/torch/quant_linear.py): with a large value the kernel runs
-at every batch size, which is how the crossover is measured. The machine is shared: compare the
-ratios of one run.
+at every batch size, which is how the crossover is measured. With `--dtype float32` (CPUs
+without bf16 units) `gguf` runs the compiled float32 block kernels (kernels/quant_gemm_cpu.py),
+head included. The machine is shared: compare the ratios of one run.
 """
 
 from __future__ import annotations

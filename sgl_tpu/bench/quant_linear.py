@@ -1,7 +1,7 @@
 """Crossover of the weight-only quantized kernels against the bf16 prepacked GEMM, by batch rows.
 
     python -m sgl_tpu.bench.quant_linear [--rows 1,2,4,6,8,12,16,32,64,512] [--repeats 7]
-        [--threads 2] [--calls 40] [--cold-bytes 268435456]
+        [--threads 2] [--calls 40] [--cold-bytes 268435456] [--dtype bfloat16|float32]
 
 For each projection shape of the default model (SmolLM2-135M: fused qkv, o, fused gate/up,
 down, the tied vocabulary head) and each row count M, times `--calls` calls of each method
@@ -15,6 +15,11 @@ totals over one decoder step (layers x (qkv + o + gate_up + down) + head). The r
 crossover (`MAX_KERNEL_ROWS` in `sgl_tpu/executor/torch/quant_linear.py`) is measured on the
 real step with `python -m sgl_tpu.bench.quant_executor --kernel-max-rows 64`; this bench shows
 it per matrix.
+
+`--dtype float32` (CPUs without bf16 units) compares the dense float32 `F.linear` ("f32", the
+baseline of the ratios) with the compiled block kernels of kernels/quant_gemm_cpu.py: "q4f32"
+(int4 groups, the GGUF's Q4_x projections) and "q8f32" (Q8_0 blocks, the vocabulary head); the
+step totals are then q4f32 layers + q8f32 head against f32.
 """
 
 from __future__ import annotations
@@ -71,22 +76,50 @@ def _methods(n: int, k: int, rng: np.random.Generator, copies: int) -> dict[str,
     }
 
 
+def _f32_methods(n: int, k: int, rng: np.random.Generator, copies: int) -> dict[str, list]:
+    """Dense float32 and the compiled float32 block kernels, `copies` of each."""
+    import torch
+
+    from sgl_tpu.executor.torch.quant_linear import Q4F32Kernel, Q8F32Kernel
+    from sgl_tpu.quantization.blocks import GROUP, Int8Groups, quantize_int4
+
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+    q4 = quantize_int4(w)
+    q8 = Int8Groups(rng.integers(-127, 128, (n, k)).astype(np.int8),
+                    np.full((n, k // GROUP), 1e-3, np.float32))
+    w32 = torch.from_numpy(w)
+
+    def f32():
+        dense = w32.clone()
+        return lambda x: torch.nn.functional.linear(x, dense)
+
+    return {"f32": [f32() for _ in range(copies)],
+            "q4f32": [Q4F32Kernel(q4) for _ in range(copies)],
+            "q8f32": [Q8F32Kernel(q8) for _ in range(copies)]}
+
+
 def run(args: argparse.Namespace) -> dict:
     import torch
+
+    f32 = args.dtype == "float32"
+    base = "f32" if f32 else "bf16"
+    x_dtype = torch.float32 if f32 else torch.bfloat16
+    weight_bytes = 4 if f32 else 2
 
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
     rows = [int(r) for r in args.rows.split(",")]
-    results: dict = {"threads": args.threads, "calls": args.calls, "repeats": args.repeats,
+    results: dict = {"dtype": args.dtype, "threads": args.threads, "calls": args.calls,
+                     "repeats": args.repeats,
                      "cold_bytes": args.cold_bytes,
                      "unit": "us per call (min over repeats)", "shapes": {}}
     for name, (n, k) in SHAPES.items():
         # enough distinct copies that consecutive calls never find their weights in cache
-        copies = max(2, -(-args.cold_bytes // (2 * n * k)))
-        methods = _methods(n, k, rng, copies)
+        copies = max(2, -(-args.cold_bytes // (weight_bytes * n * k)))
+        methods = (_f32_methods if f32 else _methods)(n, k, rng, copies)
         per_m = {}
         for m in rows:
-            x = torch.randn(m, k).bfloat16()
+            x = torch.randn(m, k).to(x_dtype)
             times: dict[str, list[float]] = {key: [] for key in methods}
             with torch.inference_mode():
                 for fns in methods.values():
@@ -99,8 +132,8 @@ def run(args: argparse.Namespace) -> dict:
                         times[key].append((time.perf_counter() - t0) / args.calls * 1e6)
             best = {key: min(v) for key, v in times.items()}
             per_m[m] = {key: round(v, 1) for key, v in best.items()}
-            per_m[m].update({f"{key}_vs_bf16": round(v / best["bf16"], 3)
-                             for key, v in best.items() if key != "bf16"})
+            per_m[m].update({f"{key}_vs_{base}": round(v / best[base], 3)
+                             for key, v in best.items() if key != base})
             per_m[m].update({f"{key}_median": round(statistics.median(v), 1)
                              for key, v in times.items()})
         results["shapes"][name] = {"n": n, "k": k, "by_rows": per_m}
@@ -112,6 +145,12 @@ def run(args: argparse.Namespace) -> dict:
             layers = sum(results["shapes"][s]["by_rows"][m][method] for s in layer_keys)
             return NUM_LAYERS * layers + results["shapes"]["head"]["by_rows"][m][head]
 
+        if f32:
+            dense = total("f32", "f32")
+            step[m] = {"f32_us": round(dense),
+                       "q4f32_layers_q8f32_head_vs_f32": round(total("q4f32", "q8f32") / dense, 3),
+                       "q4f32_layers_f32_head_vs_f32": round(total("q4f32", "f32") / dense, 3)}
+            continue
         bf16 = total("bf16", "bf16")
         step[m] = {"bf16_us": round(bf16),
                    "int4_layers_int4x2_head_vs_bf16": round(total("int4", "int4x2") / bf16, 3),
@@ -127,8 +166,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="activations: bf16 (torch's int kernels) or float32 (compiled blocks)")
     p.add_argument("--cold-bytes", type=int, default=256 * 2**20,
-                   help="bf16 bytes the weight copies cycled through span (beyond the caches)")
+                   help="dense bytes the weight copies cycled through span (beyond the caches)")
     p.add_argument("--output", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     emit(run(args), args.output)

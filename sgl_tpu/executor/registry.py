@@ -123,9 +123,20 @@ def _is_gguf_checkpoint(model_path: str | None) -> bool:
 
 def _resolve_quantization(args: ServerArgs, backend: str, compile: bool) -> str:
     device_type = _torch_device_type(args) if backend == "torch" else "cpu"
+    dtype = _resolve_dtype(args, backend)
     return resolve_quantization(args.quantization, backend=backend, device_type=device_type,
                                 compile=compile, is_gguf=_is_gguf_checkpoint(args.model_path),
-                                dtype=_resolve_dtype(args, backend))
+                                dtype=dtype, f32_kernels=_f32_quant_kernels(args, backend,
+                                                                            dtype))
+
+
+def _f32_quant_kernels(args: ServerArgs, backend: str, dtype: str) -> bool:
+    """Whether float32 activations would get the compiled block kernels (they load)."""
+    if args.quantization != "auto" or backend != "torch" or dtype != "float32":
+        return False
+    from sgl_tpu.executor.torch.quant_linear import f32_kernels_available
+
+    return f32_kernels_available()
 
 
 def _torch_device_type(args: ServerArgs) -> str:

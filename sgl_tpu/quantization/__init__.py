@@ -2,20 +2,22 @@
 of `auto`. Import-light: numpy-free, no torch, no JAX.
 
     none  every weight dequantized to --dtype at load (GGUF blocks included): today's path
-    gguf  a GGUF's Q4_0 / Q4_1 projection blocks served as stored by the int4 group-32 kernel,
-          an exact re-encoding (quantization/blocks.py); Q8_0 and float tensors dequantized,
-          as no int8 kernel with per-block scales exists (the tied Q8_0 head stays dense)
+    gguf  a GGUF's Q4_0 / Q4_1 projection blocks served as stored by an int4 group-32 kernel,
+          an exact re-encoding (quantization/blocks.py). With float32 activations the compiled
+          block kernels (kernels/quant_gemm_cpu.py) also serve a Q8_0 vocabulary head; with
+          bfloat16 (torch's int4 op) Q8_0 and float tensors are dequantized
     int8  weight-only int8, one symmetric scale per output feature, quantized at load from the
           float weights of any checkpoint (new quantization error); torch and jax
     int4  weight-only int4, asymmetric groups of 32 (Q4_1's scheme), quantized at load (new
           quantization error)
-    auto  gguf where the method runs (torch backend, CPU, eager) and the loaded weights are a
-          GGUF's Q4_x blocks (the runner checks the file against the weights it was given),
-          else none; the start-up log names the choice
+    auto  gguf where the method runs (torch backend, CPU, eager), wins (bfloat16 activations, or
+          float32 with the compiled block kernels built) and the loaded weights are a GGUF's
+          Q4_x blocks (the runner checks the file against the weights it was given), else
+          none; the start-up log names the choice
 
-Projections only (q/k/v, o, gate/up, down); embeddings, norms and the vocabulary head keep the
-dense path. The quantized kernels run for decode-sized steps and the dense copy above
-`MAX_KERNEL_ROWS` rows (executor/torch/quant_linear.py).
+Projections (q/k/v, o, gate/up, down) and, with float32 activations, a block-format vocabulary
+head; embeddings and norms keep the dense path. The quantized kernels run for decode-sized
+steps and the dense copy above `MAX_KERNEL_ROWS` rows (executor/torch/quant_linear.py).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class QuantizationMethod:
 
 QUANTIZATION_METHODS: dict[str, QuantizationMethod] = {
     "none": QuantizationMethod("dense weights in --dtype", ("jax", "torch")),
-    "gguf": QuantizationMethod("the GGUF's Q4_0/Q4_1 blocks as stored (int4 group-32 kernel)",
+    "gguf": QuantizationMethod("the GGUF's Q4_0/Q4_1 (and, float32, Q8_0 head) blocks as stored",
                                ("torch",), needs_gguf=True),
     "int8": QuantizationMethod("weight-only int8, per-output-feature scales",
                                ("torch", "jax")),
@@ -42,17 +44,19 @@ QUANTIZATION_CHOICES = ("auto", *QUANTIZATION_METHODS)
 
 
 def resolve_quantization(name: str, *, backend: str, device_type: str, compile: bool,
-                         is_gguf: bool, dtype: str = "bfloat16") -> str:
+                         is_gguf: bool, dtype: str = "bfloat16",
+                         f32_kernels: bool = False) -> str:
     """The runner's `quantization` for `--quantization name`: a method name, or "auto" when
     gguf can run and the runner is to use it if its weights are the file's blocks. ValueError
     naming the conflict when the combination cannot run.
 
-    `auto` needs bfloat16 activations: the int kernels' crossover was measured against bf16
-    GEMMs, and with float32 activations (CPUs without bf16 units, where `--dtype auto` is
-    float32) the int4 kernel measured ~8x slower than a float32 dense GEMV (AVX2, decode rows)."""
+    `auto` needs bfloat16 activations, or float32 ones with `f32_kernels` (the compiled block
+    kernels load): with float32 activations (CPUs without bf16 units, where `--dtype auto` is
+    float32) torch's int4 op measured ~8x slower than a float32 dense GEMV (AVX2, decode rows),
+    the compiled kernels several times faster (README, "Quantization")."""
     if name == "auto":
-        ok = (backend == "torch" and device_type == "cpu" and not compile and is_gguf
-              and dtype == "bfloat16")
+        fast = dtype == "bfloat16" or (dtype == "float32" and f32_kernels)
+        ok = backend == "torch" and device_type == "cpu" and not compile and is_gguf and fast
         return "auto" if ok else "none"
     method = QUANTIZATION_METHODS.get(name)
     if method is None:

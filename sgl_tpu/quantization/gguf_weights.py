@@ -6,7 +6,7 @@ of the fused torch weights (the dense loader dequantizes the same tensors; see l
               ──Q/K rows un-permuted (llama arch, as the dense loader)──► fused along N:
 
     {"layers.{i}.wqkv": wq|wk|wv, "layers.{i}.wo", "layers.{i}.w_gate_up": gate|up,
-     "layers.{i}.w_down"}
+     "layers.{i}.w_down", "lm_head": output (or token_embd when the head is tied) [V, D]}
 
 A projection whose parts are not all in a block format with an exact quantized form (float
 tensors, K-quants, or Q8_0 next to Q4_x in one fused matrix) is left out: it stays dense.
@@ -29,6 +29,8 @@ from sgl_tpu.quantization.blocks import (
     rows,
 )
 from sgl_tpu.quantization.gguf_tensors import read_gguf_tensors
+
+HEAD = "lm_head"  # the vocabulary head's key (a [V, D] matrix like the torch weight)
 
 # canonical fused name -> the GGUF per-layer tensors stacked along N, in order
 FUSED = {
@@ -60,4 +62,7 @@ def read_gguf_quantized(path: str | Path, cfg: ModelConfig) -> dict[str, Quantiz
                 stacked = concat_rows(mats)
                 if stacked is not None:
                     out[f"layers.{i}.{fused}"] = stacked
+    head = tensors.get("output.weight", tensors.get("token_embd.weight"))
+    if head is not None and head.type_name in GGUF_BLOCK_BYTES:
+        out[HEAD] = decode_gguf_blocks(head.type_name, head.rows(), head.dims[0])
     return out

@@ -2,24 +2,34 @@
 
     x [M, K] ──M <= max_rows──► quantized kernel (reads 4 or 8 bits per weight: wins while the
             │                   GEMM is bound by memory, i.e. decode)
-            └─M >  max_rows──► dense (bf16 oneDNN-prepacked) weight, kept beside the codes
-                               (wins once the integer kernels turn compute-bound: prefill, big
-                               batches). Without a dense copy the kernel runs at every M.
+            └─M >  max_rows──► dense (bf16 oneDNN-prepacked, or float32) weight, kept beside
+                               the codes (wins once the integer kernels turn compute-bound:
+                               prefill, big batches). Without a dense copy the kernel runs at
+                               every M.
 
-Kernels (torch CPU ops; N % 16 == 0 and K % 32 == 0 for the int4 ones):
+Kernels (N % 16 == 0 and K % 32 == 0 for the torch int4 op; K % 32 == 0 for the others):
 
     Int4Kernel      `_weight_int4pack_mm_for_cpu`, group 32: w = (q - 8) * scale + zero, with
                     scale and zero in the activation dtype (so bfloat16 rounds them)
     Int8Kernel      `_weight_int8pack_mm`: w = q * scale[n], one scale per output feature
+    Q4F32Kernel     float32 activations (CPUs without bf16 units): kernels/quant_gemm_cpu.py,
+                    the same int4 groups with the stored float32 scales and zeros, exact
+    Q8F32Kernel     float32 activations: GGUF Q8_0 blocks (w = q * scale per block of 32),
+                    exact; serves the vocabulary head
 
-GGUF Q8_0 (per-block scales) has no kernel here and stays dense: `_weight_int8pack_mm` takes
-one scale per output feature (not exact for Q8_0). The exact form, two int4 nibble planes
+`make_kernel` picks the float32 kernels when the activations are float32 and the compiled
+module loads (torch's int4 op with float32 activations measured ~8x slower than a dense float32
+GEMV on an AVX2 CPU); bfloat16 keeps the torch ops.
+
+With bfloat16, GGUF Q8_0 (per-block scales) has no kernel and stays dense: `_weight_int8pack_mm`
+takes one scale per output feature (not exact for Q8_0). The exact form, two int4 nibble planes
 summed (blocks.Int8Groups.split_nibbles), measured 0.76x of bf16 on the default model's
 49152-row head at one row on a quiet machine but 1.33x under load, and 0.86-1.14x on layer-sized
 matrices (`sgl_tpu.bench.quant_linear`): at most ~0.5 ms of a 25 ms batch-1 step, not taken.
 
 `max_rows` comes from `MAX_KERNEL_ROWS`, the crossover measured on a 2-core AVX512-BF16 CPU (no
-AMX) with `python -m sgl_tpu.bench.quant_executor --kernel-max-rows 64`
+AMX; the float32 kernels on a 2-core AVX2 CPU) with
+`python -m sgl_tpu.bench.quant_executor --kernel-max-rows 64 [--dtype float32]`
 (per matrix: `sgl_tpu.bench.quant_linear`).
 """
 
@@ -30,13 +40,17 @@ from dataclasses import dataclass
 
 import torch
 
+from sgl_tpu.kernels import quant_gemm_cpu
 from sgl_tpu.quantization.blocks import GROUP, Int4Groups, Int8Channels, Int8Groups
 
 # Largest batch rows for which each kernel beats the bf16 prepacked GEMM in the runner's decode
 # step (default model, 2 threads; kernel forced at every M, step time vs dense): int4 0.66x at
 # 1 row, 0.86x at 4, 1.03x at 6, 1.21x at 16; int8 0.93x at 1, 0.95x at 2, 1.08x at 3
-# (benchmarks/results/quantization_crossover_int{4,8}.json).
-MAX_KERNEL_ROWS = {"int4": 4, "int8": 2}
+# (benchmarks/results/quantization_crossover_int{4,8}.json). The float32 block kernels against
+# dense float32 on a 2-core AVX2 CPU (no bf16 units; gguf = Q4_1 layers + Q8_0 head, kernel at
+# every M): 0.42x at 16 rows, 0.56x at 24, 0.80x at 32, 1.13x at 64
+# (benchmarks/results/quantization_crossover_f32.json).
+MAX_KERNEL_ROWS = {"int4": 4, "int8": 2, "q4-f32": 32, "q8-f32": 32}
 
 
 class Int4Kernel:
@@ -73,13 +87,52 @@ class Int8Kernel:
         return self.q.nbytes + self.scale.nbytes
 
 
-Kernel = Int4Kernel | Int8Kernel
+class Q4F32Kernel:
+    kind = "q4-f32"
+
+    def __init__(self, m: Int4Groups) -> None:
+        self.blocks = quant_gemm_cpu.pack_q4(m.q, m.scale, m.zero)  # [N, K/G, 16] + scales
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # f32[M, K] -> f32[M, N]
+        return quant_gemm_cpu.q4_gemm(x, self.blocks)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes
+
+
+class Q8F32Kernel:
+    kind = "q8-f32"
+
+    def __init__(self, m: Int8Groups) -> None:
+        self.blocks = quant_gemm_cpu.pack_q8(m.q, m.scale)  # [N, K/G, 32] + scales
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # f32[M, K] -> f32[M, N]
+        return quant_gemm_cpu.q8_gemm(x, self.blocks)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes
+
+
+Kernel = Int4Kernel | Int8Kernel | Q4F32Kernel | Q8F32Kernel
+F32_KINDS = (Q4F32Kernel.kind, Q8F32Kernel.kind)
+
+
+def f32_kernels_available() -> bool:
+    """Whether float32 activations get the compiled block kernels (else torch's ops)."""
+    return quant_gemm_cpu.available()
 
 
 def make_kernel(m: Int4Groups | Int8Groups | Int8Channels, dtype: torch.dtype) -> Kernel | None:
-    """The kernel for a quantized matrix, or None where none exists (Q8_0 blocks) or the CPU
-    op cannot take its shape."""
+    """The kernel for a quantized matrix, or None where none exists (Q8_0 blocks with bfloat16
+    activations) or the CPU op cannot take its shape."""
     n, k = m.q.shape
+    if dtype == torch.float32 and k % GROUP == 0 and f32_kernels_available():
+        if isinstance(m, Int4Groups):
+            return Q4F32Kernel(m)
+        if isinstance(m, Int8Groups):
+            return Q8F32Kernel(m)
     if isinstance(m, Int8Channels):
         return Int8Kernel(m, dtype)
     if isinstance(m, Int4Groups) and n % 16 == 0 and k % GROUP == 0:

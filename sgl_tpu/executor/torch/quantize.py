@@ -1,7 +1,8 @@
 """`--quantization` on the torch backend: the quantized form of each fused projection, and the
 model weights with those projections swapped for `QuantizedLinear`s.
 
-    gguf       read_gguf_quantized(file)        the stored Q4_x blocks, exact
+    gguf       read_gguf_quantized(file)        the stored Q4_x blocks, exact (and the Q8_0
+                                                vocabulary head, served with float32 only)
     int8/int4  quantize_int8/int4(params)       from the loader's float32 params
                    ──quantize_weights(Weights)──► Weights whose wqkv / wo / w_gate_up / w_down
                                                   are QuantizedLinear(kernel, dense copy) and
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from sgl_tpu.executor.torch.quant_linear import (
+    F32_KINDS,
     MAX_KERNEL_ROWS,
     QuantizedLinear,
     dispatching_linear,
@@ -31,6 +33,7 @@ from sgl_tpu.executor.torch.quant_linear import (
 from sgl_tpu.models.config import ModelConfig
 from sgl_tpu.quantization import QUANTIZATION_METHODS
 from sgl_tpu.quantization.blocks import QuantizedMatrix, quantize_int4, quantize_int8
+from sgl_tpu.quantization.gguf_weights import HEAD
 
 logger = logging.getLogger(__name__)
 
@@ -77,23 +80,37 @@ def _gguf_mismatch(matrices: dict[str, QuantizedMatrix], params: dict) -> str | 
     return None
 
 
+def _head_matches(head: QuantizedMatrix, params: dict) -> bool:
+    """Whether the file's head blocks dequantize to the loaded head [V, D] bit for bit."""
+    dense = params["lm_head"].T if "lm_head" in params else params["embed"]
+    if head.q.shape != np.shape(dense):
+        return False
+    return bool(np.array_equal(head.dequantize(), np.asarray(dense, np.float32)))
+
+
 def quantized_matrices(method: str, params: dict, cfg: ModelConfig, model_path: str | None
                        ) -> dict[str, QuantizedMatrix] | None:
     """"layers.{i}.{fused}" -> quantized [N, K] matrix for every projection `method` covers.
 
     gguf / auto read the file at `model_path` (None: the default model) and check it against
-    `params`; a mismatch is a ValueError for gguf, and None (stay dense) for auto."""
+    `params`; a mismatch is a ValueError for gguf, and None (stay dense) for auto. They add the
+    file's vocabulary head under HEAD ([V, D]) when it is a block format and equals the loaded
+    head (else the head stays dense)."""
     if method in ("gguf", "auto"):
         from sgl_tpu.loader import default_model_path
         from sgl_tpu.quantization.gguf_weights import read_gguf_quantized
 
         path = model_path or default_model_path()
+        head = None
         try:
             matrices = read_gguf_quantized(path, cfg)
+            head = matrices.pop(HEAD, None)
             problem = _gguf_mismatch(matrices, params)
         except ValueError as e:  # e.g. rows that do not split into cfg's heads
             matrices, problem = {}, str(e)
         if problem is None:
+            if head is not None and _head_matches(head, params):
+                matrices[HEAD] = head
             return matrices
         if method == "gguf":
             raise ValueError(f"--quantization gguf: {path}: {problem}")
@@ -110,19 +127,27 @@ class QuantizationReport:
     quantized: int  # projections served by a kernel
     dense_only: int  # projections left dense (no exact form, or a shape the kernel refuses)
     kernel_bytes: int  # memory the kernels add beside the dense weights
+    kernels: tuple[str, ...] = ()  # the projections' kernel kinds (quant_linear.py)
+    head: str | None = None  # the vocabulary head's kernel kind; None: dense
 
     def log_line(self) -> str:
         desc = QUANTIZATION_METHODS[self.method].description
-        return (f"quantization {self.method} ({desc}): {self.quantized} projections on int "
-                f"kernels for steps of few rows "
+        kinds = "/".join(self.kernels) or "no"
+        rows = ", ".join(f"{k} <= {MAX_KERNEL_ROWS[k]}" for k in self.kernels)
+        head = f"vocabulary head on {self.head}" if self.head else "vocabulary head dense"
+        return (f"quantization {self.method} ({desc}): {self.quantized} projections on {kinds} "
+                f"kernels for steps of few rows ({rows or 'none'}), {head} "
                 f"(+{self.kernel_bytes / 2**20:.0f} MiB beside the dense weights), "
                 f"{self.dense_only} dense only")
 
 
 def quantize_weights(weights, matrices: dict[str, QuantizedMatrix], method: str,
                      dtype: torch.dtype):
-    """llama_torch.Weights -> (the same with QuantizedLinear projections, QuantizationReport)."""
-    layers, done, dense_only, nbytes = [], 0, 0, 0
+    """llama_torch.Weights -> (the same with QuantizedLinear projections, QuantizationReport).
+
+    The vocabulary head (matrices[HEAD]) is swapped only for a float32 kernel: with bfloat16
+    it has no exact kernel (quant_linear.py)."""
+    layers, done, dense_only, nbytes, kinds = [], 0, 0, 0, []
     for i, lw in enumerate(weights.layers):
         changes = {}
         for fused in _FUSED_PARAMS:
@@ -135,8 +160,23 @@ def quantize_weights(weights, matrices: dict[str, QuantizedMatrix], method: str,
                                              MAX_KERNEL_ROWS[kernel.kind])
             done += 1
             nbytes += kernel.nbytes
+            if kernel.kind not in kinds:
+                kinds.append(kernel.kind)
         layers.append(dataclasses.replace(lw, **changes))
-    report = QuantizationReport(method, done, dense_only, nbytes)
+    top: dict = {"layers": layers, "linear": dispatching_linear(weights.linear)}
+    head = matrices.get(HEAD)
+    head_kernel = None if head is None else make_kernel(head, dtype)
+    if head_kernel is not None and head_kernel.kind in F32_KINDS:
+        top["lm_head"] = QuantizedLinear(head_kernel, weights.lm_head,
+                                         MAX_KERNEL_ROWS[head_kernel.kind])
+        nbytes += head_kernel.nbytes
+    if dtype == torch.float32 and "int4" in kinds:
+        from sgl_tpu.kernels import quant_gemm_cpu
+
+        logger.warning("quantization %s: float32 activations on torch's int4 op, measured ~8x "
+                       "slower than dense float32 on AVX2 (the compiled block kernels: %s)",
+                       method, quant_gemm_cpu.why_unavailable())
+    report = QuantizationReport(method, done, dense_only, nbytes, tuple(kinds),
+                                head_kernel.kind if "lm_head" in top else None)
     logger.info(report.log_line())
-    return (dataclasses.replace(weights, layers=layers,
-                                linear=dispatching_linear(weights.linear)), report)
+    return dataclasses.replace(weights, **top), report

@@ -1,0 +1,268 @@
+// Weight-only quantized GEMM for CPUs with float32 activations, for decode-sized row counts:
+// the compiled half of kernels/quant_gemm_cpu.py (kernels/cpu_extension.py builds it).
+//
+// Dimensions: M activation rows (1 .. 32 in the runner), K input features, N output features, G = 32 (one
+// block of weights of one output row along K), nb = K / G.
+//
+//     x      f32[M, K]          activations, row-major
+//     Q4     qs u8[N, nb, 16]   byte t holds weight 2t (low nibble) and 2t + 1 (high) of
+//                               its block
+//            scale f32[N, nb], zero f32[N, nb]      w = (q - 8) * scale + zero
+//     Q8     qs i8[N, nb, 32], scale f32[N, nb]     w = q * scale
+//     y      f32[M, N]          y = x @ w.T
+//
+// The weights stay exactly what the blocks store: each block's codes are widened to float32
+// in registers (0..15 or -128..127, exact), multiplied with the activations and accumulated in
+// float32, then the block's sum is scaled:
+//
+//     y[m, n] = sum_b scale[n, b] * sum_j x[m, bG + j] q[n, bG + j]
+//             + sum_b (zero[n, b] - 8 scale[n, b]) * xsum[m, b]   (Q4 only; xsum = the
+//                                                                  activations' block sums)
+//
+// which is sum_k x w with the stored w (only the float32 summation order differs from a
+// dense GEMV; the zero term is summed as zero * xsum and -8 scale * xsum, so zero - 8 scale is
+// never rounded). Every row runs the same operations whatever M is: a row's result does not
+// depend on the rows beside it. Each output row's blocks are read once for all M rows: the rows are processed
+// in tiles of up to 4 (accumulators in registers) inside the loop over output features, so a
+// later tile finds the row's bytes in L1. Output features are split over torch's threads
+// (at::parallel_for). AVX2 + FMA intrinsics where the build has them, a scalar loop otherwise.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SGL_QGEMM_AVX2 1
+#else
+#define SGL_QGEMM_AVX2 0
+#endif
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int kRowTile = 4;       // activation rows whose accumulators live in registers
+constexpr int64_t kGrain = 16;    // output features per parallel task, at least
+
+struct Q4 {
+  const uint8_t* qs;    // [N, nb, 16]
+  const float* scale;   // [N, nb]
+  const float* zero;    // [N, nb]
+};
+struct Q8 {
+  const int8_t* qs;     // [N, nb, 32]
+  const float* scale;   // [N, nb]
+};
+
+#if SGL_QGEMM_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256 widen8(__m128i codes) {  // the low 8 signed bytes -> 8 floats
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
+}
+
+// One block's 32 weights of one output row times R activation rows, added to acc[r] after
+// scaling: acc[r] += scale * sum_j x[r][j] w[j] (lane-wise partial sums).
+template <int R>
+inline void block_fma(const float* x, int64_t K, __m256 w0, __m256 w1, __m256 w2, __m256 w3,
+                      __m256 scale, __m256* acc) {
+  for (int r = 0; r < R; ++r) {
+    const float* xr = x + r * K;
+    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(xr), w0);
+    __m256 c = _mm256_mul_ps(_mm256_loadu_ps(xr + 16), w2);
+    a = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w1, a);
+    c = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w3, c);
+    acc[r] = _mm256_fmadd_ps(scale, _mm256_add_ps(a, c), acc[r]);
+  }
+}
+#endif
+
+// y[r, n] for r < R: output feature n (its blocks at `qs`, `scale`, `zero`) of R rows of x.
+// Byte t of a block holds weights 2t (low nibble) and 2t + 1 (high), so 32-bit word i holds
+// weights 8i .. 8i + 7 at bits 4p: one broadcast, a per-lane shift and a mask give 8 codes.
+// The -8 is applied to the block sums: sum_j x_j (q_j - 8) = sum_j x_j q_j - 8 xsum.
+template <int R>
+void q4_rows(const float* x, int64_t K, const float* xsum, const uint8_t* qs,
+             const float* scale, const float* zero, float* y, int64_t N) {
+  const int64_t nb = K / kGroup;
+  float zacc[R] = {};
+#if SGL_QGEMM_AVX2
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  const __m256i low = _mm256_set1_epi32(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* q = qs + b * 16;
+    auto w = [q, shifts, low](int i) {
+      int32_t word;
+      std::memcpy(&word, q + 4 * i, 4);
+      const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts),
+                                             low);
+      return _mm256_cvtepi32_ps(codes);
+    };
+    block_fma<R>(x + b * kGroup, K, w(0), w(1), w(2), w(3), _mm256_set1_ps(scale[b]), acc);
+  }
+  // the zero terms, 8 blocks per vector: sum_b (zero_b xsum_b - 8 scale_b xsum_b)
+  const __m256 minus8 = _mm256_set1_ps(-8.0f);
+  __m256 zv[R];
+  for (int r = 0; r < R; ++r) zv[r] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    const __m256 z = _mm256_loadu_ps(zero + b);
+    const __m256 s8 = _mm256_mul_ps(minus8, _mm256_loadu_ps(scale + b));
+    for (int r = 0; r < R; ++r) {
+      const __m256 xs = _mm256_loadu_ps(xsum + r * nb + b);
+      zv[r] = _mm256_fmadd_ps(s8, xs, _mm256_fmadd_ps(z, xs, zv[r]));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    zacc[r] = hsum(zv[r]);
+    for (int64_t t = b; t < nb; ++t) {
+      zacc[r] = std::fma(zero[t], xsum[r * nb + t], zacc[r]);
+      zacc[r] = std::fma(-8.0f * scale[t], xsum[r * nb + t], zacc[r]);
+    }
+    y[r * N] = hsum(acc[r]) + zacc[r];
+  }
+#else
+  float acc[R] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* q = qs + b * 16;
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * K + b * kGroup;
+      float s = 0.0f;
+      for (int j = 0; j < kGroup; ++j) s += xr[j] * float((q[j / 2] >> (4 * (j & 1))) & 0x0F);
+      acc[r] += scale[b] * s;
+      zacc[r] = std::fma(zero[b], xsum[r * nb + b], zacc[r]);
+      zacc[r] = std::fma(-8.0f * scale[b], xsum[r * nb + b], zacc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * N] = acc[r] + zacc[r];
+#endif
+}
+
+template <int R>
+void q8_rows(const float* x, int64_t K, const int8_t* qs, const float* scale, float* y,
+             int64_t N) {
+  const int64_t nb = K / kGroup;
+#if SGL_QGEMM_AVX2
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* q = qs + b * kGroup;
+    auto w = [q](int i) {
+      return widen8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i)));
+    };
+    block_fma<R>(x + b * kGroup, K, w(0), w(1), w(2), w(3), _mm256_set1_ps(scale[b]), acc);
+  }
+  for (int r = 0; r < R; ++r) y[r * N] = hsum(acc[r]);
+#else
+  float acc[R] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* q = qs + b * kGroup;
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * K + b * kGroup;
+      float s = 0.0f;
+      for (int j = 0; j < kGroup; ++j) s += xr[j] * float(q[j]);
+      acc[r] += scale[b] * s;
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * N] = acc[r];
+#endif
+}
+
+// Calls rows<R>(m0, R) for tiles of up to kRowTile rows covering 0..M.
+template <typename F>
+inline void for_row_tiles(int64_t M, F&& rows) {
+  for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
+    switch (std::min<int64_t>(kRowTile, M - m0)) {
+      case 4: rows(m0, std::integral_constant<int, 4>{}); break;
+      case 3: rows(m0, std::integral_constant<int, 3>{}); break;
+      case 2: rows(m0, std::integral_constant<int, 2>{}); break;
+      default: rows(m0, std::integral_constant<int, 1>{}); break;
+    }
+  }
+}
+
+int64_t check(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
+              int64_t block_bytes, at::ScalarType code_type, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() &&
+                  x.device().is_cpu(),
+              op, ": x must be a contiguous float32 CPU matrix [M, K]");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % kGroup == 0, op, ": K = ", K, " is not a multiple of ", kGroup);
+  TORCH_CHECK(qs.dim() == 3 && qs.scalar_type() == code_type && qs.is_contiguous() &&
+                  qs.size(1) == K / kGroup && qs.size(2) == block_bytes,
+              op, ": codes must be contiguous [N, K/32, ", block_bytes, "]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                  scale.numel() == qs.size(0) * qs.size(1),
+              op, ": scales must be contiguous float32 [N, K/32]");
+  return K;
+}
+
+at::Tensor q4_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
+                   const at::Tensor& zero) {
+  const int64_t K = check(x, qs, scale, 16, at::kByte, "q4_gemm");
+  TORCH_CHECK(zero.scalar_type() == at::kFloat && zero.is_contiguous() &&
+                  zero.numel() == scale.numel(),
+              "q4_gemm: zeros must be contiguous float32 [N, K/32]");
+  const int64_t M = x.size(0), N = qs.size(0), nb = K / kGroup;
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  std::vector<float> xsum(M * nb);  // [M, nb] the activations' block sums
+  for (int64_t i = 0; i < M * nb; ++i) {
+    float s = 0.0f;
+    for (int64_t j = 0; j < kGroup; ++j) s += xp[i * kGroup + j];
+    xsum[i] = s;
+  }
+  const Q4 w{qs.data_ptr<uint8_t>(), scale.data_ptr<float>(), zero.data_ptr<float>()};
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      for_row_tiles(M, [&](int64_t m0, auto R) {
+        q4_rows<decltype(R)::value>(xp + m0 * K, K, xsum.data() + m0 * nb,
+                                    w.qs + n * nb * 16, w.scale + n * nb, w.zero + n * nb,
+                                    yp + m0 * N + n, N);
+      });
+    }
+  });
+  return y;
+}
+
+at::Tensor q8_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale) {
+  const int64_t K = check(x, qs, scale, kGroup, at::kChar, "q8_gemm");
+  const int64_t M = x.size(0), N = qs.size(0), nb = K / kGroup;
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const Q8 w{qs.data_ptr<int8_t>(), scale.data_ptr<float>()};
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      for_row_tiles(M, [&](int64_t m0, auto R) {
+        q8_rows<decltype(R)::value>(xp + m0 * K, K, w.qs + n * nb * kGroup, w.scale + n * nb,
+                                    yp + m0 * N + n, N);
+      });
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Weight-only Q4 / Q8 block GEMM with float32 activations (sgl_tpu)";
+  m.def("q4_gemm", &q4_gemm, "x f32[M, K] @ Q4 blocks [N, K/32] -> f32[M, N]");
+  m.def("q8_gemm", &q8_gemm, "x f32[M, K] @ Q8 blocks [N, K/32] -> f32[M, N]");
+  m.attr("simd") = SGL_QGEMM_AVX2 ? "avx2-fma" : "scalar";
+}

@@ -172,8 +172,21 @@ def runner_config(args: ServerArgs, model_context_len: int) -> RunnerConfig:
         cpu_threads=args.torch_threads,
         tp_size=args.tp_size,
         deterministic=deterministic,
+        jax_decode_state=_resolve_jax_decode_state(args, backend),
         **_resolve_cuda_graph(args, backend, deterministic),
     )
+
+
+def _resolve_jax_decode_state(args: ServerArgs, backend: str) -> bool:
+    """Device-resident decode batch state for the jax backend: on for accelerators, where a
+    step's host -> device copies cost latency (README, "Accelerators"); on CPU the packing path
+    measured the same and stays the default. One device only: tensor-parallel runs keep the
+    packing path until the state's sharding is tested."""
+    if backend != "jax" or args.tp_size > 1:
+        return False
+    import jax
+
+    return jax.default_backend() != "cpu"
 
 
 def _resolve_cuda_graph(args: ServerArgs, backend: str, deterministic: bool) -> dict:

@@ -179,10 +179,10 @@ def runner_config(args: ServerArgs, model_context_len: int) -> RunnerConfig:
 
 def _resolve_jax_decode_state(args: ServerArgs, backend: str) -> bool:
     """Device-resident decode batch state for the jax backend: on for accelerators, where a
-    step's host -> device copies cost latency (README, "Accelerators"); on CPU the packing path
-    measured the same and stays the default. One device only: tensor-parallel runs keep the
-    packing path until the state's sharding is tested."""
-    if backend != "jax" or args.tp_size > 1:
+    step's host -> device copies cost latency (README, "Executor backends"); on CPU the packing
+    path measured the same and stays the default. Under tensor parallelism the state is
+    replicated like the packed batch."""
+    if backend != "jax":
         return False
     import jax
 

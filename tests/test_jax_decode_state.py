@@ -18,7 +18,7 @@ from sgl_tpu.config import ServerArgs
 from sgl_tpu.executor import decode_rows as dr
 from sgl_tpu.executor.jax.runner import JaxModelRunner
 from sgl_tpu.executor.registry import runner_config
-from sgl_tpu.executor.step import ForwardMode, SeqStep, placeholder_id
+from sgl_tpu.executor.step import ForwardMode, SeqStep, mask_words, placeholder_id
 from sgl_tpu.loader import load_model
 from sgl_tpu.sampling_params import SamplingParams
 
@@ -67,7 +67,8 @@ class Driver:
         return SeqStep(token_ids=token_ids, prefix_len=prefix_len, pages=pages,
                        sampling=r["sp"], seed=r["seed"],
                        num_output_tokens=len(r["ids"]) - r["prompt_len"], counts_row=r["row"],
-                       counts_reset=fresh, return_logprob=r["row"] != 3)  # one row asks none
+                       counts_reset=fresh, return_logprob=r["row"] != 3,  # one row asks none
+                       bitmask=r.get("mask"))
 
     def _take(self, which, res):
         for i, t in zip(which, res.token_ids, strict=True):
@@ -113,10 +114,17 @@ class Driver:
             self._take(which, handle.result())
 
 
+def _even_tokens(vocab_size: int) -> np.ndarray:
+    """A packed allowed-token mask (i32[W]) of the even token ids."""
+    bits = np.zeros(mask_words(vocab_size) * 32, np.uint8)
+    bits[:vocab_size:2] = 1
+    return np.packbits(bits, bitorder="little").view(np.int32)
+
+
 def _script(d: Driver) -> list[tuple[int, bool]]:
-    """Every decode step in one compiled shape (batch bucket 4, 8 page columns: contexts stay
-    within 32 tokens). Returns (bytes copied, a row started a new page) of each serial decode
-    step whose batch is the step before's."""
+    """Every decode step in one compiled shape (batch bucket 4, 16 page columns). Returns
+    (bytes copied, a row started a new page or has a grammar mask) of each serial decode step
+    whose batch is the step before's."""
     unchanged = []
 
     def decode_same(which, n):
@@ -124,7 +132,8 @@ def _script(d: Driver) -> list[tuple[int, bool]]:
             copied, steps = d.decode(which)
             if k:
                 new_page = any(st.prefix_len % PAGE == 0 for st in steps)
-                unchanged.append((copied, new_page))
+                masked = any(st.bitmask is not None for st in steps)  # masks travel
+                unchanged.append((copied, new_page or masked))
 
     d.extend([0, 1])
     d.extend([2])
@@ -132,7 +141,9 @@ def _script(d: Driver) -> list[tuple[int, bool]]:
     d.extend([3])  # a request joins
     decode_same([0, 1, 2, 3], 3)
     d.extend([1], forced=[7, 8, 9])  # jump-forward: its row is rewritten
+    d.reqs[3]["mask"] = _even_tokens(d.runner.vocab_size)  # a grammar allows even ids only
     decode_same([0, 1, 2, 3], 2)
+    d.reqs[3]["mask"] = None
     decode_same([0, 2, 3], 3)  # request 1 finished: the rows after it shift
     d.overlapped([[0, 2, 3], [0, 2, 3], [2, 3, 0], [2, 3, 0]])  # rows named elsewhere
     decode_same([2, 3, 0], 3)
@@ -157,7 +168,7 @@ def test_state_matches_packing_path(llama):
         np.testing.assert_allclose(a, b, atol=1e-4)
     np.testing.assert_array_equal(off_counts, np.asarray(runner.token_counts))
     assert state.mirror.rows_copied > 0
-    # an unchanged batch copies nothing, one with a new page only that page-table row
+    # an unchanged batch copies nothing; a new page copies that page-table row
     assert any(not new_page for _, new_page in on_unchanged)
     for copied, new_page in on_unchanged:
         assert (copied > 0) == new_page

@@ -1,7 +1,9 @@
 """JaxModelRunner (`--backend jax`; the `ModelRunner` contract is in executor/step.py): owns
 the device state (weights, paged KV pools, penalty counts) and every jitted entry point. The
 scheduler hands it host-side `SeqStep`s; it pads them to a bucket (`build_forward_batch`), runs
-one jitted step and returns host numpy results.
+one jitted step and returns host numpy results. With `config.jax_decode_state` (auto: on for
+accelerators) DECODE steps instead read a batch state kept on the device, copying only the rows
+that changed (decode_state.py).
 
 Jitted entry points (all here, compiled per bucket at warm-up):
 

@@ -122,7 +122,9 @@ def _even_tokens(vocab_size: int) -> np.ndarray:
 
 
 def _script(d: Driver) -> list[tuple[int, bool]]:
-    """Every decode step in one compiled shape (batch bucket 4, 16 page columns). Returns
+    """Every decode step in one compiled shape (batch bucket 4, 16 page columns). Prompts of
+    3 and 7 tokens decode in step, so some steps start no page (they must copy nothing) and
+    the jump-forward moves one request out of step. Returns
     (bytes copied, a row started a new page or has a grammar mask) of each serial decode step
     whose batch is the step before's."""
     unchanged = []
@@ -152,7 +154,7 @@ def _script(d: Driver) -> list[tuple[int, bool]]:
 
 def test_state_matches_packing_path(llama):
     rng = np.random.default_rng(7)
-    prompts = [rng.integers(3, llama.config.vocab_size, n).tolist() for n in (2, 3, 5, 7)]
+    prompts = [rng.integers(3, llama.config.vocab_size, n).tolist() for n in (3, 3, 7, 7)]
     params = [GREEDY, SAMPLED, dataclasses.replace(SAMPLED, min_p=0.05, seed=None), GREEDY]
     runner = _runner(llama, state=True)
     state = runner.decode_state
@@ -169,7 +171,7 @@ def test_state_matches_packing_path(llama):
     np.testing.assert_array_equal(off_counts, np.asarray(runner.token_counts))
     assert state.mirror.rows_copied > 0
     # an unchanged batch copies nothing; a new page copies that page-table row
-    assert any(not new_page for _, new_page in on_unchanged)
+    assert any(not new_page for _, new_page in on_unchanged), on_unchanged
     for copied, new_page in on_unchanged:
         assert (copied > 0) == new_page
         assert copied < min(c for c, _ in off_unchanged)

@@ -102,7 +102,7 @@ def test_decode_state_at_tp2(results):
     r = results["decode_state"]
     assert r["same_ids"] and r["rows_copied"] > 0
     assert r["compiled_again"] == 0
-    assert r["state_spec"] == "PartitionSpec()"
+    assert r["state_spec"] in ("P()", "PartitionSpec()")  # replicated (by JAX version)
 
 
 @pytest.mark.parametrize("mode", ["extend", "decode"])

@@ -128,7 +128,7 @@ def check_decode_state(model_dir: str) -> dict:
 
     loaded = load_model(model_dir)
     rng = np.random.default_rng(7)
-    prompts = [rng.integers(3, loaded.config.vocab_size, n).tolist() for n in (2, 3, 5, 7)]
+    prompts = [rng.integers(3, loaded.config.vocab_size, n).tolist() for n in (3, 3, 7, 7)]
     params = [GREEDY, SAMPLED, SAMPLED, GREEDY]
     runner = _runner(loaded, state=True, tp_size=2)
     state, runner.decode_state = runner.decode_state, None

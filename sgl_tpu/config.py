@@ -66,7 +66,7 @@ class RunnerConfig:
     static_decode_max_bs: int = 0
     cuda_graph: bool = False
     # jax DECODE steps read device-resident batch state updated by changed rows only
-    # (executor/jax/decode_state.py); resolved on for accelerators (one device), off on CPU.
+    # (executor/jax/decode_state.py); resolved on for accelerators (one host), off on CPU.
     jax_decode_state: bool = False
     # debug: after every static (torch) or state (jax) decode step, compare the device batch
     # state with a host recomputation

@@ -180,9 +180,11 @@ def runner_config(args: ServerArgs, model_context_len: int) -> RunnerConfig:
 def _resolve_jax_decode_state(args: ServerArgs, backend: str) -> bool:
     """Device-resident decode batch state for the jax backend: on for accelerators, where a
     step's host -> device copies cost latency (README, "Executor backends"); on CPU the packing
-    path measured the same and stays the default. Under tensor parallelism the state is
-    replicated like the packed batch."""
-    if backend != "jax":
+    path measured the same and stays the default. Under tensor parallelism on one host the
+    state is replicated like the packed batch; across hosts (`--nnodes`) it stays off: each
+    host's mirror would have to see the same token ids at the same step to scatter the same
+    rows, which nothing checks yet."""
+    if backend != "jax" or args.nnodes > 1:
         return False
     import jax
 

@@ -65,7 +65,11 @@ class RunnerConfig:
     static_decode: bool = False
     static_decode_max_bs: int = 0
     cuda_graph: bool = False
-    # debug: after every static step, compare the device batch state with a host recomputation
+    # jax DECODE steps read device-resident batch state updated by changed rows only
+    # (executor/jax/decode_state.py); resolved on for accelerators (one host), off on CPU.
+    jax_decode_state: bool = False
+    # debug: after every static (torch) or state (jax) decode step, compare the device batch
+    # state with a host recomputation
     check_decode_state: bool = False
 
     def __post_init__(self) -> None:

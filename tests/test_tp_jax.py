@@ -10,7 +10,8 @@ already initialised with a single device; the assertions are here:
 - the tiny checkpoint (4 query / 2 KV heads) at TP 2 and TP 4 (KV heads replicated) identical
   to TP 1;
 - the Pallas kernel in TPU interpret mode under shard_map equals the unsharded reference
-  (KV write, extend over cached prefixes, decode).
+  (KV write, extend over cached prefixes, decode);
+- the device-resident decode state at TP 2 (replicated) equals the packing path.
 """
 
 from __future__ import annotations
@@ -93,6 +94,15 @@ def test_decode_step_moves_only_activations(results):
     r = results["tiny"]
     assert r["tp2_decode_collectives"] == {"all-gather": 1,
                                            "all-reduce": 2 * r["num_layers"] + 1}
+
+
+def test_decode_state_at_tp2(results):
+    """The device-resident decode state, replicated, gives the packing path's tokens at TP 2
+    (its check on every step) and compiles nothing on a second pass."""
+    r = results["decode_state"]
+    assert r["same_ids"] and r["rows_copied"] > 0
+    assert r["compiled_again"] == 0
+    assert r["state_spec"] in ("P()", "PartitionSpec()")  # replicated (by JAX version)
 
 
 @pytest.mark.parametrize("mode", ["extend", "decode"])

@@ -117,6 +117,35 @@ def check_tiny(model_dir: str) -> dict:
     return out
 
 
+def check_decode_state(model_dir: str) -> dict:
+    """The device-resident decode state (forced on, its debug check on every step) at TP 2:
+    the test script of tests/test_jax_decode_state.py on the packing path, then on the state,
+    then once more (nothing may compile)."""
+    import numpy as np
+    from test_jax_decode_state import GREEDY, SAMPLED, Driver, _runner, _script
+
+    from sgl_tpu.loader import load_model
+
+    loaded = load_model(model_dir)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, loaded.config.vocab_size, n).tolist() for n in (3, 3, 7, 7)]
+    params = [GREEDY, SAMPLED, SAMPLED, GREEDY]
+    runner = _runner(loaded, state=True, tp_size=2)
+    state, runner.decode_state = runner.decode_state, None
+    ids = {}
+    for name in ("packing", "state", "again"):
+        if name == "again":
+            compiled = runner.num_compilations()
+        d = Driver(runner, prompts, params)
+        _script(d)
+        ids[name] = [r["ids"] for r in d.reqs]
+        runner.decode_state = state
+    return {"same_ids": ids["packing"] == ids["state"] == ids["again"],
+            "rows_copied": state.mirror.rows_copied,
+            "compiled_again": runner.num_compilations() - compiled,
+            "state_spec": str(state.arrays.pages.sharding.spec)}
+
+
 def check_sharded_pallas() -> dict:
     """The Pallas kernel (TPU interpret mode) under shard_map on 2 devices vs the unsharded
     reference: KV write, extend over cached prefixes, decode."""
@@ -174,6 +203,7 @@ def main() -> None:
               "default": check_default_model}
     if len(sys.argv) > 2:
         checks["tiny"] = partial(check_tiny, sys.argv[2])
+        checks["decode_state"] = partial(check_decode_state, sys.argv[2])
     result: dict = {"devices": jax.device_count(), "seconds": {}}
     for name, check in checks.items():
         t0 = time.perf_counter()

@@ -183,8 +183,23 @@ def runner_config(args: ServerArgs, model_context_len: int) -> RunnerConfig:
         cpu_threads=args.torch_threads,
         tp_size=args.tp_size,
         deterministic=deterministic,
+        jax_decode_state=_resolve_jax_decode_state(args, backend),
         **_resolve_cuda_graph(args, backend, deterministic),
     )
+
+
+def _resolve_jax_decode_state(args: ServerArgs, backend: str) -> bool:
+    """Device-resident decode batch state for the jax backend: on for accelerators, where a
+    step's host -> device copies cost latency (README, "Executor backends"); on CPU the packing
+    path measured the same and stays the default. Under tensor parallelism on one host the
+    state is replicated like the packed batch; across hosts (`--nnodes`) it stays off: each
+    host's mirror would have to see the same token ids at the same step to scatter the same
+    rows, which nothing checks yet."""
+    if backend != "jax" or args.nnodes > 1:
+        return False
+    import jax
+
+    return jax.default_backend() != "cpu"
 
 
 def _resolve_cuda_graph(args: ServerArgs, backend: str, deterministic: bool) -> dict:

@@ -1,7 +1,9 @@
 """JaxModelRunner (`--backend jax`; the `ModelRunner` contract is in executor/step.py): owns
 the device state (weights, paged KV pools, penalty counts) and every jitted entry point. The
 scheduler hands it host-side `SeqStep`s; it pads them to a bucket (`build_forward_batch`), runs
-one jitted step and returns host numpy results.
+one jitted step and returns host numpy results. With `config.jax_decode_state` (auto: on for
+accelerators) DECODE steps instead read a batch state kept on the device, copying only the rows
+that changed (decode_state.py).
 
 Jitted entry points (all here, compiled per bucket at warm-up):
 
@@ -10,6 +12,12 @@ Jitted entry points (all here, compiled per bucket at warm-up):
         donates kv_pools and token_counts, so the KV write and the count update are in place;
         resolves placeholder input ids (overlap scheduling, executor/step.py) from the previous
         step's token ids, kept on the device padded to a fixed width.
+    _state_step(params, kv_pools, token_counts, prev_token_ids, state, bitmask; S, P)
+                                  -> (SampleOutput, kv_pools, counts, last_token_ids, state)
+        DECODE over the device-resident batch state (`config.jax_decode_state`,
+        decode_state.py): the same step, its ForwardBatch read from the state's rows [0, S)
+        and page columns [0, P); the state advanced and donated.
+    _scatter_rows(buf, idx, rows)  -> buf      the state's changed rows (K padded), donated
     _token_logprobs(params, hidden, target_ids; T)        -> input log-probs for prompt positions
 
 `num_compilations()` counts XLA compilations of these functions, so tests can assert that mixed
@@ -21,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import jax
@@ -32,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sgl_tpu.config import RunnerConfig
+from sgl_tpu.executor.jax import decode_state as jds
 from sgl_tpu.executor.jax.forward_batch import (
     BatchShape,
     ForwardBatch,
@@ -98,6 +107,26 @@ def _step_impl(params, kv_pools, token_counts, prev_token_ids, fb: ForwardBatch,
     return out, hidden, kv_pools, token_counts, last_token_ids
 
 
+def _state_step_impl(params, kv_pools, token_counts, prev_token_ids, state, bitmask, *,
+                     num_rows: int, num_pages: int, page_size: int, mesh: Mesh | None,
+                     **step_kw):
+    """`_step_impl` (DECODE) over the device-resident state; bitmask i32[S, W]."""
+    fb = jds.state_forward_batch(state, bitmask, num_rows=num_rows, num_pages=num_pages,
+                                 page_size=page_size)
+    out, _, kv_pools, token_counts, last_token_ids = _step_impl(
+        params, kv_pools, token_counts, prev_token_ids, fb, mode=ForwardMode.DECODE, mesh=mesh,
+        **step_kw)
+    state = jds.advance_state(state, out.token_ids, num_rows)
+    if mesh is not None:
+        state = jax.tree.map(lambda a: lax.with_sharding_constraint(a, replicated(mesh)), state)
+    return out, kv_pools, token_counts, last_token_ids, state
+
+
+def _scatter_rows_impl(buf, idx, rows, *, mesh: Mesh | None):
+    buf = jds.scatter_rows(buf, idx, rows)
+    return buf if mesh is None else lax.with_sharding_constraint(buf, replicated(mesh))
+
+
 def _token_logprobs_impl(params, hidden, target_ids, *, cfg: ModelConfig, num_top: int,
                          vocab_size: int, mesh: Mesh | None):
     """hidden [T, D], target_ids [T] -> logprob of each target [T], top-K ids/logprobs [T, K]."""
@@ -157,11 +186,14 @@ class _PendingJaxStep:
     out: object  # sampler.SampleOutput of device arrays, S rows
     hidden: jax.Array | None  # [T, D] (EXTEND)
     num_seqs: int  # n real sequences
+    on_tokens: Callable[[np.ndarray], None] | None = None  # told the host's token ids i32[n]
 
     def result(self) -> StepResult:
         n = self.num_seqs
         token_ids, logprobs, top_ids, top_lp = jax.device_get(
             (self.out.token_ids, self.out.logprobs, self.out.top_ids, self.out.top_logprobs))
+        if self.on_tokens is not None:
+            self.on_tokens(np.asarray(token_ids[:n]))
         return StepResult(
             token_ids=np.asarray(token_ids[:n]),
             logprobs=np.asarray(logprobs[:n], np.float32),
@@ -221,6 +253,22 @@ class JaxModelRunner:
         self._token_logprobs = jax.jit(
             partial(_token_logprobs_impl, num_top=num_top, **shared))
         self._row_logits = jax.jit(partial(_row_logits_impl, **shared))
+        self.h2d_bytes = 0  # batch inputs copied host -> device by the steps so far
+        self.decode_state: jds.DeviceDecodeState | None = None
+        self._state_step = self._scatter_rows = None
+        if config.jax_decode_state:
+            self._state_step = jax.jit(
+                partial(_state_step_impl, page_size=config.page_size, kv_tile=config.kv_tile,
+                        num_top=num_top, attention_backend=config.attention_backend,
+                        **shared),
+                static_argnames=("num_rows", "num_pages"),
+                donate_argnames=("kv_pools", "token_counts", "state"))
+            self._scatter_rows = jax.jit(partial(_scatter_rows_impl, mesh=self.mesh),
+                                         donate_argnums=0)
+            self.decode_state = jds.DeviceDecodeState(
+                max(config.seq_buckets), config.max_pages_per_seq, config.page_size,
+                config.seq_buckets, partial(self._zeros, replicated=True), self._scatter_rows)
+        self._no_masks: dict[int, jax.Array] = {}  # S -> i32[S, W] of -1 (state steps)
 
     # ---- device state -------------------------------------------------------------------
     def _zeros(self, shape: tuple[int, ...], dtype, replicated: bool = False) -> jax.Array:
@@ -247,7 +295,9 @@ class JaxModelRunner:
     def num_compilations(self) -> int:
         """Compiled variants of the jitted entry points so far."""
         return (self._step._cache_size() + self._token_logprobs._cache_size()
-                + self._row_logits._cache_size())
+                + self._row_logits._cache_size()
+                + sum(f._cache_size() for f in (self._state_step, self._scatter_rows)
+                      if f is not None))
 
     # ---- steps -------------------------------------------------------------------------
     def batch_shape(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> BatchShape:
@@ -256,19 +306,54 @@ class JaxModelRunner:
     def _run(self, mode: ForwardMode, steps: Sequence[SeqStep], shape: BatchShape):
         """Pack `steps` to `shape` and dispatch the jitted step; (SampleOutput, hidden) stay on
         the device (JAX dispatch is asynchronous), and so do the step's token ids that the next
-        step's placeholders read."""
+        step's placeholders read. DECODE steps the device-resident state accepts run over it
+        (`_run_state`). Returns (SampleOutput, hidden, on_tokens for the pending step)."""
+        state = self.decode_state
+        if state is not None and mode == ForwardMode.DECODE and state.accepts(steps):
+            return self._run_state(steps, shape)
         fb = build_forward_batch(steps, shape, self.config.page_size)
+        self.h2d_bytes += sum(np.asarray(a).nbytes for a in jax.tree.leaves(fb))
         out, hidden, self.kv_pools, self.token_counts, self._last_token_ids = self._step(
             self.params, self.kv_pools, self.token_counts, self._last_token_ids, fb, mode=mode)
-        return out, hidden
+        if state is not None:
+            state.dispatched(None)
+        return out, hidden, None
+
+    def _run_state(self, steps: Sequence[SeqStep], shape: BatchShape):
+        """A DECODE step over the device-resident state: changed rows copied, the jitted step
+        reads the rest where it already is (decode_state.py)."""
+        state = self.decode_state
+        S, P = shape.num_seqs, shape.max_pages
+        self.h2d_bytes += state.sync(steps, S, P)
+        if any(st.bitmask is not None for st in steps):
+            bitmask = np.full((S, self.vocab_words), -1, np.int32)
+            for i, st in enumerate(steps):
+                if st.bitmask is not None:
+                    bitmask[i] = st.bitmask
+            self.h2d_bytes += bitmask.nbytes
+        else:
+            if S not in self._no_masks:
+                self._no_masks[S] = self._zeros((S, self.vocab_words), jnp.int32,
+                                                replicated=True) - 1
+            bitmask = self._no_masks[S]
+        out, self.kv_pools, self.token_counts, self._last_token_ids, state.arrays = (
+            self._state_step(self.params, self.kv_pools, self.token_counts,
+                             self._last_token_ids, state.arrays, bitmask, num_rows=S,
+                             num_pages=P))
+        serial = state.dispatched(len(steps))
+        if self.config.check_decode_state:
+            token_ids = np.asarray(jax.device_get(out.token_ids))[: len(steps)]
+            state.check(steps, token_ids, S, P)
+        return out, None, partial(state.resolve, serial)
 
     def forward(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> StepResult:
         return self.dispatch(mode, steps).result()
 
     def dispatch(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> _PendingJaxStep:
         """Enqueue the jitted step without waiting for it."""
-        out, hidden = self._run(mode, steps, self.batch_shape(mode, steps))
-        return _PendingJaxStep(out, hidden if mode == ForwardMode.EXTEND else None, len(steps))
+        out, hidden, on_tokens = self._run(mode, steps, self.batch_shape(mode, steps))
+        return _PendingJaxStep(out, hidden if mode == ForwardMode.EXTEND else None, len(steps),
+                               on_tokens)
 
     def token_logprobs(self, hidden: jax.Array, target_ids: np.ndarray
                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -290,6 +375,22 @@ class JaxModelRunner:
         return np.concatenate(out)
 
     # ---- warm-up -----------------------------------------------------------------------
+    def _warmup_scatters(self) -> None:
+        """Compile the state's row scatters: every row bucket K for ints and floats, every
+        (K, page width) for pages; their rows all padding, so the state is unchanged."""
+        state = self.decode_state
+        arrays = dataclasses.asdict(state.arrays)
+        for k in state.row_buckets:
+            idx = np.full(k, state.max_rows, np.int32)
+            widths = {"ints": [arrays["ints"].shape[1]], "floats": [arrays["floats"].shape[1]],
+                      "pages": sorted({min(w, self.config.max_pages_per_seq)
+                                       for w in self.page_widths})}
+            for name, ws in widths.items():
+                for w in ws:
+                    rows = np.zeros((k, w), arrays[name].dtype)
+                    arrays[name] = self._scatter_rows(arrays[name], idx, rows)
+        state.arrays = jds.DecodeStateArrays(**arrays)
+
     def warmup(self) -> float:
         """Compile every shape the scheduler can send (`warmup_shapes`: each EXTEND token bucket
         and DECODE sequence bucket at each page-table width), plus the log-prob entry points per
@@ -298,11 +399,13 @@ class JaxModelRunner:
         steps = [warmup_step()]  # one sequence fits every shape; the rest is padding
         logprob_buckets = set()
         for shape in self.buckets.warmup_shapes():
-            _, hidden = self._run(shape.mode, steps, shape)
+            _, hidden, _ = self._run(shape.mode, steps, shape)
             if shape.mode == ForwardMode.EXTEND and shape.num_tokens not in logprob_buckets:
                 logprob_buckets.add(shape.num_tokens)
                 self._token_logprobs(self.params, hidden, np.zeros(shape.num_tokens, np.int32))
                 self.row_logits(hidden, np.zeros(1, np.int32))
+        if self.decode_state is not None:
+            self._warmup_scatters()
         jax.block_until_ready(self.kv_pools)
         elapsed = time.perf_counter() - t0
         logger.info("warm-up compiled %d step variants (%d page-table widths) in %.1f s",

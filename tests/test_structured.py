@@ -440,7 +440,8 @@ def _run_concurrently(server: Server, bodies: list[dict[str, Any]], stall_s: flo
             break
         assert time.monotonic() - last_change < stall_s, (
             f"no progress for {stall_s} s: {info['num_running_reqs']} running, "
-            f"{info['num_waiting_reqs']} waiting, memory {info['memory']}")
+            f"{info['num_waiting_reqs']} waiting, {len(results)} of {len(bodies)} answered, "
+            f"memory {info['memory']}, stats {info['stats']}\n{server.handle.log_tail()}")
     outs = []
     for i in range(len(bodies)):
         r = results[i]

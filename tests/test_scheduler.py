@@ -135,6 +135,32 @@ def test_retraction_under_kv_pressure_keeps_outputs_exact():
     assert sched.kv.allocator.num_free_pages + tree_pages == 12  # nothing held, nothing lost
 
 
+def test_short_memory_retracts_a_jump_forward_request_before_ending_the_last_runner():
+    """A request waiting to re-extend after a jump forward holds KV but does not decode. When
+    the only running request needs a page and that request holds the rest, it is retracted
+    (not the runner ended without an answer, which left its client waiting forever)."""
+    # 5 usable pages of 4 tokens: a (8-token prompt) and b (7) take 2 each; a's first decode
+    # takes the last free page
+    sched, _ = make_scheduler(num_pages=6, chunk=64, max_running=2)
+    prompts = {"a": list(range(10, 18)), "b": list(range(40, 47))}
+    for rid, p in prompts.items():
+        assert sched.add_request(request(rid, p, 8)) is None
+    out = run_steps(sched, {}, max_steps=2)  # EXTEND (both), DECODE
+    assert len(sched.running) == 2 and sched.kv.allocator.num_free_pages == 0
+    # b jumps forward (no forced token here): it leaves the decode batch until it is
+    # re-extended, which needs a page it cannot get while a runs
+    b = next(r for r in sched.running if r.rid == "b")
+    sched.running.remove(b)
+    b.jumped = True
+    sched.jump_forward_reqs.append(b)
+    out = run_steps(sched, out)
+    assert not sched.has_work, "scheduler did not go idle"
+    for rid, p in prompts.items():
+        assert out[rid]["ids"] == expected(p, 8), rid
+        assert out[rid]["reason"]["type"] == "length", out[rid]
+    assert sched.stats.num_retractions >= 1 and sched.stats.num_requests_finished == 2
+
+
 def test_abort_ends_one_request_and_frees_its_pages():
     sched, _ = make_scheduler(chunk=64)
     sched.add_request(request("keep", list(range(10, 20)), 6))

@@ -325,10 +325,12 @@ class Scheduler:
 
     # ---- DECODE ----------------------------------------------------------------------------
     def _run_decode(self) -> list[ReqOutput]:
-        self._ensure_decode_pages()
+        outputs = self._ensure_decode_pages()
+        if not self.running:
+            return outputs
         drafts = self._drafts()
         self._step_reqs = reqs = []
-        batch, steps, outputs = [], [], []  # batch: (req, draft, its first row)
+        batch, steps = [], []  # batch: (req, draft, its first row)
         for req in list(self.running):
             draft = drafts.get(id(req), [])
             try:
@@ -409,21 +411,26 @@ class Scheduler:
         in_flight, self._pending = self._pending, None
         return [] if in_flight is None else self._process_decode(in_flight)
 
-    def _ensure_decode_pages(self) -> None:
-        """Every running request gets room for one more token; retract when memory is short."""
+    def _ensure_decode_pages(self) -> list[ReqOutput]:
+        """Every running request gets room for one more token; when memory is short, retract
+        first the requests waiting to re-extend after a jump forward (they hold KV but do not
+        decode), then running ones. Returns the output of a request ended for lack of memory."""
         while True:
             needy = [r for r in self.running if self.kv.pages_needed(r, r.kv_len + 1)]
             if len(needy) <= self.kv.available_pages():
                 for r in needy:
                     if not self.kv.alloc_pages(r, 1):
                         raise RuntimeError("page allocation failed despite available pages")
-                return
+                return []
+            if self.jump_forward_reqs:
+                self._retract(self.jump_forward_reqs.pop())
+                continue
             if len(self.running) == 1:
-                # Cannot happen for validated requests (they fit the pool alone), but never spin.
+                # Cannot happen for validated requests (they fit the pool alone, and nothing
+                # else holds KV now), but never spin, and never leave the client waiting.
                 req = self.running.pop()
                 req.finish_reason = finish.abort("out of KV cache memory")
-                self._release(req)
-                return
+                return [self._finish(req, [])]
             victim = min(self.running, key=lambda r: (len(r.output_ids), -r.prompt_len))
             self.running.remove(victim)
             self._retract(victim)

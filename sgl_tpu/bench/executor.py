@@ -31,7 +31,7 @@ from functools import partial
 
 import numpy as np
 
-from sgl_tpu.bench.report import emit
+from sgl_tpu.bench.report import emit, model_label
 from sgl_tpu.bench.timing import best, interleaved
 
 SAMPLING = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.7, top_p=0.9)}
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> dict:
     max_tokens = max(prefills + [1])
     pool_tokens = max(max_tokens, max(batches + [1]) * (args.context + 16)) + 64
     rng = np.random.default_rng(0)
-    results: dict = {"model": loaded.model_path, "jax_platform": jax.default_backend(),
+    results: dict = {"model": model_label(loaded.model_path), "jax_platform": jax.default_backend(),
                      "context_for_decode": args.context, "cpu_count": os.cpu_count(),
                      "runs": []}
     for backend in args.backends.split(","):

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from sgl_tpu.bench.report import emit
+from sgl_tpu.bench.report import emit, model_label
 
 SAMPLING = {"greedy": dict(temperature=0.0),
             "sampled": dict(temperature=0.7, top_p=0.9, frequency_penalty=0.2)}
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> dict:
     runners = {path: JaxModelRunner(cfg, loaded.params,
                                     dataclasses.replace(rcfg, jax_decode_state=path == "state"))
                for path in ("packing", "state")}
-    results: dict = {"model": loaded.model_path, "jax_platform": jax.default_backend(),
+    results: dict = {"model": model_label(loaded.model_path), "jax_platform": jax.default_backend(),
                      "dtype": rcfg.dtype, "context": args.context, "sampling": args.sampling,
                      "cpu_count": os.cpu_count(), "load_avg": os.getloadavg(), "runs": []}
     for b in batches:

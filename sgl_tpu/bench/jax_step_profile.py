@@ -36,7 +36,7 @@ import time
 
 import numpy as np
 
-from sgl_tpu.bench.report import emit
+from sgl_tpu.bench.report import emit, model_label
 
 SAMPLING = {
     "greedy": dict(temperature=0.0),
@@ -246,7 +246,7 @@ def run(args: argparse.Namespace) -> dict:
         runners[name] = create_model_runner(cfg, loaded.params,
                                             runner_config(sargs, cfg.context_len))
     some = next(iter(runners.values()))
-    results: dict = {"model": loaded.model_path, "jax_platform": jax.default_backend(),
+    results: dict = {"model": model_label(loaded.model_path), "jax_platform": jax.default_backend(),
                      "device": str(jax.devices()[0]), "dtype": some.config.dtype,
                      "context": args.context, "steps": args.steps, "runs": []}
     rng = np.random.default_rng(0)

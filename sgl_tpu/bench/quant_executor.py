@@ -24,7 +24,7 @@ from functools import partial
 import numpy as np
 
 from sgl_tpu.bench.executor import _steps
-from sgl_tpu.bench.report import emit
+from sgl_tpu.bench.report import emit, model_label
 from sgl_tpu.bench.timing import interleaved
 
 
@@ -54,7 +54,8 @@ def run(args: argparse.Namespace) -> dict:
         runner = create_model_runner(cfg, loaded.params, runner_config(sargs, cfg.context_len))
         report = runner.quantization  # what "auto" became
         runners[report.method if report else "none"] = runner
-    results: dict = {"model": loaded.model_path, "dtype": args.dtype, "cpu_count": os.cpu_count(),
+    results: dict = {"model": model_label(loaded.model_path), "dtype": args.dtype,
+                     "cpu_count": os.cpu_count(),
                      "context_for_decode": args.context, "repeats": args.repeats,
                      "kernel_max_rows": args.kernel_max_rows, "runs": []}
     rng = np.random.default_rng(0)

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
+
+
+def model_label(model_path: str | None) -> str:
+    """The model as a result JSON names it: the checkpoint's file or folder name (results are
+    committed; a machine's absolute paths are not)."""
+    return Path(model_path).name if model_path else "default"
 
 
 def emit(results: dict[str, Any], output: str | None) -> None:

@@ -88,14 +88,15 @@ def _head_matches(head: QuantizedMatrix, params: dict) -> bool:
     return bool(np.array_equal(head.dequantize(), np.asarray(dense, np.float32)))
 
 
-def quantized_matrices(method: str, params: dict, cfg: ModelConfig, model_path: str | None
-                       ) -> dict[str, QuantizedMatrix] | None:
+def quantized_matrices(method: str, params: dict, cfg: ModelConfig, model_path: str | None,
+                       with_head: bool = False) -> dict[str, QuantizedMatrix] | None:
     """"layers.{i}.{fused}" -> quantized [N, K] matrix for every projection `method` covers.
 
     gguf / auto read the file at `model_path` (None: the default model) and check it against
     `params`; a mismatch is a ValueError for gguf, and None (stay dense) for auto. They add the
-    file's vocabulary head under HEAD ([V, D]) when it is a block format and equals the loaded
-    head (else the head stays dense)."""
+    file's vocabulary head under HEAD ([V, D]) when `with_head` (float32 activations: only the
+    float32 kernels serve it), it is a block format and it equals the loaded head (else the
+    head stays dense; the check dequantizes the whole head, so it runs only when asked)."""
     if method in ("gguf", "auto"):
         from sgl_tpu.loader import default_model_path
         from sgl_tpu.quantization.gguf_weights import read_gguf_quantized
@@ -109,7 +110,7 @@ def quantized_matrices(method: str, params: dict, cfg: ModelConfig, model_path: 
         except ValueError as e:  # e.g. rows that do not split into cfg's heads
             matrices, problem = {}, str(e)
         if problem is None:
-            if head is not None and _head_matches(head, params):
+            if with_head and head is not None and _head_matches(head, params):
                 matrices[HEAD] = head
             return matrices
         if method == "gguf":

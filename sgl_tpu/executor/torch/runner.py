@@ -123,7 +123,8 @@ class TorchModelRunner:
         from sgl_tpu.executor.torch import quantize
 
         matrices = quantize.quantized_matrices(method, params, model_config,
-                                               self.config.model_path)
+                                               self.config.model_path,
+                                               with_head=self.dtype == torch.float32)
         if matrices is None:
             return None
 

@@ -103,6 +103,30 @@ def test_chunked_prefill_runs_budget_sized_chunks_then_decodes():
     assert decodes == [[(1, 50 + k)] for k in range(4)]  # first token came from the prefill
 
 
+def test_load_counts_a_chunked_prompt_and_a_jump_forward_request_as_running():
+    """`/server_info`, `/get_load` and the harness's idle check see every admitted request:
+    one between its prefill chunks and one waiting to re-extend after a jump forward hold KV
+    pages, and neither is in `running`."""
+    from sgl_tpu.scheduler.stats import load_info, server_info
+
+    sched, _ = make_scheduler(chunk=16)
+    sched.add_request(request("a", list(range(100, 150)), 3))  # 50 tokens: 4 chunks
+    sched.step()
+    assert not sched.running and sched.chunked_req is not None
+    assert server_info(sched)["num_running_reqs"] == 1
+    load = load_info(sched)
+    assert (load["num_reqs"], load["num_waiting_reqs"]) == (1, 0)
+    assert (load["num_tokens"], load["num_pending_tokens"]) == (16, 34)
+    run_steps(sched, {}, max_steps=3)  # the other chunks, then the first decode
+    a = sched.running.pop()
+    a.jumped = True
+    sched.jump_forward_reqs.append(a)
+    assert server_info(sched)["num_running_reqs"] == 1 and load_info(sched)["num_reqs"] == 1
+    out = run_all(sched)
+    assert out["a"]["reason"]["type"] == "length"
+    assert server_info(sched)["num_running_reqs"] == 0
+
+
 def test_cached_prefix_is_not_recomputed():
     sched, runner = make_scheduler(chunk=64)
     prompt = list(range(200, 230))  # 30 tokens

@@ -148,6 +148,13 @@ class Scheduler:
             queue.remove(req)
 
     @property
+    def num_running(self) -> int:
+        """Requests admitted and not finished: decoding, waiting to re-extend after a jump
+        forward, or a prompt between its prefill chunks (all hold KV pages)."""
+        return (len(self.running) + len(self.jump_forward_reqs)
+                + (self.chunked_req is not None))
+
+    @property
     def has_work(self) -> bool:
         return (bool(self._aborts) or self._pending is not None
                 or next(self._queued(), None) is not None)
@@ -176,7 +183,7 @@ class Scheduler:
             elif self.running:
                 outputs += self._run_decode()
         self._step_reqs = []
-        self.stats.maybe_log(len(self.running), len(self.waiting),
+        self.stats.maybe_log(self.num_running, len(self.waiting),
                              self.kv.allocator.num_free_pages)
         return outputs
 

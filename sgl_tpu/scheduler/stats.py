@@ -76,7 +76,7 @@ def server_info(scheduler: Scheduler) -> dict[str, Any]:
     stats = {k: v for k, v in asdict(scheduler.stats).items() if not k.startswith("last_log")}
     data: dict[str, Any] = {
         "memory": memory_info(scheduler.kv),
-        "num_running_reqs": len(scheduler.running),
+        "num_running_reqs": scheduler.num_running,
         "num_waiting_reqs": len(scheduler.waiting),
         "num_compilations": scheduler.runner.num_compilations(),
         "scheduler_pid": os.getpid(),
@@ -95,11 +95,12 @@ def load_info(scheduler: Scheduler) -> dict[str, Any]:
     """The load a router balances on (`/get_load`, SGLang's fields): requests running and
     waiting, tokens whose K/V the running requests hold, prompt tokens still to compute. Cheap:
     no integrity check, one pass over the queues."""
-    running = list(scheduler.running)
+    chunked = [] if scheduler.chunked_req is None else [scheduler.chunked_req]
+    running = [*scheduler.running, *scheduler.jump_forward_reqs, *chunked]
     waiting = list(scheduler.waiting)
     return {
         "num_reqs": len(running) + len(waiting),
         "num_waiting_reqs": len(waiting),
         "num_tokens": sum(r.kv_len for r in running),
-        "num_pending_tokens": sum(r.prompt_len - r.kv_len for r in waiting),
+        "num_pending_tokens": sum(max(r.prompt_len - r.kv_len, 0) for r in waiting + chunked),
     }

@@ -10,8 +10,10 @@ arithmetic, one rounding per stored value):
     rms_norm(x [T, n], w f32[n], eps)                  -> y [T, n]
     add_rms_norm(h [T, n], delta [T, n], w, eps)       -> y; h += delta in place (the residual)
     rope_write_kv(qkv [T, (H + 2 kvh) d], cos, sin f32[T, 1, d], k_pool, v_pool [S, kvh, d],
-                  out_slots i64[T], H, kvh)            RoPE on qkv's q and k heads in place,
-                                                       then k and v rows into their pool slots
+                  out_slots i64[T], H, kvh,            RoPE on qkv's q and k heads in place
+                  q_norm, k_norm f32[d] | None, eps)   (each head RMSNormed first when the norms
+                                                       are given: Qwen3), then k and v rows into
+                                                       their pool slots
     silu_mul(gate_up [T, 2F])                          -> [T, F] = silu(gate) * up
 
 `load()` returns the compiled module or None (not built: models/llama_torch.py then runs the

@@ -1,8 +1,8 @@
 """The fused CPU layer ops (kernels/layer_ops_cpu.py) against the torch ops they replace in
 models/llama_torch.py: norms, RoPE + K/V write into scattered pool slots (page boundaries,
 ragged rows, padding rows on slot 0), SwiGLU, float32 and bfloat16, single-task and
-multi-threaded row counts; then whole runners with the ops on and off (tiny Llama and Qwen2
-checkpoints, and the default model's greedy tokens)."""
+multi-threaded row counts, Qwen3's q/k norms; then whole runners with the ops on and off (tiny
+Llama, Qwen2 and Qwen3 checkpoints, and the default model's greedy tokens)."""
 
 from __future__ import annotations
 
@@ -81,9 +81,10 @@ def _ragged_slots(page_size: int, lens: list[int], num_pages: int, seed: int) ->
     return torch.tensor(out + [0], dtype=torch.int64)
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lens", [[1], [5, 1, 9], [64, 66]])
-def test_rope_write_kv_equals_torch(dtype, lens):
+def test_rope_write_kv_equals_torch(dtype, lens, qk_norm):
     h_q, kvh, d, page_size, num_pages = 6, 2, 64, 4, 64
     slots = _ragged_slots(page_size, lens, num_pages, seed=len(lens))
     t = slots.shape[0]
@@ -93,13 +94,20 @@ def test_rope_write_kv_equals_torch(dtype, lens):
     qkv = _rand(t, (h_q + 2 * kvh) * d, dtype=dtype, seed=6)
     k_pool = _rand(num_pages * page_size, kvh, d, dtype=dtype, seed=7)
     v_pool = _rand(num_pages * page_size, kvh, d, dtype=dtype, seed=8)
-    # the torch path: llama_torch.layer_pre's RoPE on the fused output, then write_kv
-    ref_qk = llama_torch.apply_rope(qkv[:, : (h_q + kvh) * d].view(t, h_q + kvh, d), cos, sin)
+    # the torch path: llama_torch.layer_pre's (q/k norms and) RoPE, then write_kv
+    q_norm, k_norm = (_rand(d, dtype=torch.float32, seed=s) for s in (9, 10))
+    ref_q, ref_k_new = qkv[:, : h_q * d].view(t, h_q, d), qkv[:, h_q * d :][:, : kvh * d]
+    ref_k_new = ref_k_new.reshape(t, kvh, d)
+    if qk_norm:
+        ref_q = llama_torch.rms_norm(ref_q, q_norm, 1e-6)
+        ref_k_new = llama_torch.rms_norm(ref_k_new, k_norm, 1e-6)
+    ref_qk = llama_torch.apply_rope(torch.cat([ref_q, ref_k_new], dim=1), cos, sin)
     ref_k, ref_v = k_pool.clone(), v_pool.clone()
     sdpa.write_kv(ref_k, ref_v, ref_qk[:, h_q:], qkv[:, (h_q + kvh) * d :].view(t, kvh, d),
                   slots)
 
-    ops().rope_write_kv(qkv, cos, sin, k_pool, v_pool, slots, h_q, kvh)
+    norms = (q_norm, k_norm, 1e-6) if qk_norm else ()
+    ops().rope_write_kv(qkv, cos, sin, k_pool, v_pool, slots, h_q, kvh, *norms)
     torch.testing.assert_close(qkv[:, : (h_q + kvh) * d].view(t, h_q + kvh, d), ref_qk,
                                **TOL[dtype])
     torch.testing.assert_close(k_pool, ref_k, **TOL[dtype])  # every other slot unchanged
@@ -141,7 +149,7 @@ class Runner:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_runner_with_layer_ops_equals_torch_ops(tmp_path, arch, dtype):
     """A ragged EXTEND batch (a cached prefix ending mid-page, a fresh sequence), then two
     DECODE steps: the same logits and greedy tokens with the fused ops as with torch's."""

@@ -10,10 +10,10 @@
 //     add_rms_norm(h [T, n], delta [T, n], w, eps)    -> y;  h <- h + delta  (in place, rounded
 //                                                        to scalar_t first, as `h + delta`)
 //     rope_write_kv(qkv [T, (H + 2 kvh) d], cos, sin f32[T, d], k_pool, v_pool [S, kvh, d],
-//                   slots i64[T], H, kvh)
+//                   slots i64[T], H, kvh, q_norm f32[d] | None, k_norm f32[d] | None, eps)
 //         rotates the q and k heads of each row in place (rotate-half, llama_torch.apply_rope's
-//         tables: cos = (c, c), sin = (-s, s)), then copies the row's k and v heads into
-//         pool row slots[t]
+//         tables: cos = (c, c), sin = (-s, s)), each head RMSNormed first when the norms are
+//         given (Qwen3), then copies the row's k and v heads into pool row slots[t]
 //
 //                 qkv row t:  | q head 0 .. H-1 | k head 0 .. kvh-1 | v head 0 .. kvh-1 |
 //                               \____ rotated in place ____/          |
@@ -152,11 +152,17 @@ at::Tensor add_rms_norm(at::Tensor h, const at::Tensor& delta, const at::Tensor&
   return add_rms_norm_any(h, &delta, w, eps, "layer_ops_cpu.add_rms_norm");
 }
 
-// one head in place: x' = x * cos + swap_halves(x) * sin
+// one head in place: x' = x * cos + swap_halves(x) * sin, after the head's RMSNorm (rounded
+// to T, as the torch path stores it) when `norm` is given (Qwen3's q/k norms)
 template <typename T>
-inline void rotate_head(T* x, const float* cos, const float* sin, int64_t d, float* tmp) {
+inline void rotate_head(T* x, const float* cos, const float* sin, int64_t d, float* tmp,
+                        const float* norm, float eps) {
   const int64_t half = d / 2;
   for (int64_t i = 0; i < d; ++i) tmp[i] = to_f(x[i]);
+  if (norm != nullptr) {
+    norm_row(tmp, norm, d, eps, x);
+    for (int64_t i = 0; i < d; ++i) tmp[i] = to_f(x[i]);
+  }
   for (int64_t i = 0; i < half; ++i) {
     x[i] = from_f<T>(tmp[i] * cos[i] + tmp[i + half] * sin[i]);
     x[i + half] = from_f<T>(tmp[i + half] * cos[i + half] + tmp[i] * sin[i + half]);
@@ -166,13 +172,15 @@ inline void rotate_head(T* x, const float* cos, const float* sin, int64_t d, flo
 template <typename T>
 void rope_write_kv_impl(T* qkv, int64_t row_stride, const float* cos, const float* sin,
                         T* k_pool, T* v_pool, const int64_t* slots, int64_t rows, int64_t H,
-                        int64_t kvh, int64_t d) {
+                        int64_t kvh, int64_t d, const float* q_norm, const float* k_norm,
+                        float eps) {
   at::parallel_for(0, rows, grain_rows((H + 2 * kvh) * d), [&](int64_t r0, int64_t r1) {
     std::vector<float> tmp(d);
     for (int64_t t = r0; t < r1; ++t) {
       T* row = qkv + t * row_stride;
       for (int64_t head = 0; head < H + kvh; ++head)
-        rotate_head(row + head * d, cos + t * d, sin + t * d, d, tmp.data());
+        rotate_head(row + head * d, cos + t * d, sin + t * d, d, tmp.data(),
+                    head < H ? q_norm : k_norm, eps);
       const int64_t kv_elems = kvh * d;
       std::memcpy(k_pool + slots[t] * kv_elems, row + H * d, kv_elems * sizeof(T));
       std::memcpy(v_pool + slots[t] * kv_elems, row + (H + kvh) * d, kv_elems * sizeof(T));
@@ -182,7 +190,9 @@ void rope_write_kv_impl(T* qkv, int64_t row_stride, const float* cos, const floa
 
 void rope_write_kv(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
                    at::Tensor k_pool, at::Tensor v_pool, const at::Tensor& slots,
-                   int64_t num_q_heads, int64_t num_kv_heads) {
+                   int64_t num_q_heads, int64_t num_kv_heads,
+                   const c10::optional<at::Tensor>& q_norm,
+                   const c10::optional<at::Tensor>& k_norm, double eps) {
   const char* op = "layer_ops_cpu.rope_write_kv";
   check_rows(qkv, op, "qkv");
   const int64_t rows = qkv.size(0), H = num_q_heads, kvh = num_kv_heads;
@@ -202,6 +212,15 @@ void rope_write_kv(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
                   slots.numel() == rows,
               op, ": slots must be contiguous i64[T]");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), op, ": q_norm and k_norm go together");
+  const float* qn = nullptr;
+  const float* kn = nullptr;
+  if (q_norm.has_value()) {
+    check_weight(*q_norm, d, op);
+    check_weight(*k_norm, d, op);
+    qn = q_norm->data_ptr<float>();
+    kn = k_norm->data_ptr<float>();
+  }
   const int64_t* s = slots.data_ptr<int64_t>();
   const int64_t num_slots = k_pool.size(0);
   for (int64_t t = 0; t < rows; ++t)
@@ -210,11 +229,12 @@ void rope_write_kv(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
     rope_write_kv_impl<c10::BFloat16>(
         qkv.data_ptr<c10::BFloat16>(), qkv.stride(0), cos.data_ptr<float>(),
         sin.data_ptr<float>(), k_pool.data_ptr<c10::BFloat16>(),
-        v_pool.data_ptr<c10::BFloat16>(), s, rows, H, kvh, d);
+        v_pool.data_ptr<c10::BFloat16>(), s, rows, H, kvh, d, qn, kn, static_cast<float>(eps));
   else
     rope_write_kv_impl<float>(qkv.data_ptr<float>(), qkv.stride(0), cos.data_ptr<float>(),
                               sin.data_ptr<float>(), k_pool.data_ptr<float>(),
-                              v_pool.data_ptr<float>(), s, rows, H, kvh, d);
+                              v_pool.data_ptr<float>(), s, rows, H, kvh, d, qn, kn,
+                              static_cast<float>(eps));
 }
 
 template <typename T>
@@ -254,6 +274,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "y = RMSNorm(x) * w");
   m.def("add_rms_norm", &add_rms_norm, "h += delta in place; y = RMSNorm(h) * w");
   m.def("rope_write_kv", &rope_write_kv,
-        "RoPE on qkv's q and k heads in place, k and v rows into their pool slots");
+        "(q/k norm and) RoPE on qkv's q and k heads in place, k and v rows into their pool slots",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_pool"), py::arg("v_pool"),
+        py::arg("slots"), py::arg("num_q_heads"), py::arg("num_kv_heads"),
+        py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(), py::arg("eps") = 1e-6);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2F] -> [T, F]");
 }

@@ -215,13 +215,11 @@ class LlamaTorch:
 
     def use_layer_ops(self, ops: Any) -> bool:
         """Run `forward_fused` with the compiled module `ops` (kernels/layer_ops_cpu.py) if
-        these layers can: this class's own (not a subclass's), no q/k norms (RoPE and the K/V
-        write are one op on the fused projection's output), the pool written by the standard
-        token-major `write_kv`. Whether it took them."""
+        these layers can: this class's own (not a subclass's), the pool written by the standard
+        token-major `write_kv` (the fused op writes it). Whether it took them."""
         from sgl_tpu.kernels import paged_attention_torch
 
-        if (not self.fused_layers or self.cfg.qk_norm
-                or self.write_kv is not paged_attention_torch.write_kv):
+        if not self.fused_layers or self.write_kv is not paged_attention_torch.write_kv:
             return False
         self.layer_ops = ops
         return True
@@ -270,7 +268,8 @@ class LlamaTorch:
             x = (ops.rms_norm(h, w.attn_norm, eps) if delta is None
                  else ops.add_rms_norm(h, delta, w.attn_norm, eps))
             qkv = linear(x, w.wqkv, w.bqkv)  # [T, (H + 2 kvh) d]
-            ops.rope_write_kv(qkv, cos, sin, k_pool, v_pool, out_slots, h_q, h_kv)
+            ops.rope_write_kv(qkv, cos, sin, k_pool, v_pool, out_slots, h_q, h_kv,
+                              w.q_norm, w.k_norm, eps)  # q/k norms: Qwen3
             o = attention(qkv[:, : cfg.q_size].view(t, h_q, d), k_pool, v_pool)  # [T, H, d]
             x = ops.add_rms_norm(h, linear(o.reshape(t, cfg.q_size), w.wo, None), w.mlp_norm,
                                  eps)

@@ -1,6 +1,7 @@
 """Build and load the compiled CPU kernels: the `torch-cpu-fused` attention backend
 (`csrc/paged_attention_cpu.cpp`) and the quantized GEMM with float32 activations
-(`csrc/quant_gemm_cpu.cpp`, kernels/quant_gemm_cpu.py).
+(`csrc/quant_gemm_cpu.cpp`, kernels/quant_gemm_cpu.py) and the decoder's fused norm / RoPE /
+SwiGLU ops (`csrc/layer_ops_cpu.cpp`, kernels/layer_ops_cpu.py).
 
     python -m sgl_tpu.kernels.cpu_extension      (run by `make install`; prints what it built)
 
@@ -67,7 +68,9 @@ ATTENTION = CpuExtension(CSRC / "paged_attention_cpu.cpp", "sgl_tpu_attn_cpu",
                          "fused CPU attention")
 QUANT_GEMM = CpuExtension(CSRC / "quant_gemm_cpu.cpp", "sgl_tpu_qgemm_cpu",
                           "quantized CPU GEMM")
-EXTENSIONS = (ATTENTION, QUANT_GEMM)
+LAYER_OPS = CpuExtension(CSRC / "layer_ops_cpu.cpp", "sgl_tpu_layer_ops_cpu",
+                         "fused CPU layer ops")
+EXTENSIONS = (ATTENTION, QUANT_GEMM, LAYER_OPS)
 SOURCE = ATTENTION.source  # the attention extension's (the module-level functions below)
 
 
@@ -156,7 +159,8 @@ def build(ext: CpuExtension = ATTENTION, verbose: bool = False) -> Path:
 
 def main() -> int:
     fallback = {ATTENTION: "torch-sdpa will be used",
-                QUANT_GEMM: "float32 servers keep dense projections"}
+                QUANT_GEMM: "float32 servers keep dense projections",
+                LAYER_OPS: "the decoder's norms and RoPE run as torch ops"}
     status = 0
     for ext in EXTENSIONS:
         try:

@@ -56,6 +56,9 @@ class RunnerConfig:
     quantization: str = "none"  # a sgl_tpu.quantization method, or "auto" (gguf if the
     # runner's weights are the GGUF's blocks, else none; see sgl_tpu/quantization)
     cpu_threads: int = 0  # torch on CPU: intra-op threads, fixed at start; 0 = every usable CPU
+    # torch on CPU, eager: the decoder's norms, RoPE + K/V write and SwiGLU as the compiled ops
+    # of kernels/layer_ops_cpu.py when built (Llama-family models); False: torch ops
+    cpu_layer_ops: bool = True
     tp_size: int = 1  # tensor parallelism: devices (JAX mesh) or ranks (torch) the model spans
     # --enable-deterministic-inference: batch-invariant kernels (executor/batch_invariant.py)
     deterministic: bool = False

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -184,7 +185,13 @@ WriteKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torc
 
 class LlamaTorch:
     """The decoder as plain functions over `Weights`; `pre`/`post`/`final_norm` may be swapped
-    for compiled versions by the runner (same signatures)."""
+    for compiled versions by the runner (same signatures).
+
+    On an eager CPU runner `use_layer_ops` switches `forward` to `forward_fused`: the same
+    layers with their element-wise groups in the compiled ops of kernels/layer_ops_cpu.py."""
+
+    # False in subclasses whose layers are not these (MoE experts, tensor-parallel reductions)
+    fused_layers = True
 
     def __init__(self, cfg: ModelConfig, weights: Weights, write_kv: WriteKV,
                  compile_fn: Callable[[Callable], Callable] | None = None) -> None:
@@ -204,6 +211,18 @@ class LlamaTorch:
         self.pre = wrap(pre)
         self.post = wrap(post)
         self.final_norm = wrap(rms_norm)
+        self.layer_ops: Any = None  # the compiled kernels/layer_ops_cpu module, when in use
+
+    def use_layer_ops(self, ops: Any) -> bool:
+        """Run `forward_fused` with the compiled module `ops` (kernels/layer_ops_cpu.py) if
+        these layers can: this class's own (not a subclass's), the pool written by the standard
+        token-major `write_kv` (the fused op writes it). Whether it took them."""
+        from sgl_tpu.kernels import paged_attention_torch
+
+        if not self.fused_layers or self.write_kv is not paged_attention_torch.write_kv:
+            return False
+        self.layer_ops = ops
+        return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor,
                 kv_pools: list[tuple[torch.Tensor, torch.Tensor]],
@@ -214,6 +233,8 @@ class LlamaTorch:
         `attention(q, k_pool, v_pool)` is the step's attention (extend or decode) with its
         batch description bound in; the K/V write happens here, before it.
         """
+        if self.layer_ops is not None:
+            return self.forward_fused(input_ids, positions, out_slots, kv_pools, attention)
         cfg = self.cfg
         cos, sin = rope_tables(positions, self.w.inv_freq, cfg.long_rope,
                                self.w.long_inv_freq)
@@ -224,6 +245,38 @@ class LlamaTorch:
             o = attention(q, k_pool, v_pool)
             h = self.post(h, o, w)
         return self.final_norm(h, self.w.final_norm, cfg.rms_norm_eps)
+
+    def forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      out_slots: torch.Tensor, kv_pools: list[tuple[torch.Tensor, torch.Tensor]],
+                      attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
+                                          torch.Tensor]) -> torch.Tensor:
+        """`forward` with the compiled layer ops: per layer 4 projections, attention and 4
+        element-wise calls (~20 aten calls with views, against ~100 with the torch ops). Each
+        residual add is deferred into the next norm, which adds in place (`h` is this step's
+        own embedding rows):
+
+            x = norm(h += delta)  qkv = x Wqkv  rope_write_kv(qkv)  o = attn(q)
+            x = norm(h += o Wo)   delta = silu_mul(x Wgu) Wd            ... final norm(h += delta)
+        """
+        cfg, ops, linear, eps = self.cfg, self.layer_ops, self.w.linear, self.cfg.rms_norm_eps
+        t, h_q, h_kv, d = input_ids.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        cos, sin = rope_tables(positions, self.w.inv_freq, cfg.long_rope,
+                               self.w.long_inv_freq)  # f32[T, 1, d]
+        h = self.embed(input_ids)  # [T, D]
+        delta = None  # [T, D] the last MLP's output, not yet added to h
+        for w, (k_pool, v_pool) in zip(self.w.layers, kv_pools, strict=True):
+            x = (ops.rms_norm(h, w.attn_norm, eps) if delta is None
+                 else ops.add_rms_norm(h, delta, w.attn_norm, eps))
+            qkv = linear(x, w.wqkv, w.bqkv)  # [T, (H + 2 kvh) d]
+            ops.rope_write_kv(qkv, cos, sin, k_pool, v_pool, out_slots, h_q, h_kv,
+                              w.q_norm, w.k_norm, eps)  # q/k norms: Qwen3
+            o = attention(qkv[:, : cfg.q_size].view(t, h_q, d), k_pool, v_pool)  # [T, H, d]
+            x = ops.add_rms_norm(h, linear(o.reshape(t, cfg.q_size), w.wo, None), w.mlp_norm,
+                                 eps)
+            delta = linear(ops.silu_mul(linear(x, w.w_gate_up, None)), w.w_down, None)
+        if delta is None:
+            return ops.rms_norm(h, self.w.final_norm, eps)
+        return ops.add_rms_norm(h, delta, self.w.final_norm, eps)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """i64[T] -> [T, D] (a tensor-parallel model overrides it with a vocab-parallel one)."""

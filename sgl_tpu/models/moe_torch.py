@@ -69,6 +69,7 @@ def moe_ffn(x: torch.Tensor, w: MoeLayerWeights, cfg: ModelConfig) -> torch.Tens
 
 
 class MoeTorch(LlamaTorch):
+    fused_layers = False  # routed experts in place of the dense MLP
     def __init__(self, cfg: ModelConfig, weights: llama_torch.Weights, write_kv: WriteKV,
                  compile_fn: Callable[[Callable], Callable] | None = None) -> None:
         super().__init__(cfg, weights, write_kv, compile_fn)

@@ -89,6 +89,8 @@ class LlamaTorchTP(llama_torch.LlamaTorch):
     """The decoder on one rank's slice (cfg: the slice's ModelConfig), with the collectives of
     the module docstring."""
 
+    fused_layers = False  # all-reduces between the projections and the residual adds
+
     def __init__(self, cfg: ModelConfig, weights: llama_torch.Weights,
                  write_kv: llama_torch.WriteKV, *, vocab_size: int, rank: int,
                  world_size: int) -> None:

@@ -86,6 +86,7 @@ class TorchModelRunner:
                    and self.dtype == torch.bfloat16 and cpu_prepacks_bf16())
         self.quantization = None  # quantize.QuantizationReport when projections are quantized
         self.model = self._build_model(params, model_config, prepack, compile_fn)
+        self.layer_ops = self._use_layer_ops()
         num_slots = config.num_pages * config.page_size
         # The model's own head count: a tensor-parallel rank stores only its KV heads.
         shape = (num_slots, self.model.cfg.num_kv_heads, model_config.head_dim)
@@ -103,10 +104,10 @@ class TorchModelRunner:
         self._worker: ThreadPoolExecutor | None = None  # runs dispatched steps, in order
         self._in_flight: Future | None = None  # the last dispatched step
         logger.info("torch backend on %s, %s, compile=%s, prepacked weights=%s, "
-                    "quantization=%s, static decode=%s, CUDA graphs=%s", self.device,
-                    config.dtype, config.compile, prepack,
+                    "quantization=%s, fused layer ops=%s, static decode=%s, CUDA graphs=%s",
+                    self.device, config.dtype, config.compile, prepack,
                     self.quantization.method if self.quantization else "none",
-                    config.static_decode, config.cuda_graph)
+                    self.layer_ops, config.static_decode, config.cuda_graph)
 
     def _build_model(self, params: dict, model_config: ModelConfig, prepack: bool, compile_fn):
         """The registry's torch model for the architecture (parallel/torch_tp.py overrides)."""
@@ -114,6 +115,22 @@ class TorchModelRunner:
             params, model_config, dtype=self.dtype, device=self.device, prepack=prepack,
             write_kv=self.attn.write_kv, compile_fn=compile_fn,
             quantize=self._quantizer(params, model_config))
+
+    def _use_layer_ops(self) -> bool:
+        """Hand the model the compiled layer ops (kernels/layer_ops_cpu.py) on an eager CPU
+        runner when they are built and the model takes them; whether it did."""
+        if not self.config.cpu_layer_ops or self.config.compile or self.device.type != "cpu":
+            return False
+        from sgl_tpu.kernels import layer_ops_cpu
+
+        use = getattr(self.model, "use_layer_ops", None)
+        if use is None:
+            return False
+        if not layer_ops_cpu.usable(self.device, self.dtype):
+            logger.info("fused layer ops off: %s", layer_ops_cpu.why_unavailable()
+                        or f"{self.dtype} is not one of theirs")
+            return False
+        return use(layer_ops_cpu.load())
 
     def _quantizer(self, params: dict, model_config: ModelConfig):
         """Weights -> Weights with quantized projections (`config.quantization`), or None."""

@@ -1,0 +1,282 @@
+// Fused per-layer element-wise ops of the torch backend's eager CPU decoder: the compiled half
+// of kernels/layer_ops_cpu.py (kernels/cpu_extension.py builds it). Each op is one pass over
+// its rows instead of the 4-8 small aten ops (and their temporaries) that the same arithmetic
+// costs in eager PyTorch.
+//
+// Dimensions: T token rows, n features, H query heads, kvh KV heads, d head_dim, F MLP width.
+// Element types: float32 or bfloat16 (scalar_t); arithmetic in float32, rounded once on store.
+//
+//     rms_norm(x [T, n], w f32[n], eps)               -> y [T, n] = x * rsqrt(mean(x^2) + eps) * w
+//     add_rms_norm(h [T, n], delta [T, n], w, eps)    -> y;  h <- h + delta  (in place, rounded
+//                                                        to scalar_t first, as `h + delta`)
+//     rope_write_kv(qkv [T, (H + 2 kvh) d], cos, sin f32[T, d], k_pool, v_pool [S, kvh, d],
+//                   slots i64[T], H, kvh, q_norm f32[d] | None, k_norm f32[d] | None, eps)
+//         rotates the q and k heads of each row in place (rotate-half, llama_torch.apply_rope's
+//         tables: cos = (c, c), sin = (-s, s)), each head RMSNormed first when the norms are
+//         given (Qwen3), then copies the row's k and v heads into pool row slots[t]
+//
+//                 qkv row t:  | q head 0 .. H-1 | k head 0 .. kvh-1 | v head 0 .. kvh-1 |
+//                               \____ rotated in place ____/          |
+//                                                 \__ k_pool[slot] __/ \__ v_pool[slot] __/
+//
+//     silu_mul(gate_up [T, 2F])                        -> [T, F] = silu(gate) * up
+//
+// Rows are split over torch's threads (at::parallel_for) once there are enough of them
+// (prefill); a decode step's few rows run on the calling thread.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGrainElems = 1 << 15;  // elements per parallel task, at least
+constexpr int kPartials = 8;              // independent partial sums (vectorizable)
+
+inline float to_f(float v) { return v; }
+inline float to_f(c10::BFloat16 v) { return static_cast<float>(v); }
+template <typename T>
+inline T from_f(float v) { return static_cast<T>(v); }
+
+// exp(x) for the SiLU, branch-free so that the compiler vectorizes its loop (std::exp does not):
+// x = n ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes' expf polynomial (relative error ~1e-7).
+inline float exp_f(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+int64_t grain_rows(int64_t row_elems) {
+  return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(row_elems, 1));
+}
+
+void check_rows(const at::Tensor& x, const char* op, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1,
+              op, ": ", name, " must be a CPU matrix with contiguous rows");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              op, ": ", name, " must be float32 or bfloat16");
+}
+
+void check_weight(const at::Tensor& w, int64_t n, const char* op) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.is_contiguous() &&
+                  w.numel() == n,
+              op, ": weight must be a contiguous float32 vector of the rows' width");
+}
+
+// y[i] = h[i] * rsqrt(mean(h^2) + eps) * w[i] over one row of n float32 values
+template <typename T>
+void norm_row(const float* h, const float* w, int64_t n, float eps, T* y) {
+  float part[kPartials] = {};
+  int64_t i = 0;
+  for (; i + kPartials <= n; i += kPartials)
+    for (int j = 0; j < kPartials; ++j) part[j] += h[i + j] * h[i + j];
+  float ss = 0.0f;
+  for (; i < n; ++i) ss += h[i] * h[i];
+  for (int j = 0; j < kPartials; ++j) ss += part[j];
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t k = 0; k < n; ++k) y[k] = from_f<T>(h[k] * r * w[k]);
+}
+
+template <typename T>
+void add_rms_norm_impl(T* h, int64_t h_stride, const T* delta, int64_t d_stride, const float* w,
+                       int64_t rows, int64_t n, float eps, T* y) {
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf(n);
+    for (int64_t r = r0; r < r1; ++r) {
+      T* hr = h + r * h_stride;
+      if (delta != nullptr) {
+        const T* dr = delta + r * d_stride;
+        for (int64_t k = 0; k < n; ++k) {
+          hr[k] = from_f<T>(to_f(hr[k]) + to_f(dr[k]));  // rounded like `h + delta`
+          buf[k] = to_f(hr[k]);
+        }
+      } else {
+        for (int64_t k = 0; k < n; ++k) buf[k] = to_f(hr[k]);
+      }
+      norm_row(buf.data(), w, n, eps, y + r * n);
+    }
+  });
+}
+
+at::Tensor add_rms_norm_any(const at::Tensor& h, const at::Tensor* delta, const at::Tensor& w,
+                            double eps, const char* op) {
+  check_rows(h, op, "x");
+  const int64_t rows = h.size(0), n = h.size(1);
+  check_weight(w, n, op);
+  if (delta != nullptr) {
+    check_rows(*delta, op, "delta");
+    TORCH_CHECK(delta->scalar_type() == h.scalar_type() && delta->size(0) == rows &&
+                    delta->size(1) == n,
+                op, ": delta must have the residual's shape and dtype");
+  }
+  at::Tensor y = at::empty({rows, n}, h.options());
+  if (h.scalar_type() == at::kBFloat16) {
+    add_rms_norm_impl<c10::BFloat16>(
+        h.data_ptr<c10::BFloat16>(), h.stride(0),
+        delta ? delta->data_ptr<c10::BFloat16>() : nullptr, delta ? delta->stride(0) : 0,
+        w.data_ptr<float>(), rows, n, static_cast<float>(eps), y.data_ptr<c10::BFloat16>());
+  } else {
+    add_rms_norm_impl<float>(h.data_ptr<float>(), h.stride(0),
+                             delta ? delta->data_ptr<float>() : nullptr,
+                             delta ? delta->stride(0) : 0, w.data_ptr<float>(), rows, n,
+                             static_cast<float>(eps), y.data_ptr<float>());
+  }
+  return y;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  return add_rms_norm_any(x, nullptr, w, eps, "layer_ops_cpu.rms_norm");
+}
+
+at::Tensor add_rms_norm(at::Tensor h, const at::Tensor& delta, const at::Tensor& w,
+                        double eps) {
+  return add_rms_norm_any(h, &delta, w, eps, "layer_ops_cpu.add_rms_norm");
+}
+
+// one head in place: x' = x * cos + swap_halves(x) * sin, after the head's RMSNorm (rounded
+// to T, as the torch path stores it) when `norm` is given (Qwen3's q/k norms)
+template <typename T>
+inline void rotate_head(T* x, const float* cos, const float* sin, int64_t d, float* tmp,
+                        const float* norm, float eps) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < d; ++i) tmp[i] = to_f(x[i]);
+  if (norm != nullptr) {
+    norm_row(tmp, norm, d, eps, x);
+    for (int64_t i = 0; i < d; ++i) tmp[i] = to_f(x[i]);
+  }
+  for (int64_t i = 0; i < half; ++i) {
+    x[i] = from_f<T>(tmp[i] * cos[i] + tmp[i + half] * sin[i]);
+    x[i + half] = from_f<T>(tmp[i + half] * cos[i + half] + tmp[i] * sin[i + half]);
+  }
+}
+
+template <typename T>
+void rope_write_kv_impl(T* qkv, int64_t row_stride, const float* cos, const float* sin,
+                        T* k_pool, T* v_pool, const int64_t* slots, int64_t rows, int64_t H,
+                        int64_t kvh, int64_t d, const float* q_norm, const float* k_norm,
+                        float eps) {
+  at::parallel_for(0, rows, grain_rows((H + 2 * kvh) * d), [&](int64_t r0, int64_t r1) {
+    std::vector<float> tmp(d);
+    for (int64_t t = r0; t < r1; ++t) {
+      T* row = qkv + t * row_stride;
+      for (int64_t head = 0; head < H + kvh; ++head)
+        rotate_head(row + head * d, cos + t * d, sin + t * d, d, tmp.data(),
+                    head < H ? q_norm : k_norm, eps);
+      const int64_t kv_elems = kvh * d;
+      std::memcpy(k_pool + slots[t] * kv_elems, row + H * d, kv_elems * sizeof(T));
+      std::memcpy(v_pool + slots[t] * kv_elems, row + (H + kvh) * d, kv_elems * sizeof(T));
+    }
+  });
+}
+
+void rope_write_kv(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
+                   at::Tensor k_pool, at::Tensor v_pool, const at::Tensor& slots,
+                   int64_t num_q_heads, int64_t num_kv_heads,
+                   const c10::optional<at::Tensor>& q_norm,
+                   const c10::optional<at::Tensor>& k_norm, double eps) {
+  const char* op = "layer_ops_cpu.rope_write_kv";
+  check_rows(qkv, op, "qkv");
+  const int64_t rows = qkv.size(0), H = num_q_heads, kvh = num_kv_heads;
+  TORCH_CHECK(k_pool.dim() == 3 && k_pool.size(1) == kvh && k_pool.is_contiguous() &&
+                  v_pool.is_contiguous() && v_pool.sizes() == k_pool.sizes(),
+              op, ": pools must be contiguous [slots, kvh, d] of the same shape");
+  const int64_t d = k_pool.size(2);
+  TORCH_CHECK(d % 2 == 0 && qkv.size(1) == (H + 2 * kvh) * d,
+              op, ": qkv rows must hold (H + 2 kvh) heads of an even head_dim");
+  TORCH_CHECK(k_pool.scalar_type() == qkv.scalar_type() &&
+                  v_pool.scalar_type() == qkv.scalar_type() && k_pool.device().is_cpu(),
+              op, ": pools must be CPU tensors of qkv's dtype");
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                    t->numel() == rows * d,
+                op, ": cos / sin must be contiguous float32 [T, d]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                  slots.numel() == rows,
+              op, ": slots must be contiguous i64[T]");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), op, ": q_norm and k_norm go together");
+  const float* qn = nullptr;
+  const float* kn = nullptr;
+  if (q_norm.has_value()) {
+    check_weight(*q_norm, d, op);
+    check_weight(*k_norm, d, op);
+    qn = q_norm->data_ptr<float>();
+    kn = k_norm->data_ptr<float>();
+  }
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const int64_t num_slots = k_pool.size(0);
+  for (int64_t t = 0; t < rows; ++t)
+    TORCH_CHECK(s[t] >= 0 && s[t] < num_slots, op, ": slot ", s[t], " out of range");
+  if (qkv.scalar_type() == at::kBFloat16)
+    rope_write_kv_impl<c10::BFloat16>(
+        qkv.data_ptr<c10::BFloat16>(), qkv.stride(0), cos.data_ptr<float>(),
+        sin.data_ptr<float>(), k_pool.data_ptr<c10::BFloat16>(),
+        v_pool.data_ptr<c10::BFloat16>(), s, rows, H, kvh, d, qn, kn, static_cast<float>(eps));
+  else
+    rope_write_kv_impl<float>(qkv.data_ptr<float>(), qkv.stride(0), cos.data_ptr<float>(),
+                              sin.data_ptr<float>(), k_pool.data_ptr<float>(),
+                              v_pool.data_ptr<float>(), s, rows, H, kvh, d, qn, kn,
+                              static_cast<float>(eps));
+}
+
+template <typename T>
+void silu_mul_impl(const T* gu, int64_t row_stride, int64_t rows, int64_t F, T* out) {
+  at::parallel_for(0, rows, grain_rows(2 * F), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* g = gu + r * row_stride;
+      const T* u = g + F;
+      T* o = out + r * F;
+      for (int64_t i = 0; i < F; ++i) {
+        const float x = to_f(g[i]);
+        o[i] = from_f<T>(x / (1.0f + exp_f(-x)) * to_f(u[i]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  const char* op = "layer_ops_cpu.silu_mul";
+  check_rows(gate_up, op, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, op, ": gate_up must have an even width [T, 2F]");
+  const int64_t rows = gate_up.size(0), F = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, F}, gate_up.options());
+  if (gate_up.scalar_type() == at::kBFloat16)
+    silu_mul_impl<c10::BFloat16>(gate_up.data_ptr<c10::BFloat16>(), gate_up.stride(0), rows,
+                                 F, out.data_ptr<c10::BFloat16>());
+  else
+    silu_mul_impl<float>(gate_up.data_ptr<float>(), gate_up.stride(0), rows, F,
+                         out.data_ptr<float>());
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Fused per-layer element-wise ops for the torch backend's CPU decoder (sgl_tpu)";
+  m.def("rms_norm", &rms_norm, "y = RMSNorm(x) * w");
+  m.def("add_rms_norm", &add_rms_norm, "h += delta in place; y = RMSNorm(h) * w");
+  m.def("rope_write_kv", &rope_write_kv,
+        "(q/k norm and) RoPE on qkv's q and k heads in place, k and v rows into their pool slots",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_pool"), py::arg("v_pool"),
+        py::arg("slots"), py::arg("num_q_heads"), py::arg("num_kv_heads"),
+        py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(), py::arg("eps") = 1e-6);
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2F] -> [T, F]");
+}

@@ -1,0 +1,204 @@
+"""The fused CPU layer ops (kernels/layer_ops_cpu.py) against the torch ops they replace in
+models/llama_torch.py: norms, RoPE + K/V write into scattered pool slots (page boundaries,
+ragged rows, padding rows on slot 0), SwiGLU, float32 and bfloat16, single-task and
+multi-threaded row counts, Qwen3's q/k norms; then whole runners with the ops on and off (tiny
+Llama, Qwen2 and Qwen3 checkpoints, and the default model's greedy tokens)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import checkpoints as ck
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sgl_tpu.config import ServerArgs
+from sgl_tpu.executor.registry import create_model_runner, runner_config
+from sgl_tpu.executor.step import ForwardMode, SeqStep
+from sgl_tpu.kernels import layer_ops_cpu
+from sgl_tpu.kernels import paged_attention_torch as sdpa
+from sgl_tpu.loader import load_model
+from sgl_tpu.models import llama_torch
+from sgl_tpu.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(layer_ops_cpu.load() is None,
+                                reason=f"not built: {layer_ops_cpu.why_unavailable()}")
+
+DTYPES = [torch.float32, torch.bfloat16]
+# float32: only the summation order of the norm differs; bfloat16: both sides round the same
+# float32 value once, so at most one bf16 step (2^-8 relative) apart
+TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 2**-7, "atol": 1e-2}}
+ROWS = [1, 5, 130]  # 130 rows of 576 features split over threads
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def ops():
+    return layer_ops_cpu.load()
+
+
+def _rand(*shape, dtype, seed=0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_norms_equal_torch(dtype, rows):
+    n = 576
+    w = _rand(n, dtype=torch.float32, seed=1)
+    wide = _rand(rows, n + 64, dtype=dtype, seed=2)
+    x = wide[:, :n]  # rows with a stride, as a slice of a wider output
+    torch.testing.assert_close(ops().rms_norm(x, w, 1e-5), llama_torch.rms_norm(x, w, 1e-5),
+                               **TOL[dtype])
+    h = _rand(rows, n, dtype=dtype, seed=3)
+    delta = _rand(rows, n, dtype=dtype, seed=4)
+    want_h = h + delta
+    y = ops().add_rms_norm(h, delta, w, 1e-5)
+    torch.testing.assert_close(h, want_h, rtol=0, atol=0)  # the residual, in place, exact
+    torch.testing.assert_close(y, llama_torch.rms_norm(want_h, w, 1e-5), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_silu_mul_equals_torch(dtype, rows):
+    gate_up = _rand(rows, 2 * 96, dtype=dtype) * 6  # silu's tails too
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops().silu_mul(gate_up), F.silu(gate) * up, **TOL[dtype])
+
+
+def _ragged_slots(page_size: int, lens: list[int], num_pages: int, seed: int) -> torch.Tensor:
+    """Slots of each sequence's next `n` positions on scattered pages (runs that cross page
+    boundaries and start mid-page), then a padding row on slot 0; i64[sum(lens) + 1]."""
+    rng = np.random.default_rng(seed)
+    pages = iter(1 + rng.permutation(num_pages - 1))
+    out = []
+    for i, n in enumerate(lens):
+        start = 3 * i + 1  # cached prefix length: the run starts mid-page
+        seq_pages = [next(pages) for _ in range(-(-(start + n) // page_size))]
+        out += [seq_pages[p // page_size] * page_size + p % page_size
+                for p in range(start, start + n)]
+    return torch.tensor(out + [0], dtype=torch.int64)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lens", [[1], [5, 1, 9], [64, 66]])
+def test_rope_write_kv_equals_torch(dtype, lens, qk_norm):
+    h_q, kvh, d, page_size, num_pages = 6, 2, 64, 4, 64
+    slots = _ragged_slots(page_size, lens, num_pages, seed=len(lens))
+    t = slots.shape[0]
+    positions = torch.randint(0, 4000, (t,), generator=torch.Generator().manual_seed(5))
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    cos, sin = llama_torch.rope_tables(positions, inv_freq)  # f32[T, 1, d]
+    qkv = _rand(t, (h_q + 2 * kvh) * d, dtype=dtype, seed=6)
+    k_pool = _rand(num_pages * page_size, kvh, d, dtype=dtype, seed=7)
+    v_pool = _rand(num_pages * page_size, kvh, d, dtype=dtype, seed=8)
+    # the torch path: llama_torch.layer_pre's (q/k norms and) RoPE, then write_kv
+    q_norm, k_norm = (_rand(d, dtype=torch.float32, seed=s) for s in (9, 10))
+    ref_q, ref_k_new = qkv[:, : h_q * d].view(t, h_q, d), qkv[:, h_q * d :][:, : kvh * d]
+    ref_k_new = ref_k_new.reshape(t, kvh, d)
+    if qk_norm:
+        ref_q = llama_torch.rms_norm(ref_q, q_norm, 1e-6)
+        ref_k_new = llama_torch.rms_norm(ref_k_new, k_norm, 1e-6)
+    ref_qk = llama_torch.apply_rope(torch.cat([ref_q, ref_k_new], dim=1), cos, sin)
+    ref_k, ref_v = k_pool.clone(), v_pool.clone()
+    sdpa.write_kv(ref_k, ref_v, ref_qk[:, h_q:], qkv[:, (h_q + kvh) * d :].view(t, kvh, d),
+                  slots)
+
+    norms = (q_norm, k_norm, 1e-6) if qk_norm else ()
+    ops().rope_write_kv(qkv, cos, sin, k_pool, v_pool, slots, h_q, kvh, *norms)
+    torch.testing.assert_close(qkv[:, : (h_q + kvh) * d].view(t, h_q + kvh, d), ref_qk,
+                               **TOL[dtype])
+    torch.testing.assert_close(k_pool, ref_k, **TOL[dtype])  # every other slot unchanged
+    torch.testing.assert_close(v_pool, ref_v, rtol=0, atol=0)  # v is copied, not computed
+
+
+def test_rope_write_kv_rejects_bad_slots_and_shapes():
+    qkv = torch.zeros(2, 4 * 16)
+    pool = torch.zeros(8, 1, 16)
+    cos = sin = torch.zeros(2, 1, 16)
+    with pytest.raises(RuntimeError, match="slot 8 out of range"):
+        ops().rope_write_kv(qkv, cos, sin, pool, pool.clone(), torch.tensor([1, 8]), 2, 1)
+    with pytest.raises(RuntimeError, match=r"\(H \+ 2 kvh\) heads"):
+        ops().rope_write_kv(qkv, cos, sin, pool, pool.clone(), torch.tensor([1, 2]), 3, 1)
+
+
+class Runner:
+    """A torch runner (fused layer ops on or off) and a page counter."""
+
+    def __init__(self, loaded, dtype: str, layer_ops: bool, page_size: int = 4, **kw):
+        args = ServerArgs(skip_warmup=True, backend="torch", torch_compile="off", dtype=dtype,
+                          page_size=page_size, max_total_tokens=2048, chunked_prefill_size=256,
+                          max_running_requests=4, max_extend_seqs=4, **kw)
+        cfg = dataclasses.replace(runner_config(args, 2048), cpu_layer_ops=layer_ops)
+        self.runner = create_model_runner(loaded.config, loaded.params, cfg)
+        assert self.runner.layer_ops == layer_ops
+        self.ps, self.next_page = page_size, 1
+
+    def pages(self, n_tokens: int) -> np.ndarray:
+        n = -(-n_tokens // self.ps)
+        self.next_page += n
+        return np.arange(self.next_page - n, self.next_page, dtype=np.int32)
+
+    def step(self, mode, seqs):
+        """seqs: (token_ids, prefix_len, pages) -> StepResult."""
+        return self.runner.forward(mode, [
+            SeqStep(token_ids=t, prefix_len=p, pages=pg, sampling=GREEDY, seed=0,
+                    num_output_tokens=int(mode == ForwardMode.DECODE)) for t, p, pg in seqs])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_runner_with_layer_ops_equals_torch_ops(tmp_path, arch, dtype):
+    """A ragged EXTEND batch (a cached prefix ending mid-page, a fresh sequence), then two
+    DECODE steps: the same logits and greedy tokens with the fused ops as with torch's."""
+    loaded = load_model(ck.make_tiny_hf_checkpoint(tmp_path / "m", arch))
+    rng = np.random.default_rng(3)
+    a, b = (rng.integers(3, loaded.config.vocab_size, n).tolist() for n in (19, 10))
+    results = []
+    for layer_ops in (False, True):
+        m = Runner(loaded, dtype, layer_ops)
+        pa, pb = m.pages(24), m.pages(14)
+        m.step(ForwardMode.EXTEND, [(a[:7], 0, pa)])
+        ext = m.step(ForwardMode.EXTEND, [(a[7:], 7, pa), (b, 0, pb)])
+        logits = m.runner.row_logits(ext.hidden, np.arange(len(a) - 7 + len(b)))
+        toks, decs = [int(ext.token_ids[0]), int(ext.token_ids[1])], []
+        for i in range(2):
+            dec = m.step(ForwardMode.DECODE, [([toks[0]], len(a) + i, pa),
+                                              ([toks[1]], len(b) + i, pb)])
+            decs.append(dec)
+            toks = [int(t) for t in dec.token_ids]
+        results.append((logits, decs))
+    (ref_logits, ref_decs), (got_logits, got_decs) = results
+    tol = 1e-4 if dtype == "float32" else 0.05 * np.abs(ref_logits).max()
+    np.testing.assert_allclose(got_logits, ref_logits, atol=tol)
+    for got, ref in zip(got_decs, ref_decs, strict=True):
+        if dtype == "float32":
+            np.testing.assert_array_equal(got.token_ids, ref.token_ids)
+            np.testing.assert_allclose(got.top_logprobs, ref.top_logprobs, atol=1e-4)
+        else:  # near-ties of a random tiny model may swap in bfloat16
+            assert all(g in r[:3] for g, r in zip(got.token_ids, ref.top_ids, strict=True))
+
+
+@pytest.mark.slow
+def test_default_model_greedy_tokens_unchanged():
+    """SmolLM2 as this CPU serves it by default (float32 here, the GGUF's own Q4_1 blocks): 24
+    greedy tokens of two sequences decoded in one batch are the same with the ops on and off."""
+    loaded = load_model(None)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, loaded.config.vocab_size, n).tolist() for n in (37, 21)]
+    outs = []
+    for layer_ops in (False, True):
+        m = Runner(loaded, "float32", layer_ops, page_size=16, quantization="auto")
+        pages = [m.pages(len(p) + 24) for p in prompts]
+        ext = m.step(ForwardMode.EXTEND, [(p, 0, pg) for p, pg in zip(prompts, pages,
+                                                                      strict=True)])
+        toks = [[int(t)] for t in ext.token_ids]
+        for i in range(23):
+            dec = m.step(ForwardMode.DECODE, [([t[-1]], len(p) + i, pg) for t, p, pg in
+                                              zip(toks, prompts, pages, strict=True)])
+            for t, new in zip(toks, dec.token_ids, strict=True):
+                t.append(int(new))
+        outs.append(toks)
+    assert outs[0] == outs[1]

@@ -289,8 +289,9 @@ at::Tensor q8_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
 // per value) in the scaled part only: the zero term uses the exact block sums. AVX2:
 // `maddubs` multiplies unsigned by signed bytes and adds pairs to int16 (Q4: 15 * 127 * 2, Q8
 // after moving the weight's sign onto the activation: 128 * 127 * 2, both < 2^15, no
-// saturation), `madd` with ones widens to 8 int32 sums, and one float FMA per block adds
-// them scaled by scale * d. Same tiling, threading and row independence as above.
+// saturation), `madd` with ones widens to 8 int32 sums; the dots of 8 consecutive blocks are
+// reduced to one vector (lane = block, exact) and added with one float FMA scaled by the 8
+// blocks' scale * d. Same tiling, threading and row independence as above.
 //
 // Q4 activation layout: a Q4 block's byte t holds weights 2t and 2t + 1, so the low nibbles of
 // the 16 bytes are weights 0, 2, .., 30 and the high nibbles 1, 3, .., 31. The Q4 kernel's
@@ -334,6 +335,79 @@ ActQ8 quantize_rows(const float* x, int64_t M, int64_t K, bool split, bool sums)
 inline __m256i dot_u8i8(__m256i u, __m256i s) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
+
+// Lane i of the result = the sum of v[i]'s 8 lanes (exact int32): 8 blocks' dots in one vector.
+inline __m256i hsum8_epi32(const __m256i* v) {
+  // per 128-bit half: [v0 v1 v2 v3] and [v4 v5 v6 v7] sums over that half's lanes
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]),
+                                      _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i c = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]),
+                                      _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, c, 0x20),
+                          _mm256_permute2x128_si256(a, c, 0x31));
+}
+
+// Q4 block -> 32 unsigned codes in the order [low nibbles | high nibbles] (one vector).
+struct Q4Codes {
+  static constexpr int kVecs = 1;
+  const uint8_t* qs;  // [nb, 16]
+  void load(int64_t b, __m256i* w) const {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + b * 16));
+    w[0] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw),
+                            _mm256_set1_epi8(0x0F));
+  }
+  static __m256i dot(const __m256i* w, __m256i a) { return dot_u8i8(w[0], a); }
+};
+
+// Q8 block -> (|q| as unsigned bytes: -128 -> 128, q): q a = |q| (a with q's sign), and a is
+// in -127..127, so its negation fits.
+struct Q8Codes {
+  static constexpr int kVecs = 2;
+  const int8_t* qs;  // [nb, 32]
+  void load(int64_t b, __m256i* w) const {
+    w[1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + b * kGroup));
+    w[0] = _mm256_sign_epi8(w[1], w[1]);
+  }
+  static __m256i dot(const __m256i* w, __m256i a) {
+    return dot_u8i8(w[0], _mm256_sign_epi8(a, w[1]));
+  }
+};
+
+// acc[r] += lane-wise scale_b d[r, b] dot_b over the blocks of one output feature. Groups of 8
+// blocks: the 8 integer dots are reduced to one vector (lane = block) before the single
+// convert and FMA with the 8 blocks' scale * d; the remaining blocks one FMA each. The codes
+// of a group are unpacked once for the R rows.
+template <int R, typename Codes>
+inline void a8_rows(const int8_t* xq, const float* xd, int64_t K, const float* scale,
+                    const Codes& codes, __m256* acc) {
+  const int64_t nb = K / kGroup;
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    __m256i w[8 * Codes::kVecs];
+    for (int j = 0; j < 8; ++j) codes.load(b + j, w + j * Codes::kVecs);
+    const __m256 s = _mm256_loadu_ps(scale + b);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* a = xq + r * K + b * kGroup;
+      __m256i v[8];
+      for (int j = 0; j < 8; ++j) {
+        v[j] = Codes::dot(w + j * Codes::kVecs, _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(a + j * kGroup)));
+      }
+      const __m256 sd = _mm256_mul_ps(s, _mm256_loadu_ps(xd + r * nb + b));
+      acc[r] = _mm256_fmadd_ps(sd, _mm256_cvtepi32_ps(hsum8_epi32(v)), acc[r]);
+    }
+  }
+  for (; b < nb; ++b) {
+    __m256i w[Codes::kVecs];
+    codes.load(b, w);
+    for (int r = 0; r < R; ++r) {
+      const __m256i a = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(xq + r * K + b * kGroup));
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scale[b] * xd[r * nb + b]),
+                               _mm256_cvtepi32_ps(Codes::dot(w, a)), acc[r]);
+    }
+  }
+}
 #endif
 
 template <int R>
@@ -344,17 +418,7 @@ void q4a8_rows(const int8_t* xq, const float* xd, const float* xsum, int64_t K,
 #if SGL_QGEMM_AVX2
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + b * 16));
-    const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
-    for (int r = 0; r < R; ++r) {
-      const __m256i a = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(xq + r * K + b * kGroup));
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scale[b] * xd[r * nb + b]),
-                               _mm256_cvtepi32_ps(dot_u8i8(w, a)), acc[r]);
-    }
-  }
+  a8_rows<R>(xq, xd, K, scale, Q4Codes{qs}, acc);
   q4_zero_terms<R>(xsum, scale, zero, nb, zacc);
   for (int r = 0; r < R; ++r) y[r * N] = hsum(acc[r]) + zacc[r];
 #else
@@ -380,18 +444,7 @@ void q8a8_rows(const int8_t* xq, const float* xd, int64_t K, const int8_t* qs,
 #if SGL_QGEMM_AVX2
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + b * kGroup));
-    const __m256i w_abs = _mm256_sign_epi8(w, w);  // -128 -> 0x80 = 128 unsigned
-    for (int r = 0; r < R; ++r) {
-      const __m256i a = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(xq + r * K + b * kGroup));
-      // |w| * (a with w's sign) = w * a; a is in -127..127, so its negation fits
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scale[b] * xd[r * nb + b]),
-                               _mm256_cvtepi32_ps(dot_u8i8(w_abs, _mm256_sign_epi8(a, w))),
-                               acc[r]);
-    }
-  }
+  a8_rows<R>(xq, xd, K, scale, Q8Codes{qs}, acc);
   for (int r = 0; r < R; ++r) y[r * N] = hsum(acc[r]);
 #else
   float acc[R] = {};

@@ -1,8 +1,10 @@
 // Weight-only quantized GEMM for CPUs with float32 activations, for decode-sized row counts:
-// the compiled half of kernels/quant_gemm_cpu.py (kernels/cpu_extension.py builds it).
+// the compiled half of kernels/quant_gemm_cpu.py (kernels/cpu_extension.py builds it). The
+// second half of the file (`*_a8`, `--quantization gguf-a8`) quantizes the activations to int8
+// per block first and takes integer block dots, as llama.cpp does on CPUs.
 //
-// Dimensions: M activation rows (1 .. 32 in the runner), K input features, N output features, G = 32 (one
-// block of weights of one output row along K), nb = K / G.
+// Dimensions: M activation rows (1 .. 32 in the runner, 64 for a8), K input features, N output
+// features, G = 32 (one block of weights of one output row along K), nb = K / G.
 //
 //     x      f32[M, K]          activations, row-major
 //     Q4     qs u8[N, nb, 16]   byte t holds weight 2t (low nibble) and 2t + 1 (high) of

@@ -13,6 +13,13 @@ Dimensions: M activation rows, K input features, N output features, G = 32, nb =
 
 The codes are widened to float32 in registers and multiplied with the float32 activations:
 the weights are exactly the stored ones (no activation quantization), float32 accumulation.
+
+    q4_gemm_a8(x, Q4Blocks) / q8_gemm_a8(x, Q8Blocks) -> f32[M, N]   (`--quantization gguf-a8`)
+
+quantize each activation row per block of 32 to int8 first (llama.cpp's Q8_0: d = max|x| / 127,
+xq = round_half_even(x / d)) and take integer block dots (AVX2 maddubs/madd, exact in int32),
+one float FMA per block with scale * d; the Q4 zero term uses the exact float block sums.
+`quantize_a8(x) -> (xq i8[M, K], d f32[M, nb])` is that quantization, for tests.
 `available()` / `why_unavailable()` say whether the compiled module loads.
 """
 
@@ -99,3 +106,18 @@ def q4_gemm(x: torch.Tensor, w: Q4Blocks) -> torch.Tensor:
 def q8_gemm(x: torch.Tensor, w: Q8Blocks) -> torch.Tensor:
     """x f32[M, K] -> f32[M, N]."""
     return _kernel().q8_gemm(x.contiguous(), w.qs, w.scale)
+
+
+def q4_gemm_a8(x: torch.Tensor, w: Q4Blocks) -> torch.Tensor:
+    """x f32[M, K] (quantized to int8 per 32 values inside) -> f32[M, N]."""
+    return _kernel().q4_gemm_a8(x.contiguous(), w.qs, w.scale, w.zero)
+
+
+def q8_gemm_a8(x: torch.Tensor, w: Q8Blocks) -> torch.Tensor:
+    """x f32[M, K] (quantized to int8 per 32 values inside) -> f32[M, N]."""
+    return _kernel().q8_gemm_a8(x.contiguous(), w.qs, w.scale)
+
+
+def quantize_a8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x f32[M, K] -> (xq i8[M, K], d f32[M, K/G]): the activations the a8 kernels multiply."""
+    return _kernel().quantize_a8(x.contiguous())

@@ -62,7 +62,9 @@ _HELP = {
                         "the chat template, hermes-style <tool_call> blocks when it has none",
     "reasoning_parser": "split <think>...</think> into reasoning_content (qwen3, deepseek-r1)",
     "quantization": "weights: none (dense --dtype), gguf (a GGUF's Q4_0/Q4_1 blocks as stored, "
-                    "exact; float32 also its Q8_0 head), int8 / int4 (quantized at load), auto "
+                    "exact; float32 also its Q8_0 head), gguf-a8 (float32 only: the same blocks "
+                    "with activations quantized to int8 per 32 values, llama.cpp's CPU math; "
+                    "faster, not exact), int8 / int4 (quantized at load), auto "
                     "(gguf for a GGUF on the torch CPU backend with bfloat16, or float32 when "
                     "the compiled kernels are built, else none); quantized kernels run for "
                     "decode-sized steps",

@@ -1,8 +1,10 @@
 // Weight-only quantized GEMM for CPUs with float32 activations, for decode-sized row counts:
-// the compiled half of kernels/quant_gemm_cpu.py (kernels/cpu_extension.py builds it).
+// the compiled half of kernels/quant_gemm_cpu.py (kernels/cpu_extension.py builds it). The
+// second half of the file (`*_a8`, `--quantization gguf-a8`) quantizes the activations to int8
+// per block first and takes integer block dots, as llama.cpp does on CPUs.
 //
-// Dimensions: M activation rows (1 .. 32 in the runner), K input features, N output features, G = 32 (one
-// block of weights of one output row along K), nb = K / G.
+// Dimensions: M activation rows (1 .. 32 in the runner, 64 for a8), K input features, N output
+// features, G = 32 (one block of weights of one output row along K), nb = K / G.
 //
 //     x      f32[M, K]          activations, row-major
 //     Q4     qs u8[N, nb, 16]   byte t holds weight 2t (low nibble) and 2t + 1 (high) of
@@ -36,6 +38,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -89,6 +92,37 @@ inline void block_fma(const float* x, int64_t K, __m256 w0, __m256 w1, __m256 w2
 }
 #endif
 
+// zacc[r] = sum_b (zero_b xsum[r, b] - 8 scale_b xsum[r, b]): the Q4 zero terms of R rows
+// (8 blocks per vector where the build has AVX2), summed as zero * xsum and -8 scale * xsum so
+// that zero - 8 scale is never rounded.
+template <int R>
+inline void q4_zero_terms(const float* xsum, const float* scale, const float* zero, int64_t nb,
+                          float* zacc) {
+  int64_t b = 0;
+#if SGL_QGEMM_AVX2
+  const __m256 minus8 = _mm256_set1_ps(-8.0f);
+  __m256 zv[R];
+  for (int r = 0; r < R; ++r) zv[r] = _mm256_setzero_ps();
+  for (; b + 8 <= nb; b += 8) {
+    const __m256 z = _mm256_loadu_ps(zero + b);
+    const __m256 s8 = _mm256_mul_ps(minus8, _mm256_loadu_ps(scale + b));
+    for (int r = 0; r < R; ++r) {
+      const __m256 xs = _mm256_loadu_ps(xsum + r * nb + b);
+      zv[r] = _mm256_fmadd_ps(s8, xs, _mm256_fmadd_ps(z, xs, zv[r]));
+    }
+  }
+  for (int r = 0; r < R; ++r) zacc[r] = hsum(zv[r]);
+#else
+  for (int r = 0; r < R; ++r) zacc[r] = 0.0f;
+#endif
+  for (int r = 0; r < R; ++r) {
+    for (int64_t t = b; t < nb; ++t) {
+      zacc[r] = std::fma(zero[t], xsum[r * nb + t], zacc[r]);
+      zacc[r] = std::fma(-8.0f * scale[t], xsum[r * nb + t], zacc[r]);
+    }
+  }
+}
+
 // y[r, n] for r < R: output feature n (its blocks at `qs`, `scale`, `zero`) of R rows of x.
 // Byte t of a block holds weights 2t (low nibble) and 2t + 1 (high), so 32-bit word i holds
 // weights 8i .. 8i + 7 at bits 4p: one broadcast, a per-lane shift and a mask give 8 codes.
@@ -114,27 +148,8 @@ void q4_rows(const float* x, int64_t K, const float* xsum, const uint8_t* qs,
     };
     block_fma<R>(x + b * kGroup, K, w(0), w(1), w(2), w(3), _mm256_set1_ps(scale[b]), acc);
   }
-  // the zero terms, 8 blocks per vector: sum_b (zero_b xsum_b - 8 scale_b xsum_b)
-  const __m256 minus8 = _mm256_set1_ps(-8.0f);
-  __m256 zv[R];
-  for (int r = 0; r < R; ++r) zv[r] = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 8 <= nb; b += 8) {
-    const __m256 z = _mm256_loadu_ps(zero + b);
-    const __m256 s8 = _mm256_mul_ps(minus8, _mm256_loadu_ps(scale + b));
-    for (int r = 0; r < R; ++r) {
-      const __m256 xs = _mm256_loadu_ps(xsum + r * nb + b);
-      zv[r] = _mm256_fmadd_ps(s8, xs, _mm256_fmadd_ps(z, xs, zv[r]));
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    zacc[r] = hsum(zv[r]);
-    for (int64_t t = b; t < nb; ++t) {
-      zacc[r] = std::fma(zero[t], xsum[r * nb + t], zacc[r]);
-      zacc[r] = std::fma(-8.0f * scale[t], xsum[r * nb + t], zacc[r]);
-    }
-    y[r * N] = hsum(acc[r]) + zacc[r];
-  }
+  q4_zero_terms<R>(xsum, scale, zero, nb, zacc);
+  for (int r = 0; r < R; ++r) y[r * N] = hsum(acc[r]) + zacc[r];
 #else
   float acc[R] = {};
   for (int64_t b = 0; b < nb; ++b) {
@@ -144,10 +159,9 @@ void q4_rows(const float* x, int64_t K, const float* xsum, const uint8_t* qs,
       float s = 0.0f;
       for (int j = 0; j < kGroup; ++j) s += xr[j] * float((q[j / 2] >> (4 * (j & 1))) & 0x0F);
       acc[r] += scale[b] * s;
-      zacc[r] = std::fma(zero[b], xsum[r * nb + b], zacc[r]);
-      zacc[r] = std::fma(-8.0f * scale[b], xsum[r * nb + b], zacc[r]);
     }
   }
+  q4_zero_terms<R>(xsum, scale, zero, nb, zacc);
   for (int r = 0; r < R; ++r) y[r * N] = acc[r] + zacc[r];
 #endif
 }
@@ -258,11 +272,264 @@ at::Tensor q8_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
   return y;
 }
 
+
+// ---- int8 activations (`--quantization gguf-a8`, llama.cpp's CPU math) ----------------------
+//
+// Each activation row is quantized per block of G = 32 values, as llama.cpp's Q8_0 does:
+//
+//     d[m, b] = max_j |x[m, bG + j]| / 127      id = 1 / d (0 when d = 0)     (float32)
+//     xq[m, bG + j] = round_half_even(x[m, bG + j] * id)   in -127..127       (int8)
+//     xsum[m, b] = sum_j x[m, bG + j]     (float32, exact activations: the Q4 zero term)
+//
+// and each block's dot is an integer one (exact in int32: |q xq| <= 128 * 127 per product):
+//
+//     Q4: y[m, n] = sum_b scale[n, b] d[m, b] sum_j q[n, bG + j] xq[m, bG + j]      (q 0..15)
+//                 + sum_b (zero[n, b] - 8 scale[n, b]) xsum[m, b]
+//     Q8: y[m, n] = sum_b scale[n, b] d[m, b] sum_j q[n, bG + j] xq[m, bG + j]      (q signed)
+//
+// The weights are the stored ones; the error is the activations' rounding (|x - d xq| <= d/2
+// per value) in the scaled part only: the zero term uses the exact block sums. AVX2:
+// `maddubs` multiplies unsigned by signed bytes and adds pairs to int16 (Q4: 15 * 127 * 2, Q8
+// after moving the weight's sign onto the activation: 128 * 127 * 2, both < 2^15, no
+// saturation), `madd` with ones widens to 8 int32 sums; the dots of 8 consecutive blocks are
+// reduced to one vector (lane = block, exact) and added with one float FMA scaled by the 8
+// blocks' scale * d. Same tiling, threading and row independence as above.
+//
+// Q4 activation layout: a Q4 block's byte t holds weights 2t and 2t + 1, so the low nibbles of
+// the 16 bytes are weights 0, 2, .., 30 and the high nibbles 1, 3, .., 31. The Q4 kernel's
+// quantized activations are stored in that order, [x0 x2 .. x30 | x1 x3 .. x31] per block:
+// the weights unpack to [low nibbles | high nibbles] with one shift and one mask.
+
+struct ActQ8 {
+  std::vector<int8_t> q;    // [M, K]
+  std::vector<float> d;     // [M, nb]
+  std::vector<float> sum;   // [M, nb] (Q4 only)
+};
+
+// Row-by-row (each row's values depend on that row only); `split`: the Q4 order above.
+ActQ8 quantize_rows(const float* x, int64_t M, int64_t K, bool split, bool sums) {
+  const int64_t nb = K / kGroup;
+  ActQ8 a{std::vector<int8_t>(M * K), std::vector<float>(M * nb),
+          std::vector<float>(sums ? M * nb : 0)};
+  at::parallel_for(0, M * nb, std::max<int64_t>(1, 4096 / kGroup), [&](int64_t begin,
+                                                                          int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {  // i = m * nb + b
+      const float* xb = x + i * kGroup;
+      int8_t* qb = a.q.data() + i * kGroup;
+      float amax = 0.0f, s = 0.0f;
+      for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      for (int64_t j = 0; j < kGroup; ++j) s += xb[j];
+      const float d = amax / 127.0f;
+      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      for (int64_t j = 0; j < kGroup; ++j) {
+        const int64_t to = split ? (j & 1) * (kGroup / 2) + j / 2 : j;
+        qb[to] = static_cast<int8_t>(std::nearbyint(xb[j] * id));
+      }
+      a.d[i] = d;
+      if (sums) a.sum[i] = s;
+    }
+  });
+  return a;
+}
+
+#if SGL_QGEMM_AVX2
+// 8 int32 lanes of sum u[j] s[j] (u unsigned, s signed bytes), summed in pairs twice.
+inline __m256i dot_u8i8(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+// Lane i of the result = the sum of v[i]'s 8 lanes (exact int32): 8 blocks' dots in one vector.
+inline __m256i hsum8_epi32(const __m256i* v) {
+  // per 128-bit half: [v0 v1 v2 v3] and [v4 v5 v6 v7] sums over that half's lanes
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]),
+                                      _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i c = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]),
+                                      _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, c, 0x20),
+                          _mm256_permute2x128_si256(a, c, 0x31));
+}
+
+// Q4 block -> 32 unsigned codes in the order [low nibbles | high nibbles] (one vector).
+struct Q4Codes {
+  static constexpr int kVecs = 1;
+  const uint8_t* qs;  // [nb, 16]
+  void load(int64_t b, __m256i* w) const {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + b * 16));
+    w[0] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw),
+                            _mm256_set1_epi8(0x0F));
+  }
+  static __m256i dot(const __m256i* w, __m256i a) { return dot_u8i8(w[0], a); }
+};
+
+// Q8 block -> (|q| as unsigned bytes: -128 -> 128, q): q a = |q| (a with q's sign), and a is
+// in -127..127, so its negation fits.
+struct Q8Codes {
+  static constexpr int kVecs = 2;
+  const int8_t* qs;  // [nb, 32]
+  void load(int64_t b, __m256i* w) const {
+    w[1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + b * kGroup));
+    w[0] = _mm256_sign_epi8(w[1], w[1]);
+  }
+  static __m256i dot(const __m256i* w, __m256i a) {
+    return dot_u8i8(w[0], _mm256_sign_epi8(a, w[1]));
+  }
+};
+
+// acc[r] += lane-wise scale_b d[r, b] dot_b over the blocks of one output feature. Groups of 8
+// blocks: the 8 integer dots are reduced to one vector (lane = block) before the single
+// convert and FMA with the 8 blocks' scale * d; the remaining blocks one FMA each. The codes
+// of a group are unpacked once for the R rows.
+template <int R, typename Codes>
+inline void a8_rows(const int8_t* xq, const float* xd, int64_t K, const float* scale,
+                    const Codes& codes, __m256* acc) {
+  const int64_t nb = K / kGroup;
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    __m256i w[8 * Codes::kVecs];
+    for (int j = 0; j < 8; ++j) codes.load(b + j, w + j * Codes::kVecs);
+    const __m256 s = _mm256_loadu_ps(scale + b);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* a = xq + r * K + b * kGroup;
+      __m256i v[8];
+      for (int j = 0; j < 8; ++j) {
+        v[j] = Codes::dot(w + j * Codes::kVecs, _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(a + j * kGroup)));
+      }
+      const __m256 sd = _mm256_mul_ps(s, _mm256_loadu_ps(xd + r * nb + b));
+      acc[r] = _mm256_fmadd_ps(sd, _mm256_cvtepi32_ps(hsum8_epi32(v)), acc[r]);
+    }
+  }
+  for (; b < nb; ++b) {
+    __m256i w[Codes::kVecs];
+    codes.load(b, w);
+    for (int r = 0; r < R; ++r) {
+      const __m256i a = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(xq + r * K + b * kGroup));
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scale[b] * xd[r * nb + b]),
+                               _mm256_cvtepi32_ps(Codes::dot(w, a)), acc[r]);
+    }
+  }
+}
+#endif
+
+template <int R>
+void q4a8_rows(const int8_t* xq, const float* xd, const float* xsum, int64_t K,
+               const uint8_t* qs, const float* scale, const float* zero, float* y, int64_t N) {
+  const int64_t nb = K / kGroup;
+  float zacc[R];
+#if SGL_QGEMM_AVX2
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  a8_rows<R>(xq, xd, K, scale, Q4Codes{qs}, acc);
+  q4_zero_terms<R>(xsum, scale, zero, nb, zacc);
+  for (int r = 0; r < R; ++r) y[r * N] = hsum(acc[r]) + zacc[r];
+#else
+  float acc[R] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* q = qs + b * 16;
+    for (int r = 0; r < R; ++r) {
+      const int8_t* a = xq + r * K + b * kGroup;  // [even | odd] weights' activations
+      int32_t dot = 0;
+      for (int t = 0; t < 16; ++t) dot += (q[t] & 0x0F) * a[t] + (q[t] >> 4) * a[16 + t];
+      acc[r] += scale[b] * xd[r * nb + b] * float(dot);
+    }
+  }
+  q4_zero_terms<R>(xsum, scale, zero, nb, zacc);
+  for (int r = 0; r < R; ++r) y[r * N] = acc[r] + zacc[r];
+#endif
+}
+
+template <int R>
+void q8a8_rows(const int8_t* xq, const float* xd, int64_t K, const int8_t* qs,
+               const float* scale, float* y, int64_t N) {
+  const int64_t nb = K / kGroup;
+#if SGL_QGEMM_AVX2
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  a8_rows<R>(xq, xd, K, scale, Q8Codes{qs}, acc);
+  for (int r = 0; r < R; ++r) y[r * N] = hsum(acc[r]);
+#else
+  float acc[R] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* q = qs + b * kGroup;
+    for (int r = 0; r < R; ++r) {
+      const int8_t* a = xq + r * K + b * kGroup;
+      int32_t dot = 0;
+      for (int j = 0; j < kGroup; ++j) dot += int32_t(q[j]) * a[j];
+      acc[r] += scale[b] * xd[r * nb + b] * float(dot);
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * N] = acc[r];
+#endif
+}
+
+at::Tensor q4_gemm_a8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
+                      const at::Tensor& zero) {
+  const int64_t K = check(x, qs, scale, 16, at::kByte, "q4_gemm_a8");
+  TORCH_CHECK(zero.scalar_type() == at::kFloat && zero.is_contiguous() &&
+                  zero.numel() == scale.numel(),
+              "q4_gemm_a8: zeros must be contiguous float32 [N, K/32]");
+  const int64_t M = x.size(0), N = qs.size(0), nb = K / kGroup;
+  at::Tensor y = at::empty({M, N}, x.options());
+  const ActQ8 a = quantize_rows(x.data_ptr<float>(), M, K, /*split=*/true, /*sums=*/true);
+  const Q4 w{qs.data_ptr<uint8_t>(), scale.data_ptr<float>(), zero.data_ptr<float>()};
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      for_row_tiles(M, [&](int64_t m0, auto R) {
+        q4a8_rows<decltype(R)::value>(a.q.data() + m0 * K, a.d.data() + m0 * nb,
+                                      a.sum.data() + m0 * nb, K, w.qs + n * nb * 16,
+                                      w.scale + n * nb, w.zero + n * nb, yp + m0 * N + n, N);
+      });
+    }
+  });
+  return y;
+}
+
+at::Tensor q8_gemm_a8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale) {
+  const int64_t K = check(x, qs, scale, kGroup, at::kChar, "q8_gemm_a8");
+  const int64_t M = x.size(0), N = qs.size(0), nb = K / kGroup;
+  at::Tensor y = at::empty({M, N}, x.options());
+  const ActQ8 a = quantize_rows(x.data_ptr<float>(), M, K, /*split=*/false, /*sums=*/false);
+  const Q8 w{qs.data_ptr<int8_t>(), scale.data_ptr<float>()};
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      for_row_tiles(M, [&](int64_t m0, auto R) {
+        q8a8_rows<decltype(R)::value>(a.q.data() + m0 * K, a.d.data() + m0 * nb, K,
+                                      w.qs + n * nb * kGroup, w.scale + n * nb,
+                                      yp + m0 * N + n, N);
+      });
+    }
+  });
+  return y;
+}
+
+// The activations as the a8 kernels see them (natural order): (xq i8[M, K], d f32[M, K/32]).
+std::tuple<at::Tensor, at::Tensor> quantize_a8(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() &&
+                  x.device().is_cpu(),
+              "quantize_a8: x must be a contiguous float32 CPU matrix [M, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % kGroup == 0, "quantize_a8: K = ", K, " is not a multiple of ", kGroup);
+  const ActQ8 a = quantize_rows(x.data_ptr<float>(), M, K, /*split=*/false, /*sums=*/false);
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({M, K / kGroup}, x.options());
+  std::memcpy(q.data_ptr<int8_t>(), a.q.data(), a.q.size());
+  std::memcpy(d.data_ptr<float>(), a.d.data(), a.d.size() * sizeof(float));
+  return {q, d};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Weight-only Q4 / Q8 block GEMM with float32 activations (sgl_tpu)";
   m.def("q4_gemm", &q4_gemm, "x f32[M, K] @ Q4 blocks [N, K/32] -> f32[M, N]");
   m.def("q8_gemm", &q8_gemm, "x f32[M, K] @ Q8 blocks [N, K/32] -> f32[M, N]");
+  m.def("q4_gemm_a8", &q4_gemm_a8,
+        "x f32[M, K] (quantized to int8 per 32 values) @ Q4 blocks -> f32[M, N]");
+  m.def("q8_gemm_a8", &q8_gemm_a8,
+        "x f32[M, K] (quantized to int8 per 32 values) @ Q8 blocks -> f32[M, N]");
+  m.def("quantize_a8", &quantize_a8, "x f32[M, K] -> (xq i8[M, K], d f32[M, K/32])");
   m.attr("simd") = SGL_QGEMM_AVX2 ? "avx2-fma" : "scalar";
 }

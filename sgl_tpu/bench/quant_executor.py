@@ -10,7 +10,8 @@ Prints one JSON object: per workload and mode the min and median step time and `
 limit (`MAX_KERNEL_ROWS` in executor/torch/quant_linear.py): with a large value the kernel runs
 at every batch size, which is how the crossover is measured. With `--dtype float32` (CPUs
 without bf16 units) `gguf` runs the compiled float32 block kernels (kernels/quant_gemm_cpu.py),
-head included. The machine is shared: compare the ratios of one run.
+head included, and `gguf-a8` their int8-activation forms. The machine is shared: compare the
+ratios of one run.
 """
 
 from __future__ import annotations

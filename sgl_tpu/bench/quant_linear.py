@@ -18,8 +18,9 @@ it per matrix.
 
 `--dtype float32` (CPUs without bf16 units) compares the dense float32 `F.linear` ("f32", the
 baseline of the ratios) with the compiled block kernels of kernels/quant_gemm_cpu.py: "q4f32"
-(int4 groups, the GGUF's Q4_x projections) and "q8f32" (Q8_0 blocks, the vocabulary head); the
-step totals are then q4f32 layers + q8f32 head against f32.
+(int4 groups, the GGUF's Q4_x projections) and "q8f32" (Q8_0 blocks, the vocabulary head), and
+their int8-activation forms "q4a8" / "q8a8" (`--quantization gguf-a8`); the step totals are then
+q4f32 layers + q8f32 head (and q4a8 + q8a8) against f32.
 """
 
 from __future__ import annotations
@@ -80,7 +81,12 @@ def _f32_methods(n: int, k: int, rng: np.random.Generator, copies: int) -> dict[
     """Dense float32 and the compiled float32 block kernels, `copies` of each."""
     import torch
 
-    from sgl_tpu.executor.torch.quant_linear import Q4F32Kernel, Q8F32Kernel
+    from sgl_tpu.executor.torch.quant_linear import (
+        Q4A8Kernel,
+        Q4F32Kernel,
+        Q8A8Kernel,
+        Q8F32Kernel,
+    )
     from sgl_tpu.quantization.blocks import GROUP, Int8Groups, quantize_int4
 
     w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
@@ -95,7 +101,9 @@ def _f32_methods(n: int, k: int, rng: np.random.Generator, copies: int) -> dict[
 
     return {"f32": [f32() for _ in range(copies)],
             "q4f32": [Q4F32Kernel(q4) for _ in range(copies)],
-            "q8f32": [Q8F32Kernel(q8) for _ in range(copies)]}
+            "q8f32": [Q8F32Kernel(q8) for _ in range(copies)],
+            "q4a8": [Q4A8Kernel(q4) for _ in range(copies)],
+            "q8a8": [Q8A8Kernel(q8) for _ in range(copies)]}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -149,6 +157,7 @@ def run(args: argparse.Namespace) -> dict:
             dense = total("f32", "f32")
             step[m] = {"f32_us": round(dense),
                        "q4f32_layers_q8f32_head_vs_f32": round(total("q4f32", "q8f32") / dense, 3),
+                       "q4a8_layers_q8a8_head_vs_f32": round(total("q4a8", "q8a8") / dense, 3),
                        "q4f32_layers_f32_head_vs_f32": round(total("q4f32", "f32") / dense, 3)}
             continue
         bf16 = total("bf16", "bf16")

@@ -131,8 +131,9 @@ def _resolve_quantization(args: ServerArgs, backend: str, compile: bool) -> str:
 
 
 def _f32_quant_kernels(args: ServerArgs, backend: str, dtype: str) -> bool:
-    """Whether float32 activations would get the compiled block kernels (they load)."""
-    if args.quantization != "auto" or backend != "torch" or dtype != "float32":
+    """Whether float32 activations would get the compiled block kernels (they load): asked by
+    auto and gguf-a8 only."""
+    if args.quantization not in ("auto", "gguf-a8") or backend != "torch" or dtype != "float32":
         return False
     from sgl_tpu.executor.torch.quant_linear import f32_kernels_available
 

@@ -6,6 +6,9 @@ of `auto`. Import-light: numpy-free, no torch, no JAX.
           an exact re-encoding (quantization/blocks.py). With float32 activations the compiled
           block kernels (kernels/quant_gemm_cpu.py) also serve a Q8_0 vocabulary head; with
           bfloat16 (torch's int4 op) Q8_0 and float tensors are dequantized
+    gguf-a8  float32 activations only (CPUs without bf16 units): the same GGUF blocks as stored,
+          the activations quantized to int8 per 32 values (llama.cpp's CPU math: integer block
+          dots), opt-in: faster than gguf, not exact (a new activation rounding error)
     int8  weight-only int8, one symmetric scale per output feature, quantized at load from the
           float weights of any checkpoint (new quantization error); torch and jax
     int4  weight-only int4, asymmetric groups of 32 (Q4_1's scheme), quantized at load (new
@@ -36,6 +39,9 @@ QUANTIZATION_METHODS: dict[str, QuantizationMethod] = {
     "none": QuantizationMethod("dense weights in --dtype", ("jax", "torch")),
     "gguf": QuantizationMethod("the GGUF's Q4_0/Q4_1 (and, float32, Q8_0 head) blocks as stored",
                                ("torch",), needs_gguf=True),
+    "gguf-a8": QuantizationMethod("the GGUF's blocks as stored, activations quantized to int8 "
+                                  "per 32 values (llama.cpp's CPU math), float32 only",
+                                  ("torch",), needs_gguf=True),
     "int8": QuantizationMethod("weight-only int8, per-output-feature scales",
                                ("torch", "jax")),
     "int4": QuantizationMethod("weight-only int4, asymmetric groups of 32", ("torch",)),
@@ -53,7 +59,8 @@ def resolve_quantization(name: str, *, backend: str, device_type: str, compile: 
     `auto` needs bfloat16 activations, or float32 ones with `f32_kernels` (the compiled block
     kernels load): with float32 activations (CPUs without bf16 units, where `--dtype auto` is
     float32) torch's int4 op measured ~8x slower than a float32 dense GEMV (AVX2, decode rows),
-    the compiled kernels several times faster (README, "Quantization")."""
+    the compiled kernels several times faster (README, "Quantization"). `gguf-a8` needs
+    float32 activations and `f32_kernels`."""
     if name == "auto":
         fast = dtype == "bfloat16" or (dtype == "float32" and f32_kernels)
         ok = backend == "torch" and device_type == "cpu" and not compile and is_gguf and fast
@@ -74,4 +81,11 @@ def resolve_quantization(name: str, *, backend: str, device_type: str, compile: 
     if method.needs_gguf and not is_gguf:
         raise ValueError(f"--quantization {name} needs a GGUF checkpoint (use int8 or int4 "
                          f"for other formats)")
+    if name == "gguf-a8" and dtype != "float32":
+        raise ValueError(f"--quantization gguf-a8 quantizes float32 activations; --dtype "
+                         f"resolved to {dtype} (use --dtype float32, or gguf with bfloat16)")
+    if name == "gguf-a8" and not f32_kernels:
+        raise ValueError("--quantization gguf-a8 needs the compiled quantized CPU GEMM, which "
+                         "is not built for this source and machine: build it with `make "
+                         "install` (or `python -m sgl_tpu.kernels.cpu_extension`)")
     return name

@@ -16,10 +16,13 @@ Kernels (N % 16 == 0 and K % 32 == 0 for the torch int4 op; K % 32 == 0 for the 
                     the same int4 groups with the stored float32 scales and zeros, exact
     Q8F32Kernel     float32 activations: GGUF Q8_0 blocks (w = q * scale per block of 32),
                     exact; serves the vocabulary head
+    Q4A8Kernel      `--quantization gguf-a8`: the same Q4 / Q8_0 blocks, the float32
+    Q8A8Kernel      activations quantized to int8 per 32 values (llama.cpp's CPU math:
+                    integer block dots, one float FMA per block); not exact
 
-`make_kernel` picks the float32 kernels when the activations are float32 and the compiled
-module loads (torch's int4 op with float32 activations measured ~8x slower than a dense float32
-GEMV on an AVX2 CPU); bfloat16 keeps the torch ops.
+`make_kernel` picks the float32 kernels (the a8 ones when asked for int8 activations) when the
+activations are float32 and the compiled module loads (torch's int4 op with float32 activations
+measured ~8x slower than a dense float32 GEMV on an AVX2 CPU); bfloat16 keeps the torch ops.
 
 With bfloat16, GGUF Q8_0 (per-block scales) has no kernel and stays dense: `_weight_int8pack_mm`
 takes one scale per output feature (not exact for Q8_0). The exact form, two int4 nibble planes
@@ -49,8 +52,10 @@ from sgl_tpu.quantization.blocks import GROUP, Int4Groups, Int8Channels, Int8Gro
 # (benchmarks/results/quantization_crossover_int{4,8}.json). The float32 block kernels against
 # dense float32 on a 2-core AVX2 CPU (no bf16 units; gguf = Q4_1 layers + Q8_0 head, kernel at
 # every M): 0.42x at 16 rows, 0.56x at 24, 0.80x at 32, 1.13x at 64
-# (benchmarks/results/quantization_crossover_f32.json).
-MAX_KERNEL_ROWS = {"int4": 4, "int8": 2, "q4-f32": 32, "q8-f32": 32}
+# (benchmarks/results/quantization_crossover_f32.json). The int8-activation kernels (gguf-a8)
+# against dense float32 in the same step (kernel at every M): 0.42x at 16 rows, 0.76x at 32,
+# 0.90x at 64, 0.87x for a 64-token prefill, 1.36x at 512 (quant_executor_a8_f32.json).
+MAX_KERNEL_ROWS = {"int4": 4, "int8": 2, "q4-f32": 32, "q8-f32": 32, "q4-a8": 64, "q8-a8": 64}
 
 
 class Int4Kernel:
@@ -115,8 +120,22 @@ class Q8F32Kernel:
         return self.blocks.nbytes
 
 
-Kernel = Int4Kernel | Int8Kernel | Q4F32Kernel | Q8F32Kernel
-F32_KINDS = (Q4F32Kernel.kind, Q8F32Kernel.kind)
+class Q4A8Kernel(Q4F32Kernel):
+    kind = "q4-a8"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # f32[M, K] -> f32[M, N]
+        return quant_gemm_cpu.q4_gemm_a8(x, self.blocks)
+
+
+class Q8A8Kernel(Q8F32Kernel):
+    kind = "q8-a8"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # f32[M, K] -> f32[M, N]
+        return quant_gemm_cpu.q8_gemm_a8(x, self.blocks)
+
+
+Kernel = Int4Kernel | Int8Kernel | Q4F32Kernel | Q8F32Kernel | Q4A8Kernel | Q8A8Kernel
+F32_KINDS = (Q4F32Kernel.kind, Q8F32Kernel.kind, Q4A8Kernel.kind, Q8A8Kernel.kind)
 
 
 def f32_kernels_available() -> bool:
@@ -124,10 +143,19 @@ def f32_kernels_available() -> bool:
     return quant_gemm_cpu.available()
 
 
-def make_kernel(m: Int4Groups | Int8Groups | Int8Channels, dtype: torch.dtype) -> Kernel | None:
+def make_kernel(m: Int4Groups | Int8Groups | Int8Channels, dtype: torch.dtype,
+                int8_activations: bool = False) -> Kernel | None:
     """The kernel for a quantized matrix, or None where none exists (Q8_0 blocks with bfloat16
-    activations) or the CPU op cannot take its shape."""
+    activations) or the CPU op cannot take its shape. `int8_activations` (gguf-a8): the
+    float32 block kernels that quantize the activations (ValueError without them)."""
     n, k = m.q.shape
+    if int8_activations:
+        if dtype != torch.float32 or not f32_kernels_available():
+            raise ValueError("int8 activations need float32 and the compiled CPU GEMM ("
+                             f"{quant_gemm_cpu.why_unavailable() or 'dtype ' + str(dtype)})")
+        if k % GROUP or not isinstance(m, Int4Groups | Int8Groups):
+            return None
+        return Q4A8Kernel(m) if isinstance(m, Int4Groups) else Q8A8Kernel(m)
     if dtype == torch.float32 and k % GROUP == 0 and f32_kernels_available():
         if isinstance(m, Int4Groups):
             return Q4F32Kernel(m)

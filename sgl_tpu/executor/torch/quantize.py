@@ -3,6 +3,8 @@ model weights with those projections swapped for `QuantizedLinear`s.
 
     gguf       read_gguf_quantized(file)        the stored Q4_x blocks, exact (and the Q8_0
                                                 vocabulary head, served with float32 only)
+    gguf-a8    the same blocks                  float32 only: kernels that quantize the
+                                                activations to int8 per 32 values
     int8/int4  quantize_int8/int4(params)       from the loader's float32 params
                    ──quantize_weights(Weights)──► Weights whose wqkv / wo / w_gate_up / w_down
                                                   are QuantizedLinear(kernel, dense copy) and
@@ -92,12 +94,13 @@ def quantized_matrices(method: str, params: dict, cfg: ModelConfig, model_path: 
                        with_head: bool = False) -> dict[str, QuantizedMatrix] | None:
     """"layers.{i}.{fused}" -> quantized [N, K] matrix for every projection `method` covers.
 
-    gguf / auto read the file at `model_path` (None: the default model) and check it against
-    `params`; a mismatch is a ValueError for gguf, and None (stay dense) for auto. They add the
-    file's vocabulary head under HEAD ([V, D]) when `with_head` (float32 activations: only the
-    float32 kernels serve it), it is a block format and it equals the loaded head (else the
-    head stays dense; the check dequantizes the whole head, so it runs only when asked)."""
-    if method in ("gguf", "auto"):
+    gguf / gguf-a8 / auto read the file at `model_path` (None: the default model) and check it
+    against `params`; a mismatch is a ValueError for gguf(-a8), and None (dense) for auto. They
+    add the file's vocabulary head under HEAD ([V, D]) when `with_head` (float32 activations:
+    only the float32 kernels serve it), it is a block format and it equals the loaded head
+    (else the head stays dense; the check dequantizes the whole head, so it runs only when
+    asked)."""
+    if method in ("gguf", "gguf-a8", "auto"):
         from sgl_tpu.loader import default_model_path
         from sgl_tpu.quantization.gguf_weights import read_gguf_quantized
 
@@ -113,8 +116,8 @@ def quantized_matrices(method: str, params: dict, cfg: ModelConfig, model_path: 
             if with_head and head is not None and _head_matches(head, params):
                 matrices[HEAD] = head
             return matrices
-        if method == "gguf":
-            raise ValueError(f"--quantization gguf: {path}: {problem}")
+        if method != "auto":
+            raise ValueError(f"--quantization {method}: {path}: {problem}")
         logger.info("quantization auto -> none: %s: %s", path, problem)
         return None
     quantize = _QUANTIZERS[method]
@@ -147,13 +150,14 @@ def quantize_weights(weights, matrices: dict[str, QuantizedMatrix], method: str,
     """llama_torch.Weights -> (the same with QuantizedLinear projections, QuantizationReport).
 
     The vocabulary head (matrices[HEAD]) is swapped only for a float32 kernel: with bfloat16
-    it has no exact kernel (quant_linear.py)."""
+    it has no exact kernel (quant_linear.py). gguf-a8 takes the int8-activation kernels."""
+    int8_activations = method == "gguf-a8"
     layers, done, dense_only, nbytes, kinds = [], 0, 0, 0, []
     for i, lw in enumerate(weights.layers):
         changes = {}
         for fused in _FUSED_PARAMS:
             m = matrices.get(f"layers.{i}.{fused}")
-            kernel = None if m is None else make_kernel(m, dtype)
+            kernel = None if m is None else make_kernel(m, dtype, int8_activations)
             if kernel is None:
                 dense_only += 1
                 continue
@@ -166,7 +170,7 @@ def quantize_weights(weights, matrices: dict[str, QuantizedMatrix], method: str,
         layers.append(dataclasses.replace(lw, **changes))
     top: dict = {"layers": layers, "linear": dispatching_linear(weights.linear)}
     head = matrices.get(HEAD)
-    head_kernel = None if head is None else make_kernel(head, dtype)
+    head_kernel = None if head is None else make_kernel(head, dtype, int8_activations)
     if head_kernel is not None and head_kernel.kind in F32_KINDS:
         top["lm_head"] = QuantizedLinear(head_kernel, weights.lm_head,
                                          MAX_KERNEL_ROWS[head_kernel.kind])

@@ -181,8 +181,8 @@ def test_default_model_logits_through_kernel_equal_reference():
 
     Every layer runs the same attention call, and each layer's interpreted kernel is unrolled
     into the step's program, so the compile time grows with the depth: 4 of the 30 layers
-    (with the final norm and the vocabulary head) cost a seventh of the full model's time and
-    test the same kernel on the same shapes."""
+    (with the final norm and the vocabulary head) test the same kernel on the same shapes in
+    a quarter of the CPU time (43 s against 165 s)."""
     import dataclasses
     from functools import partial
 

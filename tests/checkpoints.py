@@ -387,3 +387,36 @@ def make_tiny_gguf(
             w.add_tensor(gguf_name, np.ascontiguousarray(arr))
     finish_gguf(w)
     return str(path)
+
+
+def truncate_gguf(src: str | Path, dst: str | Path, num_layers: int) -> str:
+    """Copy the GGUF at `src` to `dst` with only its first `num_layers` blocks: the tensors
+    blk.0 .. blk.{num_layers - 1}, the embedding, the final norm and the head, their blocks
+    copied byte for byte, and every metadata field but the block count as it is. The real
+    model's weights, tokenizer and shapes at a fraction of its compile and step time, for tests
+    whose math does not depend on the depth (tensor-parallel sharding, an attention kernel)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    block_count = gguf.Keys.LLM.BLOCK_COUNT.format(arch=arch)
+    if reader.get_field(block_count).contents() < num_layers:
+        raise ValueError(f"{src} has fewer than {num_layers} blocks")
+    w = gguf.GGUFWriter(str(dst), arch)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue  # the writer writes these itself
+        value = num_layers if field.name == block_count else field.contents()
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(field.name, value, field.types[0], sub_type=sub_type)
+    kept = [t for t in reader.tensors
+            if not t.name.startswith("blk.") or int(t.name.split(".")[1]) < num_layers]
+    for t in kept:
+        w.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for t in kept:
+        w.write_tensor_data(t.data)
+    w.close()
+    return str(dst)

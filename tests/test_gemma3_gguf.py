@@ -110,16 +110,22 @@ def test_tokenizer_matches_transformers(ours, gguf_path):
     assert tok.eos_token_ids == (1,) and tok.chat_template is None
 
 
-def _greedy_ours(loaded, backend: str, prompt_ids: list[int]) -> list[int]:
+def _runner(loaded, backend: str):
     from sgl_tpu.config import ServerArgs
     from sgl_tpu.executor.registry import create_model_runner, runner_config
-    from sgl_tpu.executor.step import ForwardMode, SeqStep
-    from sgl_tpu.sampling_params import SamplingParams
 
     args = ServerArgs(backend=backend, dtype="float32", torch_compile="off", skip_warmup=True,
                       page_size=16, max_total_tokens=1024, max_running_requests=4,
                       chunked_prefill_size=256)
-    runner = create_model_runner(loaded.config, loaded.params, runner_config(args, 1024))
+    return create_model_runner(loaded.config, loaded.params, runner_config(args, 1024))
+
+
+def _greedy_ours(runner, prompt_ids: list[int]) -> list[int]:
+    """NEW_TOKENS greedy ids after `prompt_ids`, in pages 1.. of `runner`'s pool (a later
+    prompt overwrites them from position 0: nothing of the earlier one is read)."""
+    from sgl_tpu.executor.step import ForwardMode, SeqStep
+    from sgl_tpu.sampling_params import SamplingParams
+
     pages = np.arange(1, 1 + -(-(len(prompt_ids) + NEW_TOKENS) // 16))
     greedy = SamplingParams(temperature=0.0)
     out: list[int] = []
@@ -133,16 +139,27 @@ def _greedy_ours(loaded, backend: str, prompt_ids: list[int]) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("backend", ["torch", "jax"])
-def test_greedy_output_matches_transformers(ours, hf_model, backend):
+@pytest.fixture(scope="module")
+def hf_greedy(ours, hf_model) -> dict[str, list[int]]:
+    """transformers' greedy continuation of each prompt, computed once for both backends."""
     import torch
 
+    out = {}
     for prompt in PROMPTS:
         ids = ours.tokenizer.encode(prompt)
         with torch.inference_mode():
-            want = hf_model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS,
-                                     do_sample=False)[0, len(ids):].tolist()
-        got = _greedy_ours(ours, backend, ids)
+            out[prompt] = hf_model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS,
+                                            do_sample=False)[0, len(ids):].tolist()
+    return out
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_greedy_output_matches_transformers(ours, hf_greedy, backend):
+    # One runner serves the three prompts in turn (on JAX, one compilation per step shape).
+    runner = _runner(ours, backend)
+    for prompt in PROMPTS:
+        want = hf_greedy[prompt]
+        got = _greedy_ours(runner, ours.tokenizer.encode(prompt))
         if len(want) < NEW_TOKENS:  # transformers stopped at an eos; we do not stop here
             got = got[: len(want)]
         assert got == want, (prompt, ours.tokenizer.decode(got), ours.tokenizer.decode(want))

@@ -159,27 +159,36 @@ def test_decode_reads_shared_prefix_pages_once_and_correctly(tmp_path):
         np.testing.assert_allclose(res.top_logprobs[i], lp[res.top_ids[i]], atol=ATOL)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_default_model_backends_agree_on_a_mixed_batch(dtype):
-    """SmolLM2: the JAX and torch runners give the same logits for a ragged EXTEND batch (one
-    sequence with a cached prefix ending mid-page, one fresh) and the following DECODE batch."""
+@pytest.fixture(scope="module")
+def smol_jax_mixed_batch():
+    """SmolLM2 through the JAX runner (float32), computed once for both torch dtypes: a ragged
+    EXTEND batch (one sequence with a cached prefix ending mid-page, one fresh), then the DECODE
+    batch of each sequence's argmax. -> (loaded, (a, b), EXTEND logits, next ids, DECODE
+    logits)."""
     loaded = load_model(None)
     rng = np.random.default_rng(2)
     a, b = (rng.integers(0, loaded.config.vocab_size, n).tolist() for n in (45, 20))
     jax_m = PagedModel(loaded, page_size=16)
+    pa, pb = jax_m.new_pages(46), jax_m.new_pages(21)
+    jax_m.run(ForwardMode.EXTEND, [(a[:21], 0, pa)])
+    ext = jax_m.run(ForwardMode.EXTEND, [(a[21:], 21, pa), (b, 0, pb)])
+    nxt = [int(ext[0][-1].argmax()), int(ext[1][-1].argmax())]
+    dec = jax_m.run(ForwardMode.DECODE, [([nxt[0]], 45, pa), ([nxt[1]], 20, pb)])
+    return loaded, (a, b), ext, nxt, dec
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_default_model_backends_agree_on_a_mixed_batch(smol_jax_mixed_batch, dtype):
+    """SmolLM2: the JAX and torch runners give the same logits for a ragged EXTEND batch (one
+    sequence with a cached prefix ending mid-page, one fresh) and the following DECODE batch."""
+    loaded, (a, b), jax_ext, nxt, jax_dec = smol_jax_mixed_batch
     torch_m = TorchPaged(loaded, dtype, page_size=16)
-    outs = []
-    for m, extend in ((jax_m, lambda s: jax_m.run(ForwardMode.EXTEND, s)),
-                      (torch_m, torch_m.extend)):
-        pa, pb = m.new_pages(46), m.new_pages(21)
-        extend([(a[:21], 0, pa)])
-        outs.append((extend([(a[21:], 21, pa), (b, 0, pb)]), pa, pb))
-    (jax_ext, pa, pb), (torch_ext, ta, tb) = outs
+    ta, tb = torch_m.new_pages(46), torch_m.new_pages(21)
+    torch_m.extend([(a[:21], 0, ta)])
+    torch_ext = torch_m.extend([(a[21:], 21, ta), (b, 0, tb)])
     for got, want in zip(torch_ext, jax_ext, strict=True):
         _assert_close(got, want, dtype)
-    nxt = [int(jax_ext[0][-1].argmax()), int(jax_ext[1][-1].argmax())]
-    jax_dec = jax_m.run(ForwardMode.DECODE, [([nxt[0]], 45, pa), ([nxt[1]], 20, pb)])
     res = torch_m.decode([(nxt[0], 45, ta), (nxt[1], 20, tb)])
     for i in range(2):
         lp = _log_softmax(jax_dec[i][0])

@@ -5,7 +5,11 @@ already initialised with a single device; the assertions are here:
 
 - SmolLM2-135M (9 query / 3 KV heads) at TP 3: greedy ids identical to TP 1 on prompts that
   share a prefix (the later ones hit the cache through the sharded pool), prompt log-probs
-  within 1e-4, the local shard shapes, no compilation after warm-up;
+  within 1e-4, the local shard shapes, no compilation after warm-up. Its first
+  SMOLLM2_LAYERS layers only (its GGUF cut by checkpoints.truncate_gguf: real weights,
+  vocabulary and head counts): every layer is sharded alike, and the depth sets the compile
+  and step time (the check takes 60 CPU s at 4 layers, 125 at 30).
+  tests/test_tensor_parallel_torch.py serves the whole model at TP 3;
 - head-count and device-count refusals, with messages naming the numbers;
 - the tiny checkpoint (4 query / 2 KV heads) at TP 2 and TP 4 (KV heads replicated) identical
   to TP 1;
@@ -26,26 +30,30 @@ import checkpoints as ck
 import numpy as np
 import pytest
 
+from sgl_tpu.loader import default_model_path
+
 HERE = Path(__file__).parent
 NUM_DEVICES = 4
+SMOLLM2_LAYERS = 4
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("tp")
     tiny = ck.make_tiny_hf_checkpoint(tmp / "llama", "llama")
+    smol = ck.truncate_gguf(default_model_path(), tmp / "smollm2_cut.gguf", SMOLLM2_LAYERS)
     out = tmp / "results.json"
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={NUM_DEVICES}"}
-    proc = subprocess.run([sys.executable, str(HERE / "tp_jax_checks.py"), str(out), str(tiny)],
-                          env=env, cwd=HERE, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, str(HERE / "tp_jax_checks.py"), str(out), str(tiny),
+                           smol], env=env, cwd=HERE, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
 
 def test_default_model_tp3_equals_tp1(results):
     r = results["default"]
-    assert r["tp3_devices"] == 3
+    assert r["tp3_devices"] == 3 and r["num_layers"] == SMOLLM2_LAYERS
     assert r["tp3"]["ids"] == r["tp1"]["ids"]
     assert all(len(ids) == 12 for ids in r["tp3"]["ids"])
     assert min(r["tp3"]["cached"][1:]) > 0, "later prompts must hit the shared prefix"

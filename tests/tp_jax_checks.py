@@ -2,7 +2,10 @@
 tests/test_tp_jax.py (the test process's JAX is already initialised with one CPU device):
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \
-        python tests/tp_jax_checks.py OUT.json [TINY_MODEL_DIR]
+        python tests/tp_jax_checks.py OUT.json [TINY_MODEL_DIR [SMOLLM2_MODEL]]
+
+SMOLLM2_MODEL (default: the default model) is what the "default" check serves; the test module
+passes SmolLM2-135M cut to its first layers (checkpoints.truncate_gguf).
 
 Each check records what it observed (ids, log-probs, shapes, error messages) into one JSON
 document; the assertions live in the test module.
@@ -58,20 +61,21 @@ def _local_shapes(eng: Engine) -> dict:
     return shapes
 
 
-def check_default_model() -> dict:
-    """SmolLM2-135M at TP 1 and TP 3 (9 query / 3 KV heads): ids, log-probs, shards,
-    compilations after warm-up."""
+def check_default_model(model_path: str | None = None) -> dict:
+    """SmolLM2-135M (or its first layers) at TP 1 and TP 3 (9 query / 3 KV heads): ids,
+    log-probs, shards, compilations after warm-up."""
     prefix = "The history of the city begins with a small settlement by the river, where"
     prompts = [prefix + " fishermen", prefix + " the first bridge", prefix + " merchants"]
-    base = Engine(None, skip_warmup=True, **SMALL)
+    base = Engine(model_path, skip_warmup=True, **SMALL)
     out = {"tp1": _serve(base, prompts)}
     base.shutdown()
-    eng = Engine(None, tp_size=3, **SMALL)
+    eng = Engine(model_path, tp_size=3, **SMALL)
     warm = eng.scheduler.runner.num_compilations()
     out["tp3"] = _serve(eng, prompts)
     out["tp3_compilations"] = [warm, eng.scheduler.runner.num_compilations()]
     out["tp3_shapes"] = _local_shapes(eng)
     out["tp3_devices"] = eng.scheduler.runner.mesh.size
+    out["num_layers"] = eng.model_config.num_layers
     eng.shutdown()
     return out
 
@@ -200,7 +204,7 @@ def check_sharded_pallas() -> dict:
 def main() -> None:
     out_path = sys.argv[1]
     checks = {"pallas": check_sharded_pallas, "refusals": check_refusals,
-              "default": check_default_model}
+              "default": partial(check_default_model, *sys.argv[3:4])}
     if len(sys.argv) > 2:
         checks["tiny"] = partial(check_tiny, sys.argv[2])
         checks["decode_state"] = partial(check_decode_state, sys.argv[2])

@@ -262,7 +262,7 @@ def main() -> None:
     threads = torch.get_num_threads()
     results: dict = {"cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
                      "layers": args.layers, "clocks": {},
-                     "baseline_source": str(args.baseline_source or "")}
+                     "baseline_source": args.baseline_source.name if args.baseline_source else ""}
     for clock_name in args.clocks.split(","):
         clock = {"thread": time.thread_time, "wall": time.perf_counter}[clock_name]
         torch.set_num_threads(1 if clock_name == "thread" else threads)

@@ -13,7 +13,11 @@
 //     wide    rows in vector lanes: Qt [d][R] (queries transposed once per item, pre-scaled),
 //             so S[key][rows] = sum_i K[key][i] * Qt[i][rows] and accT[c][rows] +=
 //             V[key][c] * P[key][rows] need no horizontal sums, and the online softmax (max,
-//             rescale, exp, row sums) runs a vector of rows per instruction
+//             rescale, exp, row sums) runs a vector of rows per instruction. Per key tile,
+//             one row tile (3 row vectors) at a time runs scores, softmax and P @ V while its
+//             slices of Qt, S and accT stay in L1, as 3 x 4 register tiles of FMAs; row tiles
+//             that see none of the tile's keys (past the causal diagonal, before a window)
+//             are skipped, and masks are applied only where some row sees part of the tile
 //     narrow  R <= 4 (a decode row's GQA group): scores as dot products over d, P @ V per row
 //
 //     EXTEND  item = (sequence, kv head, block of query tokens); rows = tokens x GQA group;

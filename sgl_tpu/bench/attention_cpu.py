@@ -14,10 +14,11 @@ whose pages are handed out in a scattered order, as a radix cache leaves them:
     extend fresh     512 new tokens, no prefix
     extend turn      200 new tokens on a 1,300-token cached prefix (an agent's next turn)
 
-Each case times both kernels alternately (ABAB..., the machine is shared) and reports the best
-and median per call, their ratio, and for decode the memory floor: the K/V bytes a step must
-read (each distinct key once per KV head) over the read bandwidth measured in the same run and
-clock (`sum` of a 256 MB tensor). `step_ms` multiplies a call by --layers. Two clocks:
+Each case times the kernels alternately (ABAB..., the machine is shared), each call after an
+untimed pass over 64 MB that evicts the caches (as the other layers do in a model step), and
+reports the best and median per call, their ratio, and for decode the memory floor: the K/V
+bytes a step must read (each distinct key once per KV head) over the read bandwidth measured
+in the same run and clock (`sum` of a 256 MB tensor). `step_ms` multiplies a call by --layers. Two clocks:
 
     thread  one intra-op thread, CPU time of that thread (`time.thread_time`): what the work
             costs, robust to a loaded machine descheduling the process
@@ -263,6 +264,14 @@ def main() -> None:
     results: dict = {"cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
                      "layers": args.layers, "clocks": {},
                      "baseline_source": args.baseline_source.name if args.baseline_source else ""}
+    # every call starts with cold caches, as in a model step (other layers' weights and K/V
+    # come between two calls of one layer): else the kernel timed second finds a small
+    # context's K/V (decode b1: 1.4-2.8 MB) still in L2/L3 from the first
+    scratch = torch.zeros(64 << 20, dtype=torch.uint8)
+
+    def scrub() -> None:
+        scratch.add_(1)
+
     for clock_name in args.clocks.split(","):
         clock = {"thread": time.thread_time, "wall": time.perf_counter}[clock_name]
         torch.set_num_threads(1 if clock_name == "thread" else threads)
@@ -279,7 +288,7 @@ def main() -> None:
                       ("extend", *_extend_case(torch, dtype, impls, 200, 1300, rng))]
             for phase, fns, outs, ctx in cases:
                 with torch.inference_mode():
-                    times = interleaved(fns, args.repeats, clock=clock)
+                    times = interleaved(fns, args.repeats, clock=clock, before=scrub)
                 row = _row(phase, dtype_name, ctx, outs, times, bw, args.layers)
                 out["cases"].append(row)
                 print({"clock": clock_name, **{k: row.get(k) for k in

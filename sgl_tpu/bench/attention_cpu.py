@@ -18,7 +18,8 @@ Each case times the kernels alternately (ABAB..., the machine is shared), each c
 untimed pass over 64 MB that evicts the caches (as the other layers do in a model step), and
 reports the best and median per call, their ratio, and for decode the memory floor: the K/V
 bytes a step must read (each distinct key once per KV head) over the read bandwidth measured
-in the same run and clock (`sum` of a 256 MB tensor). `step_ms` multiplies a call by --layers. Two clocks:
+in the same run and clock (`sum` of a 256 MB tensor). `step_ms` multiplies a call by
+--layers. Two clocks:
 
     thread  one intra-op thread, CPU time of that thread (`time.thread_time`): what the work
             costs, robust to a loaded machine descheduling the process

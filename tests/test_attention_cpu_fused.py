@@ -52,11 +52,11 @@ class Pool:
         return np.asarray(out, np.int64)
 
 
-def reference(q, pool, slots, q_pos, scale, window=None, cap=None) -> torch.Tensor:
+def reference(q, pool, slots, q_pos, scale, window=None, cap=None, group=G) -> torch.Tensor:
     """float64 attention of queries q [n, H, d] at positions q_pos over the keys in `slots`
     (key j at position j)."""
-    k = pool.k[slots].double().repeat_interleave(G, dim=1)  # [L, H, d]
-    v = pool.v[slots].double().repeat_interleave(G, dim=1)
+    k = pool.k[slots].double().repeat_interleave(group, dim=1)  # [L, H, d]
+    v = pool.v[slots].double().repeat_interleave(group, dim=1)
     s = torch.einsum("nhd,lhd->hnl", q.double(), k) * scale
     if cap is not None:
         s = cap * torch.tanh(s / cap)
@@ -99,6 +99,35 @@ def test_extend_matches_reference_on_a_ragged_paged_batch(dtype, variant):
     # and the gathered-SDPA backend agrees with both
     base = sdpa.extend_attention(q, pool.k, pool.v, seqs, scale, **variant)
     assert (out.double() - base.double()).abs().max() < 2 * TOL[dtype]
+
+
+@pytest.mark.parametrize("group,d,window", [(1, 16, None), (4, 48, 40), (7, 32, 19)],
+                         ids=["mha", "g4-window", "g7-window"])
+def test_extend_register_tile_edges(group, d, window):
+    """Row counts per item that fill the kernel's register tiles (3 vectors of 8 or 16 rows)
+    partly or exactly (G = 1: 128 rows; 4: 128; 7: 126 and a remainder), context lengths off
+    the 4-key and 16-key tiles, and a window whose edge crosses key tiles, so that a row tile
+    sees some tiles whole, some in part and some not at all (skipped) in one item."""
+    kvh, scale = 2, d ** -0.5
+    g = torch.Generator().manual_seed(group)
+    num_pages = 120
+    pool = SimpleNamespace(k=torch.randn(num_pages * PS, kvh, d, generator=g),
+                           v=torch.randn(num_pages * PS, kvh, d, generator=g))
+    free = (1 + torch.randperm(num_pages - 1, generator=g)).tolist()
+    seqs, start = [], 0
+    for prefix, new in [(0, 133), (101, 70), (5, 3)]:
+        n_pages = -(-(prefix + new) // PS)
+        pages, free = np.asarray(free[:n_pages], np.int64), free[n_pages:]
+        seqs.append(sdpa.ExtendSeq(start=start, num_new=new, prefix_len=prefix,
+                                   slots=sdpa.context_slots(pages, PS, prefix + new)))
+        start += new
+    q = torch.randn(start, kvh * group, d, generator=g)
+    out = fused().extend_attention(q, pool.k, pool.v, seqs, scale, sliding_window=window)
+    for s in seqs:
+        pos = torch.arange(s.prefix_len, s.prefix_len + s.num_new)
+        want = reference(q[s.start : s.start + s.num_new], pool, s.slots, pos, scale, window,
+                         group=group)
+        assert (out[s.start : s.start + s.num_new].double() - want).abs().max() < TOL[q.dtype]
 
 
 def decode_batch(steps: list[SeqStep], num_rows: int, window: int | None,
@@ -145,6 +174,29 @@ def test_decode_matches_reference_with_a_shared_prefix(dtype, case):
     base = sdpa.decode_attention(q, pool.k, pool.v, batch, scale, sliding_window=window,
                                  logit_cap=cap)
     assert (out.double() - base.double()).abs().max() < 2 * TOL[dtype]
+
+
+@pytest.mark.parametrize("window", [None, 30])
+def test_decode_many_rows_share_a_prefix(window):
+    """13 forks of one prefix: 39 query rows per shared-prefix item (register tiles of 3
+    vectors plus a remainder), own contexts of 1 to 25 tokens, with and without a window that
+    leaves some rows' view of a shared key tile whole, partial or empty."""
+    d, scale = 32, 32 ** -0.5
+    pool = Pool(d, torch.float32, num_pages=140, seed=2)
+    prefix = pool.pages(68)  # 17 whole pages
+    lens = [68 + n for n in range(1, 26, 2)]
+    steps = [SeqStep(token_ids=[0], prefix_len=n - 1,
+                     pages=np.concatenate([prefix, pool.pages(n - 68)]), sampling=GREEDY,
+                     seed=0, num_output_tokens=1) for n in lens]
+    batch = decode_batch(steps, len(steps), None, torch.float32)
+    assert batch.shared_slots.shape[0] == 68
+    q = torch.randn(len(steps), KVH * G, d)
+    out = fused().decode_attention(q, pool.k, pool.v, batch, scale, sliding_window=window)
+    for i, st in enumerate(steps):
+        n = st.prefix_len + 1
+        want = reference(q[i : i + 1], pool, sdpa.context_slots(st.pages, PS, n),
+                         torch.tensor([n - 1]), scale, window)
+        assert (out[i : i + 1].double() - want).abs().max() < TOL[torch.float32]
 
 
 def test_auto_picks_fused_on_cpu_and_falls_back_when_missing(monkeypatch, caplog):

@@ -13,7 +13,11 @@
 //     wide    rows in vector lanes: Qt [d][R] (queries transposed once per item, pre-scaled),
 //             so S[key][rows] = sum_i K[key][i] * Qt[i][rows] and accT[c][rows] +=
 //             V[key][c] * P[key][rows] need no horizontal sums, and the online softmax (max,
-//             rescale, exp, row sums) runs a vector of rows per instruction
+//             rescale, exp, row sums) runs a vector of rows per instruction. Per key tile,
+//             one row tile (3 row vectors) at a time runs scores, softmax and P @ V while its
+//             slices of Qt, S and accT stay in L1, as 3 x 4 register tiles of FMAs; row tiles
+//             that see none of the tile's keys (past the causal diagonal, before a window)
+//             are skipped, and masks are applied only where some row sees part of the tile
 //     narrow  R <= 4 (a decode row's GQA group): scores as dot products over d, P @ V per row
 //
 //     EXTEND  item = (sequence, kv head, block of query tokens); rows = tokens x GQA group;
@@ -40,6 +44,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -52,7 +57,6 @@ constexpr int kLanes = 8;
 #endif
 constexpr int kTile = 16;         // keys per tile
 constexpr int kMaxRows = 128;     // query rows per item
-constexpr int kBlock = 4;         // row vectors per score accumulator block
 constexpr int64_t kChunk = 256;   // DECODE keys per item (splits long contexts over threads)
 constexpr int kNoWindow = 1 << 30;
 
@@ -61,8 +65,14 @@ typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
 typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));
 typedef uint16_t vh __attribute__((vector_size(2 * kLanes)));
 
-inline vf splat(float x) { return vf{} + x; }
-inline vi splati(int32_t x) { return vi{} + x; }
+// Broadcasts as brace lists (one vbroadcastss): `vf{} + x` costs a scalar add first, since
+// 0.0f + x is not x for x = -0.0f.
+template <size_t... I>
+inline vf splat_lanes(float x, std::index_sequence<I...>) { return vf{((void)I, x)...}; }
+template <size_t... I>
+inline vi splati_lanes(int32_t x, std::index_sequence<I...>) { return vi{((void)I, x)...}; }
+inline vf splat(float x) { return splat_lanes(x, std::make_index_sequence<kLanes>{}); }
+inline vi splati(int32_t x) { return splati_lanes(x, std::make_index_sequence<kLanes>{}); }
 inline vf loadf(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 inline void storef(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vi loadi(const int32_t* p) { vi v; std::memcpy(&v, p, sizeof v); return v; }
@@ -164,12 +174,8 @@ struct Keys {
   int64_t pos_base;
 };
 
-// Vectors of rows an item of R rows uses: whole vectors, and whole score blocks past the first
-// block (R <= kMaxRows: at most 8 with AVX-512, 16 with AVX2).
-inline int row_vectors(int R) {
-  const int rv = (R + kLanes - 1) / kLanes;
-  return rv > kBlock ? (rv + kBlock - 1) / kBlock * kBlock : rv;
-}
+// Vectors of rows an item of R rows uses (R <= kMaxRows: at most 8 with AVX-512, 16 with AVX2).
+inline int row_vectors(int R) { return (R + kLanes - 1) / kLanes; }
 
 // Start an item: rows' queries into Qt (scaled), running state reset. `q_row(r)` points at
 // row r's query vector [d].
@@ -264,39 +270,122 @@ inline void pv_block(const Scratch& s, const float* const* vrows, float* acc, fl
   for (int u = 0; u < NC; ++u) storef(acc + u * kLanes, o[u]);
 }
 
-// The wide path's P @ V with rows in vector lanes, on the transposed accumulator
-// accT [d][L]: accT[c] = accT[c] * alpha + sum_j V[j][c] * p[j] (two output dims x kBlock row
-// vectors of accumulators in registers; alpha rescales 16 or 8 rows per instruction).
-template <int RV>
-void pv_wide(Scratch& s, const float* const* vrows, int n, int d) {
-  constexpr int L = RV * kLanes;
-  constexpr int VB = RV < kBlock ? RV : kBlock;
-  for (int vb = 0; vb < RV; vb += VB) {
-    vf al[VB];
-    for (int u = 0; u < VB; ++u) al[u] = loadf(s.alpha + (vb + u) * kLanes);
-    for (int c = 0; c < d; c += 2) {
-      float* o0p = s.acc + c * L + vb * kLanes;
-      float* o1p = o0p + L;
-      vf o0[VB], o1[VB];
-      for (int u = 0; u < VB; ++u) {
-        o0[u] = loadf(o0p + u * kLanes) * al[u];
-        o1[u] = loadf(o1p + u * kLanes) * al[u];
-      }
-      for (int j = 0; j < n; ++j) {
-        const vf b0 = splat(vrows[j][c]), b1 = splat(vrows[j][c + 1]);
-        const float* pj = s.sp + j * L + vb * kLanes;
-        for (int u = 0; u < VB; ++u) {
-          const vf p = loadf(pj + u * kLanes);
-          o0[u] += b0 * p;
-          o1[u] += b1 * p;
-        }
-      }
-      for (int u = 0; u < VB; ++u) {
-        storef(o0p + u * kLanes, o0[u]);
-        storef(o1p + u * kLanes, o1[u]);
-      }
+// Pins a loaded vector in a register: without it GCC folds every use of a loaded row vector
+// into its FMA as a memory operand (one load per FMA instead of one per NK FMAs), and the
+// tile turns load-bound.
+inline void in_register(vf& v) {
+#if defined(__AVX__) && defined(__GNUC__)
+  asm("" : "+x"(v));
+#else
+  (void)v;
+#endif
+}
+
+// The wide path's register tiles, rows in vector lanes (L floats per key / output dim):
+//
+//     scores  S[j][rows] = sum_i K[j][i] * Qt[i][rows]           NK keys x NV row vectors
+//     P @ V   accT[c][rows] = accT[c][rows] * alpha[rows]
+//                             + sum_j V[j][c] * P[j][rows]        NC dims x NV row vectors
+//
+// NK (or NC) broadcast scalars times NV loaded row vectors: NK * NV accumulators in registers
+// (12 of AVX2's 16), NV + NK loads per NK * NV FMAs, no horizontal sums.
+template <int NV, int NK>
+inline void qk_tile(const float* qt, int L, const float* const* krows, int d, float* sp) {
+  vf acc[NK][NV];
+  for (int k = 0; k < NK; ++k)
+    for (int u = 0; u < NV; ++u) acc[k][u] = splat(0.0f);
+  for (int i = 0; i < d; ++i) {
+    vf q[NV];
+    for (int u = 0; u < NV; ++u) {
+      q[u] = loadf(qt + i * L + u * kLanes);
+      in_register(q[u]);
+    }
+    for (int k = 0; k < NK; ++k) {
+      const vf b = splat(krows[k][i]);
+      for (int u = 0; u < NV; ++u) acc[k][u] += b * q[u];
     }
   }
+  for (int k = 0; k < NK; ++k)
+    for (int u = 0; u < NV; ++u) storef(sp + k * L + u * kLanes, acc[k][u]);
+}
+
+template <int NV, int NC>
+inline void pv_tile(float* acc, const float* alpha, const float* sp, int L,
+                    const float* const* vrows, int n, int c) {
+  vf o[NC][NV], al[NV];
+  for (int u = 0; u < NV; ++u) al[u] = loadf(alpha + u * kLanes);
+  for (int k = 0; k < NC; ++k)
+    for (int u = 0; u < NV; ++u) o[k][u] = loadf(acc + k * L + u * kLanes) * al[u];
+  for (int j = 0; j < n; ++j) {
+    vf p[NV];
+    for (int u = 0; u < NV; ++u) {
+      p[u] = loadf(sp + j * L + u * kLanes);
+      in_register(p[u]);
+    }
+    const float* vrow = vrows[j] + c;
+    for (int k = 0; k < NC; ++k) {
+      const vf b = splat(vrow[k]);
+      for (int u = 0; u < NV; ++u) o[k][u] += b * p[u];
+    }
+  }
+  for (int k = 0; k < NC; ++k)
+    for (int u = 0; u < NV; ++u) storef(acc + k * L + u * kLanes, o[k][u]);
+}
+
+constexpr int kTileRows = 3;  // row vectors per register tile
+constexpr int kTileCols = 4;  // keys (scores) or output dims (P @ V) per register tile
+
+// How a row vector meets a key tile: no lane sees any key, every valid lane sees every key,
+// or a mask is needed (causal diagonal, window edge, padding lanes of a partial view).
+enum class Seen { kNone, kAll, kSome };
+
+// Online softmax of row vector v over the tile's n scores (sp[j][v], L floats per key): mask
+// (if `masked`), soft-cap, running max, exp in place, then m, l and this tile's alpha.
+inline void softmax_rows(Scratch& s, int v, int L, int n, int64_t pos0, vi qp, vi ql,
+                         float cap, bool masked) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  float* sp = s.sp + v * kLanes;
+  vf mx = splat(neg_inf);
+  for (int j = 0; j < n; ++j) {
+    vf sc = loadf(sp + j * L);
+    if (cap > 0.0f) sc = vsoftcap(sc, cap);
+    if (masked) {
+      const vi pos = splati(static_cast<int32_t>(pos0 + j));
+      sc = (pos <= qp) & (pos >= ql) ? sc : neg_inf;
+    }
+    storef(sp + j * L, sc);
+    mx = vmax(mx, sc);
+  }
+  const vf m_old = loadf(s.m + v * kLanes);
+  const vf m_new = vmax(m_old, mx);
+  const vf alpha = m_old == neg_inf ? splat(0.0f) : vexp(m_old - m_new);
+  vf sum = splat(0.0f);
+  for (int j = 0; j < n; ++j) {
+    const vf sc = loadf(sp + j * L);
+    vf p = vexp(sc - m_new);
+    if (masked) p = sc == neg_inf ? splat(0.0f) : p;
+    storef(sp + j * L, p);
+    sum += p;
+  }
+  storef(s.l + v * kLanes, loadf(s.l + v * kLanes) * alpha + sum);
+  storef(s.m + v * kLanes, m_new);
+  storef(s.alpha + v * kLanes, alpha);
+}
+
+// One register tile's rows (NV row vectors from v0) against the tile's n keys: scores,
+// softmax, P @ V, all while these rows' Qt, scores and accT slices stay in L1 (the whole
+// item's Qt and accT are 32 KB each at 128 rows x d 64: walking all rows per step would
+// stream them from L2 for every 4 keys).
+template <int NV, int RV>
+void row_tile(Scratch& s, int v0, const float* const* krows, const float* const* vrows, int n,
+              int d, int64_t pos0, const vi* qp, const vi* ql, float cap, bool masked) {
+  constexpr int L = RV * kLanes;
+  for (int j = 0; j < n; j += kTileCols)
+    qk_tile<NV, kTileCols>(s.qt + v0 * kLanes, L, krows + j, d, s.sp + j * L + v0 * kLanes);
+  for (int v = v0; v < v0 + NV; ++v) softmax_rows(s, v, L, n, pos0, qp[v], ql[v], cap, masked);
+  for (int c = 0; c < d; c += kTileCols)
+    pv_tile<NV, kTileCols>(s.acc + c * L + v0 * kLanes, s.alpha + v0 * kLanes,
+                           s.sp + v0 * kLanes, L, vrows, n, c);
 }
 
 // Walk the item's keys (rows R of s already loaded): online softmax into s.m / s.l / s.acc.
@@ -304,13 +393,22 @@ template <typename T, int RV>
 void attend(Scratch& s, int R, int d, const T* k_head, const T* v_head, int64_t slot_stride,
             Keys keys, int32_t window, float cap) {
   constexpr int L = RV * kLanes;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
   // the key positions any row can see: skip the rest without reading them
   int64_t lo = std::numeric_limits<int64_t>::max(), hi = -1;
-  for (int r = 0; r < R; ++r) {
-    if (s.qpos[r] < 0) continue;
-    lo = std::min<int64_t>(lo, int64_t(s.qpos[r]) - window + 1);
-    hi = std::max<int64_t>(hi, s.qpos[r]);
+  // per row vector, its valid rows' positions: which key tiles it sees whole or not at all
+  int64_t vmin[RV], vmax_[RV];
+  for (int v = 0; v < RV; ++v) {
+    vmin[v] = std::numeric_limits<int64_t>::max();
+    vmax_[v] = -1;
+    for (int r = v * kLanes; r < (v + 1) * kLanes; ++r) {
+      if (r >= R || s.qpos[r] < 0) continue;  // padding lanes: computed, never read
+      vmin[v] = std::min<int64_t>(vmin[v], s.qpos[r]);
+      vmax_[v] = std::max<int64_t>(vmax_[v], s.qpos[r]);
+    }
+    if (vmax_[v] >= 0) {
+      lo = std::min<int64_t>(lo, vmin[v] - window + 1);
+      hi = std::max<int64_t>(hi, vmax_[v]);
+    }
   }
   const int64_t begin = std::max(keys.begin, lo - keys.pos_base);
   const int64_t end = std::min(keys.end, hi - keys.pos_base + 1);
@@ -322,6 +420,7 @@ void attend(Scratch& s, int R, int d, const T* k_head, const T* v_head, int64_t 
   const bool narrow = RV == 1 && R <= 4;  // a GQA group of a decode row: dot products
   for (int64_t kb = begin; kb < end; kb += kTile) {
     const int n = static_cast<int>(std::min<int64_t>(kTile, end - kb));
+    const int64_t pos0 = keys.pos_base + kb, pos1 = pos0 + n - 1;  // the tile's positions
     // the next tile's K/V rows start arriving while this one computes (its pages are
     // scattered over the pool: the hardware prefetcher cannot guess them)
     const int64_t next_n = std::min<int64_t>(kTile, end - kb - n);
@@ -329,13 +428,10 @@ void attend(Scratch& s, int R, int d, const T* k_head, const T* v_head, int64_t 
       prefetch_row(k_head + keys.slots[kb + n + j] * slot_stride, d);
       prefetch_row(v_head + keys.slots[kb + n + j] * slot_stride, d);
     }
-    const float* krows[kTile];
+    const float* krows[kTile + kTileCols];
     const float* vrows[kTile];
     rows_f32(krows, s.kf, k_head, keys.slots + kb, n, d, slot_stride);
-    // scores, two keys x kBlock row vectors at a time (each Qt load feeds two FMAs; the
-    // accumulators stay in registers)
-    constexpr int VB = RV < kBlock ? RV : kBlock;
-    static_assert(RV % VB == 0, "row vectors come in whole blocks");
+    rows_f32(vrows, s.vfl, v_head, keys.slots + kb, n, d, slot_stride);
     if (narrow) {
       for (int j = 0; j < n; ++j)  // rows past R: masked below, but never garbage
         for (int r = R; r < L; ++r) s.sp[j * L + r] = 0.0f;
@@ -345,67 +441,43 @@ void attend(Scratch& s, int R, int d, const T* k_head, const T* v_head, int64_t 
         case 3: narrow_scores<3>(s, krows, n, d, L); break;
         default: narrow_scores<4>(s, krows, n, d, L); break;
       }
-    }
-    for (int vb = 0; !narrow && vb < RV; vb += VB) {
-      for (int j = 0; j < n; j += 2) {
-        const bool two = j + 1 < n;
-        const float* k0 = krows[j];
-        const float* k1 = two ? krows[j + 1] : k0;
-        const float* qt = s.qt + vb * kLanes;
-        vf a0[VB], a1[VB];
-        for (int u = 0; u < VB; ++u) a0[u] = a1[u] = splat(0.0f);
-        for (int i = 0; i < d; ++i) {
-          const vf b0 = splat(k0[i]), b1 = splat(k1[i]);
-          for (int u = 0; u < VB; ++u) {
-            const vf qv = loadf(qt + i * L + u * kLanes);
-            a0[u] += b0 * qv;
-            a1[u] += b1 * qv;
-          }
-        }
-        for (int u = 0; u < VB; ++u) {
-          storef(s.sp + j * L + (vb + u) * kLanes, a0[u]);
-          if (two) storef(s.sp + (j + 1) * L + (vb + u) * kLanes, a1[u]);
-        }
-      }
-    }
-    // mask, online softmax (16 rows per vector)
-    for (int v = 0; v < RV; ++v) {
-      vf mx = splat(neg_inf);
-      for (int j = 0; j < n; ++j) {
-        vf sc = loadf(s.sp + j * L + v * kLanes);
-        if (cap > 0.0f) sc = vsoftcap(sc, cap);
-        const vi pos = splati(static_cast<int32_t>(keys.pos_base + kb + j));
-        sc = (pos <= qp[v]) & (pos >= ql[v]) ? sc : neg_inf;
-        storef(s.sp + j * L + v * kLanes, sc);
-        mx = vmax(mx, sc);
-      }
-      const vf m_old = loadf(s.m + v * kLanes);
-      const vf m_new = vmax(m_old, mx);
-      const vf alpha = m_old == neg_inf ? splat(0.0f) : vexp(m_old - m_new);
-      vf sum = splat(0.0f);
-      for (int j = 0; j < n; ++j) {
-        const vf sc = loadf(s.sp + j * L + v * kLanes);
-        const vf p = sc == neg_inf ? splat(0.0f) : vexp(sc - m_new);
-        storef(s.sp + j * L + v * kLanes, p);
-        sum += p;
-      }
-      storef(s.l + v * kLanes, loadf(s.l + v * kLanes) * alpha + sum);
-      storef(s.m + v * kLanes, m_new);
-      storef(s.alpha + v * kLanes, alpha);
-    }
-    rows_f32(vrows, s.vfl, v_head, keys.slots + kb, n, d, slot_stride);
-    // acc = acc * alpha + P @ V
-    if (narrow) {
-      for (int r = 0; r < R; ++r) {
+      softmax_rows(s, 0, L, n, pos0, qp[0], ql[0], cap, true);
+      for (int r = 0; r < R; ++r) {  // acc = acc * alpha + P @ V
         const float a = s.alpha[r];
         float* acc = s.acc + r * d;
         int c = 0;
         for (; c + 4 * kLanes <= d; c += 4 * kLanes) pv_block<4>(s, vrows, acc + c, a, r, n, c, L);
         for (; c < d; c += kLanes) pv_block<1>(s, vrows, acc + c, a, r, n, c, L);
       }
-    } else {
-      pv_wide<RV>(s, vrows, n, d);
+      continue;
     }
+    // whole register tiles of keys: the padding keys repeat the last row (their scores are
+    // computed, never read)
+    for (int j = n; j % kTileCols; ++j) krows[j] = krows[n - 1];
+    Seen seen[RV];
+    for (int v = 0; v < RV; ++v) {
+      if (vmax_[v] < 0 || pos0 > vmax_[v] || pos1 < vmin[v] - window + 1)
+        seen[v] = Seen::kNone;
+      else if (pos1 <= vmin[v] && pos0 >= vmax_[v] - window + 1)
+        seen[v] = Seen::kAll;
+      else
+        seen[v] = Seen::kSome;
+    }
+    // row tiles no row of which sees a key of this tile are skipped (the causal triangle)
+    auto run = [&](auto nv_tag, int v0) {
+      constexpr int NV = decltype(nv_tag)::value;
+      bool any = false, all = true;
+      for (int v = v0; v < v0 + NV; ++v) {
+        any |= seen[v] != Seen::kNone;
+        all &= seen[v] == Seen::kAll;
+      }
+      if (any) row_tile<NV, RV>(s, v0, krows, vrows, n, d, pos0, qp, ql, cap, !all);
+    };
+    constexpr int full = RV / kTileRows * kTileRows;
+    for (int v0 = 0; v0 < full; v0 += kTileRows)
+      run(std::integral_constant<int, kTileRows>{}, v0);
+    if constexpr (RV % kTileRows != 0)
+      run(std::integral_constant<int, RV % kTileRows>{}, full);
   }
   if (!narrow) {  // accT [d][L] -> acc [R][d], through qr (free once the scores are done)
     for (int r = 0; r < R; ++r)
@@ -420,7 +492,9 @@ void attend_rows(Scratch& s, int R, int d, const T* k_head, const T* v_head,
   switch (row_vectors(R)) {
 #define SGL_CASE(RV) \
   case RV: return attend<T, RV>(s, R, d, k_head, v_head, slot_stride, keys, window, cap);
-    SGL_CASE(1) SGL_CASE(2) SGL_CASE(3) SGL_CASE(4) SGL_CASE(8) SGL_CASE(12) SGL_CASE(16)
+    SGL_CASE(1) SGL_CASE(2) SGL_CASE(3) SGL_CASE(4) SGL_CASE(5) SGL_CASE(6) SGL_CASE(7)
+    SGL_CASE(8) SGL_CASE(9) SGL_CASE(10) SGL_CASE(11) SGL_CASE(12) SGL_CASE(13) SGL_CASE(14)
+    SGL_CASE(15) SGL_CASE(16)
 #undef SGL_CASE
     default: TORCH_CHECK(false, "paged_attention_cpu: too many rows per item: ", R);
   }

@@ -3,7 +3,7 @@
 
     python -m sgl_tpu.bench.attention_cpu [--dtypes float32,bfloat16] [--decode-batches 1,8,32]
         [--shared 1312] [--own 300,700] [--repeats 7] [--layers 30] [--clocks thread,wall]
-        [--model-steps] [--output FILE]
+        [--model-steps] [--baseline-source OLD.cpp] [--output FILE]
 
 Shapes are SmolLM2-135M's (3 KV heads x 3 query heads, head_dim 64, page size 16) over a pool
 whose pages are handed out in a scattered order, as a radix cache leaves them:
@@ -14,10 +14,12 @@ whose pages are handed out in a scattered order, as a radix cache leaves them:
     extend fresh     512 new tokens, no prefix
     extend turn      200 new tokens on a 1,300-token cached prefix (an agent's next turn)
 
-Each case times both kernels alternately (ABAB..., the machine is shared) and reports the best
-and median per call, their ratio, and for decode the memory floor: the K/V bytes a step must
-read (each distinct key once per KV head) over the read bandwidth measured in the same run and
-clock (`sum` of a 256 MB tensor). `step_ms` multiplies a call by --layers. Two clocks:
+Each case times the kernels alternately (ABAB..., the machine is shared), each call after an
+untimed pass over 64 MB that evicts the caches (as the other layers do in a model step), and
+reports the best and median per call, their ratio, and for decode the memory floor: the K/V
+bytes a step must read (each distinct key once per KV head) over the read bandwidth measured
+in the same run and clock (`sum` of a 256 MB tensor). `step_ms` multiplies a call by
+--layers. Two clocks:
 
     thread  one intra-op thread, CPU time of that thread (`time.thread_time`): what the work
             costs, robust to a loaded machine descheduling the process
@@ -25,8 +27,14 @@ clock (`sum` of a 256 MB tensor). `step_ms` multiplies a call by --layers. Two c
             oversubscribed machine the OpenMP barriers of many small ops inflate it)
 
 `--model-steps` adds the whole DECODE step of the default model (float32 runners, one per
-backend, eager), the decode batches above with the same agent contexts, on the thread clock
-(the K/V contents do not change the time, so no prefill runs first).
+backend, eager), the decode batches above with the same agent contexts, and one EXTEND step
+(256 new tokens on a 1,024-token cached prefix), on the thread clock (the K/V contents do not
+change the time, so no prefill runs first).
+
+`--baseline-source` compiles another version of csrc/paged_attention_cpu.cpp (e.g.
+`git show HEAD~1:kernels/csrc/paged_attention_cpu.cpp > /tmp/old.cpp`) into a temporary
+directory and times it as a third backend, `torch-cpu-fused-baseline`, interleaved with the
+others (`speedup_vs_baseline`: the built kernel's gain over that source).
 """
 
 from __future__ import annotations
@@ -34,8 +42,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import time
 from functools import partial
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -44,6 +54,35 @@ from sgl_tpu.bench.report import emit
 from sgl_tpu.bench.timing import interleaved
 
 KVH, GROUP, HEAD_DIM, PAGE = 3, 3, 64, 16
+BASELINE = "torch-cpu-fused-baseline"
+
+
+def _baseline_backend(source: Path, build_dir: str) -> SimpleNamespace:
+    """paged_attention_cpu's interface over a compiled copy of another kernel source."""
+    from sgl_tpu.kernels import cpu_extension
+    from sgl_tpu.kernels import paged_attention_cpu as fused
+
+    ext = cpu_extension.CpuExtension(source, "sgl_tpu_attn_cpu_baseline", "baseline attention")
+    from torch.utils import cpp_extension
+
+    kernel = cpp_extension.load(name=ext.module_name("native"), sources=[str(source)],
+                                extra_cflags=cpu_extension.FLAVOURS["native"],
+                                build_directory=build_dir)
+
+    def extend_attention(q, k_pool, v_pool, seqs, scale, sliding_window=None, logit_cap=None):
+        return kernel.extend(q, k_pool, v_pool, [s.slots for s in seqs],
+                             [s.start for s in seqs], [s.num_new for s in seqs],
+                             [s.prefix_len for s in seqs], float(scale),
+                             int(sliding_window or 0), float(logit_cap or 0.0))
+
+    def decode_attention(q, k_pool, v_pool, batch, scale, sliding_window=None, logit_cap=None):
+        return kernel.decode(q, k_pool, v_pool, batch.shared_slots, batch.slots, batch.own_lo,
+                             batch.own_hi, float(scale), int(sliding_window or 0),
+                             float(logit_cap or 0.0))
+
+    return SimpleNamespace(DecodeBatch=fused.DecodeBatch, ExtendSeq=fused.ExtendSeq,
+                           context_slots=fused.context_slots, write_kv=fused.write_kv,
+                           extend_attention=extend_attention, decode_attention=decode_attention)
 
 
 def _read_bandwidth(torch, clock) -> float:
@@ -119,8 +158,10 @@ def _extend_case(torch, dtype, impls, new: int, prefix: int, rng):
                        "flops": 4 * KVH * GROUP * HEAD_DIM * attended}
 
 
-def _model_steps(args, torch, own: tuple[int, int]) -> list[dict]:
-    """The real runner's DECODE step per attention backend, alternating, thread clock."""
+def _model_steps(args, torch, own: tuple[int, int], baseline) -> list[dict]:
+    """The real runner's DECODE steps and one EXTEND step per attention backend, alternating,
+    thread clock. The baseline kernel runs in the fused backend's runner, swapped in for its
+    own calls (the runner reads `attn` per step)."""
     from sgl_tpu.config import ServerArgs
     from sgl_tpu.executor.registry import create_model_runner, runner_config
     from sgl_tpu.executor.step import ForwardMode, SeqStep
@@ -130,15 +171,34 @@ def _model_steps(args, torch, own: tuple[int, int]) -> list[dict]:
     torch.set_num_threads(1)
     loaded = load_model(None)
     batches = [int(b) for b in args.decode_batches.split(",")]
+    extend_new, extend_prefix = 256, 1024
     runners = {}
     for name in ("torch-sdpa", "torch-cpu-fused"):
         sargs = ServerArgs(skip_warmup=True, backend="torch", torch_compile="off",
                            dtype="float32", attention_backend=name, page_size=PAGE,
-                           max_total_tokens=args.shared + max(batches) * (own[1] + PAGE),
+                           max_total_tokens=max(args.shared + max(batches) * (own[1] + PAGE),
+                                                extend_prefix + extend_new + PAGE),
                            max_running_requests=max(batches))
         cfg = runner_config(sargs, loaded.config.context_len)
         runners[name] = create_model_runner(loaded.config, loaded.params, cfg)
-    rows = []
+
+    def step_fns(mode, steps) -> dict:
+        fns = {name: partial(r.forward, mode, steps) for name, r in runners.items()}
+        if baseline is not None:
+            runner = runners["torch-cpu-fused"]
+
+            def with_baseline():
+                own_attn, runner.attn = runner.attn, baseline
+                try:
+                    return runner.forward(mode, steps)
+                finally:
+                    runner.attn = own_attn
+
+            fns[BASELINE] = with_baseline
+        return fns
+
+    greedy = SamplingParams(temperature=0.0)
+    cases = []
     for b in batches:
         lens = ([(own[0] + own[1]) // 2] if b == 1
                 else np.linspace(own[0], own[1], b).astype(int).tolist())
@@ -148,19 +208,29 @@ def _model_steps(args, torch, own: tuple[int, int]) -> list[dict]:
             pages = np.arange(first, first + -(-n // PAGE))
             first += len(pages)
             steps.append(SeqStep(token_ids=[5], prefix_len=args.shared + n - 1,
-                                 pages=np.concatenate([prefix, pages]),
-                                 sampling=SamplingParams(temperature=0.0), seed=0,
-                                 num_output_tokens=1))
-        fns = {name: partial(r.forward, ForwardMode.DECODE, steps)
-               for name, r in runners.items()}
+                                 pages=np.concatenate([prefix, pages]), sampling=greedy,
+                                 seed=0, num_output_tokens=1))
+        cases.append(({"phase": "model_decode_step", "batch": b},
+                      step_fns(ForwardMode.DECODE, steps)))
+    pages = np.arange(1, 1 + -(-(extend_prefix + extend_new) // PAGE))
+    step = SeqStep(token_ids=[5] * extend_new, prefix_len=extend_prefix, pages=pages,
+                   sampling=greedy, seed=0, num_output_tokens=0)
+    cases.append(({"phase": "model_extend_step", "new_tokens": extend_new,
+                   "prefix": extend_prefix}, step_fns(ForwardMode.EXTEND, [step])))
+    rows = []
+    for head, fns in cases:
         times = interleaved(fns, args.repeats, clock=time.thread_time)
-        row = {"phase": "model_decode_step", "batch": b, "dtype": "float32"}
+        row = {**head, "dtype": "float32"}
         for name, ts in times.items():
             row[name] = {"best_ms": round(1e3 * min(ts), 2),
                          "median_ms": round(1e3 * statistics.median(ts), 2)}
         row["speedup"] = round(min(times["torch-sdpa"]) / min(times["torch-cpu-fused"]), 2)
+        if BASELINE in times:
+            row["speedup_vs_baseline"] = round(min(times[BASELINE])
+                                               / min(times["torch-cpu-fused"]), 2)
         rows.append(row)
-        print({k: row[k] for k in ("phase", "batch", "speedup")}, flush=True)
+        print({k: row.get(k) for k in ("phase", "batch", "speedup", "speedup_vs_baseline")},
+              flush=True)
     return rows
 
 
@@ -175,6 +245,8 @@ def main() -> None:
     p.add_argument("--clocks", default="thread,wall")
     p.add_argument("--model-steps", action="store_true",
                    help="also time the default model's whole DECODE step per backend")
+    p.add_argument("--baseline-source", type=Path, default=None,
+                   help="another paged_attention_cpu.cpp to time against (compiled here)")
     p.add_argument("--output", default=None)
     args = p.parse_args()
 
@@ -184,10 +256,23 @@ def main() -> None:
 
     impls = {"torch-sdpa": backends.get_attention_backend("torch-sdpa"),
              "torch-cpu-fused": backends.get_attention_backend("torch-cpu-fused")}
+    build_dir = tempfile.TemporaryDirectory(prefix="sgl_tpu_attn_baseline_")
+    baseline = None
+    if args.baseline_source is not None:
+        baseline = impls[BASELINE] = _baseline_backend(args.baseline_source, build_dir.name)
     own = tuple(int(x) for x in args.own.split(","))
     threads = torch.get_num_threads()
     results: dict = {"cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
-                     "layers": args.layers, "clocks": {}}
+                     "layers": args.layers, "clocks": {},
+                     "baseline_source": args.baseline_source.name if args.baseline_source else ""}
+    # every call starts with cold caches, as in a model step (other layers' weights and K/V
+    # come between two calls of one layer): else the kernel timed second finds a small
+    # context's K/V (decode b1: 1.4-2.8 MB) still in L2/L3 from the first
+    scratch = torch.zeros(64 << 20, dtype=torch.uint8)
+
+    def scrub() -> None:
+        scratch.add_(1)
+
     for clock_name in args.clocks.split(","):
         clock = {"thread": time.thread_time, "wall": time.perf_counter}[clock_name]
         torch.set_num_threads(1 if clock_name == "thread" else threads)
@@ -204,14 +289,14 @@ def main() -> None:
                       ("extend", *_extend_case(torch, dtype, impls, 200, 1300, rng))]
             for phase, fns, outs, ctx in cases:
                 with torch.inference_mode():
-                    times = interleaved(fns, args.repeats, clock=clock)
+                    times = interleaved(fns, args.repeats, clock=clock, before=scrub)
                 row = _row(phase, dtype_name, ctx, outs, times, bw, args.layers)
                 out["cases"].append(row)
                 print({"clock": clock_name, **{k: row.get(k) for k in
                        ("phase", "dtype", "batch", "new_tokens", "speedup",
-                        "fused_over_floor")}}, flush=True)
+                        "speedup_vs_baseline", "fused_over_floor")}}, flush=True)
     if args.model_steps:
-        results["model_steps"] = _model_steps(args, torch, own)
+        results["model_steps"] = _model_steps(args, torch, own, baseline)
     results["load_avg_1m_end"] = os.getloadavg()[0]
     emit(results, args.output)
 
@@ -226,11 +311,14 @@ def _row(phase: str, dtype_name: str, ctx: dict, outs: dict, times: dict, bw: fl
                      "step_ms": round(1e3 * min(ts) * layers, 2)}
     best = {name: min(ts) for name, ts in times.items()}
     row["speedup"] = round(best["torch-sdpa"] / best["torch-cpu-fused"], 2)
+    if BASELINE in best:
+        row["speedup_vs_baseline"] = round(best[BASELINE] / best["torch-cpu-fused"], 2)
     if phase == "decode":
         floor = ctx["kv_bytes"] / bw
         row["floor_ms"] = round(1e3 * floor, 3)
-        row["fused_over_floor"] = round(best["torch-cpu-fused"] / floor, 2)
-        row["sdpa_over_floor"] = round(best["torch-sdpa"] / floor, 2)
+        for name in best:
+            key = {"torch-sdpa": "sdpa", "torch-cpu-fused": "fused"}.get(name, "baseline")
+            row[f"{key}_over_floor"] = round(best[name] / floor, 2)
     else:
         for name in times:
             row[name]["gflop_per_s"] = round(ctx["flops"] / best[name] / 1e9, 1)

@@ -83,14 +83,20 @@ def test_kernel_weights_bit_exact_to_gguf(type_name):
                                   gguf.quants.dequantize(raw, qtype))
 
 
-def test_kernel_rejects_bad_input():
-    kernel = make_kernel(_int8(16, 64, np.random.default_rng(2)), torch.float32)
+@pytest.mark.parametrize("int8_activations", (False, True))
+@pytest.mark.parametrize("fmt", ("q4", "q8"))
+def test_kernel_rejects_bad_input(fmt, int8_activations):
+    rng = np.random.default_rng(2)
+    m = _int4(16, 64, rng) if fmt == "q4" else _int8(16, 64, rng)
+    kernel = make_kernel(m, torch.float32, int8_activations=int8_activations)
+    block = 16 if fmt == "q4" else 32
     with pytest.raises(RuntimeError, match="K = 80 is not a multiple of 32"):
         kernel(torch.zeros(1, 80))
-    with pytest.raises(RuntimeError, match=r"codes must be contiguous \[N, K/32, 32\]"):
+    with pytest.raises(RuntimeError, match=rf"codes must be contiguous \[N, K/32, {block}\]"):
         kernel(torch.zeros(1, 96))
-    with pytest.raises(RuntimeError, match="float32"):
-        kernel(torch.zeros(1, 64, dtype=torch.float64))
+    for dtype in (torch.float64, torch.bfloat16):
+        with pytest.raises(RuntimeError, match="float32"):
+            kernel(torch.zeros(1, 64, dtype=dtype))
 
 
 def test_auto_picks_gguf_on_float32_only_with_the_kernels():
@@ -198,19 +204,12 @@ def test_a8_kernel_matches_integer_reference(fmt, shape):
     assert (full - exact).abs().max() <= 0.05 * exact.abs().max()
 
 
-def test_a8_kernel_rejects_bad_input():
+def test_a8_quantization_and_mode_reject_bad_input():
     rng = np.random.default_rng(4)
-    q4 = make_kernel(_int4(16, 64, rng), torch.float32, int8_activations=True)
-    q8 = make_kernel(_int8(16, 64, rng), torch.float32, int8_activations=True)
-    for kernel in (q4, q8):
-        with pytest.raises(RuntimeError, match="K = 80 is not a multiple of 32"):
-            kernel(torch.zeros(1, 80))
-        with pytest.raises(RuntimeError, match=r"codes must be contiguous \[N, K/32"):
-            kernel(torch.zeros(1, 96))
-        with pytest.raises(RuntimeError, match="float32"):
-            kernel(torch.zeros(1, 64, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="K = 40 is not a multiple of 32"):
         quant_gemm_cpu.quantize_a8(torch.zeros(2, 40))
+    with pytest.raises(RuntimeError, match="quantize_a8: x must be a contiguous float32"):
+        quant_gemm_cpu.quantize_a8(torch.zeros(2, 64, dtype=torch.float64))
     with pytest.raises(ValueError, match="int8 activations need float32"):
         make_kernel(_int4(16, 64, rng), torch.bfloat16, int8_activations=True)
 

@@ -209,13 +209,19 @@ inline void for_row_tiles(int64_t M, F&& rows) {
   }
 }
 
-int64_t check(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
-              int64_t block_bytes, at::ScalarType code_type, const char* op) {
+// x f32[M, K] with K a multiple of the block size; returns K.
+int64_t check_x(const at::Tensor& x, const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() &&
                   x.device().is_cpu(),
               op, ": x must be a contiguous float32 CPU matrix [M, K]");
   const int64_t K = x.size(1);
   TORCH_CHECK(K % kGroup == 0, op, ": K = ", K, " is not a multiple of ", kGroup);
+  return K;
+}
+
+int64_t check(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
+              int64_t block_bytes, at::ScalarType code_type, const char* op) {
+  const int64_t K = check_x(x, op);
   TORCH_CHECK(qs.dim() == 3 && qs.scalar_type() == code_type && qs.is_contiguous() &&
                   qs.size(1) == K / kGroup && qs.size(2) == block_bytes,
               op, ": codes must be contiguous [N, K/32, ", block_bytes, "]");
@@ -225,12 +231,19 @@ int64_t check(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale
   return K;
 }
 
-at::Tensor q4_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
-                   const at::Tensor& zero) {
-  const int64_t K = check(x, qs, scale, 16, at::kByte, "q4_gemm");
+// `check` for Q4 blocks, whose zeros share the scales' layout.
+int64_t check_q4(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
+                 const at::Tensor& zero, const char* op) {
+  const int64_t K = check(x, qs, scale, 16, at::kByte, op);
   TORCH_CHECK(zero.scalar_type() == at::kFloat && zero.is_contiguous() &&
                   zero.numel() == scale.numel(),
-              "q4_gemm: zeros must be contiguous float32 [N, K/32]");
+              op, ": zeros must be contiguous float32 [N, K/32]");
+  return K;
+}
+
+at::Tensor q4_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
+                   const at::Tensor& zero) {
+  const int64_t K = check_q4(x, qs, scale, zero, "q4_gemm");
   const int64_t M = x.size(0), N = qs.size(0), nb = K / kGroup;
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -465,10 +478,7 @@ void q8a8_rows(const int8_t* xq, const float* xd, int64_t K, const int8_t* qs,
 
 at::Tensor q4_gemm_a8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                       const at::Tensor& zero) {
-  const int64_t K = check(x, qs, scale, 16, at::kByte, "q4_gemm_a8");
-  TORCH_CHECK(zero.scalar_type() == at::kFloat && zero.is_contiguous() &&
-                  zero.numel() == scale.numel(),
-              "q4_gemm_a8: zeros must be contiguous float32 [N, K/32]");
+  const int64_t K = check_q4(x, qs, scale, zero, "q4_gemm_a8");
   const int64_t M = x.size(0), N = qs.size(0), nb = K / kGroup;
   at::Tensor y = at::empty({M, N}, x.options());
   const ActQ8 a = quantize_rows(x.data_ptr<float>(), M, K, /*split=*/true, /*sums=*/true);
@@ -507,11 +517,7 @@ at::Tensor q8_gemm_a8(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
 
 // The activations as the a8 kernels see them (natural order): (xq i8[M, K], d f32[M, K/32]).
 std::tuple<at::Tensor, at::Tensor> quantize_a8(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() &&
-                  x.device().is_cpu(),
-              "quantize_a8: x must be a contiguous float32 CPU matrix [M, K]");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % kGroup == 0, "quantize_a8: K = ", K, " is not a multiple of ", kGroup);
+  const int64_t K = check_x(x, "quantize_a8"), M = x.size(0);
   const ActQ8 a = quantize_rows(x.data_ptr<float>(), M, K, /*split=*/false, /*sums=*/false);
   at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
   at::Tensor d = at::empty({M, K / kGroup}, x.options());

@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 from functools import partial
 
@@ -26,7 +25,7 @@ import numpy as np
 
 from sgl_tpu.bench.executor import _steps
 from sgl_tpu.bench.report import emit, model_label
-from sgl_tpu.bench.timing import interleaved
+from sgl_tpu.bench.timing import interleaved, ratio_rows
 
 MODES = {"torch_ops": False, "fused": True}
 
@@ -78,12 +77,8 @@ def run(args: argparse.Namespace) -> dict:
         def record(phase: dict, steps, mode: ForwardMode, runners=runners) -> None:
             times = interleaved({m: partial(r.forward, mode, steps) for m, r in runners.items()},
                                 args.repeats)
-            ref_min, ref_med = min(times["torch_ops"]), statistics.median(times["torch_ops"])
-            for m, t in times.items():
-                row = {**phase, "mode": m, "ms_min": round(1e3 * min(t), 2),
-                       "ms_median": round(1e3 * statistics.median(t), 2),
-                       "min_vs_torch_ops": round(min(t) / ref_min, 3),
-                       "median_vs_torch_ops": round(statistics.median(t) / ref_med, 3)}
+            for m, stats in ratio_rows(times, "torch_ops", "torch_ops").items():
+                row = {**phase, "mode": m, **stats}
                 results["runs"].append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
 

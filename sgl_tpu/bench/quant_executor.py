@@ -19,14 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 from functools import partial
 
 import numpy as np
 
 from sgl_tpu.bench.executor import _steps
 from sgl_tpu.bench.report import emit, model_label
-from sgl_tpu.bench.timing import interleaved
+from sgl_tpu.bench.timing import interleaved, ratio_rows
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -64,14 +63,9 @@ def run(args: argparse.Namespace) -> dict:
 
     def record(phase: dict, fns: dict, per_step: int) -> None:
         times = interleaved(fns, args.repeats)
-        first = next(iter(times))
-        base_min, base_med = min(times[first]), statistics.median(times[first])
-        for mode, t in times.items():
-            best, med = min(t), statistics.median(t)
-            row = {"quantization": mode, **phase, "ms_min": round(1e3 * best, 2),
-                   "ms_median": round(1e3 * med, 2), "tok_per_s": round(per_step / best, 1),
-                   "min_vs_first": round(best / base_min, 3),
-                   "median_vs_first": round(med / base_med, 3)}
+        for mode, stats in ratio_rows(times, next(iter(times)), "first").items():
+            row = {"quantization": mode, **phase, **stats,
+                   "tok_per_s": round(per_step / min(times[mode]), 1)}
             results["runs"].append(row)
             print(json.dumps(row), flush=True)
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from sgl_tpu.cli import parse_args
+from sgl_tpu.cli import parse_args, to_argv
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.executor.registry import create_model_runner, runner_config
 from sgl_tpu.executor.step import ForwardMode, SeqStep
@@ -35,7 +35,8 @@ NUM_GREEDY = 32
 
 
 def test_flag_accepts_bfloat16_and_refuses_fp8_by_name(capsys):
-    assert parse_args(["--kv-cache-dtype", "bf16"]).kv_cache_dtype == "bf16"
+    args = parse_args(["--kv-cache-dtype", "bf16"])
+    assert args.kv_cache_dtype == "bf16" and parse_args(to_argv(args)) == args
     assert parse_args([]).kv_cache_dtype == "auto"
     for fp8 in ("fp8_e5m2", "fp8_e4m3"):
         with pytest.raises(SystemExit):

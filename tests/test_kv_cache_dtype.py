@@ -55,11 +55,12 @@ def test_flag_accepts_bfloat16_and_refuses_fp8_by_name(capsys):
         runner_config(args.replace(backend="jax", kv_cache_dtype="bfloat16"), 2048)
 
 
-def _runner(loaded, attn: str, kv: str, layer_ops: bool):
+def _runner(loaded, attn: str, kv: str, layer_ops: bool, static: bool = False):
     args = ServerArgs(skip_warmup=True, backend="torch", torch_compile="off", dtype="float32",
                       attention_backend=attn, kv_cache_dtype=kv, page_size=PS,
                       max_total_tokens=512, max_running_requests=4)
-    cfg = dataclasses.replace(runner_config(args, 1024), cpu_layer_ops=layer_ops)
+    cfg = dataclasses.replace(runner_config(args, 1024), cpu_layer_ops=layer_ops,
+                              static_decode=static, static_decode_max_bs=4 if static else 0)
     return create_model_runner(loaded.config, loaded.params, cfg)
 
 
@@ -87,9 +88,10 @@ def _run(runner, prompts: list[list[int]]) -> tuple[np.ndarray, list[list[int]]]
 
 def test_bfloat16_pool_of_a_float32_model(tmp_path):
     """Every torch attention backend (and the fused layer ops' K/V write as well as
-    write_kv) over a bfloat16 pool: EXTEND logits within REL_TOL of the float32 pool's, and
-    the backends agree with each other to float32 rounding (they read the same bfloat16 K/V);
-    the pool is bfloat16 and costs half the bytes per token."""
+    write_kv, and the static decode step) over a bfloat16 pool: EXTEND logits within REL_TOL
+    of the float32 pool's, and the backends agree with each other to float32 rounding (they
+    read the same bfloat16 K/V), as do their greedy decode tokens; the pool is bfloat16 and
+    costs half the bytes per token."""
     loaded = load_model(ck.make_tiny_hf_checkpoint(tmp_path / "m", "llama"))
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, loaded.config.vocab_size, n).tolist() for n in (30, 19, 26)]
@@ -97,14 +99,16 @@ def test_bfloat16_pool_of_a_float32_model(tmp_path):
     assert ref.kv_pools[0][0].dtype == torch.float32
     ref_logits, ref_tokens = _run(ref, prompts)
     scale = np.abs(ref_logits).max()
-    runs = [("torch-sdpa", False), ("torch-invariant", False)]
+    runs = [("torch-sdpa", False, False), ("torch-invariant", False, False),
+            ("torch-sdpa", False, True)]
     if FUSED:
-        runs.append(("torch-cpu-fused", False))
+        runs.append(("torch-cpu-fused", False, False))
     if FUSED and LAYER_OPS:
-        runs.append(("torch-cpu-fused", True))
+        runs.append(("torch-cpu-fused", True, False))
     first = None
-    for attn, layer_ops in runs:
-        runner = _runner(loaded, attn, "bfloat16", layer_ops)
+    for attn, layer_ops, static in runs:
+        runner = _runner(loaded, attn, "bfloat16", layer_ops, static)
+        assert (runner.static_decode is not None) == static
         assert runner.kv_pools[0][0].dtype == torch.bfloat16 and runner.layer_ops == layer_ops
         # the same memory holds twice the tokens
         assert 2 * runner.kv_bytes == ref.kv_bytes
@@ -112,8 +116,9 @@ def test_bfloat16_pool_of_a_float32_model(tmp_path):
         assert np.abs(logits - ref_logits).max() < REL_TOL * scale, (attn, layer_ops)
         assert tokens[0] == ref_tokens[0]
         if first is None:
-            first = logits
+            first, first_tokens = logits, tokens
         np.testing.assert_allclose(logits, first, atol=1e-4 * scale, err_msg=attn)
+        assert tokens == first_tokens, (attn, layer_ops, static)
 
 
 @pytest.mark.slow

@@ -246,6 +246,9 @@ class ServerArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, "
                              f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.backend == "jax":
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} needs the torch backend; "
+                             f"--backend jax stores the KV cache in the model's dtype (auto)")
         if self.max_total_tokens < 2 * self.page_size:
             raise ValueError("max_total_tokens must hold at least two pages")
         if not 0 < self.port < 65536:

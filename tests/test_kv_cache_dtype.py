@@ -16,6 +16,7 @@ import torch
 
 from sgl_tpu.cli import parse_args, to_argv
 from sgl_tpu.config import ServerArgs
+from sgl_tpu.executor import registry
 from sgl_tpu.executor.registry import create_model_runner, runner_config
 from sgl_tpu.executor.step import ForwardMode, SeqStep
 from sgl_tpu.kernels import cpu_extension, layer_ops_cpu
@@ -46,13 +47,18 @@ def test_flag_accepts_bfloat16_and_refuses_fp8_by_name(capsys):
         assert "auto" in err and "bfloat16" in err
     with pytest.raises(ValueError, match="must be one of"):
         ServerArgs(kv_cache_dtype="float16")
+    with pytest.raises(SystemExit):
+        parse_args(["--backend", "jax", "--kv-cache-dtype", "bfloat16"])
+    assert "--kv-cache-dtype bfloat16 needs the torch backend" in capsys.readouterr().err
     args = ServerArgs(backend="torch", dtype="float32", kv_cache_dtype="bf16")
     cfg = runner_config(args, 2048)
     assert (cfg.kv_cache_dtype, cfg.kv_dtype) == ("bfloat16", "bfloat16")
     assert args.scheduler_config(cfg).kv_cache_dtype == "bfloat16"
     assert runner_config(args.replace(kv_cache_dtype="auto"), 2048).kv_dtype == "float32"
-    with pytest.raises(ValueError, match="--kv-cache-dtype bfloat16 needs the torch backend"):
-        runner_config(args.replace(backend="jax", kv_cache_dtype="bfloat16"), 2048)
+    # --backend auto that resolves to jax (JAX on an accelerator): refused as the runner's
+    # config is resolved
+    with pytest.raises(ValueError, match="--kv-cache-dtype bf16 needs the torch backend"):
+        registry._resolve_kv_cache_dtype(args.replace(backend="auto"), "jax")
 
 
 def _runner(loaded, attn: str, kv: str, layer_ops: bool, static: bool = False):

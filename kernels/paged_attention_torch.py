@@ -62,8 +62,8 @@ class DecodeBatch:
 
     shared_slots: torch.Tensor  # i64[Ls] context every sequence has, positions 0 .. Ls-1
     slots: torch.Tensor  # i64[B, Lown] the rest of each context; padding points at slot 0
-    # [B, 1, Lown] in the pool's dtype: 0 where the key is part of the context, -inf elsewhere
-    # (added to the scores by the score GEMM itself)
+    # [B, 1, Lown] in the queries' (compute) dtype: 0 where the key is part of the context,
+    # -inf elsewhere (added to the scores by the score GEMM itself)
     bias: torch.Tensor
 
 

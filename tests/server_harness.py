@@ -5,8 +5,8 @@
     server.stop()
 
 Each launch picks a free port, runs `python -m sgl_tpu.launch_server` with `JAX_PLATFORMS=cpu`
-and a compilation cache shared by every test run (`.pytest_cache/jax_cache`, so a later launch
-with the same shapes reuses compiled code), and waits until `/health` answers 200 and the
+and this process's environment (under pytest, the session's JAX compilation cache: see
+tests/conftest.py), and waits until `/health` answers 200 and the
 ready line naming its port is in its log (a `--dp-size` router answers /health before it has
 registered the replicas, whose own ready lines share the log). If the server exits first, the
 launch fails with the tail of its log.
@@ -34,7 +34,6 @@ from sgl_tpu.launch_server import ready_line
 from sgl_tpu.server.replicas import http_status
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-JAX_CACHE_DIR = REPO_ROOT / ".pytest_cache" / "jax_cache"
 STOP_TIMEOUT_S = 20.0
 LOG_TAIL_CHARS = 4000
 # The session's default-model servers (tests/conftest.py).
@@ -136,8 +135,7 @@ def launch_server(*flags: str, model_path: str | None = None, timeout: float = 3
         cmd += ["--backend", os.environ["SGL_TPU_TEST_BACKEND"]]
     if model_path is not None:
         cmd += ["--model-path", str(model_path)]
-    JAX_CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(JAX_CACHE_DIR)}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     log_fd, log_name = tempfile.mkstemp(prefix=f"sgl_tpu_server_{port}_", suffix=".log")
     with os.fdopen(log_fd, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,

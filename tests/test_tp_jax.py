@@ -96,9 +96,9 @@ def test_tiny_checkpoint_tp_equals_tp1(results, tp):
 
 
 def test_decode_step_moves_only_activations(results):
-    """The compiled TP 2 decode step's collectives: one all-reduce of [S, D] after the
-    embedding and after each layer's o- and down-projection, one all-gather of the logits;
-    no weight or KV is ever moved between devices."""
+    """The compiled TP 2 decode step's collectives (its model part and its sampler): one
+    all-reduce of [S, D] after the embedding and after each layer's o- and down-projection,
+    one all-gather of the logits; no weight or KV is ever moved between devices."""
     r = results["tiny"]
     assert r["tp2_decode_collectives"] == {"all-gather": 1,
                                            "all-reduce": 2 * r["num_layers"] + 1}

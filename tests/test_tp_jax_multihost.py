@@ -19,7 +19,7 @@ import urllib.request
 
 import checkpoints as ck
 import pytest
-from server_harness import JAX_CACHE_DIR, REPO_ROOT, free_port, launch_server
+from server_harness import REPO_ROOT, free_port, launch_server
 
 from sgl_tpu.engine import Engine
 from sgl_tpu.server.replicas import http_status
@@ -34,7 +34,7 @@ SMALL = ("--backend", "jax", "--dtype", "float32", "--page-size", "4", "--max-to
 
 
 def _env() -> dict:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(JAX_CACHE_DIR)}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)  # one CPU device per process
     return env
 

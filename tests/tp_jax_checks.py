@@ -26,11 +26,12 @@ from jax.sharding import Mesh, NamedSharding
 
 from sgl_tpu.engine import Engine
 from sgl_tpu.executor.jax.forward_batch import build_forward_batch
+from sgl_tpu.executor.jax.runner import _sample_inputs
 from sgl_tpu.executor.step import ForwardMode, warmup_step
 from sgl_tpu.kernels import paged_attention_ref as ref
 from sgl_tpu.kernels.backends import get_attention_backend
 from sgl_tpu.parallel.mesh import HEADS_SPEC, KV_POOL_SPEC, TP_AXIS
-from sgl_tpu.parallel.shard_ops import shard_attention
+from sgl_tpu.parallel.shard_ops import replicated, shard_attention
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
 SMALL = dict(backend="jax", dtype="float32", page_size=4, max_total_tokens=1024,
@@ -93,13 +94,18 @@ def check_refusals() -> dict:
 
 
 def _decode_collectives(runner) -> dict[str, int]:
-    """Collective ops in the compiled decode step (one sequence), counted from its HLO."""
+    """Collective ops in the compiled decode step and its sampler (one sequence), counted from
+    their HLO."""
     steps = [warmup_step()]
     fb = build_forward_batch(steps, runner.batch_shape(ForwardMode.DECODE, steps),
                              runner.config.page_size)
-    lowered = runner._step.lower(runner.params, runner.kv_pools, runner.token_counts,
-                                 runner._last_token_ids, fb, mode=ForwardMode.DECODE)
-    hlo = lowered.compile().as_text()
+    step = runner._step.lower(runner.params, runner.kv_pools, runner._last_token_ids, fb,
+                              mode=ForwardMode.DECODE)
+    logits = jax.ShapeDtypeStruct((fb.sample_idx.shape[0], runner.vocab_size), jnp.float32,
+                                  sharding=replicated(runner.mesh))
+    sampler = runner._sample.lower(logits, runner.token_counts, runner._last_token_ids,
+                                   _sample_inputs(fb), reset_rows=False)
+    hlo = step.compile().as_text() + sampler.compile().as_text()
     ops = re.findall(r" (all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)"
                      r"(?:-start)?\(", hlo)
     return {op: ops.count(op) for op in sorted(set(ops))}

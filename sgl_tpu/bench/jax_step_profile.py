@@ -11,7 +11,7 @@ interleaved ABAB so their ratio is fair on a shared machine), times the host sid
 (`batch_shape` + `build_forward_batch`), and traces `--steps` steps:
 
     trace events with args.hlo_op (XLA:CPU thunks; on a GPU the device's kernel events)
-      -> HLO instruction of the compiled step (`compiled.as_text()`)
+      -> HLO instruction of the compiled step or sampler program (`compiled.as_text()`)
       -> its metadata op_name, e.g. "jit(_step_impl)/layers/attention/while/body/dot_general"
       -> part "layers/attention"
 
@@ -203,8 +203,10 @@ def _steps(batch: int, context: int, page_size: int, vocab: int, sampling: str, 
 def profile_one(runner, steps, num_steps: int) -> dict:
     """Host build time and the traced parts of `num_steps` DECODE steps (already compiled)."""
     import jax
+    import jax.numpy as jnp
 
     from sgl_tpu.executor.jax.forward_batch import build_forward_batch
+    from sgl_tpu.executor.jax.runner import _sample_inputs
     from sgl_tpu.executor.step import ForwardMode
 
     mode = ForwardMode.DECODE
@@ -212,14 +214,20 @@ def profile_one(runner, steps, num_steps: int) -> dict:
     for _ in range(num_steps):
         fb = build_forward_batch(steps, runner.batch_shape(mode, steps), runner.config.page_size)
     host_ms = 1e3 * (time.perf_counter() - t0) / num_steps
-    compiled = runner._step.lower(runner.params, runner.kv_pools, runner.token_counts, fb,
-                                  mode=mode).compile()
-    parts = hlo_parts(compiled.as_text())
+    # The step is two programs: the model (`_step`) and the sampler (`_sample`); each one's
+    # events are split by its own HLO (instruction names repeat across modules).
+    step = runner._step.lower(runner.params, runner.kv_pools, runner._last_token_ids, fb,
+                              mode=mode).compile()
+    logits = jax.ShapeDtypeStruct((fb.sample_idx.shape[0], runner.vocab_size), jnp.float32)
+    sampler = runner._sample.lower(logits, runner.token_counts, runner._last_token_ids,
+                                   _sample_inputs(fb), reset_rows=False).compile()
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):
             for _ in range(num_steps):
                 runner.forward(mode, steps)
-        per_part = trace_parts(tmp, "jit__step_impl", parts)
+        per_part = collections.Counter()
+        for module, compiled in (("jit__step_impl", step), ("jit__sample_impl", sampler)):
+            per_part.update(trace_parts(tmp, module, hlo_parts(compiled.as_text())))
     parts_ms = {k: round(v / 1e3 / num_steps, 4) for k, v in sorted(per_part.items())}
     return {"host_build_ms": round(host_ms, 4), "device_ms": round(sum(parts_ms.values()), 4),
             "parts_ms": parts_ms}

@@ -1,22 +1,26 @@
 """JaxModelRunner (`--backend jax`; the `ModelRunner` contract is in executor/step.py): owns
 the device state (weights, paged KV pools, penalty counts) and every jitted entry point. The
 scheduler hands it host-side `SeqStep`s; it pads them to a bucket (`build_forward_batch`), runs
-one jitted step and returns host numpy results. With `config.jax_decode_state` (auto: on for
-accelerators) DECODE steps instead read a batch state kept on the device, copying only the rows
-that changed (decode_state.py).
+the jitted model step, then the jitted sampler, and returns host numpy results. With
+`config.jax_decode_state` (auto: on for accelerators) DECODE steps instead read a batch state
+kept on the device, copying only the rows that changed (decode_state.py).
 
 Jitted entry points (all here, compiled per bucket at warm-up):
 
-    _step(params, kv_pools, token_counts, prev_token_ids, fb; mode)
-                                  -> (SampleOutput, hidden, kv_pools, counts, last_token_ids)
-        donates kv_pools and token_counts, so the KV write and the count update are in place;
-        resolves placeholder input ids (overlap scheduling, executor/step.py) from the previous
-        step's token ids, kept on the device padded to a fixed width.
+    _step(params, kv_pools, prev_token_ids, fb; mode)     -> (logits [S, V], hidden, kv_pools)
+        donates kv_pools, so the KV write is in place; resolves placeholder input ids (overlap
+        scheduling, executor/step.py) from the previous step's token ids, kept on the device
+        padded to a fixed width.
+    _sample(logits, token_counts, prev_token_ids, cols; reset_rows)
+                                  -> (SampleOutput, token_counts, last_token_ids)
+        the sampler and the penalty-count update; donates token_counts. Compiled per (S,
+        EXTEND or DECODE), not per step bucket: its XLA:CPU compile (~2 s) would otherwise
+        repeat in every step variant.
     _state_step(params, kv_pools, token_counts, prev_token_ids, state, bitmask; S, P)
                                   -> (SampleOutput, kv_pools, counts, last_token_ids, state)
         DECODE over the device-resident batch state (`config.jax_decode_state`,
-        decode_state.py): the same step, its ForwardBatch read from the state's rows [0, S)
-        and page columns [0, P); the state advanced and donated.
+        decode_state.py): the same step and sampler in one program, its ForwardBatch read
+        from the state's rows [0, S) and page columns [0, P); the state advanced and donated.
     _scatter_rows(buf, idx, rows)  -> buf      the state's changed rows (K padded), donated
     _token_logprobs(params, hidden, target_ids; T)        -> input log-probs for prompt positions
 
@@ -69,9 +73,11 @@ def _logits(params, hidden, cfg: ModelConfig, vocab_size: int, mesh: Mesh | None
     return gather_logits(logits, vocab_size, mesh)
 
 
-def _step_impl(params, kv_pools, token_counts, prev_token_ids, fb: ForwardBatch, *,
-               cfg: ModelConfig, mode: ForwardMode, kv_tile: int, num_top: int,
-               attention_backend: str, vocab_size: int, mesh: Mesh | None):
+def _step_impl(params, kv_pools, prev_token_ids, fb: ForwardBatch, *, cfg: ModelConfig,
+               mode: ForwardMode, kv_tile: int, attention_backend: str, vocab_size: int,
+               mesh: Mesh | None):
+    """The model's part of a step -> (logits f32[S, V] of the sampled rows, hidden [T, D],
+    kv_pools)."""
     model = jax_model(cfg.arch)
     ids = fb.input_ids  # [T]; placeholder -(i + 1) = the previous step's token of sequence i
     ids = jnp.where(ids < 0, prev_token_ids[jnp.maximum(-ids - 1, 0)], ids)
@@ -84,38 +90,62 @@ def _step_impl(params, kv_pools, token_counts, prev_token_ids, fb: ForwardBatch,
                                          attention_backend=attention_backend, **tp)
     with jax.named_scope("logits"):
         logits = _logits(params, hidden[fb.sample_idx], cfg, vocab_size, mesh)  # [S, V]
-    with jax.named_scope("sampler"):
-        counts = jnp.where(fb.counts_reset[:, None], 0, token_counts[fb.counts_rows])  # [S, V]
-        out = sample(logits, fb.sampling, counts, fb.vocab_bitmask, num_top_logprobs=num_top)
-    with jax.named_scope("penalty_counts"):
-        if mode == ForwardMode.EXTEND:
-            keep = (~fb.counts_reset).astype(token_counts.dtype)[:, None]
-            token_counts = token_counts.at[fb.counts_rows].multiply(keep)
-        token_counts = token_counts.at[fb.counts_rows, out.token_ids].add(
-            fb.sample_valid.astype(token_counts.dtype))
-    last_token_ids = jnp.zeros_like(prev_token_ids).at[: out.token_ids.shape[0]].set(
-        out.token_ids.astype(prev_token_ids.dtype))  # [L]
     if mesh is not None:
         # Pin the shardings of what comes back in: an input sharding GSPMD chose differently
-        # from the allocation's would compile the step again on its next call.
-        token_counts, hidden, last_token_ids = (
-            lax.with_sharding_constraint(a, replicated(mesh))
-            for a in (token_counts, hidden, last_token_ids))
+        # from the allocation's would compile the step (or the sampler) again on its next call.
+        logits, hidden = (lax.with_sharding_constraint(a, replicated(mesh))
+                          for a in (logits, hidden))
         pool_sharding = NamedSharding(mesh, tp_mesh.KV_POOL_SPEC)
         kv_pools = [tuple(lax.with_sharding_constraint(p, pool_sharding) for p in layer)
                     for layer in kv_pools]
-    return out, hidden, kv_pools, token_counts, last_token_ids
+    return logits, hidden, kv_pools
+
+
+def _sample_inputs(fb: ForwardBatch) -> dict:
+    """What the sampler reads of a ForwardBatch (all [S]-leading)."""
+    return {"counts_rows": fb.counts_rows, "counts_reset": fb.counts_reset,
+            "sample_valid": fb.sample_valid, "sampling": fb.sampling,
+            "vocab_bitmask": fb.vocab_bitmask}
+
+
+def _sample_impl(logits, token_counts, prev_token_ids, cols: dict, *, num_top: int,
+                 reset_rows: bool, mesh: Mesh | None):
+    """logits f32[S, V] -> (SampleOutput, token_counts, last_token_ids i32[L]): penalties,
+    grammar mask, sampling, then the penalty counts of the sampled tokens. `reset_rows`
+    (EXTEND) clears the counts rows of requests that start here. Depends on S and V only, so
+    every step bucket of the same S shares one compiled sampler."""
+    with jax.named_scope("sampler"):
+        counts = jnp.where(cols["counts_reset"][:, None], 0,
+                           token_counts[cols["counts_rows"]])  # [S, V]
+        out = sample(logits, cols["sampling"], counts, cols["vocab_bitmask"],
+                     num_top_logprobs=num_top)
+    with jax.named_scope("penalty_counts"):
+        rows = cols["counts_rows"]
+        if reset_rows:
+            keep = (~cols["counts_reset"]).astype(token_counts.dtype)[:, None]
+            token_counts = token_counts.at[rows].multiply(keep)
+        token_counts = token_counts.at[rows, out.token_ids].add(
+            cols["sample_valid"].astype(token_counts.dtype))
+    last_token_ids = jnp.zeros_like(prev_token_ids).at[: out.token_ids.shape[0]].set(
+        out.token_ids.astype(prev_token_ids.dtype))  # [L]
+    if mesh is not None:
+        token_counts, last_token_ids = (lax.with_sharding_constraint(a, replicated(mesh))
+                                        for a in (token_counts, last_token_ids))
+    return out, token_counts, last_token_ids
 
 
 def _state_step_impl(params, kv_pools, token_counts, prev_token_ids, state, bitmask, *,
-                     num_rows: int, num_pages: int, page_size: int, mesh: Mesh | None,
-                     **step_kw):
-    """`_step_impl` (DECODE) over the device-resident state; bitmask i32[S, W]."""
+                     num_rows: int, num_pages: int, page_size: int, num_top: int,
+                     mesh: Mesh | None, **step_kw):
+    """`_step_impl` (DECODE) and `_sample_impl` in one program, over the device-resident state;
+    bitmask i32[S, W]."""
     fb = jds.state_forward_batch(state, bitmask, num_rows=num_rows, num_pages=num_pages,
                                  page_size=page_size)
-    out, _, kv_pools, token_counts, last_token_ids = _step_impl(
-        params, kv_pools, token_counts, prev_token_ids, fb, mode=ForwardMode.DECODE, mesh=mesh,
-        **step_kw)
+    logits, _, kv_pools = _step_impl(params, kv_pools, prev_token_ids, fb,
+                                     mode=ForwardMode.DECODE, mesh=mesh, **step_kw)
+    out, token_counts, last_token_ids = _sample_impl(
+        logits, token_counts, prev_token_ids, _sample_inputs(fb), num_top=num_top,
+        reset_rows=False, mesh=mesh)
     state = jds.advance_state(state, out.token_ids, num_rows)
     if mesh is not None:
         state = jax.tree.map(lambda a: lax.with_sharding_constraint(a, replicated(mesh)), state)
@@ -244,12 +274,15 @@ class JaxModelRunner:
         self._last_token_ids = self._zeros((width,), jnp.int32, replicated=True)
         num_top = config.max_top_logprobs
         shared = dict(cfg=self.shard_config, vocab_size=self.vocab_size, mesh=self.mesh)
-        self._step = jax.jit(
-            partial(_step_impl, kv_tile=config.kv_tile, num_top=num_top,
-                    attention_backend=config.attention_backend, **shared),
-            static_argnames=("mode",),
-            donate_argnames=("kv_pools", "token_counts"),
-        )
+        step_kw = dict(kv_tile=config.kv_tile, attention_backend=config.attention_backend,
+                       **shared)
+        self._step = jax.jit(partial(_step_impl, **step_kw), static_argnames=("mode",),
+                             donate_argnames=("kv_pools",))
+        # The sampler is its own program: it depends on (S, V) only, so the step buckets of one
+        # S share it (XLA:CPU spends ~2 s compiling it, as long as a tiny model's step).
+        self._sample = jax.jit(partial(_sample_impl, num_top=num_top, mesh=self.mesh),
+                               static_argnames=("reset_rows",),
+                               donate_argnames=("token_counts",))
         self._token_logprobs = jax.jit(
             partial(_token_logprobs_impl, num_top=num_top, **shared))
         self._row_logits = jax.jit(partial(_row_logits_impl, **shared))
@@ -258,9 +291,8 @@ class JaxModelRunner:
         self._state_step = self._scatter_rows = None
         if config.jax_decode_state:
             self._state_step = jax.jit(
-                partial(_state_step_impl, page_size=config.page_size, kv_tile=config.kv_tile,
-                        num_top=num_top, attention_backend=config.attention_backend,
-                        **shared),
+                partial(_state_step_impl, page_size=config.page_size, num_top=num_top,
+                        **step_kw),
                 static_argnames=("num_rows", "num_pages"),
                 donate_argnames=("kv_pools", "token_counts", "state"))
             self._scatter_rows = jax.jit(partial(_scatter_rows_impl, mesh=self.mesh),
@@ -294,7 +326,8 @@ class JaxModelRunner:
 
     def num_compilations(self) -> int:
         """Compiled variants of the jitted entry points so far."""
-        return (self._step._cache_size() + self._token_logprobs._cache_size()
+        return (self._step._cache_size() + self._sample._cache_size()
+                + self._token_logprobs._cache_size()
                 + self._row_logits._cache_size()
                 + sum(f._cache_size() for f in (self._state_step, self._scatter_rows)
                       if f is not None))
@@ -313,8 +346,11 @@ class JaxModelRunner:
             return self._run_state(steps, shape)
         fb = build_forward_batch(steps, shape, self.config.page_size)
         self.h2d_bytes += sum(np.asarray(a).nbytes for a in jax.tree.leaves(fb))
-        out, hidden, self.kv_pools, self.token_counts, self._last_token_ids = self._step(
-            self.params, self.kv_pools, self.token_counts, self._last_token_ids, fb, mode=mode)
+        logits, hidden, self.kv_pools = self._step(self.params, self.kv_pools,
+                                                   self._last_token_ids, fb, mode=mode)
+        out, self.token_counts, self._last_token_ids = self._sample(
+            logits, self.token_counts, self._last_token_ids, _sample_inputs(fb),
+            reset_rows=mode == ForwardMode.EXTEND)
         if state is not None:
             state.dispatched(None)
         return out, hidden, None

@@ -1,4 +1,5 @@
-"""Token sampler that runs inside the jitted model step.
+"""Token sampler, traced inside the caller's jit (runner.py: its own program after the model
+step, `_sample`, or part of the decode-state step).
 
 Data flow for one decode step (B = padded batch, V = vocab size):
 

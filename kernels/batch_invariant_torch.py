@@ -70,12 +70,13 @@ def _attend(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, q_pos: to
     return (acc / l_sum[..., None]).to(q.dtype)
 
 
-def _gather(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def _gather(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """pool [num_slots, kvh, d], slots i64[B, L] -> head-major [B, kvh, L, d] (contiguous, the
-    same layout on both paths)."""
+    same layout on both paths) in the queries' `dtype` (a bfloat16 pool of a float32 model is
+    widened)."""
     b, length = slots.shape
     rows = pool.index_select(0, slots.reshape(-1)).view(b, length, *pool.shape[1:])
-    return rows.permute(0, 2, 1, 3).contiguous()
+    return rows.permute(0, 2, 1, 3).to(dtype).contiguous()
 
 
 def _pad_tiles(slots: torch.Tensor, kv_tile: int) -> torch.Tensor:
@@ -98,7 +99,8 @@ def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         pos = torch.arange(s.prefix_len, s.prefix_len + n, device=q.device)
         q_pos = pos.repeat_interleave(group)[None, :]  # [1, n * G]
         slots = _pad_tiles(s.slots[None, :], kv_tile)
-        o = _attend(qs, _gather(k_pool, slots), _gather(v_pool, slots), q_pos, scale, kv_tile)
+        o = _attend(qs, _gather(k_pool, slots, q.dtype), _gather(v_pool, slots, q.dtype), q_pos,
+                    scale, kv_tile)
         out[s.start : s.start + n] = o[0].view(kvh, n, group, d).permute(1, 0, 2, 3).reshape(
             n, kvh * group, d)
     return out
@@ -119,5 +121,6 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     slots = _pad_tiles(slots, kv_tile)
     q_pos = (l_shared + own_len - 1)[:, None].expand(b, group)  # [B, G]
     qb = q.view(b, kvh, group, d).contiguous()
-    o = _attend(qb, _gather(k_pool, slots), _gather(v_pool, slots), q_pos, scale, kv_tile)
+    o = _attend(qb, _gather(k_pool, slots, q.dtype), _gather(v_pool, slots, q.dtype), q_pos,
+                scale, kv_tile)
     return o.reshape(b, h, d)

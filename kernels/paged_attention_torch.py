@@ -29,6 +29,10 @@ Attention over the gathered context:
             ~6x faster than SDPA in bfloat16 (whose flash kernel tiles the query axis, 1 here)
             and ~2x faster than a grouped matmul over transposed K.
 
+The pool may be narrower than the queries (bfloat16 under a float32 model,
+`--kv-cache-dtype bfloat16`): `write_kv` rounds the new rows to the pool's dtype and the
+gathered K/V are widened to the query's dtype before the GEMMs.
+
 Shapes vary with the context, so attention runs eagerly between the compiled dense parts of a
 layer (see sgl_tpu/models/llama_torch.py).
 """
@@ -58,16 +62,17 @@ class DecodeBatch:
 
     shared_slots: torch.Tensor  # i64[Ls] context every sequence has, positions 0 .. Ls-1
     slots: torch.Tensor  # i64[B, Lown] the rest of each context; padding points at slot 0
-    # [B, 1, Lown] in the pool's dtype: 0 where the key is part of the context, -inf elsewhere
-    # (added to the scores by the score GEMM itself)
+    # [B, 1, Lown] in the queries' (compute) dtype: 0 where the key is part of the context,
+    # -inf elsewhere (added to the scores by the score GEMM itself)
     bias: torch.Tensor
 
 
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out_slots: torch.Tensor) -> None:
-    """Write the step's K/V rows ([T, kvh, d]) into their slots, in place."""
-    k_pool.index_copy_(0, out_slots, k)
-    v_pool.index_copy_(0, out_slots, v)
+    """Write the step's K/V rows ([T, kvh, d]) into their slots, in place (rounded to the
+    pool's dtype when it is narrower)."""
+    k_pool.index_copy_(0, out_slots, k.to(k_pool.dtype))
+    v_pool.index_copy_(0, out_slots, v.to(v_pool.dtype))
 
 
 def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -80,8 +85,9 @@ def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     out = torch.zeros_like(q)
     for s in seqs:
         qs = q[s.start : s.start + s.num_new].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
-        ks = k_pool.index_select(0, s.slots).transpose(0, 1).unsqueeze(0)  # [1, kvh, L, d]
-        vs = v_pool.index_select(0, s.slots).transpose(0, 1).unsqueeze(0)
+        ks = k_pool.index_select(0, s.slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
+        vs = v_pool.index_select(0, s.slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
+        # ks, vs: [1, kvh, L, d] in q's dtype
         if sliding_window is not None or logit_cap is not None:
             o = _masked_attention(qs, ks, vs, s.prefix_len, scale, sliding_window, logit_cap)
         elif s.prefix_len == 0:
@@ -139,16 +145,16 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     eye = _block_eye(kvh, q.dtype, q.device)  # [1, kvh, 1, kvh, 1]
     q_blocks = (q.view(b, kvh, h // kvh, 1, d) * eye).reshape(b, h, -1)
     flat = batch.slots.reshape(-1)
-    k = k_pool.index_select(0, flat).view(b, l_own, kvh * d)
-    v = v_pool.index_select(0, flat).view(b, l_own, kvh * d)
+    k = k_pool.index_select(0, flat).to(q.dtype).view(b, l_own, kvh * d)
+    v = v_pool.index_select(0, flat).to(q.dtype).view(b, l_own, kvh * d)
     plain = sliding_window is None and logit_cap is None
     if plain:
         s = torch.baddbmm(batch.bias, q_blocks, k.transpose(1, 2))  # [B, H, Lown]
     else:
         s = torch.bmm(q_blocks, k.transpose(1, 2))
     if l_shared:
-        k_s = k_pool.index_select(0, batch.shared_slots).view(l_shared, kvh * d)
-        v_s = v_pool.index_select(0, batch.shared_slots).view(l_shared, kvh * d)
+        k_s = k_pool.index_select(0, batch.shared_slots).to(q.dtype).view(l_shared, kvh * d)
+        v_s = v_pool.index_select(0, batch.shared_slots).to(q.dtype).view(l_shared, kvh * d)
         s_shared = torch.mm(q_blocks.view(b * h, -1), k_s.t()).view(b, h, l_shared)
         s = torch.cat([s_shared, s], dim=-1)  # [B, H, Ls + Lown]
     if plain:

@@ -64,6 +64,7 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, parent_pid: int) ->
     info = {"context_len": scheduler.config.context_len,
             "max_total_tokens": scheduler.kv.capacity_tokens,
             "num_compilations": runner.num_compilations(), "dtype": runner.config.dtype,
+            "kv_cache_dtype": runner.config.kv_dtype,
             "grammar_supported": scheduler.grammar_supported,
             "pid": os.getpid()}
     send(to_tokenizer, ReadyMsg(process="scheduler", info=info))

@@ -17,6 +17,10 @@ import dataclasses
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16")
+# --kv-cache-dtype (SGLang's flag): auto = the model's compute dtype; bfloat16 (or bf16) halves a
+# float32 model's KV bytes. SGLang's fp8/fp4 choices are refused by name.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16")
+UNSUPPORTED_KV_CACHE_DTYPES = ("fp8_e5m2", "fp8_e4m3", "fp4_e2m1")
 # The sglang-router's routing policies (`--router-policy`, with `--dp-size` > 1).
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "manual")
 TORCH_DEVICES = ("auto", "cpu", "cuda", "tpu")
@@ -74,11 +78,22 @@ class RunnerConfig:
     # debug: after every static (torch) or state (jax) decode step, compare the device batch
     # state with a host recomputation
     check_decode_state: bool = False
+    # the KV pool's element type: "auto" (= dtype) or "bfloat16" (under a float32 model: K/V
+    # rounded to bfloat16 as written, widened as attention reads them)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"kv_cache_dtype must be auto, float32 or bfloat16, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.kv_tile % self.page_size:
             raise ValueError(f"kv_tile ({self.kv_tile}) must be a multiple of page_size "
                              f"({self.page_size})")
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV pool's element type, resolved: "float32" or "bfloat16"."""
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -105,6 +120,7 @@ class SchedulerConfig:
     # Dispatch a DECODE step before the previous one's tokens reach the host (resolved from
     # ServerArgs.overlap_schedule by executor/registry.py; see scheduler/overlap.py).
     overlap_schedule: bool = False
+    kv_cache_dtype: str = "auto"  # the runner's resolved KV pool dtype (reported only)
 
 
 @dataclass(frozen=True)
@@ -119,6 +135,7 @@ class ServerArgs:
     max_request_bytes: int = 16 * 2**20  # largest HTTP request body (413 beyond)
     served_model_name: str | None = None
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # KV pool: auto (= the compute dtype), bfloat16 / bf16
     page_size: int = 16
     max_total_tokens: int = 65536  # KV pool capacity in tokens
     max_running_requests: int = 64
@@ -222,6 +239,16 @@ class ServerArgs:
             raise ValueError(f"device must be one of {TORCH_DEVICES}, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype in UNSUPPORTED_KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} is not supported: "
+                             f"sgl-tpu has no fp8/fp4 KV cache; use auto (the model's dtype) "
+                             f"or bfloat16 (bf16)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.backend == "jax":
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} needs the torch backend; "
+                             f"--backend jax stores the KV cache in the model's dtype (auto)")
         if self.max_total_tokens < 2 * self.page_size:
             raise ValueError("max_total_tokens must hold at least two pages")
         if not 0 < self.port < 65536:
@@ -301,4 +328,5 @@ class ServerArgs:
             speculative_ngram_min_match_window_size=self.speculative_ngram_min_match_window_size,
             speculative_ngram_max_match_window_size=self.speculative_ngram_max_match_window_size,
             overlap_schedule=overlap_schedule,
+            kv_cache_dtype=runner.kv_dtype,
         )

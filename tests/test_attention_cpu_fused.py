@@ -1,6 +1,7 @@
 """The fused CPU attention (`torch-cpu-fused`) against a float64 reference and against
 `torch-sdpa`: ragged, paged (scattered pages, contexts ending mid-page), shared-prefix decode
-batches, GQA, sliding windows and soft-cap, float32 and bfloat16; then the registry's `auto`
+batches, GQA, sliding windows and soft-cap, float32 and bfloat16, and float32 queries over
+bfloat16 pools (`--kv-cache-dtype bfloat16` of a float32 model); then the registry's `auto`
 choice and its fallback, and greedy parity of two runners on a tiny model."""
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ PS, KVH, G = 4, 2, 3  # page size, KV heads, query heads per KV head
 GREEDY = SamplingParams(temperature=0.0)
 # max abs error against the float64 reference, per dtype (outputs are rounded to the dtype)
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+# (query / output dtype, pool dtype): the kernel's combinations. float32 over bfloat16 pools
+# has float32's tolerance against the reference of the same bfloat16-rounded K/V
+DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+          (torch.float32, torch.bfloat16)]
+DTYPE_IDS = ["float32", "bfloat16", "f32q-bf16kv"]
 
 
 def fused():
@@ -72,11 +78,12 @@ VARIANTS = [dict(), dict(sliding_window=7), dict(logit_cap=3.0),
             dict(sliding_window=5, logit_cap=3.0)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtypes", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("variant", VARIANTS, ids=["plain", "window", "softcap", "both"])
-def test_extend_matches_reference_on_a_ragged_paged_batch(dtype, variant):
+def test_extend_matches_reference_on_a_ragged_paged_batch(dtypes, variant):
     d, scale = 32, 32 ** -0.5
-    pool = Pool(d, dtype)
+    dtype, pool_dtype = dtypes
+    pool = Pool(d, pool_dtype)
     # (prefix_len, num_new): fresh, cached prefix ending mid-page, one token on a long prefix,
     # more new tokens than one query block (128 / G rows)
     shapes = [(0, 37), (13, 5), (40, 1), (6, 90)]
@@ -96,6 +103,8 @@ def test_extend_matches_reference_on_a_ragged_paged_batch(dtype, variant):
                          variant.get("sliding_window"), variant.get("logit_cap"))
         got = out[s.start : s.start + s.num_new].double()
         assert (got - want).abs().max() < TOL[dtype]
+    if pool_dtype != dtype:
+        return
     # and the gathered-SDPA backend agrees with both
     base = sdpa.extend_attention(q, pool.k, pool.v, seqs, scale, **variant)
     assert (out.double() - base.double()).abs().max() < 2 * TOL[dtype]
@@ -139,13 +148,14 @@ def decode_batch(steps: list[SeqStep], num_rows: int, window: int | None,
     return TorchModelRunner._decode_batch(fake, steps, num_rows)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtypes", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("case", ["shared", "model_window", *["window", "softcap"]])
-def test_decode_matches_reference_with_a_shared_prefix(dtype, case):
+def test_decode_matches_reference_with_a_shared_prefix(dtypes, case):
     """Forks of one prefix (its pages read once for the whole batch) plus an unrelated
     sequence; contexts ending mid-page and on a page boundary; one padding row."""
     d, scale = 64, 0.125
-    pool = Pool(d, dtype, num_pages=160, seed=1)
+    dtype, pool_dtype = dtypes
+    pool = Pool(d, pool_dtype, num_pages=160, seed=1)
     window = 6 if case == "window" else None
     model_window = 9 if case == "model_window" else None  # Mistral: in the bias, no shared
     cap = 2.5 if case == "softcap" else None
@@ -171,9 +181,47 @@ def test_decode_matches_reference_with_a_shared_prefix(dtype, case):
         want = reference(q[i : i + 1], pool, slots, torch.tensor([n - 1]), scale,
                          window or model_window, cap)
         assert (out[i : i + 1].double() - want).abs().max() < TOL[dtype]
+    if pool_dtype != dtype:
+        return
     base = sdpa.decode_attention(q, pool.k, pool.v, batch, scale, sliding_window=window,
                                  logit_cap=cap)
     assert (out.double() - base.double()).abs().max() < 2 * TOL[dtype]
+
+
+@pytest.mark.parametrize("kvh,group,d,window,cap,pool_dtype", [
+    (3, 1, 16, None, None, torch.float32), (2, 2, 48, 37, None, torch.float32),
+    (3, 3, 64, None, 2.5, torch.bfloat16), (1, 4, 80, 200, None, torch.float32),
+    (2, 5, 32, None, None, torch.float32), (40, 4, 16, None, None, torch.float32)],
+    ids=["mha", "g2-d48-window", "g3-softcap-bf16kv", "g4-d80-window", "g5-per-head",
+         "160-heads-per-head"])
+def test_decode_own_keys_over_group_sizes(kvh, group, d, window, cap, pool_dtype):
+    """Decode rows over their own keys only (no shared prefix): GQA groups of 1 to 4 rows take
+    the all-heads items (keys in vector lanes; chunks of 128 keys, tails off the 8-key folds
+    and the 16-key P @ V blocks, head dims off the 4-vector column blocks), a window moving
+    the first chunk's start, soft-cap; groups of 5 and more than 128 query heads take the
+    per-head items. Contexts of 1, 9, 130 and 301 keys on scattered pages."""
+    scale = d ** -0.5
+    g = torch.Generator().manual_seed(kvh * 10 + group)
+    num_pages = 130
+    pool = SimpleNamespace(k=torch.randn(num_pages * PS, kvh, d, generator=g).to(pool_dtype),
+                           v=torch.randn(num_pages * PS, kvh, d, generator=g).to(pool_dtype))
+    free = (1 + torch.randperm(num_pages - 1, generator=g)).tolist()
+    steps = []
+    for n in (1, 9, 130, 301):
+        pages, free = np.asarray(free[: -(-n // PS)], np.int64), free[-(-n // PS):]
+        steps.append(SeqStep(token_ids=[0], prefix_len=n - 1, pages=pages, sampling=GREEDY,
+                             seed=0, num_output_tokens=1))
+    # the batch's own description; the window is the kernel's (Gemma's local layers), so the
+    # keys before it are in the bias and the kernel skips them
+    batch = decode_batch(steps, len(steps), None, torch.float32)
+    q = torch.randn(len(steps), kvh * group, d, generator=g)
+    out = fused().decode_attention(q, pool.k, pool.v, batch, scale, sliding_window=window,
+                                   logit_cap=cap)
+    for i, st in enumerate(steps):
+        n = st.prefix_len + 1
+        want = reference(q[i : i + 1], pool, sdpa.context_slots(st.pages, PS, n),
+                         torch.tensor([n - 1]), scale, window, cap, group=group)
+        assert (out[i : i + 1].double() - want).abs().max() < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("window", [None, 30])
@@ -197,6 +245,16 @@ def test_decode_many_rows_share_a_prefix(window):
         want = reference(q[i : i + 1], pool, sdpa.context_slots(st.pages, PS, n),
                          torch.tensor([n - 1]), scale, window)
         assert (out[i : i + 1].double() - want).abs().max() < TOL[torch.float32]
+
+
+def test_refuses_mixed_dtypes_other_than_float32_over_bfloat16():
+    ext = cpu_extension.load()
+    q32, pool32 = torch.zeros(1, 2, 16), torch.zeros(8, 1, 16)
+    slots = [torch.arange(1, dtype=torch.int64)]
+    for q, k, v in [(q32.bfloat16(), pool32, pool32), (q32, pool32.bfloat16(), pool32),
+                    (q32.half(), pool32.half(), pool32.half())]:
+        with pytest.raises(RuntimeError, match="paged_attention_cpu: (the pools|q must)"):
+            ext.extend(q, k, v, slots, [0], [1], [0], 1.0, 0, 0.0)
 
 
 def test_auto_picks_fused_on_cpu_and_falls_back_when_missing(monkeypatch, caplog):

@@ -540,6 +540,8 @@ def test_info_and_health_routes(roomy, tiny_model):
         assert roomy.get(path).status_code == 200, path
     old = roomy.get("/get_server_info")
     assert old.status_code == 200 and "memory" in old.json()
+    mem = old.json()["memory"]  # the KV pool's resolved element type and its bytes
+    assert mem["kv_cache_dtype"] in ("float32", "bfloat16") and mem["kv_bytes"] > 0
 
 
 def test_no_leaked_pages_after_all_roomy_traffic(roomy):

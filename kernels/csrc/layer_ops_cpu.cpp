@@ -13,7 +13,8 @@
 //                   slots i64[T], H, kvh, q_norm f32[d] | None, k_norm f32[d] | None, eps)
 //         rotates the q and k heads of each row in place (rotate-half, llama_torch.apply_rope's
 //         tables: cos = (c, c), sin = (-s, s)), each head RMSNormed first when the norms are
-//         given (Qwen3), then copies the row's k and v heads into pool row slots[t]
+//         given (Qwen3), then copies the row's k and v heads into pool row slots[t]; the
+//         pools hold qkv's dtype, or bfloat16 under float32 qkv (rounded to nearest even)
 //
 //                 qkv row t:  | q head 0 .. H-1 | k head 0 .. kvh-1 | v head 0 .. kvh-1 |
 //                               \____ rotated in place ____/          |
@@ -34,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -169,9 +171,18 @@ inline void rotate_head(T* x, const float* cos, const float* sin, int64_t d, flo
   }
 }
 
-template <typename T>
+// n values of one row into a pool row: a copy, or rounded to the pool's narrower type
+template <typename T, typename TP>
+inline void copy_row(TP* dst, const T* src, int64_t n) {
+  if constexpr (std::is_same_v<T, TP>)
+    std::memcpy(dst, src, n * sizeof(T));
+  else
+    for (int64_t i = 0; i < n; ++i) dst[i] = from_f<TP>(to_f(src[i]));
+}
+
+template <typename T, typename TP>
 void rope_write_kv_impl(T* qkv, int64_t row_stride, const float* cos, const float* sin,
-                        T* k_pool, T* v_pool, const int64_t* slots, int64_t rows, int64_t H,
+                        TP* k_pool, TP* v_pool, const int64_t* slots, int64_t rows, int64_t H,
                         int64_t kvh, int64_t d, const float* q_norm, const float* k_norm,
                         float eps) {
   at::parallel_for(0, rows, grain_rows((H + 2 * kvh) * d), [&](int64_t r0, int64_t r1) {
@@ -182,8 +193,8 @@ void rope_write_kv_impl(T* qkv, int64_t row_stride, const float* cos, const floa
         rotate_head(row + head * d, cos + t * d, sin + t * d, d, tmp.data(),
                     head < H ? q_norm : k_norm, eps);
       const int64_t kv_elems = kvh * d;
-      std::memcpy(k_pool + slots[t] * kv_elems, row + H * d, kv_elems * sizeof(T));
-      std::memcpy(v_pool + slots[t] * kv_elems, row + (H + kvh) * d, kv_elems * sizeof(T));
+      copy_row(k_pool + slots[t] * kv_elems, row + H * d, kv_elems);
+      copy_row(v_pool + slots[t] * kv_elems, row + (H + kvh) * d, kv_elems);
     }
   });
 }
@@ -202,9 +213,12 @@ void rope_write_kv(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
   const int64_t d = k_pool.size(2);
   TORCH_CHECK(d % 2 == 0 && qkv.size(1) == (H + 2 * kvh) * d,
               op, ": qkv rows must hold (H + 2 kvh) heads of an even head_dim");
-  TORCH_CHECK(k_pool.scalar_type() == qkv.scalar_type() &&
-                  v_pool.scalar_type() == qkv.scalar_type() && k_pool.device().is_cpu(),
-              op, ": pools must be CPU tensors of qkv's dtype");
+  TORCH_CHECK(k_pool.device().is_cpu() && v_pool.scalar_type() == k_pool.scalar_type() &&
+                  (k_pool.scalar_type() == qkv.scalar_type() ||
+                   (qkv.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kBFloat16)),
+              op, ": pools must be CPU tensors of qkv's dtype, or bfloat16 under float32 qkv; "
+              "got qkv ", qkv.scalar_type(), ", k_pool ", k_pool.scalar_type(), ", v_pool ",
+              v_pool.scalar_type());
   for (const at::Tensor* t : {&cos, &sin})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() &&
                     t->numel() == rows * d,
@@ -226,12 +240,17 @@ void rope_write_kv(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
   for (int64_t t = 0; t < rows; ++t)
     TORCH_CHECK(s[t] >= 0 && s[t] < num_slots, op, ": slot ", s[t], " out of range");
   if (qkv.scalar_type() == at::kBFloat16)
-    rope_write_kv_impl<c10::BFloat16>(
+    rope_write_kv_impl<c10::BFloat16, c10::BFloat16>(
         qkv.data_ptr<c10::BFloat16>(), qkv.stride(0), cos.data_ptr<float>(),
         sin.data_ptr<float>(), k_pool.data_ptr<c10::BFloat16>(),
         v_pool.data_ptr<c10::BFloat16>(), s, rows, H, kvh, d, qn, kn, static_cast<float>(eps));
+  else if (k_pool.scalar_type() == at::kBFloat16)
+    rope_write_kv_impl<float, c10::BFloat16>(
+        qkv.data_ptr<float>(), qkv.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(),
+        k_pool.data_ptr<c10::BFloat16>(), v_pool.data_ptr<c10::BFloat16>(), s, rows, H, kvh, d,
+        qn, kn, static_cast<float>(eps));
   else
-    rope_write_kv_impl<float>(qkv.data_ptr<float>(), qkv.stride(0), cos.data_ptr<float>(),
+    rope_write_kv_impl<float, float>(qkv.data_ptr<float>(), qkv.stride(0), cos.data_ptr<float>(),
                               sin.data_ptr<float>(), k_pool.data_ptr<float>(),
                               v_pool.data_ptr<float>(), s, rows, H, kvh, d, qn, kn,
                               static_cast<float>(eps));

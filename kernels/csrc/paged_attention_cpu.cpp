@@ -27,7 +27,9 @@
 //             or (sequence, kv head, chunk of its own keys): rows = the GQA group. Items
 //             write (max, sum, acc) partials, merged per (sequence, head) afterwards.
 //
-// Accumulation is float32 (scores, softmax, P @ V); inputs and outputs float32 or bfloat16.
+// Accumulation is float32 (scores, softmax, P @ V). q and out (TQ) float32 or bfloat16, the
+// pools (TKV) of q's dtype, or bfloat16 under float32 q (a bfloat16 KV cache of a float32
+// model).
 // Written with GCC/Clang vector extensions, one register wide (16 floats with AVX-512, else
 // 8): -march=native picks the widest, a portable build gets the baseline ISA's.
 
@@ -651,11 +653,14 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
   TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu(), "paged_attention_cpu: CPU only");
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && k_pool.sizes() == v_pool.sizes(),
               "paged_attention_cpu: q [T, H, d], pools [slots, kvh, d]");
-  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() &&
-                  k_pool.scalar_type() == v_pool.scalar_type(),
-              "paged_attention_cpu: q and the pools must share one dtype");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
-              "paged_attention_cpu: float32 or bfloat16, got ", q.scalar_type());
+              "paged_attention_cpu: q must be float32 or bfloat16, got ", q.scalar_type());
+  TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type() &&
+                  (k_pool.scalar_type() == q.scalar_type() ||
+                   (q.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kBFloat16)),
+              "paged_attention_cpu: the pools must share q's dtype, or be bfloat16 under "
+              "float32 q; got q ", q.scalar_type(), ", k_pool ", k_pool.scalar_type(),
+              ", v_pool ", v_pool.scalar_type());
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(),
               "paged_attention_cpu: pools must be contiguous");
   TORCH_CHECK(q.stride(2) == 1, "paged_attention_cpu: q's last dim must be contiguous");
@@ -666,7 +671,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
               "paged_attention_cpu: query heads must be a multiple of KV heads");
 }
 
-template <typename T>
+template <typename TQ, typename TKV>
 void extend_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                  const std::vector<at::Tensor>& slots, const std::vector<int64_t>& starts,
                  const std::vector<int64_t>& num_new, const std::vector<int64_t>& prefix_lens,
@@ -687,10 +692,10 @@ void extend_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
   std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
     return prefix_lens[a.seq] + a.t1 > prefix_lens[b.seq] + b.t1;
   });
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k_pool.data_ptr<T>();
-  const T* vp = v_pool.data_ptr<T>();
-  T* op = out.data_ptr<T>();
+  const TQ* qp = q.data_ptr<TQ>();
+  const TKV* kp = k_pool.data_ptr<TKV>();
+  const TKV* vp = v_pool.data_ptr<TKV>();
+  TQ* op = out.data_ptr<TQ>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   for_each_item(static_cast<int64_t>(items.size()), [&](int64_t idx) {
     const Item it = items[idx];
@@ -698,15 +703,15 @@ void extend_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
     const int64_t start = starts[it.seq], prefix = prefix_lens[it.seq];
     Scratch& s = scratch(static_cast<int>(d));
     for (int r = 0; r < R; ++r) s.qpos[r] = static_cast<int32_t>(prefix + it.t0 + r / G);
-    load_rows<T>(s, R, d, static_cast<float>(scale), [&](int r) {
+    load_rows<TQ>(s, R, d, static_cast<float>(scale), [&](int r) {
       return qp + (start + it.t0 + r / G) * qs0 + (it.head * G + r % G) * qs1;
     });
     Keys keys{slots[it.seq].template data_ptr<int64_t>(), 0, prefix + it.t1, 0};
-    attend_rows<T>(s, R, d, kp + it.head * d, vp + it.head * d, kvh * d, keys,
+    attend_rows<TKV>(s, R, d, kp + it.head * d, vp + it.head * d, kvh * d, keys,
                    static_cast<int32_t>(window), static_cast<float>(cap));
     for (int r = 0; r < R; ++r) {
       const float inv = s.l[r] > 0.0f ? 1.0f / s.l[r] : 0.0f;
-      T* o = op + ((start + it.t0 + r / G) * H + it.head * G + r % G) * d;
+      TQ* o = op + ((start + it.t0 + r / G) * H + it.head * G + r % G) * d;
       for (int c = 0; c < d; c += kLanes) store16(o + c, loadf(s.acc + r * d + c) * inv);
     }
   });
@@ -723,15 +728,18 @@ at::Tensor extend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
   at::Tensor out = at::zeros({q.size(0), q.size(1), q.size(2)}, q.options());
   const int64_t w = window > 0 ? window : kNoWindow;
   if (q.scalar_type() == at::kBFloat16)
-    extend_impl<at::BFloat16>(q, k_pool, v_pool, slots, starts, num_new, prefix_lens, scale, w,
-                              cap, out);
+    extend_impl<at::BFloat16, at::BFloat16>(q, k_pool, v_pool, slots, starts, num_new,
+                                            prefix_lens, scale, w, cap, out);
+  else if (k_pool.scalar_type() == at::kBFloat16)
+    extend_impl<float, at::BFloat16>(q, k_pool, v_pool, slots, starts, num_new, prefix_lens,
+                                     scale, w, cap, out);
   else
-    extend_impl<float>(q, k_pool, v_pool, slots, starts, num_new, prefix_lens, scale, w, cap,
-                       out);
+    extend_impl<float, float>(q, k_pool, v_pool, slots, starts, num_new, prefix_lens, scale, w,
+                              cap, out);
   return out;
 }
 
-template <typename T>
+template <typename TQ, typename TKV>
 void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                  const at::Tensor& shared_slots, const at::Tensor& own_slots,
                  const at::Tensor& own_lo, const at::Tensor& own_hi, double scale,
@@ -782,9 +790,9 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
   own_first[B * kvh] = static_cast<int64_t>(items.size());
   at::Tensor partials = at::empty({std::max<int64_t>(parts, 1)}, q.options().dtype(at::kFloat));
   float* pp = partials.data_ptr<float>();
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k_pool.data_ptr<T>();
-  const T* vp = v_pool.data_ptr<T>();
+  const TQ* qp = q.data_ptr<TQ>();
+  const TKV* kp = k_pool.data_ptr<TKV>();
+  const TKV* vp = v_pool.data_ptr<TKV>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const int64_t* shared = Ls ? shared_slots.data_ptr<int64_t>() : nullptr;
   const int64_t* own = own_slots.data_ptr<int64_t>();
@@ -795,9 +803,9 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
     Scratch& s = scratch(static_cast<int>(d));
     if (it.head < 0) {  // all heads of sequence it.row0, its own keys
       const int64_t b = it.row0;
-      load_rows<T>(s, R, d, static_cast<float>(scale),
+      load_rows<TQ>(s, R, d, static_cast<float>(scale),
                    [&](int r) { return qp + b * qs0 + r * qs1; });
-      attend_heads<T>(s, static_cast<int>(kvh), static_cast<int>(G), static_cast<int>(d), kp,
+      attend_heads<TKV>(s, static_cast<int>(kvh), static_cast<int>(G), static_cast<int>(d), kp,
                       vp, own + b * own_len + it.k0, static_cast<int>(it.k1 - it.k0),
                       static_cast<float>(cap));
     } else {
@@ -808,13 +816,13 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
         const int64_t b = (row0 + r) / G;
         s.qpos[r] = static_cast<int32_t>(Ls + hi[b] - 1);
       }
-      load_rows<T>(s, R, d, static_cast<float>(scale), [&](int r) {
+      load_rows<TQ>(s, R, d, static_cast<float>(scale), [&](int r) {
         const int64_t b = (row0 + r) / G, g = (row0 + r) % G;
         return qp + b * qs0 + (it.head * G + g) * qs1;
       });
       Keys keys = it.shared ? Keys{shared, it.k0, it.k1, 0}
                             : Keys{own + it.row0 * own_len, it.k0, it.k1, Ls};
-      attend_rows<T>(s, R, d, kp + it.head * d, vp + it.head * d, kvh * d, keys,
+      attend_rows<TKV>(s, R, d, kp + it.head * d, vp + it.head * d, kvh * d, keys,
                      static_cast<int32_t>(window), static_cast<float>(cap));
     }
     float* part = pp + it.part;
@@ -826,7 +834,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
   });
   // merge: per (sequence, kv head), its shared-prefix partials and its own ones
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  T* op = out.data_ptr<T>();
+  TQ* op = out.data_ptr<TQ>();
   at::parallel_for(0, B * kvh, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> o(d);
     std::vector<const float*> rows;
@@ -856,7 +864,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
           for (int64_t c = 0; c < d; ++c) o[c] += part[2 + c] * w;
         }
         const float inv = Lsum > 0.0f ? 1.0f / Lsum : 0.0f;
-        T* dst = op + (b * H + h * G + g) * d;
+        TQ* dst = op + (b * H + h * G + g) * d;
         for (int64_t c = 0; c < d; c += kLanes) store16(dst + c, loadf(o.data() + c) * inv);
       }
     }
@@ -878,11 +886,14 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
   at::Tensor out = at::empty({B, q.size(1), q.size(2)}, q.options());
   const int64_t w = window > 0 ? window : kNoWindow;
   if (q.scalar_type() == at::kBFloat16)
-    decode_impl<at::BFloat16>(q, k_pool, v_pool, shared_slots, own_slots, own_lo, own_hi,
-                              scale, w, cap, out);
+    decode_impl<at::BFloat16, at::BFloat16>(q, k_pool, v_pool, shared_slots, own_slots, own_lo,
+                                            own_hi, scale, w, cap, out);
+  else if (k_pool.scalar_type() == at::kBFloat16)
+    decode_impl<float, at::BFloat16>(q, k_pool, v_pool, shared_slots, own_slots, own_lo,
+                                     own_hi, scale, w, cap, out);
   else
-    decode_impl<float>(q, k_pool, v_pool, shared_slots, own_slots, own_lo, own_hi, scale, w,
-                       cap, out);
+    decode_impl<float, float>(q, k_pool, v_pool, shared_slots, own_slots, own_lo, own_hi,
+                              scale, w, cap, out);
   return out;
 }
 

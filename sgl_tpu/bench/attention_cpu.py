@@ -1,9 +1,13 @@
 """Torch attention on CPU: `torch-sdpa` (paged_attention_torch) vs `torch-cpu-fused`
 (paged_attention_cpu), one layer's call, interleaved in one run.
 
-    python -m sgl_tpu.bench.attention_cpu [--dtypes float32,bfloat16] [--decode-batches 1,8,32]
+    python -m sgl_tpu.bench.attention_cpu [--dtypes float32,bfloat16,float32/bfloat16]
+        [--decode-batches 1,8,32]
         [--shared 1312] [--own 300,700] [--repeats 7] [--layers 30] [--clocks thread,wall]
         [--model-steps] [--baseline-source OLD.cpp] [--output FILE]
+
+A `--dtypes` entry `float32/bfloat16` runs float32 queries over bfloat16 pools (a float32
+model's `--kv-cache-dtype bfloat16`); the floor counts the pool's bytes.
 
 Shapes are SmolLM2-135M's (3 KV heads x 3 query heads, head_dim 64, page size 16) over a pool
 whose pages are handed out in a scattered order, as a radix cache leaves them:
@@ -112,14 +116,21 @@ class _Pool:
         return np.asarray(out, np.int64)
 
 
-def _decode_case(torch, dtype, impls, batch: int, shared: int, own: tuple[int, int], rng):
+def _dtypes(torch, name: str):
+    """`--dtypes` entry -> (query dtype, pool dtype): "bfloat16", or "float32/bfloat16"."""
+    q_name, _, pool_name = name.partition("/")
+    return getattr(torch, q_name), getattr(torch, pool_name or q_name)
+
+
+def _decode_case(torch, dtype, impls, batch: int, shared: int, own: tuple[int, int], rng,
+                 pool_dtype=None):
     from sgl_tpu.executor.step import SeqStep
     from sgl_tpu.executor.torch.runner import TorchModelRunner
     from sgl_tpu.sampling_params import SamplingParams
 
     own_lens = ([(own[0] + own[1]) // 2] if batch == 1
                 else np.linspace(own[0], own[1], batch).astype(int).tolist())
-    pool = _Pool(torch, dtype, shared + sum(own_lens) + batch * PAGE, rng)
+    pool = _Pool(torch, pool_dtype or dtype, shared + sum(own_lens) + batch * PAGE, rng)
     prefix = pool.pages(shared)
     steps = [SeqStep(token_ids=[0], prefix_len=shared + n - 1,
                      pages=np.concatenate([prefix, pool.pages(n)]),
@@ -142,10 +153,10 @@ def _decode_case(torch, dtype, impls, batch: int, shared: int, own: tuple[int, i
     return fns, outs, ctx
 
 
-def _extend_case(torch, dtype, impls, new: int, prefix: int, rng):
+def _extend_case(torch, dtype, impls, new: int, prefix: int, rng, pool_dtype=None):
     from sgl_tpu.kernels import paged_attention_torch as sdpa
 
-    pool = _Pool(torch, dtype, prefix + new, rng)
+    pool = _Pool(torch, pool_dtype or dtype, prefix + new, rng)
     seq = sdpa.ExtendSeq(start=0, num_new=new, prefix_len=prefix,
                          slots=sdpa.context_slots(pool.pages(prefix + new), PAGE, prefix + new))
     q = torch.randn(new, KVH * GROUP, HEAD_DIM).to(dtype)
@@ -282,11 +293,13 @@ def main() -> None:
             "torch_threads": torch.get_num_threads(), "read_gb_per_s": round(bw / 1e9, 2),
             "cases": []}
         for dtype_name in args.dtypes.split(","):
-            dtype = getattr(torch, dtype_name)
+            dtype, pool_dtype = _dtypes(torch, dtype_name)
             cases = [("decode", *_decode_case(torch, dtype, impls, int(b), args.shared, own,
-                                              rng)) for b in args.decode_batches.split(",")]
-            cases += [("extend", *_extend_case(torch, dtype, impls, 512, 0, rng)),
-                      ("extend", *_extend_case(torch, dtype, impls, 200, 1300, rng))]
+                                              rng, pool_dtype))
+                     for b in args.decode_batches.split(",")]
+            cases += [("extend", *_extend_case(torch, dtype, impls, 512, 0, rng, pool_dtype)),
+                      ("extend", *_extend_case(torch, dtype, impls, 200, 1300, rng,
+                                               pool_dtype))]
             for phase, fns, outs, ctx in cases:
                 with torch.inference_mode():
                     times = interleaved(fns, args.repeats, clock=clock, before=scrub)

@@ -1,15 +1,17 @@
-"""Decode steps with the fused CPU layer ops on and off, A/B: two torch runners per dtype
-(`RunnerConfig.cpu_layer_ops` False / True, otherwise identical), interleaved A B A B ... in
-each round, on the same decode steps.
+"""Decode steps of two torch runners A/B, otherwise identical, interleaved A B A B ... in each
+round on the same steps: `--compare layer-ops` (default) the fused CPU layer ops off / on
+(`RunnerConfig.cpu_layer_ops`), `--compare kv-cache-dtype` the KV pool in the model's dtype /
+in bfloat16 (`--kv-cache-dtype`; with --dtypes float32 this halves the pool's bytes).
 
-    python -m sgl_tpu.bench.layer_ops [--dtypes float32] [--quantization gguf]
-        [--decode-batches 1,8] [--contexts 256,1300] [--prefill 512] [--repeats 15]
+    python -m sgl_tpu.bench.layer_ops [--compare layer-ops|kv-cache-dtype] [--dtypes float32]
+        [--quantization gguf] [--decode-batches 1,8] [--contexts 256,1300] [--prefill 512]
+        [--repeats 15]
 
 Prints one JSON object: per dtype, workload and mode the min and median step time and the
-fused runner's `median_vs_torch_ops` / `min_vs_torch_ops`; per dtype the aten ops one batch-1
-decode step dispatches in each mode (torch profiler, `aten::` events counted, nested ones
-included). The ops are CPU-only and built by `make install` (kernels/layer_ops_cpu.py). The
-machine is shared: compare the ratios of one run.
+B runner's `median_vs_<A>` / `min_vs_<A>` (A: torch_ops or kv_auto); per dtype the aten ops
+one batch-1 decode step dispatches in each mode (torch profiler, `aten::` events counted,
+nested ones included). The ops are CPU-only and built by `make install`
+(kernels/layer_ops_cpu.py). The machine is shared: compare the ratios of one run.
 """
 
 from __future__ import annotations
@@ -27,7 +29,12 @@ from sgl_tpu.bench.executor import _steps
 from sgl_tpu.bench.report import emit, model_label
 from sgl_tpu.bench.timing import interleaved, ratio_rows
 
-MODES = {"torch_ops": False, "fused": True}
+# --compare: mode name -> the RunnerConfig fields it changes; the first mode is the baseline
+COMPARISONS = {
+    "layer-ops": {"torch_ops": {"cpu_layer_ops": False}, "fused": {"cpu_layer_ops": True}},
+    "kv-cache-dtype": {"kv_auto": {"kv_cache_dtype": "auto"},
+                       "kv_bfloat16": {"kv_cache_dtype": "bfloat16"}},
+}
 
 
 def _aten_ops_per_step(fn) -> int:
@@ -55,7 +62,10 @@ def run(args: argparse.Namespace) -> dict:
     max_tokens = max(prefills + [16])
     pool_tokens = max(max_tokens, max(batches) * (max(contexts) + 16)) + 64
     page_size = ServerArgs.page_size
+    modes = COMPARISONS[args.compare]
+    baseline = next(iter(modes))
     results: dict = {"model": model_label(loaded.model_path), "quantization": args.quantization,
+                     "compare": args.compare,
                      "cpu_count": os.cpu_count(), "repeats": args.repeats,
                      "command": "python -m sgl_tpu.bench.layer_ops " + " ".join(sys.argv[1:]),
                      "aten_ops_per_decode_step_b1": {}, "runs": []}
@@ -67,17 +77,17 @@ def run(args: argparse.Namespace) -> dict:
                            quantization=args.quantization)
         base = runner_config(sargs, cfg.context_len)
         runners = {m: create_model_runner(cfg, loaded.params,
-                                          dataclasses.replace(base, cpu_layer_ops=on))
-                   for m, on in MODES.items()}
+                                          dataclasses.replace(base, **fields))
+                   for m, fields in modes.items()}
         for m, r in runners.items():
-            if r.layer_ops != MODES[m]:
+            if r.layer_ops != modes[m].get("cpu_layer_ops", True):
                 raise SystemExit(f"{dtype}: the model did not take the fused layer ops")
         rng = np.random.default_rng(0)
 
         def record(phase: dict, steps, mode: ForwardMode, runners=runners) -> None:
             times = interleaved({m: partial(r.forward, mode, steps) for m, r in runners.items()},
                                 args.repeats)
-            for m, stats in ratio_rows(times, "torch_ops", "torch_ops").items():
+            for m, stats in ratio_rows(times, baseline, baseline).items():
                 row = {**phase, "mode": m, **stats}
                 results["runs"].append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
@@ -101,6 +111,7 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-path", default=None)
+    p.add_argument("--compare", choices=tuple(COMPARISONS), default="layer-ops")
     p.add_argument("--dtypes", default="float32")
     p.add_argument("--quantization", default="gguf")
     p.add_argument("--decode-batches", default="1,8")

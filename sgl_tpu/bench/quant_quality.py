@@ -1,14 +1,15 @@
-"""What each `--quantization` mode trades: greedy agreement with a float32 reference and
-perplexity on a fixed text, on the torch backend.
+"""What each `--quantization` (or `--kv-cache-dtype`) mode trades: greedy agreement with a
+float32 reference and perplexity on a fixed text, on the torch backend.
 
     python -m sgl_tpu.bench.quant_quality [--model-path M] [--modes none:bfloat16,gguf:bfloat16,
         int8:bfloat16,int4:bfloat16] [--reference none:float32] [--max-new-tokens 64]
 
-Each mode is `quantization:dtype`. Greedy agreement: for each reference prompt, the number of
-generated tokens identical to the reference's before the first difference (the full length when
-none differs). Perplexity: exp of the mean negative log-likelihood of `TEXT` (written for this
-bench), fed one token per step so that every projection runs where decode runs it (for the
-quantized modes: the int kernel; prefill-sized steps use the dense copy, see
+Each mode is `quantization:dtype[:kv_cache_dtype]` (e.g. `auto:float32:bfloat16`, the default
+model's float32 serving with a bfloat16 KV cache). Greedy agreement: for each reference prompt,
+the number of generated tokens identical to the reference's before the first difference (the
+full length when none differs). Perplexity: exp of the mean negative log-likelihood of `TEXT`
+(written for this bench), fed one token per step so that every projection runs where decode
+runs it (for the quantized modes: the int kernel; prefill-sized steps use the dense copy, see
 executor/torch/quant_linear.py). Prints one JSON object.
 """
 
@@ -50,17 +51,18 @@ TEXT = (
 )
 
 
-def _mode(spec: str) -> tuple[str, str]:
-    quant, _, dtype = spec.partition(":")
-    return quant, dtype or "bfloat16"
+def _mode(spec: str) -> tuple[str, str, str]:
+    quant, _, rest = spec.partition(":")
+    dtype, _, kv = rest.partition(":")
+    return quant, dtype or "bfloat16", kv or "auto"
 
 
-def _engine(model_path: str | None, quant: str, dtype: str):
+def _engine(model_path: str | None, quant: str, dtype: str, kv_cache_dtype: str = "auto"):
     from sgl_tpu import Engine
 
     return Engine(model_path, backend="torch", quantization=quant, dtype=dtype,
-                  skip_warmup=True, max_total_tokens=4096, max_running_requests=4,
-                  grammar_backend="none")
+                  kv_cache_dtype=kv_cache_dtype, skip_warmup=True, max_total_tokens=4096,
+                  max_running_requests=4, grammar_backend="none")
 
 
 def _greedy(engine, max_new_tokens: int) -> list[list[int]]:
@@ -114,9 +116,9 @@ def run(args: argparse.Namespace) -> dict:
                      "modes": {}}
     ref_tokens = None
     for spec in specs:
-        quant, dtype = _mode(spec)
+        quant, dtype, kv = _mode(spec)
         t0 = time.perf_counter()
-        engine = _engine(args.model_path, quant, dtype)
+        engine = _engine(args.model_path, quant, dtype, kv)
         tokens = _greedy(engine, args.max_new_tokens)
         ppl, n = _perplexity(engine)
         if ref_tokens is None:
@@ -124,6 +126,7 @@ def run(args: argparse.Namespace) -> dict:
         agree = _agreement(ref_tokens, tokens)
         results["modes"][spec] = {
             "quantization": _effective(engine.scheduler.runner), "dtype": dtype,
+            "kv_cache_dtype": engine.scheduler.runner.config.kv_dtype,
             "perplexity": round(ppl, 4), "perplexity_tokens": n,
             "greedy_agree_tokens": agree, "greedy_identical_prompts": sum(
                 a == args.max_new_tokens for a in agree),

@@ -185,8 +185,21 @@ def runner_config(args: ServerArgs, model_context_len: int) -> RunnerConfig:
         tp_size=args.tp_size,
         deterministic=deterministic,
         jax_decode_state=_resolve_jax_decode_state(args, backend),
+        kv_cache_dtype=_resolve_kv_cache_dtype(args, backend),
         **_resolve_cuda_graph(args, backend, deterministic),
     )
+
+
+def _resolve_kv_cache_dtype(args: ServerArgs, backend: str) -> str:
+    """--kv-cache-dtype: "auto" (the compute dtype) or "bfloat16"; the torch backend only (the
+    JAX attention kernels, Pallas included, read pools of the compute dtype)."""
+    if args.kv_cache_dtype == "auto":
+        return "auto"
+    if backend != "torch":
+        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} needs the torch backend "
+                         f"(--backend torch); the {backend} backend stores the KV cache in "
+                         f"the model's dtype (--kv-cache-dtype auto)")
+    return "bfloat16"
 
 
 def _resolve_jax_decode_state(args: ServerArgs, backend: str) -> bool:

@@ -75,7 +75,10 @@ def server_info(scheduler: Scheduler) -> dict[str, Any]:
     Engine both use this): memory, queues, counters, and when idle the KV integrity check."""
     stats = {k: v for k, v in asdict(scheduler.stats).items() if not k.startswith("last_log")}
     data: dict[str, Any] = {
-        "memory": memory_info(scheduler.kv),
+        # the KV pool: its element type and bytes (a bfloat16 pool holds twice a float32
+        # pool's tokens in the same bytes)
+        "memory": {**memory_info(scheduler.kv), "kv_cache_dtype": scheduler.config.kv_cache_dtype,
+                   "kv_bytes": scheduler.runner.kv_bytes},
         "num_running_reqs": scheduler.num_running,
         "num_waiting_reqs": len(scheduler.waiting),
         "num_compilations": scheduler.runner.num_compilations(),

@@ -90,8 +90,11 @@ class TorchModelRunner:
         num_slots = config.num_pages * config.page_size
         # The model's own head count: a tensor-parallel rank stores only its KV heads.
         shape = (num_slots, self.model.cfg.num_kv_heads, model_config.head_dim)
-        self.kv_pools = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                          torch.zeros(shape, dtype=self.dtype, device=self.device))
+        # --kv-cache-dtype bfloat16 under a float32 model: K/V rounded to bfloat16 as they are
+        # written (write_kv / rope_write_kv), widened to the query's dtype as attention reads
+        self.kv_dtype = _DTYPES[config.kv_dtype]
+        self.kv_pools = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                          torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
                          for _ in range(model_config.num_layers)]
         self.token_counts = torch.zeros((config.max_running_requests + 1, self.vocab_size),
                                         dtype=torch.int32, device=self.device)
@@ -103,9 +106,9 @@ class TorchModelRunner:
         self._last_token_ids: torch.Tensor | None = None  # i64[n] of the last step run
         self._worker: ThreadPoolExecutor | None = None  # runs dispatched steps, in order
         self._in_flight: Future | None = None  # the last dispatched step
-        logger.info("torch backend on %s, %s, compile=%s, prepacked weights=%s, "
+        logger.info("torch backend on %s, %s (KV cache %s), compile=%s, prepacked weights=%s, "
                     "quantization=%s, fused layer ops=%s, static decode=%s, CUDA graphs=%s",
-                    self.device, config.dtype, config.compile, prepack,
+                    self.device, config.dtype, config.kv_dtype, config.compile, prepack,
                     self.quantization.method if self.quantization else "none",
                     self.layer_ops, config.static_decode, config.cuda_graph)
 

@@ -1,0 +1,157 @@
+"""`--kv-cache-dtype`: the flag (bfloat16 / bf16 accepted, SGLang's fp8 choices refused by name,
+the jax backend refused), and a float32 model on the torch backend with a bfloat16 KV pool:
+half the pool bytes per token, logits close to the float32 pool's through every torch
+attention backend and with the fused layer ops on and off, and the default model's greedy
+tokens unchanged. (The kernels' own bfloat16-pool tests: test_attention_cpu_fused.py,
+test_layer_ops_cpu.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import checkpoints as ck
+import numpy as np
+import pytest
+import torch
+
+from sgl_tpu.cli import parse_args, to_argv
+from sgl_tpu.config import ServerArgs
+from sgl_tpu.executor import registry
+from sgl_tpu.executor.registry import create_model_runner, runner_config
+from sgl_tpu.executor.step import ForwardMode, SeqStep
+from sgl_tpu.kernels import cpu_extension, layer_ops_cpu
+from sgl_tpu.loader import load_model
+from sgl_tpu.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+PS = 4
+# tiny random model, float32 compute: logits of a bfloat16 pool within this fraction of the
+# largest float32-pool logit (K/V rounded to 8 mantissa bits; measured 0.26%)
+REL_TOL = 0.02
+FUSED = cpu_extension.load() is not None
+LAYER_OPS = layer_ops_cpu.load() is not None
+# default model: greedy tokens identical for this many steps (measured: all 128 of two
+# sequences, for two seeds of random prompts)
+NUM_GREEDY = 32
+
+
+def test_flag_accepts_bfloat16_and_refuses_fp8_by_name(capsys):
+    args = parse_args(["--kv-cache-dtype", "bf16"])
+    assert args.kv_cache_dtype == "bf16" and parse_args(to_argv(args)) == args
+    assert parse_args([]).kv_cache_dtype == "auto"
+    for fp8 in ("fp8_e5m2", "fp8_e4m3"):
+        with pytest.raises(SystemExit):
+            parse_args(["--kv-cache-dtype", fp8])
+        err = capsys.readouterr().err
+        assert f"--kv-cache-dtype {fp8} is not supported" in err
+        assert "auto" in err and "bfloat16" in err
+    with pytest.raises(ValueError, match="must be one of"):
+        ServerArgs(kv_cache_dtype="float16")
+    with pytest.raises(SystemExit):
+        parse_args(["--backend", "jax", "--kv-cache-dtype", "bfloat16"])
+    assert "--kv-cache-dtype bfloat16 needs the torch backend" in capsys.readouterr().err
+    args = ServerArgs(backend="torch", dtype="float32", kv_cache_dtype="bf16")
+    cfg = runner_config(args, 2048)
+    assert (cfg.kv_cache_dtype, cfg.kv_dtype) == ("bfloat16", "bfloat16")
+    assert args.scheduler_config(cfg).kv_cache_dtype == "bfloat16"
+    assert runner_config(args.replace(kv_cache_dtype="auto"), 2048).kv_dtype == "float32"
+    # --backend auto that resolves to jax (JAX on an accelerator): refused as the runner's
+    # config is resolved
+    with pytest.raises(ValueError, match="--kv-cache-dtype bf16 needs the torch backend"):
+        registry._resolve_kv_cache_dtype(args.replace(backend="auto"), "jax")
+
+
+def _runner(loaded, attn: str, kv: str, layer_ops: bool, static: bool = False):
+    args = ServerArgs(skip_warmup=True, backend="torch", torch_compile="off", dtype="float32",
+                      attention_backend=attn, kv_cache_dtype=kv, page_size=PS,
+                      max_total_tokens=512, max_running_requests=4)
+    cfg = dataclasses.replace(runner_config(args, 1024), cpu_layer_ops=layer_ops,
+                              static_decode=static, static_decode_max_bs=4 if static else 0)
+    return create_model_runner(loaded.config, loaded.params, cfg)
+
+
+def _run(runner, prompts: list[list[int]]) -> tuple[np.ndarray, list[list[int]]]:
+    """A cached prefix then a ragged EXTEND of three sequences whose pages fork it (prefix
+    ending mid-page), then 4 DECODE steps: (EXTEND logits, greedy tokens per step)."""
+    mk = lambda ids, prefix, pages: SeqStep(  # noqa: E731
+        token_ids=ids, prefix_len=prefix, pages=pages, sampling=GREEDY, seed=0,
+        num_output_tokens=0)
+    shared = np.arange(1, 6)  # 5 pages: 18 cached tokens and room
+    tables = [np.concatenate([shared, own]) for own in
+              (np.arange(6, 12), np.arange(12, 18), np.arange(18, 26))]
+    runner.forward(ForwardMode.EXTEND, [mk(prompts[0][:18], 0, tables[0])])
+    res = runner.forward(ForwardMode.EXTEND, [mk(p[18:], 18, t)
+                                              for p, t in zip(prompts, tables, strict=True)])
+    logits = runner.row_logits(res.hidden, np.arange(res.hidden.shape[0]))
+    tokens, lens = [list(res.token_ids)], [len(p) for p in prompts]
+    for _ in range(4):
+        res = runner.forward(ForwardMode.DECODE, [
+            mk([int(t)], n, tb) for t, n, tb in zip(tokens[-1], lens, tables, strict=True)])
+        tokens.append(list(res.token_ids))
+        lens = [n + 1 for n in lens]
+    return logits, tokens
+
+
+def test_bfloat16_pool_of_a_float32_model(tmp_path):
+    """Every torch attention backend (and the fused layer ops' K/V write as well as
+    write_kv, and the static decode step) over a bfloat16 pool: EXTEND logits within REL_TOL
+    of the float32 pool's, and the backends agree with each other to float32 rounding (they
+    read the same bfloat16 K/V), as do their greedy decode tokens; the pool is bfloat16 and
+    costs half the bytes per token."""
+    loaded = load_model(ck.make_tiny_hf_checkpoint(tmp_path / "m", "llama"))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, loaded.config.vocab_size, n).tolist() for n in (30, 19, 26)]
+    ref = _runner(loaded, "torch-sdpa", "auto", layer_ops=False)
+    assert ref.kv_pools[0][0].dtype == torch.float32
+    ref_logits, ref_tokens = _run(ref, prompts)
+    scale = np.abs(ref_logits).max()
+    runs = [("torch-sdpa", False, False), ("torch-invariant", False, False),
+            ("torch-sdpa", False, True)]
+    if FUSED:
+        runs.append(("torch-cpu-fused", False, False))
+    if FUSED and LAYER_OPS:
+        runs.append(("torch-cpu-fused", True, False))
+    first = None
+    for attn, layer_ops, static in runs:
+        runner = _runner(loaded, attn, "bfloat16", layer_ops, static)
+        assert (runner.static_decode is not None) == static
+        assert runner.kv_pools[0][0].dtype == torch.bfloat16 and runner.layer_ops == layer_ops
+        # the same memory holds twice the tokens
+        assert 2 * runner.kv_bytes == ref.kv_bytes
+        logits, tokens = _run(runner, prompts)
+        assert np.abs(logits - ref_logits).max() < REL_TOL * scale, (attn, layer_ops)
+        assert tokens[0] == ref_tokens[0]
+        if first is None:
+            first, first_tokens = logits, tokens
+        np.testing.assert_allclose(logits, first, atol=1e-4 * scale, err_msg=attn)
+        assert tokens == first_tokens, (attn, layer_ops, static)
+
+
+@pytest.mark.slow
+def test_default_model_greedy_tokens_with_a_bfloat16_pool():
+    """SmolLM2 as served by default here (float32, the GGUF's blocks, fused kernels): greedy
+    tokens of two sequences decoded in one batch, float32 pool vs bfloat16 pool, identical."""
+    loaded = load_model(None)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, loaded.config.vocab_size, n).tolist() for n in (37, 21)]
+    outs = []
+    for kv in ("auto", "bfloat16"):
+        args = ServerArgs(skip_warmup=True, backend="torch", dtype="float32", kv_cache_dtype=kv,
+                          page_size=16, max_total_tokens=2048, max_running_requests=4)
+        runner = create_model_runner(loaded.config, loaded.params, runner_config(args, 2048))
+        pages = [np.arange(1 + 8 * i, 9 + 8 * i) for i in range(2)]
+        mk = lambda ids, prefix, pg: SeqStep(  # noqa: E731
+            token_ids=ids, prefix_len=prefix, pages=pg, sampling=GREEDY, seed=0,
+            num_output_tokens=0)
+        res = runner.forward(ForwardMode.EXTEND, [mk(p, 0, pg) for p, pg in
+                                                  zip(prompts, pages, strict=True)])
+        toks = [[int(t)] for t in res.token_ids]
+        for i in range(NUM_GREEDY - 1):
+            res = runner.forward(ForwardMode.DECODE, [
+                mk([t[-1]], len(p) + i, pg) for t, p, pg in zip(toks, prompts, pages,
+                                                                 strict=True)])
+            for t, new in zip(toks, res.token_ids, strict=True):
+                t.append(int(new))
+        outs.append(toks)
+    assert outs[0] == outs[1]
+

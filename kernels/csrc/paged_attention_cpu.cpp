@@ -5,27 +5,31 @@
 //
 //     pool [num_slots, kvh, d]      slot = page * page_size + offset
 //
-// A work item is one KV head h, a set of R query rows (R <= 128) that all read that head, and
-// a range of key positions. It walks its keys in tiles of 16: each tile's K/V rows are read
-// from the pool once (by slot, no gather copy; bfloat16 widened to float32, float32 read in
-// place; the next tile's rows prefetched) and used by all R rows.
+// A work item is a set of query rows and a range of key positions. Most items hold one KV
+// head h and R query rows (R <= 128) that all read it; they walk their keys in tiles of 16:
+// each tile's K/V rows are read from the pool once (by slot, no gather copy; bfloat16
+// widened to float32, float32 read in place; the next tile's rows prefetched) and used by
+// all R rows, rows in vector lanes:
 //
-//     wide    rows in vector lanes: Qt [d][R] (queries transposed once per item, pre-scaled),
-//             so S[key][rows] = sum_i K[key][i] * Qt[i][rows] and accT[c][rows] +=
-//             V[key][c] * P[key][rows] need no horizontal sums, and the online softmax (max,
-//             rescale, exp, row sums) runs a vector of rows per instruction. Per key tile,
-//             one row tile (3 row vectors) at a time runs scores, softmax and P @ V while its
-//             slices of Qt, S and accT stay in L1, as 3 x 4 register tiles of FMAs; row tiles
-//             that see none of the tile's keys (past the causal diagonal, before a window)
-//             are skipped, and masks are applied only where some row sees part of the tile
-//     narrow  R <= 4 (a decode row's GQA group): scores as dot products over d, P @ V per row
+//     Qt [d][R] (queries transposed once per item, pre-scaled), so S[key][rows] = sum_i
+//     K[key][i] * Qt[i][rows] and accT[c][rows] += V[key][c] * P[key][rows] need no
+//     horizontal sums, and the online softmax (max, rescale, exp, row sums) runs a vector of
+//     rows per instruction. Per key tile, one row tile (3 row vectors) at a time runs
+//     scores, softmax and P @ V while its slices of Qt, S and accT stay in L1, as 3 x 4
+//     register tiles of FMAs; row tiles that see none of the tile's keys (past the causal
+//     diagonal, before a window) are skipped, and masks are applied only where some row
+//     sees part of the tile.
+//
+// A decode sequence's own keys with small GQA groups (G <= 4: a group would fill few lanes)
+// are items of all its query heads instead, keys in vector lanes (attend_heads, below).
 //
 //     EXTEND  item = (sequence, kv head, block of query tokens); rows = tokens x GQA group;
 //             keys = positions 0 .. last query (causal, sliding window); writes the output.
 //     DECODE  item = (kv head, row group, chunk of the shared prefix): rows = every
 //             (sequence, group head) of the batch, so shared pages are read once per step;
-//             or (sequence, kv head, chunk of its own keys): rows = the GQA group. Items
-//             write (max, sum, acc) partials, merged per (sequence, head) afterwards.
+//             and (sequence, chunk of its own keys): rows = its H query heads (G <= 4), or
+//             (sequence, kv head, chunk of its own keys): rows = the GQA group. Items write
+//             (max, sum, acc) partials, merged per (sequence, head) afterwards.
 //
 // Accumulation is float32 (scores, softmax, P @ V). q and out (TQ) float32 or bfloat16, the
 // pools (TKV) of q's dtype, or bfloat16 under float32 q (a bfloat16 KV cache of a float32
@@ -224,6 +228,9 @@ inline void prefetch_row(const T* row, int d) {
   for (int64_t b = 0; b < int64_t(d) * int64_t(sizeof(T)); b += 64) __builtin_prefetch(p + b);
 }
 
+// Loads one word of each cache line of row[0 .. n): the lines start arriving while other work
+// runs (demand loads, unlike prefetch hints, keep many misses in flight here: 1.3-1.5x less
+// waiting than prefetcht0/t1 on this kernel's scattered pages).
 template <typename T>
 inline void touch_row(const T* row, int64_t n) {
   const char* p = reinterpret_cast<const char*>(row);
@@ -464,14 +471,14 @@ void attend_rows(Scratch& s, int R, int d, const T* k_head, const T* v_head,
 // three passes over the chunk, keys or dims in vector lanes:
 //
 //     scores   S[r][j] = q[r] . K[j][head(r)]: per 8 keys, 8 vectors of partial dot products
-//              folded into one vector of the 8 scores (fold8); the rows of the keys kAhead
-//              further on are prefetched meanwhile (their pages are scattered)
+//              folded into one vector of the 8 scores (fold8); the K/V rows of the keys
+//              kAhead further on are touched meanwhile (their pages are scattered)
 //     softmax  m[r] = max_j S, P[r][j] = exp(S - m), l[r] = sum_j P: 8 (16) keys per exp
 //     P @ V    acc[r][c] = sum_j P[r][j] V[j][head(r)][c]: per KV head, its rows x NC vectors
 //              of d accumulated in registers per block of kTile keys, each V vector loaded
 //              once for all the head's rows
 
-constexpr int kAhead = 32;                     // keys prefetched ahead of the score pass
+constexpr int kAhead = 32;  // keys whose K/V rows are touched ahead of the score pass
 
 typedef float vf8 __attribute__((vector_size(32)));
 
@@ -514,31 +521,31 @@ template <typename T>
 void heads_scores(Scratch& s, int kvh, int G, int d, const T* kp, const T* vp,
                   const int64_t* slots, int n, float* sc) {
   const int64_t width = int64_t(kvh) * d;
-  auto prefetch = [&](int j) {
+  auto touch = [&](int j) {
     touch_row(kp + slots[j] * width, width);
     touch_row(vp + slots[j] * width, width);
   };
-  for (int j = 0; j < std::min(n, kAhead); ++j) prefetch(j);
+  for (int j = 0; j < std::min(n, kAhead); ++j) touch(j);
   for (int j = 0; j < n; j += 8) {
     const int m = std::min(8, n - j);
-    for (int k = j + kAhead; k < std::min(n, j + kAhead + 8); ++k) prefetch(k);
+    for (int k = j + kAhead; k < std::min(n, j + kAhead + 8); ++k) touch(k);
     const T* kr[8];  // keys past n repeat the last one (their scores are overwritten)
     for (int k = 0; k < 8; ++k) kr[k] = kp + slots[j + std::min(k, m - 1)] * width;
-    for (int r = 0; r < kvh * G; ++r) {
-      const float* q = s.qr + r * d;
-      const int64_t off = int64_t(r / G) * d;
-      vf acc[8];
-      for (int k = 0; k < 8; ++k) acc[k] = splat(0.0f);
-      for (int c = 0; c < d; c += kLanes) {
-        vf qv = loadf(q + c);
-        in_register(qv);
-        for (int k = 0; k < 8; ++k) acc[k] += qv * load16(kr[k] + off + c);
+    for (int h = 0; h < kvh; ++h)
+      for (int r = h * G; r < (h + 1) * G; ++r) {
+        const float* q = s.qr + r * d;
+        vf acc[8];
+        for (int k = 0; k < 8; ++k) acc[k] = splat(0.0f);
+        for (int c = h * d; c < (h + 1) * d; c += kLanes) {
+          vf qv = loadf(q + c - h * d);
+          in_register(qv);
+          for (int k = 0; k < 8; ++k) acc[k] += qv * load16(kr[k] + c);
+        }
+        vf8 a[8];
+        for (int i = 0; i < 8; ++i) a[i] = to8(acc[kFold[i]]);
+        const vf8 scores = fold8(a);
+        std::memcpy(sc + r * kScoreStride + j, &scores, sizeof scores);
       }
-      vf8 a[8];
-      for (int i = 0; i < 8; ++i) a[i] = to8(acc[kFold[i]]);
-      const vf8 scores = fold8(a);
-      std::memcpy(sc + r * kScoreStride + j, &scores, sizeof scores);
-    }
   }
   const int padded = (n + kLanes - 1) / kLanes * kLanes;
   for (int r = 0; r < kvh * G; ++r)

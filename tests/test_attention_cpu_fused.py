@@ -188,6 +188,42 @@ def test_decode_matches_reference_with_a_shared_prefix(dtypes, case):
     assert (out.double() - base.double()).abs().max() < 2 * TOL[dtype]
 
 
+@pytest.mark.parametrize("kvh,group,d,window,cap,pool_dtype", [
+    (3, 1, 16, None, None, torch.float32), (2, 2, 48, 37, None, torch.float32),
+    (3, 3, 64, None, 2.5, torch.bfloat16), (1, 4, 80, 200, None, torch.float32),
+    (2, 5, 32, None, None, torch.float32), (40, 4, 16, None, None, torch.float32)],
+    ids=["mha", "g2-d48-window", "g3-softcap-bf16kv", "g4-d80-window", "g5-per-head",
+         "160-heads-per-head"])
+def test_decode_own_keys_over_group_sizes(kvh, group, d, window, cap, pool_dtype):
+    """Decode rows over their own keys only (no shared prefix): GQA groups of 1 to 4 rows take
+    the all-heads items (keys in vector lanes; chunks of 128 keys, tails off the 8-key folds
+    and the 16-key P @ V blocks, head dims off the 4-vector column blocks), a window moving
+    the first chunk's start, soft-cap; groups of 5 and more than 128 query heads take the
+    per-head items. Contexts of 1, 9, 130 and 301 keys on scattered pages."""
+    scale = d ** -0.5
+    g = torch.Generator().manual_seed(kvh * 10 + group)
+    num_pages = 130
+    pool = SimpleNamespace(k=torch.randn(num_pages * PS, kvh, d, generator=g).to(pool_dtype),
+                           v=torch.randn(num_pages * PS, kvh, d, generator=g).to(pool_dtype))
+    free = (1 + torch.randperm(num_pages - 1, generator=g)).tolist()
+    steps = []
+    for n in (1, 9, 130, 301):
+        pages, free = np.asarray(free[: -(-n // PS)], np.int64), free[-(-n // PS):]
+        steps.append(SeqStep(token_ids=[0], prefix_len=n - 1, pages=pages, sampling=GREEDY,
+                             seed=0, num_output_tokens=1))
+    # the batch's own description; the window is the kernel's (Gemma's local layers), so the
+    # keys before it are in the bias and the kernel skips them
+    batch = decode_batch(steps, len(steps), None, torch.float32)
+    q = torch.randn(len(steps), kvh * group, d, generator=g)
+    out = fused().decode_attention(q, pool.k, pool.v, batch, scale, sliding_window=window,
+                                   logit_cap=cap)
+    for i, st in enumerate(steps):
+        n = st.prefix_len + 1
+        want = reference(q[i : i + 1], pool, sdpa.context_slots(st.pages, PS, n),
+                         torch.tensor([n - 1]), scale, window, cap, group=group)
+        assert (out[i : i + 1].double() - want).abs().max() < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("window", [None, 30])
 def test_decode_many_rows_share_a_prefix(window):
     """13 forks of one prefix: 39 query rows per shared-prefix item (register tiles of 3

@@ -5,27 +5,31 @@
 //
 //     pool [num_slots, kvh, d]      slot = page * page_size + offset
 //
-// A work item is one KV head h, a set of R query rows (R <= 128) that all read that head, and
-// a range of key positions. It walks its keys in tiles of 16: each tile's K/V rows are read
-// from the pool once (by slot, no gather copy; bfloat16 widened to float32, float32 read in
-// place; the next tile's rows prefetched) and used by all R rows.
+// A work item is a set of query rows and a range of key positions. Most items hold one KV
+// head h and R query rows (R <= 128) that all read it; they walk their keys in tiles of 16:
+// each tile's K/V rows are read from the pool once (by slot, no gather copy; bfloat16
+// widened to float32, float32 read in place; the next tile's rows prefetched) and used by
+// all R rows, rows in vector lanes:
 //
-//     wide    rows in vector lanes: Qt [d][R] (queries transposed once per item, pre-scaled),
-//             so S[key][rows] = sum_i K[key][i] * Qt[i][rows] and accT[c][rows] +=
-//             V[key][c] * P[key][rows] need no horizontal sums, and the online softmax (max,
-//             rescale, exp, row sums) runs a vector of rows per instruction. Per key tile,
-//             one row tile (3 row vectors) at a time runs scores, softmax and P @ V while its
-//             slices of Qt, S and accT stay in L1, as 3 x 4 register tiles of FMAs; row tiles
-//             that see none of the tile's keys (past the causal diagonal, before a window)
-//             are skipped, and masks are applied only where some row sees part of the tile
-//     narrow  R <= 4 (a decode row's GQA group): scores as dot products over d, P @ V per row
+//     Qt [d][R] (queries transposed once per item, pre-scaled), so S[key][rows] = sum_i
+//     K[key][i] * Qt[i][rows] and accT[c][rows] += V[key][c] * P[key][rows] need no
+//     horizontal sums, and the online softmax (max, rescale, exp, row sums) runs a vector of
+//     rows per instruction. Per key tile, one row tile (3 row vectors) at a time runs
+//     scores, softmax and P @ V while its slices of Qt, S and accT stay in L1, as 3 x 4
+//     register tiles of FMAs; row tiles that see none of the tile's keys (past the causal
+//     diagonal, before a window) are skipped, and masks are applied only where some row
+//     sees part of the tile.
+//
+// A decode sequence's own keys with small GQA groups (G <= 4: a group would fill few lanes)
+// are items of all its query heads instead, keys in vector lanes (attend_heads, below).
 //
 //     EXTEND  item = (sequence, kv head, block of query tokens); rows = tokens x GQA group;
 //             keys = positions 0 .. last query (causal, sliding window); writes the output.
 //     DECODE  item = (kv head, row group, chunk of the shared prefix): rows = every
 //             (sequence, group head) of the batch, so shared pages are read once per step;
-//             or (sequence, kv head, chunk of its own keys): rows = the GQA group. Items
-//             write (max, sum, acc) partials, merged per (sequence, head) afterwards.
+//             and (sequence, chunk of its own keys): rows = its H query heads (G <= 4), or
+//             (sequence, kv head, chunk of its own keys): rows = the GQA group. Items write
+//             (max, sum, acc) partials, merged per (sequence, head) afterwards.
 //
 // Accumulation is float32 (scores, softmax, P @ V). q and out (TQ) float32 or bfloat16, the
 // pools (TKV) of q's dtype, or bfloat16 under float32 q (a bfloat16 KV cache of a float32
@@ -60,6 +64,7 @@ constexpr int kLanes = 8;
 constexpr int kTile = 16;         // keys per tile
 constexpr int kMaxRows = 128;     // query rows per item
 constexpr int64_t kChunk = 256;   // DECODE keys per item (splits long contexts over threads)
+constexpr int kScoreStride = kChunk + kLanes;  // a decode row's scores, whole vectors
 constexpr int kNoWindow = 1 << 30;
 
 typedef float vf __attribute__((vector_size(4 * kLanes)));
@@ -143,11 +148,12 @@ struct Scratch {
   float* sp;     // [kTile][L]  scores, then probabilities
   float* kf;     // [kTile][d]  the tile's K rows in float32
   float* vfl;    // [kTile][d]  the tile's V rows in float32
+  float* scores;  // [L][kScoreStride]  a decode item's scores, then probabilities (own keys)
   int32_t qpos[kMaxRows];  // position of each row's query; -1 for padding rows
 
   void setup(int d) {
     const size_t L = kMaxRows;
-    const size_t need = 2 * d * L + L * d + 3 * L + kTile * L + 2 * kTile * d;
+    const size_t need = 2 * d * L + L * d + 3 * L + kTile * L + 2 * kTile * d + L * kScoreStride;
     if (buf.size() < need) buf.resize(need);
     float* p = buf.data();
     qt = p; p += d * L;
@@ -158,7 +164,8 @@ struct Scratch {
     alpha = p; p += L;
     sp = p; p += kTile * L;
     kf = p; p += kTile * d;
-    vfl = p;
+    vfl = p; p += kTile * d;
+    scores = p;
   }
 };
 
@@ -221,6 +228,19 @@ inline void prefetch_row(const T* row, int d) {
   for (int64_t b = 0; b < int64_t(d) * int64_t(sizeof(T)); b += 64) __builtin_prefetch(p + b);
 }
 
+// Loads one word of each cache line of row[0 .. n): the lines start arriving while other work
+// runs (demand loads, unlike prefetch hints, keep many misses in flight here: 1.3-1.5x less
+// waiting than prefetcht0/t1 on this kernel's scattered pages).
+template <typename T>
+inline void touch_row(const T* row, int64_t n) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < n * int64_t(sizeof(T)); b += 64) {
+    int32_t v;
+    std::memcpy(&v, p + b, sizeof v);
+    asm volatile("" : : "r"(v));
+  }
+}
+
 typedef float vf4 __attribute__((vector_size(16)));
 
 inline float hsum(vf v) {
@@ -231,45 +251,6 @@ inline float hsum(vf v) {
     a += part;
   }
   return (a[0] + a[2]) + (a[1] + a[3]);
-}
-
-// Scores of NR <= 4 rows (a decode GQA group) as dot products: rows in vector lanes would
-// leave most lanes idle. Two keys at a time share each q load. sp[j][r] as the wide path.
-template <int NR>
-void narrow_scores(Scratch& s, const float* const* krows, int n, int d, int L) {
-  for (int j = 0; j < n; j += 2) {
-    const bool two = j + 1 < n;
-    const float* k0 = krows[j];
-    const float* k1 = two ? krows[j + 1] : k0;
-    vf a0[NR], a1[NR];
-    for (int r = 0; r < NR; ++r) a0[r] = a1[r] = splat(0.0f);
-    for (int c = 0; c < d; c += kLanes) {
-      const vf kv0 = loadf(k0 + c), kv1 = loadf(k1 + c);
-      for (int r = 0; r < NR; ++r) {
-        const vf qv = loadf(s.qr + r * d + c);
-        a0[r] += qv * kv0;
-        a1[r] += qv * kv1;
-      }
-    }
-    for (int r = 0; r < NR; ++r) {
-      s.sp[j * L + r] = hsum(a0[r]);
-      if (two) s.sp[(j + 1) * L + r] = hsum(a1[r]);
-    }
-  }
-}
-
-// acc[0 .. NC vectors) = acc * a + sum_j p[j][r] * V[j][c ..]: NC accumulators in registers
-template <int NC>
-inline void pv_block(const Scratch& s, const float* const* vrows, float* acc, float a, int r,
-                     int n, int c, int L) {
-  vf o[NC];
-  for (int u = 0; u < NC; ++u) o[u] = loadf(acc + u * kLanes) * a;
-  for (int j = 0; j < n; ++j) {
-    const vf p = splat(s.sp[j * L + r]);
-    const float* vrow = vrows[j] + c;
-    for (int u = 0; u < NC; ++u) o[u] += p * loadf(vrow + u * kLanes);
-  }
-  for (int u = 0; u < NC; ++u) storef(acc + u * kLanes, o[u]);
 }
 
 // Pins a loaded vector in a register: without it GCC folds every use of a loaded row vector
@@ -419,7 +400,6 @@ void attend(Scratch& s, int R, int d, const T* k_head, const T* v_head, int64_t 
     qp[v] = loadi(s.qpos + v * kLanes);
     ql[v] = qp[v] - (window - 1);
   }
-  const bool narrow = RV == 1 && R <= 4;  // a GQA group of a decode row: dot products
   for (int64_t kb = begin; kb < end; kb += kTile) {
     const int n = static_cast<int>(std::min<int64_t>(kTile, end - kb));
     const int64_t pos0 = keys.pos_base + kb, pos1 = pos0 + n - 1;  // the tile's positions
@@ -434,25 +414,6 @@ void attend(Scratch& s, int R, int d, const T* k_head, const T* v_head, int64_t 
     const float* vrows[kTile];
     rows_f32(krows, s.kf, k_head, keys.slots + kb, n, d, slot_stride);
     rows_f32(vrows, s.vfl, v_head, keys.slots + kb, n, d, slot_stride);
-    if (narrow) {
-      for (int j = 0; j < n; ++j)  // rows past R: masked below, but never garbage
-        for (int r = R; r < L; ++r) s.sp[j * L + r] = 0.0f;
-      switch (R) {
-        case 1: narrow_scores<1>(s, krows, n, d, L); break;
-        case 2: narrow_scores<2>(s, krows, n, d, L); break;
-        case 3: narrow_scores<3>(s, krows, n, d, L); break;
-        default: narrow_scores<4>(s, krows, n, d, L); break;
-      }
-      softmax_rows(s, 0, L, n, pos0, qp[0], ql[0], cap, true);
-      for (int r = 0; r < R; ++r) {  // acc = acc * alpha + P @ V
-        const float a = s.alpha[r];
-        float* acc = s.acc + r * d;
-        int c = 0;
-        for (; c + 4 * kLanes <= d; c += 4 * kLanes) pv_block<4>(s, vrows, acc + c, a, r, n, c, L);
-        for (; c < d; c += kLanes) pv_block<1>(s, vrows, acc + c, a, r, n, c, L);
-      }
-      continue;
-    }
     // whole register tiles of keys: the padding keys repeat the last row (their scores are
     // computed, never read)
     for (int j = n; j % kTileCols; ++j) krows[j] = krows[n - 1];
@@ -481,11 +442,10 @@ void attend(Scratch& s, int R, int d, const T* k_head, const T* v_head, int64_t 
     if constexpr (RV % kTileRows != 0)
       run(std::integral_constant<int, RV % kTileRows>{}, full);
   }
-  if (!narrow) {  // accT [d][L] -> acc [R][d], through qr (free once the scores are done)
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < d; ++c) s.qr[r * d + c] = s.acc[c * L + r];
-    std::memcpy(s.acc, s.qr, sizeof(float) * R * d);
-  }
+  // accT [d][L] -> acc [R][d], through qr (free once the scores are done)
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < d; ++c) s.qr[r * d + c] = s.acc[c * L + r];
+  std::memcpy(s.acc, s.qr, sizeof(float) * R * d);
 }
 
 template <typename T>
@@ -499,6 +459,189 @@ void attend_rows(Scratch& s, int R, int d, const T* k_head, const T* v_head,
     SGL_CASE(15) SGL_CASE(16)
 #undef SGL_CASE
     default: TORCH_CHECK(false, "paged_attention_cpu: too many rows per item: ", R);
+  }
+}
+
+// ---- DECODE, a sequence's own keys, GQA groups of G <= 4 rows: keys in vector lanes ----
+// A decode item over one sequence's own keys holds all its H = KVH x G query heads: rows of
+// one query position, so every key of the item's chunk (at most kChunk) is seen by every
+// row (a window only moves where the chunk starts). It reads each key's K and V rows of all
+// KV heads at once (contiguous in the pool: the cache lines of a page arrive as one stream,
+// 1.6x the rate of one head's strided slice), then, with no online softmax and no masks,
+// three passes over the chunk, keys or dims in vector lanes:
+//
+//     scores   S[r][j] = q[r] . K[j][head(r)]: per 8 keys, 8 vectors of partial dot products
+//              folded into one vector of the 8 scores (fold8); the K/V rows of the keys
+//              kAhead further on are touched meanwhile (their pages are scattered)
+//     softmax  m[r] = max_j S, P[r][j] = exp(S - m), l[r] = sum_j P: 8 (16) keys per exp
+//     P @ V    acc[r][c] = sum_j P[r][j] V[j][head(r)][c]: per KV head, its rows x NC vectors
+//              of d accumulated in registers per block of kTile keys, each V vector loaded
+//              once for all the head's rows
+
+constexpr int kAhead = 32;  // keys whose K/V rows are touched ahead of the score pass
+
+typedef float vf8 __attribute__((vector_size(32)));
+
+// v's lanes summed down to 8 (identity when a register holds 8 floats)
+inline vf8 to8(vf v) {
+  vf8 r;
+  std::memcpy(&r, &v, sizeof r);
+  for (int c = 8; c < kLanes; c += 8) {
+    vf8 part;
+    std::memcpy(&part, reinterpret_cast<const float*>(&v) + c, sizeof part);
+    r += part;
+  }
+  return r;
+}
+
+// One vector of the 8 sums of a[0..7]'s lanes, in the order kFold: three rounds of
+// shuffle-and-add halve the partial sums per input while doubling the inputs per vector.
+constexpr int kFold[8] = {0, 4, 2, 6, 1, 5, 3, 7};  // lane i holds the sum of a[kFold[i]]
+inline vf8 fold8(const vf8* a) {
+  vf8 t[4], u[2];
+  for (int i = 0; i < 4; ++i)
+    t[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(t[2 * i], t[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(u[0], u[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+         __builtin_shufflevector(u[0], u[1], 1, 9, 3, 11, 5, 13, 7, 15);
+}
+
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+// sc[r][j] = q[r] . K[slots[j]][r / G] for j < n (queries in s.qr, scaled), then lanes up to
+// the next whole vector set to 0. A pool row holds the kvh heads: width = kvh * d.
+template <typename T>
+void heads_scores(Scratch& s, int kvh, int G, int d, const T* kp, const T* vp,
+                  const int64_t* slots, int n, float* sc) {
+  const int64_t width = int64_t(kvh) * d;
+  auto touch = [&](int j) {
+    touch_row(kp + slots[j] * width, width);
+    touch_row(vp + slots[j] * width, width);
+  };
+  for (int j = 0; j < std::min(n, kAhead); ++j) touch(j);
+  for (int j = 0; j < n; j += 8) {
+    const int m = std::min(8, n - j);
+    for (int k = j + kAhead; k < std::min(n, j + kAhead + 8); ++k) touch(k);
+    const T* kr[8];  // keys past n repeat the last one (their scores are overwritten)
+    for (int k = 0; k < 8; ++k) kr[k] = kp + slots[j + std::min(k, m - 1)] * width;
+    for (int h = 0; h < kvh; ++h)
+      for (int r = h * G; r < (h + 1) * G; ++r) {
+        const float* q = s.qr + r * d;
+        vf acc[8];
+        for (int k = 0; k < 8; ++k) acc[k] = splat(0.0f);
+        for (int c = h * d; c < (h + 1) * d; c += kLanes) {
+          vf qv = loadf(q + c - h * d);
+          in_register(qv);
+          for (int k = 0; k < 8; ++k) acc[k] += qv * load16(kr[k] + c);
+        }
+        vf8 a[8];
+        for (int i = 0; i < 8; ++i) a[i] = to8(acc[kFold[i]]);
+        const vf8 scores = fold8(a);
+        std::memcpy(sc + r * kScoreStride + j, &scores, sizeof scores);
+      }
+  }
+  const int padded = (n + kLanes - 1) / kLanes * kLanes;
+  for (int r = 0; r < kvh * G; ++r)
+    for (int j = n; j < padded; ++j) sc[r * kScoreStride + j] = 0.0f;
+}
+
+// Row r's n scores (padded to whole vectors) soft-capped and turned into probabilities in
+// place; the row's m and l into s.
+inline void row_softmax(Scratch& s, int r, int n, float cap, float* sc) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int nv = (n + kLanes - 1) / kLanes;
+  float* row = sc + r * kScoreStride;
+  if (cap > 0.0f)
+    for (int v = 0; v < nv; ++v) storef(row + v * kLanes, vsoftcap(loadf(row + v * kLanes), cap));
+  for (int j = n; j < nv * kLanes; ++j) row[j] = neg_inf;  // padding: no probability
+  vf mx = splat(neg_inf);
+  for (int v = 0; v < nv; ++v) mx = vmax(mx, loadf(row + v * kLanes));
+  const float m = hmax(mx);
+  vf sum = splat(0.0f);
+  for (int v = 0; v < nv; ++v) {
+    const vf x = loadf(row + v * kLanes);
+    const vf p = x == neg_inf ? splat(0.0f) : vexp(x - m);
+    storef(row + v * kLanes, p);
+    sum += p;
+  }
+  s.m[r] = m;
+  s.l[r] = hsum(sum);
+}
+
+// acc[r][c0 .. c0 + NC vectors) += sum_j P[r][j] V[j][voff + c0 ..] for rows r0 .. r0 + NR
+// and nb keys: one V vector loaded per (key, column vector) for all NR rows.
+template <typename T, int NR, int NC>
+inline void pv_rows_block(float* acc, int d, const float* p, const T* const* vr, int64_t voff,
+                          int nb, int r0, int c0) {
+  vf o[NR][NC];
+  for (int r = 0; r < NR; ++r)
+    for (int u = 0; u < NC; ++u) o[r][u] = loadf(acc + (r0 + r) * d + c0 + u * kLanes);
+  for (int j = 0; j < nb; ++j) {
+    vf v[NC];
+    for (int u = 0; u < NC; ++u) {
+      v[u] = load16(vr[j] + voff + c0 + u * kLanes);
+      in_register(v[u]);
+    }
+    for (int r = 0; r < NR; ++r) {
+      const vf pr = splat(p[(r0 + r) * kScoreStride + j]);
+      for (int u = 0; u < NC; ++u) o[r][u] += pr * v[u];
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int u = 0; u < NC; ++u) storef(acc + (r0 + r) * d + c0 + u * kLanes, o[r][u]);
+}
+
+// Rows r0 .. r0 + NR: whole NC-vector column blocks, then single vectors for the rest of d.
+template <typename T, int NR, int NC>
+inline void pv_rows(float* acc, int d, const float* p, const T* const* vr, int64_t voff, int nb,
+                    int r0) {
+  int c = 0;
+  for (; c + NC * kLanes <= d; c += NC * kLanes)
+    pv_rows_block<T, NR, NC>(acc, d, p, vr, voff, nb, r0, c);
+  for (; c < d; c += kLanes) pv_rows_block<T, NR, 1>(acc, d, p, vr, voff, nb, r0, c);
+}
+
+// The kvh * G rows loaded in s (queries in s.qr; row r reads KV head r / G) against keys
+// slots[0 .. n), n <= kChunk, all of which every row sees: s.m, s.l and s.acc [R][d] as
+// `attend` leaves them.
+template <typename T>
+void attend_heads(Scratch& s, int kvh, int G, int d, const T* kp, const T* vp,
+                  const int64_t* slots, int n, float cap) {
+  const int R = kvh * G;
+  float* sc = s.scores;  // [R][kScoreStride]
+  std::memset(s.acc, 0, sizeof(float) * R * d);
+  if (n <= 0) {
+    for (int r = 0; r < R; ++r) {
+      s.m[r] = -std::numeric_limits<float>::infinity();
+      s.l[r] = 0.0f;
+    }
+    return;
+  }
+  heads_scores<T>(s, kvh, G, d, kp, vp, slots, n, sc);
+  for (int r = 0; r < R; ++r) row_softmax(s, r, n, cap, sc);
+  const int64_t width = int64_t(kvh) * d;
+  for (int j0 = 0; j0 < n; j0 += kTile) {
+    const int nb = std::min(kTile, n - j0);
+    const T* vr[kTile];
+    for (int j = 0; j < nb; ++j) vr[j] = vp + slots[j0 + j] * width;
+    const float* p = sc + j0;
+    for (int h = 0; h < kvh; ++h) {
+      const int64_t voff = int64_t(h) * d;
+      switch (G) {  // NR x NC accumulators: at most 8 of AVX2's 16 registers
+        case 1: pv_rows<T, 1, 4>(s.acc, d, p, vr, voff, nb, h); break;
+        case 2: pv_rows<T, 2, 4>(s.acc, d, p, vr, voff, nb, 2 * h); break;
+        case 3: pv_rows<T, 3, 2>(s.acc, d, p, vr, voff, nb, 3 * h); break;
+        default: pv_rows<T, 2, 4>(s.acc, d, p, vr, voff, nb, 4 * h);
+                 pv_rows<T, 2, 4>(s.acc, d, p, vr, voff, nb, 4 * h + 2); break;
+      }
+    }
   }
 }
 
@@ -612,31 +755,46 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
   const int64_t G = H / kvh, Ls = shared_slots.numel();
   const int64_t* lo = own_lo.data_ptr<int64_t>();
   const int64_t* hi = own_hi.data_ptr<int64_t>();
-  // Items; each owns R partial rows [m, l, acc[d]] at `part` in the partials buffer.
+  // A sequence's own keys: one item per chunk for all its H rows (every KV head, rows in
+  // lanes of keys: attend_heads) when its GQA groups are small, else per KV head (attend).
+  const bool all_heads = G <= 4 && H <= kMaxRows;
+  // own chunks of all heads are 2x smaller than a head's: a single sequence still splits
+  // into several items per thread
+  const int64_t own_chunk = all_heads ? kChunk / 2 : kChunk;
+  // Items; each owns R partial rows [m, l, acc[d]] at `part` in the partials buffer. head
+  // is -1 for an all-heads item.
   struct Item { int64_t head, row0, rows, k0, k1, part; bool shared; };
   std::vector<Item> items;
-  // items[first[h * (B + 1)] ..] are head h's shared-prefix items, then its sequences' own
-  // items: sequence b's are items[first[h * (B + 1) + b + 1] .. first[h * (B + 1) + b + 2])
-  std::vector<int64_t> first(kvh * (B + 1) + 1);
+  // shared_first[h] .. shared_first[h + 1]: head h's shared-prefix items; own_first[b * kvh
+  // + h] .. [+ 1]: sequence b's own items holding head h's rows (all-heads items: head 0's
+  // range holds them, the other heads' are empty)
+  std::vector<int64_t> shared_first(kvh + 1), own_first(B * kvh + 1);
   const int64_t row_floats = d + 2;
   int64_t parts = 0;
   for (int64_t h = 0; h < kvh; ++h) {
-    first[h * (B + 1)] = static_cast<int64_t>(items.size());
+    shared_first[h] = static_cast<int64_t>(items.size());
     for (int64_t k0 = 0; k0 < Ls; k0 += kChunk)  // shared prefix: all B * G rows
       for (int64_t r0 = 0; r0 < B * G; r0 += kMaxRows) {
         const int64_t rows = std::min<int64_t>(kMaxRows, B * G - r0);
         items.push_back({h, r0, rows, k0, std::min(Ls, k0 + kChunk), parts, true});
         parts += rows * row_floats;
       }
-    for (int64_t b = 0; b < B; ++b) {  // each sequence's own keys: its G rows
-      first[h * (B + 1) + b + 1] = static_cast<int64_t>(items.size());
-      for (int64_t k0 = lo[b]; k0 < hi[b]; k0 += kChunk) {
-        items.push_back({h, b * G, G, k0, std::min(hi[b], k0 + kChunk), parts, false});
-        parts += G * row_floats;
+  }
+  shared_first[kvh] = static_cast<int64_t>(items.size());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < kvh; ++h) {
+      own_first[b * kvh + h] = static_cast<int64_t>(items.size());
+      if (all_heads && h > 0) continue;
+      // a window hides the keys before hi - window (the query sits at own key hi - 1)
+      const int64_t first = all_heads ? std::max(lo[b], hi[b] - window) : lo[b];
+      for (int64_t k0 = first; k0 < hi[b]; k0 += own_chunk) {
+        const int64_t rows = all_heads ? H : G;
+        items.push_back({all_heads ? -1 : h, b, rows, k0, std::min(hi[b], k0 + own_chunk),
+                         parts, false});
+        parts += rows * row_floats;
       }
     }
-  }
-  first[kvh * (B + 1)] = static_cast<int64_t>(items.size());
+  own_first[B * kvh] = static_cast<int64_t>(items.size());
   at::Tensor partials = at::empty({std::max<int64_t>(parts, 1)}, q.options().dtype(at::kFloat));
   float* pp = partials.data_ptr<float>();
   const TQ* qp = q.data_ptr<TQ>();
@@ -650,20 +808,30 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
     const Item it = items[idx];
     const int R = static_cast<int>(it.rows);
     Scratch& s = scratch(static_cast<int>(d));
-    // row r of the item: flat row it.row0 + r = sequence b, group head g
-    for (int r = 0; r < R; ++r) {
-      const int64_t b = (it.row0 + r) / G;
-      s.qpos[r] = static_cast<int32_t>(Ls + hi[b] - 1);
+    if (it.head < 0) {  // all heads of sequence it.row0, its own keys
+      const int64_t b = it.row0;
+      load_rows<TQ>(s, R, d, static_cast<float>(scale),
+                   [&](int r) { return qp + b * qs0 + r * qs1; });
+      attend_heads<TKV>(s, static_cast<int>(kvh), static_cast<int>(G), static_cast<int>(d), kp,
+                      vp, own + b * own_len + it.k0, static_cast<int>(it.k1 - it.k0),
+                      static_cast<float>(cap));
+    } else {
+      // row r of the item: shared items' flat row it.row0 + r = sequence b, group head g;
+      // own items' row r = group head r of sequence it.row0
+      const int64_t row0 = it.shared ? it.row0 : it.row0 * G;
+      for (int r = 0; r < R; ++r) {
+        const int64_t b = (row0 + r) / G;
+        s.qpos[r] = static_cast<int32_t>(Ls + hi[b] - 1);
+      }
+      load_rows<TQ>(s, R, d, static_cast<float>(scale), [&](int r) {
+        const int64_t b = (row0 + r) / G, g = (row0 + r) % G;
+        return qp + b * qs0 + (it.head * G + g) * qs1;
+      });
+      Keys keys = it.shared ? Keys{shared, it.k0, it.k1, 0}
+                            : Keys{own + it.row0 * own_len, it.k0, it.k1, Ls};
+      attend_rows<TKV>(s, R, d, kp + it.head * d, vp + it.head * d, kvh * d, keys,
+                     static_cast<int32_t>(window), static_cast<float>(cap));
     }
-    load_rows<TQ>(s, R, d, static_cast<float>(scale), [&](int r) {
-      const int64_t b = (it.row0 + r) / G, g = (it.row0 + r) % G;
-      return qp + b * qs0 + (it.head * G + g) * qs1;
-    });
-    const int64_t b0 = it.row0 / G;
-    Keys keys = it.shared ? Keys{shared, it.k0, it.k1, 0}
-                          : Keys{own + b0 * own_len, it.k0, it.k1, Ls};
-    attend_rows<TKV>(s, R, d, kp + it.head * d, vp + it.head * d, kvh * d, keys,
-                   static_cast<int32_t>(window), static_cast<float>(cap));
     float* part = pp + it.part;
     for (int r = 0; r < R; ++r) {
       part[r * row_floats] = s.m[r];
@@ -679,17 +847,19 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
     std::vector<const float*> rows;
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / kvh, h = bh % kvh;
-      const int64_t* f = first.data() + h * (B + 1);
+      // this head's rows within its sequence's own items
+      const int64_t own_at = all_heads ? b * kvh : bh;
+      const int64_t own_row0 = all_heads ? h * G : 0;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t row = b * G + g;
         rows.clear();
-        for (int64_t i = f[0]; i < f[1]; ++i) {  // shared items: the row group holding row
-          const Item& it = items[i];
+        for (int64_t i = shared_first[h]; i < shared_first[h + 1]; ++i) {
+          const Item& it = items[i];  // shared items: the row group holding row
           if (row >= it.row0 && row < it.row0 + it.rows)
             rows.push_back(pp + it.part + (row - it.row0) * row_floats);
         }
-        for (int64_t i = f[b + 1]; i < f[b + 2]; ++i)  // sequence b's own items
-          rows.push_back(pp + items[i].part + g * row_floats);
+        for (int64_t i = own_first[own_at]; i < own_first[own_at + 1]; ++i)
+          rows.push_back(pp + items[i].part + (own_row0 + g) * row_floats);
         float M = neg_inf;
         for (const float* part : rows) M = std::max(M, part[0]);
         float Lsum = 0.0f;

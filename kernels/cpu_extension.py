@@ -35,9 +35,14 @@ from types import ModuleType
 
 CSRC = Path(__file__).parent / "csrc"
 BUILD_DIR = Path(sys.prefix) / "share" / "sgl-tpu" / "extensions"
+# Compiler flags per build flavour, tried in order. `-fopenmp` makes the kernels' at::parallel_for
+# run on torch's intra-op threads (without it ATen's OpenMP pragma compiles to a serial loop);
+# the module then uses the libgomp torch has already loaded. "serial" is for compilers without
+# OpenMP.
 FLAVOURS = {
-    "native": ["-O3", "-march=native", "-ffp-contract=fast", "-Wno-psabi"],
-    "portable": ["-O3", "-ffp-contract=fast", "-Wno-psabi"],
+    "native": ["-O3", "-march=native", "-ffp-contract=fast", "-Wno-psabi", "-fopenmp"],
+    "portable": ["-O3", "-ffp-contract=fast", "-Wno-psabi", "-fopenmp"],
+    "serial": ["-O3", "-ffp-contract=fast", "-Wno-psabi"],
 }
 INSTALL_HINT = "build it with `make install` (or `python -m sgl_tpu.kernels.cpu_extension`)"
 
@@ -72,6 +77,11 @@ LAYER_OPS = CpuExtension(CSRC / "layer_ops_cpu.cpp", "sgl_tpu_layer_ops_cpu",
                          "fused CPU layer ops")
 EXTENSIONS = (ATTENTION, QUANT_GEMM, LAYER_OPS)
 SOURCE = ATTENTION.source  # the attention extension's (the module-level functions below)
+
+
+def link_flags(flags: list[str]) -> list[str]:
+    """The linker flags a flavour's compiler flags need (OpenMP's runtime)."""
+    return [f for f in flags if f == "-fopenmp"]
 
 
 def _cpu_flags() -> str:
@@ -142,6 +152,7 @@ def build(ext: CpuExtension = ATTENTION, verbose: bool = False) -> Path:
         tmp_dir.mkdir(parents=True, exist_ok=True)
         try:
             cpp_extension.load(name=name, sources=[str(ext.source)], extra_cflags=flags,
+                               extra_ldflags=link_flags(flags),
                                build_directory=str(tmp_dir), verbose=verbose)
         except Exception as e:  # a compiler or ninja error: try the next flavour
             shutil.rmtree(tmp_dir, ignore_errors=True)

@@ -71,6 +71,8 @@ def _baseline_backend(source: Path, build_dir: str) -> SimpleNamespace:
 
     kernel = cpp_extension.load(name=ext.module_name("native"), sources=[str(source)],
                                 extra_cflags=cpu_extension.FLAVOURS["native"],
+                                extra_ldflags=cpu_extension.link_flags(
+                                    cpu_extension.FLAVOURS["native"]),
                                 build_directory=build_dir)
 
     def extend_attention(q, k_pool, v_pool, seqs, scale, sliding_window=None, logit_cap=None):

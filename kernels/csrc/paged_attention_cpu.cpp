@@ -139,9 +139,10 @@ inline vf vsoftcap(vf x, float cap) {
 struct Scratch {
   std::vector<float> buf;
   float* qt;     // [d][L]      queries, transposed and scaled
-  float* qr;     // [L][d]      the same, row-major (the narrow score path's layout)
-  float* acc;    // running P @ V: [L][d] on the narrow path, transposed [d][L] on the wide
-                 // one (back to [R][d] when the item's keys are done)
+  float* qr;     // [L][d]      the same, row-major (attend_heads' layout; attend's
+                 //             transpose buffer once its scores are done)
+  float* acc;    // running P @ V: [L][d] in attend_heads, transposed [d][L] in attend
+                 // (back to [R][d] when the item's keys are done)
   float* m;      // [L]         running max per row
   float* l;      // [L]         running sum of exp per row
   float* alpha;  // [L]         this tile's rescale per row

@@ -168,6 +168,18 @@ def build(ext: CpuExtension = ATTENTION, verbose: bool = False) -> Path:
     raise RuntimeError(f"building the {ext.title} failed:\n" + "\n".join(failures))
 
 
+def build_copy(source: Path, prefix: str, build_dir: str) -> ModuleType:
+    """Compile another version of a kernel source (benchmarks' `--baseline-source`) into
+    `build_dir` with the native flags, and load it; no caching, no fallback."""
+    from torch.utils import cpp_extension
+
+    ext = CpuExtension(Path(source), prefix, f"baseline {prefix}")
+    flags = FLAVOURS["native"]
+    return cpp_extension.load(name=ext.module_name("native"), sources=[str(source)],
+                              extra_cflags=flags, extra_ldflags=link_flags(flags),
+                              build_directory=build_dir)
+
+
 def main() -> int:
     fallback = {ATTENTION: "torch-sdpa will be used",
                 QUANT_GEMM: "float32 servers keep dense projections",

@@ -66,14 +66,7 @@ def _baseline_backend(source: Path, build_dir: str) -> SimpleNamespace:
     from sgl_tpu.kernels import cpu_extension
     from sgl_tpu.kernels import paged_attention_cpu as fused
 
-    ext = cpu_extension.CpuExtension(source, "sgl_tpu_attn_cpu_baseline", "baseline attention")
-    from torch.utils import cpp_extension
-
-    kernel = cpp_extension.load(name=ext.module_name("native"), sources=[str(source)],
-                                extra_cflags=cpu_extension.FLAVOURS["native"],
-                                extra_ldflags=cpu_extension.link_flags(
-                                    cpu_extension.FLAVOURS["native"]),
-                                build_directory=build_dir)
+    kernel = cpu_extension.build_copy(source, "sgl_tpu_attn_cpu_baseline", build_dir)
 
     def extend_attention(q, k_pool, v_pool, seqs, scale, sliding_window=None, logit_cap=None):
         return kernel.extend(q, k_pool, v_pool, [s.slots for s in seqs],

@@ -20,14 +20,22 @@ it per matrix.
 baseline of the ratios) with the compiled block kernels of kernels/quant_gemm_cpu.py: "q4f32"
 (int4 groups, the GGUF's Q4_x projections) and "q8f32" (Q8_0 blocks, the vocabulary head), and
 their int8-activation forms "q4a8" / "q8a8" (`--quantization gguf-a8`); the step totals are then
-q4f32 layers + q8f32 head (and q4a8 + q8a8) against f32.
+q4f32 layers + q8f32 head (and q4a8 + q8a8) against f32. With `--baseline-source OLD.cpp`
+(another version of csrc/quant_gemm_cpu.cpp, e.g. `git show REV:kernels/csrc/quant_gemm_cpu.cpp`)
+that source is compiled into a temporary directory and timed beside them as "q4f32_base" /
+"q8f32_base" on the same blocks, interleaved (`q4f32_vs_base`: the built kernel's time over
+the baseline's).
+
+    python -m sgl_tpu.bench.quant_linear --dtype float32 --rows 1,4,8,16 --baseline-source OLD.cpp
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -77,8 +85,10 @@ def _methods(n: int, k: int, rng: np.random.Generator, copies: int) -> dict[str,
     }
 
 
-def _f32_methods(n: int, k: int, rng: np.random.Generator, copies: int) -> dict[str, list]:
-    """Dense float32 and the compiled float32 block kernels, `copies` of each."""
+def _f32_methods(n: int, k: int, rng: np.random.Generator, copies: int,
+                 baseline=None) -> dict[str, list]:
+    """Dense float32 and the compiled float32 block kernels, `copies` of each; with `baseline`
+    (a compiled copy of another kernel source) its q4 / q8 GEMMs on the same blocks."""
     import torch
 
     from sgl_tpu.executor.torch.quant_linear import (
@@ -99,11 +109,18 @@ def _f32_methods(n: int, k: int, rng: np.random.Generator, copies: int) -> dict[
         dense = w32.clone()
         return lambda x: torch.nn.functional.linear(x, dense)
 
-    return {"f32": [f32() for _ in range(copies)],
-            "q4f32": [Q4F32Kernel(q4) for _ in range(copies)],
-            "q8f32": [Q8F32Kernel(q8) for _ in range(copies)],
-            "q4a8": [Q4A8Kernel(q4) for _ in range(copies)],
-            "q8a8": [Q8A8Kernel(q8) for _ in range(copies)]}
+    methods = {"f32": [f32() for _ in range(copies)],
+               "q4f32": [Q4F32Kernel(q4) for _ in range(copies)],
+               "q8f32": [Q8F32Kernel(q8) for _ in range(copies)],
+               "q4a8": [Q4A8Kernel(q4) for _ in range(copies)],
+               "q8a8": [Q8A8Kernel(q8) for _ in range(copies)]}
+    if baseline is not None:
+        methods["q4f32_base"] = [
+            lambda x, b=k4.blocks: baseline.q4_gemm(x, b.qs, b.scale, b.zero)
+            for k4 in methods["q4f32"]]
+        methods["q8f32_base"] = [lambda x, b=k8.blocks: baseline.q8_gemm(x, b.qs, b.scale)
+                                 for k8 in methods["q8f32"]]
+    return methods
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -115,6 +132,15 @@ def run(args: argparse.Namespace) -> dict:
     weight_bytes = 4 if f32 else 2
 
     torch.set_num_threads(args.threads)
+    baseline = None
+    if args.baseline_source is not None:
+        if not f32:
+            raise SystemExit("--baseline-source compares the float32 kernels: add --dtype float32")
+        from sgl_tpu.kernels import cpu_extension
+
+        build_dir = tempfile.mkdtemp(prefix="sgl_tpu_qgemm_baseline_")
+        baseline = cpu_extension.build_copy(args.baseline_source, "sgl_tpu_qgemm_baseline",
+                                            build_dir)
     rng = np.random.default_rng(0)
     rows = [int(r) for r in args.rows.split(",")]
     results: dict = {"dtype": args.dtype, "threads": args.threads, "calls": args.calls,
@@ -124,7 +150,8 @@ def run(args: argparse.Namespace) -> dict:
     for name, (n, k) in SHAPES.items():
         # enough distinct copies that consecutive calls never find their weights in cache
         copies = max(2, -(-args.cold_bytes // (weight_bytes * n * k)))
-        methods = (_f32_methods if f32 else _methods)(n, k, rng, copies)
+        methods = (_f32_methods(n, k, rng, copies, baseline) if f32
+                   else _methods(n, k, rng, copies))
         per_m = {}
         for m in rows:
             x = torch.randn(m, k).to(x_dtype)
@@ -132,8 +159,11 @@ def run(args: argparse.Namespace) -> dict:
             with torch.inference_mode():
                 for fns in methods.values():
                     fns[0](x)  # warm
-                for _ in range(args.repeats):
-                    for key, fns in methods.items():  # interleaved
+                order = list(methods.items())
+                for rep in range(args.repeats):
+                    # interleaved, every other repetition in reverse order: a method's time
+                    # depends on what ran before it (measured up to 1.18x for identical code)
+                    for key, fns in (order[::-1] if rep % 2 else order):
                         t0 = time.perf_counter()
                         for i in range(args.calls):
                             fns[i % copies](x)
@@ -144,6 +174,9 @@ def run(args: argparse.Namespace) -> dict:
                              for key, v in best.items() if key != base})
             per_m[m].update({f"{key}_median": round(statistics.median(v), 1)
                              for key, v in times.items()})
+            if baseline is not None:
+                per_m[m].update({f"{key}_vs_base": round(best[key] / best[f"{key}_base"], 3)
+                                 for key in ("q4f32", "q8f32")})
         results["shapes"][name] = {"n": n, "k": k, "by_rows": per_m}
         print(name, per_m, flush=True)
     step = {}
@@ -156,6 +189,9 @@ def run(args: argparse.Namespace) -> dict:
         if f32:
             dense = total("f32", "f32")
             step[m] = {"f32_us": round(dense),
+                       **({"q4f32_layers_q8f32_head_vs_base": round(
+                           total("q4f32", "q8f32") / total("q4f32_base", "q8f32_base"), 3)}
+                          if baseline is not None else {}),
                        "q4f32_layers_q8f32_head_vs_f32": round(total("q4f32", "q8f32") / dense, 3),
                        "q4a8_layers_q8a8_head_vs_f32": round(total("q4a8", "q8a8") / dense, 3),
                        "q4f32_layers_f32_head_vs_f32": round(total("q4f32", "f32") / dense, 3)}
@@ -179,6 +215,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="activations: bf16 (torch's int kernels) or float32 (compiled blocks)")
     p.add_argument("--cold-bytes", type=int, default=256 * 2**20,
                    help="dense bytes the weight copies cycled through span (beyond the caches)")
+    p.add_argument("--baseline-source", type=Path, default=None,
+                   help="another csrc/quant_gemm_cpu.cpp, timed beside the built one (float32)")
     p.add_argument("--output", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     emit(run(args), args.output)

@@ -1,5 +1,6 @@
 """`--kv-cache-dtype`: the flag (bfloat16 / bf16 accepted, SGLang's fp8 choices refused by name,
-the jax backend refused), and a float32 model on the torch backend with a bfloat16 KV pool:
+the jax backend refused; `auto` resolving to bfloat16 under the machine's float32), and a
+float32 model on the torch backend with a bfloat16 KV pool:
 half the pool bytes per token, logits close to the float32 pool's through every torch
 attention backend and with the fused layer ops on and off, and the default model's greedy
 tokens unchanged. (The kernels' own bfloat16-pool tests: test_attention_cpu_fused.py,
@@ -59,6 +60,26 @@ def test_flag_accepts_bfloat16_and_refuses_fp8_by_name(capsys):
     # config is resolved
     with pytest.raises(ValueError, match="--kv-cache-dtype bf16 needs the torch backend"):
         registry._resolve_kv_cache_dtype(args.replace(backend="auto"), "jax")
+
+
+def test_auto_is_bfloat16_only_where_the_dtype_is_the_machines_float32(monkeypatch):
+    """`auto` under `--dtype auto` on a CPU without bf16 units (float32 compute, torch): a
+    bfloat16 pool; an explicit `--dtype float32`, a bf16 CPU, deterministic inference and the
+    jax backend keep the compute dtype."""
+    from sgl_tpu.executor.torch import device
+
+    def resolve(**kw):
+        return runner_config(ServerArgs(backend="torch", **kw), 2048)
+
+    monkeypatch.setattr(device, "cpu_has_bf16_units", lambda: False)
+    cfg = resolve()
+    assert (cfg.dtype, cfg.kv_cache_dtype, cfg.kv_dtype) == ("float32", "bfloat16", "bfloat16")
+    assert resolve(dtype="float32").kv_dtype == "float32"
+    assert resolve(enable_deterministic_inference=True).kv_dtype == "float32"
+    assert registry._resolve_kv_cache_dtype(ServerArgs(), "jax") == "auto"
+    monkeypatch.setattr(device, "cpu_has_bf16_units", lambda: True)
+    cfg = resolve()
+    assert (cfg.dtype, cfg.kv_cache_dtype, cfg.kv_dtype) == ("bfloat16", "auto", "bfloat16")
 
 
 def _runner(loaded, attn: str, kv: str, layer_ops: bool, static: bool = False):

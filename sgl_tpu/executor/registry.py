@@ -191,9 +191,20 @@ def runner_config(args: ServerArgs, model_context_len: int) -> RunnerConfig:
 
 
 def _resolve_kv_cache_dtype(args: ServerArgs, backend: str) -> str:
-    """--kv-cache-dtype: "auto" (the compute dtype) or "bfloat16"; the torch backend only (the
-    JAX attention kernels, Pallas included, read pools of the compute dtype)."""
+    """--kv-cache-dtype: "auto" or "bfloat16"; the torch backend only (the JAX attention
+    kernels, Pallas included, read pools of the compute dtype).
+
+    "auto" is the compute dtype, except where the dtype was left to the machine too (`--dtype
+    auto`) and resolved to float32 on a CPU without bf16 units (torch backend): there the pool
+    is bfloat16, half the bytes a decode step's attention streams (as llama.cpp's f16 KV
+    default; +0.04% perplexity, README "bfloat16 KV cache"). An explicit `--dtype float32`
+    keeps float32 K/V, and so does deterministic inference (its invariant kernels are checked
+    on pools of the compute dtype)."""
     if args.kv_cache_dtype == "auto":
+        if (backend == "torch" and args.dtype == "auto" and not args.enable_deterministic_inference
+                and _torch_device_type(args) == "cpu"
+                and _resolve_dtype(args, backend) == "float32"):
+            return "bfloat16"
         return "auto"
     if backend != "torch":
         raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} needs the torch backend "

@@ -28,10 +28,11 @@ _HELP = {
                             "previous_response_id (least recently used dropped first)",
     "responses_ttl_s": "Responses API: seconds a stored response is kept after its last use",
     "max_total_tokens": "KV cache capacity in tokens",
-    "kv_cache_dtype": "KV cache element type: auto (the model's --dtype) or bfloat16 / bf16 "
-                      "(a float32 model keeps K/V rows rounded to bfloat16: half the KV "
-                      "memory and bytes read per decode step; torch backend). SGLang's fp8 "
-                      "choices are not supported",
+    "kv_cache_dtype": "KV cache element type: auto (the compute dtype; bfloat16 where "
+                      "--dtype auto resolves to float32 on a CPU without bf16 units, torch "
+                      "backend) or bfloat16 / bf16 (a float32 model keeps K/V rows rounded to "
+                      "bfloat16: half the KV memory and bytes read per decode step; torch "
+                      "backend). SGLang's fp8 choices are not supported",
     "chunked_prefill_size": "token budget of one prefill (EXTEND) batch; longer prompts are "
                             "chunked",
     "api_key": "require 'Authorization: Bearer KEY' on every route but /health (the liveness "

@@ -24,7 +24,8 @@ q4f32 layers + q8f32 head (and q4a8 + q8a8) against f32. With `--baseline-source
 (another version of csrc/quant_gemm_cpu.cpp, e.g. `git show REV:kernels/csrc/quant_gemm_cpu.cpp`)
 that source is compiled into a temporary directory and timed beside them as "q4f32_base" /
 "q8f32_base" on the same blocks, interleaved (`q4f32_vs_base`: the built kernel's time over
-the baseline's).
+the baseline's). `--baseline-no-openmp` builds the baseline without OpenMP (pass the current
+source to see what the kernels' threads gain).
 
     python -m sgl_tpu.bench.quant_linear --dtype float32 --rows 1,4,8,16 --baseline-source OLD.cpp
 """
@@ -140,10 +141,12 @@ def run(args: argparse.Namespace) -> dict:
 
         build_dir = tempfile.mkdtemp(prefix="sgl_tpu_qgemm_baseline_")
         baseline = cpu_extension.build_copy(args.baseline_source, "sgl_tpu_qgemm_baseline",
-                                            build_dir)
+                                            build_dir, openmp=not args.baseline_no_openmp)
     rng = np.random.default_rng(0)
     rows = [int(r) for r in args.rows.split(",")]
     results: dict = {"dtype": args.dtype, "threads": args.threads, "calls": args.calls,
+                     "baseline_source": str(args.baseline_source or ""),
+                     "baseline_openmp": not args.baseline_no_openmp if baseline else None,
                      "repeats": args.repeats,
                      "cold_bytes": args.cold_bytes,
                      "unit": "us per call (min over repeats)", "shapes": {}}
@@ -217,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="dense bytes the weight copies cycled through span (beyond the caches)")
     p.add_argument("--baseline-source", type=Path, default=None,
                    help="another csrc/quant_gemm_cpu.cpp, timed beside the built one (float32)")
+    p.add_argument("--baseline-no-openmp", action="store_true",
+                   help="build the baseline without -fopenmp (its loops on one thread)")
     p.add_argument("--output", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     emit(run(args), args.output)

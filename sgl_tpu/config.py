@@ -135,7 +135,9 @@ class ServerArgs:
     max_request_bytes: int = 16 * 2**20  # largest HTTP request body (413 beyond)
     served_model_name: str | None = None
     dtype: str = "auto"
-    kv_cache_dtype: str = "auto"  # KV pool: auto (= the compute dtype), bfloat16 / bf16
+    # KV pool: auto (= the compute dtype; bfloat16 under --dtype auto resolving to float32 on
+    # a CPU, see executor/registry.py), bfloat16 / bf16
+    kv_cache_dtype: str = "auto"
     page_size: int = 16
     max_total_tokens: int = 65536  # KV pool capacity in tokens
     max_running_requests: int = 64

@@ -27,7 +27,8 @@
 // depend on the rows beside it. Each output row's blocks are read once for all M rows: the rows
 // are processed in tiles of up to 8 (accumulators in registers; each block's codes widened once
 // per tile) inside the loop over output features, so a later tile finds the row's bytes in L1.
-// Output features are split over torch's threads (at::parallel_for). AVX2 + FMA intrinsics where the build has them, a scalar loop otherwise.
+// Output features are split over torch's threads (at::parallel_for). AVX2 + FMA intrinsics
+// where the build has them, a scalar loop otherwise.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

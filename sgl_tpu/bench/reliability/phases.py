@@ -274,6 +274,9 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
+CHILD_EXIT_GRACE_S = 5.0  # after the server's exit, for children to notice it
+
+
 async def kill_child_phase(base_url: str, headers: dict[str, str], server_pid: int, *,
                            victim: int, clients: int = 4, exit_timeout_s: float = 30.0
                            ) -> PhaseResult:
@@ -328,6 +331,11 @@ async def kill_child_phase(base_url: str, headers: dict[str, str], server_pid: i
             exited = True
             break
         await asyncio.sleep(0.2)
+    # Children that watch the server (e.g. multiprocessing's resource tracker) notice its exit
+    # on their own, a moment later: they get a short grace period before counting as leftovers.
+    grace = time.monotonic() + CHILD_EXIT_GRACE_S
+    while exited and any(_alive(p) for p in children) and time.monotonic() < grace:
+        await asyncio.sleep(0.1)
     result.requests = clients + 1
     result.wall_s = time.perf_counter() - t0
     result.extra.update(server_exited=exited,

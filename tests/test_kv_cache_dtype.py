@@ -59,7 +59,7 @@ def test_flag_accepts_bfloat16_and_refuses_fp8_by_name(capsys):
     # --backend auto that resolves to jax (JAX on an accelerator): refused as the runner's
     # config is resolved
     with pytest.raises(ValueError, match="--kv-cache-dtype bf16 needs the torch backend"):
-        registry._resolve_kv_cache_dtype(args.replace(backend="auto"), "jax")
+        registry._resolve_kv_cache_dtype(args.replace(backend="auto"), "jax", "bfloat16")
 
 
 def test_auto_is_bfloat16_only_where_the_dtype_is_the_machines_float32(monkeypatch):
@@ -76,7 +76,7 @@ def test_auto_is_bfloat16_only_where_the_dtype_is_the_machines_float32(monkeypat
     assert (cfg.dtype, cfg.kv_cache_dtype, cfg.kv_dtype) == ("float32", "bfloat16", "bfloat16")
     assert resolve(dtype="float32").kv_dtype == "float32"
     assert resolve(enable_deterministic_inference=True).kv_dtype == "float32"
-    assert registry._resolve_kv_cache_dtype(ServerArgs(), "jax") == "auto"
+    assert registry._resolve_kv_cache_dtype(ServerArgs(), "jax", "float32") == "auto"
     monkeypatch.setattr(device, "cpu_has_bf16_units", lambda: True)
     cfg = resolve()
     assert (cfg.dtype, cfg.kv_cache_dtype, cfg.kv_dtype) == ("bfloat16", "auto", "bfloat16")

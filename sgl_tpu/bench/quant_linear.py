@@ -139,9 +139,9 @@ def run(args: argparse.Namespace) -> dict:
             raise SystemExit("--baseline-source compares the float32 kernels: add --dtype float32")
         from sgl_tpu.kernels import cpu_extension
 
-        build_dir = tempfile.mkdtemp(prefix="sgl_tpu_qgemm_baseline_")
+        build_dir = tempfile.TemporaryDirectory(prefix="sgl_tpu_qgemm_baseline_")  # with run()
         baseline = cpu_extension.build_copy(args.baseline_source, "sgl_tpu_qgemm_baseline",
-                                            build_dir, openmp=not args.baseline_no_openmp)
+                                            build_dir.name, openmp=not args.baseline_no_openmp)
     rng = np.random.default_rng(0)
     rows = [int(r) for r in args.rows.split(",")]
     results: dict = {"dtype": args.dtype, "threads": args.threads, "calls": args.calls,

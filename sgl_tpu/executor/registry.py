@@ -161,9 +161,10 @@ def runner_config(args: ServerArgs, model_context_len: int) -> RunnerConfig:
     if deterministic:
         seq_buckets = batch_invariant.row_buckets(seq_buckets)
         attention = batch_invariant.resolve_attention(args.attention_backend, backend)
+    dtype = _resolve_dtype(args, backend)
     return RunnerConfig(
         model_path=args.model_path,
-        dtype=_resolve_dtype(args, backend),
+        dtype=dtype,
         page_size=args.page_size,
         num_pages=-(-args.max_total_tokens // args.page_size) + 1,
         max_running_requests=args.max_running_requests,
@@ -185,12 +186,12 @@ def runner_config(args: ServerArgs, model_context_len: int) -> RunnerConfig:
         tp_size=args.tp_size,
         deterministic=deterministic,
         jax_decode_state=_resolve_jax_decode_state(args, backend),
-        kv_cache_dtype=_resolve_kv_cache_dtype(args, backend),
+        kv_cache_dtype=_resolve_kv_cache_dtype(args, backend, dtype),
         **_resolve_cuda_graph(args, backend, deterministic),
     )
 
 
-def _resolve_kv_cache_dtype(args: ServerArgs, backend: str) -> str:
+def _resolve_kv_cache_dtype(args: ServerArgs, backend: str, dtype: str) -> str:
     """--kv-cache-dtype: "auto" or "bfloat16"; the torch backend only (the JAX attention
     kernels, Pallas included, read pools of the compute dtype).
 
@@ -199,11 +200,10 @@ def _resolve_kv_cache_dtype(args: ServerArgs, backend: str) -> str:
     is bfloat16, half the bytes a decode step's attention streams (as llama.cpp's f16 KV
     default; +0.04% perplexity, README "bfloat16 KV cache"). An explicit `--dtype float32`
     keeps float32 K/V, and so does deterministic inference (its invariant kernels are checked
-    on pools of the compute dtype)."""
+    on pools of the compute dtype). `dtype`: the resolved compute dtype."""
     if args.kv_cache_dtype == "auto":
         if (backend == "torch" and args.dtype == "auto" and not args.enable_deterministic_inference
-                and _torch_device_type(args) == "cpu"
-                and _resolve_dtype(args, backend) == "float32"):
+                and dtype == "float32" and _torch_device_type(args) == "cpu"):
             return "bfloat16"
         return "auto"
     if backend != "torch":

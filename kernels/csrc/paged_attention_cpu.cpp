@@ -53,6 +53,10 @@
 #include <utility>
 #include <vector>
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 // One vector register of floats: 16 with AVX-512, else 8 (AVX2; narrower ISAs split it).
@@ -85,12 +89,24 @@ inline void storef(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vi loadi(const int32_t* p) { vi v; std::memcpy(&v, p, sizeof v); return v; }
 
 inline vf load16(const float* p) { return loadf(p); }
+// bfloat16 -> float32 is a 16-bit shift into the high half: one zero-extending load and one
+// shift (the generic vector conversion compiles to 4 shuffles on AVX2).
 inline vf load16(const at::BFloat16* p) {
+  vf f;
+#if defined(__AVX512F__)
+  const __m512i u = _mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  std::memcpy(&f, &u, sizeof f);
+#elif defined(__AVX2__)
+  const __m256i u = _mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+  std::memcpy(&f, &u, sizeof f);
+#else
   vh h;
   std::memcpy(&h, p, sizeof h);
   vu u = __builtin_convertvector(h, vu) << 16;
-  vf f;
   std::memcpy(&f, &u, sizeof f);
+#endif
   return f;
 }
 inline void store16(float* p, vf v) { storef(p, v); }
@@ -151,6 +167,12 @@ struct Scratch {
   float* vfl;    // [kTile][d]  the tile's V rows in float32
   float* scores;  // [L][kScoreStride]  a decode item's scores, then probabilities (own keys)
   int32_t qpos[kMaxRows];  // position of each row's query; -1 for padding rows
+  std::vector<float> keys8;  // [8][width]  8 keys' K rows of all heads in float32
+
+  float* key_block(int64_t width) {
+    if (keys8.size() < size_t(8 * width)) keys8.resize(8 * width);
+    return keys8.data();
+  }
 
   void setup(int d) {
     const size_t L = kMaxRows;
@@ -207,20 +229,27 @@ void load_rows(Scratch& s, int R, int d, float scale, QRow q_row) {
   std::memset(s.acc, 0, sizeof(float) * L * d);
 }
 
-// Pointers to the tile's n K (or V) rows of this head as float32: into the pool itself for a
-// float32 pool, else widened into buf [kTile][d].
+// Rows src[0 .. n) of d values as float32: the rows themselves when they are float32, else
+// widened into buf [n][d].
 template <typename T>
-inline void rows_f32(const float** rows, float* buf, const T* head, const int64_t* slots, int n,
-                     int d, int64_t slot_stride) {
+inline void rows_f32(const float** rows, float* buf, const T* const* src, int n, int64_t d) {
   for (int j = 0; j < n; ++j) {
-    const T* src = head + slots[j] * slot_stride;
     if constexpr (std::is_same_v<T, float>) {
-      rows[j] = src;
+      rows[j] = src[j];
     } else {
-      for (int c = 0; c < d; c += kLanes) storef(buf + j * d + c, load16(src + c));
+      for (int64_t c = 0; c < d; c += kLanes) storef(buf + j * d + c, load16(src[j] + c));
       rows[j] = buf + j * d;
     }
   }
+}
+
+// The tile's n K (or V) rows of one head (pool slots[j]) as float32 (rows_f32, buf [kTile][d]).
+template <typename T>
+inline void head_rows_f32(const float** rows, float* buf, const T* head, const int64_t* slots,
+                          int n, int d, int64_t slot_stride) {
+  const T* src[kTile];
+  for (int j = 0; j < n; ++j) src[j] = head + slots[j] * slot_stride;
+  rows_f32(rows, buf, src, n, d);
 }
 
 template <typename T>
@@ -413,8 +442,8 @@ void attend(Scratch& s, int R, int d, const T* k_head, const T* v_head, int64_t 
     }
     const float* krows[kTile + kTileCols];
     const float* vrows[kTile];
-    rows_f32(krows, s.kf, k_head, keys.slots + kb, n, d, slot_stride);
-    rows_f32(vrows, s.vfl, v_head, keys.slots + kb, n, d, slot_stride);
+    head_rows_f32(krows, s.kf, k_head, keys.slots + kb, n, d, slot_stride);
+    head_rows_f32(vrows, s.vfl, v_head, keys.slots + kb, n, d, slot_stride);
     // whole register tiles of keys: the padding keys repeat the last row (their scores are
     // computed, never read)
     for (int j = n; j % kTileCols; ++j) krows[j] = krows[n - 1];
@@ -471,9 +500,10 @@ void attend_rows(Scratch& s, int R, int d, const T* k_head, const T* v_head,
 // 1.6x the rate of one head's strided slice), then, with no online softmax and no masks,
 // three passes over the chunk, keys or dims in vector lanes:
 //
-//     scores   S[r][j] = q[r] . K[j][head(r)]: per 8 keys, 8 vectors of partial dot products
-//              folded into one vector of the 8 scores (fold8); the K/V rows of the keys
-//              kAhead further on are touched meanwhile (their pages are scattered)
+//     scores   S[r][j] = q[r] . K[j][head(r)]: per 8 keys (their bfloat16 K rows widened
+//              once for all rows), 8 vectors of partial dot products folded into one vector
+//              of the 8 scores (fold8); the K/V rows of the keys kAhead further on are
+//              touched meanwhile (their pages are scattered)
 //     softmax  m[r] = max_j S, P[r][j] = exp(S - m), l[r] = sum_j P: 8 (16) keys per exp
 //     P @ V    acc[r][c] = sum_j P[r][j] V[j][head(r)][c]: per KV head, its rows x NC vectors
 //              of d accumulated in registers per block of kTile keys, each V vector loaded
@@ -522,6 +552,7 @@ template <typename T>
 void heads_scores(Scratch& s, int kvh, int G, int d, const T* kp, const T* vp,
                   const int64_t* slots, int n, float* sc) {
   const int64_t width = int64_t(kvh) * d;
+  float* kbuf = std::is_same_v<T, float> ? nullptr : s.key_block(width);
   auto touch = [&](int j) {
     touch_row(kp + slots[j] * width, width);
     touch_row(vp + slots[j] * width, width);
@@ -530,8 +561,11 @@ void heads_scores(Scratch& s, int kvh, int G, int d, const T* kp, const T* vp,
   for (int j = 0; j < n; j += 8) {
     const int m = std::min(8, n - j);
     for (int k = j + kAhead; k < std::min(n, j + kAhead + 8); ++k) touch(k);
-    const T* kr[8];  // keys past n repeat the last one (their scores are overwritten)
-    for (int k = 0; k < 8; ++k) kr[k] = kp + slots[j + std::min(k, m - 1)] * width;
+    const T* src[8];  // keys past n repeat the last one (their scores are overwritten)
+    for (int k = 0; k < 8; ++k) src[k] = kp + slots[j + std::min(k, m - 1)] * width;
+    // the rows as float32, widened once for the G query rows of each head that read them
+    const float* kr[8];
+    rows_f32(kr, kbuf, src, 8, width);
     for (int h = 0; h < kvh; ++h)
       for (int r = h * G; r < (h + 1) * G; ++r) {
         const float* q = s.qr + r * d;
@@ -540,7 +574,7 @@ void heads_scores(Scratch& s, int kvh, int G, int d, const T* kp, const T* vp,
         for (int c = h * d; c < (h + 1) * d; c += kLanes) {
           vf qv = loadf(q + c - h * d);
           in_register(qv);
-          for (int k = 0; k < 8; ++k) acc[k] += qv * load16(kr[k] + c);
+          for (int k = 0; k < 8; ++k) acc[k] += qv * loadf(kr[k] + c);
         }
         vf8 a[8];
         for (int i = 0; i < 8; ++i) a[i] = to8(acc[kFold[i]]);

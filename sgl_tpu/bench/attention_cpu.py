@@ -4,7 +4,8 @@
     python -m sgl_tpu.bench.attention_cpu [--dtypes float32,bfloat16,float32/bfloat16]
         [--decode-batches 1,8,32]
         [--shared 1312] [--own 300,700] [--repeats 7] [--layers 30] [--clocks thread,wall]
-        [--model-steps] [--baseline-source OLD.cpp] [--output FILE]
+        [--model-steps [--model-kv-cache-dtype bfloat16]] [--baseline-source OLD.cpp]
+        [--output FILE]
 
 A `--dtypes` entry `float32/bfloat16` runs float32 queries over bfloat16 pools (a float32
 model's `--kv-cache-dtype bfloat16`); the floor counts the pool's bytes.
@@ -33,7 +34,8 @@ in the same run and clock (`sum` of a 256 MB tensor). `step_ms` multiplies a cal
 `--model-steps` adds the whole DECODE step of the default model (float32 runners, one per
 backend, eager), the decode batches above with the same agent contexts, and one EXTEND step
 (256 new tokens on a 1,024-token cached prefix), on the thread clock (the K/V contents do not
-change the time, so no prefill runs first).
+change the time, so no prefill runs first). `--model-kv-cache-dtype bfloat16` gives those
+runners bfloat16 pools, as `--dtype auto` serves on a CPU without bf16 units.
 
 `--baseline-source` compiles another version of csrc/paged_attention_cpu.cpp (e.g.
 `git show HEAD~1:kernels/csrc/paged_attention_cpu.cpp > /tmp/old.cpp`) into a temporary
@@ -181,7 +183,8 @@ def _model_steps(args, torch, own: tuple[int, int], baseline) -> list[dict]:
     runners = {}
     for name in ("torch-sdpa", "torch-cpu-fused"):
         sargs = ServerArgs(skip_warmup=True, backend="torch", torch_compile="off",
-                           dtype="float32", attention_backend=name, page_size=PAGE,
+                           dtype="float32", kv_cache_dtype=args.model_kv_cache_dtype,
+                           attention_backend=name, page_size=PAGE,
                            max_total_tokens=max(args.shared + max(batches) * (own[1] + PAGE),
                                                 extend_prefix + extend_new + PAGE),
                            max_running_requests=max(batches))
@@ -226,7 +229,7 @@ def _model_steps(args, torch, own: tuple[int, int], baseline) -> list[dict]:
     rows = []
     for head, fns in cases:
         times = interleaved(fns, args.repeats, clock=time.thread_time)
-        row = {**head, "dtype": "float32"}
+        row = {**head, "dtype": "float32", "kv_cache_dtype": args.model_kv_cache_dtype}
         for name, ts in times.items():
             row[name] = {"best_ms": round(1e3 * min(ts), 2),
                          "median_ms": round(1e3 * statistics.median(ts), 2)}
@@ -251,6 +254,8 @@ def main() -> None:
     p.add_argument("--clocks", default="thread,wall")
     p.add_argument("--model-steps", action="store_true",
                    help="also time the default model's whole DECODE step per backend")
+    p.add_argument("--model-kv-cache-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the --model-steps runners' KV pools")
     p.add_argument("--baseline-source", type=Path, default=None,
                    help="another paged_attention_cpu.cpp to time against (compiled here)")
     p.add_argument("--output", default=None)

@@ -18,16 +18,20 @@ def interleaved(fns: dict[str, Callable[[], Any]], repeats: int,
                 sync: Callable[[Any], Any] = _identity,
                 clock: Callable[[], float] = time.perf_counter,
                 before: Callable[[], Any] | None = None) -> dict[str, list[float]]:
-    """Seconds of each of `fns` over `repeats` rounds, one call of each per round (ABAB..., so
-    a load change on a shared machine hits every function alike). `clock`: wall time by
-    default; `time.thread_time` counts only this thread's CPU time (a loaded machine).
+    """Seconds of each of `fns` over `repeats` rounds, one call of each per round, the order
+    rotated by one each round (ABC BCA CAB ABC..., so a load change on a shared machine hits
+    every function alike, and every function takes every place equally often and runs after
+    each of the others, not always after the same one). `clock`: wall time by default;
+    `time.thread_time` counts only this thread's CPU time (a loaded machine).
     `before` runs untimed ahead of every call (e.g. evicting the caches, so that a function
     does not find its inputs warm from the previous one)."""
     for fn in fns.values():
         sync(fn())
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    order = list(fns.items())
+    for rep in range(repeats):
+        shift = rep % len(order)
+        for name, fn in order[shift:] + order[:shift]:
             if before is not None:
                 before()
             t0 = clock()

@@ -8,7 +8,7 @@ list them (the CLI offers exactly these), and one check run before a model loads
     tool_call_parser   function_call/          TOOL_CALL_PARSERS (None: from the template)
     reasoning_parser   reasoning_parser.py     REASONING_PARSERS (None: off)
     quantization       quantization/           QUANTIZATION_METHODS (+ auto)
-    speculative_algorithm  scheduler/speculative.py  DRAFTERS (None: off)
+    speculative_algorithm  scheduler/speculative.py  DRAFTERS (+ auto, none; None: off)
     chat_template      loader/chat_templates.py BUILTIN_TEMPLATES, or a Jinja file (None: the
                                                 model's own; not a CLI choice list)
 """
@@ -36,7 +36,7 @@ def registry_choices() -> dict[str, tuple[str, ...]]:
         "tool_call_parser": tuple(TOOL_CALL_PARSERS),
         "reasoning_parser": tuple(REASONING_PARSERS),
         "quantization": QUANTIZATION_CHOICES,
-        "speculative_algorithm": tuple(DRAFTERS),
+        "speculative_algorithm": ("auto", "none", *DRAFTERS),
     }
 
 

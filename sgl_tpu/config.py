@@ -113,7 +113,11 @@ class SchedulerConfig:
     disable_radix_cache: bool = False
     max_top_logprobs: int = 20
     session_retention_s: float = 30.0  # see ServerArgs
-    speculative_algorithm: str | None = None  # see ServerArgs
+    # resolved from ServerArgs.speculative_algorithm by executor/registry.py: a DRAFTERS name
+    # or None (off); drafting happens only while at most speculative_max_batch requests run
+    # (None: at any batch size)
+    speculative_algorithm: str | None = None
+    speculative_max_batch: int | None = None
     speculative_num_draft_tokens: int = 4
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 8
@@ -165,11 +169,12 @@ class ServerArgs:
     skip_warmup: bool = False
     grammar_backend: str = "llguidance"  # or "outlines", "xgrammar", "none"
     disable_jump_forward: bool = False
-    # Speculative decoding (SGLang's flags; off by default): "NGRAM" drafts up to
-    # speculative_num_draft_tokens tokens per request and step from the request's own context
-    # (its last n tokens, n from the max down to the min window, matched earlier in it) and
-    # verifies them in the decode step (scheduler/speculative.py).
-    speculative_algorithm: str | None = None
+    # Speculative decoding (SGLang's flags): "NGRAM" drafts up to speculative_num_draft_tokens
+    # tokens per request and step from the request's own context (its last n tokens, n from
+    # the max down to the min window, matched earlier in it) and verifies them in the decode
+    # step (scheduler/speculative.py). "auto": NGRAM for small decode batches where it is
+    # measured to pay (executor/registry.py resolve_speculation); "none" or None: off.
+    speculative_algorithm: str | None = "auto"
     speculative_num_draft_tokens: int = 4
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 8
@@ -313,8 +318,11 @@ class ServerArgs:
     def replace(self, **changes) -> ServerArgs:
         return dataclasses.replace(self, **changes)
 
-    def scheduler_config(self, runner: RunnerConfig, overlap_schedule: bool = False
-                         ) -> SchedulerConfig:
+    def scheduler_config(self, runner: RunnerConfig, overlap_schedule: bool = False,
+                         speculative_algorithm: str | None = None,
+                         speculative_max_batch: int | None = None) -> SchedulerConfig:
+        """The scheduler's config; overlap and speculation as executor/registry.py resolved
+        them (off unless given)."""
         return SchedulerConfig(
             page_size=self.page_size,
             max_running_requests=self.max_running_requests,
@@ -325,7 +333,8 @@ class ServerArgs:
             disable_radix_cache=self.disable_radix_cache,
             max_top_logprobs=self.max_top_logprobs,
             session_retention_s=float(self.session_retention_s),
-            speculative_algorithm=self.speculative_algorithm,
+            speculative_algorithm=speculative_algorithm,
+            speculative_max_batch=speculative_max_batch,
             speculative_num_draft_tokens=self.speculative_num_draft_tokens,
             speculative_ngram_min_match_window_size=self.speculative_ngram_min_match_window_size,
             speculative_ngram_max_match_window_size=self.speculative_ngram_max_match_window_size,

@@ -19,7 +19,12 @@ from sgl_tpu.choices import check_registry_names
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.constrained import GrammarManager, create_backend
 from sgl_tpu.detokenize import DetokenizerState
-from sgl_tpu.executor.registry import resolve_backend, resolve_overlap_schedule, runner_config
+from sgl_tpu.executor.registry import (
+    resolve_backend,
+    resolve_overlap_schedule,
+    resolve_speculation,
+    runner_config,
+)
 from sgl_tpu.loader import load_model
 from sgl_tpu.loader.chat_templates import with_chat_template
 from sgl_tpu.messages import TokenizedGenerateReq
@@ -62,8 +67,16 @@ def build_scheduler(args: ServerArgs) -> tuple[Scheduler, Any]:
     if args.grammar_backend != "none":
         backend = create_backend(args.grammar_backend, loaded.tokenizer, loaded.config.vocab_size)
         grammar = GrammarManager(backend)
+    overlap = resolve_overlap_schedule(args, runner_cfg.backend)
+    spec_algorithm, spec_max_batch = resolve_speculation(args, runner_cfg.backend, overlap)
+    if spec_algorithm is None:
+        logger.info("speculative decoding: off")
+    else:
+        logger.info("speculative decoding: %s (drafting while at most %s requests decode)",
+                    spec_algorithm, spec_max_batch or "any number of")
     sched_cfg = args.scheduler_config(
-        runner_cfg, overlap_schedule=resolve_overlap_schedule(args, runner_cfg.backend))
+        runner_cfg, overlap_schedule=overlap, speculative_algorithm=spec_algorithm,
+        speculative_max_batch=spec_max_batch)
     scheduler = Scheduler(
         sched_cfg, runner, num_pages=runner_cfg.num_pages,
         decode=loaded.tokenizer.decode, eos_token_ids=eos,

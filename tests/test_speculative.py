@@ -76,6 +76,30 @@ def test_config_validation_and_cli():
                    speculative_ngram_max_match_window_size=2)
     with pytest.raises(ValueError, match="speculative_algorithm"):
         check_registry_names(ServerArgs(speculative_algorithm="EAGLE"))
+    for name in ("auto", "none", None):
+        check_registry_names(ServerArgs(speculative_algorithm=name))
+    assert parse_args([]).speculative_algorithm == "auto"
+
+
+def test_auto_speculation_resolves_to_small_cpu_batches_only():
+    from sgl_tpu.executor.registry import AUTO_SPECULATIVE_MAX_BATCH, resolve_speculation
+
+    auto = ServerArgs(device="cpu")
+    assert resolve_speculation(auto, "torch", False) == ("NGRAM", AUTO_SPECULATIVE_MAX_BATCH)
+    # off where overlap scheduling runs, on the JAX runner, in deterministic mode, or asked off
+    assert resolve_speculation(auto, "torch", True) == (None, None)
+    assert resolve_speculation(auto, "jax", False) == (None, None)
+    assert resolve_speculation(ServerArgs(device="cpu", enable_deterministic_inference=True),
+                               "torch", False) == (None, None)
+    for off in ("none", None):
+        assert resolve_speculation(ServerArgs(speculative_algorithm=off), "torch", False) \
+            == (None, None)
+    # asked for by name: every batch size, every backend
+    named = ServerArgs(speculative_algorithm="NGRAM")
+    assert resolve_speculation(named, "jax", False) == ("NGRAM", None)
+    cfg = named.scheduler_config(_runner_cfg(), speculative_algorithm="NGRAM",
+                                 speculative_max_batch=2)
+    assert (cfg.speculative_algorithm, cfg.speculative_max_batch) == ("NGRAM", 2)
 
 
 def _runner_cfg():
@@ -88,12 +112,14 @@ def _runner_cfg():
 
 
 # ---- scheduler with a hand-computable runner ------------------------------------------------
-def _spec_scheduler(num_pages: int = 64, max_running: int = 8, draft: int = 4):
+def _spec_scheduler(num_pages: int = 64, max_running: int = 8, draft: int = 4,
+                    max_batch: int | None = None):
     from sgl_tpu.scheduler.scheduler import Scheduler
 
     cfg = SchedulerConfig(page_size=4, max_running_requests=max_running, max_extend_seqs=8,
                           chunked_prefill_size=64, context_len=512,
-                          speculative_algorithm="NGRAM", speculative_num_draft_tokens=draft)
+                          speculative_algorithm="NGRAM", speculative_num_draft_tokens=draft,
+                          speculative_max_batch=max_batch)
     runner = PlusOneRunner()
     sched = Scheduler(cfg, runner, num_pages=num_pages, decode=lambda ids, skip: "",
                       eos_token_ids=(), vocab_size=1000)
@@ -122,6 +148,28 @@ def test_scheduler_verifies_drafts_in_decode_rows_exactly():
     # the largest decode batch (max_running_requests = 8 rows; 2 x 5 would not fit)
     assert max(len(c) for c in decodes) == 8
     assert sched.memory_info()["num_pages_requests"] == 0
+
+
+def test_scheduler_drafts_only_while_the_batch_is_small():
+    # max_batch 2 (what `auto` resolves to on CPUs): 3 requests decoding together never
+    # draft; once one finishes, the other two do
+    sched, runner = _spec_scheduler(max_batch=2)
+    # (each prompt's end repeats its start: the drafter finds the runner's continuation)
+    prompts = {r: list(range(base, base + 40)) + list(range(base, base + 5))
+               for r, base in (("a", 100), ("b", 200), ("c", 300))}
+    lengths = {"a": 4, "b": 20, "c": 20}
+    for rid, p in prompts.items():
+        assert sched.add_request(request(rid, p, lengths[rid])) is None
+    out = run_all(sched)
+    for rid, p in prompts.items():
+        assert out[rid]["ids"] == expected(p, lengths[rid]), rid
+    decodes = [c for m, c in runner.calls if m == ForwardMode.DECODE]
+    # a's tokens 2..4 come from the first 3 decode steps, one row per request (no drafts);
+    # then b and c draft: their last 16 tokens take fewer than 16 steps of more rows
+    assert [len(c) for c in decodes[:3]] == [3, 3, 3]
+    assert max(len(c) for c in decodes[3:]) > 2 and len(decodes) < 3 + 16, \
+        [len(c) for c in decodes]
+    assert sched.stats.spec_verify_reqs > 0 and sched.stats.spec_accepted_tokens > 0
 
 
 def test_scheduler_speculation_under_kv_pressure_keeps_outputs_exact():
@@ -309,3 +357,35 @@ def test_jax_backend_greedy_identical(tmp_path_factory):
         assert eng.scheduler.stats.spec_accepted_tokens > 0
     finally:
         eng.shutdown()
+
+
+# ---- the default model's server: `auto` speculation ------------------------------------------
+@pytest.mark.slow
+def test_default_server_speculates_for_a_lone_request_only(default_model_server_f32):
+    """The shipped server (torch, CPU, `--speculative-algorithm auto`) drafts while at most 2
+    requests decode: a lone agent-like request verifies drafts, and its greedy text equals the
+    same prompt's in a batch of 3 (float32; the batch gate itself is tested on the scheduler
+    above, since the server may admit a batch's requests a step apart)."""
+    import requests
+
+    server = default_model_server_f32
+    prompt = ("Tool result: {\"city\": \"Paris\", \"temperature_c\": 21, \"sky\": \"clear\"}\n"
+              * 4 + "Summarize the tool result above, repeating it exactly:\n")
+    params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+
+    def generate(text):
+        r = requests.post(server.base_url + "/generate",
+                          json={"text": text, "sampling_params": params}, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    before = server.wait_idle()["stats"]
+    lone = generate(prompt)
+    after_lone = server.wait_idle()["stats"]
+    batch = generate([prompt] * 3)
+    info = server.wait_idle()
+    assert after_lone["spec_verify_reqs"] > before["spec_verify_reqs"]
+    assert after_lone["spec_accepted_tokens"] > before["spec_accepted_tokens"]
+    assert [o["text"] for o in batch] == [lone["text"]] * 3
+    assert lone["meta_info"]["completion_tokens"] == 40
+    assert info["memory"]["num_pages_requests"] == 0

@@ -110,6 +110,33 @@ def resolve_overlap_schedule(args: ServerArgs, backend: str) -> bool:
     return jax.default_backend() != "cpu"
 
 
+# --speculative-algorithm auto drafts (NGRAM) only while at most this many requests decode. On
+# the 2-core CPU (default model, float32 kernels, 1,300-token contexts; `python -m
+# sgl_tpu.bench.speculative --batches 1,2`, benchmarks/results/speculative_rows_f32.json) a
+# verify row costs 0.25-0.4 of the step at 1 and 2 sequences, so a draft pays at the
+# agent-loop workloads' 71-83% acceptance; with 8 agents it did not raise programs/s (README,
+# "Speculative decoding").
+AUTO_SPECULATIVE_MAX_BATCH = 2
+
+
+def resolve_speculation(args: ServerArgs, backend: str, overlap_schedule: bool
+                        ) -> tuple[str | None, int | None]:
+    """--speculative-algorithm -> (drafter name or None, the largest decode batch that drafts or
+    None for any). auto: NGRAM up to AUTO_SPECULATIVE_MAX_BATCH requests on the torch backend
+    on a CPU; off elsewhere: accelerators run overlap scheduling, which speculation excludes
+    (a draft needs the previous step's token), the JAX runner pads a verify's rows to its
+    compiled buckets, and --enable-deterministic-inference keeps plain steps."""
+    algorithm = args.speculative_algorithm
+    if algorithm in (None, "none"):
+        return None, None
+    if algorithm != "auto":
+        return algorithm, None
+    if backend != "torch" or overlap_schedule or args.enable_deterministic_inference \
+            or _torch_device_type(args) != "cpu":
+        return None, None
+    return "NGRAM", AUTO_SPECULATIVE_MAX_BATCH
+
+
 def _is_gguf_checkpoint(model_path: str | None) -> bool:
     if model_path is None:
         return True  # the default model (loader/default_model.py)

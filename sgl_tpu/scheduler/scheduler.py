@@ -109,7 +109,7 @@ class Scheduler:
             config.speculative_algorithm, config.speculative_num_draft_tokens,
             config.speculative_ngram_min_match_window_size,
             config.speculative_ngram_max_match_window_size,
-            max_rows=config.max_running_requests)
+            max_rows=config.max_running_requests, max_batch=config.speculative_max_batch)
         # A DECODE step in flight whose results are not processed yet (overlap scheduling).
         self._pending: PendingDecode | None = None
         self.overlap = (config.overlap_schedule and self.speculator is None

@@ -151,13 +151,14 @@ class Speculator:
     Holds no request state of its own (that is on `Req.spec`)."""
 
     def __init__(self, algorithm: str, num_draft_tokens: int, min_window: int,
-                 max_window: int, max_rows: int) -> None:
+                 max_window: int, max_rows: int, max_batch: int | None = None) -> None:
         if algorithm not in DRAFTERS:
             raise ValueError(f"speculative_algorithm must be one of {tuple(DRAFTERS)}, "
                              f"got {algorithm!r}")
         self.propose = DRAFTERS[algorithm](min_window, max_window)
         self.num_draft_tokens = num_draft_tokens
         self.max_rows = max_rows
+        self.max_batch = max_batch  # draft only while at most this many requests run (None: any)
         self.row_cost, self.row_cost_slope = ROW_COST, ROW_COST_SLOPE
 
     def row_cost_at(self, batch: int) -> float:
@@ -174,7 +175,10 @@ class Speculator:
         return max(0, min(self.num_draft_tokens, left))
 
     def drafts(self, running: Sequence[Req]) -> dict[int, list[int]]:
-        """Drafts (by id(req)) for this step's requests, within the step's row budget."""
+        """Drafts (by id(req)) for this step's requests, within the step's row budget; none
+        while more than max_batch requests run."""
+        if self.max_batch is not None and len(running) > self.max_batch:
+            return {}
         spare = self.max_rows - len(running)
         row_cost = self.row_cost_at(len(running))
         out: dict[int, list[int]] = {}

@@ -56,14 +56,15 @@ from sgl_tpu.scheduler.ngram import NgramIndex
 from sgl_tpu.scheduler.req import Req
 
 # A verify row's cost as a fraction of one sequence's share of the decode step (the quantity
-# that decides whether a draft raises throughput): on the 2-core CPU (SmolLM2-135M, torch
-# backend, 1,300-token contexts; `python -m sgl_tpu.bench.speculative`,
-# benchmarks/results/speculative_rows.json) 0.04-0.2 alone, 0.3-0.37 with 4 sequences and
-# 0.3-0.64 with 8 (an extra row costs about the same milliseconds while a sequence's share of
-# the step shrinks). Modelled as ROW_COST + ROW_COST_SLOPE * (batch - 1), at most
-# ROW_COST_MAX. On an accelerator, where a decode step is bound by reading the weights, rows
-# are far cheaper.
-ROW_COST = 0.15
+# that decides whether a draft raises throughput), on the 2-core CPU (SmolLM2-135M, torch
+# backend, 1,300-token contexts; `python -m sgl_tpu.bench.speculative`): with bfloat16 dense
+# weights 0.04-0.2 alone, 0.3-0.37 with 4 sequences and 0.3-0.64 with 8
+# (benchmarks/results/speculative_rows.json); on the float32 block kernels of AVX2 CPUs, which
+# are compute-bound, 0.25-0.4 alone and with 2 (speculative_rows_f32.json). Modelled as
+# ROW_COST + ROW_COST_SLOPE * (batch - 1), at most ROW_COST_MAX, with the float32 kernels'
+# cost alone (the dearer one: a draft is taken only where it pays on both). On an
+# accelerator, where a decode step is bound by reading the weights, rows are far cheaper.
+ROW_COST = 0.35
 ROW_COST_SLOPE = 0.05
 ROW_COST_MAX = 0.5
 # A new request's assumed per-token acceptance rate: near what the agent-loop workloads

@@ -98,8 +98,9 @@ _HELP = {
                              "code) and verifies them in the decode step; exact (greedy: the "
                              "same output; sampling: the same distribution, with a seed the "
                              "same output). auto (default): NGRAM on the torch backend on a "
-                             "CPU while at most 2 requests decode, where a verify row costs "
-                             "little next to the step; off elsewhere. none: off",
+                             "CPU while at most 2 requests decode (each request drafts only "
+                             "while its acceptance rate pays for the extra rows); off "
+                             "elsewhere. none: off",
     "speculative_num_draft_tokens": "most draft tokens per request and decode step (fewer "
                                     "while its acceptance rate is low)",
     "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix of the context matched",

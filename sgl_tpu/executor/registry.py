@@ -113,9 +113,10 @@ def resolve_overlap_schedule(args: ServerArgs, backend: str) -> bool:
 # --speculative-algorithm auto drafts (NGRAM) only while at most this many requests decode. On
 # the 2-core CPU (default model, float32 kernels, 1,300-token contexts; `python -m
 # sgl_tpu.bench.speculative --batches 1,2`, benchmarks/results/speculative_rows_f32.json) a
-# verify row costs 0.25-0.4 of the step at 1 and 2 sequences, so a draft pays at the
-# agent-loop workloads' 71-83% acceptance; with 8 agents it did not raise programs/s (README,
-# "Speculative decoding").
+# verify row costs 0.25-0.4 of the step at 1 and 2 sequences, which the agent-loop workloads'
+# acceptance (40% on a single react answer, 71-83% with 8 agents) pays for or the draft rule
+# stops drafting; with 8 agents drafting did not raise programs/s (README, "Speculative
+# decoding").
 AUTO_SPECULATIVE_MAX_BATCH = 2
 
 

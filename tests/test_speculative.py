@@ -361,7 +361,7 @@ def test_jax_backend_greedy_identical(tmp_path_factory):
 
 # ---- the default model's server: `auto` speculation ------------------------------------------
 @pytest.mark.slow
-def test_default_server_speculates_for_a_lone_request_only(default_model_server_f32):
+def test_default_server_speculates_for_a_lone_request(default_model_server_f32):
     """The shipped server (torch, CPU, `--speculative-algorithm auto`) drafts while at most 2
     requests decode: a lone agent-like request verifies drafts, and its greedy text equals the
     same prompt's in a batch of 3 (float32; the batch gate itself is tested on the scheduler

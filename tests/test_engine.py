@@ -66,6 +66,27 @@ def test_prefix_reuse_across_calls_and_identical_greedy_output(engine):
     engine.scheduler.check_integrity()
 
 
+def test_step_counters_count_computed_tokens_and_step_time(engine):
+    """`/server_info`'s step counters: EXTEND steps count the tokens they computed (a cached
+    prefix is not among them), and both step kinds add their time."""
+    vocab = engine.model_config.vocab_size
+    prompt = _ids(40, 11, vocab)
+    params = {**GREEDY, "max_new_tokens": 5, "ignore_eos": True}
+    cached = []
+    for ids in (prompt, prompt + [7, 8, 9]):
+        before = engine.get_server_info()["stats"]
+        out = engine.generate(input_ids=ids, sampling_params=params)
+        after = engine.get_server_info()["stats"]
+        cached.append(out["meta_info"]["cached_tokens"])
+        computed = len(ids) - cached[-1]
+        assert after["extend_tokens"] - before["extend_tokens"] == computed
+        assert after["num_extend_steps"] > before["num_extend_steps"]
+        assert after["extend_seconds"] > before["extend_seconds"]
+        assert after["num_decode_steps"] > before["num_decode_steps"]
+        assert after["decode_seconds"] > before["decode_seconds"]
+    assert cached[1] >= 36  # the first prompt's whole pages
+
+
 def test_n_and_seeds(engine):
     vocab = engine.model_config.vocab_size
     prompt = _ids(20, 4, vocab)

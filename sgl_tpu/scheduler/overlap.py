@@ -20,7 +20,8 @@ token), speculative decoding (drafts depend on it), aborts and retraction.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from sgl_tpu.executor.step import PendingStep
 from sgl_tpu.scheduler.req import Req
@@ -32,6 +33,7 @@ class PendingDecode:
 
     batch: list[tuple[Req, list[int], int]]  # (request, its draft, its first row)
     step: PendingStep
+    dispatched_at: float = field(default_factory=time.perf_counter)  # (stats: step seconds)
 
     @property
     def reqs(self) -> list[Req]:

@@ -41,6 +41,7 @@ it the same way. This class only schedules; the rest of a step's host work lives
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
@@ -297,8 +298,9 @@ class Scheduler:
             steps.append(req.extend_step(n, mask))
         if not kept:
             return outputs
+        started = time.perf_counter()
         result = self.runner.forward(ForwardMode.EXTEND, steps)
-        self.stats.num_extend_steps += 1
+        self.stats.count_extend(sum(n for _, n in kept), time.perf_counter() - started)
         if any(req.wants_input_logprobs for req, _ in kept):
             collect_input_logprobs(kept, result, self.runner)
         draft_logits = self.grammar_steps.draft_logits(kept, result, self.runner)
@@ -356,14 +358,15 @@ class Scheduler:
         if self.overlap and all(overlappable(req) for req in reqs):
             self._pending = PendingDecode(batch, self.runner.dispatch(ForwardMode.DECODE, steps))
             return outputs  # processed in the next step(), while the device runs the one after
+        started = time.perf_counter()
         return outputs + self._process_decode(PendingDecode(
-            batch, DoneStep(self.runner.forward(ForwardMode.DECODE, steps))))
+            batch, DoneStep(self.runner.forward(ForwardMode.DECODE, steps)), started))
 
     def _process_decode(self, decode: PendingDecode) -> list[ReqOutput]:
         """Wait for `decode`'s tokens and append them; rows of requests that ended while it
         was in flight (overlap: one step late) are discarded."""
         result = decode.step.result()
-        self.stats.num_decode_steps += 1
+        self.stats.count_decode(time.perf_counter() - decode.dispatched_at)
         outputs = []
         for req, draft, row in decode.batch:
             if req.finished:

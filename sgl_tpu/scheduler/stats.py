@@ -26,6 +26,13 @@ class SchedulerStats:
     num_retractions: int = 0
     num_extend_steps: int = 0
     num_decode_steps: int = 0
+    # Where the scheduler's time goes: seconds from each step's dispatch until its results
+    # were on the host (an overlapped DECODE also covers the host work done meanwhile), and
+    # the tokens the EXTEND steps computed (prompt tokens not served from the cache, chunks,
+    # re-extends after jump-forward).
+    extend_tokens: int = 0
+    extend_seconds: float = 0.0
+    decode_seconds: float = 0.0
     num_overlapped_steps: int = 0  # decode steps dispatched before the last one's tokens came
     jump_forward_tokens: int = 0  # tokens appended by jump-forward (no decode step)
     num_requests_failed: int = 0  # ended by an exception while handling them (faults.py)
@@ -36,6 +43,15 @@ class SchedulerStats:
     spec_accepted_tokens: int = 0
     last_log_time: float = field(default_factory=time.monotonic)
     last_log_tokens: int = 0
+
+    def count_extend(self, tokens: int, seconds: float) -> None:
+        self.num_extend_steps += 1
+        self.extend_tokens += tokens
+        self.extend_seconds += seconds
+
+    def count_decode(self, seconds: float) -> None:
+        self.num_decode_steps += 1
+        self.decode_seconds += seconds
 
     def maybe_log(self, num_running: int, num_waiting: int, free_pages: int,
                   interval_s: float = 10.0) -> None:

@@ -81,17 +81,20 @@ inline __m256 widen8(__m128i codes) {  // the low 8 signed bytes -> 8 floats
 }
 
 // One block's 32 weights of one output row times R activation rows, added to acc[r] after
-// scaling: acc[r] += scale * sum_j x[r][j] w[j] (lane-wise partial sums).
+// scaling: acc[r] += scale * sum_j x[r][j] w[j] (lane-wise partial sums). Five float
+// operations per row and block (one multiply, four FMAs in one chain): the rows' kernels are
+// bound by the float units at 8 rows, and the chains of successive blocks overlap (only the
+// last FMA depends on the previous block).
 template <int R>
 inline void block_fma(const float* x, int64_t K, __m256 w0, __m256 w1, __m256 w2, __m256 w3,
                       __m256 scale, __m256* acc) {
   for (int r = 0; r < R; ++r) {
     const float* xr = x + r * K;
     __m256 a = _mm256_mul_ps(_mm256_loadu_ps(xr), w0);
-    __m256 c = _mm256_mul_ps(_mm256_loadu_ps(xr + 16), w2);
     a = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w1, a);
-    c = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w3, c);
-    acc[r] = _mm256_fmadd_ps(scale, _mm256_add_ps(a, c), acc[r]);
+    a = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w2, a);
+    a = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w3, a);
+    acc[r] = _mm256_fmadd_ps(scale, a, acc[r]);
   }
 }
 #endif

@@ -3,15 +3,17 @@ mode (torch backend), the runners interleaved A B A B ... in each round.
 
     python -m sgl_tpu.bench.quant_executor [--quantizations none,gguf] [--dtype bfloat16]
         [--prefill 512] [--decode-batches 1,4,8,32] [--context 256] [--repeats 15]
-        [--kernel-max-rows N]
+        [--kernel-max-rows N] [--baseline-source OLD.cpp]
 
 Prints one JSON object: per workload and mode the min and median step time and `min_vs_first`
 / `median_vs_first` (ratios to the first mode). `--kernel-max-rows` overrides the kernels' row
 limit (`MAX_KERNEL_ROWS` in executor/torch/quant_linear.py): with a large value the kernel runs
 at every batch size, which is how the crossover is measured. With `--dtype float32` (CPUs
 without bf16 units) `gguf` runs the compiled float32 block kernels (kernels/quant_gemm_cpu.py),
-head included, and `gguf-a8` their int8-activation forms. The machine is shared: compare the
-ratios of one run.
+head included, and `gguf-a8` their int8-activation forms. `--baseline-source OLD.cpp` (float32)
+compiles another kernels/csrc/quant_gemm_cpu.cpp and adds a "<mode>-baseline" entry per mode:
+the same runner's steps with that build's kernels. The machine is shared: compare the ratios
+of one run.
 """
 
 from __future__ import annotations
@@ -19,13 +21,31 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
+from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 
 from sgl_tpu.bench.executor import _steps
 from sgl_tpu.bench.report import emit, model_label
 from sgl_tpu.bench.timing import interleaved, ratio_rows
+
+
+def _with_kernels(ext, fn: Callable[[], object]) -> Callable[[], object]:
+    """`fn` run with kernels/quant_gemm_cpu.py's compiled module replaced by `ext`."""
+    from sgl_tpu.kernels import quant_gemm_cpu
+
+    def run() -> object:
+        saved = quant_gemm_cpu._kernel
+        quant_gemm_cpu._kernel = lambda: ext
+        try:
+            return fn()
+        finally:
+            quant_gemm_cpu._kernel = saved
+
+    return run
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -39,6 +59,15 @@ def run(args: argparse.Namespace) -> dict:
 
         for kind in quant_linear.MAX_KERNEL_ROWS:
             quant_linear.MAX_KERNEL_ROWS[kind] = args.kernel_max_rows
+    baseline = None
+    if args.baseline_source is not None:
+        if args.dtype != "float32":
+            raise SystemExit("--baseline-source compares the float32 kernels: add --dtype float32")
+        from sgl_tpu.kernels import cpu_extension
+
+        build_dir = tempfile.TemporaryDirectory(prefix="sgl_tpu_qgemm_baseline_")  # with run()
+        baseline = cpu_extension.build_copy(Path(args.baseline_source),
+                                            "sgl_tpu_qgemm_baseline", build_dir.name)
     loaded = load_model(args.model_path)
     cfg = loaded.config
     prefills = [int(x) for x in args.prefill.split(",") if x]
@@ -57,7 +86,9 @@ def run(args: argparse.Namespace) -> dict:
     results: dict = {"model": model_label(loaded.model_path), "dtype": args.dtype,
                      "cpu_count": os.cpu_count(),
                      "context_for_decode": args.context, "repeats": args.repeats,
-                     "kernel_max_rows": args.kernel_max_rows, "runs": []}
+                     "kernel_max_rows": args.kernel_max_rows,
+                     "baseline_source": Path(args.baseline_source).name if baseline else None,
+                     "runs": []}
     rng = np.random.default_rng(0)
     page_size = ServerArgs.page_size
 
@@ -69,14 +100,20 @@ def run(args: argparse.Namespace) -> dict:
             results["runs"].append(row)
             print(json.dumps(row), flush=True)
 
+    def step_fns(mode: ForwardMode, steps: list) -> dict:
+        fns = {m: partial(r.forward, mode, steps) for m, r in runners.items()}
+        if baseline is not None:
+            fns.update({f"{m}-baseline": _with_kernels(baseline, fn)
+                        for m, fn in list(fns.items()) if m != "none"})
+        return fns
+
     for n in prefills:
         steps = _steps(1, n, 0, page_size, rng, cfg.vocab_size)
-        record({"phase": "prefill", "tokens": n},
-               {m: partial(r.forward, ForwardMode.EXTEND, steps) for m, r in runners.items()}, n)
+        record({"phase": "prefill", "tokens": n}, step_fns(ForwardMode.EXTEND, steps), n)
     for b in batches:
         steps = _steps(b, 1, args.context, page_size, rng, cfg.vocab_size)
         record({"phase": "decode", "batch": b, "context": args.context},
-               {m: partial(r.forward, ForwardMode.DECODE, steps) for m, r in runners.items()}, b)
+               step_fns(ForwardMode.DECODE, steps), b)
     return results
 
 
@@ -91,6 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--kernel-max-rows", type=int, default=None,
                    help="override the quantized kernels' row limit (crossover experiments)")
+    p.add_argument("--baseline-source", default=None,
+                   help="another csrc/quant_gemm_cpu.cpp, its kernels timed in the same steps "
+                        "(float32)")
     p.add_argument("--output", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     emit(run(args), args.output)

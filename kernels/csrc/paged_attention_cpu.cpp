@@ -719,11 +719,12 @@ void extend_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
                  const std::vector<int64_t>& num_new, const std::vector<int64_t>& prefix_lens,
                  double scale, int64_t window, double cap, at::Tensor& out) {
   const int64_t H = q.size(1), d = q.size(2), kvh = k_pool.size(1), G = H / kvh;
-  // query tokens per item: rows in whole register tiles where they fit (120 of 128 with AVX2:
-  // a last tile of one row vector runs its loads at one per 4 FMAs)
+  // query tokens per item: rows in whole register tiles when that keeps more than 3/4 of
+  // kMaxRows (120 of 128 with AVX2, where a last tile of one row vector would run its loads at
+  // one per 4 FMAs; with AVX-512, 96 would not, so items keep 128 rows)
   constexpr int64_t kTileLanes = kTileRows * kLanes;
   const int64_t whole = kMaxRows / kTileLanes * kTileLanes / G;
-  const int64_t block = std::max<int64_t>(1, whole * G >= kMaxRows * 3 / 4 ? whole : kMaxRows / G);
+  const int64_t block = std::max<int64_t>(1, whole * G > kMaxRows * 3 / 4 ? whole : kMaxRows / G);
   struct Item { int64_t seq, head, t0, t1; };
   std::vector<Item> items;
   for (size_t s = 0; s < starts.size(); ++s) {

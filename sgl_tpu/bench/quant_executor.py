@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from sgl_tpu.bench.executor import _steps
+from sgl_tpu.bench.quant_linear import build_baseline
 from sgl_tpu.bench.report import emit, model_label
 from sgl_tpu.bench.timing import interleaved, ratio_rows
 
@@ -59,15 +59,7 @@ def run(args: argparse.Namespace) -> dict:
 
         for kind in quant_linear.MAX_KERNEL_ROWS:
             quant_linear.MAX_KERNEL_ROWS[kind] = args.kernel_max_rows
-    baseline = None
-    if args.baseline_source is not None:
-        if args.dtype != "float32":
-            raise SystemExit("--baseline-source compares the float32 kernels: add --dtype float32")
-        from sgl_tpu.kernels import cpu_extension
-
-        build_dir = tempfile.TemporaryDirectory(prefix="sgl_tpu_qgemm_baseline_")  # with run()
-        baseline = cpu_extension.build_copy(Path(args.baseline_source),
-                                            "sgl_tpu_qgemm_baseline", build_dir.name)
+    baseline, _build_dir = build_baseline(args.baseline_source, args.dtype)
     loaded = load_model(args.model_path)
     cfg = loaded.config
     prefills = [int(x) for x in args.prefill.split(",") if x]

@@ -37,6 +37,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
@@ -124,6 +125,22 @@ def _f32_methods(n: int, k: int, rng: np.random.Generator, copies: int,
     return methods
 
 
+def build_baseline(source: str | Path | None, dtype: str, openmp: bool = True
+                   ) -> tuple[ModuleType | None, tempfile.TemporaryDirectory | None]:
+    """`--baseline-source`: another csrc/quant_gemm_cpu.cpp compiled into a temporary directory
+    (keep it while the module runs), or (None, None) without a source. Float32 only: the
+    compiled kernels take float32 activations."""
+    if source is None:
+        return None, None
+    if dtype != "float32":
+        raise SystemExit("--baseline-source compares the float32 kernels: add --dtype float32")
+    from sgl_tpu.kernels import cpu_extension
+
+    build_dir = tempfile.TemporaryDirectory(prefix="sgl_tpu_qgemm_baseline_")
+    return cpu_extension.build_copy(Path(source), "sgl_tpu_qgemm_baseline", build_dir.name,
+                                    openmp=openmp), build_dir
+
+
 def run(args: argparse.Namespace) -> dict:
     import torch
 
@@ -133,15 +150,8 @@ def run(args: argparse.Namespace) -> dict:
     weight_bytes = 4 if f32 else 2
 
     torch.set_num_threads(args.threads)
-    baseline = None
-    if args.baseline_source is not None:
-        if not f32:
-            raise SystemExit("--baseline-source compares the float32 kernels: add --dtype float32")
-        from sgl_tpu.kernels import cpu_extension
-
-        build_dir = tempfile.TemporaryDirectory(prefix="sgl_tpu_qgemm_baseline_")  # with run()
-        baseline = cpu_extension.build_copy(args.baseline_source, "sgl_tpu_qgemm_baseline",
-                                            build_dir.name, openmp=not args.baseline_no_openmp)
+    baseline, _build_dir = build_baseline(args.baseline_source, args.dtype,
+                                          openmp=not args.baseline_no_openmp)
     rng = np.random.default_rng(0)
     rows = [int(r) for r in args.rows.split(",")]
     results: dict = {"dtype": args.dtype, "threads": args.threads, "calls": args.calls,

@@ -13,7 +13,9 @@ Only fatal faults (`scheduler/faults.py`) end the process; the launcher then ans
 CPU threads (torch on CPU): `--torch-threads`, or every CPU the process may use, fixed at
 start (switching per step costs a slow first step after each switch). On a busy host give it
 fewer: a step runs hundreds of OpenMP parallel regions, each ending in a barrier, and when one
-of its threads loses its core every barrier waits for it.
+of its threads loses its core every barrier waits for it. How those threads wait between
+regions (`--omp-spin-count`, executor/omp_wait.py) is set in `build_scheduler` before torch
+loads.
 """
 
 from __future__ import annotations

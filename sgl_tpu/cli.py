@@ -76,6 +76,11 @@ _HELP = {
     "torch_threads": "torch backend on CPU: the executor's intra-op threads, fixed at start; 0 "
                      "= every CPU the process may use. Give fewer on a busy host (an OpenMP "
                      "step whose thread loses its core stalls at every barrier)",
+    "omp_spin_count": "torch backend on CPU: how long the executor's OpenMP threads spin "
+                      "for the next parallel region before they sleep (GOMP_SPINCOUNT; 0 = "
+                      "sleep at once). Default: the environment's GOMP_SPINCOUNT / "
+                      "OMP_WAIT_POLICY when set, else 1000 (~10 us: fast on a machine of its "
+                      "own; try 0 when other busy processes share the CPUs)",
     "cuda_graph_max_bs": "torch on CUDA: decode batches up to this many sequences replay "
                          "captured CUDA graphs (default: --max-running-requests); ignored "
                          "elsewhere",
@@ -142,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
             kw["choices"] = choices[f.name]
         typ = int if isinstance(f.default, int) else float if isinstance(f.default, float) \
             else str
-        if f.name in ("context_length", "cuda_graph_max_bs"):
+        if f.name in ("context_length", "cuda_graph_max_bs", "omp_spin_count"):
             typ = int
         p.add_argument(flag, type=typ, **kw)
     p.add_argument("--mem-fraction-static", type=float, default=None,

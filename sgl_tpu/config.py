@@ -202,6 +202,9 @@ class ServerArgs:
     # torch on CPU: the executor's intra-op threads, fixed at start (0 = every CPU the process
     # may use).
     torch_threads: int = 0
+    # torch on CPU: GOMP_SPINCOUNT of the executor's OpenMP threads (0 = sleep at once; None =
+    # the environment's GOMP_SPINCOUNT / OMP_WAIT_POLICY, else executor/omp_wait.py's default)
+    omp_spin_count: int | None = None
     # CUDA graphs of the torch backend's decode step (SGLang's flags): batches up to
     # cuda_graph_max_bs sequences (None: --max-running-requests) replay a captured graph.
     # Accepted and inert on CPU/TPU.
@@ -231,6 +234,11 @@ class ServerArgs:
         if isinstance(self.torch_threads, bool) or not isinstance(self.torch_threads, int) \
                 or self.torch_threads < 0:
             raise ValueError(f"torch_threads must be an integer >= 0, got {self.torch_threads!r}")
+        if self.omp_spin_count is not None and (
+                isinstance(self.omp_spin_count, bool) or not isinstance(self.omp_spin_count, int)
+                or self.omp_spin_count < 0):
+            raise ValueError(f"omp_spin_count must be an integer >= 0, "
+                             f"got {self.omp_spin_count!r}")
         if self.cuda_graph_max_bs is not None and (
                 isinstance(self.cuda_graph_max_bs, bool)
                 or not isinstance(self.cuda_graph_max_bs, int) or self.cuda_graph_max_bs < 1):

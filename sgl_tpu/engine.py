@@ -19,6 +19,7 @@ from sgl_tpu.choices import check_registry_names
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.constrained import GrammarManager, create_backend
 from sgl_tpu.detokenize import DetokenizerState
+from sgl_tpu.executor import omp_wait
 from sgl_tpu.executor.registry import (
     resolve_backend,
     resolve_overlap_schedule,
@@ -45,6 +46,9 @@ class GenerationError(ValueError):
 def build_scheduler(args: ServerArgs) -> tuple[Scheduler, Any]:
     """Load the model, build and warm the runner, and wrap it in a scheduler."""
     check_registry_names(args)
+    omp = omp_wait.configure(args.omp_spin_count)  # before anything loads torch
+    if resolve_backend(args.backend) == "torch":
+        logger.info("OpenMP waiting: %s", omp)
     # Multi-host JAX: rank 0 gathers its follower hosts and joins jax.distributed before
     # anything starts JAX's backend (parallel/jax_multihost.py).
     group = join_jax_group(args) if args.nnodes > 1 and resolve_backend(args.backend) == "jax" \

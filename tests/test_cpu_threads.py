@@ -1,9 +1,11 @@
-"""The executor's CPU thread count: fixed at start, by `--torch-threads` or (0) every CPU the
-process may use."""
+"""The executor's CPU threads: their count, fixed at start by `--torch-threads` or (0) every CPU
+the process may use, and how they wait between parallel regions (`--omp-spin-count`)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -35,3 +37,36 @@ def test_set_cpu_threads_sets_torch():
         assert set_cpu_threads(0) == len(os.sched_getaffinity(0))
     finally:
         torch.set_num_threads(before)
+
+
+def test_omp_spin_count_flag_and_bad_values():
+    assert parse_args([]).omp_spin_count is None
+    assert parse_args(["--omp-spin-count", "0"]).omp_spin_count == 0
+    for bad in (-1, 1.5, True, "10"):
+        with pytest.raises(ValueError, match="omp_spin_count"):
+            ServerArgs(omp_spin_count=bad)
+
+
+def _fresh_interpreter(code: str, **env: str) -> str:
+    """Run `code` in a new Python (torch not loaded) with the OpenMP variables of `env` only."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, check=True,
+                         capture_output=True, text=True, timeout=120)
+    return out.stdout.strip()
+
+
+def test_omp_wait_default_environment_and_flag():
+    show = "import os; print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))"
+    # the executor package sets the default before any runner loads torch
+    assert _fresh_interpreter("import sgl_tpu.executor; " + show) == "1000 None"
+    # a setting of the environment is kept unless the flag says otherwise
+    assert _fresh_interpreter("import sgl_tpu.executor; " + show,
+                              OMP_WAIT_POLICY="PASSIVE") == "None PASSIVE"
+    assert _fresh_interpreter("import sgl_tpu.executor; " + show,
+                              GOMP_SPINCOUNT="50") == "50 None"
+    flagged = ("from sgl_tpu.executor import omp_wait; print(omp_wait.configure(0)); "
+               "import torch; print(omp_wait.configure(7))")
+    applied, refused = _fresh_interpreter(flagged, OMP_WAIT_POLICY="PASSIVE").splitlines()
+    assert applied == "GOMP_SPINCOUNT=0 OMP_WAIT_POLICY=PASSIVE"
+    assert refused.startswith("GOMP_SPINCOUNT=0 OMP_WAIT_POLICY=PASSIVE; --omp-spin-count 7 "
+                              "not applied: torch was imported first"), refused

@@ -302,8 +302,10 @@ ALLOWED_ORIGIN = "http://app.example"
 
 @pytest.fixture(scope="module")
 def second_server(tiny_model):
-    """A server of its own (the last test kills its scheduler), with CORS for one origin."""
-    handle = launch_server(*FLAGS, "--allow-origins", ALLOWED_ORIGIN, model_path=tiny_model)
+    """A server of its own (the last test kills its scheduler), with CORS for one origin and
+    its executor's OpenMP threads sleeping at once."""
+    handle = launch_server(*FLAGS, "--allow-origins", ALLOWED_ORIGIN, "--omp-spin-count", "0",
+                           model_path=tiny_model)
     yield handle
     handle.stop()
 
@@ -321,6 +323,15 @@ def test_allow_origins_opens_cors_for_those_origins_only(second_server):
     r = post(second_server, "/generate", {"text": "hi", "sampling_params": {
         "max_new_tokens": 1}}, headers={**JSON, "Origin": ALLOWED_ORIGIN})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ALLOWED_ORIGIN
+
+
+def test_omp_spin_count_reaches_the_scheduler_process(second_server):
+    """`--omp-spin-count` is set in the scheduler process (before torch loads there) and
+    reported by `/server_info`; the launcher's environment had the default."""
+    info = requests.get(second_server.base_url + "/server_info", headers=AUTH, timeout=30).json()
+    assert info["omp_wait"]["GOMP_SPINCOUNT"] == "0", info["omp_wait"]
+    log = second_server.log_path.read_text(errors="replace")
+    assert "OpenMP waiting: GOMP_SPINCOUNT=0" in log, second_server.log_tail()
 
 
 def test_killed_scheduler_is_503_and_clean_exit(second_server):

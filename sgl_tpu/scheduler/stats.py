@@ -9,6 +9,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from sgl_tpu.executor import omp_wait
 from sgl_tpu.scheduler.kv_manager import KVManager
 
 if TYPE_CHECKING:
@@ -99,6 +100,7 @@ def server_info(scheduler: Scheduler) -> dict[str, Any]:
         "num_waiting_reqs": len(scheduler.waiting),
         "num_compilations": scheduler.runner.num_compilations(),
         "scheduler_pid": os.getpid(),
+        "omp_wait": omp_wait.settings(),
         "stats": stats,
     }
     if not scheduler.has_work:

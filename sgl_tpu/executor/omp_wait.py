@@ -1,0 +1,55 @@
+"""How the torch CPU executor's OpenMP threads wait between parallel regions.
+
+A CPU decode step runs a few hundred short parallel regions (the compiled GEMM and attention
+kernels of every layer), with Python between them. After a region, libgomp's threads spin
+`GOMP_SPINCOUNT` iterations for the next one, then sleep on a futex; waking a sleeping thread
+costs ~10 microseconds per region. `OMP_WAIT_POLICY=PASSIVE` (spin count 0) therefore made a
+batch-1 step ~1.2x slower on an idle machine, while long spinning (`ACTIVE`, or libgomp's own
+default of ~3 ms) made steps many times slower next to other busy processes. A short spin is
+the default; next to a busy neighbour it costs up to ~1.4x (README, "OpenMP waiting").
+
+`--omp-spin-count N` sets `GOMP_SPINCOUNT` for the scheduler process (0 sleeps at once);
+without it the environment's `GOMP_SPINCOUNT` / `OMP_WAIT_POLICY` apply when set, else
+`DEFAULT_SPIN_COUNT`. libgomp reads them once, when torch loads: `configure` runs at
+`sgl_tpu.executor`'s import (the default, for every in-process runner) and again in
+`build_scheduler` with the flag, both before any runner imports torch; after that it only
+reports that the value could not be applied.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+DEFAULT_SPIN_COUNT = 1000  # ~10 us of spinning: covers the gaps within a step, not between steps
+_VARS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+# what the environment said before this module set anything
+_FROM_ENV = {name: os.environ[name] for name in _VARS if os.environ.get(name)}
+
+
+def configure(spin_count: int | None = None) -> str:
+    """Set `GOMP_SPINCOUNT` for this process (`spin_count`, or None: the environment's
+    settings, else `DEFAULT_SPIN_COUNT`) while torch is not loaded yet. Returns what applies,
+    for the start-up log."""
+    if spin_count is None:
+        if _FROM_ENV:
+            return describe() + " (from the environment)"
+        spin_count = DEFAULT_SPIN_COUNT
+    if os.environ.get("GOMP_SPINCOUNT") == str(spin_count):
+        return describe()
+    if "torch" in sys.modules:
+        return (describe() + f"; --omp-spin-count {spin_count} not applied: torch was "
+                "imported first (set GOMP_SPINCOUNT in the environment instead)")
+    os.environ["GOMP_SPINCOUNT"] = str(spin_count)
+    return describe()
+
+
+def describe() -> str:
+    """The OpenMP wait settings of this process's environment, e.g. 'GOMP_SPINCOUNT=1000'."""
+    return " ".join(f"{name}={os.environ[name]}" for name in _VARS if os.environ.get(name)) \
+        or "libgomp defaults"
+
+
+def settings() -> dict[str, str | None]:
+    """The same as a dict (`/server_info`'s `omp_wait`)."""
+    return {name: os.environ.get(name) for name in _VARS}

@@ -1,5 +1,6 @@
 """Server vs executor: inter-token latency of the same decode batch in-process and through the
-server (HTTP, tokenizer manager, detokenizer, streaming clients), in one invocation.
+server (HTTP, tokenizer manager, detokenizer, streaming clients), in one invocation, and the
+CPU time each server process spends per streamed token.
 
     python -m sgl_tpu.bench.serve_gap [--batch 8] [--shared-tokens 1300] [--own-tokens 300]
         [--output-tokens 64] [--rounds 3] [--server-flags "..."]
@@ -13,6 +14,10 @@ consecutive updates of a request divided by the tokens they added. The in-proces
 runs with the thread count the server's scheduler process picks (`--engine-threads` to change).
 Rounds alternate (the machine may be shared: compare the ratio, not absolute times); the JSON
 reports each round and the medians, with `gap` = server ITL p50 / in-process ITL p50 - 1.
+Each server round also reports `cpu_ms_per_token`: CPU time (user + system, from /proc) of the
+launcher (`http`: HTTP and tokenizer manager) and of the scheduler's sibling processes
+(`other_children`: the detokenizer and helpers) over the round's requests, per generated token:
+what the processes beside the executor take from its cores.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shlex
 import statistics
 import tempfile
@@ -111,7 +117,36 @@ async def run_server(url: str, shared: list[int], prompts: list[list[int]],
     return itl_stats(times)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def child_pids(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
+
+
+def server_cpu(launcher: int, scheduler: int) -> dict[str, float]:
+    """CPU seconds so far of the launcher and of its children but the scheduler, together."""
+    others = [p for p in child_pids(launcher) if p != scheduler]
+    return {"http": cpu_seconds(launcher),
+            "other_children": sum(cpu_seconds(p) for p in others)}
+
+
 def run(args: argparse.Namespace) -> dict:
+    import requests
+
     from sgl_tpu.engine import Engine
 
     flags = shlex.split(args.server_flags)
@@ -127,18 +162,27 @@ def run(args: argparse.Namespace) -> dict:
         for r in range(args.rounds + 1):  # round 0 warms both paths, not reported
             shared, prompts = make_prompts(args, vocab, seed=r)
             local = run_in_process(engine, shared, prompts, args.output_tokens)
+            scheduler = requests.get(server.url + "/server_info", timeout=30).json()[
+                "scheduler_pid"]
+            before = server_cpu(server.proc.pid, scheduler)
             remote = asyncio.run(run_server(server.url, shared, prompts, args.output_tokens))
+            after = server_cpu(server.proc.pid, scheduler)
+            tokens = len(prompts) * args.output_tokens
+            remote["cpu_ms_per_token"] = {k: round(1e3 * (after[k] - before[k]) / tokens, 3)
+                                          for k in after}
             if r:
                 rounds.append({"in_process": local, "server": remote})
                 print(json.dumps(rounds[-1]), flush=True)
     finally:
         server.stop()
         engine.shutdown()
+    cpu = {k: statistics.median(x["server"]["cpu_ms_per_token"][k] for x in rounds)
+           for k in rounds[0]["server"]["cpu_ms_per_token"]}
     local_p50 = statistics.median(x["in_process"]["itl_p50_ms"] for x in rounds)
     server_p50 = statistics.median(x["server"]["itl_p50_ms"] for x in rounds)
     return {"args": vars(args), "server_log": log, "rounds": rounds,
             "in_process_itl_p50_ms": local_p50, "server_itl_p50_ms": server_p50,
-            "gap": round(server_p50 / local_p50 - 1, 3)}
+            "gap": round(server_p50 / local_p50 - 1, 3), "server_cpu_ms_per_token": cpu}
 
 
 def _engine_kwargs(flags: list[str], threads: int) -> dict:

@@ -32,7 +32,8 @@ def configure(spin_count: int | None = None) -> str:
     settings, else `DEFAULT_SPIN_COUNT`) while torch is not loaded yet. Returns what applies,
     for the start-up log."""
     if spin_count is None:
-        if _FROM_ENV:
+        # (a child process inherits its parent's default: not the user's setting)
+        if _FROM_ENV and _FROM_ENV != {"GOMP_SPINCOUNT": str(DEFAULT_SPIN_COUNT)}:
             return describe() + " (from the environment)"
         spin_count = DEFAULT_SPIN_COUNT
     if os.environ.get("GOMP_SPINCOUNT") == str(spin_count):

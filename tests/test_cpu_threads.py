@@ -68,5 +68,10 @@ def test_omp_wait_default_environment_and_flag():
                "import torch; print(omp_wait.configure(7))")
     applied, refused = _fresh_interpreter(flagged, OMP_WAIT_POLICY="PASSIVE").splitlines()
     assert applied == "GOMP_SPINCOUNT=0 OMP_WAIT_POLICY=PASSIVE"
-    assert refused.startswith("GOMP_SPINCOUNT=0 OMP_WAIT_POLICY=PASSIVE; --omp-spin-count 7 "
-                              "not applied: torch was imported first"), refused
+    assert refused.startswith("GOMP_SPINCOUNT=0 OMP_WAIT_POLICY=PASSIVE; GOMP_SPINCOUNT=7 "
+                              "not applied: torch was loaded first"), refused
+    # torch loaded before the executor package: the default is not claimed either
+    late = _fresh_interpreter("import torch, sgl_tpu.executor; from sgl_tpu.executor import "
+                              "omp_wait; print(omp_wait.configure())")
+    assert late == "libgomp defaults; GOMP_SPINCOUNT=1000 not applied: torch was loaded first " \
+                   "(set it in the environment instead)", late

@@ -25,23 +25,29 @@ DEFAULT_SPIN_COUNT = 1000  # ~10 us of spinning: covers the gaps within a step, 
 _VARS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 # what the environment said before this module set anything
 _FROM_ENV = {name: os.environ[name] for name in _VARS if os.environ.get(name)}
+_set_before_torch = False  # whether `configure` set GOMP_SPINCOUNT before torch loaded
 
 
 def configure(spin_count: int | None = None) -> str:
     """Set `GOMP_SPINCOUNT` for this process (`spin_count`, or None: the environment's
     settings, else `DEFAULT_SPIN_COUNT`) while torch is not loaded yet. Returns what applies,
     for the start-up log."""
+    global _set_before_torch
     if spin_count is None:
         # (a child process inherits its parent's default: not the user's setting)
         if _FROM_ENV and _FROM_ENV != {"GOMP_SPINCOUNT": str(DEFAULT_SPIN_COUNT)}:
             return describe() + " (from the environment)"
         spin_count = DEFAULT_SPIN_COUNT
-    if os.environ.get("GOMP_SPINCOUNT") == str(spin_count):
-        return describe()
-    if "torch" in sys.modules:
-        return (describe() + f"; --omp-spin-count {spin_count} not applied: torch was "
-                "imported first (set GOMP_SPINCOUNT in the environment instead)")
-    os.environ["GOMP_SPINCOUNT"] = str(spin_count)
+    want = str(spin_count)
+    if "torch" in sys.modules:  # libgomp has read the environment already
+        had = os.environ.get("GOMP_SPINCOUNT") if _set_before_torch \
+            else _FROM_ENV.get("GOMP_SPINCOUNT")
+        if had == want:
+            return describe()
+        return (describe() + f"; GOMP_SPINCOUNT={want} not applied: torch was loaded first "
+                "(set it in the environment instead)")
+    os.environ["GOMP_SPINCOUNT"] = want
+    _set_before_torch = True
     return describe()
 
 

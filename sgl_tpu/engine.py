@@ -46,13 +46,13 @@ class GenerationError(ValueError):
 def build_scheduler(args: ServerArgs) -> tuple[Scheduler, Any]:
     """Load the model, build and warm the runner, and wrap it in a scheduler."""
     check_registry_names(args)
+    backend = resolve_backend(args.backend)
     omp = omp_wait.configure(args.omp_spin_count)  # before anything loads torch
-    if resolve_backend(args.backend) == "torch":
+    if backend == "torch":
         logger.info("OpenMP waiting: %s", omp)
     # Multi-host JAX: rank 0 gathers its follower hosts and joins jax.distributed before
     # anything starts JAX's backend (parallel/jax_multihost.py).
-    group = join_jax_group(args) if args.nnodes > 1 and resolve_backend(args.backend) == "jax" \
-        else None
+    group = join_jax_group(args) if args.nnodes > 1 and backend == "jax" else None
     loaded = load_model(args.model_path)
     runner_cfg = runner_config(args, loaded.config.context_len)
     if group is not None:

@@ -33,6 +33,7 @@ import time
 
 import numpy as np
 
+from sgl_tpu.bench.reliability.phases import child_pids
 from sgl_tpu.bench.report import emit
 from sgl_tpu.bench.serving import Server
 
@@ -122,19 +123,6 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def child_pids(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                continue
-    return out
 
 
 def server_cpu(launcher: int, scheduler: int) -> dict[str, float]:

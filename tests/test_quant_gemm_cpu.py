@@ -34,8 +34,9 @@ from sgl_tpu.quantization.blocks import Int4Groups, Int8Groups, decode_gguf_bloc
 pytestmark = pytest.mark.skipif(not quant_gemm_cpu.available(),
                                 reason=f"not built: {quant_gemm_cpu.why_unavailable()}")
 
-# (N, K): the default model's fused qkv, down, and a ragged N (not a multiple of 8 or 16)
-SHAPES = ((960, 576), (576, 1536), (77, 64))
+# (N, K): the default model's fused qkv, down, a ragged N (not a multiple of 8 or 16), and
+# an odd number of blocks per row (K / 32 = 3)
+SHAPES = ((960, 576), (576, 1536), (77, 64), (40, 96))
 
 
 def _int4(n: int, k: int, rng: np.random.Generator) -> Int4Groups:

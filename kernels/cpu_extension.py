@@ -38,11 +38,15 @@ BUILD_DIR = Path(sys.prefix) / "share" / "sgl-tpu" / "extensions"
 # Compiler flags per build flavour, tried in order. `-fopenmp` makes the kernels' at::parallel_for
 # run on torch's intra-op threads (without it ATen's OpenMP pragma compiles to a serial loop);
 # the module then uses the libgomp torch has already loaded. "serial" is for compilers without
-# OpenMP.
+# OpenMP. `-fno-trapping-math` (no kernel reads the floating-point exception flags) lets GCC
+# turn float compares and float -> int conversions into vector selects and converts: without
+# it the SiLU loop of layer_ops_cpu.cpp (its exp clamps x) compiled to scalar code, 3x slower.
+# It permits no reassociation: results are unchanged.
+COMMON_FLAGS = ["-O3", "-ffp-contract=fast", "-fno-trapping-math", "-Wno-psabi"]
 FLAVOURS = {
-    "native": ["-O3", "-march=native", "-ffp-contract=fast", "-Wno-psabi", "-fopenmp"],
-    "portable": ["-O3", "-ffp-contract=fast", "-Wno-psabi", "-fopenmp"],
-    "serial": ["-O3", "-ffp-contract=fast", "-Wno-psabi"],
+    "native": [*COMMON_FLAGS, "-march=native", "-fopenmp"],
+    "portable": [*COMMON_FLAGS, "-fopenmp"],
+    "serial": COMMON_FLAGS,
 }
 INSTALL_HINT = "build it with `make install` (or `python -m sgl_tpu.kernels.cpu_extension`)"
 

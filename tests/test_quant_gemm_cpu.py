@@ -136,25 +136,30 @@ def test_default_model_greedy_equals_dense_float32(caplog):
     assert "vocabulary head on q8-f32" in caplog.text
     params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
     prompts = ("The capital of France is", "def fibonacci(n):")
-    out = [quant.generate(p, params)["output_ids"] for p in prompts]
+    gens = [quant.generate(p, params, return_logprob=True) for p in prompts]
+    out = [g["output_ids"] for g in gens]
     quant.shutdown()
     dense = engine("none")
     assert dense.scheduler.runner.quantization is None
     assert out == [dense.generate(p, params)["output_ids"] for p in prompts]
     dense.shutdown()
-    # gguf-a8 (int8 activations, opt-in) is not exact, and its rounding of the activations
-    # amplifies float32-level differences elsewhere (the attention kernel's summation order
-    # moved its second token here): measured 12 and 1 of 16 greedy tokens equal to gguf's on
-    # these prompts before the first difference (5 and 5 with the previous attention kernel,
-    # 13 with torch-sdpa on the second); assert the first
+    # gguf-a8 (int8 activations, opt-in) is not exact: its greedy tokens have followed gguf's
+    # for 1 to all 16 tokens on these prompts as float32-level details elsewhere changed (the
+    # attention's and the SiLU's rounding); assert the first token and that the first token's
+    # log-probability moved (the activations are rounded)
     a8 = engine("gguf-a8")
     report = a8.scheduler.runner.quantization
     assert report.method == "gguf-a8" and report.kernels == ("q4-a8",)
     assert report.quantized == 4 * 30 and report.head == "q8-a8"
-    out_a8 = [a8.generate(p, params)["output_ids"] for p in prompts]
+    gens_a8 = [a8.generate(p, params, return_logprob=True) for p in prompts]
     a8.shutdown()
-    assert [o[:1] for o in out_a8] == [o[:1] for o in out]
-    assert out_a8 != out  # the activations are rounded: some token differs within 16
+    assert [g["output_ids"][:1] for g in gens_a8] == [o[:1] for o in out]
+
+    def first_logprob(g):
+        return g["meta_info"]["output_token_logprobs"][0][0]
+
+    for g, g_a8 in zip(gens, gens_a8, strict=True):
+        assert first_logprob(g) < 0 and abs(first_logprob(g_a8) - first_logprob(g)) > 1e-6
 
 
 def _quantize_a8_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -39,9 +39,9 @@ BUILD_DIR = Path(sys.prefix) / "share" / "sgl-tpu" / "extensions"
 # run on torch's intra-op threads (without it ATen's OpenMP pragma compiles to a serial loop);
 # the module then uses the libgomp torch has already loaded. "serial" is for compilers without
 # OpenMP. `-fno-trapping-math` (no kernel reads the floating-point exception flags) lets GCC
-# turn float compares and float -> int conversions into vector selects and converts: without
-# it the SiLU loop of layer_ops_cpu.cpp (its exp clamps x) compiled to scalar code, 3x slower.
-# It permits no reassociation: results are unchanged.
+# turn float compares and float -> int conversions into vector selects and converts (without
+# it the SiLU loop of layer_ops_cpu.cpp, whose exp clamps x, stayed scalar). It permits no
+# reassociation: results are unchanged.
 COMMON_FLAGS = ["-O3", "-ffp-contract=fast", "-fno-trapping-math", "-Wno-psabi"]
 FLAVOURS = {
     "native": [*COMMON_FLAGS, "-march=native", "-fopenmp"],

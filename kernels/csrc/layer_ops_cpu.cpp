@@ -263,8 +263,9 @@ void silu_mul_impl(const T* gu, int64_t row_stride, int64_t rows, int64_t F, T* 
       const T* g = gu + r * row_stride;
       const T* u = g + F;
       T* o = out + r * F;
-      for (int64_t i = 0; i < F; ++i) {  // one division, after the product: as written
-        const float x = to_f(g[i]);        // x / (1 + e) * u, GCC's vector code ran 2x slower
+      // x u / (1 + e): written x / (1 + e) * u, GCC's vector code took two divisions, 2x slower
+      for (int64_t i = 0; i < F; ++i) {
+        const float x = to_f(g[i]);
         o[i] = from_f<T>(x * to_f(u[i]) / (1.0f + exp_f(-x)));
       }
     }

@@ -68,6 +68,8 @@ RECORDED = [
     ("hermes", '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',
      '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>', []),  # not offered
     ("hermes", "Cut off: " + H1[:40], "Cut off: ", []),  # max_tokens inside a call
+    ("hermes", H2 + "\n<tool_", "\n", [CALL2]),  # the next call's marker, cut off: dropped
+    ("hermes", "Compare a <", "Compare a <", []),  # no call yet: an ending like a marker's start
     ("qwen25", H2, "", [CALL2]),
     ("llama3", '<|python_tag|>{"name": "get_weather", "parameters": ' + J1 + "}; "
      '{"name": "noop", "parameters": {}}', "", [CALL1, CALL2]),

@@ -19,7 +19,8 @@ on arbitrary chunk splits).
 A region whose markup is malformed, or that names a function that was not offered, is plain
 text (as SGLang's parsers do), so a returned call always names an offered function. A region
 the output ends inside (cut off by max_tokens) that does not parse is dropped: call markup never
-shows up as content.
+shows up as content. So is the start of a marker the output ends on after a call ("<tool_":
+the next call, cut off); before any call such an ending stays text (an answer may end in "<").
 """
 
 from __future__ import annotations
@@ -201,6 +202,7 @@ class ToolCallStream:
         self.tools = {f["name"]: f for f in functions}
         self._buf = ""
         self._at_start = True
+        self._called = False  # a call was emitted
         self._sent: int | None = None  # argument chars streamed of the open call
 
     def feed(self, chunk: str) -> list[Event]:
@@ -236,8 +238,12 @@ class ToolCallStream:
         while self._buf:
             found = [p for p in (self._buf.find(m) for m in self.parser.starts) if p >= 0]
             if not found:
-                keep = 0 if final else partial_marker_len(self._buf, self.parser.starts)
+                keep = partial_marker_len(self._buf, self.parser.starts)
+                if final and not self._called:
+                    keep = 0  # plain text that happens to end like a marker's start
                 self._emit_text(out, len(self._buf) - keep)
+                if final:
+                    self._buf = ""  # after a call: the next one's marker, cut off
                 break
             pos = min(found)
             if pos:
@@ -259,6 +265,7 @@ class ToolCallStream:
                 out.extend(calls)
                 self._buf = self._buf[scan.consumed:]
                 self._at_start = False
+                self._called = True
         return out
 
 

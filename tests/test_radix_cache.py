@@ -353,7 +353,10 @@ class RadixCacheMachine(RuleBasedStateMachine):
         self.touch(key, expected)
         return match
 
-    def evict_and_check(self, num_tokens: int) -> None:
+    def evict_and_check(self, num_tokens: int, matching: tuple[list[int], int] = ([], 0)
+                        ) -> None:
+        """`matching`: (key, matched length) of a request being admitted: its match is locked
+        in the cache before the eviction, but not yet in `self.requests`."""
         before, evictable = dict(self.stored), self.cache.evictable_size()
         free_before = self.allocator.num_free_pages
         freed = self.cache.evict(num_tokens)
@@ -363,7 +366,9 @@ class RadixCacheMachine(RuleBasedStateMachine):
         assert freed == len(removed) * self.ps
         assert self.allocator.num_free_pages - free_before == len(removed)
         assert min(num_tokens, evictable) <= freed <= evictable
-        locked = self.locked_prefixes()
+        key, matched = matching
+        locked = self.locked_prefixes() | {tuple(key[:q])
+                                           for q in range(self.ps, matched + 1, self.ps)}
         assert locked <= after.keys()
         if removed:
             # Each victim was the first in eviction order among the leaves of its moment, so
@@ -388,7 +393,8 @@ class RadixCacheMachine(RuleBasedStateMachine):
         cached_len = match.prefix_len
         num_pages = -(-(len(key) - cached_len) // self.ps)
         if num_pages > self.allocator.num_free_pages:
-            self.evict_and_check((num_pages - self.allocator.num_free_pages) * self.ps)
+            self.evict_and_check((num_pages - self.allocator.num_free_pages) * self.ps,
+                                 matching=(key, cached_len))
         pages = self.allocator.alloc(num_pages)
         if pages is None:
             self.cache.dec_lock_ref(match.last_node)

@@ -55,9 +55,9 @@ INSTALL_HINT = "build it with `make install` (or `python -m sgl_tpu.kernels.cpu_
 class CpuExtension:
     """One compiled source under csrc/: `prefix` names its modules, `title` its messages.
 
-    Compared and hashed by identity (the three below are the only ones): `load_extension`'s
-    cache is looked up on every kernel call, and hashing the fields (a Path) cost more than
-    some of the calls."""
+    Compared and hashed by identity (one object per source: the three below, and each
+    baseline a bench compiles): `load_extension`'s cache is looked up on every kernel call,
+    and hashing the fields (a Path) cost more than some of the calls."""
 
     source: Path
     prefix: str

@@ -137,8 +137,8 @@ inline void q4_zero_terms(const float* xsum, const float* scale, const float* ze
 // kernels start their accumulators with these, so one horizontal sum per row covers both: at
 // 8 rows and K = 576, 8 horizontal sums and 32 scalar FMA pairs fewer per output feature. (At
 // the start, this chain of FMAs overlaps the first blocks' products; added after the last
-// block it waited on that block's FMA, 1.04-1.09x slower at 1 row. A separate vector per row
-// instead took 8 more registers at 8 rows and lost the gain there.)
+// block it waited on that block's FMA, slower at 1 row. A separate vector per row instead
+// took 8 more registers at 8 rows and lost the gain there. README, "Float32 activations".)
 template <int R>
 inline void q4_zero_lanes(const float* xsum, const float* scale, const float* zero, int64_t nb,
                           __m256* acc) {

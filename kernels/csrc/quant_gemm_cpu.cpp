@@ -99,32 +99,16 @@ inline void block_fma(const float* x, int64_t K, __m256 w0, __m256 w1, __m256 w2
 }
 #endif
 
-// zacc[r] = sum_b (zero_b xsum[r, b] - 8 scale_b xsum[r, b]): the Q4 zero terms of R rows
-// (8 blocks per vector where the build has AVX2), summed as zero * xsum and -8 scale * xsum so
-// that zero - 8 scale is never rounded. The scalar kernels' form; with AVX2 the kernels add
-// the same terms to their accumulators instead (q4_zero_lanes, below).
+// zacc[r] = sum_b (zero_b xsum[r, b] - 8 scale_b xsum[r, b]): the Q4 zero terms of R rows,
+// summed as zero * xsum and -8 scale * xsum so that zero - 8 scale is never rounded. The
+// scalar kernels' form (builds without AVX2); the AVX2 kernels start their accumulators with
+// the same terms instead (q4_zero_lanes, below).
 template <int R>
 inline void q4_zero_terms(const float* xsum, const float* scale, const float* zero, int64_t nb,
                           float* zacc) {
-  int64_t b = 0;
-#if SGL_QGEMM_AVX2
-  const __m256 minus8 = _mm256_set1_ps(-8.0f);
-  __m256 zv[R];
-  for (int r = 0; r < R; ++r) zv[r] = _mm256_setzero_ps();
-  for (; b + 8 <= nb; b += 8) {
-    const __m256 z = _mm256_loadu_ps(zero + b);
-    const __m256 s8 = _mm256_mul_ps(minus8, _mm256_loadu_ps(scale + b));
-    for (int r = 0; r < R; ++r) {
-      const __m256 xs = _mm256_loadu_ps(xsum + r * nb + b);
-      zv[r] = _mm256_fmadd_ps(s8, xs, _mm256_fmadd_ps(z, xs, zv[r]));
-    }
-  }
-  for (int r = 0; r < R; ++r) zacc[r] = hsum(zv[r]);
-#else
-  for (int r = 0; r < R; ++r) zacc[r] = 0.0f;
-#endif
   for (int r = 0; r < R; ++r) {
-    for (int64_t t = b; t < nb; ++t) {
+    zacc[r] = 0.0f;
+    for (int64_t t = 0; t < nb; ++t) {
       zacc[r] = std::fma(zero[t], xsum[r * nb + t], zacc[r]);
       zacc[r] = std::fma(-8.0f * scale[t], xsum[r * nb + t], zacc[r]);
     }
@@ -132,8 +116,8 @@ inline void q4_zero_terms(const float* xsum, const float* scale, const float* ze
 }
 
 #if SGL_QGEMM_AVX2
-// acc[r] = the Q4 zero terms of row r as 8 lane-wise partial sums (q4_zero_terms' sums,
-// before its horizontal sum), the last nb % 8 blocks a masked vector, not a scalar loop. The
+// acc[r] = the Q4 zero terms of row r (q4_zero_terms' sum) as 8 lane-wise partial sums, 8
+// blocks per vector, the last nb % 8 blocks a masked vector, not a scalar loop. The
 // kernels start their accumulators with these, so one horizontal sum per row covers both: at
 // 8 rows and K = 576, 8 horizontal sums and 32 scalar FMA pairs fewer per output feature. (At
 // the start, this chain of FMAs overlaps the first blocks' products; added after the last

@@ -308,3 +308,31 @@ def test_default_model_chat(default_model_server):
     assert "<|im_end|>" not in content
     stream = c.chat.completions.create(**kw, stream=True)
     assert "".join(ch.choices[0].delta.content or "" for ch in stream) == content
+
+
+@pytest.mark.backend_independent
+def test_default_model_length_forced_answer_holds_no_eos(default_model_server):
+    """A length-forced answer (`ignore_eos` with `min_new_tokens` = `max_new_tokens`, what
+    benchmarks send) never samples EOS, as SGLang's min-new-tokens penalizer: the model's own
+    answer ends in EOS within the length, `ignore_eos` alone keeps sampling past it (EOS
+    included), `min_new_tokens` bans it, and the tokens before it are the same."""
+    prompt = ("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+              "<|im_start|>assistant\n")
+
+    def generate(**sp) -> dict:
+        body = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 32,
+                                                    **sp}}
+        r = requests.post(default_model_server.base_url + "/generate", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    natural = generate()
+    reason = natural["meta_info"]["finish_reason"]
+    assert reason["type"] == "stop", reason
+    eos, k = reason["matched"], len(natural["output_ids"]) - 1
+    assert natural["output_ids"][k] == eos and "Paris" in natural["text"]
+    ignored = generate(ignore_eos=True)
+    assert ignored["output_ids"][: k + 1] == natural["output_ids"]
+    forced = generate(ignore_eos=True, min_new_tokens=32)
+    assert len(forced["output_ids"]) == 32 and eos not in forced["output_ids"]
+    assert forced["output_ids"][:k] == natural["output_ids"][:k]

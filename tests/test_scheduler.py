@@ -290,3 +290,44 @@ def test_overlap_discards_the_row_of_a_request_that_finished_one_step_late():
     # twice more; b's last step has no second row: its length finish is known in advance
     decodes = [len(c) for m, c in runner.calls if m == ForwardMode.DECODE]
     assert decodes == [2, 2, 2, 1, 1]
+
+
+EOS = 500
+
+
+class EosWantingRunner(OverlapPlusOneRunner):
+    """Answers EOS wherever a step's vocab mask allows it, else `last input token + 1`."""
+
+    def forward(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> StepResult:
+        result = super().forward(mode, steps)
+        ids = result.token_ids.copy()
+        for i, s in enumerate(steps):
+            if s.bitmask is None or (int(s.bitmask.view(np.uint32)[EOS // 32]) >> EOS % 32) & 1:
+                ids[i] = EOS
+        return dataclasses.replace(result, token_ids=ids)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_min_new_tokens_bans_eos_even_with_ignore_eos(overlap):
+    """min_new_tokens masks EOS (and stop ids) up to that many outputs whether or not
+    ignore_eos is set, as SGLang's min-new-tokens penalizer does, also in the lagged steps of
+    overlap scheduling (their mask is one token ahead); after it, ignore_eos decides whether an
+    EOS ends the request."""
+    from sgl_tpu.scheduler.scheduler import Scheduler
+
+    cfg = SchedulerConfig(page_size=PAGE, max_running_requests=4, max_extend_seqs=4,
+                          chunked_prefill_size=64, context_len=512, overlap_schedule=overlap)
+    runner = EosWantingRunner()
+    sched = Scheduler(cfg, runner, num_pages=32, decode=lambda ids, skip: "",
+                      eos_token_ids=(EOS,), vocab_size=V)
+    sched.add_request(request("forced", [10, 11, 12], 6, ignore_eos=True, min_new_tokens=4))
+    sched.add_request(request("ignore", [20, 21, 22], 3, ignore_eos=True))
+    sched.add_request(request("min", [30, 31, 32], 6, min_new_tokens=2))
+    out = run_all(sched)
+    assert out["forced"]["ids"] == [13, 14, 15, 16, EOS, EOS]
+    assert out["forced"]["reason"] == {"type": "length", "length": 6}
+    assert out["ignore"]["ids"] == [EOS, EOS, EOS]
+    assert out["min"]["ids"] == [33, 34, EOS]
+    assert out["min"]["reason"] == {"type": "stop", "matched": EOS}
+    if overlap:
+        assert runner.lagged_steps > 0

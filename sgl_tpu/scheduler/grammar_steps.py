@@ -154,11 +154,17 @@ class GrammarSteps:
 
     def step_mask(self, req: Req, ahead: int = 0) -> np.ndarray | None:
         """The grammar's mask, with EOS and stop ids disallowed before min_new_tokens; for the
-        output position `ahead` tokens past the request's outputs (a speculative draft's)."""
+        output position `ahead` tokens past the request's outputs (a speculative draft's, or
+        the step after the one in flight under overlap scheduling).
+
+        EOS is banned there whether or not `ignore_eos` is set, as SGLang's min-new-tokens
+        penalizer (and llama.cpp's `min_tokens`) do: `ignore_eos` only says an EOS does not
+        end the request, so a length-forced answer (`ignore_eos` with `min_new_tokens` =
+        `max_new_tokens`) holds no EOS, whose text the answer would drop."""
         row = fill_mask(req, self.mask_words)
         sp = req.sampling
         if len(req.output_ids) + ahead < sp.min_new_tokens:
-            banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_token_ids)
+            banned = set(sp.stop_token_ids) | self.eos_token_ids
             if banned:
                 row = np.full(self.mask_words, -1, np.int32) if row is None else row
                 words = row.view(np.uint32)

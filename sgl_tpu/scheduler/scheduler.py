@@ -412,7 +412,9 @@ class Scheduler:
             return None
         self._step_reqs = reqs
         self.stats.num_overlapped_steps += 1
-        steps = [r.decode_step(None, prev_row=rows[id(r)]) for r in reqs]
+        # no grammar here (overlappable), but a min_new_tokens ban, one token ahead
+        steps = [r.decode_step(self.grammar_steps.step_mask(r, 1), prev_row=rows[id(r)])
+                 for r in reqs]
         batch = [(r, [], i) for i, r in enumerate(reqs)]
         return PendingDecode(batch, self.runner.dispatch(ForwardMode.DECODE, steps))
 

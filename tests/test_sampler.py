@@ -331,6 +331,76 @@ def test_bitmask_restricts_sampling(row: np.ndarray) -> None:
     assert_matches(draw(row, p, allowed=allowed), reference_probs(row, p, allowed))
 
 
+def test_few_banned_tokens_restrict_sampling(row: np.ndarray) -> None:
+    """A mask that bans a few ids (min_new_tokens' EOS and stop ids; the torch sampler's
+    in-place path) keeps the distribution of the rest."""
+    allowed = np.ones(V, bool)
+    allowed[np.argsort(-row)[[0, 2]]] = False  # the top token and the third
+    allowed[V - 1] = False  # in the last, partial word
+    p = Params(temperature=1.0, top_p=0.9, seed=6)
+    assert_matches(draw(row, p, allowed=allowed), reference_probs(row, p, allowed))
+
+
+@pytest.mark.parametrize("backend", ["torch"], indirect=True)
+def test_torch_ban_path_leaves_the_logits_and_logprobs_raw(backend) -> None:
+    """The torch sampler writes a few banned ids to -inf in place and puts them back: greedy and
+    sampled rows avoid them, the caller's logits come back unchanged and the log-probs are
+    the raw ones; a batch mixing a grammar-like mask takes the unpacked mask and agrees."""
+    import torch
+
+    from sgl_tpu.executor.torch import sampler as TS
+
+    rng = np.random.default_rng(12)
+    logits = rng.normal(size=(4, V)).astype(np.float32)
+    allowed = np.ones((4, V), bool)
+    top = logits.argmax(-1)
+    allowed[np.arange(4), top] = False
+    allowed[:, 5] = False
+    words = H.pack_bitmask(allowed)
+    assert TS._banned_ids(torch.from_numpy(words), V) is not None  # the in-place path
+    x = torch.from_numpy(logits.copy())
+
+    def sample(x: torch.Tensor, mask: np.ndarray) -> tuple[torch.Tensor, ...]:
+        temps = torch.tensor([0.0, 0.0, 1.0, 1.0])
+        return TS.sample(x, temperature=temps, top_p=torch.ones(4),
+                         top_k=torch.zeros(4, dtype=torch.long), min_p=torch.zeros(4),
+                         uniforms=torch.rand(4), penalties=None, bitmask=torch.from_numpy(mask),
+                         num_top_logprobs=3)
+
+    ids, lp, top_ids, _ = sample(x, words)
+    np.testing.assert_array_equal(x.numpy(), logits)
+    assert allowed[np.arange(4), ids.numpy()].all()
+    np.testing.assert_array_equal(ids[:2].numpy(), np.where(allowed, logits, -np.inf)[:2]
+                                  .argmax(-1))
+    raw_lp = torch.log_softmax(torch.from_numpy(logits), -1)
+    np.testing.assert_allclose(lp.numpy(), raw_lp[torch.arange(4), ids].numpy(), rtol=1e-5)
+    np.testing.assert_array_equal(top_ids[:, 0].numpy(), top)  # banned, but raw log-probs
+    dense = allowed.copy()
+    dense[3, 10:] = False  # many words partial: the unpacked-mask path for the batch
+    dense_words = H.pack_bitmask(dense)
+    assert TS._banned_ids(torch.from_numpy(dense_words), V) is None
+    ids_dense = sample(torch.from_numpy(logits.copy()), dense_words)[0]
+    np.testing.assert_array_equal(ids_dense[:2].numpy(), ids[:2].numpy())
+    assert dense[np.arange(4), ids_dense.numpy()].all()
+
+
+@pytest.mark.parametrize("backend", ["torch"], indirect=True)
+def test_torch_unpack_bitmask_bit_order(backend) -> None:
+    import torch
+
+    from sgl_tpu.executor.torch import sampler as TS
+
+    allowed = np.random.default_rng(8).random((3, V)) < 0.5
+    unpacked = TS.unpack_bitmask(torch.from_numpy(H.pack_bitmask(allowed)), V)
+    np.testing.assert_array_equal(unpacked.numpy(), allowed)
+    words = np.zeros((2, 4), np.int32)
+    words[0, 0] = 1 << 3
+    words[1, 1] = np.int32(-(2**31))  # the sign bit of word 1 is token 63
+    unpacked = TS.unpack_bitmask(torch.from_numpy(words), V).numpy()
+    assert np.nonzero(unpacked[0])[0].tolist() == [3]
+    assert np.nonzero(unpacked[1])[0].tolist() == [63]
+
+
 # --- seeding --------------------------------------------------------------------------------
 
 

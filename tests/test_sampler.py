@@ -624,3 +624,26 @@ def test_parameter_values_do_not_recompile(row: np.ndarray, backend) -> None:
     ):
         run(logits, [params] * UNIT_BATCH, allowed=np.ones((UNIT_BATCH, V), bool))
     assert _sample._cache_size() == size
+
+
+@pytest.mark.parametrize("backend", ["torch"], indirect=True)
+def test_sampler_bench_masks(backend) -> None:
+    """`python -m sgl_tpu.bench.sampler --masks ban,grammar` times what it says: every token
+    but BANNED_IDS, or one in 7; sampled and greedy calls return only allowed tokens."""
+    import torch
+
+    from sgl_tpu.bench import sampler as bench
+    from sgl_tpu.executor.torch import sampler as TS
+
+    assert bench.mask_bitmask("none", 3, V) is None
+    ban = TS.unpack_bitmask(bench.mask_bitmask("ban", 3, V), V).numpy()
+    assert (np.nonzero(~ban)[1] == np.tile(bench.BANNED_IDS, 3)).all()
+    dense = TS.unpack_bitmask(bench.mask_bitmask("grammar", 3, V), V).numpy()
+    assert (np.nonzero(dense[1])[0] == np.arange(0, V, 7)).all()
+    logits = torch.zeros(3, V)
+    logits[:, list(bench.BANNED_IDS)] = 10.0
+    logits[:, 1] = 20.0  # not allowed by the dense mask
+    for mask, allowed in (("ban", ban), ("grammar", dense)):
+        for mode in bench.MODES:
+            ids = bench.make_call(TS, logits, mode, "none", 0, mask)()[0].numpy()
+            assert allowed[np.arange(3), ids].all()

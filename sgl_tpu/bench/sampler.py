@@ -1,12 +1,15 @@
 """Sampler micro-benchmark: the torch sampler alone, greedy against sampled, on real logits.
 
     python -m sgl_tpu.bench.sampler [--batches 8,32] [--repeats 15] [--threads 2]
-        [--baseline FILE] [--logprob-rows none,all] [--model-path PATH]
+        [--baseline FILE] [--logprob-rows none,all] [--masks none,ban] [--model-path PATH]
 
 Logits: `peaked` are the default model's next-token logits at every position of a fixed English
 paragraph (real, mostly confident predictions); `flat` are standard-normal logits of the same
 vocabulary (a nucleus of tens of thousands of tokens). Rows are picked from them per batch.
-Modes: `greedy` (temperature 0) and `sampled` (temperature 0.7, top-p 0.9, seeded). `--baseline`
+Modes: `greedy` (temperature 0) and `sampled` (temperature 0.7, top-p 0.9, seeded). Masks
+(every row's vocabulary bitmask): `none`; `ban`, all tokens but BANNED_IDS (as min_new_tokens
+bans EOS and stop ids before a length-forced answer's end); `grammar`, one token in 7 (a dense
+mask, as a grammar's). `--baseline`
 names another sampler module file with the same `sample` function (e.g. an older version) to time
 in the same run; every configuration alternates the implementations (ABAB...; each timed call
 follows an untimed one of the same call, as in decoding, so no call pays for the buffers the
@@ -37,6 +40,8 @@ TEXT = (
     "found in the cache and only the new tool output has to be computed before decoding starts."
 )
 MODES = {"greedy": dict(temperature=0.0, top_p=1.0), "sampled": dict(temperature=0.7, top_p=0.9)}
+MASKS = ("none", "ban", "grammar")
+BANNED_IDS = (0, 2)  # the default model's <|endoftext|> and <|im_end|>
 
 
 def real_logits(model_path: str | None) -> np.ndarray:
@@ -72,7 +77,24 @@ def load_sampler(path: str | None) -> ModuleType:
     return module
 
 
-def make_call(module: ModuleType, logits, mode: str, logprob_rows: str, num_top: int):
+def mask_bitmask(mask: str, batch: int, vocab: int):
+    """i32[batch, ceil(vocab / 32)] for a MASKS name (None for `none`)."""
+    import torch
+
+    if mask == "none":
+        return None
+    allowed = np.zeros(-(-vocab // 32) * 32, bool)
+    if mask == "ban":
+        allowed[:vocab] = True
+        allowed[list(BANNED_IDS)] = False
+    else:
+        allowed[:vocab:7] = True
+    words = np.packbits(allowed, bitorder="little").view("<i4")
+    return torch.from_numpy(np.ascontiguousarray(np.broadcast_to(words, (batch, len(words)))))
+
+
+def make_call(module: ModuleType, logits, mode: str, logprob_rows: str, num_top: int,
+              mask: str = "none"):
     """A no-argument closure running one `module.sample` on `logits` [B, V]."""
     import torch
 
@@ -85,7 +107,8 @@ def make_call(module: ModuleType, logits, mode: str, logprob_rows: str, num_top:
         min_p=torch.zeros(batch),
         uniforms=torch.from_numpy(module.row_uniforms(np.arange(batch, dtype=np.uint32),
                                                       np.zeros(batch, np.int32))),
-        penalties=None, bitmask=None, num_top_logprobs=num_top)
+        penalties=None, num_top_logprobs=num_top,
+        bitmask=mask_bitmask(mask, batch, logits.shape[1]))
     if "logprob_rows" in inspect.signature(module.sample).parameters:
         kwargs["logprob_rows"] = torch.full((batch,), logprob_rows == "all")
     return lambda: module.sample(logits, **kwargs)
@@ -109,8 +132,11 @@ def run(args: argparse.Namespace) -> dict:
         for batch in args.batches_list:
             rows = rng.choice(len(source), batch, replace=len(source) < batch)
             logits = torch.from_numpy(np.ascontiguousarray(source[rows]))
-            for lp_rows in args.logprob_rows.split(","):
-                calls = {(name, mode): make_call(m, logits, mode, lp_rows, args.num_top)
+            for lp_rows, mask in [(lp, mk) for lp in args.logprob_rows.split(",")
+                                  for mk in args.masks.split(",")]:
+                if mask not in MASKS:
+                    raise SystemExit(f"--masks: each of {MASKS}, got {mask!r}")
+                calls = {(name, mode): make_call(m, logits, mode, lp_rows, args.num_top, mask)
                          for name, m in impls.items() for mode in MODES}
                 times: dict = {key: [] for key in calls}
                 for fn in calls.values():
@@ -123,7 +149,8 @@ def run(args: argparse.Namespace) -> dict:
                         times[key].append(time.perf_counter() - t0)
                 ms = {f"{name}_{mode}": round(1e3 * statistics.median(t), 3)
                       for (name, mode), t in times.items()}
-                row = {"logits": kind, "batch": batch, "logprob_rows": lp_rows, "median_ms": ms}
+                row = {"logits": kind, "batch": batch, "logprob_rows": lp_rows, "mask": mask,
+                       "median_ms": ms}
                 for name in impls:
                     row[f"{name}_sampled_over_greedy"] = round(
                         ms[f"{name}_sampled"] / ms[f"{name}_greedy"], 2)
@@ -145,6 +172,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-top", type=int, default=20, help="top log-probs per row")
     p.add_argument("--logprob-rows", default="none",
                    help="comma list of none/all: which rows ask for log-probs")
+    p.add_argument("--masks", default="none",
+                   help="comma list of none/ban/grammar: no vocabulary mask, a few ids "
+                   "banned, or a dense mask")
     p.add_argument("--baseline", default=None, help="another sampler module file to compare")
     p.add_argument("--output", default=None, help="also write the JSON here")
     args = p.parse_args(argv)

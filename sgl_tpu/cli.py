@@ -29,7 +29,7 @@ _HELP = {
     "responses_ttl_s": "Responses API: seconds a stored response is kept after its last use",
     "max_total_tokens": "KV cache capacity in tokens",
     "kv_cache_dtype": "KV cache element type: auto (the compute dtype; bfloat16 where "
-                      "--dtype auto resolves to float32 on a CPU without bf16 units, torch "
+                      "--dtype auto resolves to float32 on a CPU without AMX, torch "
                       "backend) or bfloat16 / bf16 (a float32 model keeps K/V rows rounded to "
                       "bfloat16: half the KV memory and bytes read per decode step; torch "
                       "backend). SGLang's fp8 choices are not supported",

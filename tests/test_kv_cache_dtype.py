@@ -63,7 +63,7 @@ def test_flag_accepts_bfloat16_and_refuses_fp8_by_name(capsys):
 
 
 def test_auto_is_bfloat16_only_where_the_dtype_is_the_machines_float32(monkeypatch):
-    """`auto` under `--dtype auto` on a CPU without bf16 units (float32 compute, torch): a
+    """`auto` under `--dtype auto` on a CPU without AMX (float32 compute, torch): a
     bfloat16 pool; an explicit `--dtype float32`, a bf16 CPU, deterministic inference and the
     jax backend keep the compute dtype."""
     from sgl_tpu.executor.torch import device

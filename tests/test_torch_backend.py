@@ -227,7 +227,7 @@ def test_auto_backend_and_bad_choices():
     with pytest.raises(ValueError, match="torch_compile"):
         ServerArgs(torch_compile="maybe")
     cfg = runner_config(ServerArgs(backend="torch"), 2048)
-    # CPU auto: bf16 where the CPU has bf16 units (AMX / AVX512-BF16), else float32
+    # CPU auto: bf16 where the CPU has AMX, else float32
     assert cfg.backend == "torch" and cfg.dtype == default_dtype("cpu") and not cfg.compile
     from sgl_tpu.kernels import cpu_extension
 

@@ -35,7 +35,7 @@ in the same run and clock (`sum` of a 256 MB tensor). `step_ms` multiplies a cal
 backend, eager), the decode batches above with the same agent contexts, and one EXTEND step
 (256 new tokens on a 1,024-token cached prefix), on the thread clock (the K/V contents do not
 change the time, so no prefill runs first). `--model-kv-cache-dtype bfloat16` gives those
-runners bfloat16 pools, as `--dtype auto` serves on a CPU without bf16 units.
+runners bfloat16 pools, as `--dtype auto` serves on a CPU without AMX.
 
 `--baseline-source` compiles another version of csrc/paged_attention_cpu.cpp (e.g.
 `git show HEAD~1:kernels/csrc/paged_attention_cpu.cpp > /tmp/old.cpp`) into a temporary

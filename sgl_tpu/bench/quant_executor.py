@@ -9,7 +9,7 @@ Prints one JSON object: per workload and mode the min and median step time and `
 / `median_vs_first` (ratios to the first mode). `--kernel-max-rows` overrides the kernels' row
 limit (`MAX_KERNEL_ROWS` in executor/torch/quant_linear.py): with a large value the kernel runs
 at every batch size, which is how the crossover is measured. With `--dtype float32` (CPUs
-without bf16 units) `gguf` runs the compiled float32 block kernels (kernels/quant_gemm_cpu.py),
+without AMX) `gguf` runs the compiled float32 block kernels (kernels/quant_gemm_cpu.py),
 head included, and `gguf-a8` their int8-activation forms. `--baseline-source OLD.cpp` (float32)
 compiles another kernels/csrc/quant_gemm_cpu.cpp and adds a "<mode>-baseline" entry per mode:
 the same runner's steps with that build's kernels. The machine is shared: compare the ratios

@@ -16,7 +16,7 @@ crossover (`MAX_KERNEL_ROWS` in `sgl_tpu/executor/torch/quant_linear.py`) is mea
 real step with `python -m sgl_tpu.bench.quant_executor --kernel-max-rows 64`; this bench shows
 it per matrix.
 
-`--dtype float32` (CPUs without bf16 units) compares the dense float32 `F.linear` ("f32", the
+`--dtype float32` (CPUs without AMX) compares the dense float32 `F.linear` ("f32", the
 baseline of the ratios) with the compiled block kernels of kernels/quant_gemm_cpu.py: "q4f32"
 (int4 groups, the GGUF's Q4_x projections) and "q8f32" (Q8_0 blocks, the vocabulary head), and
 their int8-activation forms "q4a8" / "q8a8" (`--quantization gguf-a8`); the step totals are then

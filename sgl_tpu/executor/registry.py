@@ -224,7 +224,7 @@ def _resolve_kv_cache_dtype(args: ServerArgs, backend: str, dtype: str) -> str:
     kernels, Pallas included, read pools of the compute dtype).
 
     "auto" is the compute dtype, except where the dtype was left to the machine too (`--dtype
-    auto`) and resolved to float32 on a CPU without bf16 units (torch backend): there the pool
+    auto`) and resolved to float32 on a CPU without AMX (torch backend): there the pool
     is bfloat16, half the bytes a decode step's attention streams (as llama.cpp's f16 KV
     default; +0.04% perplexity, README "bfloat16 KV cache"). An explicit `--dtype float32`
     keeps float32 K/V, and so does deterministic inference (its invariant kernels are checked

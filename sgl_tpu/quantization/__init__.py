@@ -6,7 +6,7 @@ of `auto`. Import-light: numpy-free, no torch, no JAX.
           an exact re-encoding (quantization/blocks.py). With float32 activations the compiled
           block kernels (kernels/quant_gemm_cpu.py) also serve a Q8_0 vocabulary head; with
           bfloat16 (torch's int4 op) Q8_0 and float tensors are dequantized
-    gguf-a8  float32 activations only (CPUs without bf16 units): the same GGUF blocks as stored,
+    gguf-a8  float32 activations only (CPUs without AMX): the same GGUF blocks as stored,
           the activations quantized to int8 per 32 values (llama.cpp's CPU math: integer block
           dots), opt-in: faster than gguf, not exact (a new activation rounding error)
     int8  weight-only int8, one symmetric scale per output feature, quantized at load from the
@@ -57,7 +57,7 @@ def resolve_quantization(name: str, *, backend: str, device_type: str, compile: 
     naming the conflict when the combination cannot run.
 
     `auto` needs bfloat16 activations, or float32 ones with `f32_kernels` (the compiled block
-    kernels load): with float32 activations (CPUs without bf16 units, where `--dtype auto` is
+    kernels load): with float32 activations (CPUs without AMX, where `--dtype auto` is
     float32) torch's int4 op measured ~8x slower than a float32 dense GEMV (AVX2, decode rows),
     the compiled kernels several times faster (README, "Quantization"). `gguf-a8` needs
     float32 activations and `f32_kernels`."""

@@ -12,7 +12,7 @@ Kernels (N % 16 == 0 and K % 32 == 0 for the torch int4 op; K % 32 == 0 for the 
     Int4Kernel      `_weight_int4pack_mm_for_cpu`, group 32: w = (q - 8) * scale + zero, with
                     scale and zero in the activation dtype (so bfloat16 rounds them)
     Int8Kernel      `_weight_int8pack_mm`: w = q * scale[n], one scale per output feature
-    Q4F32Kernel     float32 activations (CPUs without bf16 units): kernels/quant_gemm_cpu.py,
+    Q4F32Kernel     float32 activations (CPUs without AMX): kernels/quant_gemm_cpu.py,
                     the same int4 groups with the stored float32 scales and zeros, exact
     Q8F32Kernel     float32 activations: GGUF Q8_0 blocks (w = q * scale per block of 32),
                     exact; serves the vocabulary head
@@ -50,7 +50,7 @@ from sgl_tpu.quantization.blocks import GROUP, Int4Groups, Int8Channels, Int8Gro
 # step (default model, 2 threads; kernel forced at every M, step time vs dense): int4 0.66x at
 # 1 row, 0.86x at 4, 1.03x at 6, 1.21x at 16; int8 0.93x at 1, 0.95x at 2, 1.08x at 3
 # (benchmarks/results/quantization_crossover_int{4,8}.json). The float32 block kernels against
-# dense float32 on a 2-core AVX2 CPU (no bf16 units; gguf = Q4_1 layers + Q8_0 head, kernel at
+# dense float32 on a 2-core AVX2 CPU (no AMX; gguf = Q4_1 layers + Q8_0 head, kernel at
 # every M): 0.42x at 16 rows, 0.56x at 24, 0.80x at 32, 1.13x at 64
 # (benchmarks/results/quantization_crossover_f32.json). The int8-activation kernels (gguf-a8)
 # against dense float32 in the same step (kernel at every M): 0.42x at 16 rows, 0.76x at 32,

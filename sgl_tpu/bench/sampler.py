@@ -1,7 +1,8 @@
 """Sampler micro-benchmark: the torch sampler alone, greedy against sampled, on real logits.
 
     python -m sgl_tpu.bench.sampler [--batches 8,32] [--repeats 15] [--threads 2]
-        [--baseline FILE] [--logprob-rows none,all] [--masks none,ban] [--model-path PATH]
+        [--baseline FILE] [--logprob-rows none,all] [--masks none,ban,grammar]
+        [--model-path PATH]
 
 Logits: `peaked` are the default model's next-token logits at every position of a fixed English
 paragraph (real, mostly confident predictions); `flat` are standard-normal logits of the same

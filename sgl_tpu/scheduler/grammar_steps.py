@@ -164,7 +164,9 @@ class GrammarSteps:
         row = fill_mask(req, self.mask_words)
         sp = req.sampling
         if len(req.output_ids) + ahead < sp.min_new_tokens:
-            banned = set(sp.stop_token_ids) | self.eos_token_ids
+            # (an EOS id past the model's vocabulary cannot be sampled: nothing to ban)
+            banned = {t for t in (*sp.stop_token_ids, *self.eos_token_ids)
+                      if 0 <= t < self.vocab_size}
             if banned:
                 row = np.full(self.mask_words, -1, np.int32) if row is None else row
                 words = row.view(np.uint32)

@@ -7,7 +7,7 @@
                      runs bf16 matmuls there several times faster than float32); float32 on
                      other CPUs, AVX512-BF16 ones included: there the float32 path (the GGUF's
                      4-bit blocks on the compiled float32 kernels, a bfloat16 KV cache)
-                     served the agent workloads 1.3-1.6x faster than bfloat16 (README,
+                     served the agent loop 1.27-1.61x faster than bfloat16 (README,
                      "Executor backends")
 """
 

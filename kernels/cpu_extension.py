@@ -70,7 +70,7 @@ class CpuExtension:
         h = hashlib.sha256(self.source.read_bytes())
         h.update(f"{torch.__version__}|{sys.version_info[:2]}|{FLAVOURS[flavour]}".encode())
         if flavour == "native":
-            h.update(_cpu_flags().encode())
+            h.update(cpu_flags().encode())
         return f"{self.prefix}_{flavour}_{h.hexdigest()[:16]}"
 
     def built_path(self, flavour: str) -> Path:
@@ -92,7 +92,8 @@ def link_flags(flags: list[str]) -> list[str]:
     return [f for f in flags if f == "-fopenmp"]
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The CPU's feature flags: /proc/cpuinfo's first `flags` line (else the processor name)."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith("flags")), "")

@@ -62,6 +62,18 @@ def test_flag_accepts_bfloat16_and_refuses_fp8_by_name(capsys):
         registry._resolve_kv_cache_dtype(args.replace(backend="auto"), "jax", "bfloat16")
 
 
+@pytest.mark.parametrize("flags, dtype", [
+    ("flags\t: fpu avx2 fma", "float32"),
+    ("flags\t: fpu avx2 avx512f avx512_bf16 avx512_fp16", "float32"),  # no AMX: float32
+    ("flags\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile", "bfloat16"),
+])
+def test_cpu_dtype_auto_is_bfloat16_only_with_amx(monkeypatch, flags, dtype):
+    from sgl_tpu.executor.torch import device
+
+    monkeypatch.setattr(device, "cpu_flags", lambda: flags)
+    assert device.default_dtype("cpu") == dtype
+
+
 def test_auto_is_bfloat16_only_where_the_dtype_is_the_machines_float32(monkeypatch):
     """`auto` under `--dtype auto` on a CPU without AMX (float32 compute, torch): a
     bfloat16 pool; an explicit `--dtype float32`, a bf16 CPU, deterministic inference and the

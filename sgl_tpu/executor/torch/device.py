@@ -18,6 +18,8 @@ import os
 
 import torch
 
+from sgl_tpu.kernels.cpu_extension import cpu_flags
+
 _CPU_BF16_FLAGS = ("amx_bf16",)
 
 
@@ -43,11 +45,7 @@ def resolve_device(device: str) -> torch.device:
 
 def cpu_has_bf16_units() -> bool:
     """Whether the CPU has bf16 matrix units (AMX), where `--dtype auto` is bfloat16."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
+    flags = cpu_flags().split()
     return any(flag in flags for flag in _CPU_BF16_FLAGS)
 
 

@@ -92,8 +92,8 @@ def _dense_mask(x: torch.Tensor, raw: torch.Tensor, bitmask: torch.Tensor
     as `raw` (they decode greedily); -> (x, fully_masked bool[B])."""
     allowed = unpack_bitmask(bitmask, raw.shape[1])  # bool[B, V]
     fully_masked = ~allowed.any(dim=-1)
-    return torch.where(fully_masked[:, None], raw, torch.where(allowed, x, -torch.inf)), \
-        fully_masked
+    masked = torch.where(allowed, x, -torch.inf)
+    return torch.where(fully_masked[:, None], raw, masked), fully_masked
 
 
 def sample(

@@ -177,14 +177,17 @@ def build(ext: CpuExtension = ATTENTION, verbose: bool = False) -> Path:
     raise RuntimeError(f"building the {ext.title} failed:\n" + "\n".join(failures))
 
 
-def build_copy(source: Path, prefix: str, build_dir: str, openmp: bool = True) -> ModuleType:
+def build_copy(source: Path, prefix: str, build_dir: str, openmp: bool = True,
+               extra_flags: tuple[str, ...] = ()) -> ModuleType:
     """Compile another version of a kernel source (benchmarks' `--baseline-source`) into
     `build_dir` with the native flags (`openmp=False`: without -fopenmp, so its parallel loops
-    run on one thread), and load it; no caching, no fallback."""
+    run on one thread; `extra_flags` after them, e.g. `-mno-avx512f` for the AVX2 code of a
+    source on an AVX-512 machine; give such a build its own `prefix`), and load it; no
+    caching, no fallback."""
     from torch.utils import cpp_extension
 
     ext = CpuExtension(Path(source), prefix + ("" if openmp else "_serial"), "baseline")
-    flags = [f for f in FLAVOURS["native"] if openmp or f != "-fopenmp"]
+    flags = [f for f in FLAVOURS["native"] if openmp or f != "-fopenmp"] + list(extra_flags)
     return cpp_extension.load(name=ext.module_name("native"), sources=[str(source)],
                               extra_cflags=flags, extra_ldflags=link_flags(flags),
                               build_directory=build_dir)

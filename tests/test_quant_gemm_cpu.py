@@ -4,7 +4,8 @@ of the batch, the default model's greedy tokens against the dense float32 path, 
 `--quantization auto` picks. The int8-activation kernels (`gguf-a8`): the activations quantized
 exactly as a numpy reference does (llama.cpp's Q8_0 rule), the GEMM against a float64 reference
 of the integer block dots, the mode's validation, and the default model's greedy tokens against
-gguf. Skipped when the extension is not built.
+gguf. On an AVX-512 machine the float32 kernels are also tested as built for AVX2 (`build`).
+Skipped when the extension is not built.
 
 Tolerance: float32 accumulation only (the weights are the stored ones; for a8 the integer block
 dots are exact): 1e-5 of the largest |output| against the float64 reference.
@@ -39,6 +40,31 @@ pytestmark = pytest.mark.skipif(not quant_gemm_cpu.available(),
 SHAPES = ((960, 576), (576, 1536), (77, 64), (40, 96))
 
 
+@pytest.fixture(scope="module")
+def avx2_module(tmp_path_factory):
+    """This source built with -mno-avx512f: the 8-lane float32 kernels CPUs with AVX2 only run
+    (their activations in another nibble order than the 16-lane ones)."""
+    from sgl_tpu.kernels import cpu_extension
+
+    module = cpu_extension.build_copy(cpu_extension.QUANT_GEMM.source, "sgl_tpu_qgemm_avx2_test",
+                                      str(tmp_path_factory.mktemp("qgemm_avx2")),
+                                      extra_flags=("-mno-avx512f",))
+    assert module.simd == "avx2-fma"
+    return module
+
+
+@pytest.fixture(params=("native", "avx2"))
+def build(request, monkeypatch):
+    """The kernels of the native build, and on an AVX-512 machine (whose native build runs the
+    16-lane code) also those of the AVX2 build, so both vector paths are tested there."""
+    if request.param == "avx2":
+        if quant_gemm_cpu._kernel().simd != "avx512f":
+            pytest.skip("the native build is the AVX2 (or scalar) one")
+        module = request.getfixturevalue("avx2_module")
+        monkeypatch.setattr(quant_gemm_cpu, "_kernel", lambda: module)
+    return request.param
+
+
 def _int4(n: int, k: int, rng: np.random.Generator) -> Int4Groups:
     return Int4Groups(rng.integers(0, 16, (n, k)).astype(np.uint8),
                       (rng.random((n, k // 32)) * 0.02).astype(np.float32),
@@ -52,7 +78,7 @@ def _int8(n: int, k: int, rng: np.random.Generator) -> Int8Groups:
 
 @pytest.mark.parametrize("fmt", ("q4", "q8"))
 @pytest.mark.parametrize("shape", SHAPES)
-def test_kernel_matches_float64_reference(fmt, shape):
+def test_kernel_matches_float64_reference(fmt, shape, build):
     rng = np.random.default_rng(sum(shape))
     n, k = shape
     m = _int4(n, k, rng) if fmt == "q4" else _int8(n, k, rng)
@@ -71,7 +97,7 @@ def test_kernel_matches_float64_reference(fmt, shape):
 
 
 @pytest.mark.parametrize("type_name", ("Q4_0", "Q4_1", "Q8_0"))
-def test_kernel_weights_bit_exact_to_gguf(type_name):
+def test_kernel_weights_bit_exact_to_gguf(type_name, build):
     """The kernel applied to the identity returns gguf's own dequantization, bit for bit: the
     packed nibbles, scales and zeros are the stored weights."""
     rng = np.random.default_rng(1)

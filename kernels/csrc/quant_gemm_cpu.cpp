@@ -27,8 +27,10 @@
 // depend on the rows beside it. Each output row's blocks are read once for all M rows: the rows
 // are processed in tiles of up to 8 (accumulators in registers; each block's codes widened once
 // per tile) inside the loop over output features, so a later tile finds the row's bytes in L1.
-// Output features are split over torch's threads (at::parallel_for). AVX2 + FMA intrinsics
-// where the build has them, a scalar loop otherwise.
+// Output features are split over torch's threads (at::parallel_for). AVX-512 intrinsics where
+// the build has them (16 float lanes: a block is two vectors), else AVX2 + FMA (8 lanes, four
+// vectors per block), else a scalar loop. The int8-activation kernels below use AVX2 in both
+// vector builds.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -48,6 +50,11 @@
 #else
 #define SGL_QGEMM_AVX2 0
 #endif
+#if SGL_QGEMM_AVX2 && defined(__AVX512F__)
+#define SGL_QGEMM_AVX512 1
+#else
+#define SGL_QGEMM_AVX512 0
+#endif
 
 namespace {
 
@@ -57,6 +64,10 @@ constexpr int64_t kGroup = 32;
 constexpr int kRowTile = 8;
 constexpr int kRowTileA8 = 4;
 constexpr int64_t kGrain = 16;    // output features per parallel task, at least
+// Float lanes of the float32 kernels' vectors. The Q4 kernel's activations are stored in
+// nibble order per 2 * kLanes values (`nibble_order`): 8 code bytes per half block with AVX2
+// (and the scalar loop), all 16 of a block with AVX-512.
+constexpr int kLanes = SGL_QGEMM_AVX512 ? 16 : 8;
 
 struct Q4 {
   const uint8_t* qs;    // [N, nb, 16]
@@ -95,6 +106,39 @@ inline void block_fma(const float* x, int64_t K, __m256 w0, __m256 w1, __m256 w2
     a = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w2, a);
     a = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w3, a);
     acc[r] = _mm256_fmadd_ps(scale, a, acc[r]);
+  }
+}
+#endif
+
+#if SGL_QGEMM_AVX512
+// block_fma with 16 lanes: a block's 32 weights are two vectors, so three float operations per
+// row and block (one multiply, one FMA, the scaled FMA into acc[r]) instead of five.
+template <int R>
+inline void block_fma16(const float* x, int64_t K, __m512 w0, __m512 w1, __m512 scale,
+                        __m512* acc) {
+  for (int r = 0; r < R; ++r) {
+    const float* xr = x + r * K;
+    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(xr), w0);
+    a = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), w1, a);
+    acc[r] = _mm512_fmadd_ps(scale, a, acc[r]);
+  }
+}
+
+// q4_zero_lanes (below) with 16 blocks per vector and a masked load for the last nb % 16.
+template <int R>
+inline void q4_zero_lanes16(const float* xsum, const float* scale, const float* zero,
+                            int64_t nb, __m512* acc) {
+  const __m512 minus8 = _mm512_set1_ps(-8.0f);
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; b += 16) {
+    const int64_t left = nb - b;  // lanes past the last block load as 0 and add 0
+    const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    const __m512 z = _mm512_maskz_loadu_ps(mask, zero + b);
+    const __m512 s8 = _mm512_mul_ps(minus8, _mm512_maskz_loadu_ps(mask, scale + b));
+    for (int r = 0; r < R; ++r) {
+      const __m512 xs = _mm512_maskz_loadu_ps(mask, xsum + r * nb + b);
+      acc[r] = _mm512_fmadd_ps(s8, xs, _mm512_fmadd_ps(z, xs, acc[r]));
+    }
   }
 }
 #endif
@@ -151,9 +195,10 @@ inline void q4_zero_lanes(const float* xsum, const float* scale, const float* ze
 
 // y[r, n] for r < R: output feature n (its blocks at `qs`, `scale`, `zero`) of R rows of x.
 // `xp` is x with each block's values in nibble order (`nibble_order`): byte t of a block holds
-// weights 2t (low nibble) and 2t + 1 (high), so 8 bytes zero-extended to 8 int32 lanes give
-// the even weights of 16 (mask) and the odd ones (shift), and the activations are stored to
-// match: per half block [x0 x2 .. x14 | x1 x3 .. x15]. The -8 is applied to the block sums:
+// weights 2t (low nibble) and 2t + 1 (high), so kLanes bytes zero-extended to int32 lanes give
+// the even weights of 2 kLanes (mask) and the odd ones (shift), and the activations are stored
+// to match: with AVX2 per half block [x0 x2 .. x14 | x1 x3 .. x15], with AVX-512 per block
+// [x0 x2 .. x30 | x1 x3 .. x31]. The -8 is applied to the block sums:
 // sum_j x_j (q_j - 8) = sum_j x_j q_j - 8 xsum. (Zero-extending bytes takes 10 vector
 // operations per block, broadcasting 32-bit words and shifting each lane by its own count 16:
 // 1.02x per batch-1 decode step, the same at 8 rows; README, "Float32 activations".)
@@ -161,7 +206,19 @@ template <int R>
 void q4_rows(const float* xp, int64_t K, const float* xsum, const uint8_t* qs,
              const float* scale, const float* zero, float* y, int64_t N) {
   const int64_t nb = K / kGroup;
-#if SGL_QGEMM_AVX2
+#if SGL_QGEMM_AVX512
+  __m512 acc[R];
+  q4_zero_lanes16<R>(xsum, scale, zero, nb, acc);
+  const __m512i low = _mm512_set1_epi32(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + b * 16)));
+    block_fma16<R>(xp + b * kGroup, K, _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low)),
+                   _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)),
+                   _mm512_set1_ps(scale[b]), acc);
+  }
+  for (int r = 0; r < R; ++r) y[r * N] = _mm512_reduce_add_ps(acc[r]);
+#elif SGL_QGEMM_AVX2
   __m256 acc[R];
   q4_zero_lanes<R>(xsum, scale, zero, nb, acc);
   const __m256i low = _mm256_set1_epi32(0x0F);
@@ -186,9 +243,9 @@ void q4_rows(const float* xp, int64_t K, const float* xsum, const uint8_t* qs,
     for (int r = 0; r < R; ++r) {
       const float* xr = xp + r * K + b * kGroup;
       float s = 0.0f;
-      for (int j = 0; j < kGroup; ++j) {  // nibble order: xr[j] multiplies byte 8h + i, nibble odd
-        const int h = j / 16, i = j % 8, odd = (j / 8) % 2;
-        s += xr[j] * float((q[8 * h + i] >> (4 * odd)) & 0x0F);
+      for (int j = 0; j < kGroup; ++j) {  // nibble order: xr[j] multiplies byte kLanes h + i
+        const int h = j / (2 * kLanes), i = j % kLanes, odd = (j / kLanes) % 2;
+        s += xr[j] * float((q[kLanes * h + i] >> (4 * odd)) & 0x0F);
       }
       acc[r] += scale[b] * s;
     }
@@ -199,18 +256,19 @@ void q4_rows(const float* xp, int64_t K, const float* xsum, const uint8_t* qs,
 #endif
 }
 
-// x f32[M, K] -> the same values with each block in the Q4 kernel's nibble order (per half
-// block of 16: the 8 even-indexed values, then the 8 odd ones), and the block sums xsum[M, nb].
+// x f32[M, K] -> the same values with each block in the Q4 kernel's nibble order (per
+// 2 kLanes values: the kLanes even-indexed ones, then the odd ones), and the block sums
+// xsum[M, nb].
 void nibble_order(const float* x, int64_t M, int64_t K, float* xp, float* xsum) {
   for (int64_t i = 0; i < M * (K / kGroup); ++i) {  // i = m * nb + b
     const float* xb = x + i * kGroup;
     float* pb = xp + i * kGroup;
     float s = 0.0f;
     for (int64_t j = 0; j < kGroup; ++j) s += xb[j];
-    for (int h = 0; h < 2; ++h) {
-      for (int t = 0; t < 8; ++t) {
-        pb[16 * h + t] = xb[16 * h + 2 * t];
-        pb[16 * h + 8 + t] = xb[16 * h + 2 * t + 1];
+    for (int h = 0; h < kGroup / (2 * kLanes); ++h) {
+      for (int t = 0; t < kLanes; ++t) {
+        pb[2 * kLanes * h + t] = xb[2 * kLanes * h + 2 * t];
+        pb[2 * kLanes * h + kLanes + t] = xb[2 * kLanes * h + 2 * t + 1];
       }
     }
     xsum[i] = s;
@@ -221,7 +279,19 @@ template <int R>
 void q8_rows(const float* x, int64_t K, const int8_t* qs, const float* scale, float* y,
              int64_t N) {
   const int64_t nb = K / kGroup;
-#if SGL_QGEMM_AVX2
+#if SGL_QGEMM_AVX512
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* q = qs + b * kGroup;
+    auto w = [q](int i) {  // 16 signed bytes -> 16 floats
+      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * i))));
+    };
+    block_fma16<R>(x + b * kGroup, K, w(0), w(1), _mm512_set1_ps(scale[b]), acc);
+  }
+  for (int r = 0; r < R; ++r) y[r * N] = _mm512_reduce_add_ps(acc[r]);
+#elif SGL_QGEMM_AVX2
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -589,5 +659,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_gemm_a8", &q8_gemm_a8,
         "x f32[M, K] (quantized to int8 per 32 values) @ Q8 blocks -> f32[M, N]");
   m.def("quantize_a8", &quantize_a8, "x f32[M, K] -> (xq i8[M, K], d f32[M, K/32])");
-  m.attr("simd") = SGL_QGEMM_AVX2 ? "avx2-fma" : "scalar";
+  m.attr("simd") = SGL_QGEMM_AVX512 ? "avx512f" : SGL_QGEMM_AVX2 ? "avx2-fma" : "scalar";
 }

@@ -38,15 +38,24 @@ SAMPLING = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.7, to
 
 
 def _steps(n_seqs: int, n_new: int, prefix: int, page_size: int, rng, vocab: int,
-           sampling: str = "greedy"):
+           sampling: str = "greedy", shared: int = 0):
+    """`n_seqs` steps of `n_new` tokens after `prefix` cached ones, each on its own pages but
+    for the first `shared` prefix tokens (whole pages): the same pages in every sequence
+    (agents forking one prompt; attention reads them once for all)."""
     from sgl_tpu.executor.step import SeqStep
     from sgl_tpu.sampling_params import SamplingParams
 
     params = SamplingParams(**SAMPLING[sampling])
-    pages_per_seq = -(-(prefix + n_new) // page_size)
+    if shared % page_size or shared > prefix:
+        raise ValueError(f"shared {shared}: whole pages ({page_size}) of the prefix {prefix}")
+    common = np.arange(1, 1 + shared // page_size, dtype=np.int32)
+    pages_per_seq = -(-(prefix + n_new) // page_size) - len(common)
+    first = 1 + len(common)
     steps = []
     for i in range(n_seqs):
-        pages = np.arange(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq, dtype=np.int32)
+        own = np.arange(first + i * pages_per_seq, first + (i + 1) * pages_per_seq,
+                        dtype=np.int32)
+        pages = np.concatenate([common, own])
         steps.append(SeqStep(token_ids=rng.integers(0, vocab, n_new), prefix_len=prefix,
                              pages=pages, sampling=params, seed=i, num_output_tokens=0,
                              return_logprob=False))

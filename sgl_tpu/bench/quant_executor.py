@@ -3,7 +3,7 @@ mode (torch backend), the runners interleaved A B A B ... in each round.
 
     python -m sgl_tpu.bench.quant_executor [--quantizations none,gguf] [--dtype bfloat16]
         [--prefill 512] [--decode-batches 1,4,8,32] [--context 256] [--repeats 15]
-        [--kernel-max-rows N] [--baseline-source OLD.cpp]
+        [--kernel-max-rows N] [--baseline-source OLD.cpp] [--shared 0]
 
 Prints one JSON object: per workload and mode the min and median step time and `min_vs_first`
 / `median_vs_first` (ratios to the first mode). `--kernel-max-rows` overrides the kernels' row
@@ -12,8 +12,9 @@ at every batch size, which is how the crossover is measured. With `--dtype float
 without AMX) `gguf` runs the compiled float32 block kernels (kernels/quant_gemm_cpu.py),
 head included, and `gguf-a8` their int8-activation forms. `--baseline-source OLD.cpp` (float32)
 compiles another kernels/csrc/quant_gemm_cpu.cpp and adds a "<mode>-baseline" entry per mode:
-the same runner's steps with that build's kernels. The machine is shared: compare the ratios
-of one run.
+the same runner's steps with that build's kernels. `--shared N`: the decode sequences fork
+one N-token prefix (the first N of their `--context` tokens, the same KV pages), as agents do.
+The machine is shared: compare the ratios of one run.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def run(args: argparse.Namespace) -> dict:
         runners[report.method if report else "none"] = runner
     results: dict = {"model": model_label(loaded.model_path), "dtype": args.dtype,
                      "cpu_count": os.cpu_count(),
-                     "context_for_decode": args.context, "repeats": args.repeats,
+                     "context_for_decode": args.context, "shared_prefix": args.shared,
+                     "repeats": args.repeats,
                      "kernel_max_rows": args.kernel_max_rows,
                      "baseline_source": Path(args.baseline_source).name if baseline else None,
                      "runs": []}
@@ -103,8 +105,9 @@ def run(args: argparse.Namespace) -> dict:
         steps = _steps(1, n, 0, page_size, rng, cfg.vocab_size)
         record({"phase": "prefill", "tokens": n}, step_fns(ForwardMode.EXTEND, steps), n)
     for b in batches:
-        steps = _steps(b, 1, args.context, page_size, rng, cfg.vocab_size)
-        record({"phase": "decode", "batch": b, "context": args.context},
+        steps = _steps(b, 1, args.context, page_size, rng, cfg.vocab_size,
+                       shared=args.shared)
+        record({"phase": "decode", "batch": b, "context": args.context, "shared": args.shared},
                step_fns(ForwardMode.DECODE, steps), b)
     return results
 
@@ -117,6 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill", default="512")
     p.add_argument("--decode-batches", default="1,4,8,32")
     p.add_argument("--context", type=int, default=256)
+    p.add_argument("--shared", type=int, default=0,
+                   help="decode: tokens of --context every sequence shares (whole pages)")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--kernel-max-rows", type=int, default=None,
                    help="override the quantized kernels' row limit (crossover experiments)")

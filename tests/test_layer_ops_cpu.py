@@ -67,6 +67,22 @@ def test_silu_mul_equals_torch(dtype, rows):
     torch.testing.assert_close(ops().silu_mul(gate_up), F.silu(gate) * up, **TOL[dtype])
 
 
+
+def test_silu_mul_flushes_denormals_only_inside():
+    """silu_mul runs with denormal results flushed to zero (its vector code evaluates a
+    discarded branch whose results are denormal; README, "Fused layer ops on CPU"): a result
+    below float32's smallest normal comes out 0 or exactly as torch has it, and the thread's
+    floating-point mode is restored afterwards (torch still makes denormals)."""
+    gate = torch.tensor([[1.0, 2.0, -3.0, 0.5, -80.0, 1e-20]], dtype=torch.float32)
+    up = torch.tensor([[1e-38, 1.0, 1.0, 1e-39, 1.0, 1e-20]], dtype=torch.float32)
+    out = ops().silu_mul(torch.cat([gate, up], dim=1))  # [1, 6]
+    want = F.silu(gate) * up
+    normal = want.abs() >= torch.finfo(torch.float32).tiny
+    assert normal.tolist() == [[False, True, True, False, True, False]]
+    torch.testing.assert_close(out[normal], want[normal])
+    assert torch.all((out[~normal] == 0) | (out[~normal] == want[~normal]))
+    assert (torch.tensor([1e-38]) / 4).item() != 0.0  # no flush left behind
+
 def _ragged_slots(page_size: int, lens: list[int], num_pages: int, seed: int) -> torch.Tensor:
     """Slots of each sequence's next `n` positions on scattered pages (runs that cross page
     boundaries and start mid-page), then a padding row on slot 0; i64[sum(lens) + 1]."""

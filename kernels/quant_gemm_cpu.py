@@ -47,6 +47,12 @@ def why_unavailable() -> str:
     return _module()[1]
 
 
+def simd() -> str:
+    """The compiled module's vector code: "avx512f", "avx2-fma" or "scalar" ("" unbuilt)."""
+    ext = _module()[0]
+    return "" if ext is None else ext.simd
+
+
 def _kernel():
     ext = _module()[0]
     if ext is None:

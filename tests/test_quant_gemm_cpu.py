@@ -265,3 +265,16 @@ def test_gguf_a8_validation():
                              **{**common, "backend": "jax"})
     # auto never picks it: it is opt-in
     assert resolve_quantization("auto", dtype="float32", f32_kernels=True, **common) == "auto"
+
+
+def test_float32_kernel_row_limit_follows_the_build(monkeypatch):
+    """Steps of more rows than the crossover go to the dense weight: 32 for the AVX2 (and
+    scalar) build of the float32 kernels, 20 for the AVX-512 one (dense float32 overtakes it
+    sooner); the int8-activation kernels keep 64."""
+    from sgl_tpu.executor.torch import quant_linear
+
+    for simd, rows in (("avx512f", 20), ("avx2-fma", 32), ("scalar", 32)):
+        monkeypatch.setattr(quant_gemm_cpu, "simd", lambda s=simd: s)
+        assert quant_linear.max_kernel_rows("q4-f32") == rows
+        assert quant_linear.max_kernel_rows("q8-f32") == rows
+        assert quant_linear.max_kernel_rows("q4-a8") == 64

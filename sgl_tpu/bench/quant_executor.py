@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> dict:
 
         for kind in quant_linear.MAX_KERNEL_ROWS:
             quant_linear.MAX_KERNEL_ROWS[kind] = args.kernel_max_rows
+        quant_linear.AVX512_F32_MAX_ROWS = args.kernel_max_rows
     baseline, _build_dir = build_baseline(args.baseline_source, args.dtype)
     loaded = load_model(args.model_path)
     cfg = loaded.config

@@ -30,8 +30,9 @@ summed (blocks.Int8Groups.split_nibbles), measured 0.76x of bf16 on the default 
 49152-row head at one row on a quiet machine but 1.33x under load, and 0.86-1.14x on layer-sized
 matrices (`sgl_tpu.bench.quant_linear`): at most ~0.5 ms of a 25 ms batch-1 step, not taken.
 
-`max_rows` comes from `MAX_KERNEL_ROWS`, the crossover measured on a 2-core AVX512-BF16 CPU (no
-AMX; the float32 kernels on a 2-core AVX2 CPU) with
+`max_rows` comes from `max_kernel_rows`: `MAX_KERNEL_ROWS`, the crossover measured on a 2-core
+AVX512-BF16 CPU (no AMX; the float32 kernels on a 2-core AVX2 CPU, and their AVX-512 build on a
+2-core AVX-512 Xeon) with
 `python -m sgl_tpu.bench.quant_executor --kernel-max-rows 64 [--dtype float32]`
 (per matrix: `sgl_tpu.bench.quant_linear`).
 """
@@ -56,6 +57,19 @@ from sgl_tpu.quantization.blocks import GROUP, Int4Groups, Int8Channels, Int8Gro
 # against dense float32 in the same step (kernel at every M): 0.42x at 16 rows, 0.76x at 32,
 # 0.90x at 64, 0.87x for a 64-token prefill, 1.36x at 512 (quant_executor_a8_f32.json).
 MAX_KERNEL_ROWS = {"int4": 4, "int8": 2, "q4-f32": 32, "q8-f32": 32, "q4-a8": 64, "q8-a8": 64}
+# The float32 block kernels built for AVX-512 (16 lanes) against dense float32 (oneDNN, which
+# uses 16 lanes too), one decoder step's GEMMs on a 2-core AVX-512 Xeon (no AMX): 0.71x at 16
+# rows, 0.88x at 20, 1.09x at 24, 1.21x at 28, 1.36x at 32
+# (benchmarks/results/quant_linear_crossover_avx512.json): the crossover comes sooner.
+AVX512_F32_MAX_ROWS = 20
+
+
+def max_kernel_rows(kind: str) -> int:
+    """The most rows a step sends to a `kind` kernel (more go to the dense weight)."""
+    rows = MAX_KERNEL_ROWS[kind]
+    if kind in ("q4-f32", "q8-f32") and quant_gemm_cpu.simd() == "avx512f":
+        return min(rows, AVX512_F32_MAX_ROWS)
+    return rows
 
 
 class Int4Kernel:

@@ -27,10 +27,10 @@ import torch
 
 from sgl_tpu.executor.torch.quant_linear import (
     F32_KINDS,
-    MAX_KERNEL_ROWS,
     QuantizedLinear,
     dispatching_linear,
     make_kernel,
+    max_kernel_rows,
 )
 from sgl_tpu.models.config import ModelConfig
 from sgl_tpu.quantization import QUANTIZATION_METHODS
@@ -137,7 +137,7 @@ class QuantizationReport:
     def log_line(self) -> str:
         desc = QUANTIZATION_METHODS[self.method].description
         kinds = "/".join(self.kernels) or "no"
-        rows = ", ".join(f"{k} <= {MAX_KERNEL_ROWS[k]}" for k in self.kernels)
+        rows = ", ".join(f"{k} <= {max_kernel_rows(k)}" for k in self.kernels)
         head = f"vocabulary head on {self.head}" if self.head else "vocabulary head dense"
         return (f"quantization {self.method} ({desc}): {self.quantized} projections on {kinds} "
                 f"kernels for steps of few rows ({rows or 'none'}), {head} "
@@ -162,7 +162,7 @@ def quantize_weights(weights, matrices: dict[str, QuantizedMatrix], method: str,
                 dense_only += 1
                 continue
             changes[fused] = QuantizedLinear(kernel, getattr(lw, fused),
-                                             MAX_KERNEL_ROWS[kernel.kind])
+                                             max_kernel_rows(kernel.kind))
             done += 1
             nbytes += kernel.nbytes
             if kernel.kind not in kinds:
@@ -173,7 +173,7 @@ def quantize_weights(weights, matrices: dict[str, QuantizedMatrix], method: str,
     head_kernel = None if head is None else make_kernel(head, dtype, int8_activations)
     if head_kernel is not None and head_kernel.kind in F32_KINDS:
         top["lm_head"] = QuantizedLinear(head_kernel, weights.lm_head,
-                                         MAX_KERNEL_ROWS[head_kernel.kind])
+                                         max_kernel_rows(head_kernel.kind))
         nbytes += head_kernel.nbytes
     if dtype == torch.float32 and "int4" in kinds:
         from sgl_tpu.kernels import quant_gemm_cpu

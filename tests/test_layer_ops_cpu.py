@@ -67,7 +67,6 @@ def test_silu_mul_equals_torch(dtype, rows):
     torch.testing.assert_close(ops().silu_mul(gate_up), F.silu(gate) * up, **TOL[dtype])
 
 
-
 def test_silu_mul_flushes_denormals_only_inside():
     """silu_mul runs with denormal results flushed to zero (its vector code evaluates a
     discarded branch whose results are denormal; README, "Fused layer ops on CPU"): a result
@@ -82,6 +81,7 @@ def test_silu_mul_flushes_denormals_only_inside():
     torch.testing.assert_close(out[normal], want[normal])
     assert torch.all((out[~normal] == 0) | (out[~normal] == want[~normal]))
     assert (torch.tensor([1e-38]) / 4).item() != 0.0  # no flush left behind
+
 
 def _ragged_slots(page_size: int, lens: list[int], num_pages: int, seed: int) -> torch.Tensor:
     """Slots of each sequence's next `n` positions on scattered pages (runs that cross page

@@ -37,7 +37,7 @@ def _op_calls(module, torch, rows: int) -> dict:
     w = torch.rand(D, generator=g) + 0.5
     return {"silu_mul": lambda: module.silu_mul(gate_up),
             "rms_norm": lambda: module.rms_norm(h, w, 1e-5),
-            # adds delta into h in place: the same values every call, small drift only
+            # adds delta into h in place on every call: h drifts, the op's work does not change
             "add_rms_norm": lambda: module.add_rms_norm(h, delta, w, 1e-5)}
 
 

@@ -7,6 +7,7 @@ Llama, Qwen2 and Qwen3 checkpoints, and the default model's greedy tokens)."""
 from __future__ import annotations
 
 import dataclasses
+import platform
 
 import checkpoints as ck
 import numpy as np
@@ -69,9 +70,10 @@ def test_silu_mul_equals_torch(dtype, rows):
 
 def test_silu_mul_flushes_denormals_only_inside():
     """silu_mul runs with denormal results flushed to zero (its vector code evaluates a
-    discarded branch whose results are denormal; README, "Fused layer ops on CPU"): a result
-    below float32's smallest normal comes out 0 or exactly as torch has it, and the thread's
-    floating-point mode is restored afterwards (torch still makes denormals)."""
+    discarded branch whose results are denormal; README, "Fused layer ops on CPU"): on x86 a
+    result below float32's smallest normal comes out 0 (elsewhere 0 or torch's), the others
+    as torch has them, and the thread's floating-point mode is restored afterwards (torch
+    still makes denormals)."""
     gate = torch.tensor([[1.0, 2.0, -3.0, 0.5, -80.0, 1e-20]], dtype=torch.float32)
     up = torch.tensor([[1e-38, 1.0, 1.0, 1e-39, 1.0, 1e-20]], dtype=torch.float32)
     out = ops().silu_mul(torch.cat([gate, up], dim=1))  # [1, 6]
@@ -79,7 +81,10 @@ def test_silu_mul_flushes_denormals_only_inside():
     normal = want.abs() >= torch.finfo(torch.float32).tiny
     assert normal.tolist() == [[False, True, True, False, True, False]]
     torch.testing.assert_close(out[normal], want[normal])
-    assert torch.all((out[~normal] == 0) | (out[~normal] == want[~normal]))
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert torch.all(out[~normal] == 0)
+    else:
+        assert torch.all((out[~normal] == 0) | (out[~normal] == want[~normal]))
     assert (torch.tensor([1e-38]) / 4).item() != 0.0  # no flush left behind
 
 

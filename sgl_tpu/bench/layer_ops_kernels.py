@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 from functools import partial
 from pathlib import Path
 
 from sgl_tpu.bench.report import emit
-from sgl_tpu.bench.timing import interleaved, ratio_rows
+from sgl_tpu.bench.timing import interleaved
 
 D, F = 576, 1536
 
@@ -69,13 +70,15 @@ def run(args: argparse.Namespace) -> dict:
         ops = {"new": _op_calls(new, torch, rows), "baseline": _op_calls(baseline, torch, rows)}
         for op in ops["new"]:
             fns = {name: partial(_repeat, calls[op], args.calls) for name, calls in ops.items()}
-            times = interleaved(fns, args.repeats)
-            # per call in ms, so that ratio_rows' "ms" fields read as microseconds
-            per_call = {name: [t / args.calls * 1e3 for t in ts] for name, ts in times.items()}
-            for name, stats in ratio_rows(per_call, "baseline", "baseline").items():
+            us = {name: [t / args.calls * 1e6 for t in ts]  # per call
+                  for name, ts in interleaved(fns, args.repeats).items()}
+            ref_min, ref_med = min(us["baseline"]), statistics.median(us["baseline"])
+            for name, ts in us.items():
+                best, med = min(ts), statistics.median(ts)
                 results["runs"].append({"op": op, "rows": rows, "build": name,
-                                        "us_min": stats.pop("ms_min"),
-                                        "us_median": stats.pop("ms_median"), **stats})
+                                        "us_min": round(best, 2), "us_median": round(med, 2),
+                                        "min_vs_baseline": round(best / ref_min, 3),
+                                        "median_vs_baseline": round(med / ref_med, 3)})
     return results
 
 

@@ -23,19 +23,33 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import jax
 import pytest
 from server_harness import (
     DEFAULT_MODEL_F32_FLAGS,
     DEFAULT_MODEL_FLAGS,
+    REPO_ROOT,
     ServerHandle,
     launch_server,
 )
 
 from sgl_tpu.loader import default_model_path
+
+
+def _take_repo_root_off_sys_path() -> None:
+    """The repository's top-level `kernels/` (installed as `sgl_tpu.kernels`) is a regular
+    package, so while the repository root is on `sys.path` it shadows the PyPI package `kernels`
+    that transformers (>= 5.25) imports: `python -m pytest` puts the working directory there.
+    Nothing here imports from the root itself (`sgl_tpu` comes through its installation)."""
+    sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != REPO_ROOT]
+
+
+_take_repo_root_off_sys_path()
 
 # Programs that compile faster than this are not written (a read costs a few tens of ms).
 JAX_CACHE_MIN_COMPILE_S = 0.5

@@ -8,11 +8,11 @@ from __future__ import annotations
 import random
 
 import pytest
+from checkpoints import make_tiny_tokenizer
 
 from sgl_tpu.detokenize import DetokenizerState, stop_safe_len
 from sgl_tpu.messages import ReqOutput
 from sgl_tpu.response import ResponseAccumulator
-from tests.checkpoints import make_tiny_tokenizer
 
 TEXT = "Caf\u00e9 na\u00efve \U0001f600 r\u00e9sum\u00e9 \u2014 the quick brown fox jumps."
 

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 import requests
+from checkpoints import make_tiny_hf_checkpoint
+from server_harness import REPO_ROOT, free_port, launch_server
 
 from sgl_tpu.bench.agent_loop.__main__ import main as agent_loop_main
 from sgl_tpu.bench.router_overhead import start_router
@@ -30,8 +32,6 @@ from sgl_tpu.config import ServerArgs
 from sgl_tpu.engine import Engine
 from sgl_tpu.sampling_params import SamplingParams, expand_n
 from sgl_tpu.server.replicas import plan_placements, replica_argv, router_argv
-from tests.checkpoints import make_tiny_hf_checkpoint
-from tests.server_harness import REPO_ROOT, free_port, launch_server
 
 MODEL = "tiny-llama"
 FLAGS = ("--skip-warmup", "--served-model-name", MODEL, "--max-total-tokens", "16384",

@@ -20,8 +20,9 @@ key is in the context): `own_lo .. own_hi` per sequence, computed once per step 
 `DecodeBatch.__post_init__`, not per layer. Sliding windows (Gemma's local layers, Mistral's
 window) and Gemma 2's soft-cap are applied inside the kernel. Shapes the kernel does not take
 (head_dim not a multiple of 16, other dtypes or devices) run paged_attention_torch instead.
-The pools hold q's dtype, or bfloat16 under float32 queries (`--kv-cache-dtype bfloat16`):
-rows are widened to float32 as they are read.
+The pools hold q's dtype, or bfloat16 under float32 queries (`--kv-cache-dtype bfloat16`), or
+fp8 e5m2 under either (`--kv-cache-dtype fp8_e5m2`): rows are widened to float32 as they are
+read.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def _fused(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
     """Whether the compiled kernel takes these shapes (else paged_attention_torch runs)."""
     d, kvh = k_pool.shape[2], k_pool.shape[1]
     return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
-            and k_pool.dtype in (q.dtype, torch.bfloat16) and d % 16 == 0 and d <= 512
+            and k_pool.dtype in (q.dtype, torch.bfloat16, torch.float8_e5m2)
+            and d % 16 == 0 and d <= 512
             and q.shape[1] // kvh <= 128 and q.stride(2) == 1)
 
 

@@ -71,8 +71,20 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: tor
              out_slots: torch.Tensor) -> None:
     """Write the step's K/V rows ([T, kvh, d]) into their slots, in place (rounded to the
     pool's dtype when it is narrower)."""
-    k_pool.index_copy_(0, out_slots, k.to(k_pool.dtype))
-    v_pool.index_copy_(0, out_slots, v.to(v_pool.dtype))
+    _store_rows(k_pool, out_slots, k)
+    _store_rows(v_pool, out_slots, v)
+
+
+def _store_rows(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """pool[slots] = rows rounded to the pool's dtype. An fp8 pool (`--kv-cache-dtype
+    fp8_e5m2`) saturates at its largest finite value (torch's conversion gives inf) and is
+    written through a byte view: index_copy_ has no float8 kernel."""
+    if pool.dtype != torch.float8_e5m2:
+        pool.index_copy_(0, slots, rows.to(pool.dtype))
+        return
+    fmax = torch.finfo(torch.float8_e5m2).max
+    rows = rows.clamp(-fmax, fmax).to(torch.float8_e5m2)
+    pool.view(torch.uint8).index_copy_(0, slots, rows.view(torch.uint8))
 
 
 def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,

@@ -30,9 +30,11 @@ _HELP = {
     "max_total_tokens": "KV cache capacity in tokens",
     "kv_cache_dtype": "KV cache element type: auto (the compute dtype; bfloat16 where "
                       "--dtype auto resolves to float32 on a CPU without AMX, torch "
-                      "backend) or bfloat16 / bf16 (a float32 model keeps K/V rows rounded to "
+                      "backend), bfloat16 / bf16 (a float32 model keeps K/V rows rounded to "
                       "bfloat16: half the KV memory and bytes read per decode step; torch "
-                      "backend). SGLang's fp8 choices are not supported",
+                      "backend) or fp8_e5m2 (K/V rounded to 8-bit floats, unscaled: a quarter "
+                      "of float32's bytes; torch backend). fp8_e4m3 and fp4_e2m1 are not "
+                      "supported",
     "chunked_prefill_size": "token budget of one prefill (EXTEND) batch; longer prompts are "
                             "chunked",
     "api_key": "require 'Authorization: Bearer KEY' on every route but /health (the liveness "

@@ -18,9 +18,12 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16")
 # --kv-cache-dtype (SGLang's flag): auto = the model's compute dtype; bfloat16 (or bf16) halves a
-# float32 model's KV bytes. SGLang's fp8/fp4 choices are refused by name.
-KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16")
-UNSUPPORTED_KV_CACHE_DTYPES = ("fp8_e5m2", "fp8_e4m3", "fp4_e2m1")
+# float32 model's KV bytes; fp8_e5m2 (unscaled, as SGLang's) quarters them. SGLang's scaled
+# fp8_e4m3 and fp4 are refused by name.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "fp8_e5m2")
+UNSUPPORTED_KV_CACHE_DTYPES = ("fp8_e4m3", "fp4_e2m1")
+# --kv-cache-dtype -> the KV pool's element type (RunnerConfig.kv_cache_dtype)
+KV_POOL_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "fp8_e5m2": "float8_e5m2"}
 # The sglang-router's routing policies (`--router-policy`, with `--dp-size` > 1).
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "manual")
 TORCH_DEVICES = ("auto", "cpu", "cuda", "tpu")
@@ -78,13 +81,13 @@ class RunnerConfig:
     # debug: after every static (torch) or state (jax) decode step, compare the device batch
     # state with a host recomputation
     check_decode_state: bool = False
-    # the KV pool's element type: "auto" (= dtype) or "bfloat16" (under a float32 model: K/V
-    # rounded to bfloat16 as written, widened as attention reads them)
+    # the KV pool's element type: "auto" (= dtype), "bfloat16" (under a float32 model) or
+    # "float8_e5m2": K/V rounded to it as written, widened as attention reads them
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"kv_cache_dtype must be auto, float32 or bfloat16, "
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float8_e5m2"):
+            raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float8_e5m2, "
                              f"got {self.kv_cache_dtype!r}")
         if self.kv_tile % self.page_size:
             raise ValueError(f"kv_tile ({self.kv_tile}) must be a multiple of page_size "
@@ -92,7 +95,7 @@ class RunnerConfig:
 
     @property
     def kv_dtype(self) -> str:
-        """The KV pool's element type, resolved: "float32" or "bfloat16"."""
+        """The KV pool's element type, resolved: "float32", "bfloat16" or "float8_e5m2"."""
         return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     @property
@@ -256,8 +259,8 @@ class ServerArgs:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype in UNSUPPORTED_KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} is not supported: "
-                             f"sgl-tpu has no fp8/fp4 KV cache; use auto (the model's dtype) "
-                             f"or bfloat16 (bf16)")
+                             f"sgl-tpu keeps no KV scales; use auto (the model's dtype), "
+                             f"bfloat16 (bf16) or fp8_e5m2")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, "
                              f"got {self.kv_cache_dtype!r}")

@@ -1,7 +1,8 @@
 """The fused CPU attention (`torch-cpu-fused`) against a float64 reference and against
 `torch-sdpa`: ragged, paged (scattered pages, contexts ending mid-page), shared-prefix decode
-batches, GQA, sliding windows and soft-cap, float32 and bfloat16, and float32 queries over
-bfloat16 pools (`--kv-cache-dtype bfloat16` of a float32 model); then the registry's `auto`
+batches, GQA, sliding windows and soft-cap, float32 and bfloat16, float32 queries over
+bfloat16 pools (`--kv-cache-dtype bfloat16` of a float32 model) and either over fp8 e5m2 pools
+(`--kv-cache-dtype fp8_e5m2`); then the registry's `auto`
 choice and its fallback, and greedy parity of two runners on a tiny model."""
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ PS, KVH, G = 4, 2, 3  # page size, KV heads, query heads per KV head
 GREEDY = SamplingParams(temperature=0.0)
 # max abs error against the float64 reference, per dtype (outputs are rounded to the dtype)
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
-# (query / output dtype, pool dtype): the kernel's combinations. float32 over bfloat16 pools
-# has float32's tolerance against the reference of the same bfloat16-rounded K/V
+# (query / output dtype, pool dtype): the kernel's combinations. Narrower pools have the query
+# dtype's tolerance against the reference of the same rounded K/V
 DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-          (torch.float32, torch.bfloat16)]
-DTYPE_IDS = ["float32", "bfloat16", "f32q-bf16kv"]
+          (torch.float32, torch.bfloat16), (torch.float32, torch.float8_e5m2),
+          (torch.bfloat16, torch.float8_e5m2)]
+DTYPE_IDS = ["float32", "bfloat16", "f32q-bf16kv", "f32q-fp8kv", "bf16q-fp8kv"]
 
 
 def fused():
@@ -191,9 +193,10 @@ def test_decode_matches_reference_with_a_shared_prefix(dtypes, case):
 @pytest.mark.parametrize("kvh,group,d,window,cap,pool_dtype", [
     (3, 1, 16, None, None, torch.float32), (2, 2, 48, 37, None, torch.float32),
     (3, 3, 64, None, 2.5, torch.bfloat16), (1, 4, 80, 200, None, torch.float32),
-    (2, 5, 32, None, None, torch.float32), (40, 4, 16, None, None, torch.float32)],
+    (2, 5, 32, None, None, torch.float32), (40, 4, 16, None, None, torch.float32),
+    (3, 3, 64, 200, None, torch.float8_e5m2), (2, 6, 32, None, None, torch.float8_e5m2)],
     ids=["mha", "g2-d48-window", "g3-softcap-bf16kv", "g4-d80-window", "g5-per-head",
-         "160-heads-per-head"])
+         "160-heads-per-head", "g3-window-fp8kv", "g6-per-head-fp8kv"])
 def test_decode_own_keys_over_group_sizes(kvh, group, d, window, cap, pool_dtype):
     """Decode rows over their own keys only (no shared prefix): GQA groups of 1 to 4 rows take
     the all-heads items (keys in vector lanes; chunks of 128 keys, tails off the 8-key folds

@@ -135,30 +135,40 @@ def test_rope_write_kv_equals_torch(dtype, lens, qk_norm):
     torch.testing.assert_close(v_pool, ref_v, rtol=0, atol=0)  # v is copied, not computed
 
 
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.bfloat16),
+                                    (torch.float32, torch.float8_e5m2),
+                                    (torch.bfloat16, torch.float8_e5m2)],
+                         ids=["f32-bf16pool", "f32-fp8pool", "bf16-fp8pool"])
 @pytest.mark.parametrize("lens", [[5, 1, 9], [64, 66]])
-def test_rope_write_kv_rounds_float32_rows_into_a_bfloat16_pool(lens):
-    """float32 qkv, bfloat16 pools (`--kv-cache-dtype bfloat16`): q and k rotated in float32
-    as before, the pool rows bit-exactly torch's round-to-nearest-even of them."""
+def test_rope_write_kv_rounds_rows_into_a_narrower_pool(lens, dtypes):
+    """Pools narrower than qkv (`--kv-cache-dtype bfloat16` / `fp8_e5m2`): q and k rotated as
+    with pools of qkv's dtype, the pool rows bit-exactly write_kv's rounding of them (torch's
+    round-to-nearest-even; fp8 saturated at its largest finite value, not inf)."""
+    dtype, pool_dtype = dtypes
     h_q, kvh, d, page_size, num_pages = 6, 2, 64, 4, 64
     slots = _ragged_slots(page_size, lens, num_pages, seed=len(lens))
     t = slots.shape[0]
     positions = torch.randint(0, 4000, (t,), generator=torch.Generator().manual_seed(5))
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     cos, sin = llama_torch.rope_tables(positions, inv_freq)
-    qkv = _rand(t, (h_q + 2 * kvh) * d, dtype=torch.float32, seed=6)
-    k_pool = _rand(num_pages * page_size, kvh, d, dtype=torch.bfloat16, seed=7)
-    v_pool = _rand(num_pages * page_size, kvh, d, dtype=torch.bfloat16, seed=8)
+    qkv = _rand(t, (h_q + 2 * kvh) * d, dtype=dtype, seed=6)
+    qkv[0, -1], qkv[0, -2] = 1e6, -1e6  # past fp8 e5m2's range: saturated
+    k_pool = _rand(num_pages * page_size, kvh, d, dtype=pool_dtype, seed=7)
+    v_pool = _rand(num_pages * page_size, kvh, d, dtype=pool_dtype, seed=8)
     ref_qkv, ref_k, ref_v = qkv.clone(), k_pool.clone(), v_pool.clone()
-    ops().rope_write_kv(ref_qkv, cos, sin, torch.zeros(num_pages * page_size, kvh, d),
-                        torch.zeros(num_pages * page_size, kvh, d), slots, h_q, kvh)
+    wide = torch.zeros(num_pages * page_size, kvh, d, dtype=dtype)
+    ops().rope_write_kv(ref_qkv, cos, sin, wide, wide.clone(), slots, h_q, kvh)
     rotated = ref_qkv.view(t, h_q + 2 * kvh, d)
-    sdpa.write_kv(ref_k, ref_v, rotated[:, h_q : h_q + kvh].to(torch.bfloat16),
-                  rotated[:, h_q + kvh :].to(torch.bfloat16), slots)
+    sdpa.write_kv(ref_k, ref_v, rotated[:, h_q : h_q + kvh], rotated[:, h_q + kvh :], slots)
 
     ops().rope_write_kv(qkv, cos, sin, k_pool, v_pool, slots, h_q, kvh)
-    assert torch.equal(qkv, ref_qkv)  # q, k rotated in float32 exactly as with a float32 pool
-    assert torch.equal(k_pool.view(torch.int16), ref_k.view(torch.int16))
-    assert torch.equal(v_pool.view(torch.int16), ref_v.view(torch.int16))
+    assert torch.equal(qkv, ref_qkv)  # q, k rotated exactly as with a pool of qkv's dtype
+    bits = torch.int16 if pool_dtype == torch.bfloat16 else torch.uint8
+    assert torch.equal(k_pool.view(bits), ref_k.view(bits))
+    assert torch.equal(v_pool.view(bits), ref_v.view(bits))
+    big = v_pool[slots[0], -1, -2:].float()
+    want = torch.finfo(pool_dtype).max if pool_dtype == torch.float8_e5m2 else 1e6
+    assert big[1] == pytest.approx(want, rel=1e-2) and big[0] == -big[1]
     with pytest.raises(RuntimeError, match="bfloat16 under float32 qkv; got qkv BFloat16"):
         ops().rope_write_kv(qkv.bfloat16(), cos, sin, k_pool.float(), v_pool.float(), slots,
                             h_q, kvh)

@@ -14,7 +14,8 @@
 //         rotates the q and k heads of each row in place (rotate-half, llama_torch.apply_rope's
 //         tables: cos = (c, c), sin = (-s, s)), each head RMSNormed first when the norms are
 //         given (Qwen3), then copies the row's k and v heads into pool row slots[t]; the
-//         pools hold qkv's dtype, or bfloat16 under float32 qkv (rounded to nearest even)
+//         pools hold qkv's dtype, or bfloat16 under float32 qkv, or fp8 e5m2 (rounded to
+//         nearest even; fp8 saturated at +-57344)
 //
 //                 qkv row t:  | q head 0 .. H-1 | k head 0 .. kvh-1 | v head 0 .. kvh-1 |
 //                               \____ rotated in place ____/          |
@@ -29,6 +30,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e5m2.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
@@ -51,6 +53,13 @@ inline float to_f(float v) { return v; }
 inline float to_f(c10::BFloat16 v) { return static_cast<float>(v); }
 template <typename T>
 inline T from_f(float v) { return static_cast<T>(v); }
+// A --kv-cache-dtype fp8_e5m2 pool row: rounded to nearest even as torch rounds, saturated at
+// the type's largest finite value where torch's conversion gives inf (write_kv clamps alike).
+constexpr float kE5m2Max = 57344.0f;
+template <>
+inline c10::Float8_e5m2 from_f<c10::Float8_e5m2>(float v) {
+  return static_cast<c10::Float8_e5m2>(std::min(std::max(v, -kE5m2Max), kE5m2Max));
+}
 
 // exp(x) for the SiLU, branch-free so that the compiler vectorizes its loop (std::exp does not):
 // x = n ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes' expf polynomial (relative error ~1e-7).
@@ -219,10 +228,11 @@ void rope_write_kv(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
               op, ": qkv rows must hold (H + 2 kvh) heads of an even head_dim");
   TORCH_CHECK(k_pool.device().is_cpu() && v_pool.scalar_type() == k_pool.scalar_type() &&
                   (k_pool.scalar_type() == qkv.scalar_type() ||
+                   k_pool.scalar_type() == at::kFloat8_e5m2 ||
                    (qkv.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kBFloat16)),
-              op, ": pools must be CPU tensors of qkv's dtype, or bfloat16 under float32 qkv; "
-              "got qkv ", qkv.scalar_type(), ", k_pool ", k_pool.scalar_type(), ", v_pool ",
-              v_pool.scalar_type());
+              op, ": pools must be CPU tensors of qkv's dtype, or float8_e5m2, or bfloat16 "
+              "under float32 qkv; got qkv ", qkv.scalar_type(), ", k_pool ",
+              k_pool.scalar_type(), ", v_pool ", v_pool.scalar_type());
   for (const at::Tensor* t : {&cos, &sin})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() &&
                     t->numel() == rows * d,
@@ -243,7 +253,18 @@ void rope_write_kv(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
   const int64_t num_slots = k_pool.size(0);
   for (int64_t t = 0; t < rows; ++t)
     TORCH_CHECK(s[t] >= 0 && s[t] < num_slots, op, ": slot ", s[t], " out of range");
-  if (qkv.scalar_type() == at::kBFloat16)
+  if (k_pool.scalar_type() == at::kFloat8_e5m2 && qkv.scalar_type() == at::kBFloat16)
+    rope_write_kv_impl<c10::BFloat16, c10::Float8_e5m2>(
+        qkv.data_ptr<c10::BFloat16>(), qkv.stride(0), cos.data_ptr<float>(),
+        sin.data_ptr<float>(), k_pool.data_ptr<c10::Float8_e5m2>(),
+        v_pool.data_ptr<c10::Float8_e5m2>(), s, rows, H, kvh, d, qn, kn,
+        static_cast<float>(eps));
+  else if (k_pool.scalar_type() == at::kFloat8_e5m2)
+    rope_write_kv_impl<float, c10::Float8_e5m2>(
+        qkv.data_ptr<float>(), qkv.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(),
+        k_pool.data_ptr<c10::Float8_e5m2>(), v_pool.data_ptr<c10::Float8_e5m2>(), s, rows, H,
+        kvh, d, qn, kn, static_cast<float>(eps));
+  else if (qkv.scalar_type() == at::kBFloat16)
     rope_write_kv_impl<c10::BFloat16, c10::BFloat16>(
         qkv.data_ptr<c10::BFloat16>(), qkv.stride(0), cos.data_ptr<float>(),
         sin.data_ptr<float>(), k_pool.data_ptr<c10::BFloat16>(),

@@ -33,7 +33,7 @@
 //
 // Accumulation is float32 (scores, softmax, P @ V). q and out (TQ) float32 or bfloat16, the
 // pools (TKV) of q's dtype, or bfloat16 under float32 q (a bfloat16 KV cache of a float32
-// model).
+// model), or fp8 e5m2 under either (`--kv-cache-dtype fp8_e5m2`: a quarter of float32's bytes).
 // Written with GCC/Clang vector extensions, one register wide (16 floats with AVX-512, else
 // 8): -march=native picks the widest, a portable build gets the baseline ISA's.
 
@@ -41,6 +41,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/Float8_e5m2.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
@@ -106,6 +107,26 @@ inline vf load16(const at::BFloat16* p) {
   std::memcpy(&h, p, sizeof h);
   vu u = __builtin_convertvector(h, vu) << 16;
   std::memcpy(&f, &u, sizeof f);
+#endif
+  return f;
+}
+// fp8 e5m2 -> float32 (a --kv-cache-dtype fp8_e5m2 pool): e5m2 is the high byte of an IEEE
+// half, so the bytes moved into the high half of 16-bit lanes convert exactly with F16C
+// (subnormals included).
+inline vf load16(const at::Float8_e5m2* p) {
+  vf f;
+#if defined(__AVX512F__)
+  const __m256i h = _mm256_slli_epi16(
+      _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8);
+  const __m512 x = _mm512_cvtph_ps(h);
+  std::memcpy(&f, &x, sizeof f);
+#elif defined(__AVX2__) && defined(__F16C__)
+  const __m128i h = _mm_slli_epi16(
+      _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 8);
+  const __m256 x = _mm256_cvtph_ps(h);
+  std::memcpy(&f, &x, sizeof f);
+#else
+  for (int i = 0; i < kLanes; ++i) f[i] = static_cast<float>(p[i]);
 #endif
   return f;
 }
@@ -699,10 +720,11 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
               "paged_attention_cpu: q must be float32 or bfloat16, got ", q.scalar_type());
   TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type() &&
                   (k_pool.scalar_type() == q.scalar_type() ||
+                   k_pool.scalar_type() == at::kFloat8_e5m2 ||
                    (q.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kBFloat16)),
-              "paged_attention_cpu: the pools must share q's dtype, or be bfloat16 under "
-              "float32 q; got q ", q.scalar_type(), ", k_pool ", k_pool.scalar_type(),
-              ", v_pool ", v_pool.scalar_type());
+              "paged_attention_cpu: the pools must share q's dtype, or be float8_e5m2, or "
+              "bfloat16 under float32 q; got q ", q.scalar_type(), ", k_pool ",
+              k_pool.scalar_type(), ", v_pool ", v_pool.scalar_type());
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(),
               "paged_attention_cpu: pools must be contiguous");
   TORCH_CHECK(q.stride(2) == 1, "paged_attention_cpu: q's last dim must be contiguous");
@@ -711,6 +733,22 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
               "paged_attention_cpu: head_dim must be a multiple of 16, at most 512, got ", d);
   TORCH_CHECK(q.size(1) % kvh == 0 && q.size(1) / kvh <= kMaxRows,
               "paged_attention_cpu: query heads must be a multiple of KV heads");
+}
+
+// f(TQ{}, TKV{}) for q's and the pools' element types, as check_inputs admits them.
+template <typename F>
+void dispatch_types(const at::Tensor& q, const at::Tensor& k_pool, const F& f) {
+  const bool q_bf16 = q.scalar_type() == at::kBFloat16;
+  if (k_pool.scalar_type() == at::kFloat8_e5m2) {
+    if (q_bf16) f(at::BFloat16{}, at::Float8_e5m2{});
+    else f(float{}, at::Float8_e5m2{});
+  } else if (q_bf16) {
+    f(at::BFloat16{}, at::BFloat16{});
+  } else if (k_pool.scalar_type() == at::kBFloat16) {
+    f(float{}, at::BFloat16{});
+  } else {
+    f(float{}, float{});
+  }
 }
 
 template <typename TQ, typename TKV>
@@ -774,15 +812,10 @@ at::Tensor extend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
               "paged_attention_cpu.extend: one slots / start / num_new / prefix_len per seq");
   at::Tensor out = at::zeros({q.size(0), q.size(1), q.size(2)}, q.options());
   const int64_t w = window > 0 ? window : kNoWindow;
-  if (q.scalar_type() == at::kBFloat16)
-    extend_impl<at::BFloat16, at::BFloat16>(q, k_pool, v_pool, slots, starts, num_new,
-                                            prefix_lens, scale, w, cap, out);
-  else if (k_pool.scalar_type() == at::kBFloat16)
-    extend_impl<float, at::BFloat16>(q, k_pool, v_pool, slots, starts, num_new, prefix_lens,
-                                     scale, w, cap, out);
-  else
-    extend_impl<float, float>(q, k_pool, v_pool, slots, starts, num_new, prefix_lens, scale, w,
-                              cap, out);
+  dispatch_types(q, k_pool, [&](auto tq, auto tkv) {
+    extend_impl<decltype(tq), decltype(tkv)>(q, k_pool, v_pool, slots, starts, num_new,
+                                             prefix_lens, scale, w, cap, out);
+  });
   return out;
 }
 
@@ -932,15 +965,10 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
               "paged_attention_cpu.decode: own_slots [B, Lown], own_lo / own_hi [B]");
   at::Tensor out = at::empty({B, q.size(1), q.size(2)}, q.options());
   const int64_t w = window > 0 ? window : kNoWindow;
-  if (q.scalar_type() == at::kBFloat16)
-    decode_impl<at::BFloat16, at::BFloat16>(q, k_pool, v_pool, shared_slots, own_slots, own_lo,
-                                            own_hi, scale, w, cap, out);
-  else if (k_pool.scalar_type() == at::kBFloat16)
-    decode_impl<float, at::BFloat16>(q, k_pool, v_pool, shared_slots, own_slots, own_lo,
-                                     own_hi, scale, w, cap, out);
-  else
-    decode_impl<float, float>(q, k_pool, v_pool, shared_slots, own_slots, own_lo, own_hi,
-                              scale, w, cap, out);
+  dispatch_types(q, k_pool, [&](auto tq, auto tkv) {
+    decode_impl<decltype(tq), decltype(tkv)>(q, k_pool, v_pool, shared_slots, own_slots,
+                                             own_lo, own_hi, scale, w, cap, out);
+  });
   return out;
 }
 

@@ -254,7 +254,8 @@ def main() -> None:
     p.add_argument("--clocks", default="thread,wall")
     p.add_argument("--model-steps", action="store_true",
                    help="also time the default model's whole DECODE step per backend")
-    p.add_argument("--model-kv-cache-dtype", default="float32", choices=("float32", "bfloat16"),
+    p.add_argument("--model-kv-cache-dtype", default="float32",
+                   choices=("float32", "bfloat16", "fp8_e5m2"),
                    help="the --model-steps runners' KV pools")
     p.add_argument("--baseline-source", type=Path, default=None,
                    help="another paged_attention_cpu.cpp to time against (compiled here)")

@@ -1,11 +1,15 @@
 """Decode steps of two torch runners A/B, otherwise identical, interleaved A B A B ... in each
 round on the same steps: `--compare layer-ops` (default) the fused CPU layer ops off / on
 (`RunnerConfig.cpu_layer_ops`), `--compare kv-cache-dtype` the KV pool in the model's dtype /
-in bfloat16 (`--kv-cache-dtype`; with --dtypes float32 this halves the pool's bytes).
+in bfloat16 (`--kv-cache-dtype`; with --dtypes float32 this halves the pool's bytes),
+`--compare kv-fp8` bfloat16 / fp8 e5m2 pools (`--kv-cache-dtype fp8_e5m2`: half again).
 
-    python -m sgl_tpu.bench.layer_ops [--compare layer-ops|kv-cache-dtype] [--dtypes float32]
-        [--quantization gguf] [--decode-batches 1,8] [--contexts 256,1300] [--prefill 512]
-        [--repeats 15]
+    python -m sgl_tpu.bench.layer_ops [--compare layer-ops|kv-cache-dtype|kv-fp8]
+        [--dtypes float32] [--quantization gguf] [--decode-batches 1,8] [--contexts 256,1300]
+        [--shared 0] [--prefill 512] [--repeats 15]
+
+`--shared N`: the decode sequences share their first N context tokens' pages (agents forking
+one prompt; whole pages, at most the context).
 
 Prints one JSON object: per dtype, workload and mode the min and median step time and the
 B runner's `median_vs_<A>` / `min_vs_<A>` (A: torch_ops or kv_auto); per dtype the aten ops
@@ -34,6 +38,8 @@ COMPARISONS = {
     "layer-ops": {"torch_ops": {"cpu_layer_ops": False}, "fused": {"cpu_layer_ops": True}},
     "kv-cache-dtype": {"kv_auto": {"kv_cache_dtype": "auto"},
                        "kv_bfloat16": {"kv_cache_dtype": "bfloat16"}},
+    "kv-fp8": {"kv_bfloat16": {"kv_cache_dtype": "bfloat16"},
+               "kv_fp8_e5m2": {"kv_cache_dtype": "float8_e5m2"}},
 }
 
 
@@ -94,13 +100,14 @@ def run(args: argparse.Namespace) -> dict:
 
         for ctx in contexts:
             for b in batches:
-                steps = _steps(b, 1, ctx, page_size, rng, cfg.vocab_size)
+                shared = min(args.shared, ctx) // page_size * page_size
+                steps = _steps(b, 1, ctx, page_size, rng, cfg.vocab_size, shared=shared)
                 if b == 1 and ctx == contexts[0]:
                     results["aten_ops_per_decode_step_b1"][dtype] = {
                         m: _aten_ops_per_step(partial(r.forward, ForwardMode.DECODE, steps))
                         for m, r in runners.items()}
-                record({"dtype": dtype, "phase": "decode", "batch": b, "context": ctx}, steps,
-                       ForwardMode.DECODE)
+                record({"dtype": dtype, "phase": "decode", "batch": b, "context": ctx,
+                        "shared": shared}, steps, ForwardMode.DECODE)
         for n in prefills:
             record({"dtype": dtype, "phase": "prefill", "tokens": n},
                    _steps(1, n, 0, page_size, rng, cfg.vocab_size), ForwardMode.EXTEND)
@@ -116,6 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quantization", default="gguf")
     p.add_argument("--decode-batches", default="1,8")
     p.add_argument("--contexts", default="256,1300")
+    p.add_argument("--shared", type=int, default=0,
+                   help="context tokens whose pages all decode sequences share")
     p.add_argument("--prefill", default="512")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--output", default=None, help="also write the JSON here")

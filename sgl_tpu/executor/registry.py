@@ -21,7 +21,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sgl_tpu.config import RunnerConfig, ServerArgs, pow2_buckets
+from sgl_tpu.config import KV_POOL_DTYPES, RunnerConfig, ServerArgs, pow2_buckets
 from sgl_tpu.executor import batch_invariant
 from sgl_tpu.executor.step import ModelRunner
 from sgl_tpu.kernels.backends import resolve_attention_backend
@@ -220,8 +220,8 @@ def runner_config(args: ServerArgs, model_context_len: int) -> RunnerConfig:
 
 
 def _resolve_kv_cache_dtype(args: ServerArgs, backend: str, dtype: str) -> str:
-    """--kv-cache-dtype: "auto" or "bfloat16"; the torch backend only (the JAX attention
-    kernels, Pallas included, read pools of the compute dtype).
+    """--kv-cache-dtype: "auto", "bfloat16" or "float8_e5m2"; the torch backend only (the JAX
+    attention kernels, Pallas included, read pools of the compute dtype).
 
     "auto" is the compute dtype, except where the dtype was left to the machine too (`--dtype
     auto`) and resolved to float32 on a CPU without AMX (torch backend): there the pool
@@ -238,7 +238,7 @@ def _resolve_kv_cache_dtype(args: ServerArgs, backend: str, dtype: str) -> str:
         raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} needs the torch backend "
                          f"(--backend torch); the {backend} backend stores the KV cache in "
                          f"the model's dtype (--kv-cache-dtype auto)")
-    return "bfloat16"
+    return KV_POOL_DTYPES[args.kv_cache_dtype]
 
 
 def _resolve_jax_decode_state(args: ServerArgs, backend: str) -> bool:

@@ -53,6 +53,7 @@ from sgl_tpu.models.registry import torch_model
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_KV_DTYPES = {**_DTYPES, "float8_e5m2": torch.float8_e5m2}
 
 
 @dataclass(frozen=True)
@@ -90,9 +91,10 @@ class TorchModelRunner:
         num_slots = config.num_pages * config.page_size
         # The model's own head count: a tensor-parallel rank stores only its KV heads.
         shape = (num_slots, self.model.cfg.num_kv_heads, model_config.head_dim)
-        # --kv-cache-dtype bfloat16 under a float32 model: K/V rounded to bfloat16 as they are
-        # written (write_kv / rope_write_kv), widened to the query's dtype as attention reads
-        self.kv_dtype = _DTYPES[config.kv_dtype]
+        # --kv-cache-dtype bfloat16 under a float32 model, or fp8_e5m2: K/V rounded to it as
+        # they are written (write_kv / rope_write_kv), widened to the query's dtype as
+        # attention reads
+        self.kv_dtype = _KV_DTYPES[config.kv_dtype]
         self.kv_pools = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
                          for _ in range(model_config.num_layers)]

@@ -13,7 +13,9 @@ import dataclasses
 import checkpoints as ck
 import numpy as np
 import pytest
+import requests
 import torch
+from server_harness import launch_server
 
 from sgl_tpu.cli import parse_args, to_argv
 from sgl_tpu.config import ServerArgs
@@ -195,3 +197,36 @@ def test_default_model_greedy_tokens_with_a_bfloat16_pool():
         outs.append(toks)
     assert outs[0] == outs[1]
 
+
+
+# SmolLM2-135M's K/V values per token: 30 layers x (K, V) x 3 KV heads x head_dim 64
+DEFAULT_MODEL_KV_VALUES_PER_TOKEN = 30 * 2 * 3 * 64
+
+
+@pytest.mark.slow
+def test_server_with_an_fp8_pool_answers_from_its_cache():
+    """The default model served with `--kv-cache-dtype fp8_e5m2` (tokenizer, scheduler and
+    detokenizer processes): `/server_info` reports the pool at one byte per value; a prompt
+    sent again is answered from the radix cache (its cached tokens reported) with the same
+    greedy tokens; every page is free again after a flush."""
+    server = launch_server("--skip-warmup", "--kv-cache-dtype", "fp8_e5m2",
+                           "--max-total-tokens", "4096")
+    try:
+        mem = server.info()["memory"]
+        assert mem["kv_cache_dtype"] == "float8_e5m2"
+        slots = (mem["num_pages_total"] + 1) * mem["page_size"]  # + the reserved page 0
+        assert mem["kv_bytes"] == slots * DEFAULT_MODEL_KV_VALUES_PER_TOKEN
+        body = {"text": "An agent's system prompt lists its tools: search, calculator, "
+                        "calendar and mail. It answers in JSON. " * 4,
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": 12}}
+        first = requests.post(server.base_url + "/generate", json=body, timeout=120).json()
+        again = requests.post(server.base_url + "/generate", json=body, timeout=120).json()
+        assert first["meta_info"]["cached_tokens"] == 0
+        assert again["meta_info"]["cached_tokens"] >= mem["page_size"] * 4
+        assert again["output_ids"] == first["output_ids"] and len(first["output_ids"]) == 12
+        server.wait_idle()
+        assert requests.post(server.base_url + "/flush_cache", timeout=30).status_code == 200
+        mem = server.wait_idle()["memory"]
+        assert mem["num_pages_free"] == mem["num_pages_total"]
+    finally:
+        server.stop()

@@ -211,7 +211,7 @@ def test_a8_activations_quantized_like_reference():
 
 @pytest.mark.parametrize("fmt", ("q4", "q8"))
 @pytest.mark.parametrize("shape", SHAPES)
-def test_a8_kernel_matches_integer_reference(fmt, shape):
+def test_a8_kernel_matches_integer_reference(fmt, shape, build):
     """y = sum_b scale d (integer dot of codes and quantized activations) [+ Q4 zero terms on
     the exact block sums], in float64 from the reference quantization."""
     rng = np.random.default_rng(sum(shape) + 1)

@@ -29,8 +29,8 @@
 // per tile) inside the loop over output features, so a later tile finds the row's bytes in L1.
 // Output features are split over torch's threads (at::parallel_for). AVX-512 intrinsics where
 // the build has them (16 float lanes: a block is two vectors), else AVX2 + FMA (8 lanes, four
-// vectors per block), else a scalar loop. The int8-activation kernels below use AVX2 in both
-// vector builds.
+// vectors per block), else a scalar loop. The int8-activation kernels below use AVX512-VNNI
+// where the build has it (a pair of blocks per `vpdpbusd`), else AVX2.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -55,14 +55,20 @@
 #else
 #define SGL_QGEMM_AVX512 0
 #endif
+#if SGL_QGEMM_AVX512 && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define SGL_QGEMM_VNNI 1
+#else
+#define SGL_QGEMM_VNNI 0
+#endif
 
 namespace {
 
 constexpr int64_t kGroup = 32;
 // Activation rows whose accumulators live in registers: the float32 kernels' and the int8
 // kernels' (whose unpacked codes of 8 blocks take most registers already).
+// (With AVX512-VNNI the int8 kernels unpack one block pair at a time: 8 rows fit.)
 constexpr int kRowTile = 8;
-constexpr int kRowTileA8 = 4;
+constexpr int kRowTileA8 = SGL_QGEMM_VNNI ? 8 : 4;
 constexpr int64_t kGrain = 16;    // output features per parallel task, at least
 // Float lanes of the float32 kernels' vectors. The Q4 kernel's activations are stored in
 // nibble order per 2 * kLanes values (`nibble_order`): 8 code bytes per half block with AVX2
@@ -429,7 +435,8 @@ at::Tensor q8_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
 // after moving the weight's sign onto the activation: 128 * 127 * 2, both < 2^15, no
 // saturation), `madd` with ones widens to 8 int32 sums; the dots of 8 consecutive blocks are
 // reduced to one vector (lane = block, exact) and added with one float FMA scaled by the 8
-// blocks' scale * d. Same tiling, threading and row independence as above.
+// blocks' scale * d (AVX512-VNNI: a8_pairs_vnni, below). Same tiling, threading and row
+// independence as above.
 //
 // Q4 activation layout: a Q4 block's byte t holds weights 2t and 2t + 1, so the low nibbles of
 // the 16 bytes are weights 0, 2, .., 30 and the high nibbles 1, 3, .., 31. The Q4 kernel's
@@ -440,6 +447,8 @@ struct ActQ8 {
   std::vector<int8_t> q;    // [M, K]
   std::vector<float> d;     // [M, nb]
   std::vector<float> sum;   // [M, nb] (Q4 only)
+  std::vector<float> dpair;  // [M, ceil(nb / 2), 16] (with VNNI: pair_scales)
+  std::vector<int32_t> bias;  // [M, ceil(nb / 2), 16] (Q8 with VNNI: q8_pair_bias)
 };
 
 // Row-by-row (each row's values depend on that row only); `split`: the Q4 order above.
@@ -548,16 +557,123 @@ inline void a8_rows(const int8_t* xq, const float* xd, int64_t K, const float* s
 }
 #endif
 
+#if SGL_QGEMM_VNNI
+// d of a row's blocks 2p and 2p + 1 as the VNNI kernels' lanes: [d[2p] x 8 | d[2p + 1] x 8]
+// (0 past the last block), once per call rather than once per output feature.
+std::vector<float> pair_scales(const std::vector<float>& d, int64_t M, int64_t nb) {
+  const int64_t pairs = (nb + 1) / 2;
+  std::vector<float> out(M * pairs * 16, 0.0f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b)
+      std::fill_n(out.data() + (m * pairs + b / 2) * 16 + (b % 2) * 8, 8, d[m * nb + b]);
+  return out;
+}
+
+// -128 x (each int32 lane's 4 activations summed) per block pair of each row, the start of the
+// VNNI Q8 kernel's dots: it multiplies the codes offset to unsigned (q + 128), so
+// sum (q + 128) a - 128 sum a = sum q a, exactly. The pairs' lanes as in a8_pairs_vnni.
+std::vector<int32_t> q8_pair_bias(const int8_t* xq, int64_t M, int64_t K) {
+  const int64_t nb = K / kGroup, pairs = (nb + 1) / 2;
+  std::vector<int32_t> out(M * pairs * 16);
+  const __m512i minus128 = _mm512_set1_epi8(static_cast<char>(0x80));  // 128 as unsigned
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int8_t* a = xq + m * K + 2 * p * kGroup;
+      const __m512i av = 2 * p + 1 < nb ? _mm512_loadu_si512(a)
+                                        : _mm512_castsi256_si512(_mm256_loadu_si256(
+                                              reinterpret_cast<const __m256i*>(a)));
+      const __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), minus128,
+                                              _mm512_maskz_mov_epi64(
+                                                  2 * p + 1 < nb ? 0xFF : 0x0F, av));
+      _mm512_storeu_si512(out.data() + (m * pairs + p) * 16, _mm512_sub_epi32(
+          _mm512_setzero_si512(), sum));
+    }
+  return out;
+}
+
+// Q4 block pair -> 64 unsigned codes: [q_b | q_b+1] (16 code bytes each) -> 128-bit lanes
+// [q_b, q_b, q_b+1, q_b+1], the second and fourth shifted: [low nibbles b | high nibbles b |
+// low b+1 | high b+1], the order of the Q4 kernel's activations. No bias: codes are 0..15.
+struct Q4Pairs {
+  const uint8_t* qs;  // [nb, 16]
+  __m512i load(int64_t b, bool whole) const {
+    const __m256i raw = whole
+        ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + b * 16))
+        : _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + b * 16)));
+    __m512i w = _mm512_shuffle_i64x2(_mm512_castsi256_si512(raw), _mm512_castsi256_si512(raw),
+                                     _MM_SHUFFLE(1, 1, 0, 0));
+    w = _mm512_mask_srli_epi16(w, __mmask32(0xFF00FF00u), w, 4);
+    w = _mm512_and_si512(w, _mm512_set1_epi8(0x0F));
+    return whole ? w : _mm512_maskz_mov_epi64(__mmask8(0x0F), w);
+  }
+};
+
+// Q8 block pair -> 64 codes offset to unsigned (q + 128: the sign bit flipped); the dots start
+// from q8_pair_bias to take the offset out.
+struct Q8Pairs {
+  const int8_t* qs;  // [nb, 32]
+  __m512i load(int64_t b, bool whole) const {
+    const __m512i q = whole ? _mm512_loadu_si512(qs + b * kGroup)
+                            : _mm512_castsi256_si512(_mm256_loadu_si256(
+                                  reinterpret_cast<const __m256i*>(qs + b * kGroup)));
+    const __m512i u = _mm512_xor_si512(q, _mm512_set1_epi8(static_cast<char>(0x80)));
+    return whole ? u : _mm512_maskz_mov_epi64(__mmask8(0x0F), u);
+  }
+};
+
+// The a8 dots with AVX512-VNNI: `vpdpbusd` multiplies 64 unsigned codes by 64 signed
+// activations and adds each 4 products into an int32 lane, so a pair of blocks is one
+// instruction per row (lanes 0-7: block b, 8-15: block b + 1; exact, as above), started from
+// `bias` (Q8: q8_pair_bias; Q4: none). Each pair's lanes are converted and accumulated into
+// acc[r] with one float FMA scaled by [scale[b] d[b] x 8 | scale[b + 1] d[b + 1] x 8] (`dpair`:
+// pair_scales); an odd last block runs as a pair with zero codes in its second half.
+template <int R, typename Pairs>
+inline void a8_pairs_vnni(const int8_t* xq, const float* dpair, const int32_t* bias, int64_t K,
+                          const Pairs& codes, const float* scale, __m512* acc) {
+  const int64_t nb = K / kGroup, pairs = (nb + 1) / 2;
+  const __m512i pair_lanes = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t b = 2 * p;
+    const bool whole = b + 1 < nb;
+    const __m512i w = codes.load(b, whole);
+    const __m128 s2 = whole
+        ? _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale + b)))
+        : _mm_load_ss(scale + b);
+    const __m512 s = _mm512_permutexvar_ps(pair_lanes, _mm512_castps128_ps512(s2));
+    for (int r = 0; r < R; ++r) {
+      const int8_t* a = xq + r * K + b * kGroup;
+      const __m512i av = whole ? _mm512_loadu_si512(a)
+                               : _mm512_castsi256_si512(_mm256_loadu_si256(
+                                     reinterpret_cast<const __m256i*>(a)));
+      const __m512i start = bias ? _mm512_loadu_si512(bias + (r * pairs + p) * 16)
+                                 : _mm512_setzero_si512();
+      const __m512i dot = _mm512_dpbusd_epi32(start, w, av);
+      const __m512 sd = _mm512_mul_ps(s, _mm512_loadu_ps(dpair + (r * pairs + p) * 16));
+      acc[r] = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(dot), acc[r]);
+    }
+  }
+}
+#endif
+
 template <int R>
-void q4a8_rows(const int8_t* xq, const float* xd, const float* xsum, int64_t K,
-               const uint8_t* qs, const float* scale, const float* zero, float* y, int64_t N) {
+void q4a8_rows(const int8_t* xq, const float* xd, const float* dpair, const float* xsum,
+               int64_t K, const uint8_t* qs, const float* scale, const float* zero, float* y,
+               int64_t N) {
   const int64_t nb = K / kGroup;
-#if SGL_QGEMM_AVX2
+#if SGL_QGEMM_VNNI
+  (void)xd;
+  __m512 acc[R];
+  q4_zero_lanes16<R>(xsum, scale, zero, nb, acc);
+  a8_pairs_vnni<R>(xq, dpair, nullptr, K, Q4Pairs{qs}, scale, acc);
+  for (int r = 0; r < R; ++r) y[r * N] = _mm512_reduce_add_ps(acc[r]);
+#elif SGL_QGEMM_AVX2
+  (void)dpair;
   __m256 acc[R];
   q4_zero_lanes<R>(xsum, scale, zero, nb, acc);
   a8_rows<R>(xq, xd, K, scale, Q4Codes{qs}, acc);
   for (int r = 0; r < R; ++r) y[r * N] = hsum(acc[r]);
 #else
+  (void)dpair;
   float zacc[R];
   float acc[R] = {};
   for (int64_t b = 0; b < nb; ++b) {
@@ -575,15 +691,25 @@ void q4a8_rows(const int8_t* xq, const float* xd, const float* xsum, int64_t K,
 }
 
 template <int R>
-void q8a8_rows(const int8_t* xq, const float* xd, int64_t K, const int8_t* qs,
-               const float* scale, float* y, int64_t N) {
+void q8a8_rows(const int8_t* xq, const float* xd, const float* dpair, const int32_t* bias,
+               int64_t K, const int8_t* qs, const float* scale, float* y, int64_t N) {
   const int64_t nb = K / kGroup;
-#if SGL_QGEMM_AVX2
+#if SGL_QGEMM_VNNI
+  (void)xd;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  a8_pairs_vnni<R>(xq, dpair, bias, K, Q8Pairs{qs}, scale, acc);
+  for (int r = 0; r < R; ++r) y[r * N] = _mm512_reduce_add_ps(acc[r]);
+#elif SGL_QGEMM_AVX2
+  (void)dpair;
+  (void)bias;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   a8_rows<R>(xq, xd, K, scale, Q8Codes{qs}, acc);
   for (int r = 0; r < R; ++r) y[r * N] = hsum(acc[r]);
 #else
+  (void)dpair;
+  (void)bias;
   float acc[R] = {};
   for (int64_t b = 0; b < nb; ++b) {
     const int8_t* q = qs + b * kGroup;
@@ -603,15 +729,21 @@ at::Tensor q4_gemm_a8(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
   const int64_t K = check_q4(x, qs, scale, zero, "q4_gemm_a8");
   const int64_t M = x.size(0), N = qs.size(0), nb = K / kGroup;
   at::Tensor y = at::empty({M, N}, x.options());
-  const ActQ8 a = quantize_rows(x.data_ptr<float>(), M, K, /*split=*/true, /*sums=*/true);
+  ActQ8 a = quantize_rows(x.data_ptr<float>(), M, K, /*split=*/true, /*sums=*/true);
+#if SGL_QGEMM_VNNI
+  a.dpair = pair_scales(a.d, M, nb);
+#endif
+  const int64_t pair_floats = (nb + 1) / 2 * 16;
   const Q4 w{qs.data_ptr<uint8_t>(), scale.data_ptr<float>(), zero.data_ptr<float>()};
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       for_row_tiles<kRowTileA8>(M, [&](int64_t m0, auto R) {
-        q4a8_rows<decltype(R)::value>(a.q.data() + m0 * K, a.d.data() + m0 * nb,
-                                      a.sum.data() + m0 * nb, K, w.qs + n * nb * 16,
-                                      w.scale + n * nb, w.zero + n * nb, yp + m0 * N + n, N);
+        q4a8_rows<decltype(R)::value>(
+            a.q.data() + m0 * K, a.d.data() + m0 * nb,
+            a.dpair.empty() ? nullptr : a.dpair.data() + m0 * pair_floats,
+            a.sum.data() + m0 * nb, K, w.qs + n * nb * 16, w.scale + n * nb, w.zero + n * nb,
+            yp + m0 * N + n, N);
       });
     }
   });
@@ -622,15 +754,22 @@ at::Tensor q8_gemm_a8(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
   const int64_t K = check(x, qs, scale, kGroup, at::kChar, "q8_gemm_a8");
   const int64_t M = x.size(0), N = qs.size(0), nb = K / kGroup;
   at::Tensor y = at::empty({M, N}, x.options());
-  const ActQ8 a = quantize_rows(x.data_ptr<float>(), M, K, /*split=*/false, /*sums=*/false);
+  ActQ8 a = quantize_rows(x.data_ptr<float>(), M, K, /*split=*/false, /*sums=*/false);
+#if SGL_QGEMM_VNNI
+  a.dpair = pair_scales(a.d, M, nb);
+  a.bias = q8_pair_bias(a.q.data(), M, K);
+#endif
+  const int64_t pair_values = (nb + 1) / 2 * 16;
   const Q8 w{qs.data_ptr<int8_t>(), scale.data_ptr<float>()};
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       for_row_tiles<kRowTileA8>(M, [&](int64_t m0, auto R) {
-        q8a8_rows<decltype(R)::value>(a.q.data() + m0 * K, a.d.data() + m0 * nb, K,
-                                      w.qs + n * nb * kGroup, w.scale + n * nb,
-                                      yp + m0 * N + n, N);
+        q8a8_rows<decltype(R)::value>(
+            a.q.data() + m0 * K, a.d.data() + m0 * nb,
+            a.dpair.empty() ? nullptr : a.dpair.data() + m0 * pair_values,
+            a.bias.empty() ? nullptr : a.bias.data() + m0 * pair_values, K,
+            w.qs + n * nb * kGroup, w.scale + n * nb, yp + m0 * N + n, N);
       });
     }
   });
@@ -660,4 +799,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x f32[M, K] (quantized to int8 per 32 values) @ Q8 blocks -> f32[M, N]");
   m.def("quantize_a8", &quantize_a8, "x f32[M, K] -> (xq i8[M, K], d f32[M, K/32])");
   m.attr("simd") = SGL_QGEMM_AVX512 ? "avx512f" : SGL_QGEMM_AVX2 ? "avx2-fma" : "scalar";
+  m.attr("vnni") = bool(SGL_QGEMM_VNNI);  // the Q4 int8-activation kernel's vpdpbusd path
 }

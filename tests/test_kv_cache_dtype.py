@@ -198,7 +198,6 @@ def test_default_model_greedy_tokens_with_a_bfloat16_pool():
     assert outs[0] == outs[1]
 
 
-
 # SmolLM2-135M's K/V values per token: 30 layers x (K, V) x 3 KV heads x head_dim 64
 DEFAULT_MODEL_KV_VALUES_PER_TOKEN = 30 * 2 * 3 * 64
 

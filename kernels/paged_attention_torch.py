@@ -67,6 +67,9 @@ class DecodeBatch:
     bias: torch.Tensor
 
 
+_E5M2_MAX = torch.finfo(torch.float8_e5m2).max  # 57344: larger values would round to inf
+
+
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out_slots: torch.Tensor) -> None:
     """Write the step's K/V rows ([T, kvh, d]) into their slots, in place (rounded to the
@@ -82,8 +85,7 @@ def _store_rows(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> 
     if pool.dtype != torch.float8_e5m2:
         pool.index_copy_(0, slots, rows.to(pool.dtype))
         return
-    fmax = torch.finfo(torch.float8_e5m2).max
-    rows = rows.clamp(-fmax, fmax).to(torch.float8_e5m2)
+    rows = rows.clamp(-_E5M2_MAX, _E5M2_MAX).to(torch.float8_e5m2)
     pool.view(torch.uint8).index_copy_(0, slots, rows.view(torch.uint8))
 
 

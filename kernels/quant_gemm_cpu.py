@@ -17,8 +17,10 @@ the weights are exactly the stored ones (no activation quantization), float32 ac
     q4_gemm_a8(x, Q4Blocks) / q8_gemm_a8(x, Q8Blocks) -> f32[M, N]   (`--quantization gguf-a8`)
 
 quantize each activation row per block of 32 to int8 first (llama.cpp's Q8_0: d = max|x| / 127,
-xq = round_half_even(x / d)) and take integer block dots (AVX2 maddubs/madd, exact in int32),
-one float FMA per block with scale * d; the Q4 zero term uses the exact float block sums.
+xq = round_half_even(x / d)) and take integer block dots (exact in int32: AVX512-VNNI vpdpbusd,
+a block pair per instruction, where the build has it, else AVX2 maddubs/madd), one float FMA
+per block (pair) with scale * d; the Q4 zero term uses the exact float block sums. The module's
+`simd` ("avx512f", "avx2-fma", "scalar") and `vnni` attributes say which code it holds.
 `quantize_a8(x) -> (xq i8[M, K], d f32[M, nb])` is that quantization, for tests.
 `available()` / `why_unavailable()` say whether the compiled module loads.
 """

@@ -49,7 +49,7 @@ def avx2_module(tmp_path_factory):
     module = cpu_extension.build_copy(cpu_extension.QUANT_GEMM.source, "sgl_tpu_qgemm_avx2_test",
                                       str(tmp_path_factory.mktemp("qgemm_avx2")),
                                       extra_flags=("-mno-avx512f",))
-    assert module.simd == "avx2-fma"
+    assert module.simd == "avx2-fma" and not module.vnni
     return module
 
 
@@ -278,3 +278,19 @@ def test_float32_kernel_row_limit_follows_the_build(monkeypatch):
         assert quant_linear.max_kernel_rows("q4-f32") == rows
         assert quant_linear.max_kernel_rows("q8-f32") == rows
         assert quant_linear.max_kernel_rows("q4-a8") == 64
+
+
+def test_native_build_takes_vnni_where_the_cpu_has_it():
+    """The int8-activation kernels' AVX512-VNNI path is compiled in exactly where the CPU has
+    AVX512-VNNI and AVX512BW (-march=native), so such machines run it and the tests above
+    cover it there."""
+    flags = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags")
+    native = quant_gemm_cpu._kernel()
+    assert native.vnni == (native.simd == "avx512f" and {"avx512_vnni", "avx512bw"} <= flags)

@@ -733,7 +733,7 @@ at::Tensor q4_gemm_a8(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
 #if SGL_QGEMM_VNNI
   a.dpair = pair_scales(a.d, M, nb);
 #endif
-  const int64_t pair_floats = (nb + 1) / 2 * 16;
+  const int64_t pair_values = (nb + 1) / 2 * 16;
   const Q4 w{qs.data_ptr<uint8_t>(), scale.data_ptr<float>(), zero.data_ptr<float>()};
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, kGrain, [&](int64_t begin, int64_t end) {
@@ -741,7 +741,7 @@ at::Tensor q4_gemm_a8(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
       for_row_tiles<kRowTileA8>(M, [&](int64_t m0, auto R) {
         q4a8_rows<decltype(R)::value>(
             a.q.data() + m0 * K, a.d.data() + m0 * nb,
-            a.dpair.empty() ? nullptr : a.dpair.data() + m0 * pair_floats,
+            a.dpair.empty() ? nullptr : a.dpair.data() + m0 * pair_values,
             a.sum.data() + m0 * nb, K, w.qs + n * nb * 16, w.scale + n * nb, w.zero + n * nb,
             yp + m0 * N + n, N);
       });

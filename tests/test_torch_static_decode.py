@@ -132,14 +132,66 @@ def test_static_step_greedy_parity(tmp_path, llama, arch):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
 
 
-def test_static_step_sampling_and_penalty_parity(llama):
+@pytest.mark.parametrize("wide", [False, True], ids=["candidates", "wide-top-k"])
+def test_static_step_sampling_and_penalty_parity(llama, wide):
     """Seeded sampling (temperature, top-p, top-k) with frequency and repetition penalties:
-    the uniforms come from the device state's seeds/steps, the counts from its rows."""
+    the uniforms come from the device state's seeds/steps, the counts from its rows. Kept
+    sets inside the sampler's candidates take the fixed-shape sample tail; a top-k above
+    them (200 of a 400-token vocabulary) sends its batches to the eager sampler."""
     loaded = llama
-    params = [SAMPLED, GREEDY, SAMPLED, dataclasses.replace(SAMPLED, min_p=0.05)]
+    last = SamplingParams(temperature=1.0, top_k=200) if wide else \
+        dataclasses.replace(SAMPLED, min_p=0.05)
+    params = [SAMPLED, GREEDY, SAMPLED, last]
     (ids_a, _, eager), (ids_b, _, static) = _script(loaded, params)
     assert ids_a == ids_b
     torch.testing.assert_close(eager.token_counts, static.token_counts)
+    tails = static.static_decode.tails
+    assert tails["sample"] > 0 and tails["greedy"] == 0
+    assert (tails["eager"] > 0) == wide
+
+
+def _sampler_rows(rng, vocab: int, wide: bool):
+    """Knobs of 24 rows: greedy, top-k 1, top-p, top-k, min-p, top-k + top-p, penalties on
+    some; `wide` adds a top-k of 500, a flat nucleus and an untruncated row (kept sets
+    beyond 128 candidates)."""
+    kinds = [(0.0, 1.0, -1, 0.0), (0.8, 1.0, 1, 0.0), (0.8, 0.9, -1, 0.0), (1.2, 1.0, 20, 0.0),
+             (1.0, 1.0, 40, 0.1), (0.7, 0.8, 50, 0.0)]
+    if wide:
+        kinds += [(1.0, 1.0, 500, 0.0), (5.0, 0.99, -1, 0.0), (1.0, 1.0, -1, 0.0)]
+    rows = [kinds[i % len(kinds)] for i in range(24)]
+    temp, top_p, top_k, min_p = (torch.tensor(c) for c in zip(*rows, strict=True))
+    n = len(rows)
+    pen = rng.random(n) < 0.5
+    counts = torch.from_numpy(rng.integers(0, 3, (n, vocab)).astype(np.int32))
+    penalties = (counts, torch.from_numpy(np.where(pen, 0.5, 0.0).astype(np.float32)),
+                 torch.from_numpy(np.where(pen, 0.3, 0.0).astype(np.float32)),
+                 torch.from_numpy(np.where(pen, 1.2, 1.0).astype(np.float32)))
+    return dict(temperature=temp.float(), top_p=top_p.float(), top_k=top_k.long(),
+                min_p=min_p.float(), penalties=penalties)
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["candidates", "wide"])
+def test_sample_static_equals_sampler(wide):
+    """The fixed-shape sampler a CUDA graph records gives `sampler.sample`'s tokens and
+    log-probs whenever it says `exact`, and says so exactly when every sampling row's kept
+    set lies inside its candidates."""
+    rng = np.random.default_rng(11)
+    vocab = 1000
+    knobs = _sampler_rows(rng, vocab, wide)
+    n = knobs["temperature"].shape[0]
+    want = torch.from_numpy(rng.random(n) < 0.7)
+    for trial in range(8):
+        logits = torch.from_numpy((rng.standard_normal((n, vocab)) * 3).astype(np.float32))
+        uniforms = torch.from_numpy(rng.random(n).astype(np.float32))
+        ref = sampler.sample(logits.clone(), uniforms=uniforms, bitmask=None,
+                             num_top_logprobs=3, logprob_rows=want, **knobs)
+        *got, exact = sampler.sample_static(logits.clone(), uniforms=uniforms,
+                                            num_top_logprobs=3, logprob_rows=want, **knobs)
+        assert bool(exact) == (not wide), trial
+        if wide:
+            continue
+        for a, b in zip(got, ref, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_unchanged_batch_copies_nothing_and_check_catches_drift(llama):
@@ -251,7 +303,7 @@ def test_cuda_warmup_captures_every_bucket(llama):
     runner = _runner(llama, static=True, device="cuda")
     runner.warmup()
     sd = runner.static_decode
-    expected = len(sd.batch_buckets) * (len(sd.page_buckets) + 1)  # forward per (S, P) + tail
+    expected = len(sd.batch_buckets) * (len(sd.page_buckets) + 3)  # forward per (S, P) + tails
     assert sd.num_graphs() == expected
     prompts = [list(range(3, 3 + n)) for n in (5, 11)]
     d = Driver(runner, prompts, [GREEDY, SAMPLED])

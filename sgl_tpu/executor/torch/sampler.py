@@ -117,13 +117,8 @@ def sample(
     zeros).
     """
     raw = logits.float()
-    x, fully_masked = raw, torch.zeros(raw.shape[0], dtype=torch.bool, device=raw.device)
-    if penalties is not None:
-        counts, freq, pres, rep = penalties
-        c = counts.float()
-        seen = c > 0
-        x = torch.where(seen, torch.where(x > 0, x / rep[:, None], x * rep[:, None]), x)
-        x = x - freq[:, None] * c - pres[:, None] * seen.float()
+    fully_masked = torch.zeros(raw.shape[0], dtype=torch.bool, device=raw.device)
+    x = raw if penalties is None else _penalize(raw, penalties)
     banned = None if bitmask is None else _banned_ids(bitmask, raw.shape[1])
     if banned is not None:
         # a few ids per row: set to -inf in place and put back once the tokens are chosen (no
@@ -148,6 +143,75 @@ def sample(
     if banned is not None:
         x[banned_at] = kept
     return (token_ids, *_logprobs(raw, token_ids, logprob_rows, num_top_logprobs))
+
+
+def sample_static(
+    logits: torch.Tensor,  # f32[S, V]
+    *,
+    temperature: torch.Tensor,  # f32[S]
+    top_p: torch.Tensor,  # f32[S]
+    top_k: torch.Tensor,  # i64[S]; <= 0 off
+    min_p: torch.Tensor,  # f32[S]
+    uniforms: torch.Tensor,  # f32[S]
+    penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    num_top_logprobs: int,
+    logprob_rows: torch.Tensor,  # bool[S]
+    num_candidates: int = DEFAULT_NUM_CANDIDATES,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`sample` without a grammar mask, in fixed shapes with no host synchronisation and no
+    data-dependent Python: the function a CUDA graph records (executor/torch/static_decode.py).
+
+    Every row goes through every stage: penalties (neutral values leave a row bit-equal),
+    the candidate draw of `_sample_rows` for all rows (greedy ones with temperature 1, their
+    draw discarded), argmax, log-probs of all rows (zeros where not asked). The whole-row
+    weights are always summed, so a nucleus row gets `sample`'s thresholds either way.
+    -> token_ids i64[S], logprobs f32[S], top_ids i64[S, K], top_logprobs f32[S, K], and
+    exact bool[] (0-d): every sampling row's kept set lay inside its candidates. Where exact is
+    False the sampling rows' tokens are not `sample`'s: the caller must run `sample` instead
+    (top-k above the candidates, a nucleus wider than them, no truncation at all).
+    """
+    raw = logits.float()
+    x = _penalize(raw, penalties)
+    vocab_size = x.shape[1]
+    num_cand = min(num_candidates, vocab_size)
+    greedy = (temperature < GREEDY_TEMPERATURE_EPS) | (top_k == 1)
+    inv = torch.where(greedy, 1.0, temperature)[:, None]  # [S, 1]
+    cand_x, cand_idx = torch.topk(x, num_cand, dim=-1)  # [S, C] descending
+    cand = cand_x / inv
+    row_max = cand[:, 0]
+    cand_w = (cand - row_max[:, None]).exp()
+    k_on = (top_k > 0) & (top_k < vocab_size)
+    p_on = top_p < 1.0
+    total = _weights(x, inv, row_max).sum(dim=-1)  # [S]
+    thr, resolved = _thresholds(cand, cand_w, total, top_k, top_p, k_on, p_on,
+                                complete=num_cand == vocab_size)
+    thr = torch.maximum(thr, _min_p_threshold(row_max, min_p))
+    last = cand[:, -1]
+    fits = resolved & ((thr > last) | torch.isneginf(last) | (num_cand == vocab_size))
+    drawn = _draw_candidates(cand, cand_w, cand_idx, thr, uniforms, fixed=True)
+    token_ids = torch.where(greedy, x.argmax(dim=-1), drawn)
+    return (token_ids, *logprobs_static(raw, token_ids, logprob_rows, num_top_logprobs),
+            (fits | greedy).all())
+
+
+def logprobs_static(raw: torch.Tensor, token_ids: torch.Tensor, want: torch.Tensor,
+                    num_top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_logprobs` in fixed shapes: every row computed, zeros where `want` [S] is False."""
+    lse = torch.logsumexp(raw, dim=-1)  # [S]
+    chosen = raw.gather(1, token_ids[:, None])[:, 0] - lse
+    top_lp, top_ids = torch.topk(raw, num_top, dim=-1)
+    return (torch.where(want, chosen, 0.0), torch.where(want[:, None], top_ids, 0),
+            torch.where(want[:, None], top_lp - lse[:, None], 0.0))
+
+
+def _penalize(raw: torch.Tensor, penalties: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Repetition, frequency and presence penalties from token counts i32[B, V]; a row with
+    neutral values (1, 0, 0) comes out bit-equal."""
+    counts, freq, pres, rep = penalties
+    c = counts.float()
+    seen = c > 0
+    x = torch.where(seen, torch.where(raw > 0, raw / rep[:, None], raw * rep[:, None]), raw)
+    return x - freq[:, None] * c - pres[:, None] * seen.float()
 
 
 def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, want: torch.Tensor | None,
@@ -340,22 +404,26 @@ def _thresholds(cand, cand_w, total, top_k, top_p, k_on, p_on, *, complete: bool
     return torch.maximum(top_k_thr, top_p_thr), ok
 
 
-def _draw_candidates(cand, cand_w, cand_idx, thr, u) -> torch.Tensor:
+def _draw_candidates(cand, cand_w, cand_idx, thr, u, fixed: bool = False) -> torch.Tensor:
     """The draw of `_draw` over the kept candidates only (every kept token is one); i64[R]."""
     idx, order = cand_idx.sort(dim=-1)  # [R, C] vocabulary order
     kept = torch.where(cand >= thr[:, None], cand_w, 0.0).gather(1, order)
-    return idx.gather(1, _draw(kept, u)[:, None])[:, 0]
+    return idx.gather(1, _draw(kept, u, fixed)[:, None])[:, 0]
 
 
-def _draw(kept: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def _draw(kept: torch.Tensor, u: torch.Tensor, fixed: bool = False) -> torch.Tensor:
     """Inverse-CDF draw over kept weights [R, N] (>= 0, a positive sum per row): the first
     position whose running sum exceeds u * total (a token of positive weight), or, when
-    rounding puts u * total at the total, the last token of positive weight; i64[R]."""
+    rounding puts u * total at the total, the last token of positive weight; i64[R].
+    `fixed`: the same without a host synchronisation (the last kept token of every row)."""
     cum = kept.cumsum(dim=-1)
     target = u * cum[:, -1]
     idx = torch.searchsorted(cum, target[:, None], right=True)[:, 0]
+    iota = torch.arange(kept.shape[1], device=kept.device)
+    if fixed:
+        return torch.where(idx >= kept.shape[1],
+                           torch.where(kept > 0, iota, 0).max(dim=-1).values, idx)
     over = (idx >= kept.shape[1]).nonzero().flatten()
     if over.numel():
-        iota = torch.arange(kept.shape[1], device=kept.device)
         idx[over] = torch.where(kept[over] > 0, iota, 0).max(dim=-1).values
     return idx

@@ -9,6 +9,11 @@
         ──► logits f32[S, V] (a persistent buffer)  <- one CUDA graph per (S, P) on CUDA
     then, every row greedy with no penalty and no grammar mask (the common case):
     greedy_tail(S)  argmax, log-probs, penalty counts, state.advance  <- one graph per S
+    else, no grammar mask (sampling, penalties, greedy rows among them):
+    sample_tail(S)  sampler.sample_static: tokens, log-probs, `exact`  <- one graph per S
+        host reads `exact` with the tokens: True (every sampling row's kept set lay inside
+        its candidates) -> commit(S): penalty counts, state.advance   <- one graph per S
+        False (a wide top-k or nucleus) -> the eager sampler below
     else: the eager sampler over rows [0, n) (knobs read from the state's columns, uniforms
     from its seeds and steps), penalty counts and state.advance, eagerly
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -78,8 +84,10 @@ class StaticDecode:
         self._logits = torch.zeros((max_rows, model.cfg.vocab_size), dtype=torch.float32,
                                    device=device)  # [Smax, V] written by static_forward
         self.use_graphs = config.cuda_graph and device.type == "cuda"
-        self._graphs: dict[tuple[int, int], tuple[Any, Any]] = {}  # (S, P) or (S, 0): tail
+        # (S, P): static_forward; (S, "greedy" | "sample" | "commit"): a tail
+        self._graphs: dict[tuple[int, int | str], tuple[Any, Any]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.tails: Counter[str] = Counter()  # steps per tail taken: greedy, sample, eager
 
     # ---- which steps ------------------------------------------------------------------
     def accepts(self, steps: Sequence[SeqStep]) -> bool:
@@ -100,9 +108,19 @@ class StaticDecode:
         num_rows, num_pages = self.buckets(steps)
         self.state.sync(steps, num_rows, num_pages)
         self._replay((num_rows, num_pages), partial(self.static_forward, num_rows, num_pages))
+        out = None
         if _plain_greedy(steps):
-            out = self._replay((num_rows, 0), partial(self.greedy_tail, num_rows))
-        else:
+            self.tails["greedy"] += 1
+            out = self._replay((num_rows, "greedy"), partial(self.greedy_tail, num_rows))
+        elif all(st.bitmask is None for st in steps):
+            *drawn, exact = self._replay((num_rows, "sample"),
+                                         partial(self.sample_tail, num_rows))
+            if bool(exact):  # the host waits here, as it would for the tokens
+                self.tails["sample"] += 1
+                self._replay((num_rows, "commit"), partial(self.commit, drawn[0]))
+                out = drawn
+        if out is None:
+            self.tails["eager"] += 1
             out = self._sample(steps, self._logits[:n])
         token_ids, logprobs, top_ids, top_lp = (t[:n] for t in out)
         result = StepResult(
@@ -159,21 +177,37 @@ class StaticDecode:
         argmax, raw log-probs (zeros on rows that did not ask, as the sampler gives), penalty
         counts of valid rows, state advance; -> token ids i64[S], log-probs f32[S], top ids
         i64[S, K], top log-probs f32[S, K]."""
-        ints = self.state.ints[:num_rows]
         logits = self._logits[:num_rows]
         token_ids = logits.argmax(dim=-1)  # [S]
-        lse = torch.logsumexp(logits, dim=-1)
-        chosen = logits.gather(1, token_ids[:, None])[:, 0] - lse
-        top_lp, top_ids = torch.topk(logits, self.config.max_top_logprobs, dim=-1)
-        want = ints[:, ds.RET_LP].bool()
-        chosen = torch.where(want, chosen, 0.0)
-        top_ids = torch.where(want[:, None], top_ids, 0)
-        top_lp = torch.where(want[:, None], top_lp - lse[:, None], 0.0)
+        want = self.state.ints[:num_rows, ds.RET_LP].bool()
+        out = sampler.logprobs_static(logits, token_ids, want, self.config.max_top_logprobs)
+        self.commit(token_ids)
+        return token_ids, *out
+
+    def sample_tail(self, num_rows: int) -> tuple[torch.Tensor, ...]:
+        """sampler.sample_static over all S rows of the logits buffer, every knob from the
+        state's columns (penalty counts from its counts rows); no side effects (commit
+        follows only if `exact`) -> token ids i64[S], log-probs f32[S], top ids i64[S, K],
+        top log-probs f32[S, K], exact bool[]."""
+        ints, floats = self.state.ints[:num_rows], self.state.floats[:num_rows]
+        penalties = (self.token_counts.index_select(0, ints[:, ds.COUNTS_ROW]),
+                     floats[:, ds.FREQ], floats[:, ds.PRES], floats[:, ds.REP])
+        return sampler.sample_static(
+            self._logits[:num_rows],
+            temperature=floats[:, ds.TEMP], top_p=floats[:, ds.TOP_P], top_k=ints[:, ds.TOP_K],
+            min_p=floats[:, ds.MIN_P], uniforms=ds.row_uniforms(ints[:, ds.SEED],
+                                                               ints[:, ds.STEP]),
+            penalties=penalties, num_top_logprobs=self.config.max_top_logprobs,
+            logprob_rows=ints[:, ds.RET_LP].bool())
+
+    def commit(self, token_ids: torch.Tensor) -> None:
+        """The chosen tokens i64[S] into the penalty counts of valid rows, and the state one
+        token further; fixed shapes."""
+        ints = self.state.ints[: token_ids.shape[0]]
         valid = (ints[:, ds.VALID] * ints[:, ds.ACTIVE]).to(torch.int32)
         cells = ints[:, ds.COUNTS_ROW] * self.token_counts.shape[1] + token_ids  # [S]
         self.token_counts.view(-1).scatter_add_(0, cells, valid)  # a plain kernel: capturable
         self.state.advance(token_ids)
-        return token_ids, chosen, top_ids, top_lp
 
     def _sample(self, steps: Sequence[SeqStep], logits: torch.Tensor):
         """The eager sampler over rows [0, n), its per-row knobs read from the state."""
@@ -227,8 +261,10 @@ class StaticDecode:
 
     @torch.inference_mode()
     def warmup(self) -> float:
-        """Capture every (batch bucket, page bucket) graph, largest first (so the smaller
-        ones reuse the shared pool); nothing to do without graphs. Returns seconds spent."""
+        """Capture every (batch bucket, page bucket) forward graph and each batch bucket's
+        three tails, largest first (so the smaller ones reuse the shared pool); nothing to do
+        without graphs. The replays that follow each capture find an all-padding state (no
+        active row): they change nothing. Returns seconds spent."""
         if not self.use_graphs:
             return 0.0
         t0 = time.perf_counter()
@@ -236,7 +272,9 @@ class StaticDecode:
             for num_pages in reversed(self.page_buckets):
                 self._replay((num_rows, num_pages),
                              partial(self.static_forward, num_rows, num_pages))
-            self._replay((num_rows, 0), partial(self.greedy_tail, num_rows))
+            self._replay((num_rows, "greedy"), partial(self.greedy_tail, num_rows))
+            drawn, *_ = self._replay((num_rows, "sample"), partial(self.sample_tail, num_rows))
+            self._replay((num_rows, "commit"), partial(self.commit, drawn))
         elapsed = time.perf_counter() - t0
         logger.info("captured %d CUDA graphs of the decode step (batch buckets %s, page "
                     "buckets %s) in %.1f s", len(self._graphs), self.batch_buckets,

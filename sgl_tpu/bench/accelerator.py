@@ -1,0 +1,140 @@
+"""One command for an accelerator's table: the executor's prefill and decode steps, a profile of
+one decode step, and servers with one and many streams, per backend, in one JSON.
+
+    python -m sgl_tpu.bench.accelerator --model-path DIR --out-dir RESULTS
+        [--backends jax,torch] [--dtype bfloat16] [--prefill 512,2048] [--batches 1,64]
+        [--context 1024] [--streams 1,32] [--output-tokens 64] [--rounds 2]
+        [--parts executor,profile,servers] [--timeout 600]
+
+Each part runs as its own process, so one backend's device memory is free before the next:
+
+    executor  sgl_tpu.bench.executor    prefill tok/s, decode step ms (torch: the packing path
+                                        and the CUDA-graph static step, greedy and sampled)
+    profile   sgl_tpu.bench.jax_step_profile (jax: where the jitted step's time goes);
+              torch: Python calls per decode step (executor --count-calls)
+    servers   sgl_tpu.bench.overlap     two servers (overlap on / off) with 1 and N streams
+
+Their JSONs land in --out-dir (`<part>_<backend>.json`, with each one's stderr beside it on
+failure); the summary printed at the end takes one row per backend and quantity from them. A
+part that fails or runs past --timeout is recorded as such and the rest still run. Device
+memory: JAX is told not to preallocate (XLA_PYTHON_CLIENT_PREALLOCATE=false), so the two
+servers of a part can share one chip. Use a random-weight checkpoint of the model's shape
+(`python -m sgl_tpu.bench.random_checkpoint`) where the weights are not at hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from sgl_tpu.bench.report import emit, model_label
+
+PARTS = ("executor", "profile", "servers")
+
+
+def part_commands(args: argparse.Namespace, backend: str, out: Path) -> dict[str, list[str]]:
+    """The command of each part for `backend`, writing its JSON to `out / <part>_<backend>`."""
+    py = [sys.executable, "-m"]
+    model = ["--model-path", args.model_path] if args.model_path else []
+    executor = py + ["sgl_tpu.bench.executor", *model, "--backends", backend,
+                     "--dtypes", args.dtype, "--prefill", args.prefill,
+                     "--decode-batches", args.batches, "--context", str(args.context),
+                     "--repeats", "3", "--sampling", "greedy,sampled"]
+    if backend == "torch":
+        executor += ["--torch-decode-paths", "packing,static"]
+    if backend == "jax":
+        profile = py + ["sgl_tpu.bench.jax_step_profile", *model, "--dtype", args.dtype,
+                        "--batches", args.batches, "--context", str(args.context),
+                        "--steps", "10"]
+    else:
+        profile = py + ["sgl_tpu.bench.executor", *model, "--backends", "torch",
+                        "--dtypes", args.dtype, "--prefill", "", "--decode-batches",
+                        args.batches, "--context", str(args.context), "--repeats", "1",
+                        "--torch-decode-paths", "packing,static", "--count-calls"]
+    flags = f"--backend {backend} --dtype {args.dtype}"
+    servers = py + ["sgl_tpu.bench.overlap", *model, "--concurrency",
+                    *args.streams.split(","), "--rounds", str(args.rounds),
+                    "--output-tokens", str(args.output_tokens), "--server-flags", flags]
+    cmds = {"executor": executor, "profile": profile, "servers": servers}
+    return {part: cmd + ["--output", str(out / f"{part}_{backend}.json")]
+            for part, cmd in cmds.items() if part in args.parts.split(",")}
+
+
+def run_part(cmd: list[str], output: Path, timeout: float) -> dict[str, Any]:
+    """Run one part; -> its status, seconds and (when it wrote it) JSON."""
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, timeout=timeout)
+        status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
+        stderr = proc.stderr
+    except subprocess.TimeoutExpired as e:
+        status, stderr = f"timeout after {timeout:.0f} s", (e.stderr or b"").decode(
+            errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+    result: dict[str, Any] = {"status": status, "seconds": round(time.perf_counter() - t0, 1)}
+    if status != "ok":
+        output.with_suffix(".stderr.txt").write_text(stderr)
+        result["stderr_tail"] = stderr[-2000:]
+    if output.is_file():
+        result["json"] = json.loads(output.read_text())
+    return result
+
+
+def summarize(backend: str, parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The table's row of one backend: prefill tok/s by size, decode step ms by batch and
+    path/sampling, server output tok/s by streams (overlap on and off)."""
+    row: dict[str, Any] = {"backend": backend}
+    runs = parts.get("executor", {}).get("json", {}).get("runs", [])
+    row["prefill_tok_per_s"] = {r["tokens"]: r["tok_per_s"] for r in runs
+                                if r["phase"] == "prefill"}
+    row["decode_step_ms"] = {
+        f"b{r['batch']} {r.get('decode_path', 'packing')} {r.get('sampling', 'greedy')}":
+        r["median_ms"] for r in runs if r["phase"] == "decode"}
+    summary = parts.get("servers", {}).get("json", {}).get("summary", {})
+    row["server_output_tok_per_s"] = {
+        f"{c} streams": {"overlap": s["overlap_output_tok_per_s"],
+                         "serial": s["serial_output_tok_per_s"]} for c, s in summary.items()}
+    row["status"] = {part: p["status"] for part, p in parts.items()}
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-path", default=None)
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--backends", default="jax,torch")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--prefill", default="512,2048")
+    p.add_argument("--batches", default="1,64", help="decode batch sizes")
+    p.add_argument("--context", type=int, default=1024, help="KV tokens per decoding sequence")
+    p.add_argument("--streams", default="1,32", help="concurrent server streams")
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--parts", default=",".join(PARTS))
+    p.add_argument("--timeout", type=float, default=600, help="seconds per part")
+    args = p.parse_args(argv)
+    unknown = set(args.parts.split(",")) - set(PARTS)
+    if unknown:
+        p.error(f"--parts: unknown {sorted(unknown)}; choose from {PARTS}")
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    results: dict[str, Any] = {"model": model_label(args.model_path), "args": vars(args),
+                               "backends": {}}
+    for backend in args.backends.split(","):
+        parts = {}
+        for part, cmd in part_commands(args, backend, out).items():
+            print(f"[{backend}] {part} ...", file=sys.stderr, flush=True)
+            parts[part] = run_part(cmd, out / f"{part}_{backend}.json", args.timeout)
+        results["backends"][backend] = summarize(backend, parts)
+    emit(results, str(out / "summary.json"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Random-weight checkpoints of a model's shape (sgl_tpu/bench/random_checkpoint.py): the
+shape files load back as the same model config and tokenizer, the random weights fill every
+tensor the loader expects, an Engine serves the result, and shapes it cannot write are refused.
+"""
+
+from __future__ import annotations
+
+import json
+
+import checkpoints as ck
+import gemma_checkpoints as gck
+import pytest
+
+from sgl_tpu import Engine
+from sgl_tpu.bench import random_checkpoint as rc
+from sgl_tpu.loader import load_model
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_shape_and_weights_load_as_the_same_model(tmp_path, tied):
+    src = ck.make_tiny_hf_checkpoint(tmp_path / "src", "llama", tie_word_embeddings=tied)
+    out = rc.write_shape(tmp_path / "rand", src)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+    weights = rc.write_weights(out, seed=3)
+    original, rand = load_model(src), load_model(str(out))
+    assert rand.config == original.config
+    text = "<|im_start|>user hello 12345 world<|im_end|>"
+    assert rand.tokenizer.encode(text) == original.tokenizer.encode(text)
+    assert rand.tokenizer.chat_template == original.tokenizer.chat_template
+    assert rand.tokenizer.eos_token_ids == original.tokenizer.eos_token_ids
+    # random, not copied: the embedding differs from the source's
+    assert (rand.params["embed"] != original.params["embed"]).any()
+    stamp = weights.stat().st_mtime_ns
+    assert rc.write_weights(out, seed=4).stat().st_mtime_ns == stamp  # kept, not rewritten
+
+
+def test_engine_serves_a_random_checkpoint(tmp_path):
+    src = ck.make_tiny_hf_checkpoint(tmp_path / "src", "llama")
+    out = rc.write_shape(tmp_path / "rand", src)
+    rc.write_weights(out)
+    eng = Engine(str(out), backend="torch", dtype="float32", torch_compile="off",
+                 torch_threads=1, skip_warmup=True, max_total_tokens=512, page_size=4)
+    try:
+        res = eng.generate(prompt="hello world", sampling_params={
+            "temperature": 0, "max_new_tokens": 5, "ignore_eos": True})
+        assert len(res["output_ids"]) == 5
+    finally:
+        eng.shutdown()
+
+
+def test_config_json_shapes_match_the_loader(tmp_path):
+    src = ck.make_tiny_hf_checkpoint(tmp_path / "src", "llama")
+    cfg = json.loads((rc.write_shape(tmp_path / "rand", src) / "config.json").read_text())
+    shapes = rc.tensor_shapes(cfg)
+    assert shapes["model.layers.1.self_attn.k_proj.weight"] == (2 * 16, 64)  # 2 KV heads
+    assert "lm_head.weight" in shapes  # untied
+    assert len(shapes) == 3 + 9 * cfg["num_hidden_layers"]
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2"])
+def test_other_shapes_are_refused_by_name(tmp_path, arch):
+    if arch == "gemma3":
+        src = gck.make_tiny_gemma(tmp_path / "src", "gemma3")
+        match = "architecture 'gemma3'"
+    else:
+        src = ck.make_tiny_hf_checkpoint(tmp_path / "src", "qwen2")
+        match = "architecture 'qwen2'.*attention bias"
+    with pytest.raises(ValueError, match=match):
+        rc.write_shape(tmp_path / "rand", src)
+
+
+
+@pytest.mark.slow
+def test_accelerator_bench_runs_its_parts_on_a_random_checkpoint(tmp_path):
+    """The accelerator table's driver on a CPU: every part of one backend runs as its own
+    process and the summary carries their numbers; a part that fails is recorded, not fatal."""
+    import subprocess
+    import sys
+
+    src = ck.make_tiny_hf_checkpoint(tmp_path / "src", "llama")
+    model = rc.write_shape(tmp_path / "rand", src)
+    rc.write_weights(model)
+    out = tmp_path / "results"
+    subprocess.run(
+        [sys.executable, "-m", "sgl_tpu.bench.accelerator", "--model-path", str(model),
+         "--out-dir", str(out), "--backends", "torch,nope", "--dtype", "float32",
+         "--prefill", "16", "--batches", "1,2", "--context", "16", "--streams", "1,2",
+         "--output-tokens", "4", "--rounds", "1", "--parts", "executor,servers",
+         "--timeout", "300"], check=True, capture_output=True, timeout=600)
+    summary = json.loads((out / "summary.json").read_text())["backends"]
+    row = summary["torch"]
+    assert row["status"] == {"executor": "ok", "servers": "ok"}
+    assert row["prefill_tok_per_s"]["16"] > 0
+    assert set(row["decode_step_ms"]) == {f"b{b} {path} {s}" for b in (1, 2)
+                                          for path in ("packing", "static")
+                                          for s in ("greedy", "sampled")}
+    assert all(v["overlap"] > 0 and v["serial"] > 0
+               for v in row["server_output_tok_per_s"].values())
+    assert summary["nope"]["status"]["executor"].startswith("exit")  # an unknown backend
+    assert (out / "executor_nope.stderr.txt").read_text()

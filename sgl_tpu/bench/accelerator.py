@@ -11,7 +11,8 @@ Each part runs as its own process, so one backend's device memory is free before
     executor  sgl_tpu.bench.executor    prefill tok/s, decode step ms (torch: the packing path
                                         and the CUDA-graph static step, greedy and sampled)
     profile   sgl_tpu.bench.jax_step_profile (jax: where the jitted step's time goes);
-              torch: Python calls per decode step (executor --count-calls)
+              torch: executor --count-calls --torch-profile (Python calls, host and device
+              ms, kernel launches and top operators per decode step)
     servers   sgl_tpu.bench.overlap     two servers (overlap on / off) with 1 and N streams
 
 Their JSONs land in --out-dir (`<part>_<backend>.json`, with each one's stderr beside it on
@@ -45,7 +46,7 @@ def part_commands(args: argparse.Namespace, backend: str, out: Path) -> dict[str
     executor = py + ["sgl_tpu.bench.executor", *model, "--backends", backend,
                      "--dtypes", args.dtype, "--prefill", args.prefill,
                      "--decode-batches", args.batches, "--context", str(args.context),
-                     "--repeats", "3", "--sampling", "greedy,sampled"]
+                     "--repeats", "3", "--sampling", "greedy,sampled,top-k"]
     if backend == "torch":
         executor += ["--torch-decode-paths", "packing,static"]
     if backend == "jax":
@@ -56,7 +57,8 @@ def part_commands(args: argparse.Namespace, backend: str, out: Path) -> dict[str
         profile = py + ["sgl_tpu.bench.executor", *model, "--backends", "torch",
                         "--dtypes", args.dtype, "--prefill", "", "--decode-batches",
                         args.batches, "--context", str(args.context), "--repeats", "1",
-                        "--torch-decode-paths", "packing,static", "--count-calls"]
+                        "--torch-decode-paths", "packing,static", "--count-calls",
+                        "--torch-profile", "--sampling", "greedy,top-k"]
     flags = f"--backend {backend} --dtype {args.dtype}"
     servers = py + ["sgl_tpu.bench.overlap", *model, "--concurrency",
                     *args.streams.split(","), "--rounds", str(args.rounds),

@@ -4,21 +4,25 @@ and dtype.
     python -m sgl_tpu.bench.executor [--backends torch,jax] [--dtypes float32,bfloat16]
         [--prefill 128,512,2048] [--decode-batches 1,8,32,64] [--context 256] [--repeats 3]
         [--torch-compile auto|on|off] [--sampling greedy,sampled] [--baseline-sampler FILE]
-        [--torch-decode-paths packing,static] [--count-calls]
+        [--torch-decode-paths packing,static] [--count-calls] [--torch-profile]
         [--attention-backend auto|ref|gathered|torch-sdpa|torch-cpu-fused|...]
 
 Runs the real step (paged KV, bucketed shapes, sampler) of each backend on the default model
 (or `--model-path`), compiles each shape once before timing, reports the best of `--repeats`
 runs, and prints one JSON object. Compare backends/dtypes/sizes as ratios within one run: the
-machine is shared. `--sampling` lists the decode modes: `greedy` (temperature 0) and `sampled`
-(temperature 0.7, top-p 0.9, a seed per sequence; no log-probs asked); with both, their decode
-steps alternate (ABAB...) and each sampled row reports its median step time over the greedy one.
+machine is shared. `--sampling` lists the decode modes: `greedy` (temperature 0), `sampled`
+(temperature 0.7, top-p 0.9, a seed per sequence; no log-probs asked) and `top-k` (the same
+with top-k 40); with several, their decode steps alternate (ABAB...) and each row reports its
+median step time over the first mode's. Static-step rows name the tail their steps took
+(`static_tail`: greedy, sample or eager).
 `--baseline-sampler FILE` (torch) times the same steps with another sampler module in the same
 alternation, for before/after ratios. `--torch-decode-paths packing,static` (torch) times the
 decode steps of the packing path and of the static-shape step over device-resident state
 (executor/torch/static_decode.py; CUDA graphs on CUDA) in the same alternation, each row with
 `decode_path` and the static rows with their median over the packing path's; `--count-calls`
-adds each path's Python function calls per decode step (cProfile of one step).
+adds each path's Python function calls per decode step (cProfile of one step), and
+`--torch-profile` a `torch.profiler` summary of each torch decode row (host and device ms per
+step, kernel launches, graph replays, top operators; bench/torch_profile.py).
 """
 
 from __future__ import annotations
@@ -34,7 +38,10 @@ import numpy as np
 from sgl_tpu.bench.report import emit, model_label
 from sgl_tpu.bench.timing import best, interleaved
 
-SAMPLING = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.7, top_p=0.9)}
+# `top-k`: a kept set always inside the sampler's candidates (the static step's sample tail),
+# whatever the logits; `sampled` keeps a nucleus, which is wide on a near-flat random model
+SAMPLING = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.7, top_p=0.9),
+            "top-k": dict(temperature=0.7, top_k=40, top_p=0.9)}
 
 
 def _steps(n_seqs: int, n_new: int, prefix: int, page_size: int, rng, vocab: int,
@@ -139,8 +146,13 @@ def run(args: argparse.Namespace) -> dict:
                             if path:
                                 row["median_over_packing"] = round(
                                     med / statistics.median(times[name + mode]), 3)
+                                row["static_tail"] = _static_tail(paths[path], fns[key])
                             if args.count_calls:
                                 row["python_calls_per_step"] = _count_calls(fns[key])
+                            if args.torch_profile and rcfg.backend == "torch":
+                                from sgl_tpu.bench.torch_profile import profile_step
+
+                                row["profile"] = profile_step(fns[key], args.repeats)
                             results["runs"].append(row)
                             print(json.dumps(row), flush=True)
     return results
@@ -155,6 +167,16 @@ def _decode_path(rcfg, path: str):
         max_bs = rcfg.static_decode_max_bs or rcfg.max_running_requests
         return dataclasses.replace(rcfg, static_decode=True, static_decode_max_bs=max_bs)
     return dataclasses.replace(rcfg, static_decode=False, cuda_graph=False)
+
+
+def _static_tail(runner, fn) -> str:
+    """Which tail of the static step (greedy, sample or eager; static_decode.py) one more
+    call of fn takes: a sampled row whose kept set exceeds the candidates (a wide nucleus on
+    a near-flat random-weight model, say) sends its step to the eager sampler."""
+    before = dict(runner.static_decode.tails)
+    fn()
+    taken = [k for k, v in runner.static_decode.tails.items() if v > before.get(k, 0)]
+    return ",".join(taken)
 
 
 def _count_calls(fn) -> int:
@@ -222,6 +244,9 @@ def main(argv: list[str] | None = None) -> None:
                         "(comma list; static = the CUDA-graph step, run eagerly off CUDA)")
     p.add_argument("--count-calls", action="store_true",
                    help="report Python function calls per decode step (cProfile)")
+    p.add_argument("--torch-profile", action="store_true",
+                   help="torch: a torch.profiler summary of --repeats calls of each decode "
+                        "step (bench/torch_profile.py)")
     p.add_argument("--output", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     results = run(args)

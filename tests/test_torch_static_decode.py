@@ -216,7 +216,8 @@ def test_unchanged_batch_copies_nothing_and_check_catches_drift(llama):
 def test_engine_traffic_identical_with_static_step(llama_dir):
     """The scheduler's real steps (chunked prefill, a shared prefix from the radix cache,
     n > 1, seeds, penalties, a regex, stop tokens, requests finishing mid-batch) through one
-    Engine, with the packing path and then with the static step (state checked every step)."""
+    Engine, with the packing path, then with the static step (state checked every step), then
+    the static step under overlap scheduling (placeholder inputs resolved on the device)."""
     eng = Engine(llama_dir, page_size=4, max_total_tokens=2048, max_running_requests=8,
                  max_extend_seqs=4, chunked_prefill_size=64, min_token_bucket=16, kv_tile=8,
                  backend="torch", dtype="float32", torch_compile="off", torch_threads=1,
@@ -231,7 +232,7 @@ def test_engine_traffic_identical_with_static_step(llama_dir):
                   {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 15, "seed": 3},
                   {"temperature": 0.7, "frequency_penalty": 0.5, "repetition_penalty": 1.2,
                    "max_new_tokens": 11, "seed": 4},
-                  {"temperature": 0, "max_new_tokens": 20, "regex": "[a-z]+ [0-9]{2,4}"},
+                  {"temperature": 0, "max_new_tokens": 4, "regex": "[a-z]+ [0-9]{2,4}"},
                   {"temperature": 1.0, "top_k": 5, "n": 2, "max_new_tokens": 9, "seed": 8}]
 
         def run():
@@ -240,6 +241,8 @@ def test_engine_traffic_identical_with_static_step(llama_dir):
             eng.scheduler.check_integrity()
             return [o["output_ids"] for o in outs]
 
+        sched = eng.scheduler
+        sched.speculator = None  # (drafts exclude overlap; all three runs without them)
         packing = run()
         cfg = dataclasses.replace(runner.config, static_decode=True, static_decode_max_bs=8,
                                   check_decode_state=True)
@@ -249,6 +252,10 @@ def test_engine_traffic_identical_with_static_step(llama_dir):
         static = run()
         assert runner.static_decode.state.rows_copied > 0  # the static step ran
         assert static == packing
+        sched.overlap = True
+        overlapped = sched.stats.num_overlapped_steps
+        assert run() == packing
+        assert sched.stats.num_overlapped_steps > overlapped + 5, sched.stats.num_overlapped_steps
     finally:
         eng.shutdown()
 
@@ -329,6 +336,15 @@ def test_static_step_resolves_overlap_placeholders(llama):
         serial.decode(which)
 
     d = Driver(_runner(llama, static=True), prompts, [GREEDY] * 3)
+    mirror = d.runner.static_decode.state.mirror
+    diff, int_rows_copied = mirror.diff, []
+
+    def spy(*args):
+        out = diff(*args)
+        int_rows_copied.append(out[0][0].size)
+        return out
+
+    mirror.diff = spy
     d.prefill([0, 1, 2])  # each request now holds its prompt and one token
     emitted = {i: 1 for i in range(3)}
     prev_row = {i: i for i in range(3)}  # the request's row in the previous step
@@ -337,13 +353,16 @@ def test_static_step_resolves_overlap_placeholders(llama):
         steps = []
         for i in which:
             r = d.reqs[i]
-            steps.append(d._step(r, [placeholder_id(prev_row[i])],
-                                 r["prompt_len"] + emitted[i] - 1))
+            step = d._step(r, [placeholder_id(prev_row[i])], r["prompt_len"] + emitted[i] - 1)
+            steps.append(dataclasses.replace(step, num_output_tokens=emitted[i]))
             emitted[i] += 1
         prev_row = {i: row for row, i in enumerate(which)}
         handles.append((which, d.runner.dispatch(ForwardMode.DECODE, steps)))
     for which, handle in handles:
         for i, t in zip(which, handle.result().token_ids, strict=True):
             d.reqs[i]["ids"].append(int(t))
-    assert d.runner.static_decode.state.rows_copied > 0  # the static path ran
     assert [r["ids"] for r in d.reqs] == [r["ids"] for r in serial.reqs]
+    # ints rows each step copied: all 4 of the bucket after the prefill (the 3 placeholders
+    # resolved on the device), none while rows keep their requests (the device already holds
+    # the token a placeholder names), both after the shift
+    assert int_rows_copied == [4, 0, 0, 2, 0, 0]

@@ -15,6 +15,17 @@ the token just sampled) and the mirror does the same, so the next step of an unc
 row; a finished request shifts the rows after it (re-copied); a jump-forward or a new request
 rewrites its row.
 
+Overlap placeholders: a step dispatched before the previous one's tokens reached the host names
+row i's input by `placeholder_id(i)`. The device holds the real token there (its advance wrote
+it), so when a step is dispatched (`RowMirror.dispatched`) the mirror records an advanced row's
+input as `placeholder_id(row)`, "what the last step sampled here": a following step whose row j
+names placeholder_id(j) matches it and copies nothing. A row whose placeholder names another
+row is copied as is, and the backend resolves it on the device from the previous step's token
+ids. Once the step's tokens reach the host (`resolve`, only if no step was dispatched since)
+the mirror takes the real tokens; any other step dispatched in between (an EXTEND, a packed
+DECODE) turns the mirror's placeholders into STALE, which matches nothing (those rows are
+copied again).
+
 Row i is the i-th SeqStep; rows n .. S-1 are padding: token 0 at position 0 on the reserved
 page 0, greedy, penalty row 0, not valid. Page columns past a row's last page are 0 (the step
 masks them by length). `check_rows` compares the device with a host recomputation (a debug mode
@@ -30,7 +41,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from sgl_tpu.executor.step import PAD_PAGE, SCRATCH_COUNTS_ROW, SeqStep
+from sgl_tpu.executor.step import PAD_PAGE, SCRATCH_COUNTS_ROW, SeqStep, placeholder_id
 
 INT_COLUMNS = ("input_id", "position", "seed", "step", "counts_row", "sample_valid",
                "return_logprob", "top_k", "active")
@@ -39,6 +50,7 @@ FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence
 IN, POS, SEED, STEP, COUNTS_ROW, VALID, RET_LP, TOP_K, ACTIVE = range(len(INT_COLUMNS))
 TEMP, TOP_P, MIN_P, FREQ, PRES, REP = range(len(FLOAT_COLUMNS))
 MATRICES = ("ints", "floats", "pages")
+STALE = -(2**40)  # mirror input id of a row whose placeholder's step is no longer the last
 # padding row: greedy (temperature 0), no truncation, no penalty
 _PAD_INTS = {COUNTS_ROW: SCRATCH_COUNTS_ROW, TOP_K: -1}
 _PAD_FLOATS = {TOP_P: 1.0, REP: 1.0}
@@ -98,6 +110,8 @@ class RowMirror:
         self.floats = np.zeros((max_rows, len(FLOAT_COLUMNS)), np.float32)
         self.pages = np.zeros((max_rows, max_pages), np.int64)
         self.rows_copied = 0  # rows written host -> device so far (ints + floats + pages)
+        self._serial = 0  # steps dispatched (any kind), to date `resolve`
+        self._placeholder_serial: int | None = None  # the step whose placeholders it holds
 
     def views(self, num_rows: int, num_page_cols: int) -> Rows:
         return (self.ints[:num_rows], self.floats[:num_rows],
@@ -119,6 +133,40 @@ class RowMirror:
 
     def advance(self, token_ids: np.ndarray) -> None:
         advance_rows(self.ints, np.asarray(token_ids, np.int64))
+
+    def dispatched(self, num_seqs: int | None) -> int:
+        """Bookkeeping after a step is dispatched: `num_seqs` rows of the state advanced by it
+        (their inputs now placeholders), or None for a step that did not use the state.
+        Returns the step's serial."""
+        self._serial += 1
+        ids = self.ints[:, IN]
+        ids[ids < 0] = STALE  # the placeholders named the step before this one
+        if num_seqs is None:
+            self._placeholder_serial = None
+            return self._serial
+        self.advance(np.array([placeholder_id(i) for i in range(num_seqs)], np.int64))
+        self._placeholder_serial = self._serial
+        return self._serial
+
+    def resolve(self, serial: int, token_ids: np.ndarray) -> None:
+        """Step `serial`'s tokens reached the host: if no step was dispatched since, the mirror
+        takes them in place of its placeholders."""
+        if serial != self._placeholder_serial or serial != self._serial:
+            return
+        n = len(token_ids)
+        ids = self.ints[:n, IN]
+        named = ids == -np.arange(1, n + 1)
+        ids[named] = np.asarray(token_ids, np.int64)[named]
+        self._placeholder_serial = None
+
+    def resolved_views(self, num_rows: int, num_page_cols: int, token_ids: np.ndarray) -> Rows:
+        """Copies of `views` with the placeholders of rows [0, n) read as the tokens they name
+        (token_ids [n]: the last step's), for `check_rows`."""
+        ints, floats, pages = (a.copy() for a in self.views(num_rows, num_page_cols))
+        n = len(token_ids)
+        named = ints[:n, IN] == -np.arange(1, n + 1)
+        ints[:n, IN][named] = np.asarray(token_ids, np.int64)[named]
+        return ints, floats, pages
 
 
 def check_rows(device: Rows, expected: Rows, mirror: Rows) -> None:

@@ -9,15 +9,10 @@
 
 so an unchanged batch copies nothing host -> device but its grammar masks (when a row has one).
 
-Overlap placeholders: a step dispatched before the previous one's tokens reached the host names
-row i's input by `placeholder_id(i)`. The device holds the real token there (its advance wrote
-it), so the mirror records an advanced row's input as `placeholder_id(row)`, "what the last
-step sampled here": a following step whose row j names placeholder_id(j) matches it and copies
-nothing. A row whose placeholder names another row is copied as is and resolved on the device
-from the previous step's token ids, as in the packing path. Once the step's tokens reach the
-host (`resolve`, only if no step was dispatched since) the mirror takes the real tokens; any
-other step dispatched in between (an EXTEND, a packed DECODE) turns the mirror's placeholders
-into STALE, which matches nothing (those rows are copied again).
+Overlap placeholders (the mirror's bookkeeping: executor/decode_rows.py): a row whose
+placeholder names its own row matches the mirror and copies nothing; one that names another row
+is copied as is and resolved on the device from the previous step's token ids, as in the
+packing path.
 
 Seeds are u32 and travel in the int32 matrix bit for bit (`to_i32`).
 """
@@ -35,9 +30,7 @@ from jax import lax
 from sgl_tpu.executor import decode_rows as dr
 from sgl_tpu.executor.jax.forward_batch import ForwardBatch
 from sgl_tpu.executor.jax.sampler import SamplingArrays
-from sgl_tpu.executor.step import SeqStep, pick_bucket, placeholder_id
-
-STALE = -(2**40)  # mirror input id of a row whose placeholder's step is no longer the last
+from sgl_tpu.executor.step import SeqStep, pick_bucket
 
 
 @jax.tree_util.register_dataclass
@@ -119,8 +112,6 @@ class DeviceDecodeState:
             pages=zeros((max_rows, max_pages), jnp.int32))
         self.mirror = dr.RowMirror(max_rows, max_pages)
         self._scatter = scatter
-        self._serial = 0  # steps dispatched (any kind), to date `resolve`
-        self._placeholder_serial: int | None = None  # the step whose placeholders it holds
 
     def accepts(self, steps: Sequence[SeqStep]) -> bool:
         return (0 < len(steps) <= self.max_rows
@@ -148,28 +139,11 @@ class DeviceDecodeState:
         return copied
 
     def dispatched(self, num_seqs: int | None) -> int:
-        """Bookkeeping after a step is dispatched: `num_seqs` rows of the state advanced by it,
-        or None for a step that did not use the state. Returns the step's serial."""
-        self._serial += 1
-        ids = self.mirror.ints[:, dr.IN]
-        ids[ids < 0] = STALE  # the placeholders named the step before this one
-        if num_seqs is None:
-            self._placeholder_serial = None
-            return self._serial
-        self.mirror.advance([placeholder_id(i) for i in range(num_seqs)])
-        self._placeholder_serial = self._serial
-        return self._serial
+        """See RowMirror.dispatched; returns the step's serial."""
+        return self.mirror.dispatched(num_seqs)
 
     def resolve(self, serial: int, token_ids: np.ndarray) -> None:
-        """Step `serial`'s tokens reached the host: if no step was dispatched since, the mirror
-        takes them in place of its placeholders."""
-        if serial != self._placeholder_serial or serial != self._serial:
-            return
-        n = len(token_ids)
-        ids = self.mirror.ints[:n, dr.IN]
-        named = ids == -np.arange(1, n + 1)
-        ids[named] = np.asarray(token_ids, np.int64)[named]
-        self._placeholder_serial = None
+        self.mirror.resolve(serial, token_ids)
 
     def check(self, steps: Sequence[SeqStep], token_ids: np.ndarray, num_rows: int,
               num_pages: int) -> None:
@@ -183,8 +157,5 @@ class DeviceDecodeState:
             (self.arrays.ints, self.arrays.floats, self.arrays.pages))
         device = (np.asarray(ints[:num_rows]), np.asarray(floats[:num_rows]),
                   np.asarray(pages[:num_rows, :num_pages]))
-        m_ints, m_floats, m_pages = (a.copy() for a in self.mirror.views(num_rows, num_pages))
-        n = len(token_ids)
-        named = m_ints[:n, dr.IN] == -np.arange(1, n + 1)
-        m_ints[:n, dr.IN][named] = np.asarray(token_ids, np.int64)[named]
+        m_ints, m_floats, m_pages = self.mirror.resolved_views(num_rows, num_pages, token_ids)
         dr.check_rows(device, expected, (to_i32(m_ints), m_floats, to_i32(m_pages)))

@@ -8,6 +8,7 @@ diff), and the splitmix64 uniforms computed from its seed and step columns.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
@@ -53,26 +54,47 @@ class DecodeState:
                                   device=device)
         self.pages = torch.zeros((max_rows, max_pages), dtype=torch.int64, device=device)
         self.mirror = RowMirror(max_rows, max_pages)
+        # (serial, token ids) of steps whose tokens reached the host, for the next sync
+        self._resolved: deque[tuple[int, np.ndarray]] = deque()
 
     @property
     def rows_copied(self) -> int:
         """Rows written host -> device so far (ints + floats + pages)."""
         return self.mirror.rows_copied
 
-    def sync(self, steps: Sequence[SeqStep], num_rows: int, num_page_cols: int) -> None:
-        """Make rows [0, S) (page columns [0, P)) equal to `steps`, copying changed rows."""
+    def sync(self, steps: Sequence[SeqStep], num_rows: int, num_page_cols: int,
+             prev_token_ids: torch.Tensor | None = None) -> None:
+        """Make rows [0, S) (page columns [0, P)) equal to `steps`, copying changed rows; a
+        copied placeholder input is resolved on the device from prev_token_ids i64[n_prev]
+        (the last step's tokens; placeholders that name their own row match the mirror and
+        are not copied: the device already holds that token)."""
+        while self._resolved:  # tokens that reached the host since the last sync
+            self.mirror.resolve(*self._resolved.popleft())
         fresh = host_rows(steps, num_rows, num_page_cols, self.page_size)
         targets = (self.ints[:num_rows], self.floats[:num_rows],
                    self.pages[:num_rows, :num_page_cols])
+        lagged = False
         for (changed, rows), target in zip(self.mirror.diff(fresh, num_rows, num_page_cols),
                                            targets, strict=True):
             if changed.size == 0:
                 continue
+            if target is targets[0]:
+                lagged = bool((rows[:, IN] < 0).any())
             if changed.size == num_rows:  # everything: one plain copy
                 target.copy_(torch.from_numpy(rows))
             else:
                 idx = torch.from_numpy(changed).to(self.device)
                 target.index_copy_(0, idx, torch.from_numpy(rows).to(self.device))
+        if lagged:
+            if prev_token_ids is None:
+                raise RuntimeError("decode state: placeholder input ids but no previous step")
+            ids = self.ints[: len(steps), IN]
+            ids.copy_(torch.where(ids < 0, prev_token_ids[(-ids - 1).clamp(min=0)], ids))
+
+    def resolved(self, serial: int, token_ids: np.ndarray) -> None:
+        """Step `serial`'s tokens reached the host (any thread): the mirror takes them at the
+        next sync, unless a step was dispatched since (RowMirror.resolve)."""
+        self._resolved.append((serial, token_ids))
 
     def advance(self, token_ids: torch.Tensor) -> None:
         """After a step on the device: the active rows of [0, S) one token further
@@ -83,9 +105,6 @@ class DecodeState:
         ints[:, STEP] += active
         ints[:, IN] = torch.where(active.bool(), token_ids, ints[:, IN])
 
-    def advance_mirror(self, token_ids: np.ndarray) -> None:
-        self.mirror.advance(token_ids)
-
     def check(self, steps: Sequence[SeqStep], token_ids: np.ndarray, num_rows: int,
               num_page_cols: int) -> None:
         """Debug: the device rows [0, S) after a step equal a recomputation from `steps` and
@@ -94,7 +113,8 @@ class DecodeState:
         advance_rows(expected[0], np.asarray(token_ids, np.int64))
         device = (self.ints[:num_rows].cpu().numpy(), self.floats[:num_rows].cpu().numpy(),
                   self.pages[:num_rows, :num_page_cols].cpu().numpy())
-        check_rows(device, expected, self.mirror.views(num_rows, num_page_cols))
+        check_rows(device, expected,
+                   self.mirror.resolved_views(num_rows, num_page_cols, token_ids))
 
 
 def row_uniforms(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:

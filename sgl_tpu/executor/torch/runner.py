@@ -13,7 +13,9 @@ Owns the torch device state and implements `sgl_tpu.executor.step.ModelRunner`:
 Overlap scheduling: `dispatch` runs the step in one worker thread (torch releases the GIL in
 its kernels, so the scheduler's host work runs meanwhile); steps run in dispatch order, and a
 DECODE step's placeholder input ids are resolved at its start from the token ids the previous
-step left on the device (`_last_token_ids`).
+step left on the device (`_last_token_ids`). The static step (below) only enqueues its work on
+CUDA and copies its results to pinned host memory without blocking, so the worker launches
+step t+1 while the device still runs step t; its `result()` waits for the copies.
 
 Device state: weights (`llama_torch.Weights`), a token-major KV pool per layer
 ([num_pages * page_size, kvh, d]; page 0 takes padding writes) and the penalty-count rows
@@ -26,7 +28,6 @@ of one token per sequence take the static-shape step over device-resident batch 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -42,7 +43,7 @@ import torch
 from sgl_tpu.config import RunnerConfig
 from sgl_tpu.executor import batch_invariant
 from sgl_tpu.executor import step as step_contract
-from sgl_tpu.executor.step import ForwardMode, SeqStep, StepResult
+from sgl_tpu.executor.step import ForwardMode, PendingStep, SeqStep, StepResult
 from sgl_tpu.executor.torch import sampler
 from sgl_tpu.executor.torch.device import cpu_prepacks_bf16, resolve_device, set_cpu_threads
 from sgl_tpu.executor.torch.static_decode import StaticDecode
@@ -54,6 +55,17 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _KV_DTYPES = {**_DTYPES, "float8_e5m2": torch.float8_e5m2}
+
+
+@dataclass(frozen=True)
+class _Dispatched:
+    """A step handed to the worker thread: `result()` waits for the worker to run (or
+    enqueue) it, then for the step's own results."""
+
+    future: Future
+
+    def result(self) -> StepResult:
+        return self.future.result().result()
 
 
 @dataclass(frozen=True)
@@ -249,37 +261,35 @@ class TorchModelRunner:
         if self._in_flight is not None:  # keep the order of dispatched steps
             futures.wait([self._in_flight])  # (its error, if any, went to its caller)
             self._in_flight = None
-        return self._forward(mode, steps)
+        return self._forward(mode, steps).result()
 
-    def dispatch(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> Future:
-        """Start the step in the worker thread; the Future's `result()` is its StepResult."""
+    def dispatch(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> PendingStep:
+        """Start the step in the worker thread; `result()` waits for its StepResult."""
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="torch-step")
         self._in_flight = self._worker.submit(self._forward, mode, steps)
-        return self._in_flight
+        return _Dispatched(self._in_flight)
 
-    def _forward(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> StepResult:
-        if self.config.deterministic and len(steps) < batch_invariant.MIN_ROWS:
-            padded, num_rows = batch_invariant.pad_steps(mode, steps)
-            return batch_invariant.trim_result(self._run(mode, padded, num_rows), len(steps))
+    def _forward(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> PendingStep:
+        """Run (or, for the static step on CUDA, enqueue) one step."""
         if (mode == ForwardMode.DECODE and self.static_decode is not None
                 and self.static_decode.accepts(steps)):
             return self._run_static(steps)
-        return self._run(mode, steps, None)
+        if self.static_decode is not None:  # its mirror's placeholders no longer name the
+            self.static_decode.state.mirror.dispatched(None)  # last step's rows
+        if self.config.deterministic and len(steps) < batch_invariant.MIN_ROWS:
+            padded, num_rows = batch_invariant.pad_steps(mode, steps)
+            return step_contract.DoneStep(
+                batch_invariant.trim_result(self._run(mode, padded, num_rows), len(steps)))
+        return step_contract.DoneStep(self._run(mode, steps, None))
 
-    def _run_static(self, steps: Sequence[SeqStep]) -> StepResult:
-        """The static decode step. Its batch state is synced from the host's view of the steps,
-        so placeholder input ids are resolved on the host first, from the previous step's
-        token ids: that step has finished (steps run in order, and each one's tokens were
-        copied to the host for its StepResult), so this waits for nothing."""
-        if step_contract.has_placeholders(steps):
-            prev = self._last_token_ids.cpu().numpy()  # [n_prev]
-            steps = [dataclasses.replace(st, token_ids=step_contract.resolve_placeholders(
-                np.asarray(st.token_ids), prev)) for st in steps]
-        result = self.static_decode.run(steps)
-        self._last_token_ids = torch.as_tensor(result.token_ids, dtype=torch.int64,
-                                               device=self.device)
-        return result
+    def _run_static(self, steps: Sequence[SeqStep]) -> PendingStep:
+        """The static decode step, launched: placeholder inputs are resolved on the device
+        from the last step's token ids (which stay there), so on CUDA this step is enqueued
+        behind the previous one without waiting for its tokens to reach the host."""
+        pending = self.static_decode.launch(steps, self._last_token_ids)
+        self._last_token_ids = pending.device_token_ids
+        return pending
 
     @torch.inference_mode()
     def _run(self, mode: ForwardMode, steps: Sequence[SeqStep], num_rows: int | None

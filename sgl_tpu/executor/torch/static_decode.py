@@ -34,6 +34,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -103,10 +104,15 @@ class StaticDecode:
 
     # ---- the step -----------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, steps: Sequence[SeqStep]) -> StepResult:
+    def launch(self, steps: Sequence[SeqStep], prev_token_ids: torch.Tensor | None
+               ) -> PendingStatic:
+        """Enqueue the step: rows synced (placeholder inputs resolved on the device from
+        `prev_token_ids` i64[n_prev], the last step's tokens there), forward, a tail, and
+        the copies of its results to the host. On CUDA nothing here waits for the device but
+        a sample tail's `exact` flag, so the next step can be launched behind this one."""
         n = len(steps)
         num_rows, num_pages = self.buckets(steps)
-        self.state.sync(steps, num_rows, num_pages)
+        self.state.sync(steps, num_rows, num_pages, prev_token_ids)
         self._replay((num_rows, num_pages), partial(self.static_forward, num_rows, num_pages))
         out = None
         if _plain_greedy(steps):
@@ -115,25 +121,20 @@ class StaticDecode:
         elif all(st.bitmask is None for st in steps):
             *drawn, exact = self._replay((num_rows, "sample"),
                                          partial(self.sample_tail, num_rows))
-            if bool(exact):  # the host waits here, as it would for the tokens
+            if bool(exact):  # the host waits here (a sampled batch's only wait at launch)
                 self.tails["sample"] += 1
                 self._replay((num_rows, "commit"), partial(self.commit, drawn[0]))
                 out = drawn
         if out is None:
             self.tails["eager"] += 1
             out = self._sample(steps, self._logits[:n])
-        token_ids, logprobs, top_ids, top_lp = (t[:n] for t in out)
-        result = StepResult(
-            token_ids=token_ids.to(torch.int32).cpu().numpy(),
-            logprobs=logprobs.cpu().numpy(),
-            top_ids=top_ids.to(torch.int32).cpu().numpy(),
-            top_logprobs=top_lp.cpu().numpy(),
-            hidden=None,
-        )
-        self.state.advance_mirror(result.token_ids)
+        out = tuple(t[:n] for t in out)  # token ids, log-probs, top ids, top log-probs
+        serial = self.state.mirror.dispatched(n)
+        pending = PendingStatic(self.state, serial, out[0], *_to_host(out))
         if self.config.check_decode_state:
-            self.state.check(steps, result.token_ids, num_rows, num_pages)
-        return result
+            token_ids = out[0].cpu().numpy()
+            self.state.check(steps, token_ids, num_rows, num_pages)
+        return pending
 
     def _replay(self, key: tuple[int, int], fn):
         """fn() eagerly, or on CUDA the replay of its graph (captured on first use); returns
@@ -283,6 +284,43 @@ class StaticDecode:
 
     def num_graphs(self) -> int:
         return len(self._graphs)
+
+
+@dataclass(frozen=True)
+class PendingStatic:
+    """A launched static step; `result()` waits for its host copies and queues its tokens
+    for the mirror (DecodeState.resolved)."""
+
+    state: ds.DecodeState
+    serial: int  # the mirror's serial of this step
+    device_token_ids: torch.Tensor  # i64[n] on the device: the next step's placeholders
+    host: tuple[torch.Tensor, ...]  # token ids, log-probs, top ids, top log-probs, [n, ...]
+    done: Any  # torch.cuda.Event once the copies landed; None on CPU (already there)
+
+    def result(self) -> StepResult:
+        if self.done is not None:
+            self.done.synchronize()
+        token_ids, logprobs, top_ids, top_lp = (t.numpy() for t in self.host)
+        token_ids = token_ids.astype(np.int32)
+        self.state.resolved(self.serial, token_ids)
+        return StepResult(token_ids=token_ids, logprobs=logprobs,
+                          top_ids=top_ids.astype(np.int32), top_logprobs=top_lp, hidden=None)
+
+
+def _to_host(tensors: Sequence[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], Any]:
+    """Host copies of device tensors: on CUDA non-blocking copies into pinned memory and the
+    event that marks them done (a graph's outputs are overwritten by its next replay, so the
+    copies are enqueued now); on CPU the tensors themselves (fresh outputs of eager code)."""
+    if tensors[0].device.type != "cuda":
+        return tuple(tensors), None
+    host = []
+    for t in tensors:
+        h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        h.copy_(t, non_blocking=True)
+        host.append(h)
+    done = torch.cuda.Event()
+    done.record()
+    return tuple(host), done
 
 
 def _plain_greedy(steps: Sequence[SeqStep]) -> bool:

@@ -24,6 +24,10 @@ Sampling rows avoid full-vocabulary passes (`_sample_rows`):
 
 Both draws walk the kept tokens in vocabulary order with bit-equal weights, so a row samples
 the same token for the same uniform whichever path it takes.
+
+`sample_static` is the same arithmetic for CUDA graphs (fixed shapes, no host synchronisation):
+every row takes the candidate draw, and a flag says whether that was `sample`'s answer for all
+of them (else the caller runs `sample`).
 """
 
 from __future__ import annotations

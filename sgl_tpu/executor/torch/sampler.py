@@ -26,8 +26,8 @@ Both draws walk the kept tokens in vocabulary order with bit-equal weights, so a
 the same token for the same uniform whichever path it takes.
 
 `sample_static` is the same arithmetic for CUDA graphs (fixed shapes, no host synchronisation):
-every row takes the candidate draw, and a flag says whether that was `sample`'s answer for all
-of them (else the caller runs `sample`).
+every row takes both draws and keeps the one `sample` would, and a flag says whether every
+row's threshold was known without `_radix_select` (else the caller runs `sample`).
 """
 
 from __future__ import annotations
@@ -166,13 +166,17 @@ def sample_static(
     data-dependent Python: the function a CUDA graph records (executor/torch/static_decode.py).
 
     Every row goes through every stage: penalties (neutral values leave a row bit-equal),
-    the candidate draw of `_sample_rows` for all rows (greedy ones with temperature 1, their
-    draw discarded), argmax, log-probs of all rows (zeros where not asked). The whole-row
-    weights are always summed, so a nucleus row gets `sample`'s thresholds either way.
+    both draws of `_sample_rows` for all rows (greedy ones with temperature 1, their draws
+    discarded): over the candidates, and over the whole vocabulary with the threshold the
+    candidates gave (a row that truncates nothing, or only by min-p below them), each row
+    keeping the one `_sample_rows` would take; argmax; log-probs of all rows (zeros where not
+    asked). The whole-row weights are always made, so a nucleus row gets `sample`'s thresholds
+    either way.
     -> token_ids i64[S], logprobs f32[S], top_ids i64[S, K], top_logprobs f32[S, K], and
-    exact bool[] (0-d): every sampling row's kept set lay inside its candidates. Where exact is
-    False the sampling rows' tokens are not `sample`'s: the caller must run `sample` instead
-    (top-k above the candidates, a nucleus wider than them, no truncation at all).
+    exact bool[] (0-d): every sampling row's threshold came from its candidates. Where exact
+    is False the sampling rows' tokens are not `sample`'s: the caller must run `sample` instead
+    (a top-k above the candidates, or a nucleus wider than them: exact thresholds over the
+    whole row need `_radix_select`, whose shapes depend on the data).
     """
     raw = logits.float()
     x = _penalize(raw, penalties)
@@ -186,16 +190,19 @@ def sample_static(
     cand_w = (cand - row_max[:, None]).exp()
     k_on = (top_k > 0) & (top_k < vocab_size)
     p_on = top_p < 1.0
-    total = _weights(x, inv, row_max).sum(dim=-1)  # [S]
-    thr, resolved = _thresholds(cand, cand_w, total, top_k, top_p, k_on, p_on,
+    weights = _weights(x, inv, row_max)  # [S, V]
+    thr, resolved = _thresholds(cand, cand_w, weights.sum(dim=-1), top_k, top_p, k_on, p_on,
                                 complete=num_cand == vocab_size)
     thr = torch.maximum(thr, _min_p_threshold(row_max, min_p))
     last = cand[:, -1]
     fits = resolved & ((thr > last) | torch.isneginf(last) | (num_cand == vocab_size))
-    drawn = _draw_candidates(cand, cand_w, cand_idx, thr, uniforms, fixed=True)
+    in_cand = _draw_candidates(cand, cand_w, cand_idx, thr, uniforms, fixed=True)
+    kept = torch.where(x / inv >= thr[:, None], weights, 0.0)  # [S, V]
+    in_vocab = _draw(kept, uniforms, fixed=True)
+    drawn = torch.where(fits, in_cand, in_vocab)
     token_ids = torch.where(greedy, x.argmax(dim=-1), drawn)
     return (token_ids, *logprobs_static(raw, token_ids, logprob_rows, num_top_logprobs),
-            (fits | greedy).all())
+            (resolved | greedy).all())
 
 
 def logprobs_static(raw: torch.Tensor, token_ids: torch.Tensor, want: torch.Tensor,

@@ -11,9 +11,10 @@
     greedy_tail(S)  argmax, log-probs, penalty counts, state.advance  <- one graph per S
     else, no grammar mask (sampling, penalties, greedy rows among them):
     sample_tail(S)  sampler.sample_static: tokens, log-probs, `exact`  <- one graph per S
-        host reads `exact` with the tokens: True (every sampling row's kept set lay inside
-        its candidates) -> commit(S): penalty counts, state.advance   <- one graph per S
-        False (a wide top-k or nucleus) -> the eager sampler below
+        host reads `exact`: True (no row needed a threshold by radix selection) ->
+        commit(S): penalty counts, state.advance                    <- one graph per S
+        False (a top-k above the candidates, a nucleus wider than them) -> the eager
+        sampler below
     else: the eager sampler over rows [0, n) (knobs read from the state's columns, uniforms
     from its seeds and steps), penalty counts and state.advance, eagerly
 

@@ -94,7 +94,7 @@ def test_accelerator_bench_runs_its_parts_on_a_random_checkpoint(tmp_path):
     assert row["prefill_tok_per_s"]["16"] > 0
     assert set(row["decode_step_ms"]) == {f"b{b} {path} {s}" for b in (1, 2)
                                           for path in ("packing", "static")
-                                          for s in ("greedy", "sampled", "top-k")}
+                                          for s in ("greedy", "temperature", "top-k", "sampled")}
     assert all(v["overlap"] > 0 and v["serial"] > 0
                for v in row["server_output_tok_per_s"].values())
     assert summary["nope"]["status"]["executor"].startswith("exit")  # an unknown backend

@@ -46,7 +46,7 @@ def part_commands(args: argparse.Namespace, backend: str, out: Path) -> dict[str
     executor = py + ["sgl_tpu.bench.executor", *model, "--backends", backend,
                      "--dtypes", args.dtype, "--prefill", args.prefill,
                      "--decode-batches", args.batches, "--context", str(args.context),
-                     "--repeats", "3", "--sampling", "greedy,sampled,top-k"]
+                     "--repeats", "3", "--sampling", "greedy,temperature,top-k,sampled"]
     if backend == "torch":
         executor += ["--torch-decode-paths", "packing,static"]
     if backend == "jax":
@@ -58,7 +58,7 @@ def part_commands(args: argparse.Namespace, backend: str, out: Path) -> dict[str
                         "--dtypes", args.dtype, "--prefill", "", "--decode-batches",
                         args.batches, "--context", str(args.context), "--repeats", "1",
                         "--torch-decode-paths", "packing,static", "--count-calls",
-                        "--torch-profile", "--sampling", "greedy,top-k"]
+                        "--torch-profile", "--sampling", "greedy,temperature,top-k"]
     flags = f"--backend {backend} --dtype {args.dtype}"
     servers = py + ["sgl_tpu.bench.overlap", *model, "--concurrency",
                     *args.streams.split(","), "--rounds", str(args.rounds),

@@ -11,10 +11,10 @@ Runs the real step (paged KV, bucketed shapes, sampler) of each backend on the d
 (or `--model-path`), compiles each shape once before timing, reports the best of `--repeats`
 runs, and prints one JSON object. Compare backends/dtypes/sizes as ratios within one run: the
 machine is shared. `--sampling` lists the decode modes: `greedy` (temperature 0), `sampled`
-(temperature 0.7, top-p 0.9, a seed per sequence; no log-probs asked) and `top-k` (the same
-with top-k 40); with several, their decode steps alternate (ABAB...) and each row reports its
-median step time over the first mode's. Static-step rows name the tail their steps took
-(`static_tail`: greedy, sample or eager).
+(temperature 0.7, top-p 0.9, a seed per sequence; no log-probs asked), `top-k` (the same
+with top-k 40) and `temperature` (1.0, no truncation); with several, their decode steps
+alternate (ABAB...) and each row reports its median step time over the first mode's.
+Static-step rows name the tail their steps took (`static_tail`: greedy, sample or eager).
 `--baseline-sampler FILE` (torch) times the same steps with another sampler module in the same
 alternation, for before/after ratios. `--torch-decode-paths packing,static` (torch) times the
 decode steps of the packing path and of the static-shape step over device-resident state
@@ -38,10 +38,12 @@ import numpy as np
 from sgl_tpu.bench.report import emit, model_label
 from sgl_tpu.bench.timing import best, interleaved
 
-# `top-k`: a kept set always inside the sampler's candidates (the static step's sample tail),
-# whatever the logits; `sampled` keeps a nucleus, which is wide on a near-flat random model
+# `top-k`: a kept set always inside the sampler's candidates; `temperature` (OpenAI's default,
+# no truncation): drawn over the whole vocabulary; both in the static step's sample tail,
+# whatever the logits. `sampled` keeps a nucleus, which is wide on a near-flat random model.
 SAMPLING = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.7, top_p=0.9),
-            "top-k": dict(temperature=0.7, top_k=40, top_p=0.9)}
+            "top-k": dict(temperature=0.7, top_k=40, top_p=0.9),
+            "temperature": dict(temperature=1.0)}
 
 
 def _steps(n_seqs: int, n_new: int, prefix: int, page_size: int, rng, vocab: int,

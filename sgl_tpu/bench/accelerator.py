@@ -4,7 +4,7 @@ one decode step, and servers with one and many streams, per backend, in one JSON
     python -m sgl_tpu.bench.accelerator --model-path DIR --out-dir RESULTS
         [--backends jax,torch] [--dtype bfloat16] [--prefill 512,2048] [--batches 1,64]
         [--context 1024] [--streams 1,32] [--output-tokens 64] [--rounds 2]
-        [--parts executor,profile,servers] [--timeout 600]
+        [--parts executor,profile,servers] [--server-flags "..."] [--timeout 600]
 
 Each part runs as its own process, so one backend's device memory is free before the next:
 
@@ -59,7 +59,7 @@ def part_commands(args: argparse.Namespace, backend: str, out: Path) -> dict[str
                         args.batches, "--context", str(args.context), "--repeats", "1",
                         "--torch-decode-paths", "packing,static", "--count-calls",
                         "--torch-profile", "--sampling", "greedy,temperature,top-k"]
-    flags = f"--backend {backend} --dtype {args.dtype}"
+    flags = f"--backend {backend} --dtype {args.dtype} {args.server_flags}".strip()
     servers = py + ["sgl_tpu.bench.overlap", *model, "--concurrency",
                     *args.streams.split(","), "--rounds", str(args.rounds),
                     "--output-tokens", str(args.output_tokens), "--server-flags", flags]
@@ -118,6 +118,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--streams", default="1,32", help="concurrent server streams")
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--server-flags", default="",
+                   help="more flags for the servers (e.g. --skip-warmup: bench.overlap warms "
+                        "each server with every stream count's batch anyway)")
     p.add_argument("--parts", default=",".join(PARTS))
     p.add_argument("--timeout", type=float, default=600, help="seconds per part")
     args = p.parse_args(argv)

@@ -87,6 +87,7 @@ def test_accelerator_bench_runs_its_parts_on_a_random_checkpoint(tmp_path):
          "--out-dir", str(out), "--backends", "torch,nope", "--dtype", "float32",
          "--prefill", "16", "--batches", "1,2", "--context", "16", "--streams", "1,2",
          "--output-tokens", "4", "--rounds", "1", "--parts", "executor,servers",
+         "--server-flags=--skip-warmup --max-running-requests 4",
          "--timeout", "300"], check=True, capture_output=True, timeout=600)
     summary = json.loads((out / "summary.json").read_text())["backends"]
     row = summary["torch"]
@@ -97,5 +98,7 @@ def test_accelerator_bench_runs_its_parts_on_a_random_checkpoint(tmp_path):
                                           for s in ("greedy", "temperature", "top-k", "sampled")}
     assert all(v["overlap"] > 0 and v["serial"] > 0
                for v in row["server_output_tok_per_s"].values())
+    servers = json.loads((out / "servers_torch.json").read_text())
+    assert servers["args"]["server_flags"].endswith("--skip-warmup --max-running-requests 4")
     assert summary["nope"]["status"]["executor"].startswith("exit")  # an unknown backend
     assert (out / "executor_nope.stderr.txt").read_text()

@@ -9,6 +9,7 @@ import dataclasses
 from sgl_tpu.choices import check_chat_template_choice, registry_choices
 from sgl_tpu.config import (
     DTYPES,
+    JAX_DECODE_STATE,
     OVERLAP_SCHEDULE,
     ROUTER_POLICIES,
     TORCH_COMPILE,
@@ -65,6 +66,9 @@ _HELP = {
                         "runs (exact: the same outputs); auto = on for accelerators (tpu/gpu), "
                         "off on CPU",
     "disable_overlap_schedule": "SGLang's flag: the same as --overlap-schedule off",
+    "jax_decode_state": "jax backend: decode steps over batch state kept on the device (only "
+                        "changed rows copied); auto = on for accelerators, across hosts too, "
+                        "off on CPU (measured the same there)",
     "tool_call_parser": "tool-call format of the model (SGLang's names); default: picked from "
                         "the chat template, hermes-style <tool_call> blocks when it has none",
     "reasoning_parser": "split <think>...</think> into reasoning_content (qwen3, deepseek-r1)",
@@ -127,7 +131,8 @@ ROUTER_FLAG_PREFIX = "--router-"
 
 
 _CHOICES = {"dtype": DTYPES, "device": TORCH_DEVICES, "torch_compile": TORCH_COMPILE,
-            "overlap_schedule": OVERLAP_SCHEDULE, "router_policy": ROUTER_POLICIES}
+            "overlap_schedule": OVERLAP_SCHEDULE, "jax_decode_state": JAX_DECODE_STATE,
+            "router_policy": ROUTER_POLICIES}
 
 
 def build_parser() -> argparse.ArgumentParser:

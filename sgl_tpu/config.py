@@ -29,6 +29,7 @@ ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "manu
 TORCH_DEVICES = ("auto", "cpu", "cuda", "tpu")
 TORCH_COMPILE = ("auto", "on", "off")
 OVERLAP_SCHEDULE = ("auto", "on", "off")
+JAX_DECODE_STATE = ("auto", "on", "off")
 
 
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
@@ -76,7 +77,8 @@ class RunnerConfig:
     static_decode_max_bs: int = 0
     cuda_graph: bool = False
     # jax DECODE steps read device-resident batch state updated by changed rows only
-    # (executor/jax/decode_state.py); resolved on for accelerators (one host), off on CPU.
+    # (executor/jax/decode_state.py); resolved from ServerArgs.jax_decode_state: auto = on for
+    # accelerators (one host or several), off on CPU.
     jax_decode_state: bool = False
     # debug: after every static (torch) or state (jax) decode step, compare the device batch
     # state with a host recomputation
@@ -128,6 +130,9 @@ class SchedulerConfig:
     # ServerArgs.overlap_schedule by executor/registry.py; see scheduler/overlap.py).
     overlap_schedule: bool = False
     kv_cache_dtype: str = "auto"  # the runner's resolved KV pool dtype (reported only)
+    # decode steps over batch state kept on the device (jax decode state, torch static step;
+    # reported only)
+    device_decode_state: bool = False
 
 
 @dataclass(frozen=True)
@@ -187,6 +192,7 @@ class ServerArgs:
     disable_compile: bool = False  # torch backend: run eagerly (debugging); = torch_compile off
     overlap_schedule: str = "auto"  # see the CLI help; resolved by executor/registry.py
     disable_overlap_schedule: bool = False  # SGLang's flag; = overlap_schedule off
+    jax_decode_state: str = "auto"  # see the CLI help; resolved by executor/registry.py
     device: str = "auto"  # torch backend device
     quantization: str = "auto"  # weights: none/gguf/int8/int4, auto (sgl_tpu/quantization)
     # Data parallelism: N replicas of this server behind the sglang-router on --port (see
@@ -250,6 +256,9 @@ class ServerArgs:
         if self.overlap_schedule not in OVERLAP_SCHEDULE:
             raise ValueError(f"overlap_schedule must be one of {OVERLAP_SCHEDULE}, "
                              f"got {self.overlap_schedule!r}")
+        if self.jax_decode_state not in JAX_DECODE_STATE:
+            raise ValueError(f"jax_decode_state must be one of {JAX_DECODE_STATE}, "
+                             f"got {self.jax_decode_state!r}")
         if self.torch_compile not in TORCH_COMPILE:
             raise ValueError(f"torch_compile must be one of {TORCH_COMPILE}, "
                              f"got {self.torch_compile!r}")
@@ -351,4 +360,5 @@ class ServerArgs:
             speculative_ngram_max_match_window_size=self.speculative_ngram_max_match_window_size,
             overlap_schedule=overlap_schedule,
             kv_cache_dtype=runner.kv_dtype,
+            device_decode_state=runner.jax_decode_state or runner.static_decode,
         )

@@ -201,3 +201,23 @@ def test_warmup_compiles_the_state_path(llama):
         d.decode([1])
     assert runner.decode_state.mirror.rows_copied > 0
     assert runner.num_compilations() == compiled
+
+
+def test_jax_decode_state_flag():
+    """--jax-decode-state: auto is off on CPU (the packing path measured the same here), on /
+    off force it, whatever --nnodes; the torch backend never takes it; a bad value is named."""
+    from sgl_tpu.cli import parse_args
+
+    def resolved(*flags: str) -> bool:
+        return runner_config(parse_args(["--backend", "jax", *flags]), 4096).jax_decode_state
+
+    assert not resolved()  # CPU
+    assert resolved("--jax-decode-state", "on")
+    assert resolved("--jax-decode-state", "on", "--nnodes", "2", "--node-rank", "1",
+                    "--dist-init-addr", "127.0.0.1:5000", "--tp-size", "2")
+    assert not resolved("--jax-decode-state", "off")
+    torch_cfg = runner_config(parse_args(["--backend", "torch", "--jax-decode-state", "on"]),
+                              4096)
+    assert not torch_cfg.jax_decode_state
+    with pytest.raises(ValueError, match="jax_decode_state"):
+        ServerArgs(jax_decode_state="always")

@@ -39,8 +39,8 @@ def _env() -> dict:
     return env
 
 
-def _follower(rank: int, addr: str, model: str, port: int, log) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "sgl_tpu.launch_server", "--model-path", model, *SMALL,
+def _follower(rank: int, addr: str, model: str, port: int, log, flags=()) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "sgl_tpu.launch_server", "--model-path", model, *SMALL, *flags,
            "--tp-size", str(NNODES), "--nnodes", str(NNODES), "--node-rank", str(rank),
            "--dist-init-addr", addr, "--port", str(port)]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO_ROOT)
@@ -59,7 +59,10 @@ def model_dir(tmp_path_factory) -> str:
                                       heads=(6, 3))
 
 
-def test_three_processes_serve_like_tp1(model_dir, tmp_path):
+@pytest.mark.parametrize("state", ["off", "on"])
+def test_three_processes_serve_like_tp1(model_dir, tmp_path, state):
+    """`state`: --jax-decode-state on every rank (on: each rank's mirror of the device batch
+    state must make the same diffs as the others', or their collectives would part)."""
     with Engine(model_dir, skip_warmup=True, backend="jax", dtype="float32", page_size=4,
                 max_total_tokens=1024, max_running_requests=1, chunked_prefill_size=32,
                 min_token_bucket=32) as eng:
@@ -69,17 +72,21 @@ def test_three_processes_serve_like_tp1(model_dir, tmp_path):
     addr = f"127.0.0.1:{coordinator}"
     follower_ports = [free_port() for _ in range(1, NNODES)]
     logs = [open(tmp_path / f"rank{r}.log", "wb") for r in range(1, NNODES)]
-    followers = [_follower(r, addr, model_dir, port, log)
+    flags = ("--jax-decode-state", state)
+    followers = [_follower(r, addr, model_dir, port, log, flags)
                  for r, port, log in zip(range(1, NNODES), follower_ports, logs, strict=True)]
     server = None
     try:
-        server = launch_server(*SMALL, "--tp-size", str(NNODES), "--nnodes", str(NNODES),
-                               "--node-rank", "0", "--dist-init-addr", addr,
+        server = launch_server(*SMALL, *flags, "--tp-size", str(NNODES), "--nnodes",
+                               str(NNODES), "--node-rank", "0", "--dist-init-addr", addr,
                                model_path=model_dir)
         got = [_post(server.base_url + "/generate", {"text": p, "sampling_params": GREEDY})
                ["text"] for p in PROMPTS]
         assert got == want
-        assert server.info()["tp_size"] == NNODES
+        info = server.info()
+        assert info["tp_size"] == NNODES
+        assert info["jax_decode_state"] == state
+        assert info["device_decode_state"] is (state == "on")
         for port in follower_ports:  # only rank 0 serves HTTP
             assert http_status(f"http://127.0.0.1:{port}/health") is None
         assert all(p.poll() is None for p in followers)

@@ -242,14 +242,17 @@ def _resolve_kv_cache_dtype(args: ServerArgs, backend: str, dtype: str) -> str:
 
 
 def _resolve_jax_decode_state(args: ServerArgs, backend: str) -> bool:
-    """Device-resident decode batch state for the jax backend: on for accelerators, where a
-    step's host -> device copies cost latency (README, "Executor backends"); on CPU the packing
-    path measured the same and stays the default. Under tensor parallelism on one host the
-    state is replicated like the packed batch; across hosts (`--nnodes`) it stays off: each
-    host's mirror would have to see the same token ids at the same step to scatter the same
-    rows, which nothing checks yet."""
-    if backend != "jax" or args.nnodes > 1:
+    """Device-resident decode batch state for the jax backend (`--jax-decode-state`): auto =
+    on for accelerators, where a step's host -> device copies cost latency (README, "Executor
+    backends"); on CPU the packing path measured the same and stays the default. Under tensor
+    parallelism on one host the state is replicated like the packed batch. Across hosts
+    (`--nnodes`) every rank replays rank 0's runner calls in order (parallel/leader.py) and
+    gets the same replicated token ids back, so their mirrors make the same diffs and scatter
+    the same rows (tests/test_tp_jax_multihost.py)."""
+    if backend != "jax" or args.jax_decode_state == "off":
         return False
+    if args.jax_decode_state == "on":
+        return True
     import jax
 
     return jax.default_backend() != "cpu"

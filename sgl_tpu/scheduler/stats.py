@@ -99,6 +99,7 @@ def server_info(scheduler: Scheduler) -> dict[str, Any]:
         "num_running_reqs": scheduler.num_running,
         "num_waiting_reqs": len(scheduler.waiting),
         "num_compilations": scheduler.runner.num_compilations(),
+        "device_decode_state": scheduler.config.device_decode_state,
         "scheduler_pid": os.getpid(),
         "omp_wait": omp_wait.settings(),
         "stats": stats,

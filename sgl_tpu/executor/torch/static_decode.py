@@ -255,7 +255,9 @@ class StaticDecode:
             fn()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: under overlap scheduling the scheduler thread waits on the last step's
+        # copy event while this (the worker) thread captures a bucket first met mid-traffic
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = fn()
         self.state.ints.copy_(saved)
         self.token_counts.copy_(counts)

@@ -202,6 +202,25 @@ def test_sample_static_equals_sampler(kind):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_unchanged_batch_copies_nothing_and_check_catches_drift(llama):
+    loaded = llama
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, loaded.config.vocab_size, n).tolist() for n in (5, 6)]
+    d = Driver(_runner(loaded, static=True), prompts, [GREEDY, GREEDY])
+    state = d.runner.static_decode.state
+    d.prefill([0, 1])
+    d.decode([0, 1])  # first step: every row is new
+    copied = state.rows_copied
+    assert copied > 0
+    d.decode([0, 1])  # contexts of 7 and 8 tokens: no new page
+    assert state.rows_copied == copied
+    d.decode([0, 1])  # 8 and 9: the second needs a third page: one page-table row
+    assert state.rows_copied == copied + 1
+    state.ints[0, ds.STEP] += 1  # drift the device behind the host's back
+    with pytest.raises(RuntimeError, match=r"decode state ints\[0, 3\]"):
+        d.decode([0, 1])
+
+
 def test_engine_traffic_identical_with_static_step(llama_dir):
     """The scheduler's real steps (chunked prefill, a shared prefix from the radix cache,
     n > 1, seeds, penalties, a regex, stop tokens, requests finishing mid-batch) through one

@@ -56,7 +56,7 @@ def part_commands(args: argparse.Namespace, backend: str, out: Path) -> dict[str
     else:
         profile = py + ["sgl_tpu.bench.executor", *model, "--backends", "torch",
                         "--dtypes", args.dtype, "--prefill", "", "--decode-batches",
-                        args.batches, "--context", str(args.context), "--repeats", "1",
+                        args.batches, "--context", str(args.context), "--repeats", "5",
                         "--torch-decode-paths", "packing,static", "--count-calls",
                         "--torch-profile", "--sampling", "greedy,temperature,top-k"]
     flags = f"--backend {backend} --dtype {args.dtype} {args.server_flags}".strip()
@@ -76,15 +76,17 @@ def run_part(cmd: list[str], output: Path, timeout: float) -> dict[str, Any]:
                               text=True, timeout=timeout)
         status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
         stderr = proc.stderr
-    except subprocess.TimeoutExpired as e:
+    except subprocess.TimeoutExpired as e:  # (its captured output is bytes, text=True or not)
         status, stderr = f"timeout after {timeout:.0f} s", (e.stderr or b"").decode(
-            errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+            errors="replace")
     result: dict[str, Any] = {"status": status, "seconds": round(time.perf_counter() - t0, 1)}
     if status != "ok":
         output.with_suffix(".stderr.txt").write_text(stderr)
         result["stderr_tail"] = stderr[-2000:]
-    if output.is_file():
+    try:
         result["json"] = json.loads(output.read_text())
+    except (OSError, ValueError):  # not written, or cut short by the timeout
+        pass
     return result
 
 

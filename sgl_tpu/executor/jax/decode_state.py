@@ -138,13 +138,6 @@ class DeviceDecodeState:
             self.arrays = dataclasses.replace(self.arrays, **new)
         return copied
 
-    def dispatched(self, num_seqs: int | None) -> int:
-        """See RowMirror.dispatched; returns the step's serial."""
-        return self.mirror.dispatched(num_seqs)
-
-    def resolve(self, serial: int, token_ids: np.ndarray) -> None:
-        self.mirror.resolve(serial, token_ids)
-
     def check(self, steps: Sequence[SeqStep], token_ids: np.ndarray, num_rows: int,
               num_pages: int) -> None:
         """Debug: rows [0, S) on the device after a step equal a recomputation from `steps`

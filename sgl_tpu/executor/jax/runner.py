@@ -352,7 +352,7 @@ class JaxModelRunner:
             logits, self.token_counts, self._last_token_ids, _sample_inputs(fb),
             reset_rows=mode == ForwardMode.EXTEND)
         if state is not None:
-            state.dispatched(None)
+            state.mirror.dispatched(None)
         return out, hidden, None
 
     def _run_state(self, steps: Sequence[SeqStep], shape: BatchShape):
@@ -376,11 +376,11 @@ class JaxModelRunner:
             self._state_step(self.params, self.kv_pools, self.token_counts,
                              self._last_token_ids, state.arrays, bitmask, num_rows=S,
                              num_pages=P))
-        serial = state.dispatched(len(steps))
+        serial = state.mirror.dispatched(len(steps))
         if self.config.check_decode_state:
             token_ids = np.asarray(jax.device_get(out.token_ids))[: len(steps)]
             state.check(steps, token_ids, S, P)
-        return out, None, partial(state.resolve, serial)
+        return out, None, partial(state.mirror.resolve, serial)
 
     def forward(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> StepResult:
         return self.dispatch(mode, steps).result()

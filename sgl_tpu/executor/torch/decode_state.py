@@ -21,6 +21,7 @@ from sgl_tpu.executor.decode_rows import (  # noqa: F401  (the column indices: r
     FREQ,
     IN,
     INT_COLUMNS,
+    MATRICES,
     MIN_P,
     POS,
     PRES,
@@ -73,12 +74,12 @@ class DecodeState:
         fresh = host_rows(steps, num_rows, num_page_cols, self.page_size)
         targets = (self.ints[:num_rows], self.floats[:num_rows],
                    self.pages[:num_rows, :num_page_cols])
-        lagged = False
-        for (changed, rows), target in zip(self.mirror.diff(fresh, num_rows, num_page_cols),
-                                           targets, strict=True):
+        lagged = False  # a copied ints row holds a placeholder input
+        for name, (changed, rows), target in zip(
+                MATRICES, self.mirror.diff(fresh, num_rows, num_page_cols), targets, strict=True):
             if changed.size == 0:
                 continue
-            if target is targets[0]:
+            if name == "ints":
                 lagged = bool((rows[:, IN] < 0).any())
             if changed.size == num_rows:  # everything: one plain copy
                 target.copy_(torch.from_numpy(rows))

@@ -190,14 +190,15 @@ def sample_static(
     cand_w = (cand - row_max[:, None]).exp()
     k_on = (top_k > 0) & (top_k < vocab_size)
     p_on = top_p < 1.0
-    weights = _weights(x, inv, row_max)  # [S, V]
+    scaled = x / inv  # [S, V]; once, for the weights and the whole-vocabulary threshold
+    weights = (scaled - row_max[:, None]).exp()  # bit-equal to _weights(x, inv, row_max)
     thr, resolved = _thresholds(cand, cand_w, weights.sum(dim=-1), top_k, top_p, k_on, p_on,
                                 complete=num_cand == vocab_size)
     thr = torch.maximum(thr, _min_p_threshold(row_max, min_p))
     last = cand[:, -1]
     fits = resolved & ((thr > last) | torch.isneginf(last) | (num_cand == vocab_size))
     in_cand = _draw_candidates(cand, cand_w, cand_idx, thr, uniforms, fixed=True)
-    kept = torch.where(x / inv >= thr[:, None], weights, 0.0)  # [S, V]
+    kept = torch.where(scaled >= thr[:, None], weights, 0.0)  # [S, V]
     in_vocab = _draw(kept, uniforms, fixed=True)
     drawn = torch.where(fits, in_cand, in_vocab)
     token_ids = torch.where(greedy, x.argmax(dim=-1), drawn)

@@ -26,8 +26,9 @@ Both draws walk the kept tokens in vocabulary order with bit-equal weights, so a
 the same token for the same uniform whichever path it takes.
 
 `sample_static` is the same arithmetic for CUDA graphs (fixed shapes, no host synchronisation):
-every row takes both draws and keeps the one `sample` would, and a flag says whether every
-row's threshold was known without `_radix_select` (else the caller runs `sample`).
+every row takes both draws and keeps the one `sample` would; the exact thresholds the
+candidates cannot give come from one sort of each row instead of `_radix_select` (whose later
+passes read only the tokens of the chosen digit: data-dependent shapes).
 """
 
 from __future__ import annotations
@@ -161,22 +162,20 @@ def sample_static(
     num_top_logprobs: int,
     logprob_rows: torch.Tensor,  # bool[S]
     num_candidates: int = DEFAULT_NUM_CANDIDATES,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`sample` without a grammar mask, in fixed shapes with no host synchronisation and no
     data-dependent Python: the function a CUDA graph records (executor/torch/static_decode.py).
 
     Every row goes through every stage: penalties (neutral values leave a row bit-equal),
-    both draws of `_sample_rows` for all rows (greedy ones with temperature 1, their draws
-    discarded): over the candidates, and over the whole vocabulary with the threshold the
-    candidates gave (a row that truncates nothing, or only by min-p below them), each row
-    keeping the one `_sample_rows` would take; argmax; log-probs of all rows (zeros where not
-    asked). The whole-row weights are always made, so a nucleus row gets `sample`'s thresholds
-    either way.
-    -> token_ids i64[S], logprobs f32[S], top_ids i64[S, K], top_logprobs f32[S, K], and
-    exact bool[] (0-d): every sampling row's threshold came from its candidates. Where exact
-    is False the sampling rows' tokens are not `sample`'s: the caller must run `sample` instead
-    (a top-k above the candidates, or a nucleus wider than them: exact thresholds over the
-    whole row need `_radix_select`, whose shapes depend on the data).
+    thresholds from the candidates and exact ones from the sorted row (`_sorted_threshold`;
+    a row keeps the latter where the candidates did not suffice: a top-k above them, a
+    nucleus wider than them), both draws of `_sample_rows` (over the candidates, and over the
+    whole vocabulary), each row keeping the one `_sample_rows` would take (greedy rows run
+    them with temperature 1 and keep the argmax), log-probs of all rows (zeros where not
+    asked).
+    -> token_ids i64[S], logprobs f32[S], top_ids i64[S, K], top_logprobs f32[S, K]: `sample`'s
+    (the sorted thresholds select the values `_radix_select` does; see there for the one
+    caveat).
     """
     raw = logits.float()
     x = _penalize(raw, penalties)
@@ -190,20 +189,20 @@ def sample_static(
     cand_w = (cand - row_max[:, None]).exp()
     k_on = (top_k > 0) & (top_k < vocab_size)
     p_on = top_p < 1.0
-    scaled = x / inv  # [S, V]; once, for the weights and the whole-vocabulary threshold
+    scaled = x / inv  # [S, V]; once, for the weights and the whole-vocabulary thresholds
     weights = (scaled - row_max[:, None]).exp()  # bit-equal to _weights(x, inv, row_max)
     thr, resolved = _thresholds(cand, cand_w, weights.sum(dim=-1), top_k, top_p, k_on, p_on,
                                 complete=num_cand == vocab_size)
-    thr = torch.maximum(thr, _min_p_threshold(row_max, min_p))
     last = cand[:, -1]
     fits = resolved & ((thr > last) | torch.isneginf(last) | (num_cand == vocab_size))
+    exact = _sorted_threshold(scaled, weights, top_k, top_p, k_on, p_on)
+    thr = torch.maximum(torch.where(resolved, thr, exact), _min_p_threshold(row_max, min_p))
     in_cand = _draw_candidates(cand, cand_w, cand_idx, thr, uniforms, fixed=True)
     kept = torch.where(scaled >= thr[:, None], weights, 0.0)  # [S, V]
     in_vocab = _draw(kept, uniforms, fixed=True)
     drawn = torch.where(fits, in_cand, in_vocab)
     token_ids = torch.where(greedy, x.argmax(dim=-1), drawn)
-    return (token_ids, *logprobs_static(raw, token_ids, logprob_rows, num_top_logprobs),
-            (resolved | greedy).all())
+    return token_ids, *logprobs_static(raw, token_ids, logprob_rows, num_top_logprobs)
 
 
 def logprobs_static(raw: torch.Tensor, token_ids: torch.Tensor, want: torch.Tensor,
@@ -319,6 +318,27 @@ def _exact_threshold(scaled, weights, top_k, top_p, k_on, p_on) -> torch.Tensor:
         in_k = torch.where(scaled >= top_k_thr[:, None], weights, 0.0)
     target = top_p.double() * in_k.double().sum(dim=-1)
     top_p_thr = torch.where(p_on, _radix_select(scaled, in_k, target), -torch.inf)
+    return torch.maximum(top_k_thr, top_p_thr)
+
+
+def _sorted_threshold(scaled, weights, top_k, top_p, k_on, p_on) -> torch.Tensor:
+    """`_exact_threshold` of every row [R, V] in fixed shapes (-inf where neither knob is on):
+    each row sorted once, descending; the top-k threshold is its k-th value, the top-p one
+    the first value at which the running mass of the top-k set (float64, in that order)
+    reaches `_exact_threshold`'s target (the same expression, so the same float64 number).
+
+    These are the values `_radix_select` selects (a value, never a sum), except where a
+    partial mass lies within float64 rounding of the target: the histogram sums the same
+    weights in another order."""
+    vocab_size = scaled.shape[1]
+    ordered, order = scaled.sort(dim=-1, descending=True)  # [R, V]
+    k_idx = (top_k - 1).clamp(0, vocab_size - 1)[:, None]
+    top_k_thr = torch.where(k_on, ordered.gather(1, k_idx)[:, 0], -torch.inf)  # [R]
+    in_k = torch.where(scaled >= top_k_thr[:, None], weights, 0.0)  # [R, V]
+    target = top_p.double() * in_k.double().sum(dim=-1)  # [R]
+    mass = in_k.gather(1, order).double().cumsum(dim=-1)  # [R, V] mass of the top i + 1
+    first = (mass < target[:, None]).sum(dim=-1).clamp_max(vocab_size - 1)[:, None]
+    top_p_thr = torch.where(p_on, ordered.gather(1, first)[:, 0], -torch.inf)
     return torch.maximum(top_k_thr, top_p_thr)
 
 

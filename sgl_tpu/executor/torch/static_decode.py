@@ -10,13 +10,11 @@
     then, every row greedy with no penalty and no grammar mask (the common case):
     greedy_tail(S)  argmax, log-probs, penalty counts, state.advance  <- one graph per S
     else, no grammar mask (sampling, penalties, greedy rows among them):
-    sample_tail(S)  sampler.sample_static: tokens, log-probs, `exact`  <- one graph per S
-        host reads `exact`: True (no row needed a threshold by radix selection) ->
-        commit(S): penalty counts, state.advance                    <- one graph per S
-        False (a top-k above the candidates, a nucleus wider than them) -> the eager
-        sampler below
-    else: the eager sampler over rows [0, n) (knobs read from the state's columns, uniforms
-    from its seeds and steps), penalty counts and state.advance, eagerly
+    sample_tail(S)  sampler.sample_static: tokens, log-probs (every truncation, exact
+                    thresholds included), penalty counts, state.advance  <- one graph per S
+    else (a grammar mask: host data of this step): the eager sampler over rows [0, n) (knobs
+    read from the state's columns, uniforms from its seeds and steps), penalty counts and
+    state.advance, eagerly
 
 The same `static_forward` runs eagerly on CPU (tests prove it equals the packing path), so
 every line a graph records is exercised without a GPU. Graphs share one memory pool, are
@@ -86,7 +84,7 @@ class StaticDecode:
         self._logits = torch.zeros((max_rows, model.cfg.vocab_size), dtype=torch.float32,
                                    device=device)  # [Smax, V] written by static_forward
         self.use_graphs = config.cuda_graph and device.type == "cuda"
-        # (S, P): static_forward; (S, "greedy" | "sample" | "commit"): a tail
+        # (S, P): static_forward; (S, "greedy" | "sample"): a tail
         self._graphs: dict[tuple[int, int | str], tuple[Any, Any]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.tails: Counter[str] = Counter()  # steps per tail taken: greedy, sample, eager
@@ -109,24 +107,20 @@ class StaticDecode:
                ) -> PendingStatic:
         """Enqueue the step: rows synced (placeholder inputs resolved on the device from
         `prev_token_ids` i64[n_prev], the last step's tokens there), forward, a tail, and
-        the copies of its results to the host. On CUDA nothing here waits for the device but
-        a sample tail's `exact` flag, so the next step can be launched behind this one."""
+        the copies of its results to the host. On CUDA nothing here waits for the device
+        (but the eager sampler of a grammar-masked batch), so the next step can be launched
+        behind this one."""
         n = len(steps)
         num_rows, num_pages = self.buckets(steps)
         self.state.sync(steps, num_rows, num_pages, prev_token_ids)
         self._replay((num_rows, num_pages), partial(self.static_forward, num_rows, num_pages))
-        out = None
         if _plain_greedy(steps):
             self.tails["greedy"] += 1
             out = self._replay((num_rows, "greedy"), partial(self.greedy_tail, num_rows))
         elif all(st.bitmask is None for st in steps):
-            *drawn, exact = self._replay((num_rows, "sample"),
-                                         partial(self.sample_tail, num_rows))
-            if bool(exact):  # the host waits here (a sampled batch's only wait at launch)
-                self.tails["sample"] += 1
-                self._replay((num_rows, "commit"), partial(self.commit, drawn[0]))
-                out = drawn
-        if out is None:
+            self.tails["sample"] += 1
+            out = self._replay((num_rows, "sample"), partial(self.sample_tail, num_rows))
+        else:
             self.tails["eager"] += 1
             out = self._sample(steps, self._logits[:n])
         out = tuple(t[:n] for t in out)  # token ids, log-probs, top ids, top log-probs
@@ -186,21 +180,23 @@ class StaticDecode:
         self.commit(token_ids)
         return token_ids, *out
 
-    def sample_tail(self, num_rows: int) -> tuple[torch.Tensor, ...]:
+    def sample_tail(self, num_rows: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """sampler.sample_static over all S rows of the logits buffer, every knob from the
-        state's columns (penalty counts from its counts rows); no side effects (commit
-        follows only if `exact`) -> token ids i64[S], log-probs f32[S], top ids i64[S, K],
-        top log-probs f32[S, K], exact bool[]."""
+        state's columns (penalty counts from its counts rows), then the commit -> token ids
+        i64[S], log-probs f32[S], top ids i64[S, K], top log-probs f32[S, K]."""
         ints, floats = self.state.ints[:num_rows], self.state.floats[:num_rows]
         penalties = (self.token_counts.index_select(0, ints[:, ds.COUNTS_ROW]),
                      floats[:, ds.FREQ], floats[:, ds.PRES], floats[:, ds.REP])
-        return sampler.sample_static(
+        out = sampler.sample_static(
             self._logits[:num_rows],
             temperature=floats[:, ds.TEMP], top_p=floats[:, ds.TOP_P], top_k=ints[:, ds.TOP_K],
             min_p=floats[:, ds.MIN_P], uniforms=ds.row_uniforms(ints[:, ds.SEED],
                                                                ints[:, ds.STEP]),
             penalties=penalties, num_top_logprobs=self.config.max_top_logprobs,
             logprob_rows=ints[:, ds.RET_LP].bool())
+        self.commit(out[0])
+        return out
 
     def commit(self, token_ids: torch.Tensor) -> None:
         """The chosen tokens i64[S] into the penalty counts of valid rows, and the state one
@@ -266,7 +262,7 @@ class StaticDecode:
     @torch.inference_mode()
     def warmup(self) -> float:
         """Capture every (batch bucket, page bucket) forward graph and each batch bucket's
-        three tails, largest first (so the smaller ones reuse the shared pool); nothing to do
+        two tails, largest first (so the smaller ones reuse the shared pool); nothing to do
         without graphs. The replays that follow each capture find an all-padding state (no
         active row): they change nothing. Returns seconds spent."""
         if not self.use_graphs:
@@ -277,8 +273,7 @@ class StaticDecode:
                 self._replay((num_rows, num_pages),
                              partial(self.static_forward, num_rows, num_pages))
             self._replay((num_rows, "greedy"), partial(self.greedy_tail, num_rows))
-            drawn, *_ = self._replay((num_rows, "sample"), partial(self.sample_tail, num_rows))
-            self._replay((num_rows, "commit"), partial(self.commit, drawn))
+            self._replay((num_rows, "sample"), partial(self.sample_tail, num_rows))
         elapsed = time.perf_counter() - t0
         logger.info("captured %d CUDA graphs of the decode step (batch buckets %s, page "
                     "buckets %s) in %.1f s", len(self._graphs), self.batch_buckets,

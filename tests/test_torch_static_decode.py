@@ -18,6 +18,7 @@ import torch
 from sgl_tpu import Engine
 from sgl_tpu.cli import parse_args
 from sgl_tpu.config import ServerArgs
+from sgl_tpu.executor import step as step_contract
 from sgl_tpu.executor.registry import create_model_runner, runner_config
 from sgl_tpu.executor.step import ForwardMode, SeqStep
 from sgl_tpu.executor.torch import decode_state as ds
@@ -146,7 +147,7 @@ def test_static_step_sampling_and_penalty_parity(llama, wide):
     assert ids_a == ids_b
     torch.testing.assert_close(eager.token_counts, static.token_counts)
     tails = static.static_decode.tails
-    assert tails["sample"] > 0 and tails["greedy"] == tails["eager"] == 0
+    assert tails["sample"] > 0 and tails["greedy"] == tails["masked"] == 0
 
 
 # (temperature, top-p, top-k, min-p) rows by the draw `sampler.sample` gives them
@@ -178,10 +179,31 @@ def _sampler_rows(rng, vocab: int, kind: str):
                 min_p=min_p.float(), penalties=penalties)
 
 
-@pytest.mark.parametrize("kind", list(SAMPLER_ROWS))
-def test_sample_static_equals_sampler(kind):
+def _bitmask(rng, n: int, vocab: int, mask: str) -> torch.Tensor | None:
+    """Packed allowed-token masks i32[n, W]: `grammar`, a random third of the vocabulary per
+    row and nothing at all in row 0 (`sample` applies it dense); `banned`, all but three ids
+    per row (a min_new_tokens ban: `sample` sets them to -inf in place)."""
+    if mask == "none":
+        return None
+    words = step_contract.mask_words(vocab)
+    allowed = np.zeros((n, words * 32), bool)
+    if mask == "grammar":
+        allowed[:, :vocab] = rng.random((n, vocab)) < 0.3
+        allowed[0] = False
+    else:
+        allowed[:, :vocab] = True
+        allowed[np.arange(n)[:, None], rng.integers(0, vocab, (n, 3))] = False
+    packed = np.packbits(allowed.astype(np.uint8), axis=1, bitorder="little")
+    return torch.from_numpy(packed.view(np.int32))
+
+
+@pytest.mark.parametrize(("kind", "mask"), [(kind, "none") for kind in SAMPLER_ROWS]
+                         + [("candidates", "grammar"), ("radix", "grammar"),
+                            ("whole-vocab", "banned")])
+def test_sample_static_equals_sampler(kind, mask):
     """The fixed-shape sampler a CUDA graph records gives `sampler.sample`'s tokens, log-probs
-    and top log-probs bit for bit, whichever way `sample` finds a row's threshold."""
+    and top log-probs bit for bit, whichever way `sample` finds a row's threshold, and with
+    either way `sample` applies a mask."""
     rng = np.random.default_rng(11)
     vocab = 1000
     knobs = _sampler_rows(rng, vocab, kind)
@@ -190,10 +212,15 @@ def test_sample_static_equals_sampler(kind):
     for _ in range(8):
         logits = torch.from_numpy((rng.standard_normal((n, vocab)) * 3).astype(np.float32))
         uniforms = torch.from_numpy(rng.random(n).astype(np.float32))
-        ref = sampler.sample(logits.clone(), uniforms=uniforms, bitmask=None,
+        bitmask = _bitmask(rng, n, vocab, mask)
+        ref = sampler.sample(logits.clone(), uniforms=uniforms, bitmask=bitmask,
                              num_top_logprobs=3, logprob_rows=want, **knobs)
         got = sampler.sample_static(logits.clone(), uniforms=uniforms, num_top_logprobs=3,
-                                    logprob_rows=want, **knobs)
+                                    logprob_rows=want, bitmask=bitmask, **knobs)
+        if bitmask is not None:  # every token drawn is allowed (row 0 of a grammar: none is)
+            allowed = sampler.unpack_bitmask(bitmask, vocab)
+            chosen = allowed.gather(1, got[0][:, None])[:, 0]
+            assert bool(chosen[1:].all()) and bool(chosen[0]) == (mask == "banned")
         for a, b in zip(got, ref, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
@@ -236,7 +263,8 @@ def test_engine_traffic_identical_with_static_step(llama_dir):
                   {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 15, "seed": 3},
                   {"temperature": 0.7, "frequency_penalty": 0.5, "repetition_penalty": 1.2,
                    "max_new_tokens": 11, "seed": 4},
-                  {"temperature": 0, "max_new_tokens": 4, "regex": "[a-z]+ [0-9]{2,4}"},
+                  {"temperature": 0.9, "max_new_tokens": 4, "regex": "[a-z]+ [0-9]{2,4}",
+                   "seed": 6},
                   {"temperature": 1.0, "top_k": 5, "n": 2, "max_new_tokens": 9, "seed": 8}]
 
         def run():
@@ -256,6 +284,7 @@ def test_engine_traffic_identical_with_static_step(llama_dir):
         static = run()
         assert runner.static_decode.state.rows_copied > 0  # the static step ran
         assert static == packing
+        assert runner.static_decode.tails["masked"] > 0  # the regex's steps
         sched.overlap = True
         overlapped = sched.stats.num_overlapped_steps
         assert run() == packing
@@ -314,7 +343,7 @@ def test_cuda_warmup_captures_every_bucket(llama):
     runner = _runner(llama, static=True, device="cuda")
     runner.warmup()
     sd = runner.static_decode
-    expected = len(sd.batch_buckets) * (len(sd.page_buckets) + 2)  # forward per (S, P) + tails
+    expected = len(sd.batch_buckets) * (len(sd.page_buckets) + 3)  # forward per (S, P) + tails
     assert sd.num_graphs() == expected
     prompts = [list(range(3, 3 + n)) for n in (5, 11)]
     d = Driver(runner, prompts, [GREEDY, SAMPLED])

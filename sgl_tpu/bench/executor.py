@@ -14,7 +14,7 @@ machine is shared. `--sampling` lists the decode modes: `greedy` (temperature 0)
 (temperature 0.7, top-p 0.9, a seed per sequence; no log-probs asked), `top-k` (the same
 with top-k 40) and `temperature` (1.0, no truncation); with several, their decode steps
 alternate (ABAB...) and each row reports its median step time over the first mode's.
-Static-step rows name the tail their steps took (`static_tail`: greedy, sample or eager).
+Static-step rows name the tail their steps took (`static_tail`: greedy, sample or masked).
 `--baseline-sampler FILE` (torch) times the same steps with another sampler module in the same
 alternation, for before/after ratios. `--torch-decode-paths packing,static` (torch) times the
 decode steps of the packing path and of the static-shape step over device-resident state
@@ -172,9 +172,8 @@ def _decode_path(rcfg, path: str):
 
 
 def _static_tail(runner, fn) -> str:
-    """Which tail of the static step (greedy, sample or eager; static_decode.py) one more
-    call of fn takes: a sampled row whose kept set exceeds the candidates (a wide nucleus on
-    a near-flat random-weight model, say) sends its step to the eager sampler."""
+    """Which tail of the static step (greedy, sample or masked; static_decode.py) one more
+    call of fn takes."""
     before = dict(runner.static_decode.tails)
     fn()
     taken = [k for k, v in runner.static_decode.tails.items() if v > before.get(k, 0)]

@@ -161,27 +161,31 @@ def sample_static(
     penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     num_top_logprobs: int,
     logprob_rows: torch.Tensor,  # bool[S]
+    bitmask: torch.Tensor | None = None,  # i32[S, W]; None: no mask
     num_candidates: int = DEFAULT_NUM_CANDIDATES,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`sample` without a grammar mask, in fixed shapes with no host synchronisation and no
-    data-dependent Python: the function a CUDA graph records (executor/torch/static_decode.py).
+    """`sample` in fixed shapes with no host synchronisation and no data-dependent Python: the
+    function a CUDA graph records (executor/torch/static_decode.py).
 
-    Every row goes through every stage: penalties (neutral values leave a row bit-equal),
-    thresholds from the candidates and exact ones from the sorted row (`_sorted_threshold`;
-    a row keeps the latter where the candidates did not suffice: a top-k above them, a
-    nucleus wider than them), both draws of `_sample_rows` (over the candidates, and over the
-    whole vocabulary), each row keeping the one `_sample_rows` would take (greedy rows run
-    them with temperature 1 and keep the argmax), log-probs of all rows (zeros where not
-    asked).
+    Every row goes through every stage: penalties (neutral values leave a row bit-equal); the
+    mask, dense (a row it disallows entirely decodes its raw logits greedily, as in `sample`);
+    thresholds from the candidates and exact ones from the sorted row (`_sorted_threshold`), a
+    row keeping the latter where the candidates did not suffice (a top-k above them, a nucleus
+    wider than them); both draws of `_sample_rows` (over the candidates, and over the whole
+    vocabulary), each row keeping the one `_sample_rows` would take (greedy rows run them with
+    temperature 1 and keep the argmax); log-probs of all rows (zeros where not asked).
     -> token_ids i64[S], logprobs f32[S], top_ids i64[S, K], top_logprobs f32[S, K]: `sample`'s
-    (the sorted thresholds select the values `_radix_select` does; see there for the one
-    caveat).
+    (the sorted thresholds are the values `_radix_select` selects; `_sorted_threshold` names
+    the one caveat).
     """
     raw = logits.float()
     x = _penalize(raw, penalties)
     vocab_size = x.shape[1]
     num_cand = min(num_candidates, vocab_size)
     greedy = (temperature < GREEDY_TEMPERATURE_EPS) | (top_k == 1)
+    if bitmask is not None:
+        x, fully_masked = _dense_mask(x, raw, bitmask)
+        greedy = greedy | fully_masked
     inv = torch.where(greedy, 1.0, temperature)[:, None]  # [S, 1]
     cand_x, cand_idx = torch.topk(x, num_cand, dim=-1)  # [S, C] descending
     cand = cand_x / inv

@@ -12,9 +12,9 @@
     else, no grammar mask (sampling, penalties, greedy rows among them):
     sample_tail(S)  sampler.sample_static: tokens, log-probs (every truncation, exact
                     thresholds included), penalty counts, state.advance  <- one graph per S
-    else (a grammar mask: host data of this step): the eager sampler over rows [0, n) (knobs
-    read from the state's columns, uniforms from its seeds and steps), penalty counts and
-    state.advance, eagerly
+    else (a grammar mask: host data of this step): the rows' masks copied into a persistent
+    mask buffer, then
+    sample_tail(S, masked)  the same over the masked logits        <- one graph per S
 
 The same `static_forward` runs eagerly on CPU (tests prove it equals the packing path), so
 every line a graph records is exercised without a GPU. Graphs share one memory pool, are
@@ -83,11 +83,13 @@ class StaticDecode:
         self._no_slots = torch.zeros(0, dtype=torch.int64, device=device)
         self._logits = torch.zeros((max_rows, model.cfg.vocab_size), dtype=torch.float32,
                                    device=device)  # [Smax, V] written by static_forward
+        self._masks = torch.full((max_rows, step_contract.mask_words(model.cfg.vocab_size)), -1,
+                                 dtype=torch.int32, device=device)  # [Smax, W] of masked steps
         self.use_graphs = config.cuda_graph and device.type == "cuda"
-        # (S, P): static_forward; (S, "greedy" | "sample"): a tail
+        # (S, P): static_forward; (S, "greedy" | "sample" | "masked"): a tail
         self._graphs: dict[tuple[int, int | str], tuple[Any, Any]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.tails: Counter[str] = Counter()  # steps per tail taken: greedy, sample, eager
+        self.tails: Counter[str] = Counter()  # steps per tail taken: greedy, sample, masked
 
     # ---- which steps ------------------------------------------------------------------
     def accepts(self, steps: Sequence[SeqStep]) -> bool:
@@ -107,9 +109,8 @@ class StaticDecode:
                ) -> PendingStatic:
         """Enqueue the step: rows synced (placeholder inputs resolved on the device from
         `prev_token_ids` i64[n_prev], the last step's tokens there), forward, a tail, and
-        the copies of its results to the host. On CUDA nothing here waits for the device
-        (but the eager sampler of a grammar-masked batch), so the next step can be launched
-        behind this one."""
+        the copies of its results to the host. On CUDA nothing here waits for the device, so
+        the next step can be launched behind this one."""
         n = len(steps)
         num_rows, num_pages = self.buckets(steps)
         self.state.sync(steps, num_rows, num_pages, prev_token_ids)
@@ -121,8 +122,10 @@ class StaticDecode:
             self.tails["sample"] += 1
             out = self._replay((num_rows, "sample"), partial(self.sample_tail, num_rows))
         else:
-            self.tails["eager"] += 1
-            out = self._sample(steps, self._logits[:n])
+            self.tails["masked"] += 1
+            self._load_masks(steps, num_rows)
+            out = self._replay((num_rows, "masked"),
+                               partial(self.sample_tail, num_rows, masked=True))
         out = tuple(t[:n] for t in out)  # token ids, log-probs, top ids, top log-probs
         serial = self.state.mirror.dispatched(n)
         pending = PendingStatic(self.state, serial, out[0], *_to_host(out))
@@ -180,11 +183,12 @@ class StaticDecode:
         self.commit(token_ids)
         return token_ids, *out
 
-    def sample_tail(self, num_rows: int
+    def sample_tail(self, num_rows: int, masked: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """sampler.sample_static over all S rows of the logits buffer, every knob from the
-        state's columns (penalty counts from its counts rows), then the commit -> token ids
-        i64[S], log-probs f32[S], top ids i64[S, K], top log-probs f32[S, K]."""
+        state's columns (penalty counts from its counts rows; `masked`: the mask buffer's
+        rows), then the commit -> token ids i64[S], log-probs f32[S], top ids i64[S, K], top
+        log-probs f32[S, K]."""
         ints, floats = self.state.ints[:num_rows], self.state.floats[:num_rows]
         penalties = (self.token_counts.index_select(0, ints[:, ds.COUNTS_ROW]),
                      floats[:, ds.FREQ], floats[:, ds.PRES], floats[:, ds.REP])
@@ -194,9 +198,19 @@ class StaticDecode:
             min_p=floats[:, ds.MIN_P], uniforms=ds.row_uniforms(ints[:, ds.SEED],
                                                                ints[:, ds.STEP]),
             penalties=penalties, num_top_logprobs=self.config.max_top_logprobs,
-            logprob_rows=ints[:, ds.RET_LP].bool())
+            logprob_rows=ints[:, ds.RET_LP].bool(),
+            bitmask=self._masks[:num_rows] if masked else None)
         self.commit(out[0])
         return out
+
+    def _load_masks(self, steps: Sequence[SeqStep], num_rows: int) -> None:
+        """The steps' grammar masks into rows [0, S) of the mask buffer (every token allowed
+        in the other rows): one host-to-device copy, ordered before the tail's replay."""
+        masks = np.full((num_rows, self._masks.shape[1]), -1, np.int32)  # [S, W]
+        for i, st in enumerate(steps):
+            if st.bitmask is not None:
+                masks[i] = st.bitmask
+        self._masks[:num_rows].copy_(torch.from_numpy(masks))
 
     def commit(self, token_ids: torch.Tensor) -> None:
         """The chosen tokens i64[S] into the penalty counts of valid rows, and the state one
@@ -206,36 +220,6 @@ class StaticDecode:
         cells = ints[:, ds.COUNTS_ROW] * self.token_counts.shape[1] + token_ids  # [S]
         self.token_counts.view(-1).scatter_add_(0, cells, valid)  # a plain kernel: capturable
         self.state.advance(token_ids)
-
-    def _sample(self, steps: Sequence[SeqStep], logits: torch.Tensor):
-        """The eager sampler over rows [0, n), its per-row knobs read from the state."""
-        n = logits.shape[0]
-        ints, floats = self.state.ints[:n], self.state.floats[:n]
-        rows = ints[:, ds.COUNTS_ROW]
-        penalties = None
-        if any(st.sampling.uses_penalties for st in steps):
-            penalties = (self.token_counts.index_select(0, rows), floats[:, ds.FREQ],
-                         floats[:, ds.PRES], floats[:, ds.REP])
-        bitmask = None
-        if any(st.bitmask is not None for st in steps):
-            words = step_contract.mask_words(logits.shape[1])
-            mask = np.full((n, words), -1, np.int32)
-            for i, st in enumerate(steps):
-                if st.bitmask is not None:
-                    mask[i] = st.bitmask
-            bitmask = torch.from_numpy(mask).to(self.device)
-        token_ids, logprobs, top_ids, top_lp = sampler.sample(
-            logits,
-            temperature=floats[:, ds.TEMP], top_p=floats[:, ds.TOP_P], top_k=ints[:, ds.TOP_K],
-            min_p=floats[:, ds.MIN_P],
-            uniforms=ds.row_uniforms(ints[:, ds.SEED], ints[:, ds.STEP]),
-            penalties=penalties, bitmask=bitmask,
-            num_top_logprobs=self.config.max_top_logprobs,
-            logprob_rows=ints[:, ds.RET_LP].bool())
-        valid = ints[:, ds.VALID].to(torch.int32)
-        self.token_counts.index_put_((rows, token_ids), valid, accumulate=True)
-        self.state.advance(token_ids)  # rows [0, n): all active
-        return token_ids, logprobs, top_ids, top_lp
 
     # ---- CUDA graphs --------------------------------------------------------------------
     def _capture(self, fn) -> tuple[Any, Any]:
@@ -262,7 +246,7 @@ class StaticDecode:
     @torch.inference_mode()
     def warmup(self) -> float:
         """Capture every (batch bucket, page bucket) forward graph and each batch bucket's
-        two tails, largest first (so the smaller ones reuse the shared pool); nothing to do
+        three tails, largest first (so the smaller ones reuse the shared pool); nothing to do
         without graphs. The replays that follow each capture find an all-padding state (no
         active row): they change nothing. Returns seconds spent."""
         if not self.use_graphs:
@@ -274,6 +258,7 @@ class StaticDecode:
                              partial(self.static_forward, num_rows, num_pages))
             self._replay((num_rows, "greedy"), partial(self.greedy_tail, num_rows))
             self._replay((num_rows, "sample"), partial(self.sample_tail, num_rows))
+            self._replay((num_rows, "masked"), partial(self.sample_tail, num_rows, masked=True))
         elapsed = time.perf_counter() - t0
         logger.info("captured %d CUDA graphs of the decode step (batch buckets %s, page "
                     "buckets %s) in %.1f s", len(self._graphs), self.batch_buckets,

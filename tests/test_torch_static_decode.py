@@ -353,6 +353,37 @@ def test_cuda_warmup_captures_every_bucket(llama):
     assert sd.num_graphs() == expected  # served from the captured graphs
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_static_launch_never_waits(llama):
+    """On CUDA, after warm-up, launching a static step makes no synchronising CUDA call (torch's
+    sync debug mode raises on one), so step t+1 is enqueued behind step t: changed state rows
+    (new pages every 4 tokens, a request leaving), a grammar mask and the result copies all
+    go through pinned memory."""
+    runner = _runner(llama, static=True, device="cuda")
+    sd = runner.static_decode
+    sd.config = dataclasses.replace(sd.config, check_decode_state=False)  # (it reads back)
+    runner.warmup()
+    d = Driver(runner, [list(range(3, 3 + n)) for n in (5, 11, 7)], [GREEDY, SAMPLED, GREEDY])
+    d.prefill([0, 1, 2])
+    allow_all = np.full(step_contract.mask_words(llama.config.vocab_size), -1, np.int32)
+    for k in range(8):
+        which = [0, 1, 2] if k < 4 else [0, 2]
+        steps = [d._step(d.reqs[i], [d.reqs[i]["ids"][-1]], len(d.reqs[i]["ids"]) - 1)
+                 for i in which]
+        if k == 6:
+            steps[0] = dataclasses.replace(steps[0], bitmask=allow_all)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            pending = sd.launch(steps, runner._last_token_ids)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        runner._last_token_ids = pending.device_token_ids
+        for i, t in zip(which, pending.result().token_ids, strict=True):
+            d.reqs[i]["ids"].append(int(t))
+    assert sd.tails["masked"] == 1 and sd.tails["sample"] == 4 and sd.tails["greedy"] == 3
+    assert sd.num_graphs() == len(sd.batch_buckets) * (len(sd.page_buckets) + 3)
+
+
 def test_static_step_resolves_overlap_placeholders(llama):
     """Overlap scheduling dispatches decode step t+1 before step t's tokens reach the host, its
     inputs naming them by placeholder (`placeholder_id(row in step t)`). The static step gets

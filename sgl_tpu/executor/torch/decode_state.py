@@ -82,10 +82,9 @@ class DecodeState:
             if name == "ints":
                 lagged = bool((rows[:, IN] < 0).any())
             if changed.size == num_rows:  # everything: one plain copy
-                target.copy_(torch.from_numpy(rows))
+                target.copy_(upload(rows, self.device))
             else:
-                idx = torch.from_numpy(changed).to(self.device)
-                target.index_copy_(0, idx, torch.from_numpy(rows).to(self.device))
+                target.index_copy_(0, upload(changed, self.device), upload(rows, self.device))
         if lagged:
             if prev_token_ids is None:
                 raise RuntimeError("decode state: placeholder input ids but no previous step")
@@ -116,6 +115,17 @@ class DecodeState:
                   self.pages[:num_rows, :num_page_cols].cpu().numpy())
         check_rows(device, expected,
                    self.mirror.resolved_views(num_rows, num_page_cols, token_ids))
+
+
+def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device`, enqueued without waiting for the device. On CUDA a copy from
+    pageable memory synchronises the stream (it would wait for the step in flight, ending
+    overlap); one from pinned memory does not, and torch's pinned allocator keeps the staging
+    block until the copy ran. Elsewhere the array as a tensor there."""
+    host = torch.from_numpy(array)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def row_uniforms(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:

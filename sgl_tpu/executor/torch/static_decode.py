@@ -205,12 +205,12 @@ class StaticDecode:
 
     def _load_masks(self, steps: Sequence[SeqStep], num_rows: int) -> None:
         """The steps' grammar masks into rows [0, S) of the mask buffer (every token allowed
-        in the other rows): one host-to-device copy, ordered before the tail's replay."""
+        in the other rows): one host-to-device copy, enqueued before the tail's replay."""
         masks = np.full((num_rows, self._masks.shape[1]), -1, np.int32)  # [S, W]
         for i, st in enumerate(steps):
             if st.bitmask is not None:
                 masks[i] = st.bitmask
-        self._masks[:num_rows].copy_(torch.from_numpy(masks))
+        self._masks[:num_rows].copy_(ds.upload(masks, self.device))
 
     def commit(self, token_ids: torch.Tensor) -> None:
         """The chosen tokens i64[S] into the penalty counts of valid rows, and the state one

@@ -15,6 +15,7 @@ import hmac
 import json
 from typing import Any
 
+import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
@@ -113,8 +114,17 @@ async def collect(tm: TokenizerManager, item: GenItem) -> dict[str, Any]:
     return result
 
 
-def sse(data: Any) -> bytes:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+def sse(data: Any, event: str | None = None) -> bytes:
+    """One server-sent event: `data: <JSON>` (after `event: <name>` when named). orjson, since
+    a stream encodes one per token (it writes non-finite floats as null, valid JSON where the
+    standard encoder writes NaN); what it refuses (an int beyond 64 bits) goes through the
+    standard encoder."""
+    try:
+        body = orjson.dumps(data, option=orjson.OPT_NON_STR_KEYS)
+    except TypeError:
+        body = json.dumps(data, ensure_ascii=False).encode()
+    head = b"data: " if event is None else f"event: {event}\ndata: ".encode()
+    return head + body + b"\n\n"
 
 
 def bearer_matches(header: str, key: str) -> bool:

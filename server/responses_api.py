@@ -17,7 +17,6 @@ own `instructions` lead its prompt.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -26,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
-from sgl_tpu.server.http_common import error_response, parse_body
+from sgl_tpu.server.http_common import error_response, parse_body, sse
 from sgl_tpu.server.openai_api import check_model
 from sgl_tpu.server.openai_chat import chat_completion, chat_completion_chunks
 from sgl_tpu.server.openai_protocol import ChatCompletionRequest
@@ -119,11 +118,6 @@ async def create_response(tm: TokenizerManager, store: ResponseStore, req: Respo
     return final
 
 
-def _sse(event: dict[str, Any]) -> bytes:
-    return (f"event: {event['type']}\n"
-            f"data: {json.dumps(event, ensure_ascii=False)}\n\n").encode()
-
-
 async def _stream(store: ResponseStore, req: ResponsesRequest, turn: _Turn,
                   chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     first = await anext(chunks, None)  # errors before the first token: a 4xx, not a stream
@@ -132,18 +126,18 @@ async def _stream(store: ResponseStore, req: ResponsesRequest, turn: _Turn,
     async def body() -> AsyncIterator[bytes]:
         try:
             for event in events.start() + (events.feed(first) if first else []):
-                yield _sse(event)
+                yield sse(event, event["type"])
             async for chunk in chunks:
                 for event in events.feed(chunk):
-                    yield _sse(event)
+                    yield sse(event, event["type"])
             closing, final = events.finish()
             if req.store:
                 turn.save(store, final)
             for event in closing:
-                yield _sse(event)
+                yield sse(event, event["type"])
         except (RequestError, ServerDead) as e:
             for event in events.failed(str(e), getattr(e, "status_code", 503)):
-                yield _sse(event)
+                yield sse(event, event["type"])
         finally:
             await chunks.aclose()
 

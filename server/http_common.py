@@ -108,7 +108,7 @@ def _validation_message(e: ValidationError, whole: bool) -> str:
 
 async def collect(tm: TokenizerManager, item: GenItem) -> dict[str, Any]:
     result = None
-    async for out in tm.generate(item):
+    async for out in tm.generate(item, final_only=True):
         result = out
     assert result is not None
     return result

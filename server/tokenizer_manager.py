@@ -226,10 +226,15 @@ class TokenizerManager:
             raise RequestError(error)
         return sampling
 
-    async def generate(self, item: GenItem) -> AsyncIterator[dict[str, Any]]:
-        """Submit one request; yield its cumulative result after each update (the last one
-        is final). Raises RequestError for bad input, ServerDead if the server died."""
-        self.validate(item)
+    async def generate(self, item: GenItem, *, final_only: bool = False
+                       ) -> AsyncIterator[dict[str, Any]]:
+        """Submit one request; yield its cumulative result: after its first update, then
+        once at least `stream_interval` more tokens arrived (the request's sampling parameter,
+        else --stream-interval; updates that arrive while the consumer is busy merge into
+        one), and when final; with `final_only` (a caller that waits for the whole result)
+        only the final one. Raises RequestError for bad input, ServerDead if the server
+        died."""
+        interval = self.validate(item).stream_interval or self.args.stream_interval
         if item.rid in self.states:
             raise RequestError(f"duplicate request id {item.rid!r}")
         acc = ResponseAccumulator(
@@ -247,6 +252,7 @@ class TokenizerManager:
         state = self.states[item.rid] = _ReqState(acc)
         await self.to_scheduler.send(data)
         finished = False
+        sent = None  # completion tokens of the last yielded result
         try:
             while True:
                 await state.event.wait()
@@ -257,6 +263,11 @@ class TokenizerManager:
                 if status is not None:
                     raise RequestError(status[1], status[0])
                 finished = acc.finished
+                tokens = acc.last.completion_tokens
+                if not finished and (final_only or (sent is not None
+                                                    and tokens - sent < interval)):
+                    continue
+                sent = tokens
                 yield acc.to_dict()
                 if finished:
                     return

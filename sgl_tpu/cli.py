@@ -43,6 +43,10 @@ _HELP = {
     "allow_origins": "origins allowed by CORS (e.g. http://localhost:3000, or *); none by "
                      "default, so browsers on other origins cannot call the API",
     "max_request_bytes": "largest HTTP request body in bytes; larger ones get a 413",
+    "stream_interval": "tokens between the updates of a streamed request (after its first "
+                       "token, which is sent at once; its last update is always sent): larger "
+                       "values cost the HTTP process less per token. A request's "
+                       "stream_interval sampling parameter overrides it",
     "skip_warmup": "do not compile the shape buckets at start-up (they compile on first use)",
     "attention_backend": "attention kernels: pallas (Pallas TPU kernel), ref (pure jax.numpy), "
                          "gathered (pages gathered into a dense view, few large ops; GPUs), "

@@ -145,6 +145,9 @@ class ServerArgs:
     # origin cannot read responses, and JSON bodies need a preflight it does not get).
     allow_origins: tuple[str, ...] = ()
     max_request_bytes: int = 16 * 2**20  # largest HTTP request body (413 beyond)
+    # a streamed request gets its first token, then an update every this many tokens (and its
+    # last); a request's own `stream_interval` sampling parameter overrides it
+    stream_interval: int = 1
     served_model_name: str | None = None
     dtype: str = "auto"
     # KV pool: auto (= the compute dtype; bfloat16 under --dtype auto resolving to float32 on
@@ -229,7 +232,7 @@ class ServerArgs:
     def __post_init__(self) -> None:
         for name in ("page_size", "max_total_tokens", "max_running_requests", "max_extend_seqs",
                      "chunked_prefill_size", "kv_tile", "block_q", "min_token_bucket",
-                     "max_request_bytes"):
+                     "max_request_bytes", "stream_interval"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

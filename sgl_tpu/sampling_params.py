@@ -17,7 +17,7 @@ from typing import Any
 # Keys SGLang's frontend and native API send that change nothing here yet, or are handled by
 # the tokenizer side; accepted so that unmodified clients work.
 _ACCEPTED_NOOP_KEYS = frozenset({"spaces_between_special_tokens", "logit_bias",
-                                 "custom_params", "stream_interval"})
+                                 "custom_params"})
 # Other names of a field: SGLang's native API calls the seed `sampling_seed` (and the
 # sglang-router keeps only that name when it re-serialises a request); OpenAI calls it `seed`.
 _ALIASES = {"sampling_seed": "seed"}
@@ -53,6 +53,8 @@ class SamplingParams:
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
+    # tokens between a streamed request's updates (the HTTP side; None: --stream-interval)
+    stream_interval: int | None = None
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -68,6 +70,8 @@ class SamplingParams:
         _check_float("repetition_penalty", self.repetition_penalty, lo=0.0, hi=2.0, lo_open=True)
         if self.seed is not None:
             _check_int("seed", self.seed, lo=0, hi=2**63 - 1)
+        if self.stream_interval is not None:
+            _check_int("stream_interval", self.stream_interval, lo=1, hi=2**31 - 1)
         if len(self.stop) > MAX_STOP_STRS:
             raise ValueError(f"stop: at most {MAX_STOP_STRS} stop strings, got {len(self.stop)}")
         for s in self.stop:

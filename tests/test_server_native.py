@@ -4,7 +4,8 @@ Servers (module scoped, launched on first use, shared by the tests that follow):
 
     roomy       page 16, radix cache on, context 512      the reference for most checks
     nocache     --disable-radix-cache, --context-length 256, --api-key   (bad input, auth)
-    tight       --max-total-tokens 512 --max-running-requests 16   (forces retraction)
+    tight       --max-total-tokens 512 --max-running-requests 16   (forces retraction),
+                --stream-interval 3
     page1       --page-size 1; the last test kills its scheduler (a dying child)
 
 The tiny model's outputs are gibberish but deterministic, so greedy runs are compared
@@ -129,7 +130,8 @@ def nocache(tiny_model):
 @pytest.fixture(scope="module")
 def tight(tiny_model):
     server = _launch(tiny_model, "--page-size", "16", "--max-total-tokens", "512",
-                     "--max-running-requests", "16", "--dtype", "float32")
+                     "--max-running-requests", "16", "--dtype", "float32",
+                     "--stream-interval", "3")
     yield server
     server.handle.stop()
 
@@ -293,6 +295,27 @@ def test_retraction_under_memory_pressure(tight, roomy):
         assert out["output_ids"] == reference[i]["output_ids"], i
     info = tight.assert_clean()
     assert info["stats"]["num_retractions"] > before
+
+
+@pytest.mark.parametrize("which, sp, interval", [("tight", {}, 3),
+                                                 ("roomy", {"stream_interval": 5}, 5),
+                                                 ("tight", {"stream_interval": 6}, 6)],
+                         ids=["server-flag", "request-param", "request-overrides-flag"])
+def test_stream_interval(request, roomy, which, sp, interval):
+    """A streamed request gets its first update, then one per `interval` new tokens or more
+    (several can arrive in one step: drafts, jump-forward), then its final result; the text
+    is the non-streamed one. A request's own interval overrides --stream-interval."""
+    sp = {**GREEDY, "max_new_tokens": 40, "ignore_eos": True, **sp}
+    prompt = ids(20, 1900)
+    reference = roomy.generate(input_ids=prompt, sampling_params=sp)
+    events, done = stream(request.getfixturevalue(which), {"input_ids": prompt,
+                                                           "sampling_params": sp})
+    assert done
+    counts = [ev["meta_info"]["completion_tokens"] for ev in events]
+    assert counts[0] >= 1 and counts[-1] == 40, counts
+    assert all(b - a >= interval for a, b in zip(counts[:-2], counts[1:-1])), counts
+    assert events[-1]["text"] == reference["text"]
+    assert events[-1]["output_ids"] == reference["output_ids"]
 
 
 # ---- 6. native API details ------------------------------------------------------------------
@@ -595,6 +618,8 @@ BAD_INPUTS = [
      {"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": 2},
      ("logprob_start_len",)),
     ("streaming a batch", {"text": ["a", "b"], "stream": True}, ("stream",)),
+    ("stream_interval 0", {"text": "hi", "sampling_params": {"stream_interval": 0}},
+     ("stream_interval",)),
     ("rid not a string", {"text": "hi", "rid": 5}, ("rid",)),
 ]
 

@@ -313,7 +313,7 @@ def test_stream_interval(request, roomy, which, sp, interval):
     assert done
     counts = [ev["meta_info"]["completion_tokens"] for ev in events]
     assert counts[0] >= 1 and counts[-1] == 40, counts
-    assert all(b - a >= interval for a, b in zip(counts[:-2], counts[1:-1])), counts
+    assert all(b - a >= interval for a, b in zip(counts[:-2], counts[1:-1], strict=True)), counts
     assert events[-1]["text"] == reference["text"]
     assert events[-1]["output_ids"] == reference["output_ids"]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import os
 import time
 import uuid
@@ -76,6 +77,8 @@ class GenItem:
 @dataclass
 class _ReqState:
     acc: ResponseAccumulator
+    # completion tokens at which the consumer is next woken (inf: only by the final update)
+    wake_at: float = 1
     event: asyncio.Event = field(default_factory=asyncio.Event)
     error: str | None = None
 
@@ -175,7 +178,8 @@ class TokenizerManager:
         state.acc.update(out)
         if self.metrics is not None:
             self.metrics.observe(out, state.acc)
-        state.event.set()
+        if out.finished or out.completion_tokens >= state.wake_at:
+            state.event.set()
 
     # ---- requests --------------------------------------------------------------------------
     def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -228,12 +232,12 @@ class TokenizerManager:
 
     async def generate(self, item: GenItem, *, final_only: bool = False
                        ) -> AsyncIterator[dict[str, Any]]:
-        """Submit one request; yield its cumulative result: after its first update, then
-        once at least `stream_interval` more tokens arrived (the request's sampling parameter,
-        else --stream-interval; updates that arrive while the consumer is busy merge into
-        one), and when final; with `final_only` (a caller that waits for the whole result)
-        only the final one. Raises RequestError for bad input, ServerDead if the server
-        died."""
+        """Submit one request; yield its cumulative result: once it has a token, then once
+        at least `stream_interval` more arrived (the request's sampling parameter, else
+        --stream-interval; updates that arrive while the consumer is busy merge into one),
+        and when final; with `final_only` (a caller that waits for the whole result) only
+        the final one. The receive loop wakes this generator only for those (`wake_at`).
+        Raises RequestError for bad input, ServerDead if the server died."""
         interval = self.validate(item).stream_interval or self.args.stream_interval
         if item.rid in self.states:
             raise RequestError(f"duplicate request id {item.rid!r}")
@@ -249,10 +253,9 @@ class TokenizerManager:
         except (TypeError, ValueError, OverflowError, UnicodeEncodeError) as e:
             # What the HTTP layer's checks let through (the Engine-like callers) ends here.
             raise RequestError(f"request cannot be encoded: {type(e).__name__}: {e}") from None
-        state = self.states[item.rid] = _ReqState(acc)
+        state = self.states[item.rid] = _ReqState(acc, math.inf if final_only else 1)
         await self.to_scheduler.send(data)
         finished = False
-        sent = None  # completion tokens of the last yielded result
         try:
             while True:
                 await state.event.wait()
@@ -263,11 +266,8 @@ class TokenizerManager:
                 if status is not None:
                     raise RequestError(status[1], status[0])
                 finished = acc.finished
-                tokens = acc.last.completion_tokens
-                if not finished and (final_only or (sent is not None
-                                                    and tokens - sent < interval)):
-                    continue
-                sent = tokens
+                if not final_only:
+                    state.wake_at = acc.last.completion_tokens + interval
                 yield acc.to_dict()
                 if finished:
                     return

@@ -116,7 +116,9 @@ class Engine:
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (a dict back) or a batch (a list of dicts, in order).
 
-        With `stream=True` (single prompt only) returns an iterator of cumulative dicts.
+        With `stream=True` (single prompt only) returns an iterator of cumulative dicts: once
+        the request has a token, then once `stream_interval` more arrived (its sampling
+        parameter, else the server argument), and the final one.
         Raises `GenerationError` for bad input.
         """
         batch_ids, single = self._tokenize(prompt, input_ids)
@@ -136,7 +138,8 @@ class Engine:
         if stream:
             if not single or len(accs) != 1:
                 raise GenerationError("stream=True takes a single prompt with n=1")
-            return self._stream(accs[0])
+            return self._stream(accs[0], parsed.stream_interval
+                                or self.server_args.stream_interval)
         self._run_until_done(accs)
         results = [a.to_dict() for a in accs]
         return results[0] if single and len(results) == 1 else results
@@ -209,10 +212,11 @@ class Engine:
         while not all(a.finished for a in accs):
             self._pump()
 
-    def _stream(self, acc: ResponseAccumulator) -> Iterator[dict[str, Any]]:
-        seen = -1
+    def _stream(self, acc: ResponseAccumulator, interval: int) -> Iterator[dict[str, Any]]:
+        wake_at = 1  # completion tokens at which the next dict is due
         while not acc.finished:
             self._pump()
-            if acc.last is not None and acc.last.completion_tokens != seen:
-                seen = acc.last.completion_tokens
+            if acc.last is not None and (acc.finished
+                                         or acc.last.completion_tokens >= wake_at):
+                wake_at = acc.last.completion_tokens + interval
                 yield acc.to_dict()

@@ -132,6 +132,29 @@ def test_stop_conditions(engine):
         assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
 
 
+def test_stream_interval(engine):
+    """A stream yields a dict once the request has a token, then once `stream_interval` more
+    arrived, and the final one: with 4, exactly the dicts of the every-step stream (interval
+    1; the Engine steps synchronously, so both see the same updates) that the rule picks."""
+    sp = {**GREEDY, "max_new_tokens": 14, "ignore_eos": True}
+    prompt = _ids(9, 50, engine.model_config.vocab_size)
+    whole = engine.generate(input_ids=prompt, sampling_params=sp)
+    counts = {}
+    for interval in (1, 4):
+        chunks = list(engine.generate(input_ids=prompt, stream=True,
+                                      sampling_params={**sp, "stream_interval": interval}))
+        assert chunks[-1]["meta_info"]["finish_reason"] is not None
+        assert chunks[-1]["output_ids"] == whole["output_ids"]
+        counts[interval] = [c["meta_info"]["completion_tokens"] for c in chunks]
+    every_step, picked, due = counts[1], [], 1
+    for n in every_step:
+        if n >= due or n == every_step[-1]:
+            picked.append(n)
+            due = n + 4
+    assert counts[4] == picked, counts
+    assert len(picked) < len(every_step), counts
+
+
 def test_input_logprobs_match_output_logprobs(engine):
     """The log-prob of a generated token equals its input log-prob when fed back."""
     vocab = engine.model_config.vocab_size

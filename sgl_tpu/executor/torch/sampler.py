@@ -197,10 +197,10 @@ def sample_static(
     weights = (scaled - row_max[:, None]).exp()  # bit-equal to _weights(x, inv, row_max)
     thr, resolved = _thresholds(cand, cand_w, weights.sum(dim=-1), top_k, top_p, k_on, p_on,
                                 complete=num_cand == vocab_size)
-    last = cand[:, -1]
-    fits = resolved & ((thr > last) | torch.isneginf(last) | (num_cand == vocab_size))
     exact = _sorted_threshold(scaled, weights, top_k, top_p, k_on, p_on)
     thr = torch.maximum(torch.where(resolved, thr, exact), _min_p_threshold(row_max, min_p))
+    last = cand[:, -1]
+    fits = resolved & ((thr > last) | torch.isneginf(last) | (num_cand == vocab_size))
     in_cand = _draw_candidates(cand, cand_w, cand_idx, thr, uniforms, fixed=True)
     kept = torch.where(scaled >= thr[:, None], weights, 0.0)  # [S, V]
     in_vocab = _draw(kept, uniforms, fixed=True)

@@ -30,13 +30,16 @@ ROUTES: dict[str, dict[str, Any]] = {
     "/generate": {"text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}},
     "/v1/completions": {"prompt": "Hello", "max_tokens": 4, "temperature": 0},
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+    "/v1/responses": {"input": [{"role": "user", "content": "Hi"}], "max_output_tokens": 4,
+                      "temperature": 0},
     "/abort_request": {"rid": "no-such-request"},
     "/flush_cache": {},
 }
 _SAMPLING_KEYS = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
                   "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "n", "seed",
                   "regex", "json_schema", "ebnf", "frequency_penalty", "presence_penalty",
-                  "repetition_penalty", "no_stop_trim", "logit_bias", "custom_params")
+                  "repetition_penalty", "no_stop_trim", "logit_bias", "custom_params",
+                  "stream_interval")
 _FIELDS: dict[str, tuple[str, ...]] = {
     "/generate": ("text", "input_ids", "sampling_params", "stream", "rid", "session_id",
                   "return_logprob", "logprob_start_len", "top_logprobs_num",
@@ -50,12 +53,17 @@ _FIELDS: dict[str, tuple[str, ...]] = {
                              "tool_choice", "stop", "seed", "logit_bias", "stop_token_ids",
                              "min_tokens", "chat_template_kwargs", "messages.0.content",
                              "messages.0.role", "temperature", "model", "session_id"),
+    "/v1/responses": ("input", "input.0", "input.0.content", "input.0.role", "instructions",
+                      "previous_response_id", "tools", "tool_choice", "parallel_tool_calls",
+                      "max_output_tokens", "temperature", "top_p", "text", "text.format",
+                      "store", "stream", "metadata", "user", "seed", "top_k", "ignore_eos",
+                      "model"),
     "/abort_request": ("rid",),
     "/flush_cache": ("x",),
 }
 # Caps applied to every generated body so valid ones stay cheap to serve.
 _MAX_TOKENS_KEYS = ("max_new_tokens", "max_tokens", "max_completion_tokens", "min_new_tokens",
-                    "min_tokens")
+                    "min_tokens", "max_output_tokens")
 MAX_FUZZ_TOKENS = 4
 MAX_FUZZ_N = 2
 MAX_FUZZ_PROMPTS = 8
@@ -166,6 +174,8 @@ def _cap(body: Any) -> Any:
         if "messages" in body and body.get("max_tokens") is None \
                 and body.get("max_completion_tokens") is None:
             body["max_tokens"] = MAX_FUZZ_TOKENS
+        if "input" in body and body.get("max_output_tokens") is None:  # the Responses API
+            body["max_output_tokens"] = MAX_FUZZ_TOKENS
     elif isinstance(body, list):
         for item in body[:64]:
             _cap(item)

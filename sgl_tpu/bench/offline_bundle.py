@@ -3,7 +3,8 @@ checkout as a wheel, the wheels of every runtime dependency the offline host lac
 Python and platform), and the default model's shape files.
 
     python -m sgl_tpu.bench.offline_bundle DIR [--have NAMES | --have @FILE]
-        [--python-version 3.12] [--platform manylinux_2_28_x86_64 ...] [--no-model]
+        [--python-version 3.12 (--glibc 2.39 | --platform manylinux_2_28_x86_64 ...)]
+        [--no-model]
 
     DIR/wheels/  sgl_tpu-*.whl (built from this checkout: kernels/ and server/ inside it as
                  sgl_tpu.kernels and sgl_tpu.server), then, breadth first from its
@@ -17,7 +18,8 @@ names; `@FILE` reads them from a file, one per line, as `pip list` or `pip freez
 them: the first word, up to `==`). Their versions are not checked; what only they require is
 not fetched. Two requirements of one distribution that the fetched version cannot both meet
 stop the bundle with both named. Without --python-version / --platform the wheels are for this
-interpreter and machine.
+interpreter and machine; --glibc names every x86-64 manylinux tag up to the host's glibc (pip
+matches platform tags exactly).
 
 There (no index, no resolver: the bundle is the resolution; cwd must not hold an `sgl_tpu`
 folder, which would shadow the installed one):

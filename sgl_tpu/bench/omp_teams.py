@@ -5,9 +5,9 @@ then on it and on a second thread once both have run them, per spin count, in on
         [--repeats 2000] [--output omp_teams.json]
 
 libgomp gives every thread that starts a parallel region a team of pool threads of its own.
-With two such threads (the scheduler's and an overlap worker's) a machine holds more OpenMP
-threads than CPUs once the teams together outnumber its cores, and libgomp then spins only its
-throttled count between regions. Each spin count runs in a fresh Python (libgomp reads
+With two such threads (the scheduler's and an overlap worker's) the teams together can hold
+more threads than the machine has CPUs (two teams of two on two cores), and libgomp then spins
+only its throttled count between regions. Each spin count runs in a fresh Python (libgomp reads
 `GOMP_SPINCOUNT` once, when torch loads; `--child`): a bf16 linear of `--shape` (rows, in,
 out) timed on the main thread alone (`first`), on a worker thread (`second`), and on the main
 thread again (`first_again`); the median of 5 batches of `--repeats` calls each, in us.

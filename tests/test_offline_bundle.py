@@ -47,6 +47,26 @@ def test_markers_are_evaluated_for_the_offline_host():
     assert not ob.applies(Requirement("pytest; extra == 'test'"), host)  # extras never
 
 
+def test_requirements_of_a_wheel_follow_the_extras_asked_for(tmp_path):
+    """A wheel's Requires-Dist, as the walk reads it: the plain requirements, plus an extra's
+    when that extra is asked for; markers for the host."""
+    wheel = tmp_path / "demo-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("demo-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: demo\n"
+                    "Version: 1.0\nRequires-Dist: base>=1\n"
+                    "Requires-Dist: fast>=2; extra == 'speed'\n"
+                    "Requires-Dist: old; python_version < '3.9'\n"
+                    "Requires-Dist: docs; extra == 'docs'\n\n")
+    host = ob.Target("3.12", ("manylinux_2_28_x86_64",)).marker_env()
+
+    def names(*extras: str) -> list[str]:
+        return [r.name for r in ob.requirements_for(wheel, host, frozenset(extras))]
+
+    assert names("") == ["base"]
+    assert names("", "speed") == ["base", "fast"]
+    assert names("docs") == ["base", "docs"]  # (base again: already fetched, it adds nothing)
+
+
 @pytest.mark.slow
 def test_bundle_installs_offline_and_serves_imports(tmp_path):
     """Two distributions missing on the 'host' (this interpreter, told it has everything

@@ -8,9 +8,10 @@ Python and platform), and the default model's shape files.
 
     DIR/wheels/  sgl_tpu-*.whl (built from this checkout: kernels/ and server/ inside it as
                  sgl_tpu.kernels and sgl_tpu.server), then, breadth first from its
-                 Requires-Dist: each requirement whose marker holds on the offline host
-                 (extras never) and that --have does not name, one `pip download --no-deps`
-                 wheel each (binary only), and in turn that wheel's requirements
+                 Requires-Dist: each requirement whose marker holds on the offline host (for
+                 the extras its requirer asked for) and that --have does not name, one
+                 `pip download --no-deps` wheel each (binary only), and in turn that wheel's
+                 requirements (with those of every extra asked of it)
     DIR/model/   `random_checkpoint shape` of the default model (config, tokenizer; no weights)
 
 --have names the distributions the offline host already has (commas or whitespace between
@@ -114,9 +115,17 @@ def wheel_requirements(wheel: Path) -> list[Requirement]:
     return [Requirement(r) for r in Parser().parsestr(text).get_all("Requires-Dist") or []]
 
 
-def applies(req: Requirement, env: dict[str, str]) -> bool:
-    """The requirement holds on the host for a plain install (no extra asked for)."""
-    return req.marker is None or req.marker.evaluate({**env, "extra": ""})
+def applies(req: Requirement, env: dict[str, str], extras: frozenset[str] = frozenset({""})
+            ) -> bool:
+    """The requirement holds on the host when its distribution is installed with `extras`
+    ("" = a plain install)."""
+    return req.marker is None or any(req.marker.evaluate({**env, "extra": e}) for e in extras)
+
+
+def requirements_for(wheel: Path, env: dict[str, str], extras: frozenset[str]
+                     ) -> list[Requirement]:
+    """What the wheel's distribution needs on the host when installed with `extras`."""
+    return [r for r in wheel_requirements(wheel) if applies(r, env, extras)]
 
 
 def build_project_wheel(out: Path) -> Path:
@@ -165,23 +174,29 @@ def bundle_wheels(out: Path, have: set[str], target: Target) -> dict[str, str]:
     out.mkdir(parents=True, exist_ok=True)
     env = target.marker_env()
     project = build_project_wheel(out)
+    plain = frozenset({""})
     versions = {canonicalize_name(PROJECT): str(parse_wheel_filename(project.name)[1])}
+    wheels: dict[str, Path] = {}  # name -> its fetched wheel
+    walked: dict[str, frozenset[str]] = {}  # name -> the extras whose requirements are queued
     wanted_by: dict[str, str] = {}  # name -> the requirement that fetched it (for conflicts)
-    queue = deque((PROJECT, r) for r in wheel_requirements(project))
+    queue = deque((PROJECT, r) for r in requirements_for(project, env, plain))
     while queue:
-        parent, req = queue.popleft()
+        parent, req = queue.popleft()  # its marker holds on the host
         name = canonicalize_name(req.name)
-        if not applies(req, env) or name in have:
+        if name in have:
             continue
-        if name in versions:
-            if not req.specifier.contains(Version(versions[name]), prereleases=True):
-                raise SystemExit(f"{parent} needs {req.name}{req.specifier}, but "
-                                 f"{wanted_by[name]} fetched {req.name} {versions[name]}")
-            continue
-        wheel = download(req, target, out)
-        versions[name] = str(parse_wheel_filename(wheel.name)[1])
-        wanted_by[name] = f"{parent} ({req})"
-        queue.extend((f"{req.name} {versions[name]}", r) for r in wheel_requirements(wheel))
+        if name not in wheels:
+            wheels[name] = download(req, target, out)
+            versions[name] = str(parse_wheel_filename(wheels[name].name)[1])
+            wanted_by[name], walked[name] = f"{parent} ({req})", frozenset()
+        elif not req.specifier.contains(Version(versions[name]), prereleases=True):
+            raise SystemExit(f"{parent} needs {req.name}{req.specifier}, but "
+                             f"{wanted_by[name]} fetched {req.name} {versions[name]}")
+        extras = (plain | set(req.extras)) - walked[name]  # a new extra adds requirements
+        if extras:
+            walked[name] |= extras
+            queue.extend((f"{req.name} {versions[name]}", r)
+                          for r in requirements_for(wheels[name], env, extras))
     return versions
 
 

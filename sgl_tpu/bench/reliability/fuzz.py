@@ -167,18 +167,24 @@ def _cap(body: Any) -> Any:
                 body[key] = value[:MAX_FUZZ_PROMPTS]
             else:
                 _cap(value)
-        sp = body.get("sampling_params")
-        for params in (sp if isinstance(sp, list) else [sp]):
-            if isinstance(params, dict) and params.get("max_new_tokens") is None:
-                params["max_new_tokens"] = MAX_FUZZ_TOKENS
-        if "messages" in body and body.get("max_tokens") is None \
-                and body.get("max_completion_tokens") is None:
-            body["max_tokens"] = MAX_FUZZ_TOKENS
-        if "input" in body and body.get("max_output_tokens") is None:  # the Responses API
-            body["max_output_tokens"] = MAX_FUZZ_TOKENS
     elif isinstance(body, list):
         for item in body[:64]:
             _cap(item)
+    return body
+
+
+def _default_lengths(body: dict[str, Any]) -> dict[str, Any]:
+    """A request body without an output length gets the cap as one (its route's field: the
+    sampling params', chat's or the Responses API's); only the top level is a request."""
+    sp = body.get("sampling_params")
+    for params in (sp if isinstance(sp, list) else [sp]):
+        if isinstance(params, dict) and params.get("max_new_tokens") is None:
+            params["max_new_tokens"] = MAX_FUZZ_TOKENS
+    if "messages" in body and body.get("max_tokens") is None \
+            and body.get("max_completion_tokens") is None:
+        body["max_tokens"] = MAX_FUZZ_TOKENS
+    if "input" in body and body.get("max_output_tokens") is None:  # the Responses API
+        body["max_output_tokens"] = MAX_FUZZ_TOKENS
     return body
 
 
@@ -196,7 +202,7 @@ def body_strategy(route: str, kind: str) -> st.SearchStrategy[tuple[bytes, str]]
         body = json.loads(json.dumps(ROUTES[route]))
         for path, value in zip(paths, values, strict=False):
             _set_path(body, path, value)
-        return _dumps(_cap(body)), "application/json"
+        return _dumps(_default_lengths(_cap(body))), "application/json"
 
     return st.builds(build, st.lists(st.sampled_from(fields), min_size=1, max_size=3),
                      st.lists(_class_values(kind), min_size=3, max_size=3))

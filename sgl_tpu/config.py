@@ -67,6 +67,9 @@ class RunnerConfig:
     # torch on CPU, eager: the decoder's norms, RoPE + K/V write and SwiGLU as the compiled ops
     # of kernels/layer_ops_cpu.py when built (Llama-family models); False: torch ops
     cpu_layer_ops: bool = True
+    # torch on CPU under overlap scheduling: every torch call of the runner on one compute
+    # thread (executor/torch/compute_thread.py); resolved by executor/registry.py
+    cpu_compute_thread: bool = False
     tp_size: int = 1  # tensor parallelism: devices (JAX mesh) or ranks (torch) the model spans
     # --enable-deterministic-inference: batch-invariant kernels (executor/batch_invariant.py)
     deterministic: bool = False

@@ -4,6 +4,7 @@ and no XLA compilation after warm-up on mixed traffic (tiny random model, real c
 from __future__ import annotations
 
 import re
+import threading
 
 import checkpoints as ck
 import numpy as np
@@ -15,17 +16,42 @@ from sgl_tpu.engine import GenerationError
 GREEDY = {"temperature": 0.0}
 
 
-@pytest.fixture(scope="module", params=["jax", "torch"])
+# (TorchModelRunner method, the thread it ran on) for the "torch-overlap" engine
+TORCH_CALLS: list[tuple[str, threading.Thread]] = []
+RECORDED = ("_build", "_warmup", "_run", "_token_logprobs", "_row_logits")
+
+
+@pytest.fixture(scope="module", params=["jax", "torch", "torch-overlap"])
 def engine(request, tmp_path_factory):
     """Both executor backends, float32 (outputs are compared across calls), torch compiled (so
-    the no-compilation-after-warm-up test covers torch.compile's buckets too)."""
+    the no-compilation-after-warm-up test covers torch.compile's buckets too). torch-overlap:
+    overlap scheduling on, so every torch call runs on the runner's compute thread (recorded
+    in TORCH_CALLS)."""
     model_dir = ck.make_tiny_hf_checkpoint(tmp_path_factory.mktemp("m") / "llama", "llama")
-    eng = Engine(model_dir, page_size=4, max_total_tokens=2048, max_running_requests=8,
-                 max_extend_seqs=4, chunked_prefill_size=128, min_token_bucket=32,
-                 kv_tile=16, block_q=16, backend=request.param, dtype="float32",
-                 torch_compile="on")
-    yield eng
-    eng.shutdown()
+    backend, _, overlap = request.param.partition("-")
+    with pytest.MonkeyPatch.context() as mp:
+        if overlap:
+            from sgl_tpu.executor.torch.runner import TorchModelRunner
+
+            for name in RECORDED:
+                mp.setattr(TorchModelRunner, name, _recording(name, getattr(TorchModelRunner,
+                                                                            name)))
+        eng = Engine(model_dir, page_size=4, max_total_tokens=2048, max_running_requests=8,
+                     max_extend_seqs=4, chunked_prefill_size=128, min_token_bucket=32,
+                     kv_tile=16, block_q=16, backend=backend, dtype="float32",
+                     torch_compile="on", overlap_schedule="on" if overlap else "auto")
+        yield eng
+        compute = eng.scheduler.runner._compute if backend == "torch" else None
+        eng.shutdown()
+        assert compute is None or not compute.thread.is_alive()  # shutdown ended it
+
+
+def _recording(name, method):
+    def recorded(self, *args, **kwargs):
+        TORCH_CALLS.append((name, threading.current_thread()))
+        return method(self, *args, **kwargs)
+
+    return recorded
 
 
 def _ids(n: int, seed: int, vocab: int) -> list[int]:
@@ -273,3 +299,24 @@ def test_overlap_schedule_gives_the_serial_outputs(engine):
         sched.overlap, sched.speculator = enabled, speculator
     assert any(r[1]["type"] == "stop" for r in serial)  # a stop did end a request early
     assert engine.tokenizer.decode(serial[-2][0]).startswith("The answer is ")  # the grammar
+
+
+def test_torch_overlap_runs_every_torch_call_on_the_compute_thread(engine):
+    """Under overlap scheduling on CPU the torch runner's every call (building the model,
+    warm-up, prefill and decode steps, log-probs) runs on its one compute thread, so the
+    scheduler's thread never starts an OpenMP team of its own (compute_thread.py). (The
+    fixture checks that shutdown ends the thread.)"""
+    runner = engine.scheduler.runner
+    if runner.config.backend != "torch" or not runner.config.cpu_compute_thread:
+        assert engine.scheduler.config.overlap_schedule is False  # auto is off on CPU
+        pytest.skip("the torch-overlap engine's test")
+    vocab = engine.model_config.vocab_size
+    overlapped = engine.scheduler.stats.num_overlapped_steps
+    engine.generate(input_ids=[_ids(140, 40, vocab), _ids(20, 41, vocab)],
+                    sampling_params={**GREEDY, "max_new_tokens": 12, "ignore_eos": True},
+                    return_logprob=True, logprob_start_len=0)
+    assert engine.scheduler.stats.num_overlapped_steps > overlapped
+    compute = runner._compute.thread
+    assert compute is not threading.main_thread() and compute.is_alive()
+    assert {t for _, t in TORCH_CALLS} == {compute}
+    assert {"_build", "_warmup", "_run", "_token_logprobs"} <= {n for n, _ in TORCH_CALLS}

@@ -94,9 +94,10 @@ def _resolve_compile(args: ServerArgs, backend: str) -> bool:
 
 
 def resolve_overlap_schedule(args: ServerArgs, backend: str) -> bool:
-    """--overlap-schedule: auto = on for accelerators. On this project's CPUs the host work it
-    hides is small next to a step and the worker thread competes with it for the cores
-    (README, "Overlap scheduling")."""
+    """--overlap-schedule: auto = on for accelerators. On this project's CPUs the overlapped
+    loop (its torch runner on one compute thread) measured as fast as the serial one, not
+    faster: the host work it hides is small next to a CPU step (README, "Overlap
+    scheduling")."""
     if args.disable_overlap_schedule or args.overlap_schedule == "off":
         return False
     if args.overlap_schedule == "on":
@@ -211,12 +212,20 @@ def runner_config(args: ServerArgs, model_context_len: int) -> RunnerConfig:
         # deterministic: dense weights (the quantized kernels are picked per row count)
         quantization="none" if deterministic else _resolve_quantization(args, backend, compile),
         cpu_threads=args.torch_threads,
+        cpu_compute_thread=_resolve_cpu_compute_thread(args, backend),
         tp_size=args.tp_size,
         deterministic=deterministic,
         jax_decode_state=_resolve_jax_decode_state(args, backend),
         kv_cache_dtype=_resolve_kv_cache_dtype(args, backend, dtype),
         **_resolve_cuda_graph(args, backend, deterministic),
     )
+
+
+def _resolve_cpu_compute_thread(args: ServerArgs, backend: str) -> bool:
+    """One compute thread for the torch runner on CPU when its steps overlap (a torch
+    tensor-parallel group runs serially)."""
+    return (backend == "torch" and args.tp_size == 1 and args.nnodes == 1
+            and _torch_device_type(args) == "cpu" and resolve_overlap_schedule(args, backend))
 
 
 def _resolve_kv_cache_dtype(args: ServerArgs, backend: str, dtype: str) -> str:

@@ -25,11 +25,11 @@ def create_runner(args: ServerArgs, loaded, runner_cfg: RunnerConfig) -> ModelRu
 
 
 def close_runner(runner: ModelRunner) -> None:
-    """Release what a runner holds beyond its own process (a group's follower ranks)."""
-    from sgl_tpu.parallel.leader import LeaderRunner
-
-    if isinstance(runner, LeaderRunner):
-        runner.close()
+    """Release what a runner holds beyond the scheduler's thread: a group's follower ranks, a
+    torch runner's compute thread."""
+    close = getattr(runner, "close", None)
+    if close is not None:
+        close()
 
 
 def run_follower_host(args: ServerArgs) -> int:

@@ -15,7 +15,9 @@ its kernels, so the scheduler's host work runs meanwhile); steps run in dispatch
 DECODE step's placeholder input ids are resolved at its start from the token ids the previous
 step left on the device (`_last_token_ids`). The static step (below) only enqueues its work on
 CUDA and copies its results to pinned host memory without blocking, so the worker launches
-step t+1 while the device still runs step t; its `result()` waits for the copies.
+step t+1 while the device still runs step t; its `result()` waits for the copies. On CPU
+(`config.cpu_compute_thread`) that worker is the compute thread, which runs every torch call
+of the runner from its construction on, not only the dispatched steps (compute_thread.py).
 
 Device state: weights (`llama_torch.Weights`), a token-major KV pool per layer
 ([num_pages * page_size, kvh, d]; page 0 takes padding writes) and the penalty-count rows
@@ -30,12 +32,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -45,6 +47,7 @@ from sgl_tpu.executor import batch_invariant
 from sgl_tpu.executor import step as step_contract
 from sgl_tpu.executor.step import ForwardMode, PendingStep, SeqStep, StepResult
 from sgl_tpu.executor.torch import sampler
+from sgl_tpu.executor.torch.compute_thread import ComputeThread
 from sgl_tpu.executor.torch.device import cpu_prepacks_bf16, resolve_device, set_cpu_threads
 from sgl_tpu.executor.torch.static_decode import StaticDecode
 from sgl_tpu.kernels.backends import get_attention_backend
@@ -52,6 +55,7 @@ from sgl_tpu.models.config import ModelConfig
 from sgl_tpu.models.registry import torch_model
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _KV_DTYPES = {**_DTYPES, "float8_e5m2": torch.float8_e5m2}
@@ -85,6 +89,25 @@ class TorchModelRunner:
     backend = "torch"
 
     def __init__(self, model_config: ModelConfig, params: dict, config: RunnerConfig) -> None:
+        # CPU under overlap scheduling: every torch call of this runner on one thread, so the
+        # process has one OpenMP team (compute_thread.py); else the caller's thread, and
+        # dispatched steps on a worker thread made at the first dispatch
+        self._compute = ComputeThread() if config.cpu_compute_thread else None
+        self._worker: ComputeThread | None = None  # runs dispatched steps, in order
+        self._in_flight: Future | None = None  # the last dispatched step
+        self._call(self._build, model_config, params, config)
+
+    def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the compute thread if there is one, else here."""
+        return fn(*args) if self._compute is None else self._compute.call(fn, *args)
+
+    def close(self) -> None:
+        """End the compute or worker thread (after the calls already given to it)."""
+        for thread in (self._compute, self._worker):
+            if thread is not None:
+                thread.shutdown()
+
+    def _build(self, model_config: ModelConfig, params: dict, config: RunnerConfig) -> None:
         self.model_config = model_config
         self.config = config
         self.device = resolve_device(config.device)
@@ -118,8 +141,6 @@ class TorchModelRunner:
                 config, self.model, self.attn, self.kv_pools, self.token_counts, self.device,
                 self.dtype, model_config.sliding_window)
         self._last_token_ids: torch.Tensor | None = None  # i64[n] of the last step run
-        self._worker: ThreadPoolExecutor | None = None  # runs dispatched steps, in order
-        self._in_flight: Future | None = None  # the last dispatched step
         logger.info("torch backend on %s, %s (KV cache %s), compile=%s, prepacked weights=%s, "
                     "quantization=%s, fused layer ops=%s, static decode=%s, CUDA graphs=%s",
                     self.device, config.dtype, config.kv_dtype, config.compile, prepack,
@@ -258,6 +279,8 @@ class TorchModelRunner:
 
     # ---- steps -------------------------------------------------------------------------
     def forward(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> StepResult:
+        if self._compute is not None:  # (taken after the steps dispatched before it)
+            return self._compute.call(self._forward_done, mode, steps).result()
         if self._in_flight is not None:  # keep the order of dispatched steps
             futures.wait([self._in_flight])  # (its error, if any, went to its caller)
             self._in_flight = None
@@ -265,10 +288,16 @@ class TorchModelRunner:
 
     def dispatch(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> PendingStep:
         """Start the step in the worker thread; `result()` waits for its StepResult."""
+        if self._compute is not None:  # (in order with every other call given to it)
+            return _Dispatched(self._compute.submit(self._forward_done, mode, steps))
         if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="torch-step")
+            self._worker = ComputeThread("torch-step", one_arena=False)
         self._in_flight = self._worker.submit(self._forward, mode, steps)
         return _Dispatched(self._in_flight)
+
+    def _forward_done(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> PendingStep:
+        """`_forward` and its results, on the compute thread."""
+        return step_contract.DoneStep(self._forward(mode, steps).result())
 
     def _forward(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> PendingStep:
         """Run (or, for the static step on CUDA, enqueue) one step."""
@@ -353,9 +382,13 @@ class TorchModelRunner:
         self.token_counts.index_put_((rows, token_ids), valid, accumulate=True)
         return token_ids, logprobs, top_ids, top_lp
 
-    @torch.inference_mode()
     def token_logprobs(self, hidden: torch.Tensor, target_ids: np.ndarray
                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self._call(self._token_logprobs, hidden, target_ids)
+
+    @torch.inference_mode()
+    def _token_logprobs(self, hidden: torch.Tensor, target_ids: np.ndarray
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         targets = torch.zeros(hidden.shape[0], dtype=torch.int64, device=self.device)
         targets[: len(target_ids)] = torch.as_tensor(np.asarray(target_ids, np.int64))
         logp = torch.log_softmax(self.model.logits(hidden), dim=-1)  # [T, V]
@@ -364,8 +397,11 @@ class TorchModelRunner:
         return (chosen.cpu().numpy(), top_ids.to(torch.int32).cpu().numpy(),
                 top_lp.cpu().numpy())
 
-    @torch.inference_mode()
     def row_logits(self, hidden: torch.Tensor, rows: np.ndarray) -> np.ndarray:
+        return self._call(self._row_logits, hidden, rows)
+
+    @torch.inference_mode()
+    def _row_logits(self, hidden: torch.Tensor, rows: np.ndarray) -> np.ndarray:
         idx = torch.as_tensor(np.asarray(rows, np.int64), device=self.device)
         return self.model.logits(hidden.index_select(0, idx)).cpu().numpy()
 
@@ -373,6 +409,9 @@ class TorchModelRunner:
     def warmup(self) -> float:
         """Run every token bucket (EXTEND) and sequence bucket (DECODE) once with the dummy
         step on reserved page 0, compiling each shape when compile is on."""
+        return self._call(self._warmup)
+
+    def _warmup(self) -> float:
         t0 = time.perf_counter()
         step = step_contract.warmup_step()
         c = self.config

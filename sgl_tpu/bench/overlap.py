@@ -9,7 +9,8 @@ Launches two servers side by side, `overlap` (`--overlap-schedule on`) and `seri
 concurrency level, both servers get the same streams (random prompts, greedy, fixed output
 length), in alternating order so drifting machine load hits both alike. `--engine` instead
 runs one in-process `Engine` and switches its scheduler between the two loops (the same
-weights and warm-up; no HTTP, detokenizer process or sockets). Reports each run and, per
+weights and warm-up; no HTTP, detokenizer process or sockets); it is built with overlap
+scheduling on, so a torch runner on CPU runs both loops' steps on its compute thread. Reports each run and, per
 concurrency level, the median over rounds of overlap/serial output throughput.
 """
 
@@ -103,7 +104,8 @@ def _run_engine(args, base: list[str], workload) -> list[dict]:
     from sgl_tpu.cli import parse_args
     from sgl_tpu.engine import Engine
 
-    kwargs = {k: v for k, v in vars(parse_args(base)).items() if k != "model_path"}
+    kwargs = {k: v for k, v in vars(parse_args(base + CONFIGS["overlap"])).items()
+              if k != "model_path"}
     engine = Engine(args.model_path, **kwargs)
     sp = {"temperature": 0, "max_new_tokens": args.output_tokens, "ignore_eos": True}
 

@@ -90,7 +90,7 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, parent_pid: int) ->
         if outputs:
             send(to_detok, BatchTokenIdOut(outputs=outputs))
     logger.info("parent process gone; scheduler exits")
-    close_runner(runner)  # tensor parallelism: end the follower ranks
+    close_runner(runner)  # end the follower ranks (tensor parallelism), the compute thread
 
 
 def _handle(scheduler, msg, to_tokenizer) -> ReqOutput | None:

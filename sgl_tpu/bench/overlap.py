@@ -10,8 +10,9 @@ concurrency level, both servers get the same streams (random prompts, greedy, fi
 length), in alternating order so drifting machine load hits both alike. `--engine` instead
 runs one in-process `Engine` and switches its scheduler between the two loops (the same
 weights and warm-up; no HTTP, detokenizer process or sockets); it is built with overlap
-scheduling on, so a torch runner on CPU runs both loops' steps on its compute thread. Reports each run and, per
-concurrency level, the median over rounds of overlap/serial output throughput.
+scheduling on, so a torch runner on CPU runs both loops' steps on its compute thread.
+Reports each run and, per concurrency level, the median over rounds of overlap/serial output
+throughput.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The torch runner's compute thread (executor/torch/compute_thread.py): calls run on one
 thread in submission order, a call made from the thread itself runs in place, errors reach the
-caller, and `shutdown` ends the thread. Which server settings get one: registry tests below;
+caller, `shutdown` ends the thread, and so does a runner that fails to build. Which server
+settings get one: registry tests below;
 that every torch call of such a runner runs on it: tests/test_engine.py ("torch-overlap")."""
 
 from __future__ import annotations
@@ -37,6 +38,23 @@ def test_calls_run_on_one_thread_in_order():
     finally:
         ct.shutdown()
     assert not ct.thread.is_alive()
+
+
+def test_a_runner_that_fails_to_build_ends_its_compute_thread(monkeypatch):
+    from sgl_tpu.executor.torch.runner import TorchModelRunner
+
+    def fail(self, *args):
+        raise ValueError("bad weights")
+
+    def compute_threads() -> int:
+        return sum(t.name.startswith("torch-compute") for t in threading.enumerate())
+
+    monkeypatch.setattr(TorchModelRunner, "_build", fail)
+    cfg = runner_config(parse_args(["--backend", "torch", "--overlap-schedule", "on"]), 2048)
+    before = compute_threads()
+    with pytest.raises(ValueError, match="bad weights"):
+        TorchModelRunner(None, {}, cfg)
+    assert compute_threads() == before
 
 
 def test_an_error_reaches_the_caller_and_the_thread_goes_on():

@@ -95,7 +95,11 @@ class TorchModelRunner:
         self._compute = ComputeThread() if config.cpu_compute_thread else None
         self._worker: ComputeThread | None = None  # runs dispatched steps, in order
         self._in_flight: Future | None = None  # the last dispatched step
-        self._call(self._build, model_config, params, config)
+        try:
+            self._call(self._build, model_config, params, config)
+        except BaseException:
+            self.close()  # no thread outlives a runner that failed to build
+            raise
 
     def _call(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the compute thread if there is one, else here."""

@@ -1,8 +1,8 @@
 """The torch runner's compute thread (executor/torch/compute_thread.py): calls run on one
 thread in submission order, a call made from the thread itself runs in place, errors reach the
 caller, `shutdown` ends the thread, and so does a runner that fails to build. Which server
-settings get one: registry tests below;
-that every torch call of such a runner runs on it: tests/test_engine.py ("torch-overlap")."""
+settings get one: registry tests below; that every torch call of such a runner runs on it:
+tests/test_engine.py ("torch-overlap")."""
 
 from __future__ import annotations
 

@@ -49,6 +49,18 @@ def test_engine_serves_a_random_checkpoint(tmp_path):
         eng.shutdown()
 
 
+def test_minimal_shape_keeps_the_vocabulary_and_tokenizer(tmp_path):
+    src = ck.make_tiny_hf_checkpoint(tmp_path / "src", "llama")
+    out = rc.write_shape(tmp_path / "min", src, minimal=True)
+    rc.write_weights(out)
+    original, small = load_model(src), load_model(str(out))
+    assert (small.config.num_layers, small.config.hidden_size) == (1, 64)
+    assert small.config.vocab_size == original.config.vocab_size
+    text = "<|im_start|>user hello 12345 world<|im_end|>"
+    assert small.tokenizer.encode(text) == original.tokenizer.encode(text)
+    assert small.params["embed"].shape == (original.config.vocab_size, 64)
+
+
 def test_config_json_shapes_match_the_loader(tmp_path):
     src = ck.make_tiny_hf_checkpoint(tmp_path / "src", "llama")
     cfg = json.loads((rc.write_shape(tmp_path / "rand", src) / "config.json").read_text())
@@ -74,7 +86,8 @@ def test_other_shapes_are_refused_by_name(tmp_path, arch):
 @pytest.mark.slow
 def test_accelerator_bench_runs_its_parts_on_a_random_checkpoint(tmp_path):
     """The accelerator table's driver on a CPU: every part of one backend runs as its own
-    process and the summary carries their numbers; a part that fails is recorded, not fatal."""
+    process and the summary carries their numbers (the host part's on a minimal model, the
+    streams read by two client processes); a part that fails is recorded, not fatal."""
     import subprocess
     import sys
 
@@ -86,19 +99,29 @@ def test_accelerator_bench_runs_its_parts_on_a_random_checkpoint(tmp_path):
         [sys.executable, "-m", "sgl_tpu.bench.accelerator", "--model-path", str(model),
          "--out-dir", str(out), "--backends", "torch,nope", "--dtype", "float32",
          "--prefill", "16", "--batches", "1,2", "--context", "16", "--streams", "1,2",
-         "--output-tokens", "4", "--rounds", "1", "--parts", "executor,servers",
+         "--output-tokens", "4", "--rounds", "1", "--parts", "executor,servers,host",
+         "--client-procs", "2",
          "--server-flags=--skip-warmup --max-running-requests 4",
          "--timeout", "300"], check=True, capture_output=True, timeout=600)
     summary = json.loads((out / "summary.json").read_text())["backends"]
     row = summary["torch"]
-    assert row["status"] == {"executor": "ok", "servers": "ok"}
+    assert row["status"] == {"executor": "ok", "servers": "ok", "host": "ok"}
     assert row["prefill_tok_per_s"]["16"] > 0
     assert set(row["decode_step_ms"]) == {f"b{b} {path} {s}" for b in (1, 2)
                                           for path in ("packing", "static")
                                           for s in ("greedy", "temperature", "top-k", "sampled")}
-    assert all(v["overlap"] > 0 and v["serial"] > 0
-               for v in row["server_output_tok_per_s"].values())
+    for key in ("server_output_tok_per_s", "host_ceiling_output_tok_per_s"):
+        assert set(row[key]) == {"1 streams", "2 streams"}
+        assert all(v["overlap"] > 0 and v["serial"] > 0 and v["client_busy_max"] >= 0
+                   for v in row[key].values())
     servers = json.loads((out / "servers_torch.json").read_text())
     assert servers["args"]["server_flags"].endswith("--skip-warmup --max-running-requests 4")
+    # two streams, two reader processes; every token arrived
+    assert {(r["concurrency"], r["client_procs"]) for r in servers["runs"]} == {(1, 1), (2, 2)}
+    assert all(r["requests"] == r["concurrency"] and r["output_tok_per_s"] > 0
+               for r in servers["runs"])
+    host = json.loads((out / "host_torch.json").read_text())
+    assert host["args"]["model_path"] == str(out / "host_model")
+    assert load_model(host["args"]["model_path"]).config.num_layers == 1
     assert summary["nope"]["status"]["executor"].startswith("exit")  # an unknown backend
     assert (out / "executor_nope.stderr.txt").read_text()

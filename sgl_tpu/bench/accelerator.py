@@ -4,7 +4,8 @@ one decode step, and servers with one and many streams, per backend, in one JSON
     python -m sgl_tpu.bench.accelerator --model-path DIR --out-dir RESULTS
         [--backends jax,torch] [--dtype bfloat16] [--prefill 512,2048] [--batches 1,64]
         [--context 1024] [--streams 1,32] [--output-tokens 64] [--rounds 2]
-        [--parts executor,profile,servers] [--server-flags "..."] [--timeout 600]
+        [--client-procs 4] [--parts executor,profile,servers,host] [--server-flags "..."]
+        [--timeout 600]
 
 Each part runs as its own process, so one backend's device memory is free before the next:
 
@@ -14,13 +15,19 @@ Each part runs as its own process, so one backend's device memory is free before
               torch: executor --count-calls --torch-profile (Python calls, host and device
               ms, kernel launches and top operators per decode step)
     servers   sgl_tpu.bench.overlap     two servers (overlap on / off) with 1 and N streams
+    host      the same servers on a `random_checkpoint --minimal` model of the same vocabulary
+              (one layer of width 64, written to --out-dir/host_model): what the server costs
+              around the model, i.e. the most the servers part can reach on this host
 
-Their JSONs land in --out-dir (`<part>_<backend>.json`, with each one's stderr beside it on
-failure); the summary printed at the end takes one row per backend and quantity from them. A
-part that fails or runs past --timeout is recorded as such and the rest still run. Device
-memory: JAX is told not to preallocate (XLA_PYTHON_CLIENT_PREALLOCATE=false), so the two
-servers of a part can share one chip. Use a random-weight checkpoint of the model's shape
-(`python -m sgl_tpu.bench.random_checkpoint`) where the weights are not at hand.
+The servers' streams are read by --client-procs processes (one Python reader parses ~25k
+chunks/s, about the many-stream target; each row reports `client_busy_max`, near 1 when the
+readers set the pace). The parts' JSONs land in --out-dir (`<part>_<backend>.json`, with each
+one's stderr beside it on failure); the summary printed at the end takes one row per backend
+and quantity from them. A part that fails or runs past --timeout is recorded as such and the
+rest still run. Device memory: JAX is told not to preallocate
+(XLA_PYTHON_CLIENT_PREALLOCATE=false), so the two servers of a part can share one chip. Use a
+random-weight checkpoint of the model's shape (`python -m sgl_tpu.bench.random_checkpoint`)
+where the weights are not at hand.
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ from typing import Any
 
 from sgl_tpu.bench.report import emit, model_label
 
-PARTS = ("executor", "profile", "servers")
+PARTS = ("executor", "profile", "servers", "host")
+HOST_MODEL = "host_model"  # in --out-dir: the `host` part's minimal model
 
 
 def part_commands(args: argparse.Namespace, backend: str, out: Path) -> dict[str, list[str]]:
@@ -60,10 +68,13 @@ def part_commands(args: argparse.Namespace, backend: str, out: Path) -> dict[str
                         "--torch-decode-paths", "packing,static", "--count-calls",
                         "--torch-profile", "--sampling", "greedy,temperature,top-k"]
     flags = f"--backend {backend} --dtype {args.dtype} {args.server_flags}".strip()
-    servers = py + ["sgl_tpu.bench.overlap", *model, "--concurrency",
-                    *args.streams.split(","), "--rounds", str(args.rounds),
-                    "--output-tokens", str(args.output_tokens), "--server-flags", flags]
-    cmds = {"executor": executor, "profile": profile, "servers": servers}
+    servers = ["--concurrency", *args.streams.split(","), "--rounds", str(args.rounds),
+               "--output-tokens", str(args.output_tokens), "--client-procs",
+               str(args.client_procs), "--server-flags", flags]
+    cmds = {"executor": executor, "profile": profile,
+            "servers": py + ["sgl_tpu.bench.overlap", *model, *servers],
+            "host": py + ["sgl_tpu.bench.overlap", "--model-path", str(out / HOST_MODEL),
+                          *servers]}
     return {part: cmd + ["--output", str(out / f"{part}_{backend}.json")]
             for part, cmd in cmds.items() if part in args.parts.split(",")}
 
@@ -92,7 +103,8 @@ def run_part(cmd: list[str], output: Path, timeout: float) -> dict[str, Any]:
 
 def summarize(backend: str, parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The table's row of one backend: prefill tok/s by size, decode step ms by batch and
-    path/sampling, server output tok/s by streams (overlap on and off)."""
+    path/sampling, server output tok/s by streams (overlap on and off) of the model and of the
+    minimal model (the host's ceiling)."""
     row: dict[str, Any] = {"backend": backend}
     runs = parts.get("executor", {}).get("json", {}).get("runs", [])
     row["prefill_tok_per_s"] = {r["tokens"]: r["tok_per_s"] for r in runs
@@ -100,10 +112,13 @@ def summarize(backend: str, parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
     row["decode_step_ms"] = {
         f"b{r['batch']} {r.get('decode_path', 'packing')} {r.get('sampling', 'greedy')}":
         r["median_ms"] for r in runs if r["phase"] == "decode"}
-    summary = parts.get("servers", {}).get("json", {}).get("summary", {})
-    row["server_output_tok_per_s"] = {
-        f"{c} streams": {"overlap": s["overlap_output_tok_per_s"],
-                         "serial": s["serial_output_tok_per_s"]} for c, s in summary.items()}
+    for part, key in (("servers", "server_output_tok_per_s"),
+                      ("host", "host_ceiling_output_tok_per_s")):
+        summary = parts.get(part, {}).get("json", {}).get("summary", {})
+        row[key] = {f"{c} streams": {"overlap": s["overlap_output_tok_per_s"],
+                                     "serial": s["serial_output_tok_per_s"],
+                                     "client_busy_max": s.get("client_busy_max")}
+                    for c, s in summary.items()}
     row["status"] = {part: p["status"] for part, p in parts.items()}
     return row
 
@@ -120,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--streams", default="1,32", help="concurrent server streams")
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--client-procs", type=int, default=4,
+                   help="processes that read the servers' streams")
     p.add_argument("--server-flags", default="",
                    help="more flags for the servers (e.g. --skip-warmup: bench.overlap warms "
                         "each server with every stream count's batch anyway)")
@@ -132,6 +149,10 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if "host" in args.parts.split(","):
+        from sgl_tpu.bench.random_checkpoint import write_shape, write_weights
+
+        write_weights(write_shape(out / HOST_MODEL, args.model_path, minimal=True))
     results: dict[str, Any] = {"model": model_label(args.model_path), "args": vars(args),
                                "backends": {}}
     for backend in args.backends.split(","):

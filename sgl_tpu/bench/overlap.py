@@ -1,16 +1,18 @@
 """Overlap scheduling on vs off through HTTP, in one invocation, reported as same-run ratios.
 
     python -m sgl_tpu.bench.overlap [--concurrency 1 8 32] [--rounds 3] [--prompt-tokens 128]
-        [--output-tokens 64] [--server-flags "--torch-threads 1"] [--engine]
-        [--output overlap.json]
+        [--output-tokens 64] [--server-flags "--torch-threads 1"] [--client-procs 1]
+        [--engine] [--output overlap.json]
 
 Launches two servers side by side, `overlap` (`--overlap-schedule on`) and `serial`
 (`--disable-overlap-schedule`), warms both, then runs `rounds` rounds; in each, for every
 concurrency level, both servers get the same streams (random prompts, greedy, fixed output
-length), in alternating order so drifting machine load hits both alike. `--engine` instead
-runs one in-process `Engine` and switches its scheduler between the two loops (the same
-weights and warm-up; no HTTP, detokenizer process or sockets); it is built with overlap
-scheduling on, so a torch runner on CPU runs both loops' steps on its compute thread.
+length), in alternating order so drifting machine load hits both alike; `--client-procs N`
+spreads the streams over N client processes (where one would cap what it measures: each run
+reports the clients' CPU per token). `--engine` instead runs one in-process `Engine` and
+switches its scheduler between the two loops (the same weights and warm-up; no HTTP,
+detokenizer process or sockets); it is built with overlap scheduling on, so a torch runner on
+CPU runs both loops' steps on its compute thread.
 Reports each run and, per concurrency level, the median over rounds of overlap/serial output
 throughput.
 """
@@ -39,6 +41,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--server-flags", default="", help="extra flags for both servers")
+    p.add_argument("--client-procs", type=int, default=1,
+                   help="client processes the streams are spread over (servers only)")
     p.add_argument("--engine", action="store_true",
                    help="one in-process Engine (server flags as its keyword arguments)")
     p.add_argument("--output", default=None)
@@ -66,6 +70,10 @@ def main(argv: list[str] | None = None) -> None:
                            "serial_output_tok_per_s": statistics.median(tput["serial"]),
                            "overlap_over_serial_median": round(statistics.median(ratios), 3),
                            "per_round": [round(x, 3) for x in ratios]}
+        busy = [r["client_busy"] for r in results["runs"]
+                if r["concurrency"] == c and "client_busy" in r]
+        if busy:  # servers only; near 1: the clients, not the server, set the pace
+            summary[str(c)]["client_busy_max"] = max(busy)
     results["summary"] = summary
     emit(results, args.output)
 
@@ -95,7 +103,7 @@ def _run_servers(args, base: list[str], workload) -> list[dict]:
             for c in args.concurrency:  # every decode batch shape once
                 asyncio.run(run_workload(server.url, workload(c, 10_000 + c), 4))
         return _rounds(args, workload, lambda name, clients: asyncio.run(
-            run_workload(servers[name].url, clients, args.output_tokens)))
+            run_workload(servers[name].url, clients, args.output_tokens, args.client_procs)))
     finally:
         for server in servers.values():
             server.stop()

@@ -1,16 +1,19 @@
 """A random-weight Hugging Face checkpoint of a model's shape: for timing a machine that lacks
 the model's weights (an accelerator host without network gets a few MB instead of the model).
 
-    python -m sgl_tpu.bench.random_checkpoint shape DIR [--model-path M]
+    python -m sgl_tpu.bench.random_checkpoint shape DIR [--model-path M] [--minimal]
         M (default: the default model) ──load──► config.json, generation_config.json,
         tokenizer.json, tokenizer_config.json (chat template, bos/eos) in DIR; no weights
+        (--minimal: one decoder layer of width 64, the same vocabulary and tokenizer)
     python -m sgl_tpu.bench.random_checkpoint weights DIR [--seed 0] [--std 0.02]
         DIR/config.json ──► DIR/model.safetensors: every tensor of that shape, float32,
         N(0, std) (RMSNorm weights 1); kept when DIR already has one
 
 `--model-path DIR` then serves it, with the real model's tokenizer, shapes and step costs (the
 text it writes is gibberish). Dense Llama-family shapes only (the default model's); others
-are refused by name.
+are refused by name. A `--minimal` model costs next to nothing per step, so a server of it
+measures what the server costs around the model (HTTP, tokenizer, scheduler, detokenizer,
+sampling over the real vocabulary): the ceiling of the real model's server on that host.
 """
 
 from __future__ import annotations
@@ -22,10 +25,15 @@ from pathlib import Path
 import numpy as np
 
 WEIGHTS_FILE = "model.safetensors"
+# --minimal: the smallest decoder of the family (grouped-query attention kept)
+MINIMAL_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
 
 
-def write_shape(out_dir: str | Path, model_path: str | None = None) -> Path:
-    """Config and tokenizer files of `model_path`'s model (no weights) into out_dir."""
+def write_shape(out_dir: str | Path, model_path: str | None = None,
+                minimal: bool = False) -> Path:
+    """Config and tokenizer files of `model_path`'s model (no weights) into out_dir; `minimal`:
+    the layers shrunk to `MINIMAL_SHAPE`, vocabulary and tokenizer kept."""
     from tokenizers import Tokenizer
 
     from sgl_tpu.loader import load_model
@@ -54,6 +62,8 @@ def write_shape(out_dir: str | Path, model_path: str | None = None) -> Path:
         "tie_word_embeddings": cfg.tie_word_embeddings, "bos_token_id": cfg.bos_token_id,
         "eos_token_id": eos,
     }
+    if minimal:
+        config.update(MINIMAL_SHAPE)
     backend_json = tok.to_dict()["backend"]
     backend = Tokenizer.from_str(backend_json)
     tok_config = {"chat_template": tok.chat_template, "eos_token": backend.id_to_token(eos[0])}
@@ -113,13 +123,15 @@ def main(argv: list[str] | None = None) -> None:
     shape = sub.add_parser("shape", help="config + tokenizer files of a model, no weights")
     shape.add_argument("out_dir")
     shape.add_argument("--model-path", default=None)
+    shape.add_argument("--minimal", action="store_true",
+                       help="one layer of width 64 (same vocabulary and tokenizer)")
     weights = sub.add_parser("weights", help="random weights for DIR/config.json")
     weights.add_argument("model_dir")
     weights.add_argument("--seed", type=int, default=0)
     weights.add_argument("--std", type=float, default=0.02)
     args = p.parse_args(argv)
     if args.command == "shape":
-        print(write_shape(args.out_dir, args.model_path))
+        print(write_shape(args.out_dir, args.model_path, args.minimal))
     else:
         print(write_weights(args.model_dir, args.seed, args.std))
 

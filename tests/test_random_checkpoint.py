@@ -125,3 +125,26 @@ def test_accelerator_bench_runs_its_parts_on_a_random_checkpoint(tmp_path):
     assert load_model(host["args"]["model_path"]).config.num_layers == 1
     assert summary["nope"]["status"]["executor"].startswith("exit")  # an unknown backend
     assert (out / "executor_nope.stderr.txt").read_text()
+
+
+def test_accelerator_summary_keeps_the_parts_done_when_a_run_is_cut_short(tmp_path,
+                                                                           monkeypatch):
+    """summary.json is rewritten after every part: a run killed mid-way (the accelerator
+    host's time limit) still has the rows of the parts that finished."""
+    from sgl_tpu.bench import accelerator
+
+    calls = []
+
+    def run_part(cmd, output, timeout):
+        calls.append(output.name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the second part never ends
+        return {"status": "ok", "seconds": 1.0}
+
+    monkeypatch.setattr(accelerator, "run_part", run_part)
+    with pytest.raises(KeyboardInterrupt):
+        accelerator.main(["--out-dir", str(tmp_path), "--backends", "torch",
+                          "--parts", "executor,servers"])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert calls == ["executor_torch.json", "servers_torch.json"]
+    assert summary["backends"]["torch"]["status"] == {"executor": "ok"}

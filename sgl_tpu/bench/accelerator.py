@@ -22,12 +22,12 @@ Each part runs as its own process, so one backend's device memory is free before
 The servers' streams are read by --client-procs processes (one Python reader parses ~25k
 chunks/s, about the many-stream target; each row reports `client_busy_max`, near 1 when the
 readers set the pace). The parts' JSONs land in --out-dir (`<part>_<backend>.json`, with each
-one's stderr beside it on failure); the summary printed at the end takes one row per backend
-and quantity from them. A part that fails or runs past --timeout is recorded as such and the
-rest still run. Device memory: JAX is told not to preallocate
-(XLA_PYTHON_CLIENT_PREALLOCATE=false), so the two servers of a part can share one chip. Use a
-random-weight checkpoint of the model's shape (`python -m sgl_tpu.bench.random_checkpoint`)
-where the weights are not at hand.
+one's stderr beside it on failure); the summary takes one row per backend and quantity from
+them (`summary.json`, rewritten after each part, so a run cut short keeps what it has; printed
+at the end). A part that fails or runs past --timeout is recorded as such and the rest still
+run. Device memory: JAX is told not to preallocate (XLA_PYTHON_CLIENT_PREALLOCATE=false), so
+the two servers of a part can share one chip. Use a random-weight checkpoint of the model's
+shape (`python -m sgl_tpu.bench.random_checkpoint`) where the weights are not at hand.
 """
 
 from __future__ import annotations
@@ -155,13 +155,16 @@ def main(argv: list[str] | None = None) -> None:
         write_weights(write_shape(out / HOST_MODEL, args.model_path, minimal=True))
     results: dict[str, Any] = {"model": model_label(args.model_path), "args": vars(args),
                                "backends": {}}
+    summary = out / "summary.json"
     for backend in args.backends.split(","):
         parts = {}
         for part, cmd in part_commands(args, backend, out).items():
             print(f"[{backend}] {part} ...", file=sys.stderr, flush=True)
             parts[part] = run_part(cmd, out / f"{part}_{backend}.json", args.timeout)
-        results["backends"][backend] = summarize(backend, parts)
-    emit(results, str(out / "summary.json"))
+            # rewritten after every part: a run cut short keeps the rows it has
+            results["backends"][backend] = summarize(backend, parts)
+            summary.write_text(json.dumps(results, indent=2))
+    emit(results, str(summary))
 
 
 if __name__ == "__main__":

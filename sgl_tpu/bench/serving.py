@@ -158,7 +158,9 @@ async def run_workload(url: str, clients: list[list[list[int]]], out_tokens: int
 
     `procs` > 1 splits the clients over that many processes, started together: one Python
     process parses ~25k streamed chunks/s at most (aiohttp, one core), near what a server on
-    an accelerator is asked to stream, so one client process would measure itself."""
+    an accelerator is asked to stream, so one client process would measure itself. They are
+    spawned (they import the caller's main module again: a script that calls this needs the
+    `if __name__ == "__main__":` guard; the bench modules have it)."""
     procs = max(1, min(procs, len(clients)))
     if procs == 1:
         rs, t0, t1, cpu = await _run_clients(url, clients, out_tokens)

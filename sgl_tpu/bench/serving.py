@@ -25,6 +25,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -114,6 +115,8 @@ async def one_request(session, url: str, ids: list[int], out_tokens: int) -> dic
             last = raw
             if ttft is None and json.loads(raw[5:])["meta_info"]["completion_tokens"] > 0:
                 ttft = time.perf_counter() - t0
+    if last is None:
+        raise RuntimeError(f"{url}/generate streamed no data event")
     meta = json.loads(last[5:])["meta_info"]
     return {"latency": time.perf_counter() - t0, "ttft": ttft,
             "prompt_tokens": meta["prompt_tokens"], "cached_tokens": meta["cached_tokens"],
@@ -197,7 +200,12 @@ def _spread_clients(url: str, clients: list[list[list[int]]], out_tokens: int, p
     for w in workers:
         w.start()
     try:
-        start.wait(timeout=300)
+        try:
+            start.wait(timeout=300)
+        except threading.BrokenBarrierError:
+            codes = [w.exitcode for w in workers]
+            raise RuntimeError(f"client processes not ready after 300 s (exit codes {codes})"
+                               ) from None
         parts = []
         while len(parts) < procs:
             try:

@@ -127,6 +127,80 @@ def test_accelerator_bench_runs_its_parts_on_a_random_checkpoint(tmp_path):
     assert (out / "executor_nope.stderr.txt").read_text()
 
 
+@pytest.mark.parametrize("budget, used, timeouts", [
+    # executors end in 10 s, servers run to their timeout: each part gets an equal share of
+    # what is left, so the time the executors did not use goes to the servers
+    # (the last one's cut to what is left less the 15 s a part past its timeout may take)
+    (200, {"executor": 10}, [50, 190 / 3, 90, 75]),
+    # too little for all four: the first parts get MIN_PART_S (30 s), the rest are skipped
+    (80, {}, [30, 30, None, None]),
+])
+def test_accelerator_budget_shares_the_time_left_among_the_parts(tmp_path, monkeypatch, budget,
+                                                                 used, timeouts):
+    """--budget: the parts run part by part (every backend's executor first), each with an
+    equal share of the seconds left, and what no longer fits is skipped; the summary (at
+    --summary) holds every part's own JSON."""
+    from types import SimpleNamespace
+
+    from sgl_tpu.bench import accelerator
+
+    clock, calls = [0.0], []
+
+    def run_part(cmd, output, timeout):
+        calls.append((output.name, timeout))
+        clock[0] += used.get(output.name.split("_")[0], timeout)
+        return {"status": "ok", "seconds": 1.0, "json": {"runs": [], "part": output.name}}
+
+    monkeypatch.setattr(accelerator, "run_part", run_part)
+    monkeypatch.setattr(accelerator, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    accelerator.main(["--out-dir", str(tmp_path / "out"), "--backends", "torch,jax",
+                      "--parts", "executor,servers", "--budget", str(budget),
+                      "--summary", str(tmp_path / "run.json")])
+    names = ["executor_torch", "executor_jax", "servers_torch", "servers_jax"]
+    ran = [(n, t) for n, t in zip(names, timeouts, strict=True) if t is not None]
+    assert [c[0] for c in calls] == [f"{n}.json" for n, _ in ran]
+    assert [c[1] for c in calls] == pytest.approx([t for _, t in ran])
+    summary = json.loads((tmp_path / "run.json").read_text())
+    for name, timeout in zip(names, timeouts, strict=True):
+        part = summary["parts"][name]
+        if timeout is None:
+            assert part["status"].startswith("skipped")
+        else:
+            assert part["json"]["part"] == f"{name}.json"
+    assert summary["backends"]["jax"]["status"]["servers"] == summary["parts"]["servers_jax"][
+        "status"]
+
+
+def test_a_part_past_its_timeout_leaves_no_process_behind(tmp_path):
+    """A part killed at its timeout takes the processes it started with it (a servers part's
+    servers would otherwise run on under the next parts)."""
+    import sys
+    import time
+    from pathlib import Path
+
+    from sgl_tpu.bench import accelerator
+
+    pid_file = tmp_path / "child.pid"
+    child = "import time; time.sleep(120)"
+    part = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
+            f"{child!r}]); open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(120)")
+    t0 = time.monotonic()
+    result = accelerator.run_part([sys.executable, "-c", part], tmp_path / "part.json", 3)
+    assert result["status"] == "timeout after 3 s" and time.monotonic() - t0 < 30
+    pid = int(pid_file.read_text())
+
+    def alive() -> bool:  # (an ended orphan may stay a zombie until its reaper gets to it)
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+        except (OSError, IndexError):
+            return False
+
+    deadline = time.monotonic() + 10
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive()
+
+
 def test_accelerator_summary_keeps_the_parts_done_when_a_run_is_cut_short(tmp_path,
                                                                            monkeypatch):
     """summary.json is rewritten after every part: a run killed mid-way (the accelerator

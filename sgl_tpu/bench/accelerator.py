@@ -3,9 +3,10 @@ one decode step, and servers with one and many streams, per backend, in one JSON
 
     python -m sgl_tpu.bench.accelerator --model-path DIR --out-dir RESULTS
         [--backends jax,torch] [--dtype bfloat16] [--prefill 512,2048] [--batches 1,64]
-        [--context 1024] [--streams 1,32] [--output-tokens 64] [--rounds 2]
-        [--client-procs 4] [--parts executor,profile,servers,host] [--server-flags "..."]
-        [--timeout 600]
+        [--context 1024] [--sampling greedy,temperature,top-k,sampled] [--streams 1,32]
+        [--output-tokens 64] [--rounds 2] [--client-procs 4]
+        [--parts executor,servers,profile,host] [--server-flags "..."]
+        [--timeout 600] [--budget SECONDS] [--summary FILE]
 
 Each part runs as its own process, so one backend's device memory is free before the next:
 
@@ -19,14 +20,21 @@ Each part runs as its own process, so one backend's device memory is free before
               (one layer of width 64, written to --out-dir/host_model): what the server costs
               around the model, i.e. the most the servers part can reach on this host
 
+The parts run in the order --parts names them, each for every backend before the next part
+(the table's first columns first). `--budget` bounds the whole run (an accelerator lent for a
+few minutes): each part still to run gets an equal share of the seconds left, at least
+MIN_PART_S and at most --timeout, and the parts that no longer fit are recorded as skipped.
+
 The servers' streams are read by --client-procs processes (one Python reader parses ~25k
 chunks/s, about the many-stream target; each row reports `client_busy_max`, near 1 when the
 readers set the pace). The parts' JSONs land in --out-dir (`<part>_<backend>.json`, with each
 one's stderr beside it on failure); the summary takes one row per backend and quantity from
-them (`summary.json`, rewritten after each part, so a run cut short keeps what it has; printed
-at the end). A part that fails or runs past --timeout is recorded as such and the rest still
-run. Device memory: JAX is told not to preallocate (XLA_PYTHON_CLIENT_PREALLOCATE=false), so
-the two servers of a part can share one chip. Use a random-weight checkpoint of the model's
+them and also holds every part's whole JSON, status and seconds, so that one file carries the
+run (`--summary`, default --out-dir/summary.json; rewritten after each part, so a run cut
+short keeps what it has; printed at the end). A part that fails or runs past its timeout is
+recorded as such and the rest still run; its processes (a part's servers too) are ended with
+it. Device memory: JAX is told not to preallocate (XLA_PYTHON_CLIENT_PREALLOCATE=false), so the
+two servers of a part can share one chip. Use a random-weight checkpoint of the model's
 shape (`python -m sgl_tpu.bench.random_checkpoint`) where the weights are not at hand.
 """
 
@@ -35,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -43,8 +52,12 @@ from typing import Any
 
 from sgl_tpu.bench.report import emit, model_label
 
-PARTS = ("executor", "profile", "servers", "host")
+PARTS = ("executor", "servers", "profile", "host")
 HOST_MODEL = "host_model"  # in --out-dir: the `host` part's minimal model
+# Under --budget, a part is not started with fewer seconds than this: no server or compiled
+# step of this model starts in less, so the time would be spent for nothing.
+MIN_PART_S = 30.0
+GRACE_S = 15.0  # a part past its timeout: seconds from SIGTERM to SIGKILL of its processes
 
 
 def part_commands(args: argparse.Namespace, backend: str, out: Path) -> dict[str, list[str]]:
@@ -54,7 +67,7 @@ def part_commands(args: argparse.Namespace, backend: str, out: Path) -> dict[str
     executor = py + ["sgl_tpu.bench.executor", *model, "--backends", backend,
                      "--dtypes", args.dtype, "--prefill", args.prefill,
                      "--decode-batches", args.batches, "--context", str(args.context),
-                     "--repeats", "3", "--sampling", "greedy,temperature,top-k,sampled"]
+                     "--repeats", "3", "--sampling", args.sampling]
     if backend == "torch":
         executor += ["--torch-decode-paths", "packing,static"]
     if backend == "jax":
@@ -79,17 +92,39 @@ def part_commands(args: argparse.Namespace, backend: str, out: Path) -> dict[str
             for part, cmd in cmds.items() if part in args.parts.split(",")}
 
 
+def part_timeout(cap: float, left_s: float | None, parts_left: int) -> float | None:
+    """The timeout of the next part: `cap` (--timeout) without a budget; with one, an equal
+    share of the `left_s` seconds over the `parts_left` parts still to run (this one included),
+    raised to MIN_PART_S and cut to `cap` and to what is left once GRACE_S is kept back (a
+    part past its timeout takes up to that long to end). None: too little left to start it."""
+    if left_s is None:
+        return cap
+    usable = left_s - GRACE_S
+    if usable < MIN_PART_S:
+        return None
+    return min(cap, usable, max(MIN_PART_S, left_s / parts_left))
+
+
 def run_part(cmd: list[str], output: Path, timeout: float) -> dict[str, Any]:
-    """Run one part; -> its status, seconds and (when it wrote it) JSON."""
+    """Run one part in a process group of its own; -> its status, seconds and (when it wrote
+    it) JSON. The group is ended when the part ends or passes `timeout`: a part killed
+    mid-way would otherwise leave its servers running (holding the chip's memory and the
+    host's cores) under the parts that follow."""
     t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True, timeout=timeout)
+        _, stderr = proc.communicate(timeout=timeout)
         status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
-        stderr = proc.stderr
-    except subprocess.TimeoutExpired as e:  # (its captured output is bytes, text=True or not)
-        status, stderr = f"timeout after {timeout:.0f} s", (e.stderr or b"").decode(
-            errors="replace")
+    except subprocess.TimeoutExpired:
+        status = f"timeout after {timeout:.0f} s"
+        _signal_group(proc.pid, signal.SIGTERM)  # servers stop their children on SIGTERM
+        try:
+            _, stderr = proc.communicate(timeout=GRACE_S)
+        except subprocess.TimeoutExpired:
+            _signal_group(proc.pid, signal.SIGKILL)
+            _, stderr = proc.communicate()
+    _signal_group(proc.pid, signal.SIGKILL)  # whatever of the group outlived the part
     result: dict[str, Any] = {"status": status, "seconds": round(time.perf_counter() - t0, 1)}
     if status != "ok":
         output.with_suffix(".stderr.txt").write_text(stderr)
@@ -99,6 +134,13 @@ def run_part(cmd: list[str], output: Path, timeout: float) -> dict[str, Any]:
     except (OSError, ValueError):  # not written, or cut short by the timeout
         pass
     return result
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:  # the group is gone already
+        pass
 
 
 def summarize(backend: str, parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -132,6 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill", default="512,2048")
     p.add_argument("--batches", default="1,64", help="decode batch sizes")
     p.add_argument("--context", type=int, default=1024, help="KV tokens per decoding sequence")
+    p.add_argument("--sampling", default="greedy,temperature,top-k,sampled",
+                   help="the executor part's decode samplings (bench.executor --sampling)")
     p.add_argument("--streams", default="1,32", help="concurrent server streams")
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
@@ -140,31 +184,48 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--server-flags", default="",
                    help="more flags for the servers (e.g. --skip-warmup: bench.overlap warms "
                         "each server with every stream count's batch anyway)")
-    p.add_argument("--parts", default=",".join(PARTS))
-    p.add_argument("--timeout", type=float, default=600, help="seconds per part")
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help="which parts, in the order they run")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per part at most")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds for the whole run, shared among the parts (see above)")
+    p.add_argument("--summary", default=None,
+                   help="where the summary goes (default: --out-dir/summary.json)")
     args = p.parse_args(argv)
     unknown = set(args.parts.split(",")) - set(PARTS)
     if unknown:
         p.error(f"--parts: unknown {sorted(unknown)}; choose from {PARTS}")
+    t0 = time.monotonic()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    summary = Path(args.summary) if args.summary else out / "summary.json"
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     if "host" in args.parts.split(","):
         from sgl_tpu.bench.random_checkpoint import write_shape, write_weights
 
         write_weights(write_shape(out / HOST_MODEL, args.model_path, minimal=True))
+    backends = args.backends.split(",")
+    commands = {backend: part_commands(args, backend, out) for backend in backends}
+    jobs = [(part, backend) for part in args.parts.split(",") for backend in backends]
     results: dict[str, Any] = {"model": model_label(args.model_path), "args": vars(args),
-                               "backends": {}}
-    summary = out / "summary.json"
-    for backend in args.backends.split(","):
-        parts = {}
-        for part, cmd in part_commands(args, backend, out).items():
-            print(f"[{backend}] {part} ...", file=sys.stderr, flush=True)
-            parts[part] = run_part(cmd, out / f"{part}_{backend}.json", args.timeout)
-            # rewritten after every part: a run cut short keeps the rows it has
-            results["backends"][backend] = summarize(backend, parts)
-            summary.write_text(json.dumps(results, indent=2))
-    emit(results, str(summary))
+                               "backends": {}, "parts": {}}
+    done: dict[str, dict[str, dict[str, Any]]] = {backend: {} for backend in backends}
+    for i, (part, backend) in enumerate(jobs):
+        left = None if args.budget is None else args.budget - (time.monotonic() - t0)
+        timeout = part_timeout(args.timeout, left, len(jobs) - i)
+        name = f"{part}_{backend}"
+        if timeout is None:
+            result: dict[str, Any] = {"status": "skipped: the budget is spent", "seconds": 0}
+        else:
+            print(f"[{backend}] {part} (at most {timeout:.0f} s) ...", file=sys.stderr,
+                  flush=True)
+            result = run_part(commands[backend][part], out / f"{name}.json", timeout)
+        done[backend][part] = results["parts"][name] = result
+        # rewritten after every part: a run cut short keeps the rows it has
+        results["backends"][backend] = summarize(backend, done[backend])
+        results["seconds"] = round(time.monotonic() - t0, 1)
+        summary.write_text(json.dumps(results, indent=2))
+    emit({k: v for k, v in results.items() if k != "parts"}, None)
 
 
 if __name__ == "__main__":

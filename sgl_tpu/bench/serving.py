@@ -46,11 +46,11 @@ class Server:
     def __init__(self, flags: list[str], log_path: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
         self.log = open(log_path, "w")
+        # (the environment as it is: JAX_PLATFORMS unset lets JAX find an accelerator)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "sgl_tpu.launch_server", "--port", str(self.port), *flags],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env)
+            stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 900) -> None:
         import requests

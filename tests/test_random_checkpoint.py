@@ -171,9 +171,10 @@ def test_accelerator_budget_shares_the_time_left_among_the_parts(tmp_path, monke
         "status"]
 
 
-def test_a_part_past_its_timeout_leaves_no_process_behind(tmp_path):
+def test_a_part_past_its_timeout_keeps_its_rows_and_leaves_no_process_behind(tmp_path):
     """A part killed at its timeout takes the processes it started with it (a servers part's
-    servers would otherwise run on under the next parts)."""
+    servers would otherwise run on under the next parts), and the rows it printed so far
+    (one JSON object a line, as the benches print them) are kept as a partial JSON."""
     import sys
     import time
     from pathlib import Path
@@ -182,11 +183,16 @@ def test_a_part_past_its_timeout_leaves_no_process_behind(tmp_path):
 
     pid_file = tmp_path / "child.pid"
     child = "import time; time.sleep(120)"
-    part = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
-            f"{child!r}]); open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(120)")
+    rows = [{"phase": "prefill", "tokens": 16, "tok_per_s": 5.0},
+            {"phase": "decode", "batch": 1, "median_ms": 2.5}]
+    part = (f"import json, subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
+            f"{child!r}]); open({str(pid_file)!r}, 'w').write(str(p.pid)); "
+            f"[print(json.dumps(r), flush=True) for r in {rows!r}]; "
+            f"print('{{', flush=True); time.sleep(120)")
     t0 = time.monotonic()
     result = accelerator.run_part([sys.executable, "-c", part], tmp_path / "part.json", 3)
     assert result["status"] == "timeout after 3 s" and time.monotonic() - t0 < 30
+    assert result["json"] == {"partial": True, "runs": rows}
     pid = int(pid_file.read_text())
 
     def alive() -> bool:  # (an ended orphan may stay a zombie until its reaper gets to it)
@@ -199,6 +205,27 @@ def test_a_part_past_its_timeout_leaves_no_process_behind(tmp_path):
     while alive() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive()
+
+
+def test_accelerator_summary_of_a_servers_part_cut_short():
+    """A servers part that did not finish has no summary of its own: the row is made from
+    the runs it printed, each loop's median of the rounds it ran; the ratio only where a
+    round ran both loops."""
+    from sgl_tpu.bench import accelerator
+
+    def run(rnd, c, config, tput):
+        return {"round": rnd, "concurrency": c, "config": config, "output_tok_per_s": tput,
+                "client_busy": 0.1}
+
+    runs = [run(0, 1, "overlap", 100.0), run(0, 1, "serial", 80.0), run(1, 1, "serial", 90.0),
+            run(1, 1, "overlap", 120.0), run(0, 32, "overlap", 900.0)]
+    row = accelerator.summarize("torch", {"servers": {"status": "timeout after 60 s",
+                                                      "json": {"partial": True, "runs": runs}}})
+    assert row["server_output_tok_per_s"] == {
+        "1 streams": {"overlap": 110.0, "serial": 85.0, "client_busy_max": 0.1},
+        "32 streams": {"overlap": 900.0, "serial": None, "client_busy_max": 0.1}}
+    assert row["status"] == {"servers": "timeout after 60 s"}
+    assert row["host_ceiling_output_tok_per_s"] == {}
 
 
 def test_accelerator_summary_keeps_the_parts_done_when_a_run_is_cut_short(tmp_path,

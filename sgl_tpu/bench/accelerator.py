@@ -32,8 +32,8 @@ one's stderr beside it on failure); the summary takes one row per backend and qu
 them and also holds every part's whole JSON, status and seconds, so that one file carries the
 run (`--summary`, default --out-dir/summary.json; rewritten after each part, so a run cut
 short keeps what it has; printed at the end). A part that fails or runs past its timeout is
-recorded as such and the rest still run; its processes (a part's servers too) are ended with
-it. Device memory: JAX is told not to preallocate (XLA_PYTHON_CLIENT_PREALLOCATE=false), so the
+recorded as such, with the rows it printed before it stopped (a JSON marked `partial`), and
+the rest still run; its processes (a part's servers too) are ended with it. Device memory: JAX is told not to preallocate (XLA_PYTHON_CLIENT_PREALLOCATE=false), so the
 two servers of a part can share one chip. Use a random-weight checkpoint of the model's
 shape (`python -m sgl_tpu.bench.random_checkpoint`) where the weights are not at hand.
 """
@@ -50,6 +50,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sgl_tpu.bench import overlap
 from sgl_tpu.bench.report import emit, model_label
 
 PARTS = ("executor", "servers", "profile", "host")
@@ -111,29 +112,46 @@ def run_part(cmd: list[str], output: Path, timeout: float) -> dict[str, Any]:
     mid-way would otherwise leave its servers running (holding the chip's memory and the
     host's cores) under the parts that follow."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=timeout)
-        status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
-    except subprocess.TimeoutExpired:
-        status = f"timeout after {timeout:.0f} s"
-        _signal_group(proc.pid, signal.SIGTERM)  # servers stop their children on SIGTERM
+    stdout_path = output.with_suffix(".stdout.txt")
+    with open(stdout_path, "w") as stdout:
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
         try:
-            _, stderr = proc.communicate(timeout=GRACE_S)
+            _, stderr = proc.communicate(timeout=timeout)
+            status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
         except subprocess.TimeoutExpired:
-            _signal_group(proc.pid, signal.SIGKILL)
-            _, stderr = proc.communicate()
-    _signal_group(proc.pid, signal.SIGKILL)  # whatever of the group outlived the part
+            status = f"timeout after {timeout:.0f} s"
+            _signal_group(proc.pid, signal.SIGTERM)  # servers stop their children on SIGTERM
+            try:
+                _, stderr = proc.communicate(timeout=GRACE_S)
+            except subprocess.TimeoutExpired:
+                _signal_group(proc.pid, signal.SIGKILL)
+                _, stderr = proc.communicate()
+        _signal_group(proc.pid, signal.SIGKILL)  # whatever of the group outlived the part
     result: dict[str, Any] = {"status": status, "seconds": round(time.perf_counter() - t0, 1)}
     if status != "ok":
         output.with_suffix(".stderr.txt").write_text(stderr)
         result["stderr_tail"] = stderr[-2000:]
     try:
         result["json"] = json.loads(output.read_text())
-    except (OSError, ValueError):  # not written, or cut short by the timeout
-        pass
+    except (OSError, ValueError):  # not written: cut short, or failed mid-way
+        if rows := _printed_rows(stdout_path):
+            result["json"] = {"partial": True, "runs": rows}
     return result
+
+
+def _printed_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows a part printed as it went, one JSON object a line (every bench this runs
+    does), up to where it was stopped."""
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # the final indented JSON's lines, a line cut off by the kill
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -156,9 +174,10 @@ def summarize(backend: str, parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
         r["median_ms"] for r in runs if r["phase"] == "decode"}
     for part, key in (("servers", "server_output_tok_per_s"),
                       ("host", "host_ceiling_output_tok_per_s")):
-        summary = parts.get(part, {}).get("json", {}).get("summary", {})
-        row[key] = {f"{c} streams": {"overlap": s["overlap_output_tok_per_s"],
-                                     "serial": s["serial_output_tok_per_s"],
+        out = parts.get(part, {}).get("json", {})
+        summary = out.get("summary") or overlap.summarize(out.get("runs", []))
+        row[key] = {f"{c} streams": {"overlap": s.get("overlap_output_tok_per_s"),
+                                     "serial": s.get("serial_output_tok_per_s"),
                                      "client_busy_max": s.get("client_busy_max")}
                     for c, s in summary.items()}
     row["status"] = {part: p["status"] for part, p in parts.items()}

@@ -61,21 +61,32 @@ def main(argv: list[str] | None = None) -> None:
     results: dict = {"args": vars(args)}
     run = _run_engine if args.engine else _run_servers
     results["runs"] = run(args, base, workload)
-    summary = {}
-    for c in args.concurrency:
-        tput = {name: [r["output_tok_per_s"] for r in results["runs"]
-                       if r["concurrency"] == c and r["config"] == name] for name in CONFIGS}
-        ratios = [a / b for a, b in zip(tput["overlap"], tput["serial"], strict=True)]
-        summary[str(c)] = {"overlap_output_tok_per_s": statistics.median(tput["overlap"]),
-                           "serial_output_tok_per_s": statistics.median(tput["serial"]),
-                           "overlap_over_serial_median": round(statistics.median(ratios), 3),
-                           "per_round": [round(x, 3) for x in ratios]}
-        busy = [r["client_busy"] for r in results["runs"]
-                if r["concurrency"] == c and "client_busy" in r]
-        if busy:  # servers only; near 1: the clients, not the server, set the pace
-            summary[str(c)]["client_busy_max"] = max(busy)
-    results["summary"] = summary
+    results["summary"] = summarize(results["runs"])
     emit(results, args.output)
+
+
+def summarize(runs: list[dict]) -> dict[str, dict]:
+    """Per concurrency level: the median output tok/s of each loop, overlap/serial of every
+    round that ran both (a run cut short has fewer), their median, and the busiest client
+    process's share of a core (servers only; near 1: the clients, not the server, set the
+    pace). Levels and loops without a run are left out."""
+    summary: dict[str, dict] = {}
+    for c in dict.fromkeys(r["concurrency"] for r in runs):
+        by = {(r["round"], r["config"]): r for r in runs if r["concurrency"] == c}
+        rounds = sorted(dict.fromkeys(rnd for rnd, _ in by))
+        row = {f"{name}_output_tok_per_s": statistics.median(tput) for name in CONFIGS
+               if (tput := [by[rnd, name]["output_tok_per_s"] for rnd in rounds
+                            if (rnd, name) in by])}
+        ratios = [by[rnd, "overlap"]["output_tok_per_s"] / by[rnd, "serial"]["output_tok_per_s"]
+                  for rnd in rounds if (rnd, "overlap") in by and (rnd, "serial") in by]
+        if ratios:
+            row["overlap_over_serial_median"] = round(statistics.median(ratios), 3)
+            row["per_round"] = [round(x, 3) for x in ratios]
+        busy = [r["client_busy"] for r in by.values() if "client_busy" in r]
+        if busy:
+            row["client_busy_max"] = max(busy)
+        summary[str(c)] = row
+    return summary
 
 
 def _rounds(args, workload, send) -> list[dict]:

@@ -33,9 +33,10 @@ them and also holds every part's whole JSON, status and seconds, so that one fil
 run (`--summary`, default --out-dir/summary.json; rewritten after each part, so a run cut
 short keeps what it has; printed at the end). A part that fails or runs past its timeout is
 recorded as such, with the rows it printed before it stopped (a JSON marked `partial`), and
-the rest still run; its processes (a part's servers too) are ended with it. Device memory: JAX is told not to preallocate (XLA_PYTHON_CLIENT_PREALLOCATE=false), so the
-two servers of a part can share one chip. Use a random-weight checkpoint of the model's
-shape (`python -m sgl_tpu.bench.random_checkpoint`) where the weights are not at hand.
+the rest still run; its processes (a part's servers too) are ended with it. Device memory:
+JAX is told not to preallocate (XLA_PYTHON_CLIENT_PREALLOCATE=false), so the two servers of a
+part can share one chip. Use a random-weight checkpoint of the model's shape (`python -m
+sgl_tpu.bench.random_checkpoint`) where the weights are not at hand.
 """
 
 from __future__ import annotations

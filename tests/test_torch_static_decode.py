@@ -133,6 +133,25 @@ def test_static_step_greedy_parity(tmp_path, llama, arch):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
 
 
+def test_moe_models_keep_the_packing_path(tmp_path):
+    """Mixture-of-experts layers route on the host (per-expert counts), which a CUDA graph
+    cannot record: asked for the static step, the runner keeps the packing path and decodes
+    as it does without it."""
+    loaded = load_model(ck.make_tiny_hf_checkpoint(tmp_path / "m", "qwen2_moe"))
+    (ids_a, _, eager), (ids_b, _, asked) = _script(loaded, [GREEDY] * 4)
+    assert eager.static_decode is None and asked.static_decode is None
+    assert ids_a == ids_b
+
+
+def test_page_buckets_stop_at_what_the_kv_pool_can_hold(llama):
+    """The widest page bucket is the widest page table a sequence can fill: the model's
+    context (4,096 tokens here = 1,024 pages) or, smaller, the pool's usable pages (2,048
+    tokens = 512 pages); a wider graph would reserve device memory no step uses."""
+    runner = _runner(llama, static=True)
+    assert runner.config.max_pages_per_seq == 1024 and runner.config.num_pages == 513
+    assert runner.static_decode.page_buckets == (2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
 @pytest.mark.parametrize("wide", [False, True], ids=["candidates", "wide-top-k"])
 def test_static_step_sampling_and_penalty_parity(llama, wide):
     """Seeded sampling (temperature, top-p, top-k) with frequency and repetition penalties:

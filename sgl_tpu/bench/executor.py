@@ -173,7 +173,9 @@ def _decode_path(rcfg, path: str):
 
 def _static_tail(runner, fn) -> str:
     """Which tail of the static step (greedy, sample or masked; static_decode.py) one more
-    call of fn takes."""
+    call of fn takes ("none": the runner kept the packing path, as for MoE models)."""
+    if runner.static_decode is None:
+        return "none"
     before = dict(runner.static_decode.tails)
     fn()
     taken = [k for k, v in runner.static_decode.tails.items() if v > before.get(k, 0)]

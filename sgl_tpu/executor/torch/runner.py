@@ -140,7 +140,12 @@ class TorchModelRunner:
         self.token_counts = torch.zeros((config.max_running_requests + 1, self.vocab_size),
                                         dtype=torch.int32, device=self.device)
         self.static_decode = None
-        if config.static_decode:
+        if config.static_decode and model_config.num_experts:
+            # expert routing reads per-expert token counts on the host (models/moe_torch.py):
+            # a host sync that a CUDA graph cannot record, and routing a replay would freeze
+            logger.info("static decode / CUDA graphs off: mixture-of-experts layers route on "
+                        "the host; decode steps take the packing path")
+        elif config.static_decode:
             self.static_decode = StaticDecode(
                 config, self.model, self.attn, self.kv_pools, self.token_counts, self.device,
                 self.dtype, model_config.sliding_window)

@@ -29,6 +29,7 @@ packing path stays the default for that reason.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -51,9 +52,13 @@ logger = logging.getLogger(__name__)
 
 def page_buckets(config: RunnerConfig) -> tuple[int, ...]:
     """Page-table widths of the static step: one KV tile's pages, doubling up to the widest
-    page table (contexts are padded to one of these)."""
+    page table a sequence can fill (contexts are padded to one of these): the model's
+    context, or the KV pool's usable pages where the pool is smaller (each width's graph holds
+    the gathered keys and values of that width for every row, so a width no sequence can
+    reach would only reserve device memory)."""
+    widest = max(1, min(config.max_pages_per_seq, config.num_pages - 1))
     tile_pages = max(1, config.kv_tile // config.page_size)
-    return pow2_buckets(min(tile_pages, config.max_pages_per_seq), config.max_pages_per_seq)
+    return pow2_buckets(min(tile_pages, widest), widest)
 
 
 class StaticDecode:
@@ -104,6 +109,13 @@ class StaticDecode:
                 step_contract.pick_bucket(self.page_buckets, num_pages, "decode context pages"))
 
     # ---- the step -----------------------------------------------------------------------
+    def _on_device(self):
+        """The runner's CUDA device made current (a thread starts on device 0: captures,
+        replays and events follow the current device's stream); nothing on CPU."""
+        if self.device.type == "cuda":
+            return torch.cuda.device(self.device)
+        return contextlib.nullcontext()
+
     @torch.inference_mode()
     def launch(self, steps: Sequence[SeqStep], prev_token_ids: torch.Tensor | None
                ) -> PendingStatic:
@@ -111,6 +123,11 @@ class StaticDecode:
         `prev_token_ids` i64[n_prev], the last step's tokens there), forward, a tail, and
         the copies of its results to the host. On CUDA nothing here waits for the device, so
         the next step can be launched behind this one."""
+        with self._on_device():
+            return self._launch(steps, prev_token_ids)
+
+    def _launch(self, steps: Sequence[SeqStep], prev_token_ids: torch.Tensor | None
+                ) -> PendingStatic:
         n = len(steps)
         num_rows, num_pages = self.buckets(steps)
         self.state.sync(steps, num_rows, num_pages, prev_token_ids)
@@ -251,6 +268,10 @@ class StaticDecode:
         active row): they change nothing. Returns seconds spent."""
         if not self.use_graphs:
             return 0.0
+        with self._on_device():
+            return self._warmup()
+
+    def _warmup(self) -> float:
         t0 = time.perf_counter()
         for num_rows in reversed(self.batch_buckets):
             for num_pages in reversed(self.page_buckets):

@@ -144,7 +144,9 @@ def _script(d: Driver) -> list[tuple[int, bool]]:
     decode_same([0, 1, 2, 3], 3)
     d.extend([1], forced=[7, 8, 9])  # jump-forward: its row is rewritten
     d.reqs[3]["mask"] = _even_tokens(d.runner.vocab_size)  # a grammar allows even ids only
-    decode_same([0, 1, 2, 3], 2)
+    compiled = d.runner.num_compilations()
+    decode_same([0, 1, 2, 3], 2)  # (the shape the maskless steps before compiled)
+    d.masked_compilations = d.runner.num_compilations() - compiled
     d.reqs[3]["mask"] = None
     decode_same([0, 2, 3], 3)  # request 1 finished: the rows after it shift
     d.overlapped([[0, 2, 3], [0, 2, 3], [2, 3, 0], [2, 3, 0]])  # rows named elsewhere

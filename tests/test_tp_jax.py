@@ -106,10 +106,13 @@ def test_decode_step_moves_only_activations(results):
 
 def test_decode_state_at_tp2(results):
     """The device-resident decode state, replicated, gives the packing path's tokens at TP 2
-    (its check on every step) and compiles nothing on a second pass."""
+    (its check on every step) and compiles nothing on a second pass; a step with a grammar
+    mask reuses the program of the maskless steps of its shape (its mask placed as theirs,
+    replicated, not compiled again mid-traffic)."""
     r = results["decode_state"]
     assert r["same_ids"] and r["rows_copied"] > 0
     assert r["compiled_again"] == 0
+    assert r["masked_compilations"] == {"packing": 0, "state": 0, "again": 0}
     assert r["state_spec"] in ("P()", "PartitionSpec()")  # replicated (by JAX version)
 
 

@@ -130,7 +130,8 @@ def check_tiny(model_dir: str) -> dict:
 def check_decode_state(model_dir: str) -> dict:
     """The device-resident decode state (forced on, its debug check on every step) at TP 2:
     the test script of tests/test_jax_decode_state.py on the packing path, then on the state,
-    then once more (nothing may compile)."""
+    then once more (nothing may compile), with the compilations its grammar-masked steps
+    caused in each pass."""
     import numpy as np
     from test_jax_decode_state import GREEDY, SAMPLED, Driver, _runner, _script
 
@@ -142,17 +143,19 @@ def check_decode_state(model_dir: str) -> dict:
     params = [GREEDY, SAMPLED, SAMPLED, GREEDY]
     runner = _runner(loaded, state=True, tp_size=2)
     state, runner.decode_state = runner.decode_state, None
-    ids = {}
+    ids, masked_compilations = {}, {}
     for name in ("packing", "state", "again"):
         if name == "again":
             compiled = runner.num_compilations()
         d = Driver(runner, prompts, params)
         _script(d)
         ids[name] = [r["ids"] for r in d.reqs]
+        masked_compilations[name] = d.masked_compilations
         runner.decode_state = state
     return {"same_ids": ids["packing"] == ids["state"] == ids["again"],
             "rows_copied": state.mirror.rows_copied,
             "compiled_again": runner.num_compilations() - compiled,
+            "masked_compilations": masked_compilations,
             "state_spec": str(state.arrays.pages.sharding.spec)}
 
 

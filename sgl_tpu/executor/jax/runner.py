@@ -367,6 +367,11 @@ class JaxModelRunner:
                 if st.bitmask is not None:
                     bitmask[i] = st.bitmask
             self.h2d_bytes += bitmask.nbytes
+            if self.mesh is not None:  # placed as the maskless steps' mask is (replicated):
+                # a host array would key a second compilation of the whole step under a mesh
+                replicated = NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+                bitmask = jax.make_array_from_callback(bitmask.shape, replicated,
+                                                       lambda idx, m=bitmask: m[idx])
         else:
             if S not in self._no_masks:
                 self._no_masks[S] = self._zeros((S, self.vocab_words), jnp.int32,

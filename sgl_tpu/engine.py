@@ -78,8 +78,8 @@ def build_scheduler(args: ServerArgs) -> tuple[Scheduler, Any]:
     else:
         logger.info("speculative decoding: %s (drafting while at most %s requests decode)",
                     spec_algorithm, spec_max_batch or "any number of")
-    sched_cfg = args.scheduler_config(
-        runner_cfg, overlap_schedule=overlap, speculative_algorithm=spec_algorithm,
+    sched_cfg = args.scheduler_config(  # (the runner's config: what it runs, resolved)
+        runner.config, overlap_schedule=overlap, speculative_algorithm=spec_algorithm,
         speculative_max_batch=spec_max_batch)
     scheduler = Scheduler(
         sched_cfg, runner, num_pages=runner_cfg.num_pages,

@@ -52,6 +52,7 @@ class Driver:
     def __init__(self, runner, prompts: list[list[int]], params: list[SamplingParams]):
         self.runner = runner
         self.reqs = []
+        self.masked_compilations = 0  # set by _script: compiles its masked steps caused
         self.logprobs = []
         next_page = 1
         for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):

@@ -135,11 +135,12 @@ def test_static_step_greedy_parity(tmp_path, llama, arch):
 
 def test_moe_models_keep_the_packing_path(tmp_path):
     """Mixture-of-experts layers route on the host (per-expert counts), which a CUDA graph
-    cannot record: asked for the static step, the runner keeps the packing path and decodes
-    as it does without it."""
+    cannot record: asked for the static step, the runner keeps the packing path, says so in
+    its config (which the scheduler's /server_info reports) and decodes as without it."""
     loaded = load_model(ck.make_tiny_hf_checkpoint(tmp_path / "m", "qwen2_moe"))
     (ids_a, _, eager), (ids_b, _, asked) = _script(loaded, [GREEDY] * 4)
     assert eager.static_decode is None and asked.static_decode is None
+    assert not asked.config.static_decode and not asked.config.cuda_graph  # as reported
     assert ids_a == ids_b
 
 

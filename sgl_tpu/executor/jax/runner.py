@@ -369,8 +369,7 @@ class JaxModelRunner:
             self.h2d_bytes += bitmask.nbytes
             if self.mesh is not None:  # placed as the maskless steps' mask is (replicated):
                 # a host array would key a second compilation of the whole step under a mesh
-                replicated = NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-                bitmask = jax.make_array_from_callback(bitmask.shape, replicated,
+                bitmask = jax.make_array_from_callback(bitmask.shape, replicated(self.mesh),
                                                        lambda idx, m=bitmask: m[idx])
         else:
             if S not in self._no_masks:

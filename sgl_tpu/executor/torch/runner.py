@@ -30,6 +30,7 @@ of one token per sequence take the static-shape step over device-resident batch 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -113,7 +114,14 @@ class TorchModelRunner:
 
     def _build(self, model_config: ModelConfig, params: dict, config: RunnerConfig) -> None:
         self.model_config = model_config
-        self.config = config
+        if config.static_decode and model_config.num_experts:
+            # expert routing reads per-expert token counts on the host (models/moe_torch.py):
+            # a host sync that a CUDA graph cannot record, and routing a replay would freeze
+            logger.info("static decode / CUDA graphs off: mixture-of-experts layers route on "
+                        "the host; decode steps take the packing path")
+            config = dataclasses.replace(config, static_decode=False, static_decode_max_bs=0,
+                                         cuda_graph=False)
+        self.config = config  # the config this runner runs (the scheduler reports it)
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             logger.info("torch backend: %d CPU threads", set_cpu_threads(config.cpu_threads))
@@ -140,12 +148,7 @@ class TorchModelRunner:
         self.token_counts = torch.zeros((config.max_running_requests + 1, self.vocab_size),
                                         dtype=torch.int32, device=self.device)
         self.static_decode = None
-        if config.static_decode and model_config.num_experts:
-            # expert routing reads per-expert token counts on the host (models/moe_torch.py):
-            # a host sync that a CUDA graph cannot record, and routing a replay would freeze
-            logger.info("static decode / CUDA graphs off: mixture-of-experts layers route on "
-                        "the host; decode steps take the packing path")
-        elif config.static_decode:
+        if config.static_decode:
             self.static_decode = StaticDecode(
                 config, self.model, self.attn, self.kv_pools, self.token_counts, self.device,
                 self.dtype, model_config.sliding_window)

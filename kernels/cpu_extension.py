@@ -1,7 +1,8 @@
 """Build and load the compiled CPU kernels: the `torch-cpu-fused` attention backend
 (`csrc/paged_attention_cpu.cpp`) and the quantized GEMM with float32 activations
-(`csrc/quant_gemm_cpu.cpp`, kernels/quant_gemm_cpu.py) and the decoder's fused norm / RoPE /
-SwiGLU ops (`csrc/layer_ops_cpu.cpp`, kernels/layer_ops_cpu.py).
+(`csrc/quant_gemm_cpu.cpp`, kernels/quant_gemm_cpu.py), the decoder's fused norm / RoPE /
+SwiGLU ops (`csrc/layer_ops_cpu.cpp`, kernels/layer_ops_cpu.py) and the fixed-reduction-order
+GEMM of deterministic inference (`csrc/invariant_gemm_cpu.cpp`, kernels/invariant_gemm_cpu.py).
 
     python -m sgl_tpu.kernels.cpu_extension      (run by `make install`; prints what it built)
 
@@ -83,7 +84,9 @@ QUANT_GEMM = CpuExtension(CSRC / "quant_gemm_cpu.cpp", "sgl_tpu_qgemm_cpu",
                           "quantized CPU GEMM")
 LAYER_OPS = CpuExtension(CSRC / "layer_ops_cpu.cpp", "sgl_tpu_layer_ops_cpu",
                          "fused CPU layer ops")
-EXTENSIONS = (ATTENTION, QUANT_GEMM, LAYER_OPS)
+INVARIANT_GEMM = CpuExtension(CSRC / "invariant_gemm_cpu.cpp", "sgl_tpu_inv_gemm_cpu",
+                              "fixed-order CPU GEMM")
+EXTENSIONS = (ATTENTION, QUANT_GEMM, LAYER_OPS, INVARIANT_GEMM)
 SOURCE = ATTENTION.source  # the attention extension's (the module-level functions below)
 
 
@@ -196,7 +199,8 @@ def build_copy(source: Path, prefix: str, build_dir: str, openmp: bool = True,
 def main() -> int:
     fallback = {ATTENTION: "torch-sdpa will be used",
                 QUANT_GEMM: "float32 servers keep dense projections",
-                LAYER_OPS: "the decoder's norms and RoPE run as torch ops"}
+                LAYER_OPS: "the decoder's norms and RoPE run as torch ops",
+                INVARIANT_GEMM: "--enable-deterministic-inference is refused on CPUs"}
     status = 0
     for ext in EXTENSIONS:
         try:

@@ -5,23 +5,24 @@ EXTEND and DECODE run one kernel, so a query row's output is a function of its o
 its context's K/V only: not of the other rows of its step, of how many new tokens its sequence
 has this step (chunked prefill), or of whether the context came from the radix cache.
 
-Each query row at position p attends to context positions 0 .. p, walked in tiles of
-`KV_TILE` keys in order from position 0 (the context is padded to whole tiles with slot 0 and
-masked by position):
+Each query row at position p attends to context positions 0 .. p (the context padded to whole
+tiles of `KV_TILE` keys with slot 0, masked by position). Both products run on the
+fixed-reduction-order GEMM (kernels/invariant_gemm_cpu.py) on CPUs: oneDNN's bf16 kernels
+(AMX above all) sum in an order that depends on the row count. Each score is then one float32
+chain over d, each output one chain over the context in position order:
 
     context   [ tile 0 | tile 1 | tile 2 | pad ]     tiles past a row's horizon are all masked
-    scores    s_j = (q @ K_j^T) * scale              bf16 GEMM per tile (bit-identical per row
-                                                     for any row count, measured), f32 after
-    max       m   = max_j max(s_j)                   exact in any order
-    weights   p_j = exp(s_j - m), l = sum_j sum(p_j) per tile, tiles summed in order; a masked
+    scores    s = (q @ K^T) * scale                  float32 [R, L]
+    max       m = max(s)                             exact in any order
+    weights   p = exp(s - m), l = sum_j sum(p_j)     per tile, tiles summed in order; a masked
                                                      tile adds exactly 0
-    output    o   = (sum_j p_j @ V_j) / l            bf16 GEMM per tile, f32 accumulation
+    output    o = (p @ V) / l                        a masked key adds fma(0, v, acc) = acc
 
 Two passes instead of an online softmax: the running rescale exp(m_old - m_new) is taken on
 [rows] tensors whose vector/scalar split depends on the row count, the tile tensors here are
 whole multiples of the vector width. EXTEND attends once per sequence ([1, kvh, n * G, d]),
-DECODE once for the batch ([B, kvh, G, d]); the per-tile GEMMs differ only in batch and row
-counts, which the per-row results do not depend on.
+DECODE once for the batch ([B, kvh, G, d]). On other devices the products are torch.matmul in
+float32.
 
 The pool layout, K/V write, `ExtendSeq`, `DecodeBatch` and `context_slots` are those of
 `paged_attention_torch` (the runner builds the same step description for both).
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from sgl_tpu.kernels import invariant_gemm_cpu
 from sgl_tpu.kernels.paged_attention_torch import (  # noqa: F401  (the backend's interface)
     DecodeBatch,
     ExtendSeq,
@@ -43,31 +45,27 @@ KV_TILE = 128  # keys per tile: a multiple of every CPU vector width (16 floats 
 # a 257-token context reads 384 keys, not 512), 64 slower at batch 1-8 (more tile passes)
 
 
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [..., M, K] @ b [..., K, N] -> float32, one fixed-order chain per output on CPUs."""
+    if a.device.type == "cpu":
+        return invariant_gemm_cpu.matmul(a, b)
+    return torch.matmul(a.float(), b.float())
+
+
 def _attend(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, q_pos: torch.Tensor,
             scale: float, kv_tile: int) -> torch.Tensor:
     """q [B, kvh, R, d] (R = query rows x group heads), k_ctx/v_ctx [B, kvh, L, d] with L a
     multiple of kv_tile, q_pos i64[B, R] each row's position -> [B, kvh, R, d] in q's dtype."""
-    num_tiles = k_ctx.shape[2] // kv_tile
-    offsets = torch.arange(kv_tile, device=q.device)
-    scores = []
-    m = None
-    for j in range(num_tiles):
-        kt = k_ctx[:, :, j * kv_tile : (j + 1) * kv_tile]  # [B, kvh, KT, d]
-        s = torch.matmul(q, kt.transpose(-1, -2)).float() * scale  # [B, kvh, R, KT]
-        masked = (j * kv_tile + offsets)[None, None, None, :] > q_pos[:, None, :, None]
-        s.masked_fill_(masked, float("-inf"))
-        scores.append(s)
-        tile_max = s.amax(-1)  # [B, kvh, R]
-        m = tile_max if m is None else torch.maximum(m, tile_max)
-    l_sum = acc = None
-    for j, s in enumerate(scores):
-        p = torch.exp(s - m[..., None])  # [B, kvh, R, KT]
-        vt = v_ctx[:, :, j * kv_tile : (j + 1) * kv_tile]
-        pv = torch.matmul(p.to(v_ctx.dtype), vt).float()  # [B, kvh, R, d]
-        tile_sum = p.sum(-1)
+    length = k_ctx.shape[2]
+    s = _matmul(q, k_ctx.transpose(-1, -2)) * scale  # [B, kvh, R, L]
+    masked = torch.arange(length, device=q.device)[None, None, None, :] > q_pos[:, None, :, None]
+    s.masked_fill_(masked, float("-inf"))
+    p = torch.exp(s - s.amax(-1, keepdim=True))  # [B, kvh, R, L]
+    l_sum = None
+    for j in range(length // kv_tile):
+        tile_sum = p[..., j * kv_tile : (j + 1) * kv_tile].sum(-1)  # [B, kvh, R]
         l_sum = tile_sum if l_sum is None else l_sum + tile_sum
-        acc = pv if acc is None else acc + pv
-    return (acc / l_sum[..., None]).to(q.dtype)
+    return (_matmul(p, v_ctx) / l_sum[..., None]).to(q.dtype)
 
 
 def _gather(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -14,6 +14,9 @@ server loads only a build of exactly its own source for exactly its machine:
 
     native    -O3 -march=native   (AVX2 or AVX-512: what this CPU has), tried first
     portable  -O3                 (the compiler's baseline ISA), when the native build fails
+    avx2      -march=native -mno-avx512f, also built on AVX-512 CPUs: the code an AVX2-only
+              CPU runs, loaded instead of the native build when SGL_TPU_CPU_KERNELS=avx2
+              (reproduces an AVX2 host's kernels here; the ISA tests run under it)
 
 `load_extension(ext)` returns (module, "") or (None, why): missing or unloadable, the caller
 falls back (attention `auto` to `torch-sdpa`, float32 quantization to dense weights) and the
@@ -49,7 +52,10 @@ FLAVOURS = {
     "portable": [*COMMON_FLAGS, "-fopenmp"],
     "serial": COMMON_FLAGS,
 }
+# the avx2 build, on CPUs whose native build is AVX-512 (elsewhere the native one is AVX2)
+AVX2_FLAGS = [*FLAVOURS["native"], "-mno-avx512f"]
 INSTALL_HINT = "build it with `make install` (or `python -m sgl_tpu.kernels.cpu_extension`)"
+KERNELS_ENV = "SGL_TPU_CPU_KERNELS"  # "avx2": load the avx2 builds (see the module docstring)
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,8 +75,8 @@ class CpuExtension:
         import torch
 
         h = hashlib.sha256(self.source.read_bytes())
-        h.update(f"{torch.__version__}|{sys.version_info[:2]}|{FLAVOURS[flavour]}".encode())
-        if flavour == "native":
+        h.update(f"{torch.__version__}|{sys.version_info[:2]}|{flavour_flags(flavour)}".encode())
+        if flavour in ("native", "avx2"):
             h.update(cpu_flags().encode())
         return f"{self.prefix}_{flavour}_{h.hexdigest()[:16]}"
 
@@ -88,6 +94,20 @@ INVARIANT_GEMM = CpuExtension(CSRC / "invariant_gemm_cpu.cpp", "sgl_tpu_inv_gemm
                               "fixed-order CPU GEMM")
 EXTENSIONS = (ATTENTION, QUANT_GEMM, LAYER_OPS, INVARIANT_GEMM)
 SOURCE = ATTENTION.source  # the attention extension's (the module-level functions below)
+
+
+def flavour_flags(flavour: str) -> list[str]:
+    return AVX2_FLAGS if flavour == "avx2" else FLAVOURS[flavour]
+
+
+def has_avx2_build() -> bool:
+    """Whether `make install` also builds the avx2 flavour (the native build is AVX-512)."""
+    return "avx512f" in cpu_flags().split()
+
+
+def flavour_of(module: ModuleType) -> str:
+    """The flavour a loaded module was built as ("native", "avx2", ...), from its name."""
+    return module.__name__.rsplit("_", 2)[1]
 
 
 def link_flags(flags: list[str]) -> list[str]:
@@ -112,7 +132,10 @@ def load_extension(ext: CpuExtension) -> tuple[ModuleType | None, str]:
     except ImportError:
         return None, "torch is not installed"
     errors = []
-    for flavour in FLAVOURS:
+    flavours = list(FLAVOURS)
+    if os.environ.get(KERNELS_ENV) == "avx2" and has_avx2_build():
+        flavours = ["avx2"]
+    for flavour in flavours:
         path = ext.built_path(flavour)
         if not path.exists():
             continue
@@ -145,39 +168,52 @@ def why_unavailable() -> str:
     return _load()[1]
 
 
-def build(ext: CpuExtension = ATTENTION, verbose: bool = False) -> Path:
-    """Compile (native, else portable) unless a build of this source exists; its path."""
+def _build_flavour(ext: CpuExtension, flavour: str, verbose: bool) -> Path:
+    """Compile one flavour unless it is built; its path (the compiler's error raises)."""
     from torch.utils import cpp_extension
 
+    path = ext.built_path(flavour)
+    if path.exists():
+        return path
     # the venv's own ninja (a dependency) when the interpreter's bin dir is not on PATH
     bin_dir = str(Path(sys.executable).parent)
     os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
+    name, flags = ext.module_name(flavour), flavour_flags(flavour)
+    # built in a private directory, renamed into place when complete: a server starting
+    # meanwhile never loads a half-written module
+    tmp_dir = BUILD_DIR / f".{name}.{os.getpid()}"
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        cpp_extension.load(name=name, sources=[str(ext.source)], extra_cflags=flags,
+                           extra_ldflags=link_flags(flags), build_directory=str(tmp_dir),
+                           verbose=verbose)
+    except Exception:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    try:
+        os.replace(tmp_dir, path.parent)
+    except OSError:  # another build of the same source finished first
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    if not path.exists():
+        raise RuntimeError(f"no {path.name} after the build")
+    return path
+
+
+def build(ext: CpuExtension = ATTENTION, verbose: bool = False) -> Path:
+    """Compile (native, else portable, else serial) unless a build of this source exists; its
+    path."""
     failures = []
-    for flavour, flags in FLAVOURS.items():
-        path = ext.built_path(flavour)
-        if path.exists():
-            return path
-        name = ext.module_name(flavour)
-        # built in a private directory, renamed into place when complete: a server starting
-        # meanwhile never loads a half-written module
-        tmp_dir = BUILD_DIR / f".{name}.{os.getpid()}"
-        tmp_dir.mkdir(parents=True, exist_ok=True)
+    for flavour in FLAVOURS:
         try:
-            cpp_extension.load(name=name, sources=[str(ext.source)], extra_cflags=flags,
-                               extra_ldflags=link_flags(flags),
-                               build_directory=str(tmp_dir), verbose=verbose)
+            return _build_flavour(ext, flavour, verbose)
         except Exception as e:  # a compiler or ninja error: try the next flavour
-            shutil.rmtree(tmp_dir, ignore_errors=True)
             failures.append(f"{flavour}: {e}")
-            continue
-        try:
-            os.replace(tmp_dir, path.parent)
-        except OSError:  # another build of the same source finished first
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-        if path.exists():
-            return path
-        failures.append(f"{flavour}: no {path.name} after the build")
     raise RuntimeError(f"building the {ext.title} failed:\n" + "\n".join(failures))
+
+
+def build_avx2(ext: CpuExtension, verbose: bool = False) -> Path | None:
+    """The avx2 flavour on a CPU whose native build is AVX-512 (else None: nothing to add)."""
+    return _build_flavour(ext, "avx2", verbose) if has_avx2_build() else None
 
 
 def build_copy(source: Path, prefix: str, build_dir: str, openmp: bool = True,
@@ -210,6 +246,13 @@ def main() -> int:
             status = 1
             continue
         print(f"sgl-tpu: {ext.title} built: {path}")
+        try:
+            path = build_avx2(ext, verbose="-v" in sys.argv)
+        except Exception as e:  # optional: only SGL_TPU_CPU_KERNELS=avx2 loads it
+            print(f"sgl-tpu: the avx2 build of the {ext.title} failed ({e})", file=sys.stderr)
+            continue
+        if path is not None:
+            print(f"sgl-tpu: {ext.title} built for AVX2 CPUs: {path}")
     return status
 
 

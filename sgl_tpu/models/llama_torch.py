@@ -291,8 +291,9 @@ class LlamaTorch:
         as exact float32 dot products of the same bf16 weights (a [N, C, D] gather); the tail
         keeps the rounded values (a few % of probability, irrelevant to greedy and top-p).
         """
-        out = self.w.linear(hidden, self.w.lm_head, None).float()  # [N, V]
-        if hidden.dtype != torch.float32:
+        out = self.w.linear(hidden, self.w.lm_head, None)  # [N, V]
+        if out.dtype != torch.float32:  # rounded to bf16 (an exact float32 head skips this)
+            out = out.float()
             cand = out.topk(min(REFINE_TOP, out.shape[1]), dim=-1).indices  # [N, C]
             rows = self.w.head_rows[cand].float()  # [N, C, D]
             exact = torch.bmm(rows, hidden.float().unsqueeze(-1)).squeeze(-1)  # [N, C]

@@ -47,7 +47,7 @@ from sgl_tpu.config import RunnerConfig
 from sgl_tpu.executor import batch_invariant
 from sgl_tpu.executor import step as step_contract
 from sgl_tpu.executor.step import ForwardMode, PendingStep, SeqStep, StepResult
-from sgl_tpu.executor.torch import sampler
+from sgl_tpu.executor.torch import invariant_linear, sampler
 from sgl_tpu.executor.torch.compute_thread import ComputeThread
 from sgl_tpu.executor.torch.device import cpu_prepacks_bf16, resolve_device, set_cpu_threads
 from sgl_tpu.executor.torch.static_decode import StaticDecode
@@ -130,7 +130,11 @@ class TorchModelRunner:
         self._compiles = 0
         self.attn = get_attention_backend(config.attention_backend)
         compile_fn = self._compile if config.compile else None
-        prepack = (not config.compile and self.device.type == "cpu"
+        # deterministic on a CPU: projections on the fixed-order GEMM (invariant_linear.py)
+        self.invariant_gemm = config.deterministic and self.device.type == "cpu"
+        if self.invariant_gemm:
+            invariant_linear.require_kernel()
+        prepack = (not config.compile and self.device.type == "cpu" and not self.invariant_gemm
                    and self.dtype == torch.bfloat16 and cpu_prepacks_bf16())
         self.quantization = None  # quantize.QuantizationReport when projections are quantized
         self.model = self._build_model(params, model_config, prepack, compile_fn)
@@ -154,8 +158,9 @@ class TorchModelRunner:
                 self.dtype, model_config.sliding_window)
         self._last_token_ids: torch.Tensor | None = None  # i64[n] of the last step run
         logger.info("torch backend on %s, %s (KV cache %s), compile=%s, prepacked weights=%s, "
-                    "quantization=%s, fused layer ops=%s, static decode=%s, CUDA graphs=%s",
-                    self.device, config.dtype, config.kv_dtype, config.compile, prepack,
+                    "fixed-order GEMM=%s, quantization=%s, fused layer ops=%s, static decode=%s, "
+                    "CUDA graphs=%s", self.device, config.dtype, config.kv_dtype, config.compile,
+                    prepack, self.invariant_gemm,
                     self.quantization.method if self.quantization else "none",
                     self.layer_ops, config.static_decode, config.cuda_graph)
 
@@ -164,7 +169,8 @@ class TorchModelRunner:
         return torch_model(model_config.arch).build_model(
             params, model_config, dtype=self.dtype, device=self.device, prepack=prepack,
             write_kv=self.attn.write_kv, compile_fn=compile_fn,
-            quantize=self._quantizer(params, model_config))
+            quantize=(invariant_linear.invariant_weights if self.invariant_gemm
+                      else self._quantizer(params, model_config)))
 
     def _use_layer_ops(self) -> bool:
         """Hand the model the compiled layer ops (kernels/layer_ops_cpu.py) on an eager CPU

@@ -63,6 +63,9 @@ class RecordingRunner:
     def num_compilations(self) -> int:
         return 0
 
+    def compute_info(self) -> dict:
+        return {"backend": "fake"}
+
 
 def descendants(pid: int) -> list[int]:
     """Every process below `pid` (Linux /proc), children first."""

@@ -68,6 +68,7 @@ TARGETS = {
 }
 
 
+@pytest.mark.isa_invariance
 @pytest.mark.parametrize("kind", list(TARGETS))
 def test_same_tokens_whatever_the_batch_chunking_and_cache(engine, kind):
     """Random trials: chunk size, a cached prefix of the target (none, part, all) and 0-3
@@ -101,6 +102,7 @@ def test_same_tokens_whatever_the_batch_chunking_and_cache(engine, kind):
         engine.scheduler.check_integrity()
 
 
+@pytest.mark.isa_invariance
 def test_decode_matches_extend_of_the_whole_sequence(engine):
     """Greedy tokens of a prompt, then the prompt + those tokens prefilled in one EXTEND: the
     continuation is the same (each generated token's K/V was computed by DECODE the first time
@@ -120,27 +122,57 @@ def test_decode_matches_extend_of_the_whole_sequence(engine):
 ROW_COUNTS = (2, 3, 5, 8, 17, 33, 64, 100, 257)
 
 
-def test_torch_linear_rows_do_not_depend_on_row_count():
-    """The bf16 linear the runner uses on this CPU: oneDNN-prepacked where oneDNN can prepack
-    bf16, else plain `F.linear` (AVX2-only CPUs)."""
-    torch = pytest.importorskip("torch")
-    from sgl_tpu.executor.torch.device import cpu_prepacks_bf16
+def test_torch_runner_under_the_flag_runs_the_fixed_order_gemm(engine):
+    """On a CPU every projection and the head are the fixed-order GEMM's packed weights (not
+    oneDNN's, whose bf16 kernels on AMX reduce per row count), and the server says so."""
+    runner = engine.scheduler.runner
+    if runner.backend != "torch":
+        pytest.skip("XLA's dots: test_jax_matmul_rows_do_not_depend_on_row_count")
+    from sgl_tpu.kernels.invariant_gemm_cpu import PackedWeight
 
-    torch.manual_seed(0)
-    for k, n in ((576, 960), (1536, 576)):
-        w = torch.randn(n, k).to(torch.bfloat16)
-        if cpu_prepacks_bf16():
-            w = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    w = runner.model.w
+    projections = [getattr(lw, name) for lw in w.layers
+                   for name in ("wqkv", "wo", "w_gate_up", "w_down")]
+    assert all(isinstance(p, PackedWeight) for p in projections)
+    assert isinstance(w.lm_head, PackedWeight) and w.lm_head.float_output
+    info = runner.compute_info()
+    assert info["gemm"] == "fixed-order" and info["amx_in_use"] is False
 
-            def linear(x, w=w):
-                return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-        else:
-            def linear(x, w=w):
-                return torch.nn.functional.linear(x, w)
-        x = torch.randn(max(ROW_COUNTS), k).to(torch.bfloat16)
-        ref = linear(x[:2])
-        for m in ROW_COUNTS:
-            assert torch.equal(linear(x[:m])[:2], ref), (k, n, m)
+
+# oneDNN's implementations by ISA, lowest first (the suffix of a verbose line's "brg_matmul:...")
+ONEDNN_ISAS = ("avx2", "avx512_core", "avx512_core_bf16", "avx512_core_amx")
+
+
+def _isa_rank(name: str) -> int:
+    """"AVX512_CORE_BF16" or an implementation "brg_matmul:avx512_core_bf16" -> its place."""
+    isa = name.rsplit(":", 1)[-1].lower()
+    ranks = [i for i, known in enumerate(ONEDNN_ISAS) if isa.startswith(known)]
+    return max(ranks) if ranks else -1
+
+
+@pytest.mark.isa_invariance
+def test_the_process_runs_the_isa_it_is_set_to():
+    """What `/server_info` reports (executor/torch/device.cpu_info) follows the knobs the ISA
+    cases of tests/test_isa.py set: oneDNN's linears at most ONEDNN_MAX_CPU_ISA, and every
+    compiled kernel the AVX2 build under SGL_TPU_CPU_KERNELS=avx2."""
+    pytest.importorskip("torch")
+    import os
+
+    from sgl_tpu.executor.torch.device import cpu_info
+    from sgl_tpu.kernels import cpu_extension
+
+    info = cpu_info()
+    onednn = info["onednn"]
+    assert onednn["isa"] != "unknown" and onednn["f32_linear"]
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
+    if cap:
+        for impl in (onednn["f32_linear"], onednn["bf16_linear"]):
+            assert impl is None or _isa_rank(impl) <= _isa_rank(cap), (impl, cap)
+        assert not onednn["amx"] or cap == "AVX512_CORE_AMX"
+    if os.environ.get(cpu_extension.KERNELS_ENV) == "avx2" and cpu_extension.has_avx2_build():
+        for name, kernel in info["compiled_kernels"].items():
+            assert kernel.get("flavour") == "avx2", name
+        assert info["compiled_kernels"]["sgl_tpu_inv_gemm_cpu"]["simd"] == "avx2-fma"
 
 
 def test_jax_matmul_rows_do_not_depend_on_row_count():
@@ -157,6 +189,7 @@ def test_jax_matmul_rows_do_not_depend_on_row_count():
             assert np.array_equal(np.asarray(dot(x[:m], w).astype(jnp.float32))[:2], ref)
 
 
+@pytest.mark.isa_invariance
 def test_torch_invariant_attention_same_row_every_way():
     """One sequence's last row: prefilled whole, as the tail of a chunk after a cached prefix,
     and as a DECODE in a batch with other sequences (multi-tile contexts): bit-identical."""
@@ -261,6 +294,7 @@ def _chat(base_url: str, stream: bool, messages=CHAT, max_tokens: int = 40) -> s
 
 
 @pytest.mark.slow
+@pytest.mark.isa_invariance
 def test_chat_streamed_then_not_gives_one_answer_on_the_default_model():
     """The reproduction from the issue: a temperature-0 chat sent streamed, then not (the second
     hits the radix cache), then again beside a concurrent batch mate: one continuation."""

@@ -47,6 +47,9 @@ class PlusOneRunner:
     def num_compilations(self) -> int:
         return 0
 
+    def compute_info(self) -> dict:
+        return {"backend": "fake"}
+
 
 def make_scheduler(num_pages: int = 64, chunk: int = 16, max_running: int = 8):
     from sgl_tpu.scheduler.scheduler import Scheduler

@@ -150,6 +150,9 @@ class ModelRunner(Protocol):
     def num_compilations(self) -> int:
         """Compiled step variants so far (tests assert it stays fixed after warm-up)."""
 
+    def compute_info(self) -> dict[str, Any]:
+        """Device, dtype and kernels the steps run on (`/server_info`'s "compute")."""
+
 
 # ---- buckets --------------------------------------------------------------------------------
 def pick_bucket(buckets: Sequence[int], n: int, what: str) -> int:

@@ -198,6 +198,9 @@ class LeaderRunner:
     def num_compilations(self) -> int:
         return self.runner.num_compilations()
 
+    def compute_info(self) -> dict[str, Any]:
+        return self.runner.compute_info()
+
     @property
     def world_size(self) -> int:
         return self.group.world_size

@@ -102,6 +102,8 @@ def server_info(scheduler: Scheduler) -> dict[str, Any]:
         "device_decode_state": scheduler.config.device_decode_state,
         "scheduler_pid": os.getpid(),
         "omp_wait": omp_wait.settings(),
+        # the arithmetic the runner runs (CPU ISA, oneDNN's kernels, AMX, compiled kernels)
+        "compute": scheduler.runner.compute_info(),
         "stats": stats,
     }
     if not scheduler.has_work:

@@ -35,6 +35,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -316,6 +317,11 @@ class JaxModelRunner:
         shape = (m.num_kv_heads, c.num_pages, c.page_size, m.head_dim)
         return [(self._zeros(shape, self.dtype), self._zeros(shape, self.dtype))
                 for _ in range(m.num_layers)]
+
+    def compute_info(self) -> dict[str, Any]:
+        """What `/server_info` reports this runner computes with (XLA picks its own kernels)."""
+        return {"backend": "jax", "device": jax.devices()[0].platform,
+                "dtype": self.config.dtype, "gemm": "xla"}
 
     @property
     def kv_bytes(self) -> int:

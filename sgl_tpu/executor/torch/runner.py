@@ -49,7 +49,12 @@ from sgl_tpu.executor import step as step_contract
 from sgl_tpu.executor.step import ForwardMode, PendingStep, SeqStep, StepResult
 from sgl_tpu.executor.torch import invariant_linear, sampler
 from sgl_tpu.executor.torch.compute_thread import ComputeThread
-from sgl_tpu.executor.torch.device import cpu_prepacks_bf16, resolve_device, set_cpu_threads
+from sgl_tpu.executor.torch.device import (
+    cpu_info,
+    cpu_prepacks_bf16,
+    resolve_device,
+    set_cpu_threads,
+)
 from sgl_tpu.executor.torch.static_decode import StaticDecode
 from sgl_tpu.kernels.backends import get_attention_backend
 from sgl_tpu.models.config import ModelConfig
@@ -137,6 +142,7 @@ class TorchModelRunner:
         prepack = (not config.compile and self.device.type == "cpu" and not self.invariant_gemm
                    and self.dtype == torch.bfloat16 and cpu_prepacks_bf16())
         self.quantization = None  # quantize.QuantizationReport when projections are quantized
+        self.prepacked = prepack
         self.model = self._build_model(params, model_config, prepack, compile_fn)
         self.layer_ops = self._use_layer_ops()
         num_slots = config.num_pages * config.page_size
@@ -228,6 +234,25 @@ class TorchModelRunner:
 
     def num_compilations(self) -> int:
         return self._compiles
+
+    def compute_info(self) -> dict[str, Any]:
+        """What `/server_info` reports this runner computes with: device, dtype, the
+        projections' GEMM, whether AMX runs them, and on CPUs the ISA oneDNN and the compiled
+        kernels use (so a user can tell which published figures apply to their machine)."""
+        if self.invariant_gemm:
+            gemm = "fixed-order"
+        elif self.quantization is not None:
+            gemm = f"quantized ({self.quantization.method})"
+        else:
+            gemm = "oneDNN prepacked" if self.prepacked else "torch"
+        info: dict[str, Any] = {"backend": "torch", "device": str(self.device),
+                                "dtype": self.config.dtype, "gemm": gemm}
+        if self.device.type == "cpu":
+            cpu = cpu_info()
+            info["cpu"] = cpu
+            info["amx_in_use"] = (cpu["onednn"]["amx"] and self.dtype == torch.bfloat16
+                                  and not self.invariant_gemm)
+        return info
 
     @property
     def kv_bytes(self) -> int:

@@ -1,0 +1,52 @@
+"""The tests that compare tokens across batches, chunking, cache hits or backends (marker
+`isa_invariance`, `make test-isa`) run again as a CPU of a lower ISA would run them:
+
+    ONEDNN_MAX_CPU_ISA=<isa>          oneDNN's kernels capped at that ISA (its environment
+                                      knob, read once per process)
+    SGL_TPU_CPU_KERNELS=avx2          for the AVX2 case, the AVX2 build of the compiled
+                                      kernels (kernels/cpu_extension.py), not the native one
+
+Each case is a pytest run in a subprocess (the knobs must be set before torch starts). One case
+per ISA the CPU backend can pick; an ISA this CPU lacks is skipped with the reason, and so is
+the CPU's best one, which the main run covers (it runs the same tests uncapped). The marked
+set includes `test_the_process_runs_the_isa_it_is_set_to`, so a case whose knobs did not take
+effect fails.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from server_harness import REPO_ROOT
+
+from sgl_tpu.kernels.cpu_extension import KERNELS_ENV, cpu_flags
+
+# oneDNN's name for each ISA, the /proc/cpuinfo flag it needs, lowest first
+ISAS = (("AVX2", "avx2"), ("AVX512_CORE", "avx512f"), ("AVX512_CORE_BF16", "avx512_bf16"),
+        ("AVX512_CORE_AMX", "amx_bf16"))
+
+
+def _best_isa(flags: list[str]) -> str | None:
+    return next((isa for isa, flag in reversed(ISAS) if flag in flags), None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa, flag", ISAS, ids=[isa for isa, _ in ISAS])
+def test_token_comparisons_hold_with_the_cpu_capped_at(isa, flag):
+    flags = cpu_flags().split()
+    if flag not in flags:
+        pytest.skip(f"this CPU lacks {flag}: it cannot run {isa} (best: {_best_isa(flags)})")
+    if isa == _best_isa(flags):
+        pytest.skip(f"{isa} is this CPU's best ISA: the main run covers it uncapped")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": isa, "JAX_PLATFORMS": "cpu"}
+    env.pop(KERNELS_ENV, None)
+    if isa == "AVX2":
+        env[KERNELS_ENV] = "avx2"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "-m", "isa_invariance", "tests"], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, f"under {isa}:\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
+    print(f"{isa}: {proc.stdout.strip().splitlines()[-1]}")

@@ -239,6 +239,46 @@ def test_without_the_flag_the_default_paths_are_chosen():
                                    compile=cfg.compile) == cfg
 
 
+# bfloat16 without the flag promises closeness, not equality: log-probs within BF16_LOGPROB_TOL
+# of each other, and equal tokens while the top-2 margin is clear of BF16_MARGIN (a GEMM of
+# another kernel or row count moves a logit by a few hundredths here; a wrong K/V by far more)
+BF16_LOGPROB_TOL = 0.25
+BF16_MARGIN = 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.isa_invariance
+def test_without_the_flag_bfloat16_keeps_what_it_promises_across_a_cache_hit():
+    """Default mode in bfloat16 (what `--dtype auto` serves on CPUs with AMX), the default
+    model: a prompt sent again is a radix-cache hit (only its tail is prefilled, by other
+    kernels and row counts than the first time); its greedy tokens follow the first answer's
+    within the tolerance above, parting only where the first answer's top two were close."""
+    from sgl_tpu.loader import default_model_path
+
+    try:
+        default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    eng = Engine(backend="torch", dtype="bfloat16", skip_warmup=True, max_total_tokens=4096)
+    try:
+        prompt = ("<|im_start|>user\nList three uses of a paperclip and explain each one in a "
+                  "sentence.<|im_end|>\n<|im_start|>assistant\n")
+        sp = {"temperature": 0.0, "max_new_tokens": 32, "ignore_eos": True}
+        runs = [eng.generate(prompt, sp, return_logprob=True, top_logprobs_num=2)
+                for _ in range(2)]
+        assert runs[1]["meta_info"]["cached_tokens"] > 0
+        (first, again) = ([(t, lp[0], top[0][0] - top[1][0]) for t, lp, top in zip(
+            r["output_ids"], r["meta_info"]["output_token_logprobs"],
+            r["meta_info"]["output_top_logprobs"], strict=True)] for r in runs)
+        for i, ((tok, lp, margin), (tok2, lp2, _)) in enumerate(zip(first, again, strict=True)):
+            if tok != tok2:
+                assert margin < BF16_MARGIN, (i, margin)
+                break
+            assert abs(lp - lp2) < BF16_LOGPROB_TOL, (i, lp, lp2)
+    finally:
+        eng.shutdown()
+
+
 def test_flag_refuses_settings_it_cannot_honour():
     with pytest.raises(ValueError, match="torch-compile"):
         ServerArgs(enable_deterministic_inference=True, torch_compile="on")

@@ -25,8 +25,11 @@ from sgl_tpu.detokenize import stop_safe_len as _safe_len
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny-llama"
+# float32: several tests compare greedy outputs across cache hits, streaming and batch sizes,
+# which bfloat16 (`--dtype auto` on CPUs with AMX) does not promise
 SERVER_FLAGS = ("--skip-warmup", "--served-model-name", MODEL, "--max-total-tokens", "4096",
-                "--max-running-requests", "8", "--chunked-prefill-size", "256")
+                "--max-running-requests", "8", "--chunked-prefill-size", "256",
+                "--dtype", "float32")
 HELLO = [{"role": "user", "content": "Hello world! How are you today?"}]
 LONG_PROMPT = " ".join(["The quick brown fox jumps over the lazy dog."] * 20)
 
@@ -64,6 +67,7 @@ def test_models(client, tiny_model):
     assert resp.choices[0].finish_reason == "length"
 
 
+@pytest.mark.isa_invariance
 def test_chat_completion(client):
     resp = greedy_chat(client)
     assert resp.object == "chat.completion" and resp.model == MODEL
@@ -80,6 +84,7 @@ def test_chat_completion(client):
     assert greedy_chat(client).choices[0].message.content == choice.message.content
 
 
+@pytest.mark.isa_invariance
 def test_chat_stream_matches_non_stream(client):
     expected = greedy_chat(client).choices[0].message.content
     chunks = list(greedy_chat(client, stream=True, stream_options={"include_usage": True}))
@@ -105,6 +110,7 @@ def test_chat_n(client):
     assert resp.usage.prompt_tokens_details.cached_tokens > 0
 
 
+@pytest.mark.isa_invariance
 def test_completions_list_prompt_and_stream(client):
     prompts = ["The quick brown", "Hello world"]
     resp = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0)
@@ -168,6 +174,7 @@ def test_cached_tokens(client):
     assert 0 < cached < second.usage.prompt_tokens
 
 
+@pytest.mark.isa_invariance
 def test_stop_strings(client):
     full = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=12,
                                      temperature=0).choices[0].text
@@ -294,10 +301,12 @@ def test_safe_len_holds_back_stop_prefixes():
 
 
 @pytest.mark.backend_independent
-def test_default_model_chat(default_model_server):
-    """The one test on the real default model (SmolLM2-135M; the session's server of
-    tests/conftest.py), where the text must make sense."""
-    c = openai.OpenAI(base_url=default_model_server.base_url + "/v1", api_key="x",
+@pytest.mark.isa_invariance
+def test_default_model_chat(default_model_server_f32):
+    """The real default model (SmolLM2-135M; the session's float32 server of
+    tests/conftest.py), where the text must make sense; the streamed answer (a cache hit) is
+    the same text."""
+    c = openai.OpenAI(base_url=default_model_server_f32.base_url + "/v1", api_key="x",
                       max_retries=0, timeout=120)
     model = c.models.list().data[0].id
     kw = dict(model=model, max_tokens=24, temperature=0,
@@ -311,7 +320,8 @@ def test_default_model_chat(default_model_server):
 
 
 @pytest.mark.backend_independent
-def test_default_model_length_forced_answer_holds_no_eos(default_model_server):
+@pytest.mark.isa_invariance
+def test_default_model_length_forced_answer_holds_no_eos(default_model_server_f32):
     """A length-forced answer (`ignore_eos` with `min_new_tokens` = `max_new_tokens`, what
     benchmarks send) never samples EOS, as SGLang's min-new-tokens penalizer: the model's own
     answer ends in EOS within the length, `ignore_eos` alone keeps sampling past it (EOS
@@ -322,7 +332,8 @@ def test_default_model_length_forced_answer_holds_no_eos(default_model_server):
     def generate(**sp) -> dict:
         body = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 32,
                                                     **sp}}
-        r = requests.post(default_model_server.base_url + "/generate", json=body, timeout=120)
+        r = requests.post(default_model_server_f32.base_url + "/generate", json=body,
+                          timeout=120)
         assert r.status_code == 200, r.text
         return r.json()
 

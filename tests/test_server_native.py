@@ -8,8 +8,9 @@ Servers (module scoped, launched on first use, shared by the tests that follow):
                 --stream-interval 3
     page1       --page-size 1; the last test kills its scheduler (a dying child)
 
-The tiny model's outputs are gibberish but deterministic, so greedy runs are compared
-token for token. After traffic every server must be idle with `integrity == "ok"` and no page
+All run float32. The tiny model's outputs are gibberish but deterministic, so greedy runs are
+compared token for token (across cache hits too: float32, not bfloat16, which `--dtype auto`
+is on CPUs with AMX). After traffic every server must be idle with `integrity == "ok"` and no page
 held by a request (`/server_info`), which catches KV page leaks and double frees.
 
 Tests marked `backend_independent` (request validation, auth, info routes: all answered before
@@ -138,7 +139,7 @@ def tight(tiny_model):
 
 @pytest.fixture(scope="module")
 def page1(tiny_model):
-    server = _launch(tiny_model, "--page-size", "1")
+    server = _launch(tiny_model, "--page-size", "1", "--dtype", "float32")
     yield server
     server.handle.stop()
 
@@ -221,6 +222,7 @@ def test_greedy_identical_with_and_without_radix_cache(roomy, nocache):
 
 
 # ---- 2. cached_tokens for a shared prefix ---------------------------------------------------
+@pytest.mark.isa_invariance
 @pytest.mark.parametrize("which, page_size", [("roomy", 16), ("page1", 1), ("nocache", 16)])
 def test_cached_tokens_for_shared_prefix(request, which, page_size):
     server: Server = request.getfixturevalue(which)

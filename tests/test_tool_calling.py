@@ -5,6 +5,11 @@ official `openai` client, and LangChain's `bind_tools` agent loop.
 `tool_choice` required / named decode under a grammar, so every call validates against its
 schema even at temperature 1 on a 135M model; `auto` lets the model talk and constrains a call
 once it opens one.
+
+The tests that compare two answers (streamed and not, with and without tools offered: the
+second is a radix-cache hit) run on the session's float32 server (`f32_client`): equal tokens
+across a cache hit are promised in float32, not in bfloat16, which `--dtype auto` is on CPUs
+with AMX. The others run on the default-dtype server.
 """
 
 from __future__ import annotations
@@ -61,6 +66,17 @@ def model(client) -> str:
     return client.models.list().data[0].id
 
 
+@pytest.fixture(scope="module")
+def f32_client(default_model_server_f32) -> openai.OpenAI:
+    return openai.OpenAI(base_url=default_model_server_f32.base_url + "/v1", api_key="x",
+                         max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def f32_model(f32_client) -> str:
+    return f32_client.models.list().data[0].id
+
+
 def _check_calls(calls, names: set[str]) -> list[tuple[str, dict]]:
     out = []
     for call in calls:
@@ -111,8 +127,10 @@ def test_forced_calls_valid_over_seeds(client, model, choice):
                 assert len(calls) == 1 and c.finish_reason == "tool_calls"
 
 
+@pytest.mark.isa_invariance
 @pytest.mark.parametrize("choice", ["required", "named"])
-def test_stream_assembles_the_same_calls(client, model, choice):
+def test_stream_assembles_the_same_calls(f32_client, f32_model, choice):
+    client, model = f32_client, f32_model
     tool_choice = {"type": "function", "function": {"name": "get_weather"}} \
         if choice == "named" else "required"
     for seed in range(3):
@@ -157,7 +175,9 @@ def test_auto_calls_valid_and_text_is_content(client, model):
     assert calls and texts  # both kinds of answer happen, and both come back well-formed
 
 
-def test_tool_choice_none_and_no_tools_unchanged(client, model):
+@pytest.mark.isa_invariance
+def test_tool_choice_none_and_no_tools_unchanged(f32_client, f32_model):
+    client, model = f32_client, f32_model
     resp = client.chat.completions.create(model=model, messages=ASK_WEATHER, tools=TOOLS,
                                           tool_choice="none", temperature=0, max_tokens=24)
     assert resp.choices[0].message.tool_calls is None and resp.choices[0].message.content
@@ -166,8 +186,10 @@ def test_tool_choice_none_and_no_tools_unchanged(client, model):
     assert plain.choices[0].message.content == resp.choices[0].message.content
 
 
-def test_multi_turn_with_tool_results(client, model):
+@pytest.mark.isa_invariance
+def test_multi_turn_with_tool_results(f32_client, f32_model):
     """The official client's loop: call, run the tool, send the result, get the answer."""
+    client, model = f32_client, f32_model
     messages = list(ASK_WEATHER)
     first = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,
                                            tool_choice={"type": "function",

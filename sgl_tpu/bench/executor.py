@@ -23,6 +23,16 @@ decode steps of the packing path and of the static-shape step over device-reside
 adds each path's Python function calls per decode step (cProfile of one step), and
 `--torch-profile` a `torch.profiler` summary of each torch decode row (host and device ms per
 step, kernel launches, graph replays, top operators; bench/torch_profile.py).
+
+`--onednn-isas default,AVX512_CORE_BF16` runs the bench once per oneDNN ISA cap (in a
+subprocess with ONEDNN_MAX_CPU_ISA set; `default`: none) and per `--quantization` in its
+comma list, tags every row with both, and adds `by_isa` rows: each prefill / decode row's
+tok/s under the first cap over the others. On a CPU with AMX, the first against
+AVX512_CORE_BF16 is AMX on over off:
+
+    python -m sgl_tpu.bench.executor --backends torch --dtypes bfloat16 --prefill 512,2048 \
+        --decode-batches 1,8 --onednn-isas default,AVX512_CORE_BF16 \
+        --quantization none,auto,gguf,int8,int4
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 from functools import partial
 
 import numpy as np
@@ -89,6 +100,10 @@ def run(args: argparse.Namespace) -> dict:
     results: dict = {"model": model_label(loaded.model_path), "jax_platform": jax.default_backend(),
                      "context_for_decode": args.context, "cpu_count": os.cpu_count(),
                      "runs": []}
+    if "torch" in args.backends.split(","):
+        from sgl_tpu.executor.torch.device import onednn_info
+
+        results["onednn"] = onednn_info()
     for backend in args.backends.split(","):
         for dtype in args.dtypes.split(","):
             sargs = ServerArgs(model_path=args.model_path, dtype=dtype, skip_warmup=True,
@@ -250,10 +265,66 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--torch-profile", action="store_true",
                    help="torch: a torch.profiler summary of --repeats calls of each decode "
                         "step (bench/torch_profile.py)")
+    p.add_argument("--onednn-isas", default=None,
+                   help="comma list of ONEDNN_MAX_CPU_ISA caps (default: none), one subprocess "
+                        "per cap and --quantization (then a comma list)")
     p.add_argument("--output", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
-    results = run(args)
+    if args.onednn_isas or "," in args.quantization:
+        results = run_variants(args, argv if argv is not None else sys.argv[1:])
+    else:
+        results = run(args)
     emit(results, args.output)
+
+
+_VARIANT_FLAGS = ("--onednn-isas", "--quantization", "--output")
+
+
+def run_variants(args: argparse.Namespace, argv: list[str]) -> dict:
+    """This bench once per (oneDNN ISA cap, quantization), each in a subprocess with
+    ONEDNN_MAX_CPU_ISA set (oneDNN reads it once per process), rows tagged; `by_isa`: each
+    row's tok/s under the first cap over the same row under each other cap."""
+    import subprocess
+    import tempfile
+
+    rest, skip = [], False
+    for a in argv:  # argv without the flags set per variant
+        if skip:
+            skip = False
+        elif a in _VARIANT_FLAGS:
+            skip = True
+        elif not a.startswith(tuple(f + "=" for f in _VARIANT_FLAGS)):
+            rest.append(a)
+    isas = (args.onednn_isas or "default").split(",")
+    results: dict = {"variants": [], "runs": [], "by_isa": []}
+    for quantization in args.quantization.split(","):
+        for isa in isas:
+            env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
+            if isa != "default":
+                env["ONEDNN_MAX_CPU_ISA"] = isa
+            with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                cmd = [sys.executable, "-m", "sgl_tpu.bench.executor", *rest,
+                       "--quantization", quantization, "--output", out.name]
+                subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+                child = json.load(open(out.name))
+            tag = {"onednn_isa": isa, "quantization": quantization}
+            results["variants"].append({**tag, "onednn": child.get("onednn")})
+            results["runs"] += [{**tag, **row} for row in child["runs"]]
+            print(json.dumps(results["variants"][-1]), flush=True)
+    for row in results["runs"]:
+        if row["onednn_isa"] != isas[0]:
+            continue
+        for other in results["runs"]:
+            same = all(other.get(k) == row.get(k) for k in row
+                       if k not in ("onednn_isa", "seconds", "tok_per_s", "step_ms",
+                                    "median_ms") and not k.startswith("median_over"))
+            if other["onednn_isa"] != isas[0] and same:
+                results["by_isa"].append({
+                    **{k: row[k] for k in ("quantization", "backend", "dtype", "phase")},
+                    **{k: row[k] for k in ("tokens", "batch") if k in row},
+                    "isa": isas[0], "other_isa": other["onednn_isa"],
+                    "tok_per_s_ratio": round(row["tok_per_s"] / other["tok_per_s"], 3)})
+    return results
 
 
 if __name__ == "__main__":

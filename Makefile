@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 # CPUs without bf16 units), built for this machine into the venv; a no-op when these sources are
 # already built. If they cannot be built (no C++ compiler), `auto` serves with torch-sdpa and,
 # on float32, dense projections instead.
-.PHONY: install serve test cpu-kernels cpu-attention
+.PHONY: install serve test test-isa cpu-kernels cpu-attention
 cpu-kernels: $(STAMP)
 	-$(PY) -m sgl_tpu.kernels.cpu_extension
 
@@ -40,6 +40,13 @@ E2E_SUITES := tests/test_server_native.py tests/test_openai_api.py tests/test_st
 
 test: $(STAMP) cpu-kernels
 	$(PY) -m ruff check sgl_tpu server kernels tests examples
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q --durations=20 tests
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -rs --durations=20 tests
 	JAX_PLATFORMS=cpu SGL_TPU_TEST_BACKEND=jax $(PY) -m pytest -q --durations=10 \
 		-m "not backend_independent" $(E2E_SUITES)
+
+# The tests that compare tokens across batches, chunking, cache hits or backends (marker
+# `isa_invariance`) again as CPUs of lower ISAs run them: under ONEDNN_MAX_CPU_ISA at each ISA
+# this CPU has below its best, the AVX2 case on the AVX2 build of the compiled kernels
+# (tests/test_isa.py; `make test` runs it too). Skipped ISAs say why.
+test-isa: $(STAMP) cpu-kernels
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -rs tests/test_isa.py

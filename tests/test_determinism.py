@@ -1,8 +1,10 @@
 """`--enable-deterministic-inference`: a request's tokens (greedy, and sampled with a seed) do
 not depend on its batch mates, on its prompt's chunking, or on radix-cache hits (bfloat16, both
-executors, tiny random model, the real scheduler); the pieces it rests on hold on this machine
-(row-invariant GEMMs, one attention kernel for EXTEND and DECODE); without the flag the default
-kernels and buckets are chosen as before."""
+executors, tiny random model, the real scheduler); the torch runner runs its GEMMs on the
+fixed-order kernel (not oneDNN, whose AMX kernels reduce per row count) and says so; the pieces
+hold (XLA:CPU dots, one attention kernel for EXTEND and DECODE); without the flag the default
+kernels and buckets are chosen as before, and bfloat16 keeps what it promises (closeness).
+Tests marked `isa_invariance` run again under lowered ISAs (tests/test_isa.py)."""
 
 from __future__ import annotations
 
@@ -345,6 +347,11 @@ def test_chat_streamed_then_not_gives_one_answer_on_the_default_model():
     server = launch_server("--skip-warmup", "--enable-deterministic-inference",
                            "--max-total-tokens", "4096", "--max-running-requests", "4")
     try:
+        compute = server.info()["compute"]  # what the scheduler computes with
+        if compute["backend"] == "torch":
+            assert compute["gemm"] == "fixed-order" and compute["amx_in_use"] is False
+            assert compute["cpu"]["onednn"]["isa"] != "unknown"
+            assert compute["cpu"]["compiled_kernels"]["sgl_tpu_inv_gemm_cpu"]["simd"]
         streamed = _chat(server.base_url, True)
         assert streamed
         assert _chat(server.base_url, False) == streamed

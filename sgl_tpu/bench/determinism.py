@@ -72,6 +72,9 @@ def run(args: argparse.Namespace) -> dict:
             print(row, flush=True)
         del runners
     if "torch" in args.backends.split(","):
+        from sgl_tpu.executor.torch.device import cpu_info
+
+        results["cpu"] = cpu_info()  # the ISA behind every figure
         results["gemm"] = gemm_rows(cfg, [2, 8, prefill], args.repeats, args.threads)
     return results
 

@@ -1,0 +1,37 @@
+"""`python -m sgl_tpu.bench.executor` in a tiny mode: one run per oneDNN ISA cap and weight
+format, each in its own process (the cap is read once per process), rows tagged with both and
+the `by_isa` ratios pairing each row with its twin under the other cap."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import checkpoints as ck
+import pytest
+
+pytest.importorskip("torch")
+
+
+@pytest.mark.slow
+def test_executor_bench_runs_each_isa_cap_and_weight_format(tmp_path):
+    model = ck.make_tiny_hf_checkpoint(tmp_path / "llama", "llama")
+    out = tmp_path / "result.json"
+    subprocess.run([sys.executable, "-m", "sgl_tpu.bench.executor", "--model-path", str(model),
+                    "--backends", "torch", "--dtypes", "bfloat16", "--prefill", "32",
+                    "--decode-batches", "2", "--context", "16", "--repeats", "1",
+                    "--onednn-isas", "default,AVX2", "--quantization", "none,int8",
+                    "--output", str(out)], check=True, capture_output=True, timeout=600)
+    result = json.loads(out.read_text())
+    variants = [(v["onednn_isa"], v["quantization"]) for v in result["variants"]]
+    assert variants == [("default", "none"), ("AVX2", "none"), ("default", "int8"),
+                        ("AVX2", "int8")]
+    capped = [v["onednn"] for v in result["variants"] if v["onednn_isa"] == "AVX2"]
+    assert all(o["isa"] == "Intel AVX2" and not o["amx"] for o in capped)
+    for quantization in ("none", "int8"):
+        for phase in ("prefill", "decode"):
+            ratio = [r for r in result["by_isa"] if r["quantization"] == quantization
+                     and r["phase"] == phase]
+            assert len(ratio) == 1 and ratio[0]["other_isa"] == "AVX2"
+            assert ratio[0]["tok_per_s_ratio"] > 0

@@ -33,10 +33,8 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from sgl_tpu.mem_cache.radix_cache import TreeNode
+from sgl_tpu.mem_cache.tree_node import TreeNode
 
 
 class LeafQueue:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from sgl_tpu.mem_cache.radix_cache import RadixCache, TreeNode
+from sgl_tpu.mem_cache.radix_cache import RadixCache
+from sgl_tpu.mem_cache.tree_node import TreeNode
 from sgl_tpu.scheduler.req import Req
 
 PolicyFn = Callable[[list[Req], RadixCache], list[Req]]

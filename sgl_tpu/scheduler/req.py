@@ -22,7 +22,8 @@ import numpy as np
 from sgl_tpu.constrained.base import GrammarMatcher
 from sgl_tpu.detokenize import IncrementalDecoder
 from sgl_tpu.executor.step import SeqStep, placeholder_id
-from sgl_tpu.mem_cache.radix_cache import PrefixPeek, TreeNode
+from sgl_tpu.mem_cache.radix_cache import PrefixPeek
+from sgl_tpu.mem_cache.tree_node import TreeNode
 from sgl_tpu.sampling_params import SamplingParams
 
 _arrival = itertools.count()

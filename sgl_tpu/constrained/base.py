@@ -32,6 +32,9 @@ from typing import TYPE_CHECKING, Any
 import jsonschema
 import numpy as np
 
+from sgl_tpu.constrained.errors import GrammarError, shorten
+from sgl_tpu.constrained.schema_check import check_schema_is_finite
+
 if TYPE_CHECKING:
     from sgl_tpu.loader import Tokenizer
 
@@ -40,11 +43,6 @@ GRAMMAR_KINDS = ("regex", "json_schema", "ebnf")
 # "'" plus up to two characters may still become one pre-token ("'re", "'ll"); see
 # canonical_forced_tokens.
 _CONTRACTION_LOOKAHEAD_CHARS = 2
-_MAX_MESSAGE_CHARS = 300
-
-
-class GrammarError(ValueError):
-    """A grammar the client sent cannot be used; the message names the problem (HTTP 400)."""
 
 
 def mask_num_words(vocab_size: int) -> int:
@@ -225,8 +223,6 @@ def parse_json_schema(text: str) -> Any:
         raise GrammarError(f"invalid JSON schema: {shorten(e.message)}{suffix}") from None
     except RecursionError:
         raise GrammarError("invalid JSON schema: nested too deeply") from None
-    from sgl_tpu.constrained.schema_check import check_schema_is_finite
-
     check_schema_is_finite(schema)
     return schema
 
@@ -243,12 +239,3 @@ def regex_error(backend_name: str, regex: str, detail: str) -> GrammarError:
         f"unsupported grammar feature: the {backend_name} backend cannot compile regex "
         f"{shorten(regex)!r}: {shorten(detail)}"
     )
-
-
-def shorten(message: str) -> str:
-    """One line of a (possibly multi-line, compiler-style) error message."""
-    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
-    chosen = next((line for line in lines if line.startswith("error:")), lines[0] if lines else "")
-    if len(chosen) > _MAX_MESSAGE_CHARS:
-        chosen = chosen[: _MAX_MESSAGE_CHARS - 3] + "..."
-    return chosen

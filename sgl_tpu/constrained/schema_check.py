@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sgl_tpu.constrained.base import GrammarError
+from sgl_tpu.constrained.errors import GrammarError
 
 _MAX_NODES = 100_000  # sub-schemas examined at most (larger schemas are left to the backend)
 

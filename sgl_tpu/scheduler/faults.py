@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 
-from sgl_tpu.constrained.base import GrammarError, shorten
+from sgl_tpu.constrained.errors import GrammarError, shorten
 from sgl_tpu.scheduler.finish import FinishReason, abort
 
 logger = logging.getLogger("sgl_tpu.scheduler")

@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from sgl_tpu.constrained.base import GrammarError
+from sgl_tpu.constrained.errors import GrammarError
 from sgl_tpu.executor.step import ModelRunner, StepResult, mask_words
 from sgl_tpu.scheduler import finish
 from sgl_tpu.scheduler.req import Req

@@ -16,14 +16,14 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps 'sglang==0.5.23'
 	touch $(STAMP)
 
-# The compiled CPU kernels (kernels/cpu_extension.py): the fused attention
+# The compiled CPU kernels (sgl_tpu/backends/torch/kernels/cpu_extension.py): the fused attention
 # (`--attention-backend torch-cpu-fused`) and the float32 quantized GEMM (`--quantization` on
 # CPUs without bf16 units), built for this machine into the venv; a no-op when these sources are
 # already built. If they cannot be built (no C++ compiler), `auto` serves with torch-sdpa and,
 # on float32, dense projections instead.
 .PHONY: install serve test test-isa cpu-kernels cpu-attention
 cpu-kernels: $(STAMP)
-	-$(PY) -m sgl_tpu.kernels.cpu_extension
+	-$(PY) -m sgl_tpu.backends.torch.kernels.cpu_extension
 
 cpu-attention: cpu-kernels
 

@@ -7,9 +7,9 @@ has this step (chunked prefill), or of whether the context came from the radix c
 
 Each query row at position p attends to context positions 0 .. p (the context padded to whole
 tiles of `KV_TILE` keys with slot 0, masked by position). Both products run on the
-fixed-reduction-order GEMM (kernels/invariant_gemm_cpu.py) on CPUs: oneDNN's bf16 kernels
-(AMX above all) sum in an order that depends on the row count. Each score is then one float32
-chain over d, each output one chain over the context in position order:
+fixed-reduction-order GEMM (backends/torch/kernels/invariant_gemm_cpu.py) on CPUs: oneDNN's bf16
+kernels (AMX above all) sum in an order that depends on the row count. Each score is then one
+float32 chain over d, each output one chain over the context in position order:
 
     context   [ tile 0 | tile 1 | tile 2 | pad ]     tiles past a row's horizon are all masked
     scores    s = (q @ K^T) * scale                  float32 [R, L]
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from sgl_tpu.kernels import invariant_gemm_cpu
+from sgl_tpu.backends.torch.kernels import invariant_gemm_cpu
 from sgl_tpu.kernels.paged_attention_torch import (  # noqa: F401  (the backend's interface)
     DecodeBatch,
     ExtendSeq,

@@ -34,7 +34,7 @@ The pool may be narrower than the queries (bfloat16 under a float32 model,
 gathered K/V are widened to the query's dtype before the GEMMs.
 
 Shapes vary with the context, so attention runs eagerly between the compiled dense parts of a
-layer (see sgl_tpu/models/llama_torch.py).
+layer (see sgl_tpu/backends/torch/models/llama.py).
 """
 
 from __future__ import annotations

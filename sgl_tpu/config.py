@@ -65,22 +65,22 @@ class RunnerConfig:
     # runner's weights are the GGUF's blocks, else none; see sgl_tpu/quantization)
     cpu_threads: int = 0  # torch on CPU: intra-op threads, fixed at start; 0 = every usable CPU
     # torch on CPU, eager: the decoder's norms, RoPE + K/V write and SwiGLU as the compiled ops
-    # of kernels/layer_ops_cpu.py when built (Llama-family models); False: torch ops
+    # of backends/torch/kernels/layer_ops_cpu.py when built (Llama-family models); False: torch ops
     cpu_layer_ops: bool = True
     # torch on CPU under overlap scheduling: every torch call of the runner on one compute
-    # thread (executor/torch/compute_thread.py); resolved by executor/registry.py
+    # thread (backends/torch/compute_thread.py); resolved by executor/registry.py
     cpu_compute_thread: bool = False
     tp_size: int = 1  # tensor parallelism: devices (JAX mesh) or ranks (torch) the model spans
     # --enable-deterministic-inference: batch-invariant kernels (executor/batch_invariant.py)
     deterministic: bool = False
     # torch DECODE steps of at most `static_decode_max_bs` sequences run the static-shape step
-    # over device-resident batch state (executor/torch/static_decode.py); `cuda_graph`: its
+    # over device-resident batch state (backends/torch/static_decode.py); `cuda_graph`: its
     # buckets are captured as CUDA graphs and replayed. Off: every step packs afresh (eager).
     static_decode: bool = False
     static_decode_max_bs: int = 0
     cuda_graph: bool = False
     # jax DECODE steps read device-resident batch state updated by changed rows only
-    # (executor/jax/decode_state.py); resolved from ServerArgs.jax_decode_state: auto = on for
+    # (backends/jax/decode_state.py); resolved from ServerArgs.jax_decode_state: auto = on for
     # accelerators (one host or several), off on CPU.
     jax_decode_state: bool = False
     # debug: after every static (torch) or state (jax) decode step, compare the device batch

@@ -29,8 +29,7 @@ from sgl_tpu.executor.registry import (
 from sgl_tpu.loader import load_model
 from sgl_tpu.loader.chat_templates import with_chat_template
 from sgl_tpu.messages import TokenizedGenerateReq
-from sgl_tpu.parallel.jax_multihost import join_jax_group, start_jax_leader
-from sgl_tpu.parallel.runner_factory import close_runner, create_runner
+from sgl_tpu.parallel.runner_factory import close_runner, create_runner, join_group
 from sgl_tpu.response import ResponseAccumulator, error_status
 from sgl_tpu.sampling_params import SamplingParams, expand_n
 from sgl_tpu.scheduler.scheduler import Scheduler
@@ -50,15 +49,10 @@ def build_scheduler(args: ServerArgs) -> tuple[Scheduler, Any]:
     omp = omp_wait.configure(args.omp_spin_count)  # before anything loads torch
     if backend == "torch":
         logger.info("OpenMP waiting: %s", omp)
-    # Multi-host JAX: rank 0 gathers its follower hosts and joins jax.distributed before
-    # anything starts JAX's backend (parallel/jax_multihost.py).
-    group = join_jax_group(args) if args.nnodes > 1 and backend == "jax" else None
+    group = join_group(args, backend)  # multi-host JAX: before the model loads
     loaded = load_model(args.model_path)
     runner_cfg = runner_config(args, loaded.config.context_len)
-    if group is not None:
-        runner = start_jax_leader(group, loaded, runner_cfg)
-    else:
-        runner = create_runner(args, loaded, runner_cfg)  # tp_size > 1: rank 0 of a group
+    runner = create_runner(args, loaded, runner_cfg, group)  # tp_size > 1: rank 0 of a group
     logger.info("executor backend: %s (%s)", runner_cfg.backend, runner_cfg.dtype)
     if runner_cfg.warmup:
         try:

@@ -195,7 +195,7 @@ RunnerMessage = RunnerCall | FollowerHello | LeaderWelcome | FollowerReady | Fol
 
 class TorchFollowerSpec(msgspec.Struct, tag=True):
     """What a local torch tensor-parallel follower process is started with (JSON on stdin;
-    parallel/torch_launch.py)."""
+    backends/torch/tp_launch.py)."""
 
     rank: int
     world_size: int

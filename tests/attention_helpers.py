@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sgl_tpu.executor.jax.forward_batch import ForwardBatch, ShapeBuckets, build_forward_batch
+from sgl_tpu.backends.jax.forward_batch import ForwardBatch, ShapeBuckets, build_forward_batch
 from sgl_tpu.executor.step import ForwardMode, SeqStep
 from sgl_tpu.kernels.paged_attention_ref import _mask
 from sgl_tpu.sampling_params import SamplingParams

@@ -8,9 +8,9 @@ from functools import partial
 import jax
 import numpy as np
 
+from sgl_tpu.backends.jax.forward_batch import build_forward_batch
+from sgl_tpu.backends.jax.runner import JaxModelRunner
 from sgl_tpu.config import ServerArgs
-from sgl_tpu.executor.jax.forward_batch import build_forward_batch
-from sgl_tpu.executor.jax.runner import JaxModelRunner
 from sgl_tpu.executor.registry import runner_config
 from sgl_tpu.executor.step import SeqStep
 from sgl_tpu.models.registry import jax_model

@@ -12,7 +12,7 @@ from typing import Protocol
 import jax
 import numpy as np
 
-from sgl_tpu.executor.jax.sampler import SamplingArrays
+from sgl_tpu.backends.jax.sampler import SamplingArrays
 from sgl_tpu.executor.step import MASK_BITS_PER_WORD
 
 

@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 import torch
 
+from sgl_tpu.backends.torch.kernels import cpu_extension
+from sgl_tpu.backends.torch.runner import TorchModelRunner
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.executor.registry import create_model_runner, runner_config
 from sgl_tpu.executor.step import ForwardMode, SeqStep
-from sgl_tpu.executor.torch.runner import TorchModelRunner
-from sgl_tpu.kernels import backends, cpu_extension
+from sgl_tpu.kernels import backends
 from sgl_tpu.kernels import paged_attention_torch as sdpa
 from sgl_tpu.loader import load_model
 from sgl_tpu.sampling_params import SamplingParams
@@ -40,7 +41,7 @@ DTYPE_IDS = ["float32", "bfloat16", "f32q-bf16kv", "f32q-fp8kv", "bf16q-fp8kv"]
 
 
 def fused():
-    from sgl_tpu.kernels import paged_attention_cpu
+    from sgl_tpu.backends.torch.kernels import paged_attention_cpu
 
     return paged_attention_cpu
 

@@ -21,7 +21,7 @@ import pytest
 from attention_helpers import paged_batch, random_pools
 
 from sgl_tpu import Engine
-from sgl_tpu.executor.jax.forward_batch import ShapeBuckets, page_buckets
+from sgl_tpu.backends.jax.forward_batch import ShapeBuckets, page_buckets
 from sgl_tpu.executor.step import ForwardMode, SeqStep
 from sgl_tpu.kernels import paged_attention_gathered as gathered
 from sgl_tpu.kernels import paged_attention_ref as ref

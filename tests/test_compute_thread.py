@@ -1,4 +1,4 @@
-"""The torch runner's compute thread (executor/torch/compute_thread.py): calls run on one
+"""The torch runner's compute thread (backends/torch/compute_thread.py): calls run on one
 thread in submission order, a call made from the thread itself runs in place, errors reach the
 caller, `shutdown` ends the thread, and so does a runner that fails to build. Which server
 settings get one: registry tests below; that every torch call of such a runner runs on it:
@@ -12,9 +12,9 @@ import time
 
 import pytest
 
+from sgl_tpu.backends.torch.compute_thread import ComputeThread, one_malloc_arena
 from sgl_tpu.cli import parse_args
 from sgl_tpu.executor.registry import runner_config
-from sgl_tpu.executor.torch.compute_thread import ComputeThread, one_malloc_arena
 
 
 def test_calls_run_on_one_thread_in_order():
@@ -41,7 +41,7 @@ def test_calls_run_on_one_thread_in_order():
 
 
 def test_a_runner_that_fails_to_build_ends_its_compute_thread(monkeypatch):
-    from sgl_tpu.executor.torch.runner import TorchModelRunner
+    from sgl_tpu.backends.torch.runner import TorchModelRunner
 
     def fail(self, *args):
         raise ValueError("bad weights")

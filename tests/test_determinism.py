@@ -130,7 +130,7 @@ def test_torch_runner_under_the_flag_runs_the_fixed_order_gemm(engine):
     runner = engine.scheduler.runner
     if runner.backend != "torch":
         pytest.skip("XLA's dots: test_jax_matmul_rows_do_not_depend_on_row_count")
-    from sgl_tpu.kernels.invariant_gemm_cpu import PackedWeight
+    from sgl_tpu.backends.torch.kernels.invariant_gemm_cpu import PackedWeight
 
     w = runner.model.w
     projections = [getattr(lw, name) for lw in w.layers
@@ -154,14 +154,14 @@ def _isa_rank(name: str) -> int:
 
 @pytest.mark.isa_invariance
 def test_the_process_runs_the_isa_it_is_set_to():
-    """What `/server_info` reports (executor/torch/device.cpu_info) follows the knobs the ISA
+    """What `/server_info` reports (backends/torch/device.cpu_info) follows the knobs the ISA
     cases of tests/test_isa.py set: oneDNN's linears at most ONEDNN_MAX_CPU_ISA, and every
     compiled kernel the AVX2 build under SGL_TPU_CPU_KERNELS=avx2."""
     pytest.importorskip("torch")
     import os
 
-    from sgl_tpu.executor.torch.device import cpu_info
-    from sgl_tpu.kernels import cpu_extension
+    from sgl_tpu.backends.torch.device import cpu_info
+    from sgl_tpu.backends.torch.kernels import cpu_extension
 
     info = cpu_info()
     onednn = info["onednn"]

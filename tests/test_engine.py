@@ -31,7 +31,7 @@ def engine(request, tmp_path_factory):
     backend, _, overlap = request.param.partition("-")
     with pytest.MonkeyPatch.context() as mp:
         if overlap:
-            from sgl_tpu.executor.torch.runner import TorchModelRunner
+            from sgl_tpu.backends.torch.runner import TorchModelRunner
 
             for name in RECORDED:
                 mp.setattr(TorchModelRunner, name, _recording(name, getattr(TorchModelRunner,

@@ -1,7 +1,8 @@
-"""The fixed-reduction-order GEMM of deterministic inference (kernels/invariant_gemm_cpu.py):
-against a float64 reference, and bit for bit the same for any row count, thread count,
-strided or packed weight, and for the AVX2 build of the same source (what an AVX2-only CPU
-runs) as for this machine's native build. Skipped when the extension is not built.
+"""The fixed-reduction-order GEMM of deterministic inference
+(backends/torch/kernels/invariant_gemm_cpu.py): against a float64 reference, and bit for bit the
+same for any row count, thread count, strided or packed weight, and for the AVX2 build of the same
+source (what an AVX2-only CPU runs) as for this machine's native build. Skipped when the extension
+is not built.
 
 Tolerance against float64: float32 accumulation of K products, 1e-5 of the largest |output|.
 """
@@ -12,8 +13,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sgl_tpu.kernels import cpu_extension  # noqa: E402
-from sgl_tpu.kernels import invariant_gemm_cpu as ig  # noqa: E402
+from sgl_tpu.backends.torch.kernels import cpu_extension  # noqa: E402
+from sgl_tpu.backends.torch.kernels import invariant_gemm_cpu as ig  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not ig.available(),
                                 reason=f"not built: {ig.why_unavailable()}")

@@ -4,7 +4,8 @@
     ONEDNN_MAX_CPU_ISA=<isa>          oneDNN's kernels capped at that ISA (its environment
                                       knob, read once per process)
     SGL_TPU_CPU_KERNELS=avx2          for the AVX2 case, the AVX2 build of the compiled
-                                      kernels (kernels/cpu_extension.py), not the native one
+                                      kernels (backends/torch/kernels/cpu_extension.py), not the
+                                      native one
 
 Each case is a pytest run in a subprocess (the knobs must be set before torch starts). One case
 per ISA the CPU backend can pick; an ISA this CPU lacks is skipped with the reason, and so is
@@ -22,7 +23,7 @@ import sys
 import pytest
 from server_harness import REPO_ROOT
 
-from sgl_tpu.kernels.cpu_extension import KERNELS_ENV, cpu_flags
+from sgl_tpu.backends.torch.kernels.cpu_extension import KERNELS_ENV, cpu_flags
 
 # oneDNN's name for each ISA, the /proc/cpuinfo flag it needs, lowest first
 ISAS = (("AVX2", "avx2"), ("AVX512_CORE", "avx512f"), ("AVX512_CORE_BF16", "avx512_bf16"),

@@ -1,4 +1,4 @@
-"""The JAX runner's device-resident decode batch state (executor/jax/decode_state.py): DECODE
+"""The JAX runner's device-resident decode batch state (backends/jax/decode_state.py): DECODE
 steps read the state on the device, only changed rows are copied, and the device advances its
 own rows. The same script of steps (requests joining and finishing, new pages, a jump-forward
 row rewrite, overlap placeholders, greedy and sampled rows with penalties) runs on a runner
@@ -14,9 +14,9 @@ import checkpoints as ck
 import numpy as np
 import pytest
 
+from sgl_tpu.backends.jax.runner import JaxModelRunner
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.executor import decode_rows as dr
-from sgl_tpu.executor.jax.runner import JaxModelRunner
 from sgl_tpu.executor.registry import runner_config
 from sgl_tpu.executor.step import ForwardMode, SeqStep, mask_words, placeholder_id
 from sgl_tpu.loader import load_model

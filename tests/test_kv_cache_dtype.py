@@ -17,12 +17,12 @@ import requests
 import torch
 from server_harness import launch_server
 
+from sgl_tpu.backends.torch.kernels import cpu_extension, layer_ops_cpu
 from sgl_tpu.cli import parse_args, to_argv
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.executor import registry
 from sgl_tpu.executor.registry import create_model_runner, runner_config
 from sgl_tpu.executor.step import ForwardMode, SeqStep
-from sgl_tpu.kernels import cpu_extension, layer_ops_cpu
 from sgl_tpu.loader import load_model
 from sgl_tpu.sampling_params import SamplingParams
 
@@ -76,7 +76,7 @@ def test_flag_accepts_bfloat16_and_fp8_e5m2_and_refuses_the_rest_by_name(capsys)
     ("flags\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile", "bfloat16"),
 ])
 def test_cpu_dtype_auto_is_bfloat16_only_with_amx(monkeypatch, flags, dtype):
-    from sgl_tpu.executor.torch import device
+    from sgl_tpu.backends.torch import device
 
     monkeypatch.setattr(device, "cpu_flags", lambda: flags)
     assert device.default_dtype("cpu") == dtype
@@ -86,7 +86,7 @@ def test_auto_is_bfloat16_only_where_the_dtype_is_the_machines_float32(monkeypat
     """`auto` under `--dtype auto` on a CPU without AMX (float32 compute, torch): a
     bfloat16 pool; an explicit `--dtype float32`, a bf16 CPU, deterministic inference and the
     jax backend keep the compute dtype."""
-    from sgl_tpu.executor.torch import device
+    from sgl_tpu.backends.torch import device
 
     def resolve(**kw):
         return runner_config(ServerArgs(backend="torch", **kw), 2048)

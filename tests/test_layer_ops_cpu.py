@@ -1,6 +1,6 @@
-"""The fused CPU layer ops (kernels/layer_ops_cpu.py) against the torch ops they replace in
-models/llama_torch.py: norms, RoPE + K/V write into scattered pool slots (page boundaries,
-ragged rows, padding rows on slot 0), SwiGLU, float32 and bfloat16, single-task and
+"""The fused CPU layer ops (backends/torch/kernels/layer_ops_cpu.py) against the torch ops they
+replace in backends/torch/models/llama.py: norms, RoPE + K/V write into scattered pool slots (page
+boundaries, ragged rows, padding rows on slot 0), SwiGLU, float32 and bfloat16, single-task and
 multi-threaded row counts, Qwen3's q/k norms; then whole runners with the ops on and off (tiny
 Llama, Qwen2 and Qwen3 checkpoints, and the default model's greedy tokens)."""
 
@@ -15,13 +15,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sgl_tpu.backends.torch.kernels import layer_ops_cpu
+from sgl_tpu.backends.torch.models import llama as llama_torch
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.executor.registry import create_model_runner, runner_config
 from sgl_tpu.executor.step import ForwardMode, SeqStep
-from sgl_tpu.kernels import layer_ops_cpu
 from sgl_tpu.kernels import paged_attention_torch as sdpa
 from sgl_tpu.loader import load_model
-from sgl_tpu.models import llama_torch
 from sgl_tpu.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(layer_ops_cpu.load() is None,

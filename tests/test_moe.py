@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 from model_helpers import hf_logits
 
+from sgl_tpu.backends.jax.models import moe
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.executor.registry import create_model_runner, runner_config
 from sgl_tpu.executor.step import ForwardMode, SeqStep
 from sgl_tpu.loader import load_model
-from sgl_tpu.models import moe
 from sgl_tpu.models.config import ModelConfig
 from sgl_tpu.sampling_params import SamplingParams
 

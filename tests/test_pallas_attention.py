@@ -18,9 +18,9 @@ import pytest
 from attention_helpers import paged_batch as _batch
 from attention_helpers import random_pools as _pools
 
+from sgl_tpu.backends.jax.forward_batch import ShapeBuckets, build_forward_batch
 from sgl_tpu.choices import check_registry_names
 from sgl_tpu.config import ServerArgs
-from sgl_tpu.executor.jax.forward_batch import ShapeBuckets, build_forward_batch
 from sgl_tpu.executor.registry import runner_config
 from sgl_tpu.executor.step import ForwardMode, SeqStep
 from sgl_tpu.kernels import paged_attention_ref as ref
@@ -186,9 +186,9 @@ def test_default_model_logits_through_kernel_equal_reference():
     import dataclasses
     from functools import partial
 
-    from sgl_tpu.executor.jax.runner import params_to_device
+    from sgl_tpu.backends.jax.models import llama
+    from sgl_tpu.backends.jax.runner import params_to_device
     from sgl_tpu.loader import load_model
-    from sgl_tpu.models import llama
 
     loaded = load_model(None)
     assert loaded.config.num_layers == 30

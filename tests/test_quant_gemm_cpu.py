@@ -1,11 +1,11 @@
-"""The compiled Q4 / Q8 block GEMM with float32 activations (kernels/quant_gemm_cpu.py): against
-a float64 reference of the dequantized weights, the stored weights bit for bit, rows independent
-of the batch, the default model's greedy tokens against the dense float32 path, and what
-`--quantization auto` picks. The int8-activation kernels (`gguf-a8`): the activations quantized
-exactly as a numpy reference does (llama.cpp's Q8_0 rule), the GEMM against a float64 reference
-of the integer block dots, the mode's validation, and the default model's greedy tokens against
-gguf. On an AVX-512 machine the float32 kernels are also tested as built for AVX2 (`build`).
-Skipped when the extension is not built.
+"""The compiled Q4 / Q8 block GEMM with float32 activations
+(backends/torch/kernels/quant_gemm_cpu.py): against a float64 reference of the dequantized weights,
+the stored weights bit for bit, rows independent of the batch, the default model's greedy tokens
+against the dense float32 path, and what `--quantization auto` picks. The int8-activation kernels
+(`gguf-a8`): the activations quantized exactly as a numpy reference does (llama.cpp's Q8_0 rule),
+the GEMM against a float64 reference of the integer block dots, the mode's validation, and the
+default model's greedy tokens against gguf. On an AVX-512 machine the float32 kernels are also
+tested as built for AVX2 (`build`). Skipped when the extension is not built.
 
 Tolerance: float32 accumulation only (the weights are the stored ones; for a8 the integer block
 dots are exact): 1e-5 of the largest |output| against the float64 reference.
@@ -21,14 +21,14 @@ import pytest
 torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 
-from sgl_tpu.executor.torch.quant_linear import (  # noqa: E402
+from sgl_tpu.backends.torch.kernels import quant_gemm_cpu  # noqa: E402
+from sgl_tpu.backends.torch.quant_linear import (  # noqa: E402
     Q4A8Kernel,
     Q4F32Kernel,
     Q8A8Kernel,
     Q8F32Kernel,
     make_kernel,
 )
-from sgl_tpu.kernels import quant_gemm_cpu  # noqa: E402
 from sgl_tpu.quantization import resolve_quantization  # noqa: E402
 from sgl_tpu.quantization.blocks import Int4Groups, Int8Groups, decode_gguf_blocks  # noqa: E402
 
@@ -44,7 +44,7 @@ SHAPES = ((960, 576), (576, 1536), (77, 64), (40, 96))
 def avx2_module(tmp_path_factory):
     """This source built with -mno-avx512f: the 8-lane float32 kernels CPUs with AVX2 only run
     (their activations in another nibble order than the 16-lane ones)."""
-    from sgl_tpu.kernels import cpu_extension
+    from sgl_tpu.backends.torch.kernels import cpu_extension
 
     module = cpu_extension.build_copy(cpu_extension.QUANT_GEMM.source, "sgl_tpu_qgemm_avx2_test",
                                       str(tmp_path_factory.mktemp("qgemm_avx2")),
@@ -271,7 +271,7 @@ def test_float32_kernel_row_limit_follows_the_build(monkeypatch):
     """Steps of more rows than the crossover go to the dense weight: 32 for the AVX2 (and
     scalar) build of the float32 kernels, 20 for the AVX-512 one (dense float32 overtakes it
     sooner); the int8-activation kernels keep 64."""
-    from sgl_tpu.executor.torch import quant_linear
+    from sgl_tpu.backends.torch import quant_linear
 
     for simd, rows in (("avx512f", 20), ("avx2-fma", 32), ("scalar", 32)):
         monkeypatch.setattr(quant_gemm_cpu, "simd", lambda s=simd: s)

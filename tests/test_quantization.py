@@ -31,7 +31,7 @@ from sgl_tpu.quantization.blocks import (
 gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
 
-from sgl_tpu.executor.torch.quant_linear import (  # noqa: E402
+from sgl_tpu.backends.torch.quant_linear import (  # noqa: E402
     Int4Kernel,
     Int8Kernel,
     QuantizedLinear,
@@ -237,7 +237,7 @@ def test_gguf_needs_a_gguf_and_auto_resolves(tmp_path, q4_gguf):
     assert runner_config(ServerArgs(model_path=q4_gguf, **auto), 512).quantization == "auto"
     # float32 activations: torch's int kernels lose to a dense float32 GEMV, so auto serves the
     # blocks only on the compiled float32 kernels (tests/test_quant_gemm_cpu.py)
-    from sgl_tpu.executor.torch.quant_linear import f32_kernels_available
+    from sgl_tpu.backends.torch.quant_linear import f32_kernels_available
 
     f32 = {**auto, "dtype": "float32"}
     assert runner_config(ServerArgs(model_path=q4_gguf, **f32), 512).quantization == (

@@ -1,5 +1,5 @@
-"""Tests for the samplers of both backends (sgl_tpu.executor.jax.sampler in JAX and
-sgl_tpu.executor.torch.sampler): greedy, filters, seeding, penalties, logprobs, bitmask. Every
+"""Tests for the samplers of both backends (sgl_tpu.backends.jax.sampler in JAX and
+sgl_tpu.backends.torch.sampler): greedy, filters, seeding, penalties, logprobs, bitmask. Every
 behavioural test runs on both (the autouse `backend` fixture); the JAX-only ones (host packing,
 compilation) pin it.
 
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import sampling_helpers as H
 
-from sgl_tpu.executor.jax import sampler as S
+from sgl_tpu.backends.jax import sampler as S
 
 V = 100
 NUM_DRAWS = 4096
@@ -89,7 +89,7 @@ def _run_torch(logits, a: S.SamplingArrays, counts, mask, num_top_logprobs, num_
                ) -> S.SampleOutput:
     import torch
 
-    from sgl_tpu.executor.torch import sampler as TS
+    from sgl_tpu.backends.torch import sampler as TS
 
     def t(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.array(a))
@@ -348,7 +348,7 @@ def test_torch_ban_path_leaves_the_logits_and_logprobs_raw(backend) -> None:
     the raw ones; a batch mixing a grammar-like mask takes the unpacked mask and agrees."""
     import torch
 
-    from sgl_tpu.executor.torch import sampler as TS
+    from sgl_tpu.backends.torch import sampler as TS
 
     rng = np.random.default_rng(12)
     logits = rng.normal(size=(4, V)).astype(np.float32)
@@ -512,7 +512,7 @@ def test_pack_unpack_round_trip_and_bit_order(backend) -> None:
     if backend == "torch":  # the CPU's numpy unpacking
         import torch
 
-        from sgl_tpu.executor.torch import sampler as TS
+        from sgl_tpu.backends.torch import sampler as TS
 
         def unpack(words: np.ndarray) -> np.ndarray:
             return TS.unpack_bitmask(torch.from_numpy(words), V).numpy()
@@ -559,7 +559,7 @@ def test_radix_select_equals_sorted_definition(backend) -> None:
     ties, -inf and zero weights, against the definition over a sorted row."""
     import torch
 
-    from sgl_tpu.executor.torch import sampler as TS
+    from sgl_tpu.backends.torch import sampler as TS
 
     rng = np.random.default_rng(16)
     x = (rng.standard_normal((6, 5000)) * np.array([[0.01], [1], [30], [1], [1], [5]])
@@ -617,26 +617,3 @@ def test_parameter_values_do_not_recompile(row: np.ndarray, backend) -> None:
     ):
         run(logits, [params] * UNIT_BATCH, allowed=np.ones((UNIT_BATCH, V), bool))
     assert _sample._cache_size() == size
-
-
-@pytest.mark.parametrize("backend", ["torch"], indirect=True)
-def test_sampler_bench_masks(backend) -> None:
-    """`python -m sgl_tpu.bench.sampler --masks ban,grammar` times what it says: every token
-    but BANNED_IDS, or one in 7; sampled and greedy calls return only allowed tokens."""
-    import torch
-
-    from sgl_tpu.bench import sampler as bench
-    from sgl_tpu.executor.torch import sampler as TS
-
-    assert bench.mask_bitmask("none", 3, V) is None
-    ban = TS.unpack_bitmask(bench.mask_bitmask("ban", 3, V), V).numpy()
-    assert (np.nonzero(~ban)[1] == np.tile(bench.BANNED_IDS, 3)).all()
-    dense = TS.unpack_bitmask(bench.mask_bitmask("grammar", 3, V), V).numpy()
-    assert (np.nonzero(dense[1])[0] == np.arange(0, V, 7)).all()
-    logits = torch.zeros(3, V)
-    logits[:, list(bench.BANNED_IDS)] = 10.0
-    logits[:, 1] = 20.0  # not allowed by the dense mask
-    for mask, allowed in (("ban", ban), ("grammar", dense)):
-        for mode in bench.MODES:
-            ids = bench.make_call(TS, logits, mode, "none", 0, mask)()[0].numpy()
-            assert allowed[np.arange(3), ids].all()

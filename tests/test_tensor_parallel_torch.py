@@ -108,7 +108,7 @@ def test_follower_that_cannot_connect_exits_with_a_clear_error(tmp_path):
             "leader_endpoint": endpoint, "init_method": "tcp://127.0.0.1:1",
             "model_path": str(tmp_path / "never-loaded"), "server_args": {},
             "parent_pid": os.getpid(), "connect_timeout_s": 1.0}
-    proc = subprocess.run([sys.executable, "-m", "sgl_tpu.parallel.torch_follower"],
+    proc = subprocess.run([sys.executable, "-m", "sgl_tpu.backends.torch.tp_follower"],
                           input=json.dumps(spec), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert f"error: rank 1: no leader answered at {endpoint} within 1 s" in proc.stderr
@@ -116,7 +116,7 @@ def test_follower_that_cannot_connect_exits_with_a_clear_error(tmp_path):
 
 
 def test_follower_failing_at_start_up_is_reported_and_reaped(tiny, tmp_path):
-    from sgl_tpu.parallel.torch_launch import start_torch_tp
+    from sgl_tpu.backends.torch.tp_launch import start_torch_tp
 
     before = set(descendants(os.getpid()))
     args = ServerArgs(model_path=tiny, tp_size=2, skip_warmup=True, **SMALL)

@@ -14,11 +14,11 @@ import pytest
 from model_helpers import PagedModel, hf_logits
 
 from sgl_tpu import Engine
+from sgl_tpu.backends.torch.device import default_dtype
 from sgl_tpu.choices import check_registry_names
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.executor.registry import create_model_runner, resolve_backend, runner_config
 from sgl_tpu.executor.step import ForwardMode, SeqStep
-from sgl_tpu.executor.torch.device import default_dtype
 from sgl_tpu.loader import load_model
 from sgl_tpu.sampling_params import SamplingParams
 
@@ -229,7 +229,7 @@ def test_auto_backend_and_bad_choices():
     cfg = runner_config(ServerArgs(backend="torch"), 2048)
     # CPU auto: bf16 where the CPU has AMX, else float32
     assert cfg.backend == "torch" and cfg.dtype == default_dtype("cpu") and not cfg.compile
-    from sgl_tpu.kernels import cpu_extension
+    from sgl_tpu.backends.torch.kernels import cpu_extension
 
     # the fused CPU kernel when `make install` built it, else the SDPA path
     fused = cpu_extension.load() is not None

@@ -1,4 +1,4 @@
-"""The torch backend's static decode step (executor/torch/static_decode.py) over device-resident
+"""The torch backend's static decode step (backends/torch/static_decode.py) over device-resident
 batch state (decode_state.py): on CPU the function a CUDA graph records runs eagerly and must
 give the packing path's tokens and log-probs for padded buckets, ragged contexts and page
 boundaries, with the device state equal to a host recomputation after every step (the debug
@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from sgl_tpu import Engine
+from sgl_tpu.backends.torch import decode_state as ds
+from sgl_tpu.backends.torch import sampler
+from sgl_tpu.backends.torch.static_decode import StaticDecode
 from sgl_tpu.cli import parse_args
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.executor import step as step_contract
 from sgl_tpu.executor.registry import create_model_runner, runner_config
 from sgl_tpu.executor.step import ForwardMode, SeqStep
-from sgl_tpu.executor.torch import decode_state as ds
-from sgl_tpu.executor.torch import sampler
-from sgl_tpu.executor.torch.static_decode import StaticDecode
 from sgl_tpu.loader import load_model
 from sgl_tpu.sampling_params import SamplingParams
 

@@ -24,14 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from sgl_tpu.backends.jax.forward_batch import build_forward_batch
+from sgl_tpu.backends.jax.mesh import HEADS_SPEC, KV_POOL_SPEC, TP_AXIS
+from sgl_tpu.backends.jax.runner import _sample_inputs
+from sgl_tpu.backends.jax.shard_ops import replicated, shard_attention
 from sgl_tpu.engine import Engine
-from sgl_tpu.executor.jax.forward_batch import build_forward_batch
-from sgl_tpu.executor.jax.runner import _sample_inputs
 from sgl_tpu.executor.step import ForwardMode, warmup_step
 from sgl_tpu.kernels import paged_attention_ref as ref
 from sgl_tpu.kernels.backends import get_attention_backend
-from sgl_tpu.parallel.mesh import HEADS_SPEC, KV_POOL_SPEC, TP_AXIS
-from sgl_tpu.parallel.shard_ops import replicated, shard_attention
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
 SMALL = dict(backend="jax", dtype="float32", page_size=4, max_total_tokens=1024,

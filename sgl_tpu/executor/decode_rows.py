@@ -31,7 +31,7 @@ page 0, greedy, penalty row 0, not valid. Page columns past a row's last page ar
 masks them by length). `check_rows` compares the device with a host recomputation (a debug mode
 the tests enable): a mismatch raises.
 
-Used by executor/torch/decode_state.py and executor/jax/decode_state.py.
+Used by backends/torch/decode_state.py and backends/jax/decode_state.py.
 Dimensions: n real sequences, S = the batch bucket, P = the page bucket, NI/NF columns.
 """
 

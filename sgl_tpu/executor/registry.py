@@ -3,14 +3,16 @@
     ServerArgs ──runner_config(args, model_context_len)──► RunnerConfig (all names resolved)
                ──create_model_runner(model_config, params, cfg)──► a step.ModelRunner
 
-    --backend jax    executor/jax/runner.py    XLA: TPU, GPU, CPU
-    --backend torch  executor/torch/runner.py  PyTorch: tpu (TorchTPU), cuda, cpu
+    --backend jax    backends/jax/runner.py    XLA: TPU, GPU, CPU
+    --backend torch  backends/torch/runner.py  PyTorch: tpu (TorchTPU), cuda, cpu
     --backend auto   torch on CPU when PyTorch is installed (bf16 GEMMs on AVX-512/AMX; XLA:CPU
                      measured several times slower), jax where JAX has an accelerator
 
-Import-light: factories import their backend on first use, and nothing here imports JAX on the
-torch path (a torch scheduler process never loads JAX), so the platform check for `auto` reads
-the environment and installed packages instead of asking JAX.
+Every backend-specific answer comes from that backend's platform module
+(sgl_tpu/backends/<backend>/platform.py), imported by name: nothing here imports a framework or a
+home, nothing on the torch path loads JAX (a torch scheduler process never does), so the
+platform check for `--backend auto` reads the environment and installed packages instead of
+asking JAX. The RunnerConfig built here is final: runners never rewrite it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 from sgl_tpu.config import KV_POOL_DTYPES, RunnerConfig, ServerArgs, pow2_buckets
 from sgl_tpu.executor import batch_invariant
@@ -37,9 +40,9 @@ class ExecutorBackend:
 
 
 EXECUTOR_BACKENDS: dict[str, ExecutorBackend] = {
-    "jax": ExecutorBackend("sgl_tpu.executor.jax.runner:JaxModelRunner", "jax",
+    "jax": ExecutorBackend("sgl_tpu.backends.jax.runner:JaxModelRunner", "jax",
                            "pip install 'sgl-tpu'"),
-    "torch": ExecutorBackend("sgl_tpu.executor.torch.runner:TorchModelRunner", "torch",
+    "torch": ExecutorBackend("sgl_tpu.backends.torch.runner:TorchModelRunner", "torch",
                              "pip install 'sgl-tpu[torch]'"),
 }
 BACKEND_CHOICES = ("auto", *EXECUTOR_BACKENDS)
@@ -67,18 +70,13 @@ def resolve_backend(backend: str) -> str:
     return "jax"
 
 
+def platform(backend: str) -> ModuleType:
+    """The backend's platform module (its answers to every `auto` setting)."""
+    return importlib.import_module(f"sgl_tpu.backends.{backend}.platform")
+
+
 def _resolve_dtype(args: ServerArgs, backend: str) -> str:
-    if args.dtype != "auto":
-        return args.dtype
-    if backend == "torch":
-        from sgl_tpu.executor.torch.device import default_dtype
-
-        return default_dtype(args.device)
-    # On XLA:CPU float32 measured faster than bfloat16 (its bf16 dots do not use the CPU's bf16
-    # units); TPUs and GPUs want bfloat16.
-    import jax
-
-    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    return args.dtype if args.dtype != "auto" else platform(backend).default_dtype(args)
 
 
 def _resolve_compile(args: ServerArgs, backend: str) -> bool:
@@ -86,11 +84,7 @@ def _resolve_compile(args: ServerArgs, backend: str) -> bool:
         return False
     if args.torch_compile == "on":
         return True
-    from sgl_tpu.executor.torch.device import resolve_device
-
-    # On CPU, eager with oneDNN-prepacked bf16 weights measured faster than inductor's graphs
-    # (which must take the weights unpacked); accelerators want compiled graphs.
-    return resolve_device(args.device).type != "cpu"
+    return platform(backend).compile_default(args)
 
 
 def resolve_overlap_schedule(args: ServerArgs, backend: str) -> bool:
@@ -102,13 +96,7 @@ def resolve_overlap_schedule(args: ServerArgs, backend: str) -> bool:
         return False
     if args.overlap_schedule == "on":
         return True
-    if backend == "torch":
-        from sgl_tpu.executor.torch.device import resolve_device
-
-        return resolve_device(args.device).type != "cpu"
-    import jax
-
-    return jax.default_backend() != "cpu"
+    return platform(backend).overlap_default(args)
 
 
 # --speculative-algorithm auto drafts (NGRAM) only while at most this many requests decode. On
@@ -164,15 +152,11 @@ def _f32_quant_kernels(args: ServerArgs, backend: str, dtype: str) -> bool:
     auto and gguf-a8 only."""
     if args.quantization not in ("auto", "gguf-a8") or backend != "torch" or dtype != "float32":
         return False
-    from sgl_tpu.executor.torch.quant_linear import f32_kernels_available
-
-    return f32_kernels_available()
+    return platform(backend).f32_quant_kernels()
 
 
 def _torch_device_type(args: ServerArgs) -> str:
-    from sgl_tpu.executor.torch.device import resolve_device
-
-    return resolve_device(args.device).type
+    return platform("torch").device_type(args)
 
 
 def runner_config(args: ServerArgs, model_context_len: int) -> RunnerConfig:
@@ -262,9 +246,7 @@ def _resolve_jax_decode_state(args: ServerArgs, backend: str) -> bool:
         return False
     if args.jax_decode_state == "on":
         return True
-    import jax
-
-    return jax.default_backend() != "cpu"
+    return platform(backend).decode_state_default(args)
 
 
 def _resolve_cuda_graph(args: ServerArgs, backend: str, deterministic: bool) -> dict:
@@ -272,9 +254,7 @@ def _resolve_cuda_graph(args: ServerArgs, backend: str, deterministic: bool) -> 
     unless --disable-cuda-graph; everywhere else the eager step (the flags are accepted)."""
     if backend != "torch" or args.disable_cuda_graph or deterministic or args.tp_size > 1:
         return {}
-    from sgl_tpu.executor.torch.device import resolve_device
-
-    if resolve_device(args.device).type != "cuda":
+    if not platform(backend).cuda_graphs(args):
         return {}
     max_bs = min(args.cuda_graph_max_bs or args.max_running_requests, args.max_running_requests)
     return dict(static_decode=True, static_decode_max_bs=max_bs, cuda_graph=True)

@@ -54,7 +54,7 @@ def expected_param_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...
         "attn_norm": (h,), "wq": (h, q), "wk": (h, kv), "wv": (h, kv), "wo": (q, h),
         "mlp_norm": (h,), "w_gate": (h, inter), "w_up": (h, inter), "w_down": (inter, h),
     }
-    if config.num_experts:  # routed experts instead of the dense MLP (models/moe.py)
+    if config.num_experts:  # routed experts instead of the dense MLP (backends/jax/models/moe.py)
         e, f = config.num_experts, config.moe_intermediate_size
         for name in ("w_gate", "w_up", "w_down"):
             del layer[name]

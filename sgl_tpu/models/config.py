@@ -90,7 +90,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     gemma: GemmaConfig | None = None  # Gemma 2/3 layer structure (sliding windows, norms)
-    # Mixture of experts (Qwen3-MoE, Mixtral; models/moe.py): every layer's MLP is
+    # Mixture of experts (Qwen3-MoE, Mixtral; backends/jax/models/moe.py): every layer's MLP is
     # `num_experts` SwiGLU experts of width `moe_intermediate_size`, each token routed to the
     # top `num_experts_per_tok` by softmax router probability (renormalised to sum 1 when
     # `norm_topk_prob`). 0 experts: the dense MLP of width `intermediate_size`.

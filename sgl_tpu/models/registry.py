@@ -32,14 +32,15 @@ class ModelSpec:
     hf_model_type: str | None = None  # config.json "model_type" when it differs from the arch
     # a module with the family's own config parsing and tensor names (see loader/gemma.py)
     loader_hooks: str | None = None
-    moe: bool = False  # mixture-of-experts MLPs (models/moe.py)
+    moe: bool = False  # mixture-of-experts MLPs (backends/jax/models/moe.py)
     gguf_arch: str | None = None  # general.architecture in GGUF files, if not the name here
 
 
-_LLAMA_JAX, _LLAMA_TORCH = "sgl_tpu.models.llama", "sgl_tpu.models.llama_torch"
-_GEMMA_JAX, _GEMMA_TORCH = "sgl_tpu.models.gemma", "sgl_tpu.models.gemma_torch"
+_JAX, _TORCH = "sgl_tpu.backends.jax.models", "sgl_tpu.backends.torch.models"
+_LLAMA_JAX, _LLAMA_TORCH = f"{_JAX}.llama", f"{_TORCH}.llama"
+_GEMMA_JAX, _GEMMA_TORCH = f"{_JAX}.gemma", f"{_TORCH}.gemma"
 _GEMMA_HOOKS = "sgl_tpu.loader.gemma"
-_MOE_JAX, _MOE_TORCH = "sgl_tpu.models.moe", "sgl_tpu.models.moe_torch"
+_MOE_JAX, _MOE_TORCH = f"{_JAX}.moe", f"{_TORCH}.moe"
 
 MODELS: dict[str, ModelSpec] = {
     "llama": ModelSpec("LlamaForCausalLM", _LLAMA_JAX, _LLAMA_TORCH, gguf_permuted_qk=True),

@@ -19,15 +19,21 @@ same sequence of steps, so their collectives line up. Only rank 0's results are 
     runner_factory.py  the scheduler's runner (single device or rank 0 of a group); the
                    entry of a follower host (`--node-rank` > 0)
 
+    shard_params.py    one rank's slice of the loader's params (numpy; torch ranks)
+
+Each backend's own parts live in its home (sgl_tpu/backends/):
+
     torch (`--backend torch`, torch.distributed):
-    shard_params.py    one rank's slice of the loader's params (numpy)
-    torch_tp.py        TorchTPModelRunner: the Llama decoder with its collectives
-    torch_launch.py    checks, then rank 0 and the follower processes (one or several hosts)
-    torch_follower.py  a follower process: connect, load, join, replay
+    backends/torch/tp.py           TorchTPModelRunner: the Llama decoder with its collectives
+    backends/torch/tp_launch.py    checks, then rank 0 and the follower processes (one or
+                                   several hosts)
+    backends/torch/tp_follower.py  a follower process: connect, load, join, replay
 
     JAX (`--backend jax`, one SPMD program over a device mesh; one host: no followers):
-    mesh.py            the mesh, the weight-name -> PartitionSpec table, host-side padding
-    shard_ops.py       shard_map wrappers: attention/KV write per device, vocab-parallel
-                       embedding, logits gathered before the sampler
-    jax_multihost.py   --nnodes: jax.distributed + the runner channel (rank 0 and followers)
+    backends/jax/mesh.py           the mesh, the weight-name -> PartitionSpec table, host-side
+                                   padding
+    backends/jax/shard_ops.py      shard_map wrappers: attention/KV write per device,
+                                   vocab-parallel embedding, logits gathered before the sampler
+    backends/jax/multihost.py      --nnodes: jax.distributed + the runner channel (rank 0 and
+                                   followers)
 """

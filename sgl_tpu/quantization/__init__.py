@@ -4,8 +4,8 @@ of `auto`. Import-light: numpy-free, no torch, no JAX.
     none  every weight dequantized to --dtype at load (GGUF blocks included): today's path
     gguf  a GGUF's Q4_0 / Q4_1 projection blocks served as stored by an int4 group-32 kernel,
           an exact re-encoding (quantization/blocks.py). With float32 activations the compiled
-          block kernels (kernels/quant_gemm_cpu.py) also serve a Q8_0 vocabulary head; with
-          bfloat16 (torch's int4 op) Q8_0 and float tensors are dequantized
+          block kernels (backends/torch/kernels/quant_gemm_cpu.py) also serve a Q8_0 vocabulary
+          head; with bfloat16 (torch's int4 op) Q8_0 and float tensors are dequantized
     gguf-a8  float32 activations only (CPUs without AMX): the same GGUF blocks as stored,
           the activations quantized to int8 per 32 values (llama.cpp's CPU math: integer block
           dots), opt-in: faster than gguf, not exact (a new activation rounding error)
@@ -20,7 +20,7 @@ of `auto`. Import-light: numpy-free, no torch, no JAX.
 
 Projections (q/k/v, o, gate/up, down) and, with float32 activations, a block-format vocabulary
 head; embeddings and norms keep the dense path. The quantized kernels run for decode-sized
-steps and the dense copy above `MAX_KERNEL_ROWS` rows (executor/torch/quant_linear.py).
+steps and the dense copy above `MAX_KERNEL_ROWS` rows (backends/torch/quant_linear.py).
 """
 
 from __future__ import annotations
@@ -87,5 +87,5 @@ def resolve_quantization(name: str, *, backend: str, device_type: str, compile: 
     if name == "gguf-a8" and not f32_kernels:
         raise ValueError("--quantization gguf-a8 needs the compiled quantized CPU GEMM, which "
                          "is not built for this source and machine: build it with `make "
-                         "install` (or `python -m sgl_tpu.kernels.cpu_extension`)")
+                         "install` (or `python -m sgl_tpu.backends.torch.kernels.cpu_extension`)")
     return name

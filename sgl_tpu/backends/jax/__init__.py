@@ -1,0 +1,2 @@
+"""The JAX executor backend: runner, ForwardBatch packing, the in-jit sampler, decode state,
+models, the device mesh and its sharded ops, multi-host launch (XLA: TPU, GPU, CPU)."""

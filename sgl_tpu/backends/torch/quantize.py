@@ -1,0 +1,187 @@
+"""`--quantization` on the torch backend: the quantized form of each fused projection, and the
+model weights with those projections swapped for `QuantizedLinear`s.
+
+    gguf       read_gguf_quantized(file)        the stored Q4_x blocks, exact (and the Q8_0
+                                                vocabulary head, served with float32 only)
+    gguf-a8    the same blocks                  float32 only: kernels that quantize the
+                                                activations to int8 per 32 values
+    int8/int4  quantize_int8/int4(params)       from the loader's float32 params
+                   ──quantize_weights(Weights)──► Weights whose wqkv / wo / w_gate_up / w_down
+                                                  are QuantizedLinear(kernel, dense copy) and
+                                                  whose `linear` dispatches on the weight type
+
+Memory: each quantized projection keeps its dense copy for steps above the kernel's row limit
+(the int kernels run 1.5-2.5x slower than bf16 at prefill sizes, see bench/quant_linear.py),
+so quantization adds the kernels' bytes (about a quarter of the bf16 bytes for int4, a half
+for int8) rather than saving memory; it saves memory traffic per decode step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sgl_tpu.backends.torch.quant_linear import (
+    F32_KINDS,
+    QuantizedLinear,
+    dispatching_linear,
+    make_kernel,
+    max_kernel_rows,
+)
+from sgl_tpu.models.config import ModelConfig
+from sgl_tpu.quantization import QUANTIZATION_METHODS
+from sgl_tpu.quantization.blocks import QuantizedMatrix, quantize_int4, quantize_int8
+from sgl_tpu.quantization.gguf_weights import HEAD
+
+logger = logging.getLogger(__name__)
+
+# fused torch weight -> the loader's canonical [in, out] params stacked along out
+_FUSED_PARAMS = {"wqkv": ("wq", "wk", "wv"), "wo": ("wo",), "w_gate_up": ("w_gate", "w_up"),
+                 "w_down": ("w_down",)}
+_QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
+
+
+def _fused_param(params: dict, key: str) -> np.ndarray:
+    """"layers.{i}.{fused}" -> the loader's float32 params stacked like the torch weight
+    [N, K]."""
+    _, i, fused = key.split(".")
+    lw = params["layers"][int(i)]
+    return np.concatenate([np.asarray(lw[p], np.float32) for p in _FUSED_PARAMS[fused]],
+                          axis=1).T
+
+
+def _fused_shape(params: dict, key: str) -> tuple[int, int]:
+    _, i, fused = key.split(".")
+    parts = [np.shape(params["layers"][int(i)][p]) for p in _FUSED_PARAMS[fused]]  # [in, out]
+    return sum(shape[1] for shape in parts), parts[0][0]
+
+
+def params_keys(params: dict) -> set[str]:
+    """Every fused projection's key: "layers.{i}.{fused}" (MoE layers have no dense MLP; their
+    experts stay unquantized)."""
+    return {f"layers.{i}.{fused}" for i, lw in enumerate(params["layers"])
+            for fused, parts in _FUSED_PARAMS.items() if all(p in lw for p in parts)}
+
+
+def _gguf_mismatch(matrices: dict[str, QuantizedMatrix], params: dict) -> str | None:
+    """Why the file's blocks are not the runner's weights (None if they are): every shape, and
+    the values of the first and last projection (decoding is bit-exact, see blocks.py)."""
+    if not matrices:
+        return "the file has no Q4_0/Q4_1 projections"
+    keys, expected = sorted(matrices), params_keys(params)
+    for key in keys:
+        if key not in expected or matrices[key].q.shape != _fused_shape(params, key):
+            return f"{key} does not have the loaded weights' shape"
+    for key in (keys[0], keys[-1]):
+        if not np.array_equal(matrices[key].dequantize(), _fused_param(params, key)):
+            return f"{key} differs from the loaded weights"
+    return None
+
+
+def _head_matches(head: QuantizedMatrix, params: dict) -> bool:
+    """Whether the file's head blocks dequantize to the loaded head [V, D] bit for bit."""
+    dense = params["lm_head"].T if "lm_head" in params else params["embed"]
+    if head.q.shape != np.shape(dense):
+        return False
+    return bool(np.array_equal(head.dequantize(), np.asarray(dense, np.float32)))
+
+
+def quantized_matrices(method: str, params: dict, cfg: ModelConfig, model_path: str | None,
+                       with_head: bool = False) -> dict[str, QuantizedMatrix] | None:
+    """"layers.{i}.{fused}" -> quantized [N, K] matrix for every projection `method` covers.
+
+    gguf / gguf-a8 / auto read the file at `model_path` (None: the default model) and check it
+    against `params`; a mismatch is a ValueError for gguf(-a8), and None (dense) for auto. They
+    add the file's vocabulary head under HEAD ([V, D]) when `with_head` (float32 activations:
+    only the float32 kernels serve it), it is a block format and it equals the loaded head
+    (else the head stays dense; the check dequantizes the whole head, so it runs only when
+    asked)."""
+    if method in ("gguf", "gguf-a8", "auto"):
+        from sgl_tpu.loader import default_model_path
+        from sgl_tpu.quantization.gguf_weights import read_gguf_quantized
+
+        path = model_path or default_model_path()
+        head = None
+        try:
+            matrices = read_gguf_quantized(path, cfg)
+            head = matrices.pop(HEAD, None)
+            problem = _gguf_mismatch(matrices, params)
+        except ValueError as e:  # e.g. rows that do not split into cfg's heads
+            matrices, problem = {}, str(e)
+        if problem is None:
+            if with_head and head is not None and _head_matches(head, params):
+                matrices[HEAD] = head
+            return matrices
+        if method != "auto":
+            raise ValueError(f"--quantization {method}: {path}: {problem}")
+        logger.info("quantization auto -> none: %s: %s", path, problem)
+        return None
+    quantize = _QUANTIZERS[method]
+    return {key: quantize(np.ascontiguousarray(_fused_param(params, key)))
+            for key in sorted(params_keys(params))}
+
+
+@dataclass(frozen=True)
+class QuantizationReport:
+    method: str
+    quantized: int  # projections served by a kernel
+    dense_only: int  # projections left dense (no exact form, or a shape the kernel refuses)
+    kernel_bytes: int  # memory the kernels add beside the dense weights
+    kernels: tuple[str, ...] = ()  # the projections' kernel kinds (quant_linear.py)
+    head: str | None = None  # the vocabulary head's kernel kind; None: dense
+
+    def log_line(self) -> str:
+        desc = QUANTIZATION_METHODS[self.method].description
+        kinds = "/".join(self.kernels) or "no"
+        rows = ", ".join(f"{k} <= {max_kernel_rows(k)}" for k in self.kernels)
+        head = f"vocabulary head on {self.head}" if self.head else "vocabulary head dense"
+        return (f"quantization {self.method} ({desc}): {self.quantized} projections on {kinds} "
+                f"kernels for steps of few rows ({rows or 'none'}), {head} "
+                f"(+{self.kernel_bytes / 2**20:.0f} MiB beside the dense weights), "
+                f"{self.dense_only} dense only")
+
+
+def quantize_weights(weights, matrices: dict[str, QuantizedMatrix], method: str,
+                     dtype: torch.dtype):
+    """llama_torch.Weights -> (the same with QuantizedLinear projections, QuantizationReport).
+
+    The vocabulary head (matrices[HEAD]) is swapped only for a float32 kernel: with bfloat16
+    it has no exact kernel (quant_linear.py). gguf-a8 takes the int8-activation kernels."""
+    int8_activations = method == "gguf-a8"
+    layers, done, dense_only, nbytes, kinds = [], 0, 0, 0, []
+    for i, lw in enumerate(weights.layers):
+        changes = {}
+        for fused in _FUSED_PARAMS:
+            m = matrices.get(f"layers.{i}.{fused}")
+            kernel = None if m is None else make_kernel(m, dtype, int8_activations)
+            if kernel is None:
+                dense_only += 1
+                continue
+            changes[fused] = QuantizedLinear(kernel, getattr(lw, fused),
+                                             max_kernel_rows(kernel.kind))
+            done += 1
+            nbytes += kernel.nbytes
+            if kernel.kind not in kinds:
+                kinds.append(kernel.kind)
+        layers.append(dataclasses.replace(lw, **changes))
+    top: dict = {"layers": layers, "linear": dispatching_linear(weights.linear)}
+    head = matrices.get(HEAD)
+    head_kernel = None if head is None else make_kernel(head, dtype, int8_activations)
+    if head_kernel is not None and head_kernel.kind in F32_KINDS:
+        top["lm_head"] = QuantizedLinear(head_kernel, weights.lm_head,
+                                         max_kernel_rows(head_kernel.kind))
+        nbytes += head_kernel.nbytes
+    if dtype == torch.float32 and "int4" in kinds:
+        from sgl_tpu.backends.torch.kernels import quant_gemm_cpu
+
+        logger.warning("quantization %s: float32 activations on torch's int4 op, measured ~8x "
+                       "slower than dense float32 on AVX2 (the compiled block kernels: %s)",
+                       method, quant_gemm_cpu.why_unavailable())
+    report = QuantizationReport(method, done, dense_only, nbytes, tuple(kinds),
+                                head_kernel.kind if "lm_head" in top else None)
+    logger.info(report.log_line())
+    return dataclasses.replace(weights, **top), report

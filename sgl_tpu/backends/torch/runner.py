@@ -1,0 +1,472 @@
+"""TorchModelRunner: the `--backend torch` executor (PyTorch on tpu / cuda / cpu). Never
+imports JAX.
+
+Owns the torch device state and implements `sgl_tpu.executor.step.ModelRunner`:
+
+    list[SeqStep] ──step.pack_tokens + attention batch──► TorchBatch (rows: the token /
+        sequence bucket when compiled, exact when eager)
+        ──model.forward──► hidden [T, D]   (the registry's torch model for the architecture;
+                                            dense layer parts compiled per bucket with
+                                            torch.compile(dynamic=False); attention eager)
+        ──logits of the sampled rows──► sampler.sample(step.sampling_columns) ──► StepResult
+
+Overlap scheduling: `dispatch` runs the step in one worker thread (torch releases the GIL in
+its kernels, so the scheduler's host work runs meanwhile); steps run in dispatch order, and a
+DECODE step's placeholder input ids are resolved at its start from the token ids the previous
+step left on the device (`_last_token_ids`). The static step (below) only enqueues its work on
+CUDA and copies its results to pinned host memory without blocking, so the worker launches
+step t+1 while the device still runs step t; its `result()` waits for the copies. On CPU
+(`config.cpu_compute_thread`) that worker is the compute thread, which runs every torch call
+of the runner from its construction on, not only the dispatched steps (compute_thread.py).
+
+Device state: weights (`llama_torch.Weights`), a token-major KV pool per layer
+([num_pages * page_size, kvh, d]; page 0 takes padding writes) and the penalty-count rows
+([max_running + 1, V] int32, row 0 scratch), all updated in place.
+
+With `config.static_decode` (on for CUDA, where its buckets become CUDA graphs), DECODE steps
+of one token per sequence take the static-shape step over device-resident batch state instead
+(static_decode.py, decode_state.py); other steps take the packing path above.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from concurrent.futures import Future
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from sgl_tpu.backends.torch import invariant_linear, sampler
+from sgl_tpu.backends.torch.compute_thread import ComputeThread
+from sgl_tpu.backends.torch.device import (
+    cpu_info,
+    cpu_prepacks_bf16,
+    resolve_device,
+    set_cpu_threads,
+)
+from sgl_tpu.backends.torch.static_decode import StaticDecode
+from sgl_tpu.config import RunnerConfig
+from sgl_tpu.executor import batch_invariant
+from sgl_tpu.executor import step as step_contract
+from sgl_tpu.executor.step import ForwardMode, PendingStep, SeqStep, StepResult
+from sgl_tpu.kernels.backends import get_attention_backend
+from sgl_tpu.models.config import ModelConfig
+from sgl_tpu.models.registry import torch_model
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_KV_DTYPES = {**_DTYPES, "float8_e5m2": torch.float8_e5m2}
+
+
+@dataclass(frozen=True)
+class _Dispatched:
+    """A step handed to the worker thread: `result()` waits for the worker to run (or
+    enqueue) it, then for the step's own results."""
+
+    future: Future
+
+    def result(self) -> StepResult:
+        return self.future.result().result()
+
+
+@dataclass(frozen=True)
+class TorchBatch:
+    """One step's tensors. T = the token bucket (EXTEND) or sequence bucket (DECODE) when
+    compiled; the exact count when eager (no compiled shapes to reuse, so no padding)."""
+
+    input_ids: torch.Tensor  # i64[T]
+    positions: torch.Tensor  # i64[T]
+    out_slots: torch.Tensor  # i64[T]; padding rows write slot 0 (reserved page 0)
+    sample_rows: torch.Tensor  # i64[n] row of each real sequence's last token
+    extend_seqs: list | None  # EXTEND: the attention backend's ExtendSeq per sequence
+    decode: Any  # DECODE: the attention backend's DecodeBatch
+
+
+class TorchModelRunner:
+    backend = "torch"
+
+    def __init__(self, model_config: ModelConfig, params: dict, config: RunnerConfig) -> None:
+        # CPU under overlap scheduling: every torch call of this runner on one thread, so the
+        # process has one OpenMP team (compute_thread.py); else the caller's thread, and
+        # dispatched steps on a worker thread made at the first dispatch
+        self._compute = ComputeThread() if config.cpu_compute_thread else None
+        self._worker: ComputeThread | None = None  # runs dispatched steps, in order
+        self._in_flight: Future | None = None  # the last dispatched step
+        try:
+            self._call(self._build, model_config, params, config)
+        except BaseException:
+            self.close()  # no thread outlives a runner that failed to build
+            raise
+
+    def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the compute thread if there is one, else here."""
+        return fn(*args) if self._compute is None else self._compute.call(fn, *args)
+
+    def close(self) -> None:
+        """End the compute or worker thread (after the calls already given to it)."""
+        for thread in (self._compute, self._worker):
+            if thread is not None:
+                thread.shutdown()
+
+    def _build(self, model_config: ModelConfig, params: dict, config: RunnerConfig) -> None:
+        self.model_config = model_config
+        if config.static_decode and model_config.num_experts:
+            # expert routing reads per-expert token counts on the host
+            # (backends/torch/models/moe.py): a host sync that a CUDA graph cannot record, and
+            # routing a replay would freeze
+            logger.info("static decode / CUDA graphs off: mixture-of-experts layers route on "
+                        "the host; decode steps take the packing path")
+            config = dataclasses.replace(config, static_decode=False, static_decode_max_bs=0,
+                                         cuda_graph=False)
+        self.config = config  # the config this runner runs (the scheduler reports it)
+        self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            logger.info("torch backend: %d CPU threads", set_cpu_threads(config.cpu_threads))
+        self.dtype = _DTYPES[config.dtype]
+        self.vocab_size = model_config.vocab_size
+        self._compiles = 0
+        self.attn = get_attention_backend(config.attention_backend)
+        compile_fn = self._compile if config.compile else None
+        # deterministic on a CPU: projections on the fixed-order GEMM (invariant_linear.py)
+        self.invariant_gemm = config.deterministic and self.device.type == "cpu"
+        if self.invariant_gemm:
+            invariant_linear.require_kernel()
+        prepack = (not config.compile and self.device.type == "cpu" and not self.invariant_gemm
+                   and self.dtype == torch.bfloat16 and cpu_prepacks_bf16())
+        self.quantization = None  # quantize.QuantizationReport when projections are quantized
+        self.prepacked = prepack
+        self.model = self._build_model(params, model_config, prepack, compile_fn)
+        self.layer_ops = self._use_layer_ops()
+        num_slots = config.num_pages * config.page_size
+        # The model's own head count: a tensor-parallel rank stores only its KV heads.
+        shape = (num_slots, self.model.cfg.num_kv_heads, model_config.head_dim)
+        # --kv-cache-dtype bfloat16 under a float32 model, or fp8_e5m2: K/V rounded to it as
+        # they are written (write_kv / rope_write_kv), widened to the query's dtype as
+        # attention reads
+        self.kv_dtype = _KV_DTYPES[config.kv_dtype]
+        self.kv_pools = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                          torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+                         for _ in range(model_config.num_layers)]
+        self.token_counts = torch.zeros((config.max_running_requests + 1, self.vocab_size),
+                                        dtype=torch.int32, device=self.device)
+        self.static_decode = None
+        if config.static_decode:
+            self.static_decode = StaticDecode(
+                config, self.model, self.attn, self.kv_pools, self.token_counts, self.device,
+                self.dtype, model_config.sliding_window)
+        self._last_token_ids: torch.Tensor | None = None  # i64[n] of the last step run
+        logger.info("torch backend on %s, %s (KV cache %s), compile=%s, prepacked weights=%s, "
+                    "fixed-order GEMM=%s, quantization=%s, fused layer ops=%s, static decode=%s, "
+                    "CUDA graphs=%s", self.device, config.dtype, config.kv_dtype, config.compile,
+                    prepack, self.invariant_gemm,
+                    self.quantization.method if self.quantization else "none",
+                    self.layer_ops, config.static_decode, config.cuda_graph)
+
+    def _build_model(self, params: dict, model_config: ModelConfig, prepack: bool, compile_fn):
+        """The registry's torch model for the architecture (backends/torch/tp.py overrides)."""
+        return torch_model(model_config.arch).build_model(
+            params, model_config, dtype=self.dtype, device=self.device, prepack=prepack,
+            write_kv=self.attn.write_kv, compile_fn=compile_fn,
+            quantize=(invariant_linear.invariant_weights if self.invariant_gemm
+                      else self._quantizer(params, model_config)))
+
+    def _use_layer_ops(self) -> bool:
+        """Hand the model the compiled layer ops (backends/torch/kernels/layer_ops_cpu.py) on an
+        eager CPU runner when they are built and the model takes them; whether it did."""
+        if not self.config.cpu_layer_ops or self.config.compile or self.device.type != "cpu":
+            return False
+        from sgl_tpu.backends.torch.kernels import layer_ops_cpu
+
+        use = getattr(self.model, "use_layer_ops", None)
+        if use is None:
+            return False
+        if not layer_ops_cpu.usable(self.device, self.dtype):
+            logger.info("fused layer ops off: %s", layer_ops_cpu.why_unavailable()
+                        or f"{self.dtype} is not one of theirs")
+            return False
+        return use(layer_ops_cpu.load())
+
+    def _quantizer(self, params: dict, model_config: ModelConfig):
+        """Weights -> Weights with quantized projections (`config.quantization`), or None."""
+        method = self.config.quantization
+        if method == "none":
+            return None
+        from sgl_tpu.backends.torch import quantize
+
+        matrices = quantize.quantized_matrices(method, params, model_config,
+                                               self.config.model_path,
+                                               with_head=self.dtype == torch.float32)
+        if matrices is None:
+            return None
+
+        def apply(weights):
+            weights, self.quantization = quantize.quantize_weights(
+                weights, matrices, "gguf" if method == "auto" else method, self.dtype)
+            return weights
+
+        return apply
+
+    # ---- compilation -------------------------------------------------------------------
+    def _compile(self, fn):
+        """torch.compile(dynamic=False): one graph per input shape (= bucket), counted."""
+        import torch._dynamo
+
+        # 3 compiled functions x (token buckets + sequence buckets) graphs, never evicted.
+        limit = 4 * (len(self.config.token_buckets) + len(self.config.seq_buckets))
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+
+        def counting_backend(gm, example_inputs):
+            from torch._inductor.compile_fx import compile_fx
+
+            self._compiles += 1
+            return compile_fx(gm, example_inputs)
+
+        return torch.compile(fn, dynamic=False, backend=counting_backend)
+
+    def num_compilations(self) -> int:
+        return self._compiles
+
+    def compute_info(self) -> dict[str, Any]:
+        """What `/server_info` reports this runner computes with: device, dtype, the
+        projections' GEMM, whether AMX runs them, and on CPUs the ISA oneDNN and the compiled
+        kernels use (so a user can tell which published figures apply to their machine)."""
+        if self.invariant_gemm:
+            gemm = "fixed-order"
+        elif self.quantization is not None:
+            gemm = f"quantized ({self.quantization.method})"
+        else:
+            gemm = "oneDNN prepacked" if self.prepacked else "torch"
+        info: dict[str, Any] = {"backend": "torch", "device": str(self.device),
+                                "dtype": self.config.dtype, "gemm": gemm}
+        if self.device.type == "cpu":
+            cpu = cpu_info()
+            info["cpu"] = cpu
+            info["amx_in_use"] = (cpu["onednn"]["amx"] and self.dtype == torch.bfloat16
+                                  and not self.invariant_gemm)
+        return info
+
+    @property
+    def kv_bytes(self) -> int:
+        k, _ = self.kv_pools[0]
+        return 2 * k.numel() * k.element_size() * len(self.kv_pools)
+
+    # ---- packing -----------------------------------------------------------------------
+    def _pack(self, mode: ForwardMode, steps: Sequence[SeqStep], num_rows: int | None
+              ) -> TorchBatch:
+        c = self.config
+        if num_rows is None:  # (warm-up passes a bucket)
+            bucket, exact = step_contract.step_rows(
+                mode, steps, token_buckets=c.token_buckets, seq_buckets=c.seq_buckets,
+                max_extend_seqs=c.max_extend_seqs)
+            num_rows = bucket if c.compile else exact  # eager: no compiled shapes to reuse
+        packed = step_contract.pack_tokens(steps, num_rows, c.page_size, c.max_pages_per_seq)
+        dev = self.device
+        extend_seqs = decode = None
+        if mode == ForwardMode.EXTEND:
+            extend_seqs = [self.attn.ExtendSeq(
+                start=int(start), num_new=len(st.token_ids), prefix_len=st.prefix_len,
+                slots=self.attn.context_slots(np.asarray(st.pages, np.int64), c.page_size,
+                                              int(end)).to(dev))
+                for st, start, end in zip(steps, packed.starts, packed.seq_lens, strict=True)]
+        else:
+            decode = self._decode_batch(steps, num_rows)
+        return TorchBatch(
+            input_ids=torch.from_numpy(packed.input_ids).to(dev),
+            positions=torch.from_numpy(packed.positions).to(dev),
+            out_slots=torch.from_numpy(packed.out_slots).to(dev),
+            sample_rows=torch.from_numpy(packed.sample_rows).to(dev),
+            extend_seqs=extend_seqs,
+            decode=decode,
+        )
+
+    def _decode_batch(self, steps: Sequence[SeqStep], num_rows: int) -> Any:
+        """Split each context into the whole pages all sequences share (leading page ids equal
+        in every page table: a radix-cache prefix) and the rest, [B, Lown] with Lown = the
+        longest rest rounded up to whole pages (attention runs eagerly: no bucketing)."""
+        ps = self.config.page_size
+        lens = np.array([st.prefix_len + len(st.token_ids) for st in steps])
+        tables = [np.asarray(st.pages, np.int64)[: -(-n // ps)]
+                  for st, n in zip(steps, lens, strict=True)]
+        first = tables[0][: min(lens) // ps]  # whole pages every sequence fills
+        for t in tables[1:]:
+            same = first == t[: len(first)]
+            first = first[: len(first) if same.all() else int(same.argmin())]
+        # a sliding window masks each sequence's own oldest keys: no shared part then
+        window = self.model_config.sliding_window
+        n_shared = len(first) if len(steps) > 1 and window is None else 0
+        own_pages = max(len(t) for t in tables) - n_shared
+        pages = np.zeros((num_rows, own_pages), np.int64)
+        for i, t in enumerate(tables):
+            pages[i, : len(t) - n_shared] = t[n_shared:]
+        slots = (pages[:, :, None] * ps + np.arange(ps)).reshape(num_rows, own_pages * ps)
+        own_lens = np.ones(num_rows, np.int64)  # padding rows see slot 0 (never all-masked)
+        own_lens[: len(steps)] = lens - n_shared * ps
+        mask = np.arange(own_pages * ps)[None, :] < own_lens[:, None]
+        if window is not None:
+            mask &= np.arange(own_pages * ps)[None, :] > own_lens[:, None] - 1 - window
+        bias = np.where(mask, np.float32(0), np.float32(-np.inf))[:, None, :]
+        shared = (first[:n_shared, None] * ps + np.arange(ps)).reshape(-1)
+        dev = self.device
+        return self.attn.DecodeBatch(shared_slots=torch.from_numpy(shared).to(dev),
+                                slots=torch.from_numpy(slots).to(dev),
+                                bias=torch.from_numpy(bias).to(dev, self.dtype))
+
+    # ---- steps -------------------------------------------------------------------------
+    def forward(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> StepResult:
+        if self._compute is not None:  # (taken after the steps dispatched before it)
+            return self._compute.call(self._forward_done, mode, steps).result()
+        if self._in_flight is not None:  # keep the order of dispatched steps
+            futures.wait([self._in_flight])  # (its error, if any, went to its caller)
+            self._in_flight = None
+        return self._forward(mode, steps).result()
+
+    def dispatch(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> PendingStep:
+        """Start the step in the worker thread; `result()` waits for its StepResult."""
+        if self._compute is not None:  # (in order with every other call given to it)
+            return _Dispatched(self._compute.submit(self._forward_done, mode, steps))
+        if self._worker is None:
+            self._worker = ComputeThread("torch-step", one_arena=False)
+        self._in_flight = self._worker.submit(self._forward, mode, steps)
+        return _Dispatched(self._in_flight)
+
+    def _forward_done(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> PendingStep:
+        """`_forward` and its results, on the compute thread."""
+        return step_contract.DoneStep(self._forward(mode, steps).result())
+
+    def _forward(self, mode: ForwardMode, steps: Sequence[SeqStep]) -> PendingStep:
+        """Run (or, for the static step on CUDA, enqueue) one step."""
+        if (mode == ForwardMode.DECODE and self.static_decode is not None
+                and self.static_decode.accepts(steps)):
+            return self._run_static(steps)
+        if self.static_decode is not None:  # its mirror's placeholders no longer name the
+            self.static_decode.state.mirror.dispatched(None)  # last step's rows
+        if self.config.deterministic and len(steps) < batch_invariant.MIN_ROWS:
+            padded, num_rows = batch_invariant.pad_steps(mode, steps)
+            return step_contract.DoneStep(
+                batch_invariant.trim_result(self._run(mode, padded, num_rows), len(steps)))
+        return step_contract.DoneStep(self._run(mode, steps, None))
+
+    def _run_static(self, steps: Sequence[SeqStep]) -> PendingStep:
+        """The static decode step, launched: placeholder inputs are resolved on the device
+        from the last step's token ids (which stay there), so on CUDA this step is enqueued
+        behind the previous one without waiting for its tokens to reach the host."""
+        pending = self.static_decode.launch(steps, self._last_token_ids)
+        self._last_token_ids = pending.device_token_ids
+        return pending
+
+    @torch.inference_mode()
+    def _run(self, mode: ForwardMode, steps: Sequence[SeqStep], num_rows: int | None
+             ) -> StepResult:
+        batch = self._pack(mode, steps, num_rows)
+        input_ids = batch.input_ids
+        if step_contract.has_placeholders(steps):
+            prev = self._last_token_ids  # [n_prev]
+            input_ids = torch.where(input_ids < 0, prev[(-input_ids - 1).clamp(min=0)],
+                                    input_ids)
+        scale = self.model.scale
+        if mode == ForwardMode.EXTEND:
+            attention = partial(self.attn.extend_attention, seqs=batch.extend_seqs, scale=scale)
+            if self.model_config.sliding_window is not None:
+                attention = partial(attention, sliding_window=self.model_config.sliding_window)
+        else:
+            attention = partial(self.attn.decode_attention, batch=batch.decode, scale=scale)
+        hidden = self.model.forward(input_ids, batch.positions, batch.out_slots,
+                                    self.kv_pools, attention)
+        logits = self.model.logits(hidden.index_select(0, batch.sample_rows))  # [n, V]
+        token_ids, logprobs, top_ids, top_lp = self._sample(mode, steps, logits)
+        self._last_token_ids = token_ids
+        return StepResult(
+            token_ids=token_ids.to(torch.int32).cpu().numpy(),
+            logprobs=logprobs.cpu().numpy(),
+            top_ids=top_ids.to(torch.int32).cpu().numpy(),
+            top_logprobs=top_lp.cpu().numpy(),
+            hidden=hidden if mode == ForwardMode.EXTEND else None,
+        )
+
+    def _sample(self, mode: ForwardMode, steps: Sequence[SeqStep], logits: torch.Tensor):
+        dev = self.device
+        cols = step_contract.sampling_columns(steps, len(steps),
+                                              step_contract.mask_words(self.vocab_size))
+
+        def t(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(a).to(device=dev, dtype=dtype)
+
+        rows = t(cols.counts_rows, torch.int64)
+        if mode == ForwardMode.EXTEND and cols.counts_reset.any():
+            self.token_counts[cols.counts_rows[cols.counts_reset].tolist()] = 0
+        penalties = None
+        if cols.uses_penalties:
+            penalties = (self.token_counts.index_select(0, rows),
+                         t(cols.frequency_penalty, torch.float32),
+                         t(cols.presence_penalty, torch.float32),
+                         t(cols.repetition_penalty, torch.float32))
+        token_ids, logprobs, top_ids, top_lp = sampler.sample(
+            logits,
+            temperature=t(cols.temperature, torch.float32),
+            top_p=t(cols.top_p, torch.float32),
+            top_k=t(cols.top_k, torch.int64),
+            min_p=t(cols.min_p, torch.float32),
+            uniforms=t(sampler.row_uniforms(cols.seed, cols.step), torch.float32),
+            penalties=penalties,
+            bitmask=None if cols.bitmask is None else t(cols.bitmask, torch.int32),
+            num_top_logprobs=self.config.max_top_logprobs,
+            logprob_rows=t(cols.return_logprob, torch.bool),
+        )
+        valid = t(cols.sample_valid, torch.int32)
+        self.token_counts.index_put_((rows, token_ids), valid, accumulate=True)
+        return token_ids, logprobs, top_ids, top_lp
+
+    def token_logprobs(self, hidden: torch.Tensor, target_ids: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self._call(self._token_logprobs, hidden, target_ids)
+
+    @torch.inference_mode()
+    def _token_logprobs(self, hidden: torch.Tensor, target_ids: np.ndarray
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        targets = torch.zeros(hidden.shape[0], dtype=torch.int64, device=self.device)
+        targets[: len(target_ids)] = torch.as_tensor(np.asarray(target_ids, np.int64))
+        logp = torch.log_softmax(self.model.logits(hidden), dim=-1)  # [T, V]
+        chosen = logp.gather(1, targets[:, None])[:, 0]
+        top_lp, top_ids = torch.topk(logp, self.config.max_top_logprobs, dim=-1)
+        return (chosen.cpu().numpy(), top_ids.to(torch.int32).cpu().numpy(),
+                top_lp.cpu().numpy())
+
+    def row_logits(self, hidden: torch.Tensor, rows: np.ndarray) -> np.ndarray:
+        return self._call(self._row_logits, hidden, rows)
+
+    @torch.inference_mode()
+    def _row_logits(self, hidden: torch.Tensor, rows: np.ndarray) -> np.ndarray:
+        idx = torch.as_tensor(np.asarray(rows, np.int64), device=self.device)
+        return self.model.logits(hidden.index_select(0, idx)).cpu().numpy()
+
+    # ---- warm-up -----------------------------------------------------------------------
+    def warmup(self) -> float:
+        """Run every token bucket (EXTEND) and sequence bucket (DECODE) once with the dummy
+        step on reserved page 0, compiling each shape when compile is on."""
+        return self._call(self._warmup)
+
+    def _warmup(self) -> float:
+        t0 = time.perf_counter()
+        step = step_contract.warmup_step()
+        c = self.config
+        all_buckets = c.compile  # eager: one run of each mode is enough
+        for num_rows in c.token_buckets if all_buckets else c.token_buckets[:1]:
+            result = self._run(ForwardMode.EXTEND, [step], num_rows)
+            self.token_logprobs(result.hidden, np.zeros(1, np.int32))
+        for n_seqs in c.seq_buckets if all_buckets else c.seq_buckets[:1]:
+            self._run(ForwardMode.DECODE, [step] * n_seqs, n_seqs)
+        if self.static_decode is not None:  # CUDA graphs of the decode buckets (else no-op)
+            self.static_decode.warmup()
+        elapsed = time.perf_counter() - t0
+        logger.info("warm-up: %d compiled graphs in %.1f s", self._compiles, elapsed)
+        return elapsed

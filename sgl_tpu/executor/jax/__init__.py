@@ -1,2 +1,0 @@
-"""The JAX executor backend: runner, ForwardBatch packing and the in-jit sampler (XLA: TPU, GPU,
-CPU)."""

@@ -49,6 +49,24 @@ class KVManager:
         """More pages `req` needs to hold `num_tokens` tokens of KV."""
         return max(0, -(-num_tokens // self.page_size) - len(req.pages))
 
+    def memory_info(self) -> dict[str, int]:
+        """Where the pool's pages are and what the tree holds (`/server_info`'s "memory")."""
+        alloc, tree = self.allocator, self.tree
+        return {
+            "num_pages_total": alloc.num_usable_pages,
+            "num_pages_free": alloc.num_free_pages,
+            "num_pages_tree": tree.num_pages_held(),
+            "num_pages_requests": alloc.num_usable_pages - alloc.num_free_pages
+                                  - tree.num_pages_held(),
+            "tree_evictable_tokens": tree.evictable_size(),
+            "tree_protected_tokens": tree.protected_size(),
+            "tree_retained_tokens": tree.retained_size(),
+            "evicted_tokens": tree.num_evicted_tokens,
+            "evicted_retained_tokens": tree.num_evicted_retained_tokens,
+            "page_size": self.page_size,
+            "max_total_tokens": self.capacity_tokens,
+        }
+
     # ---- admission -----------------------------------------------------------------------
     def admit_prefix(self, req: Req) -> None:
         """Lock the longest cached prefix of `req` (capped by `req.max_prefix_len`)."""

@@ -1,0 +1,108 @@
+"""Which requests the next EXTEND step runs, and how many tokens of each (host side, no JAX).
+
+Within the token budget (`chunked_prefill_size`) and `max_extend_seqs`, in this order:
+
+    1. the chunked prompt's next chunk      a prompt longer than the budget runs in pieces
+    2. jump-forward re-admissions           running requests whose forced tokens need an EXTEND
+    3. waiting requests, in policy order    prefix matched and locked, then pages allocated
+
+A chunked prompt that cannot get its pages admits nothing new (it is not starved). A waiting
+request is admitted only with a page per running request kept in reserve, so admission does
+not starve decode, and not when it shares a long uncached prefix with a request already in
+the batch: it waits a step and then reuses that request's KV from the tree
+(`policy.InBatchPrefixes`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sgl_tpu.config import SchedulerConfig
+from sgl_tpu.scheduler.counters import SchedulerStats
+from sgl_tpu.scheduler.kv_manager import KVManager
+from sgl_tpu.scheduler.policy import InBatchPrefixes, order_waiting
+from sgl_tpu.scheduler.queues import ReqQueues
+from sgl_tpu.scheduler.req import Req
+
+ExtendBatch = list[tuple[Req, int]]  # (request, number of its tokens to run)
+
+
+class ExtendPlanner:
+    def __init__(self, config: SchedulerConfig, kv: KVManager, queues: ReqQueues,
+                 stats: SchedulerStats, retract: Callable[[Req], None]) -> None:
+        self.config = config
+        self.kv = kv
+        self.queues = queues
+        self.stats = stats
+        self.retract = retract
+
+    def next_batch(self) -> ExtendBatch:
+        """Pick the next EXTEND batch; admitted requests leave their queues and hold pages."""
+        batch: ExtendBatch = []
+        budget = self.config.chunked_prefill_size
+        budget, chunk_blocked = self._continue_chunk(batch, budget)
+        budget = self._readmit_jump_forward(batch, budget)
+        if not chunk_blocked:  # a chunked prompt waiting for pages: admit nothing new
+            self._admit_waiting(batch, budget)
+        return batch
+
+    def _continue_chunk(self, batch: ExtendBatch, budget: int) -> tuple[int, bool]:
+        req = self.queues.chunked_req
+        if req is None:
+            return budget, False
+        n = min(len(req.fill_ids) - req.kv_len, budget)
+        if not self.kv.alloc_pages(req, self.kv.pages_needed(req, req.kv_len + n)):
+            return budget, True
+        batch.append((req, n))
+        self.queues.chunked_req = None
+        return budget - n, False
+
+    def _readmit_jump_forward(self, batch: ExtendBatch, budget: int) -> int:
+        q = self.queues
+        while q.jump_forward_reqs and budget > 0 and len(batch) < self.config.max_extend_seqs:
+            req = q.jump_forward_reqs[0]
+            n = len(req.fill_ids) - req.kv_len
+            if n > budget or not self.kv.alloc_pages(req, self.kv.pages_needed(req,
+                                                                                req.kv_len + n)):
+                if not q.running and not batch:
+                    # Nothing else runs, so nothing will free pages: give this one's KV back.
+                    self.retract(q.jump_forward_reqs.pop(0))
+                    continue
+                break
+            q.jump_forward_reqs.pop(0)
+            batch.append((req, n))
+            budget -= n
+        return budget
+
+    def _admit_waiting(self, batch: ExtendBatch, budget: int) -> None:
+        cfg, q = self.config, self.queues
+        ready = [r for r in q.waiting if r.grammar_future is None or r.matcher is not None]
+        held = len(q.running) + len(q.jump_forward_reqs) + len(batch)
+        if not ready or budget <= 0 or len(batch) >= cfg.max_extend_seqs \
+                or held >= cfg.max_running_requests:
+            return  # nothing can be admitted: do not order the queue
+        in_batch = InBatchPrefixes(self.kv.page_size)
+        for req in order_waiting(cfg.schedule_policy, ready, self.kv.tree):
+            held = len(q.running) + len(q.jump_forward_reqs) + len(batch)
+            if len(batch) >= cfg.max_extend_seqs or budget <= 0 \
+                    or held >= cfg.max_running_requests:
+                break
+            self.kv.admit_prefix(req)
+            if not self.kv.tree.disable and in_batch.shares_uncached(req):
+                self.kv.release_req(req)
+                continue
+            n = min(len(req.fill_ids) - req.kv_len, budget)
+            # Keep a page per running request in reserve so admission does not starve decode.
+            need = self.kv.pages_needed(req, req.kv_len + n)
+            if need + held > self.kv.available_pages() or not self.kv.alloc_pages(req, need):
+                self.kv.release_req(req)
+                break
+            q.waiting.remove(req)
+            q.take_row(req)
+            if req.num_retractions == 0:
+                req.cached_tokens = req.kv_len
+                self.stats.prompt_tokens += req.prompt_len
+                self.stats.cached_tokens += req.kv_len
+            batch.append((req, n))
+            in_batch.add(req)
+            budget -= n

@@ -133,15 +133,22 @@ def test_static_step_greedy_parity(tmp_path, llama, arch):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
 
 
-def test_moe_models_keep_the_packing_path(tmp_path):
+def test_moe_models_keep_the_packing_path(tmp_path, monkeypatch):
     """Mixture-of-experts layers route on the host (per-expert counts), which a CUDA graph
-    cannot record: asked for the static step, the runner keeps the packing path, says so in
-    its config (which the scheduler's /server_info reports) and decodes as without it."""
+    cannot record: where the static step would be on (CUDA, faked here), the registry keeps
+    the packing path for them, and a runner handed a static config for them refuses it."""
+    from sgl_tpu.backends.torch import platform
+    from sgl_tpu.config import ServerArgs
+    from sgl_tpu.executor.registry import runner_config
+
+    monkeypatch.setattr(platform, "cuda_graphs", lambda args: True)
+    args = ServerArgs(backend="torch", dtype="float32")
+    assert runner_config(args, 512).static_decode and runner_config(args, 512).cuda_graph
+    moe = runner_config(args, 512, num_experts=4)
+    assert not moe.static_decode and not moe.cuda_graph and not moe.static_decode_max_bs
     loaded = load_model(ck.make_tiny_hf_checkpoint(tmp_path / "m", "qwen2_moe"))
-    (ids_a, _, eager), (ids_b, _, asked) = _script(loaded, [GREEDY] * 4)
-    assert eager.static_decode is None and asked.static_decode is None
-    assert not asked.config.static_decode and not asked.config.cuda_graph  # as reported
-    assert ids_a == ids_b
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        _runner(loaded, static=True)
 
 
 def test_page_buckets_stop_at_what_the_kv_pool_can_hold(llama):

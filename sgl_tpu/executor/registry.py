@@ -159,9 +159,11 @@ def _torch_device_type(args: ServerArgs) -> str:
     return platform("torch").device_type(args)
 
 
-def runner_config(args: ServerArgs, model_context_len: int) -> RunnerConfig:
+def runner_config(args: ServerArgs, model_context_len: int, *, num_experts: int = 0
+                  ) -> RunnerConfig:
     """The runner's frozen config with backend, dtype, compile, attention and quantization
-    resolved."""
+    resolved; final (runners never rewrite it). `num_experts`: the model's (a mixture of
+    experts keeps the packing decode path)."""
     context_len = min(args.context_length or model_context_len, model_context_len)
     chunk = max(args.chunked_prefill_size, args.min_token_bucket)
     backend = resolve_backend(args.backend)
@@ -201,7 +203,7 @@ def runner_config(args: ServerArgs, model_context_len: int) -> RunnerConfig:
         deterministic=deterministic,
         jax_decode_state=_resolve_jax_decode_state(args, backend),
         kv_cache_dtype=_resolve_kv_cache_dtype(args, backend, dtype),
-        **_resolve_cuda_graph(args, backend, deterministic),
+        **_resolve_cuda_graph(args, backend, deterministic or num_experts > 0),
     )
 
 
@@ -249,10 +251,12 @@ def _resolve_jax_decode_state(args: ServerArgs, backend: str) -> bool:
     return platform(backend).decode_state_default(args)
 
 
-def _resolve_cuda_graph(args: ServerArgs, backend: str, deterministic: bool) -> dict:
-    """RunnerConfig's static-decode fields: on for torch on CUDA (one rank, not deterministic)
-    unless --disable-cuda-graph; everywhere else the eager step (the flags are accepted)."""
-    if backend != "torch" or args.disable_cuda_graph or deterministic or args.tp_size > 1:
+def _resolve_cuda_graph(args: ServerArgs, backend: str, packing_only: bool) -> dict:
+    """RunnerConfig's static-decode fields: on for torch on CUDA (one rank) unless
+    --disable-cuda-graph or `packing_only` (deterministic inference; mixture-of-experts layers,
+    whose routing reads per-expert counts on the host: a sync a CUDA graph cannot record);
+    everywhere else the eager step (the flags are accepted)."""
+    if backend != "torch" or args.disable_cuda_graph or packing_only or args.tp_size > 1:
         return {}
     if not platform(backend).cuda_graphs(args):
         return {}

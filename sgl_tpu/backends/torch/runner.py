@@ -30,7 +30,6 @@ of one token per sequence take the static-shape step over device-resident batch 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -120,14 +119,10 @@ class TorchModelRunner:
     def _build(self, model_config: ModelConfig, params: dict, config: RunnerConfig) -> None:
         self.model_config = model_config
         if config.static_decode and model_config.num_experts:
-            # expert routing reads per-expert token counts on the host
-            # (backends/torch/models/moe.py): a host sync that a CUDA graph cannot record, and
-            # routing a replay would freeze
-            logger.info("static decode / CUDA graphs off: mixture-of-experts layers route on "
-                        "the host; decode steps take the packing path")
-            config = dataclasses.replace(config, static_decode=False, static_decode_max_bs=0,
-                                         cuda_graph=False)
-        self.config = config  # the config this runner runs (the scheduler reports it)
+            # the registry never builds this config (runner_config's num_experts)
+            raise ValueError("the static decode step cannot run mixture-of-experts layers: "
+                             "they route on the host (backends/torch/models/moe.py)")
+        self.config = config  # as the registry resolved it, never rewritten
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             logger.info("torch backend: %d CPU threads", set_cpu_threads(config.cpu_threads))

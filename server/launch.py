@@ -17,10 +17,10 @@ import uvicorn
 
 from sgl_tpu.choices import check_registry_names
 from sgl_tpu.config import ServerArgs
-from sgl_tpu.launch_server import READY_MESSAGE
 from sgl_tpu.parallel.head_split import check_tp_size
 from sgl_tpu.server.detokenizer_process import run_detokenizer_process
 from sgl_tpu.server.ipc import PortArgs
+from sgl_tpu.server.ready import READY_MESSAGE
 from sgl_tpu.server.scheduler_process import run_scheduler_process
 
 logger = logging.getLogger("sgl_tpu.launch")

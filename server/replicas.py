@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from sgl_tpu.cli import to_argv
 from sgl_tpu.config import ServerArgs
-from sgl_tpu.launch_server import READY_MESSAGE
+from sgl_tpu.server.ready import READY_MESSAGE
 
 logger = logging.getLogger("sgl_tpu.replicas")
 REPLICA_HOST = "127.0.0.1"  # replicas are reached through the router only

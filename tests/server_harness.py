@@ -30,7 +30,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from sgl_tpu.launch_server import ready_line
+from sgl_tpu.server.ready import ready_line
 from sgl_tpu.server.replicas import http_status
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

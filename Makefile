@@ -39,7 +39,7 @@ E2E_SUITES := tests/test_server_native.py tests/test_openai_api.py tests/test_st
 	tests/test_frontend.py
 
 test: $(STAMP) cpu-kernels
-	$(PY) -m ruff check sgl_tpu server kernels tests examples
+	$(PY) -m ruff check sgl_tpu server kernels tests examples tools
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -rs --durations=20 tests
 	JAX_PLATFORMS=cpu SGL_TPU_TEST_BACKEND=jax $(PY) -m pytest -q --durations=10 \
 		-m "not backend_independent" $(E2E_SUITES)

@@ -35,3 +35,22 @@ def test_executor_bench_runs_each_isa_cap_and_weight_format(tmp_path):
                      and r["phase"] == phase]
             assert len(ratio) == 1 and ratio[0]["other_isa"] == "AVX2"
             assert ratio[0]["tok_per_s_ratio"] > 0
+
+
+@pytest.mark.slow
+def test_executor_bench_deterministic_mode_times_the_flag_on_over_off(tmp_path):
+    model = ck.make_tiny_hf_checkpoint(tmp_path / "llama", "llama")
+    out = tmp_path / "result.json"
+    subprocess.run([sys.executable, "-m", "sgl_tpu.bench.executor", "--deterministic",
+                    "--model-path", str(model), "--backends", "torch", "--dtypes", "bfloat16",
+                    "--prefill", "32", "--decode-batches", "1,2", "--context", "16",
+                    "--repeats", "1", "--torch-threads", "1", "--output", str(out)],
+                   check=True, capture_output=True, timeout=600)
+    result = json.loads(out.read_text())
+    assert [r["phase"] for r in result["runs"]] == ["prefill", "decode_b1", "decode_b2"]
+    for r in result["runs"]:
+        assert r["backend"] == "torch" and r["dtype"] == "bfloat16"
+        assert r["on_ms"] > 0 and r["off_ms"] > 0
+        assert r["on_over_off"] == pytest.approx(r["on_ms"] / r["off_ms"], rel=0.05)
+    assert result["settings"]["torch-bfloat16-on"]["quantization"] == "none"
+    assert "cpu" in result and isinstance(result["gemm"], list)

@@ -9,8 +9,11 @@ import tempfile
 import jax
 import jax.numpy as jnp
 from jax import lax
+from tool_scripts import load_tool
 
-from sgl_tpu.bench.jax_step_profile import hlo_parts, part_of, trace_parts
+jax_step_profile = load_tool("jax_step_profile")
+hlo_parts, part_of, trace_parts = (jax_step_profile.hlo_parts, jax_step_profile.part_of,
+                                   jax_step_profile.trace_parts)
 
 
 def test_part_of_scopes():

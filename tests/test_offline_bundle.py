@@ -1,4 +1,4 @@
-"""sgl_tpu.bench.offline_bundle: the wheels an offline host lacks, installed there with no index.
+"""tools/offline_bundle.py: the wheels an offline host lacks, installed there with no index.
 
 The end-to-end test fetches from the package index (as `make test`'s own install does): it
 bundles for this interpreter with every installed distribution named as present but two, then
@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
+from tool_scripts import load_tool
 
-from sgl_tpu.bench import offline_bundle as ob
+ob = load_tool("offline_bundle")
 
 
 def test_have_lists_in_the_forms_pip_writes(tmp_path):
@@ -29,6 +30,12 @@ def test_have_lists_in_the_forms_pip_writes(tmp_path):
     assert ob.parse_have(f"@{listing}") == {"jinja2", "typing-extensions"}
     assert ob.parse_have(f"@{freeze}") == {"numpy", "zmq"}
     assert ob.parse_have("a, B_c  d.e") == {"a", "b-c", "d-e"}
+
+
+def test_the_bundle_carries_the_scripts_the_offline_host_runs(tmp_path):
+    copied = ob.copy_tools(tmp_path / "tools")
+    assert sorted(p.name for p in copied) == sorted(ob.TOOLS)
+    assert all(p.read_bytes() == (ob.ROOT / "tools" / p.name).read_bytes() for p in copied)
 
 
 def test_manylinux_tags_name_every_glibc_up_to_the_hosts():

@@ -6,7 +6,7 @@ Tolerances: float32 kernels within 1e-5 relative to the largest output (accumula
 only); bfloat16 kernels within 2% of the largest output (activations, scales and outputs round
 to bf16); quantizing float weights at load (int8/int4) moves float32 logits by < 25% of the
 largest |logit| on the random tiny model (a coarse check that the mapping is right; the real
-model's agreement and perplexity are measured by `sgl_tpu.bench.quant_quality`).
+model's agreement and perplexity are measured by `tools/quant_quality.py`).
 """
 
 from __future__ import annotations

@@ -1,15 +1,18 @@
-"""Random-weight checkpoints of a model's shape (sgl_tpu/bench/random_checkpoint.py): the
-shape files load back as the same model config and tokenizer, the random weights fill every
-tensor the loader expects, an Engine serves the result, and shapes it cannot write are refused.
-"""
+"""Random-weight checkpoints of a model's shape (sgl_tpu/bench/random_checkpoint.py, and its
+command line tools/random_checkpoint.py): the shape files load back as the same model config and
+tokenizer, the random weights fill every tensor the loader expects, an Engine serves the result,
+and shapes it cannot write are refused. The accelerator bench, which times such checkpoints."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import checkpoints as ck
 import gemma_checkpoints as gck
 import pytest
+from tool_scripts import TOOLS_DIR
 
 from sgl_tpu import Engine
 from sgl_tpu.bench import random_checkpoint as rc
@@ -33,6 +36,16 @@ def test_shape_and_weights_load_as_the_same_model(tmp_path, tied):
     assert (rand.params["embed"] != original.params["embed"]).any()
     stamp = weights.stat().st_mtime_ns
     assert rc.write_weights(out, seed=4).stat().st_mtime_ns == stamp  # kept, not rewritten
+
+
+def test_command_line_writes_shape_then_weights(tmp_path):
+    src = ck.make_tiny_hf_checkpoint(tmp_path / "src", "llama")
+    script = [sys.executable, str(TOOLS_DIR / "random_checkpoint.py")]
+    out = tmp_path / "rand"
+    subprocess.run([*script, "shape", str(out), "--model-path", str(src), "--minimal"],
+                   check=True, capture_output=True)
+    subprocess.run([*script, "weights", str(out)], check=True, capture_output=True)
+    assert load_model(str(out)).config.num_layers == 1
 
 
 def test_engine_serves_a_random_checkpoint(tmp_path):
@@ -82,15 +95,12 @@ def test_other_shapes_are_refused_by_name(tmp_path, arch):
         rc.write_shape(tmp_path / "rand", src)
 
 
-
 @pytest.mark.slow
 def test_accelerator_bench_runs_its_parts_on_a_random_checkpoint(tmp_path):
     """The accelerator table's driver on a CPU: every part of one backend runs as its own
     process and the summary carries their numbers (the host part's on a minimal model, the
-    streams read by two client processes); a part that fails is recorded, not fatal."""
-    import subprocess
-    import sys
-
+    streams read by two client processes, the profile part by tools/torch_profile.py); a part
+    that fails is recorded, not fatal, and a profile part without its script is skipped."""
     src = ck.make_tiny_hf_checkpoint(tmp_path / "src", "llama")
     model = rc.write_shape(tmp_path / "rand", src)
     rc.write_weights(model)
@@ -99,13 +109,13 @@ def test_accelerator_bench_runs_its_parts_on_a_random_checkpoint(tmp_path):
         [sys.executable, "-m", "sgl_tpu.bench.accelerator", "--model-path", str(model),
          "--out-dir", str(out), "--backends", "torch,nope", "--dtype", "float32",
          "--prefill", "16", "--batches", "1,2", "--context", "16", "--streams", "1,2",
-         "--output-tokens", "4", "--rounds", "1", "--parts", "executor,servers,host",
+         "--output-tokens", "4", "--rounds", "1", "--parts", "executor,servers,host,profile",
          "--client-procs", "2",
          "--server-flags=--skip-warmup --max-running-requests 4",
          "--timeout", "300"], check=True, capture_output=True, timeout=600)
     summary = json.loads((out / "summary.json").read_text())["backends"]
     row = summary["torch"]
-    assert row["status"] == {"executor": "ok", "servers": "ok", "host": "ok"}
+    assert row["status"] == {"executor": "ok", "servers": "ok", "host": "ok", "profile": "ok"}
     assert row["prefill_tok_per_s"]["16"] > 0
     assert set(row["decode_step_ms"]) == {f"b{b} {path} {s}" for b in (1, 2)
                                           for path in ("packing", "static")
@@ -123,8 +133,20 @@ def test_accelerator_bench_runs_its_parts_on_a_random_checkpoint(tmp_path):
     host = json.loads((out / "host_torch.json").read_text())
     assert host["args"]["model_path"] == str(out / "host_model")
     assert load_model(host["args"]["model_path"]).config.num_layers == 1
+    profile = json.loads((out / "profile_torch.json").read_text())["runs"]
+    assert profile and all(r["profile"]["host_ms_per_step"] > 0 for r in profile)
     assert summary["nope"]["status"]["executor"].startswith("exit")  # an unknown backend
     assert (out / "executor_nope.stderr.txt").read_text()
+
+
+def test_accelerator_skips_a_profile_part_without_its_script(tmp_path):
+    from sgl_tpu.bench import accelerator
+
+    out = tmp_path / "out"
+    accelerator.main(["--out-dir", str(out), "--backends", "jax", "--parts", "profile",
+                      "--tools-dir", str(tmp_path / "no_tools")])
+    status = json.loads((out / "summary.json").read_text())["backends"]["jax"]["status"]
+    assert status["profile"].startswith("skipped: no jax profiler")
 
 
 @pytest.mark.parametrize("budget, used, timeouts", [

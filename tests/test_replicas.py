@@ -26,12 +26,33 @@ from checkpoints import make_tiny_hf_checkpoint
 from server_harness import REPO_ROOT, free_port, launch_server
 
 from sgl_tpu.bench.agent_loop.__main__ import main as agent_loop_main
-from sgl_tpu.bench.router_overhead import start_router
 from sgl_tpu.cli import parse_args, to_argv
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.engine import Engine
 from sgl_tpu.sampling_params import SamplingParams, expand_n
 from sgl_tpu.server.replicas import plan_placements, replica_argv, router_argv
+
+
+def start_router(*worker_urls: str) -> tuple[subprocess.Popen, str]:
+    """The sglang-router on a free local port over `worker_urls`; returns once it has
+    registered a worker (its /v1/models answers)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port",
+         str(port), "--worker-urls", *worker_urls, "--log-level", "warn"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(url + "/v1/models", timeout=2).status_code == 200:
+                return proc, url  # up, with the worker registered
+        except requests.RequestException:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("the router did not register the worker within 60 s")
+
 
 MODEL = "tiny-llama"
 FLAGS = ("--skip-warmup", "--served-model-name", MODEL, "--max-total-tokens", "16384",

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from sgl_tpu.backends.jax.forward_batch import build_forward_batch
 from sgl_tpu.backends.jax.mesh import HEADS_SPEC, KV_POOL_SPEC, TP_AXIS
-from sgl_tpu.backends.jax.runner import _sample_inputs
+from sgl_tpu.backends.jax.runner import sample_inputs
 from sgl_tpu.backends.jax.shard_ops import replicated, shard_attention
 from sgl_tpu.engine import Engine
 from sgl_tpu.executor.step import ForwardMode, warmup_step
@@ -104,7 +104,7 @@ def _decode_collectives(runner) -> dict[str, int]:
     logits = jax.ShapeDtypeStruct((fb.sample_idx.shape[0], runner.vocab_size), jnp.float32,
                                   sharding=replicated(runner.mesh))
     sampler = runner._sample.lower(logits, runner.token_counts, runner._last_token_ids,
-                                   _sample_inputs(fb), reset_rows=False)
+                                   sample_inputs(fb), reset_rows=False)
     hlo = step.compile().as_text() + sampler.compile().as_text()
     ops = re.findall(r" (all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)"
                      r"(?:-start)?\(", hlo)

@@ -6,16 +6,17 @@ one decode step, and servers with one and many streams, per backend, in one JSON
         [--context 1024] [--sampling greedy,temperature,top-k,sampled] [--streams 1,32]
         [--output-tokens 64] [--rounds 2] [--client-procs 4]
         [--parts executor,servers,profile,host] [--server-flags "..."]
-        [--timeout 600] [--budget SECONDS] [--summary FILE]
+        [--timeout 600] [--budget SECONDS] [--summary FILE] [--tools-dir DIR]
 
 Each part runs as its own process, so one backend's device memory is free before the next:
 
     executor  sgl_tpu.bench.executor    prefill tok/s, decode step ms (torch: the packing path
                                         and the CUDA-graph static step, greedy and sampled)
-    profile   sgl_tpu.bench.jax_step_profile (jax: where the jitted step's time goes);
-              torch: executor --count-calls --torch-profile (Python calls, host and device
-              ms, kernel launches and top operators per decode step)
-    servers   sgl_tpu.bench.overlap     two servers (overlap on / off) with 1 and N streams
+    profile   tools/jax_step_profile.py (jax: where the jitted step's time goes);
+              tools/torch_profile.py (torch: the executor's decode steps with Python calls,
+              host and device ms, kernel launches and top operators per step)
+    servers   sgl_tpu.bench.serving --compare overlap
+                                        two servers (overlap on / off) with 1 and N streams
     host      the same servers on a `random_checkpoint --minimal` model of the same vocabulary
               (one layer of width 64, written to --out-dir/host_model): what the server costs
               around the model, i.e. the most the servers part can reach on this host
@@ -35,8 +36,13 @@ short keeps what it has; printed at the end). A part that fails or runs past its
 recorded as such, with the rows it printed before it stopped (a JSON marked `partial`), and
 the rest still run; its processes (a part's servers too) are ended with it. Device memory:
 JAX is told not to preallocate (XLA_PYTHON_CLIENT_PREALLOCATE=false), so the two servers of a
-part can share one chip. Use a random-weight checkpoint of the model's shape (`python -m
-sgl_tpu.bench.random_checkpoint`) where the weights are not at hand.
+part can share one chip. Use a random-weight checkpoint of the model's shape
+(`tools/random_checkpoint.py`) where the weights are not at hand.
+
+The profilers are scripts of the repository's `tools/` folder, not of the package: the profile
+part runs them from --tools-dir (default: the `tools/` beside the checkout's `sgl_tpu/`; an
+offline bundle carries a copy, see `tools/offline_bundle.py`), and is recorded as skipped where
+there is none.
 """
 
 from __future__ import annotations
@@ -51,8 +57,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sgl_tpu.bench import overlap
+from sgl_tpu.bench.random_checkpoint import write_shape, write_weights
 from sgl_tpu.bench.report import emit, model_label
+from sgl_tpu.bench.serving import summarize_overlap
 
 PARTS = ("executor", "servers", "profile", "host")
 HOST_MODEL = "host_model"  # in --out-dir: the `host` part's minimal model
@@ -60,36 +67,36 @@ HOST_MODEL = "host_model"  # in --out-dir: the `host` part's minimal model
 # step of this model starts in less, so the time would be spent for nothing.
 MIN_PART_S = 30.0
 GRACE_S = 15.0  # a part past its timeout: seconds from SIGTERM to SIGKILL of its processes
+CHECKOUT_TOOLS = Path(__file__).resolve().parents[2] / "tools"  # in a checkout, not a wheel
 
 
 def part_commands(args: argparse.Namespace, backend: str, out: Path) -> dict[str, list[str]]:
-    """The command of each part for `backend`, writing its JSON to `out / <part>_<backend>`."""
+    """The command of each part for `backend`, writing its JSON to `out / <part>_<backend>`
+    (the profile part only where --tools-dir holds its script)."""
     py = [sys.executable, "-m"]
     model = ["--model-path", args.model_path] if args.model_path else []
-    executor = py + ["sgl_tpu.bench.executor", *model, "--backends", backend,
-                     "--dtypes", args.dtype, "--prefill", args.prefill,
-                     "--decode-batches", args.batches, "--context", str(args.context),
-                     "--repeats", "3", "--sampling", args.sampling]
+    executor = ["--backends", backend, "--dtypes", args.dtype, "--decode-batches", args.batches,
+                "--context", str(args.context)]
     if backend == "torch":
         executor += ["--torch-decode-paths", "packing,static"]
-    if backend == "jax":
-        profile = py + ["sgl_tpu.bench.jax_step_profile", *model, "--dtype", args.dtype,
-                        "--batches", args.batches, "--context", str(args.context),
-                        "--steps", "10"]
-    else:
-        profile = py + ["sgl_tpu.bench.executor", *model, "--backends", "torch",
-                        "--dtypes", args.dtype, "--prefill", "", "--decode-batches",
-                        args.batches, "--context", str(args.context), "--repeats", "5",
-                        "--torch-decode-paths", "packing,static", "--count-calls",
-                        "--torch-profile", "--sampling", "greedy,temperature,top-k"]
     flags = f"--backend {backend} --dtype {args.dtype} {args.server_flags}".strip()
-    servers = ["--concurrency", *args.streams.split(","), "--rounds", str(args.rounds),
-               "--output-tokens", str(args.output_tokens), "--client-procs",
-               str(args.client_procs), "--server-flags", flags]
-    cmds = {"executor": executor, "profile": profile,
-            "servers": py + ["sgl_tpu.bench.overlap", *model, *servers],
-            "host": py + ["sgl_tpu.bench.overlap", "--model-path", str(out / HOST_MODEL),
+    servers = ["--compare", "overlap", "--concurrency", *args.streams.split(","),
+               "--rounds", str(args.rounds), "--output-tokens", str(args.output_tokens),
+               "--client-procs", str(args.client_procs), "--server-flags", flags]
+    cmds = {"executor": py + ["sgl_tpu.bench.executor", *model, *executor, "--prefill",
+                              args.prefill, "--repeats", "3", "--sampling", args.sampling],
+            "servers": py + ["sgl_tpu.bench.serving", *model, *servers],
+            "host": py + ["sgl_tpu.bench.serving", "--model-path", str(out / HOST_MODEL),
                           *servers]}
+    tools = Path(args.tools_dir)
+    if backend == "jax" and (tools / "jax_step_profile.py").exists():
+        cmds["profile"] = [sys.executable, str(tools / "jax_step_profile.py"), *model,
+                           "--dtype", args.dtype, "--batches", args.batches,
+                           "--context", str(args.context), "--steps", "10"]
+    elif backend != "jax" and (tools / "torch_profile.py").exists():
+        cmds["profile"] = [sys.executable, str(tools / "torch_profile.py"), *model, *executor,
+                           "--prefill", "", "--repeats", "5", "--count-calls",
+                           "--sampling", "greedy,temperature,top-k"]
     return {part: cmd + ["--output", str(out / f"{part}_{backend}.json")]
             for part, cmd in cmds.items() if part in args.parts.split(",")}
 
@@ -176,7 +183,7 @@ def summarize(backend: str, parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for part, key in (("servers", "server_output_tok_per_s"),
                       ("host", "host_ceiling_output_tok_per_s")):
         out = parts.get(part, {}).get("json", {})
-        summary = out.get("summary") or overlap.summarize(out.get("runs", []))
+        summary = out.get("summary") or summarize_overlap(out.get("runs", []))
         row[key] = {f"{c} streams": {"overlap": s.get("overlap_output_tok_per_s"),
                                      "serial": s.get("serial_output_tok_per_s"),
                                      "client_busy_max": s.get("client_busy_max")}
@@ -202,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--client-procs", type=int, default=4,
                    help="processes that read the servers' streams")
     p.add_argument("--server-flags", default="",
-                   help="more flags for the servers (e.g. --skip-warmup: bench.overlap warms "
+                   help="more flags for the servers (e.g. --skip-warmup: bench.serving warms "
                         "each server with every stream count's batch anyway)")
     p.add_argument("--parts", default=",".join(PARTS),
                    help="which parts, in the order they run")
@@ -211,6 +218,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="seconds for the whole run, shared among the parts (see above)")
     p.add_argument("--summary", default=None,
                    help="where the summary goes (default: --out-dir/summary.json)")
+    p.add_argument("--tools-dir", default=str(CHECKOUT_TOOLS),
+                   help="the folder of the profile part's scripts (tools/ of a checkout)")
     args = p.parse_args(argv)
     unknown = set(args.parts.split(",")) - set(PARTS)
     if unknown:
@@ -221,8 +230,6 @@ def main(argv: list[str] | None = None) -> None:
     summary = Path(args.summary) if args.summary else out / "summary.json"
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     if "host" in args.parts.split(","):
-        from sgl_tpu.bench.random_checkpoint import write_shape, write_weights
-
         write_weights(write_shape(out / HOST_MODEL, args.model_path, minimal=True))
     backends = args.backends.split(",")
     commands = {backend: part_commands(args, backend, out) for backend in backends}
@@ -234,8 +241,11 @@ def main(argv: list[str] | None = None) -> None:
         left = None if args.budget is None else args.budget - (time.monotonic() - t0)
         timeout = part_timeout(args.timeout, left, len(jobs) - i)
         name = f"{part}_{backend}"
-        if timeout is None:
-            result: dict[str, Any] = {"status": "skipped: the budget is spent", "seconds": 0}
+        if part not in commands[backend]:
+            result: dict[str, Any] = {"status": f"skipped: no {backend} profiler in "
+                                                f"--tools-dir {args.tools_dir}", "seconds": 0}
+        elif timeout is None:
+            result = {"status": "skipped: the budget is spent", "seconds": 0}
         else:
             print(f"[{backend}] {part} (at most {timeout:.0f} s) ...", file=sys.stderr,
                   flush=True)

@@ -1,30 +1,30 @@
 """The cost of `--enable-deterministic-inference`: prefill and decode step times with the flag on
-over off, per executor backend, bfloat16.
+over off, per executor backend and dtype; run by `python -m sgl_tpu.bench.executor
+--deterministic` (its flags: --backends, --dtypes, --prefill, --decode-batches, --context,
+--repeats, --torch-threads, --model-path).
 
-    python -m sgl_tpu.bench.determinism [--backends torch,jax] [--prefill 512]
-        [--decode-batches 1,8,32] [--context 256] [--repeats 5] [--threads 2] [--output FILE]
-
-Two runners of the same model (the default one, or `--model-path`) are built from the same
-settings but the flag; each timed step runs once on each, alternating (ABAB...), so a busy
-machine slows both alike. Reports medians and the on/off ratio as one JSON object.
+Two runners of the same model are built from the same settings but the flag; each timed step
+runs once on each, alternating (ABAB...), so a busy machine slows both alike. Reports medians
+and the on/off ratio as one JSON object.
 
 With torch on a CPU it also times the flag's GEMM alone ("gemm" rows): the model's fused
-projections on the fixed-order kernel (kernels/invariant_gemm_cpu.py) over oneDNN's prepacked
-bf16 linear (what runs without the flag), at 2 rows (a decode step's least), 8 and `--prefill`.
-Run it with ONEDNN_MAX_CPU_ISA set to compare against oneDNN at a lower ISA (AMX off:
-AVX512_CORE_BF16).
+projections on the fixed-order kernel (backends/torch/kernels/invariant_gemm_cpu.py) over
+oneDNN's prepacked bf16 linear (what runs without the flag), at 2 rows (a decode step's least),
+8 and each `--prefill` size. Run it with ONEDNN_MAX_CPU_ISA set to compare against oneDNN at a
+lower ISA (AMX off: AVX512_CORE_BF16).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from functools import partial
 
 import numpy as np
 
-from sgl_tpu.bench.executor import _steps
-from sgl_tpu.bench.report import emit
+from sgl_tpu.bench.report import model_label
+from sgl_tpu.bench.step_inputs import make_steps
 from sgl_tpu.bench.timing import interleaved_median
 
 
@@ -36,46 +36,51 @@ def run(args: argparse.Namespace) -> dict:
 
     loaded = load_model(args.model_path)
     cfg = loaded.config
-    prefill = int(args.prefill)
+    prefills = [int(x) for x in args.prefill.split(",") if x]
     batches = [int(x) for x in args.decode_batches.split(",") if x]
-    pool_tokens = max(prefill, max(batches) * (args.context + 16)) + 64
-    results: dict = {"model": args.model_path or "default", "cpu_count": os.cpu_count(),
-                     "threads": args.threads, "dtype": "bfloat16", "prefill_tokens": prefill,
-                     "decode_context": args.context, "runs": []}
+    max_tokens = max(prefills + [1])
+    pool_tokens = max(max_tokens, max(batches + [1]) * (args.context + 16)) + 64
+    results: dict = {"model": model_label(loaded.model_path), "cpu_count": os.cpu_count(),
+                     "threads": args.torch_threads, "prefill_tokens": prefills,
+                     "decode_context": args.context, "runs": [], "settings": {}}
     for backend in args.backends.split(","):
-        runners = {}
-        for flag in (False, True):
-            sargs = ServerArgs(model_path=args.model_path, dtype="bfloat16", skip_warmup=True,
-                               max_total_tokens=pool_tokens, chunked_prefill_size=prefill,
-                               max_running_requests=max(batches), max_extend_seqs=1,
-                               backend=backend, torch_threads=args.threads,
-                               enable_deterministic_inference=flag)
-            rcfg = runner_config(sargs, cfg.context_len)
-            runners["on" if flag else "off"] = create_model_runner(cfg, loaded.params, rcfg)
-            results.setdefault("settings", {})[f"{backend}-{'on' if flag else 'off'}"] = {
-                "attention_backend": rcfg.attention_backend,
-                "quantization": rcfg.quantization, "compile": rcfg.compile}
-        rng = np.random.default_rng(0)
-        ps = 16
-        cases = [("prefill", ForwardMode.EXTEND, _steps(1, prefill, 0, ps, rng, cfg.vocab_size),
-                  {"tokens": prefill})]
-        for b in batches:
-            cases.append((f"decode_b{b}", ForwardMode.DECODE,
-                          _steps(b, 1, args.context, ps, rng, cfg.vocab_size), {"batch": b}))
-        for name, mode, steps, info in cases:
-            med = interleaved_median(
-                {k: partial(r.forward, mode, steps) for k, r in runners.items()}, args.repeats)
-            row = {"backend": backend, "phase": name, **info,
-                   "off_ms": round(1e3 * med["off"], 2), "on_ms": round(1e3 * med["on"], 2),
-                   "on_over_off": round(med["on"] / med["off"], 3)}
-            results["runs"].append(row)
-            print(row, flush=True)
-        del runners
+        for dtype in args.dtypes.split(","):
+            runners = {}
+            for flag in (False, True):
+                sargs = ServerArgs(model_path=args.model_path, dtype=dtype, skip_warmup=True,
+                                   max_total_tokens=pool_tokens, chunked_prefill_size=max_tokens,
+                                   max_running_requests=max(batches + [1]), max_extend_seqs=1,
+                                   backend=backend, torch_threads=args.torch_threads,
+                                   enable_deterministic_inference=flag)
+                rcfg = runner_config(sargs, cfg.context_len)
+                name = "on" if flag else "off"
+                runners[name] = create_model_runner(cfg, loaded.params, rcfg)
+                results["settings"][f"{backend}-{dtype}-{name}"] = {
+                    "attention_backend": rcfg.attention_backend,
+                    "quantization": rcfg.quantization, "compile": rcfg.compile}
+            rng = np.random.default_rng(0)
+            ps = sargs.page_size
+            cases = [("prefill", ForwardMode.EXTEND,
+                      make_steps(1, n, 0, ps, rng, cfg.vocab_size), {"tokens": n})
+                     for n in prefills]
+            cases += [(f"decode_b{b}", ForwardMode.DECODE,
+                       make_steps(b, 1, args.context, ps, rng, cfg.vocab_size), {"batch": b})
+                      for b in batches]
+            for phase, mode, steps, info in cases:
+                med = interleaved_median(
+                    {k: partial(r.forward, mode, steps) for k, r in runners.items()},
+                    args.repeats)
+                row = {"backend": backend, "dtype": dtype, "phase": phase, **info,
+                       "off_ms": round(1e3 * med["off"], 2), "on_ms": round(1e3 * med["on"], 2),
+                       "on_over_off": round(med["on"] / med["off"], 3)}
+                results["runs"].append(row)
+                print(json.dumps(row), flush=True)
+            del runners
     if "torch" in args.backends.split(","):
-        from sgl_tpu.executor.torch.device import cpu_info
+        from sgl_tpu.backends.torch.device import cpu_info
 
         results["cpu"] = cpu_info()  # the ISA behind every figure
-        results["gemm"] = gemm_rows(cfg, [2, 8, prefill], args.repeats, args.threads)
+        results["gemm"] = gemm_rows(cfg, [2, 8, *prefills], args.repeats, args.torch_threads)
     return results
 
 
@@ -84,12 +89,13 @@ def gemm_rows(cfg, row_counts: list[int], repeats: int, threads: int) -> list[di
     shapes (random bf16 weights), median of `repeats` alternating calls each."""
     import torch
 
-    from sgl_tpu.executor.torch.device import cpu_prepacks_bf16, onednn_info
-    from sgl_tpu.kernels import invariant_gemm_cpu
+    from sgl_tpu.backends.torch.device import cpu_prepacks_bf16, onednn_info
+    from sgl_tpu.backends.torch.kernels import invariant_gemm_cpu
 
     if not (invariant_gemm_cpu.available() and cpu_prepacks_bf16()):
         return []
-    torch.set_num_threads(threads)
+    if threads:
+        torch.set_num_threads(threads)
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     shapes = {"qkv": (qkv, cfg.hidden_size), "gate_up": (2 * cfg.intermediate_size,
                                                          cfg.hidden_size),
@@ -111,23 +117,5 @@ def gemm_rows(cfg, row_counts: list[int], repeats: int, threads: int) -> list[di
                    "fixed_over_onednn": round(med["fixed"] / med["onednn"], 3),
                    "onednn_impl": onednn_info()["bf16_linear"]}
             rows.append(row)
-            print(row, flush=True)
+            print(json.dumps(row), flush=True)
     return rows
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-path", default=None)
-    p.add_argument("--backends", default="torch,jax")
-    p.add_argument("--prefill", default="512")
-    p.add_argument("--decode-batches", default="1,8,32")
-    p.add_argument("--context", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    p.add_argument("--output", default=None, help="also write the JSON here")
-    args = p.parse_args(argv)
-    emit(run(args), args.output)
-
-
-if __name__ == "__main__":
-    main()

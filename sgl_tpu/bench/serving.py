@@ -1,15 +1,31 @@
-"""Shared-prefix serving benchmark through HTTP: radix cache on vs off (and random prompts), in
-one invocation, reported as ratios.
+"""Serving benchmark through HTTP: two server configurations side by side in one invocation,
+reported as ratios (the machine is shared; absolute numbers drift).
 
-    python -m sgl_tpu.bench.serving [--clients 16] [--requests-per-client 2]
+    python -m sgl_tpu.bench.serving [--compare cache] [--clients 16] [--requests-per-client 2]
         [--prefix-tokens 1000] [--question-tokens 50] [--output-tokens 32]
-        [--workloads shared,random]
+        [--workloads shared,random] [--server-flags "..."] [--output FILE]
+    python -m sgl_tpu.bench.serving --compare overlap [--concurrency 1 8 32] [--rounds 3]
+        [--prompt-tokens 128] [--output-tokens 64] [--client-procs 1] [--engine]
+        [--server-flags "--torch-threads 1"] [--output FILE]
 
-For each configuration (`cache`: default flags, `nocache`: `--disable-radix-cache`) it launches
-a server, warms it with one request, then runs the workloads: `shared` (every request = one
-common system prompt + a distinct question, as agents send) and `random` (no sharing: the cost
-of the cache when it cannot help). Clients stream from `/generate` so time-to-first-token is
-measured. Prints one JSON object with per-run metrics and the cache/nocache ratios.
+`--compare cache` (the default): `cache` (default flags) against `nocache`
+(`--disable-radix-cache`), one server after the other, each warmed with one request, then the
+workloads: `shared` (every request = one common system prompt + a distinct question, as agents
+send) and `random` (no sharing: the cost of the cache when it cannot help). Clients stream from
+`/generate`, so time-to-first-token is measured. Ratios: throughput cache/nocache, p50 TTFT
+nocache/cache.
+
+`--compare overlap`: `overlap` (`--overlap-schedule on`) against `serial`
+(`--disable-overlap-schedule`), both servers up at once and warmed with every concurrency's
+batch, then `--rounds` rounds; in each, for every concurrency level, both servers get the same
+streams (random prompts, greedy, fixed output length), in alternating order so drifting load
+hits both alike. `--engine` instead runs one in-process `Engine` and switches its scheduler
+between the two loops (the same weights and warm-up; no HTTP, detokenizer process or sockets);
+it is built with overlap scheduling on, so a torch runner on CPU runs both loops' steps on its
+compute thread. Summary per concurrency: each loop's median output tok/s and overlap/serial.
+
+`--client-procs N` spreads the streams over N client processes (where one would cap what it
+measures; each run reports the clients' CPU per token and `client_busy`).
 """
 
 from __future__ import annotations
@@ -17,233 +33,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing as mp
-import os
-import queue
-import signal
-import socket
 import statistics
-import subprocess
-import sys
-import threading
+import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
 
-import numpy as np
-
+from sgl_tpu.bench.http_load import Server, make_workload, run_workload
 from sgl_tpu.bench.report import emit
-from sgl_tpu.launch_server import ready_line
+
+OVERLAP_CONFIGS = {"overlap": ["--overlap-schedule", "on"],
+                   "serial": ["--disable-overlap-schedule"]}
+Workload = Callable[[int, int], list[list[list[int]]]]  # (clients, seed) -> prompts per client
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, flags: list[str], log_path: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_path, "w")
-        # (the environment as it is: JAX_PLATFORMS unset lets JAX find an accelerator)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sgl_tpu.launch_server", "--port", str(self.port), *flags],
-            stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 900) -> None:
-        import requests
-
-        ready = ready_line(self.port)
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}")
-            try:
-                if (requests.get(self.url + "/health", timeout=2).status_code == 200
-                        and ready.search(open(self.log.name, errors="replace").read())):
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(1)
-        raise TimeoutError("server did not become ready")
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
-
-
-def make_workload(kind: str, args, vocab: int, seed: int) -> list[list[list[int]]]:
-    """Per client, a list of prompts (token ids). Ids avoid the special tokens 0..16."""
-    rng = np.random.default_rng(seed)
-    prefix = rng.integers(17, vocab, args.prefix_tokens).tolist()
-    clients = []
-    for _ in range(args.clients):
-        prompts = []
-        for _ in range(args.requests_per_client):
-            question = rng.integers(17, vocab, args.question_tokens).tolist()
-            if kind == "shared":
-                prompts.append(prefix + question)
-            else:
-                prompts.append(rng.integers(17, vocab, args.prefix_tokens).tolist() + question)
-        clients.append(prompts)
-    return clients
-
-
-async def one_request(session, url: str, ids: list[int], out_tokens: int) -> dict:
-    """One streamed `/generate` request -> its latency, TTFT and token counts.
-
-    Only the events up to the first token and the last event are parsed: at many streams the
-    client is one Python process like the server's HTTP process, and JSON-decoding every
-    cumulative chunk would make it the bottleneck the benchmark measures."""
-    body = {"input_ids": ids, "stream": True,
-            "sampling_params": {"temperature": 0, "max_new_tokens": out_tokens,
-                                "ignore_eos": True}}
-    t0 = time.perf_counter()
-    ttft = None
-    last = None
-    async with session.post(url + "/generate", json=body) as resp:
-        resp.raise_for_status()
-        async for raw in resp.content:
-            if not raw.startswith(b"data:") or raw.startswith(b"data: [DONE]"):
-                continue
-            last = raw
-            if ttft is None and json.loads(raw[5:])["meta_info"]["completion_tokens"] > 0:
-                ttft = time.perf_counter() - t0
-    if last is None:
-        raise RuntimeError(f"{url}/generate streamed no data event")
-    meta = json.loads(last[5:])["meta_info"]
-    return {"latency": time.perf_counter() - t0, "ttft": ttft,
-            "prompt_tokens": meta["prompt_tokens"], "cached_tokens": meta["cached_tokens"],
-            "completion_tokens": meta["completion_tokens"]}
-
-
-async def _run_clients(url: str, clients: list[list[list[int]]], out_tokens: int,
-                       ready: Callable[[], None] | None = None
-                       ) -> tuple[list[dict], float, float, float]:
-    """Every client's prompts in turn, the clients concurrently, on one event loop ->
-    (per-request results, wall-clock start, end, this process's CPU seconds in between).
-    `ready()` (blocking) is called once the HTTP session exists, right before the first
-    request."""
-    import aiohttp
-
-    async def client(prompts):
-        return [await one_request(session, url, ids, out_tokens) for ids in prompts]
-
-    timeout = aiohttp.ClientTimeout(total=3600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        if ready is not None:
-            await asyncio.get_running_loop().run_in_executor(None, ready)
-        cpu0, t0 = os.times(), time.time()
-        per_client = await asyncio.gather(*(client(p) for p in clients))
-        cpu1, t1 = os.times(), time.time()
-    cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
-    return [r for c in per_client for r in c], t0, t1, cpu
-
-
-def _client_process(url: str, clients: list[list[list[int]]], out_tokens: int,
-                    start: Any, results: Any) -> None:
-    """One client process: its clients' requests after every process is ready (`start`, a
-    barrier shared with the parent); what `_run_clients` returns into `results`."""
-    results.put(asyncio.run(_run_clients(url, clients, out_tokens, ready=start.wait)))
-
-
-async def run_workload(url: str, clients: list[list[list[int]]], out_tokens: int,
-                       procs: int = 1) -> dict:
-    """Stream every client's prompts (clients concurrently) -> throughput, TTFT, cache hits,
-    and the client side's CPU: per generated token, and `client_busy`, the share of one core
-    each client process used on average (near 1: the clients set the pace, not the server).
-
-    `procs` > 1 splits the clients over that many processes, started together: one Python
-    process parses ~25k streamed chunks/s at most (aiohttp, one core), near what a server on
-    an accelerator is asked to stream, so one client process would measure itself. They are
-    spawned (they import the caller's main module again: a script that calls this needs the
-    `if __name__ == "__main__":` guard; the bench modules have it)."""
-    procs = max(1, min(procs, len(clients)))
-    if procs == 1:
-        rs, t0, t1, cpu = await _run_clients(url, clients, out_tokens)
-    else:
-        rs, t0, t1, cpu = await asyncio.get_running_loop().run_in_executor(
-            None, _spread_clients, url, clients, out_tokens, procs)
-    wall = t1 - t0
-    prompt = sum(r["prompt_tokens"] for r in rs)
-    cached = sum(r["cached_tokens"] for r in rs)
-    gen = sum(r["completion_tokens"] for r in rs)
-    ttfts = sorted(r["ttft"] for r in rs if r["ttft"] is not None)
-    return {"requests": len(rs), "wall_s": round(wall, 2),
-            "req_per_s": round(len(rs) / wall, 3),
-            "output_tok_per_s": round(gen / wall, 1),
-            "total_tok_per_s": round((prompt + gen) / wall, 1),
-            "cache_hit_rate": round(cached / prompt, 3) if prompt else 0.0,
-            "ttft_mean_s": round(statistics.mean(ttfts), 3),
-            "ttft_p50_s": round(ttfts[len(ttfts) // 2], 3),
-            "ttft_p90_s": round(ttfts[int(len(ttfts) * 0.9)], 3),
-            "client_procs": procs,
-            "client_cpu_ms_per_token": round(1000 * cpu / max(gen, 1), 4),
-            "client_busy": round(cpu / procs / wall, 3)}
-
-
-def _spread_clients(url: str, clients: list[list[list[int]]], out_tokens: int, procs: int
-                    ) -> tuple[list[dict], float, float, float]:
-    """The clients dealt round-robin over `procs` processes that start their requests
-    together -> (all results, first start, last end, the processes' CPU seconds)."""
-    ctx = mp.get_context("spawn")  # no fork of a parent that may hold threads
-    start, results = ctx.Barrier(procs + 1), ctx.Queue()
-    workers = [ctx.Process(target=_client_process, daemon=True,
-                           args=(url, clients[i::procs], out_tokens, start, results))
-               for i in range(procs)]
-    for w in workers:
-        w.start()
-    try:
-        try:
-            start.wait(timeout=300)
-        except threading.BrokenBarrierError:
-            codes = [w.exitcode for w in workers]
-            raise RuntimeError(f"client processes not ready after 300 s (exit codes {codes})"
-                               ) from None
-        parts = []
-        while len(parts) < procs:
-            try:
-                parts.append(results.get(timeout=1))
-            except queue.Empty:
-                failed = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
-                if failed:
-                    raise RuntimeError(f"a client process exited with {failed[0]}") from None
-    finally:
-        for w in workers:
-            w.join(timeout=10)
-            if w.is_alive():
-                w.kill()
-    return ([r for p in parts for r in p[0]], min(p[1] for p in parts),
-            max(p[2] for p in parts), sum(p[3] for p in parts))
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-path", default=None)
-    p.add_argument("--clients", type=int, default=16)
-    p.add_argument("--requests-per-client", type=int, default=2)
-    p.add_argument("--prefix-tokens", type=int, default=1000)
-    p.add_argument("--question-tokens", type=int, default=50)
-    p.add_argument("--output-tokens", type=int, default=32)
-    p.add_argument("--workloads", default="shared,random")
-    p.add_argument("--server-flags", default="", help="extra flags for both servers")
-    p.add_argument("--output", default=None)
-    args = p.parse_args(argv)
-    from sgl_tpu.loader import load_tokenizer
-
-    vocab = load_tokenizer(args.model_path).vocab_size
-    base = args.server_flags.split() + (["--model-path", args.model_path]
-                                        if args.model_path else [])
+def compare_cache(args: argparse.Namespace, base: list[str], vocab: int) -> dict:
+    """Radix cache on against off: runs per (config, workload) and the ratios."""
+    logs = Path(tempfile.mkdtemp(prefix="sgl_tpu_bench_serving_"))
     configs = {"cache": base, "nocache": base + ["--disable-radix-cache"]}
-    results: dict = {"args": vars(args), "runs": {}}
+    runs: dict[str, dict] = {}
     for name, flags in configs.items():
-        server = Server(flags, f"/tmp/sgl_tpu_bench_{name}.log")
+        server = Server(flags, str(logs / f"{name}.log"))
         try:
             server.wait_ready()
             warm = make_workload("random", argparse.Namespace(**{**vars(args), "clients": 1,
@@ -251,12 +61,12 @@ def main(argv: list[str] | None = None) -> None:
             asyncio.run(run_workload(server.url, warm, args.output_tokens))
             for w, kind in enumerate(args.workloads.split(",")):
                 clients = make_workload(kind, args, vocab, seed=w)
-                r = asyncio.run(run_workload(server.url, clients, args.output_tokens))
-                results["runs"][f"{name}/{kind}"] = r
+                r = asyncio.run(run_workload(server.url, clients, args.output_tokens,
+                                             args.client_procs))
+                runs[f"{name}/{kind}"] = r
                 print(json.dumps({f"{name}/{kind}": r}), flush=True)
         finally:
             server.stop()
-    runs = results["runs"]
     ratios = {}
     for kind in args.workloads.split(","):
         a, b = runs.get(f"cache/{kind}"), runs.get(f"nocache/{kind}")
@@ -265,8 +75,147 @@ def main(argv: list[str] | None = None) -> None:
                             round(a["total_tok_per_s"] / b["total_tok_per_s"], 3),
                             "ttft_p50_nocache_over_cache":
                             round(b["ttft_p50_s"] / a["ttft_p50_s"], 3)}
-    results["ratios"] = ratios
-    emit(results, args.output)
+    return {"runs": runs, "ratios": ratios}
+
+
+def compare_overlap(args: argparse.Namespace, base: list[str], vocab: int) -> dict:
+    """Overlap scheduling on against off: every run and the summary per concurrency."""
+
+    def workload(clients: int, seed: int) -> list[list[list[int]]]:
+        shape = argparse.Namespace(clients=clients, requests_per_client=1, question_tokens=0,
+                                   prefix_tokens=args.prompt_tokens)
+        return make_workload("random", shape, vocab, seed)
+
+    run = _overlap_engine if args.engine else _overlap_servers
+    runs = run(args, base, workload)
+    return {"runs": runs, "summary": summarize_overlap(runs)}
+
+
+def summarize_overlap(runs: list[dict]) -> dict[str, dict]:
+    """Per concurrency level: the median output tok/s of each loop, overlap/serial of every
+    round that ran both (a run cut short has fewer), their median, and the busiest client
+    process's share of a core (servers only; near 1: the clients, not the server, set the
+    pace). Levels and loops without a run are left out."""
+    summary: dict[str, dict] = {}
+    for c in dict.fromkeys(r["concurrency"] for r in runs):
+        by = {(r["round"], r["config"]): r for r in runs if r["concurrency"] == c}
+        rounds = sorted(dict.fromkeys(rnd for rnd, _ in by))
+        row = {f"{name}_output_tok_per_s": statistics.median(tput) for name in OVERLAP_CONFIGS
+               if (tput := [by[rnd, name]["output_tok_per_s"] for rnd in rounds
+                            if (rnd, name) in by])}
+        ratios = [by[rnd, "overlap"]["output_tok_per_s"] / by[rnd, "serial"]["output_tok_per_s"]
+                  for rnd in rounds if (rnd, "overlap") in by and (rnd, "serial") in by]
+        if ratios:
+            row["overlap_over_serial_median"] = round(statistics.median(ratios), 3)
+            row["per_round"] = [round(x, 3) for x in ratios]
+        busy = [r["client_busy"] for r in by.values() if "client_busy" in r]
+        if busy:
+            row["client_busy_max"] = max(busy)
+        summary[str(c)] = row
+    return summary
+
+
+def _overlap_rounds(args: argparse.Namespace, workload: Workload,
+                    send: Callable[[str, list], dict]) -> list[dict]:
+    """`send(config, clients) -> metrics` for every round, concurrency and config (in
+    alternating order)."""
+    runs = []
+    for rnd in range(args.rounds):
+        for c in args.concurrency:
+            order = list(OVERLAP_CONFIGS)
+            if (rnd + c) % 2:
+                order.reverse()
+            for name in order:
+                r = {"round": rnd, "concurrency": c, "config": name,
+                     **send(name, workload(c, rnd * 100 + c))}
+                runs.append(r)
+                print(json.dumps(r), flush=True)
+    return runs
+
+
+def _overlap_servers(args: argparse.Namespace, base: list[str], workload: Workload
+                     ) -> list[dict]:
+    logs = Path(tempfile.mkdtemp(prefix="sgl_tpu_bench_overlap_"))
+    servers = {name: Server(base + flags, str(logs / f"{name}.log"))
+               for name, flags in OVERLAP_CONFIGS.items()}
+    try:
+        for server in servers.values():
+            server.wait_ready()
+            for c in args.concurrency:  # every decode batch shape once
+                asyncio.run(run_workload(server.url, workload(c, 10_000 + c), 4))
+        return _overlap_rounds(args, workload, lambda name, clients: asyncio.run(
+            run_workload(servers[name].url, clients, args.output_tokens, args.client_procs)))
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+def _overlap_engine(args: argparse.Namespace, base: list[str], workload: Workload
+                    ) -> list[dict]:
+    from sgl_tpu.cli import parse_args
+    from sgl_tpu.engine import Engine
+
+    kwargs = {k: v for k, v in vars(parse_args(base + OVERLAP_CONFIGS["overlap"])).items()
+              if k != "model_path"}
+    engine = Engine(args.model_path, **kwargs)
+    sp = {"temperature": 0, "max_new_tokens": args.output_tokens, "ignore_eos": True}
+
+    def send(name: str, clients: list[list[list[int]]]) -> dict:
+        engine.scheduler.overlap = name == "overlap"
+        engine.scheduler.flush_cache()
+        prompts = [p for c in clients for p in c]
+        t0 = time.perf_counter()
+        outs = engine.generate(input_ids=prompts, sampling_params=sp)
+        wall = time.perf_counter() - t0
+        gen = sum(o["meta_info"]["completion_tokens"] for o in outs)
+        return {"requests": len(prompts), "wall_s": round(wall, 2),
+                "output_tok_per_s": round(gen / wall, 1)}
+
+    try:
+        for c in args.concurrency:
+            engine.generate(input_ids=[p for cl in workload(c, 10_000 + c) for p in cl],
+                            sampling_params={**sp, "max_new_tokens": 4})
+        return _overlap_rounds(args, workload, send)
+    finally:
+        engine.shutdown()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--compare", choices=("cache", "overlap"), default="cache")
+    p.add_argument("--model-path", default=None)
+    p.add_argument("--output-tokens", type=int, default=None,
+                   help="tokens per request (default: 32 for cache, 64 for overlap)")
+    p.add_argument("--server-flags", default="", help="extra flags for both servers")
+    p.add_argument("--client-procs", type=int, default=1,
+                   help="client processes the streams are spread over (servers only)")
+    p.add_argument("--output", default=None, help="also write the JSON here")
+    cache = p.add_argument_group("--compare cache")
+    cache.add_argument("--clients", type=int, default=16)
+    cache.add_argument("--requests-per-client", type=int, default=2)
+    cache.add_argument("--prefix-tokens", type=int, default=1000)
+    cache.add_argument("--question-tokens", type=int, default=50)
+    cache.add_argument("--workloads", default="shared,random")
+    overlap = p.add_argument_group("--compare overlap")
+    overlap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    overlap.add_argument("--rounds", type=int, default=3)
+    overlap.add_argument("--prompt-tokens", type=int, default=128)
+    overlap.add_argument("--engine", action="store_true",
+                         help="one in-process Engine (server flags as its keyword arguments)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.output_tokens is None:
+        args.output_tokens = 32 if args.compare == "cache" else 64
+    from sgl_tpu.loader import load_tokenizer
+
+    vocab = load_tokenizer(args.model_path).vocab_size
+    base = args.server_flags.split() + (["--model-path", args.model_path]
+                                        if args.model_path else [])
+    compare = compare_cache if args.compare == "cache" else compare_overlap
+    emit({"args": vars(args), **compare(args, base, vocab)}, args.output)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ jump-forward saves on mostly-forced JSON, in one invocation, reported as ratios.
         [--overhead-tokens 64] [--json-batches 1,8] [--json-rounds 2] [--repeats 3]
         [--output FILE]
 
-Two servers run side by side (the `Server` class of `sgl_tpu.bench.serving`): `jf` with
+Two servers run side by side (the `Server` class of `sgl_tpu.bench.http_load`): `jf` with
 default flags (llguidance, jump-forward on) and `nojf` with `--disable-jump-forward`; their
 timed runs alternate, so load from other processes hits both alike.
 
@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
+from sgl_tpu.bench.http_load import Server
 from sgl_tpu.bench.report import emit
-from sgl_tpu.bench.serving import Server
 
 PERMISSIVE_REGEX = r"[^\x00]*\x01"
 TOPICS = ["a lighthouse keeper", "the history of tea", "a robot learning to paint",
@@ -194,8 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     json_batches = [int(b) for b in args.json_batches.split(",") if b]
     results: dict[str, Any] = {"args": vars(args), "overhead": {}, "json": {}}
     configs = {"jf": base, "nojf": base + ["--disable-jump-forward"]}
-    servers = {name: Server(flags, f"/tmp/sgl_tpu_bench_structured_{name}.log")
-               for name, flags in configs.items()}
+    logs = Path(tempfile.mkdtemp(prefix="sgl_tpu_bench_structured_"))
+    servers = {name: Server(flags, str(logs / f"{name}.log")) for name, flags in configs.items()}
     try:
         for server in servers.values():
             server.wait_ready()

@@ -84,7 +84,7 @@ def _step_impl(params, kv_pools, prev_token_ids, fb: ForwardBatch, *, cfg: Model
     ids = jnp.where(ids < 0, prev_token_ids[jnp.maximum(-ids - 1, 0)], ids)
     fb = dataclasses.replace(fb, input_ids=ids)
     tp = {"mesh": mesh} if mesh is not None else {}
-    # Named scopes split a profile of the step into parts (sgl_tpu/bench/jax_step_profile.py);
+    # Named scopes split a profile of the step into parts (tools/jax_step_profile.py);
     # the model names its layer parts inside "layers".
     with jax.named_scope("layers"):
         hidden, kv_pools = model.forward(params, kv_pools, fb, cfg, mode, kv_tile=kv_tile,
@@ -102,7 +102,7 @@ def _step_impl(params, kv_pools, prev_token_ids, fb: ForwardBatch, *, cfg: Model
     return logits, hidden, kv_pools
 
 
-def _sample_inputs(fb: ForwardBatch) -> dict:
+def sample_inputs(fb: ForwardBatch) -> dict:
     """What the sampler reads of a ForwardBatch (all [S]-leading)."""
     return {"counts_rows": fb.counts_rows, "counts_reset": fb.counts_reset,
             "sample_valid": fb.sample_valid, "sampling": fb.sampling,
@@ -145,7 +145,7 @@ def _state_step_impl(params, kv_pools, token_counts, prev_token_ids, state, bitm
     logits, _, kv_pools = _step_impl(params, kv_pools, prev_token_ids, fb,
                                      mode=ForwardMode.DECODE, mesh=mesh, **step_kw)
     out, token_counts, last_token_ids = _sample_impl(
-        logits, token_counts, prev_token_ids, _sample_inputs(fb), num_top=num_top,
+        logits, token_counts, prev_token_ids, sample_inputs(fb), num_top=num_top,
         reset_rows=False, mesh=mesh)
     state = jds.advance_state(state, out.token_ids, num_rows)
     if mesh is not None:
@@ -356,7 +356,7 @@ class JaxModelRunner:
         logits, hidden, self.kv_pools = self._step(self.params, self.kv_pools,
                                                    self._last_token_ids, fb, mode=mode)
         out, self.token_counts, self._last_token_ids = self._sample(
-            logits, self.token_counts, self._last_token_ids, _sample_inputs(fb),
+            logits, self.token_counts, self._last_token_ids, sample_inputs(fb),
             reset_rows=mode == ForwardMode.EXTEND)
         if state is not None:
             state.mirror.dispatched(None)

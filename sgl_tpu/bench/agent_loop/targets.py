@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sgl_tpu.bench.agent_loop.drivers import DRIVERS, JSON_DIALECTS
-from sgl_tpu.bench.serving import Server, free_port
+from sgl_tpu.bench.http_load import Server, free_port
 
 KINDS = ("launch", "url", "llamacpp")
 KEYS = (*KINDS, "api", "json", "args", "script", "model")

@@ -19,6 +19,7 @@ from typing import Any
 
 import requests
 
+from sgl_tpu.bench.http_load import Server
 from sgl_tpu.bench.reliability.fuzz import CLASSES, ROUTES, run_fuzz
 from sgl_tpu.bench.reliability.invariants import check_invariants
 from sgl_tpu.bench.reliability.phases import (
@@ -31,7 +32,6 @@ from sgl_tpu.bench.reliability.phases import (
     percentile,
 )
 from sgl_tpu.bench.report import emit
-from sgl_tpu.bench.serving import Server
 
 API_KEY = "campaign-key"
 
@@ -97,7 +97,7 @@ async def campaign(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
             "requests_failed_by_faults": info["stats"].get("num_requests_failed")}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default=None)
     p.add_argument("--clients", type=int, default=128)
@@ -110,7 +110,7 @@ def main() -> None:
     p.add_argument("--max-total-tokens", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     flags = ["--api-key", API_KEY, "--max-total-tokens", str(args.max_total_tokens),
              "--max-running-requests", "32", "--dtype", "float32"]
     if args.model_path:

@@ -131,7 +131,7 @@ def forward(
     num_tokens = h.shape[0]
     new_pools = []
     # Named scopes (kept in the compiled program's op names) let a profile split the step into
-    # parts: sgl_tpu/bench/jax_step_profile.py.
+    # parts: tools/jax_step_profile.py.
     for layer, (k_pool, v_pool) in zip(params["layers"], kv_pools, strict=True):
         with jax.named_scope("qkv_proj"):
             x = rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)

@@ -2,7 +2,7 @@
 checkout as a wheel, the wheels of every runtime dependency the offline host lacks (for its
 Python and platform), and the default model's shape files.
 
-    python -m sgl_tpu.bench.offline_bundle DIR [--have NAMES | --have @FILE]
+    python tools/offline_bundle.py DIR [--have NAMES | --have @FILE]
         [--python-version 3.12 (--glibc 2.39 | --platform manylinux_2_28_x86_64 ...)]
         [--no-model]
 
@@ -12,7 +12,9 @@ Python and platform), and the default model's shape files.
                  the extras its requirer asked for) and that --have does not name, one
                  `pip download --no-deps` wheel each (binary only), and in turn that wheel's
                  requirements (with those of every extra asked of it)
-    DIR/model/   `random_checkpoint shape` of the default model (config, tokenizer; no weights)
+    DIR/model/   `random_checkpoint.py shape` of the default model (config, tokenizer; no
+                 weights)
+    DIR/tools/   the scripts of this folder the offline host runs (TOOLS)
 
 --have names the distributions the offline host already has (commas or whitespace between
 names; `@FILE` reads them from a file, one per line, as `pip list` or `pip freeze` writes
@@ -27,8 +29,9 @@ folder, which would shadow the installed one):
 
     python3 -m pip install --no-index --no-deps --target /tmp/site DIR/wheels/*.whl
     export PYTHONPATH=/tmp/site
-    python3 -m sgl_tpu.bench.random_checkpoint weights DIR/model
-    python3 -m sgl_tpu.bench.accelerator --model-path DIR/model --out-dir RESULTS
+    python3 DIR/tools/random_checkpoint.py weights DIR/model
+    python3 -m sgl_tpu.bench.accelerator --model-path DIR/model --out-dir RESULTS \
+        --tools-dir DIR/tools
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ from packaging.version import Version
 
 PROJECT = "sgl-tpu"
 SOURCES = ("pyproject.toml", "README.md", "sgl_tpu", "kernels", "server")  # what a build reads
+ROOT = Path(__file__).resolve().parents[1]  # the checkout this script belongs to
+# run there: random weights for DIR/model, and the accelerator bench's profile part
+TOOLS = ("random_checkpoint.py", "jax_step_profile.py", "torch_profile.py")
 
 
 @dataclass(frozen=True)
@@ -129,10 +135,10 @@ def requirements_for(wheel: Path, env: dict[str, str], extras: frozenset[str]
 
 
 def build_project_wheel(out: Path) -> Path:
-    """This checkout (the folder holding pyproject.toml above the sgl_tpu package) as a wheel
+    """This checkout (the folder holding pyproject.toml and this tools/ folder) as a wheel
     in `out`, built with the installed setuptools (no build isolation: no index needed) from a
     fresh copy of its sources (an in-tree build/ would keep files since deleted)."""
-    root = Path(__file__).resolve().parents[2]
+    root = ROOT
     if not (root / "pyproject.toml").is_file():
         raise SystemExit(f"{root} holds no pyproject.toml: build the bundle from a checkout "
                          "of sgl-tpu (an editable install)")
@@ -200,6 +206,12 @@ def bundle_wheels(out: Path, have: set[str], target: Target) -> dict[str, str]:
     return versions
 
 
+def copy_tools(out: Path) -> list[Path]:
+    """DIR/tools: the TOOLS scripts of this checkout; -> their paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    return [Path(shutil.copy2(ROOT / "tools" / name, out / name)) for name in TOOLS]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out_dir")
@@ -226,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{out / 'wheels'}: {len(versions)} wheels "
           f"({', '.join(f'{n} {v}' for n, v in sorted(versions.items()))}) for Python "
           f"{args.python_version or platform.python_version()}")
+    copy_tools(out / "tools")
     if not args.no_model:
         from sgl_tpu.bench.random_checkpoint import write_shape
 

@@ -2,7 +2,7 @@
 named scopes of the jitted step (layers: attention / KV write / projections; logits; sampler:
 penalties, top-k/top-p, draw, argmax, log-probs; penalty counts), plus the host's batch build.
 
-    python -m sgl_tpu.bench.jax_step_profile [--model-path PATH] [--dtype auto]
+    python tools/jax_step_profile.py [--model-path PATH] [--dtype auto]
         [--attention-backends ref,gathered] [--batches 1,64] [--context 1024] [--steps 20]
         [--sampling greedy,sampled,penalized] [--output FILE]
 
@@ -44,7 +44,8 @@ SAMPLING = {
     "penalized": dict(temperature=0.7, top_p=0.9, top_k=40, frequency_penalty=0.5,
                       presence_penalty=0.2, repetition_penalty=1.1),
 }
-# Named scopes of the step (executor/jax/runner.py, models/llama.py, executor/jax/sampler.py).
+# Named scopes of the step (backends/jax/runner.py, backends/jax/models/llama.py,
+# backends/jax/sampler.py).
 TOP_SCOPES = ("layers", "logits", "sampler", "penalty_counts")
 LAYER_SCOPES = ("attention", "kv_write", "qkv_proj", "o_proj", "mlp")
 SAMPLER_SCOPES = ("penalties_mask", "top_k_top_p", "bisect", "draw", "argmax", "logprobs")
@@ -205,8 +206,8 @@ def profile_one(runner, steps, num_steps: int) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from sgl_tpu.executor.jax.forward_batch import build_forward_batch
-    from sgl_tpu.executor.jax.runner import _sample_inputs
+    from sgl_tpu.backends.jax.forward_batch import build_forward_batch
+    from sgl_tpu.backends.jax.runner import sample_inputs
     from sgl_tpu.executor.step import ForwardMode
 
     mode = ForwardMode.DECODE
@@ -220,7 +221,7 @@ def profile_one(runner, steps, num_steps: int) -> dict:
                               mode=mode).compile()
     logits = jax.ShapeDtypeStruct((fb.sample_idx.shape[0], runner.vocab_size), jnp.float32)
     sampler = runner._sample.lower(logits, runner.token_counts, runner._last_token_ids,
-                                   _sample_inputs(fb), reset_rows=False).compile()
+                                   sample_inputs(fb), reset_rows=False).compile()
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):
             for _ in range(num_steps):

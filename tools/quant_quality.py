@@ -1,7 +1,7 @@
 """What each `--quantization` (or `--kv-cache-dtype`) mode trades: greedy agreement with a
 float32 reference and perplexity on a fixed text, on the torch backend.
 
-    python -m sgl_tpu.bench.quant_quality [--model-path M] [--modes none:bfloat16,gguf:bfloat16,
+    python tools/quant_quality.py [--model-path M] [--modes none:bfloat16,gguf:bfloat16,
         int8:bfloat16,int4:bfloat16] [--reference none:float32] [--max-new-tokens 64]
 
 Each mode is `quantization:dtype[:kv_cache_dtype]` (e.g. `auto:float32:bfloat16`, the default
@@ -10,7 +10,7 @@ the number of generated tokens identical to the reference's before the first dif
 full length when none differs). Perplexity: exp of the mean negative log-likelihood of `TEXT`
 (written for this bench), fed one token per step so that every projection runs where decode
 runs it (for the quantized modes: the int kernel; prefill-sized steps use the dense copy, see
-executor/torch/quant_linear.py). Prints one JSON object.
+backends/torch/quant_linear.py). Prints one JSON object.
 """
 
 from __future__ import annotations

@@ -1,5 +1,10 @@
-"""Where a torch step's time goes: `torch.profiler` over repeated calls of one step, reduced to
-per-step numbers (used by `python -m sgl_tpu.bench.executor --torch-profile`).
+"""Where a torch step's time goes: the executor bench's decode rows (`python -m
+sgl_tpu.bench.executor`, the same flags; torch only) with a `torch.profiler` summary of
+--repeats calls of each row's step under `profile`.
+
+    python tools/torch_profile.py [--model-path PATH] [--dtypes bfloat16] [--prefill ""]
+        [--decode-batches 1,64] [--context 1024] [--repeats 5]
+        [--torch-decode-paths packing,static] [--count-calls] [--output FILE]
 
     fn() x steps under torch.profiler (CPU, plus CUDA where available)
         -> key_averages(): per operator, self CPU time, self device time, calls
@@ -15,10 +20,14 @@ with its kernels' device time.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from sgl_tpu.bench import executor
+from sgl_tpu.bench.report import emit
 
 
 def _device_us(event: Any) -> float:
@@ -62,3 +71,16 @@ def profile_step(fn: Callable[[], Any], steps: int = 10, top: int = 12) -> dict[
                                             else e.self_cpu_time_total) / 1e3 / steps, 4)}
                 for e in ranked],
     }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = executor.build_parser().parse_args(argv)
+    if args.backends != "torch":
+        args.backends = "torch"
+        print("torch_profile: --backends torch", file=sys.stderr)
+    results = executor.run(args, {"profile": lambda fn: profile_step(fn, args.repeats)})
+    emit(results, args.output)
+
+
+if __name__ == "__main__":
+    main()

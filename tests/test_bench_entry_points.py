@@ -1,0 +1,79 @@
+"""The supported bench entry points that drive servers, each run in a tiny mode on a tiny random
+checkpoint: `bench.serving` (both comparisons), `bench.structured` and `bench.reliability`.
+(`bench.executor`: tests/test_bench_executor.py; `bench.agent_loop`: tests/test_agent_loop.py;
+`bench.accelerator`: tests/test_random_checkpoint.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import checkpoints as ck
+import pytest
+
+SERVER_FLAGS = "--skip-warmup --dtype float32 --max-total-tokens 2048 --max-running-requests 4"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return ck.make_tiny_hf_checkpoint(tmp_path_factory.mktemp("bench") / "llama", "llama")
+
+
+@pytest.mark.slow
+def test_serving_compares_cache_on_and_off(model, tmp_path):
+    from sgl_tpu.bench import serving
+
+    out = tmp_path / "serving.json"
+    serving.main(["--model-path", model, "--clients", "2", "--requests-per-client", "2",
+                  "--prefix-tokens", "64", "--question-tokens", "8", "--output-tokens", "4",
+                  f"--server-flags={SERVER_FLAGS}", "--output", str(out)])
+    result = json.loads(out.read_text())
+    assert set(result["runs"]) == {"cache/shared", "cache/random", "nocache/shared",
+                                   "nocache/random"}
+    assert all(r["requests"] == 4 for r in result["runs"].values())
+    assert result["runs"]["cache/shared"]["cache_hit_rate"] > 0
+    assert result["runs"]["nocache/shared"]["cache_hit_rate"] == 0
+    assert set(result["ratios"]) == {"shared", "random"}
+
+
+@pytest.mark.slow
+def test_serving_compares_overlap_on_and_off(model, tmp_path):
+    from sgl_tpu.bench import serving
+
+    out = tmp_path / "overlap.json"
+    serving.main(["--compare", "overlap", "--model-path", model, "--concurrency", "1", "2",
+                  "--rounds", "1", "--prompt-tokens", "16", "--output-tokens", "4",
+                  f"--server-flags={SERVER_FLAGS}", "--output", str(out)])
+    result = json.loads(out.read_text())
+    assert {(r["concurrency"], r["config"]) for r in result["runs"]} == {
+        (c, name) for c in (1, 2) for name in ("overlap", "serial")}
+    assert set(result["summary"]) == {"1", "2"}
+    assert all(s["overlap_over_serial_median"] > 0 for s in result["summary"].values())
+
+
+@pytest.mark.slow
+def test_structured_times_masks_and_jump_forward(model, tmp_path):
+    from sgl_tpu.bench import structured
+
+    out = tmp_path / "structured.json"
+    structured.main(["--model-path", model, "--overhead-batches", "1", "--overhead-tokens", "4",
+                     "--json-batches", "1", "--json-rounds", "1", "--repeats", "1",
+                     f"--server-flags={SERVER_FLAGS}", "--output", str(out)])
+    result = json.loads(out.read_text())
+    overhead = result["overhead"]["batch1"]
+    assert overhead["unconstrained"]["tokens_per_request"] == [4]
+    assert overhead["constrained"]["output_tokens"] == 4
+    assert "batch1" in result["json"]
+
+
+@pytest.mark.slow
+def test_reliability_campaign_in_a_tiny_size(model, tmp_path):
+    from sgl_tpu.bench.reliability.__main__ import main
+
+    out = tmp_path / "reliability.json"
+    main(["--model-path", model, "--clients", "2", "--requests-per-client", "1",
+          "--exhaustion-clients", "2", "--fuzz-examples", "1", "--big-prompts", "1",
+          "--big-prompt-chars", "2000", "--max-total-tokens", "512", "--output", str(out)])
+    totals = json.loads(out.read_text())["totals"]
+    assert totals["num_5xx_outside_fatal_fault"] == 0
+    assert totals["leaked_pages"] == 0
+    assert totals["faults_injected"] >= 1

@@ -320,13 +320,18 @@ def test_engine_traffic_identical_with_static_step(llama_dir):
         eng.shutdown()
 
 
-def test_row_uniforms_on_device_match_host():
+def test_row_uniforms_on_device_follow_the_contract():
+    """The torch backend's uniforms (both paths draw them on the device) are the step
+    contract's seed-to-uniform rule, bit for bit."""
+    from sgl_tpu.executor.step import row_uniforms
+
     rng = np.random.default_rng(0)
     seeds = rng.integers(0, 2**32, 512, dtype=np.uint64).astype(np.uint32)
     steps = rng.integers(0, 2**31 - 1, 512).astype(np.int32)
+    seeds[:2], steps[:2] = (0, 2**32 - 1), (0, 2**31 - 1)
     got = ds.row_uniforms(torch.from_numpy(seeds.astype(np.int64)),
                           torch.from_numpy(steps.astype(np.int64)))
-    np.testing.assert_array_equal(got.numpy(), sampler.row_uniforms(seeds, steps))
+    np.testing.assert_array_equal(got.numpy(), row_uniforms(seeds, steps))
 
 
 def test_cuda_graph_flags():

@@ -276,6 +276,30 @@ def sampling_columns(steps: Sequence[SeqStep], num_seqs: int, num_mask_words: in
     )
 
 
+# ---- seed to uniform ------------------------------------------------------------------------
+# A sampled row draws one uniform u in [0, 1) from its (seed, step) alone, by this rule, on every
+# backend (each implements it in its own arithmetic and checks it against this function), then
+# walks its kept tokens in vocabulary order to the first whose running weight exceeds u times
+# their total: the same seed draws the same token on both backends, whatever the batch.
+#
+#     z = seed << 32 | step                     (seed u32, step u32: one u64)
+#     z = splitmix64(z)                         (Steele, Lea, Flood 2014; Vigna's constants)
+#     u = (z >> 40) / 2^24                      (24 bits: exact in float32)
+SPLITMIX64 = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)  # increment, mults
+
+
+def row_uniforms(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """u32 seeds, steps [S] -> f32[S] in [0, 1): the rule above (the reference)."""
+    z = (seeds.astype(np.uint64) << np.uint64(32)) | (steps.astype(np.uint64) & np.uint64(
+        0xFFFFFFFF))
+    with np.errstate(over="ignore"):
+        z = z + np.uint64(SPLITMIX64[0])
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(SPLITMIX64[1])
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(SPLITMIX64[2])
+        z = z ^ (z >> np.uint64(31))
+    return ((z >> np.uint64(40)).astype(np.float64) / float(1 << 24)).astype(np.float32)
+
+
 # ---- warm-up --------------------------------------------------------------------------------
 def warmup_step() -> SeqStep:
     """A one-token greedy sequence on the reserved page whose output is discarded: runners warm

@@ -14,8 +14,9 @@ Data flow for one decode step (B = padded batch, V = vocab size):
                                                                skipped unless a row samples
 
 Every stage is row-independent and the random draw of a row depends only on its own
-(seed, step) through `fold_in(key(seed), step)`, so a seeded request reproduces whatever batch
-it lands in and at whatever position.
+(seed, step), through the step contract's seed-to-uniform rule (`_row_uniforms`), so a seeded
+request reproduces whatever batch it lands in and at whatever position, and draws what the
+torch backend draws for the same seed.
 
 CPU cost notes (XLA:CPU, B=64, V=49152): a full `sort` of the logits costs about a second and
 `jax.random.categorical` (one Gumbel per vocab entry) about 200 ms, so neither is used:
@@ -40,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from sgl_tpu.executor.step import GREEDY_TEMPERATURE_EPS, MASK_BITS_PER_WORD
+from sgl_tpu.executor.step import GREEDY_TEMPERATURE_EPS, MASK_BITS_PER_WORD, SPLITMIX64
 
 # Candidates taken with lax.top_k for the top-k / top-p thresholds before falling back to bisection.
 DEFAULT_NUM_CANDIDATES = 128
@@ -389,12 +390,48 @@ def _key_to_float(key: jax.Array) -> jax.Array:
 
 
 def _row_uniforms(seed: jax.Array, step: jax.Array) -> jax.Array:
-    """f32[B] in [0, 1); row i uses only fold_in(key(seed[i]), step[i])."""
+    """u32 seed, step [B] -> f32[B] in [0, 1): the step contract's seed-to-uniform rule
+    (`step.row_uniforms`, splitmix64), in uint32 halves (JAX runs without 64-bit integers):
 
-    def one(s: jax.Array, t: jax.Array) -> jax.Array:
-        return jax.random.uniform(jax.random.fold_in(jax.random.key(s), t), dtype=jnp.float32)
+        z = (hi, lo) = (seed, step)     z + c, z ^ (z >> s), z * c on the pair, mod 2^64
+    """
+    hi, lo = seed.astype(jnp.uint32), step.astype(jnp.uint32)
+    hi, lo = _add64(hi, lo, SPLITMIX64[0])
+    hi, lo = _mul64(*_xor_shift64(hi, lo, 30), SPLITMIX64[1])
+    hi, lo = _mul64(*_xor_shift64(hi, lo, 27), SPLITMIX64[2])
+    hi, _ = _xor_shift64(hi, lo, 31)
+    return (hi >> 8).astype(jnp.float32) / float(1 << 24)  # z >> 40: 24 bits, exact
 
-    return jax.vmap(one)(seed, step)
+
+def _halves(c: int) -> tuple[jax.Array, jax.Array]:
+    return jnp.uint32(c >> 32), jnp.uint32(c & 0xFFFFFFFF)
+
+
+def _add64(hi: jax.Array, lo: jax.Array, c: int) -> tuple[jax.Array, jax.Array]:
+    c_hi, c_lo = _halves(c)
+    out_lo = lo + c_lo
+    return hi + c_hi + (out_lo < lo).astype(jnp.uint32), out_lo
+
+
+def _xor_shift64(hi: jax.Array, lo: jax.Array, s: int) -> tuple[jax.Array, jax.Array]:
+    """z ^ (z >> s) for 0 < s < 32."""
+    return hi ^ (hi >> s), lo ^ ((lo >> s) | (hi << (32 - s)))
+
+
+def _mul32_wide(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The 64-bit product of two u32 as (hi, lo), from 16-bit pieces."""
+    mask = jnp.uint32(0xFFFF)
+    a0, a1, b0, b1 = a & mask, a >> 16, b & mask, b >> 16
+    p00, p01, p10, p11 = a0 * b0, a0 * b1, a1 * b0, a1 * b1
+    mid = (p00 >> 16) + (p01 & mask) + (p10 & mask)  # < 3 * 2^16
+    return p11 + (p01 >> 16) + (p10 >> 16) + (mid >> 16), (p00 & mask) | (mid << 16)
+
+
+def _mul64(hi: jax.Array, lo: jax.Array, c: int) -> tuple[jax.Array, jax.Array]:
+    """z * c mod 2^64: lo * c_lo in full, the cross terms' low halves into the high word."""
+    c_hi, c_lo = _halves(c)
+    p_hi, p_lo = _mul32_wide(lo, c_lo)
+    return p_hi + hi * c_lo + lo * c_hi, p_lo
 
 
 # Two-level layout used by _argmax and _inverse_cdf:

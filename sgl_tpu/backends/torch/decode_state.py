@@ -39,7 +39,7 @@ from sgl_tpu.executor.decode_rows import (  # noqa: F401  (the column indices: r
     host_rows,
     pages_needed,
 )
-from sgl_tpu.executor.step import SeqStep
+from sgl_tpu.executor.step import SPLITMIX64, SeqStep
 
 
 class DecodeState:
@@ -129,16 +129,16 @@ def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def row_uniforms(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """`sampler.row_uniforms` on the device: splitmix64 of (seed << 32 | step) in int64
+    """The step contract's seed-to-uniform rule (`step.row_uniforms`) on the device, in int64
     arithmetic (wrapping multiplies, logical shifts by masking); seeds/steps i64[B] -> f32[B]."""
 
     def lsr(z: torch.Tensor, shift: int) -> torch.Tensor:
         return (z >> shift) & ((1 << (64 - shift)) - 1)
 
     z = (seeds << 32) | steps
-    z = z + _signed(0x9E3779B97F4A7C15)
-    z = (z ^ lsr(z, 30)) * _signed(0xBF58476D1CE4E5B9)
-    z = (z ^ lsr(z, 27)) * _signed(0x94D049BB133111EB)
+    z = z + _signed(SPLITMIX64[0])
+    z = (z ^ lsr(z, 30)) * _signed(SPLITMIX64[1])
+    z = (z ^ lsr(z, 27)) * _signed(SPLITMIX64[2])
     z = z ^ lsr(z, 31)
     return (lsr(z, 40).double() / float(1 << 24)).float()
 

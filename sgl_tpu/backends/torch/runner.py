@@ -44,6 +44,7 @@ import torch
 
 from sgl_tpu.backends.torch import invariant_linear, sampler
 from sgl_tpu.backends.torch.compute_thread import ComputeThread
+from sgl_tpu.backends.torch.decode_state import row_uniforms
 from sgl_tpu.backends.torch.device import (
     cpu_info,
     cpu_prepacks_bf16,
@@ -411,7 +412,8 @@ class TorchModelRunner:
             top_p=t(cols.top_p, torch.float32),
             top_k=t(cols.top_k, torch.int64),
             min_p=t(cols.min_p, torch.float32),
-            uniforms=t(sampler.row_uniforms(cols.seed, cols.step), torch.float32),
+            uniforms=row_uniforms(t(cols.seed.astype(np.int64), torch.int64),
+                                  t(cols.step.astype(np.int64), torch.int64)),
             penalties=penalties,
             bitmask=None if cols.bitmask is None else t(cols.bitmask, torch.int32),
             num_top_logprobs=self.config.max_top_logprobs,

@@ -9,9 +9,9 @@ Same rules as the JAX sampler: a row is greedy when its temperature is below
 `GREEDY_TEMPERATURE_EPS`, its top_k is 1 or its mask leaves nothing; truncation keeps every
 token whose scaled logit reaches the row's threshold (top-k, then top-p over the renormalized
 top-k set, then min-p relative to the top token); the draw uses one uniform per row that depends
-only on (seed, step) (`row_uniforms`), so a seeded request reproduces in any batch. The uniform
-comes from a different generator than JAX's, so the two backends draw different (equally
-distributed) samples for the same seed.
+only on (seed, step) (the step contract's rule, computed on the device by
+`decode_state.row_uniforms`), so a seeded request reproduces in any batch, and draws what the
+JAX backend draws for the same seed.
 
 Sampling rows avoid full-vocabulary passes (`_sample_rows`):
 
@@ -44,17 +44,6 @@ DEFAULT_NUM_CANDIDATES = 128
 _BITS_PER_WORD = 32
 _SPARSE_MASK_WORDS = 4  # words per row with a disallowed token, at most, for the in-place ban
 _MASK64 = (1 << 64) - 1
-
-
-def row_uniforms(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
-    """f32[B] in [0, 1): a splitmix64 hash of (seed, step), so row i depends only on its own."""
-    z = (seeds.astype(np.uint64) << np.uint64(32)) | steps.astype(np.uint64)
-    with np.errstate(over="ignore"):
-        z = z + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return ((z >> np.uint64(40)).astype(np.float64) / float(1 << 24)).astype(np.float32)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

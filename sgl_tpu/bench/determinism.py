@@ -5,13 +5,9 @@ over off, per executor backend and dtype; run by `python -m sgl_tpu.bench.execut
 
 Two runners of the same model are built from the same settings but the flag; each timed step
 runs once on each, alternating (ABAB...), so a busy machine slows both alike. Reports medians
-and the on/off ratio as one JSON object.
-
-With torch on a CPU it also times the flag's GEMM alone ("gemm" rows): the model's fused
-projections on the fixed-order kernel (backends/torch/kernels/invariant_gemm_cpu.py) over
-oneDNN's prepacked bf16 linear (what runs without the flag), at 2 rows (a decode step's least),
-8 and each `--prefill` size. Run it with ONEDNN_MAX_CPU_ISA set to compare against oneDNN at a
-lower ISA (AMX off: AVX512_CORE_BF16).
+and the on/off ratio as one JSON object, with each runner's `compute_info()` (the CPU's ISA and
+the kernels behind the figures). The flag's GEMM alone against oneDNN's is
+`tools/invariant_gemm_bench.py`.
 """
 
 from __future__ import annotations
@@ -55,6 +51,9 @@ def run(args: argparse.Namespace) -> dict:
                 rcfg = runner_config(sargs, cfg.context_len)
                 name = "on" if flag else "off"
                 runners[name] = create_model_runner(cfg, loaded.params, rcfg)
+                # the ISA and kernels behind every figure (/server_info's "compute")
+                results.setdefault("compute", {})[f"{backend}-{dtype}-{name}"] = \
+                    runners[name].compute_info()
                 results["settings"][f"{backend}-{dtype}-{name}"] = {
                     "attention_backend": rcfg.attention_backend,
                     "quantization": rcfg.quantization, "compile": rcfg.compile}
@@ -76,46 +75,4 @@ def run(args: argparse.Namespace) -> dict:
                 results["runs"].append(row)
                 print(json.dumps(row), flush=True)
             del runners
-    if "torch" in args.backends.split(","):
-        from sgl_tpu.backends.torch.device import cpu_info
-
-        results["cpu"] = cpu_info()  # the ISA behind every figure
-        results["gemm"] = gemm_rows(cfg, [2, 8, *prefills], args.repeats, args.torch_threads)
     return results
-
-
-def gemm_rows(cfg, row_counts: list[int], repeats: int, threads: int) -> list[dict]:
-    """The fixed-order kernel over oneDNN's prepacked bf16 linear on the model's projection
-    shapes (random bf16 weights), median of `repeats` alternating calls each."""
-    import torch
-
-    from sgl_tpu.backends.torch.device import cpu_prepacks_bf16, onednn_info
-    from sgl_tpu.backends.torch.kernels import invariant_gemm_cpu
-
-    if not (invariant_gemm_cpu.available() and cpu_prepacks_bf16()):
-        return []
-    if threads:
-        torch.set_num_threads(threads)
-    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    shapes = {"qkv": (qkv, cfg.hidden_size), "gate_up": (2 * cfg.intermediate_size,
-                                                         cfg.hidden_size),
-              "down": (cfg.hidden_size, cfg.intermediate_size)}
-    rows = []
-    for name, (n, k) in shapes.items():
-        w = torch.randn(n, k).to(torch.bfloat16)
-        fixed = invariant_gemm_cpu.pack(w)
-        onednn = torch.ops.mkldnn._reorder_linear_weight(w, None)
-        for m in row_counts:
-            x = torch.randn(m, k).to(torch.bfloat16)
-            med = interleaved_median({
-                "fixed": partial(invariant_gemm_cpu.linear, x, fixed),
-                "onednn": partial(torch.ops.mkldnn._linear_pointwise, x, onednn, None, "none",
-                                  [], "")}, max(repeats, 20))
-            row = {"projection": name, "n": n, "k": k, "rows": m,
-                   "fixed_ms": round(1e3 * med["fixed"], 4),
-                   "onednn_ms": round(1e3 * med["onednn"], 4),
-                   "fixed_over_onednn": round(med["fixed"] / med["onednn"], 3),
-                   "onednn_impl": onednn_info()["bf16_linear"]}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    return rows

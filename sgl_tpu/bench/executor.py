@@ -35,8 +35,7 @@ AVX512_CORE_BF16 is AMX on over off:
 
 `--deterministic` instead times the cost of `--enable-deterministic-inference`: two runners per
 backend and dtype, built alike but for the flag, each step alternating between them, rows with
-the on/off ratio of the median step times (and on torch CPUs the flag's GEMM alone; see
-`determinism.py`):
+the on/off ratio of the median step times (`determinism.py`):
 
     python -m sgl_tpu.bench.executor --deterministic --backends torch --dtypes bfloat16 \
         --prefill 512 --decode-batches 1,8,32 --torch-threads 2 --repeats 7
@@ -66,8 +65,6 @@ StepProbe = Callable[[Callable[[], Any]], Any]
 def run(args: argparse.Namespace, step_probes: dict[str, StepProbe] | None = None) -> dict:
     """Prefill and decode rows of every backend and dtype; each decode row also gets
     `row[name] = probe(step)` for every one of `step_probes`."""
-    import jax
-
     from sgl_tpu.config import ServerArgs
     from sgl_tpu.executor.registry import create_model_runner, runner_config
     from sgl_tpu.executor.step import ForwardMode
@@ -80,13 +77,8 @@ def run(args: argparse.Namespace, step_probes: dict[str, StepProbe] | None = Non
     max_tokens = max(prefills + [1])
     pool_tokens = max(max_tokens, max(batches + [1]) * (args.context + 16)) + 64
     rng = np.random.default_rng(0)
-    results: dict = {"model": model_label(loaded.model_path), "jax_platform": jax.default_backend(),
-                     "context_for_decode": args.context, "cpu_count": os.cpu_count(),
-                     "runs": []}
-    if "torch" in args.backends.split(","):
-        from sgl_tpu.backends.torch.device import onednn_info
-
-        results["onednn"] = onednn_info()
+    results: dict = {"model": model_label(loaded.model_path), "context_for_decode": args.context,
+                     "cpu_count": os.cpu_count(), "runs": [], "compute": {}}
     for backend in args.backends.split(","):
         for dtype in args.dtypes.split(","):
             sargs = ServerArgs(model_path=args.model_path, dtype=dtype, skip_warmup=True,
@@ -104,6 +96,8 @@ def run(args: argparse.Namespace, step_probes: dict[str, StepProbe] | None = Non
                 paths["static-"] = create_model_runner(cfg, loaded.params,
                                                        _decode_path(rcfg, "static"))
             runner = paths[""]
+            # device, ISA and kernels behind the rows (/server_info's "compute")
+            results["compute"][f"{backend}-{dtype}"] = runner.compute_info()
             tag = {"backend": rcfg.backend, "dtype": dtype, "attention": rcfg.attention_backend}
             if rcfg.backend == "torch":
                 tag["compile"] = rcfg.compile
@@ -255,7 +249,9 @@ def run_variants(args: argparse.Namespace, argv: list[str]) -> dict:
                 subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
                 child = json.load(open(out.name))
             tag = {"onednn_isa": isa, "quantization": quantization}
-            results["variants"].append({**tag, "onednn": child.get("onednn")})
+            onednn = next((c["cpu"]["onednn"] for c in child.get("compute", {}).values()
+                           if "cpu" in c), None)
+            results["variants"].append({**tag, "onednn": onednn})
             results["runs"] += [{**tag, **row} for row in child["runs"]]
             print(json.dumps(results["variants"][-1]), flush=True)
     for row in results["runs"]:

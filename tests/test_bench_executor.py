@@ -53,4 +53,5 @@ def test_executor_bench_deterministic_mode_times_the_flag_on_over_off(tmp_path):
         assert r["on_ms"] > 0 and r["off_ms"] > 0
         assert r["on_over_off"] == pytest.approx(r["on_ms"] / r["off_ms"], rel=0.05)
     assert result["settings"]["torch-bfloat16-on"]["quantization"] == "none"
-    assert "cpu" in result and isinstance(result["gemm"], list)
+    on = result["compute"]["torch-bfloat16-on"]  # what each runner computes with
+    assert on["gemm"] == "fixed-order" and on["cpu"]["onednn"]["isa"]

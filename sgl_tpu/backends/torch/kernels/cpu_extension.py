@@ -88,6 +88,26 @@ class CpuExtension:
     def built_path(self, flavour: str) -> Path:
         return BUILD_DIR / self.module_name(flavour) / f"{self.module_name(flavour)}.so"
 
+    # What the kernels' Python modules offer their callers (one definition for all of them).
+    def available(self) -> bool:
+        return load_extension(self)[0] is not None
+
+    def why_unavailable(self) -> str:
+        return load_extension(self)[1]
+
+    def simd(self) -> str:
+        """The build's vector code: "avx512f", "avx2-fma" or "scalar" ("" unbuilt; None for
+        a source that does not say)."""
+        module = load_extension(self)[0]
+        return "" if module is None else getattr(module, "simd", None)
+
+    def module(self) -> ModuleType:
+        """The loaded module; RuntimeError saying why when it does not load."""
+        module, why = load_extension(self)
+        if module is None:
+            raise RuntimeError(f"{self.title}: {why}")
+        return module
+
 
 ATTENTION = CpuExtension(CSRC / "paged_attention_cpu.cpp", "sgl_tpu_attn_cpu",
                          "fused CPU attention")

@@ -28,30 +28,12 @@ import torch
 
 from sgl_tpu.backends.torch.kernels import cpu_extension
 
-
-def _module():
-    return cpu_extension.load_extension(cpu_extension.INVARIANT_GEMM)
-
-
-def available() -> bool:
-    return _module()[0] is not None
-
-
-def why_unavailable() -> str:
-    return _module()[1]
-
-
-def simd() -> str:
-    """The compiled module's vector code: "avx512f", "avx2-fma" or "scalar" ("" unbuilt)."""
-    ext = _module()[0]
-    return "" if ext is None else ext.simd
+_EXT = cpu_extension.INVARIANT_GEMM
+available, why_unavailable, simd = _EXT.available, _EXT.why_unavailable, _EXT.simd
 
 
 def _kernel():
-    ext = _module()[0]
-    if ext is None:
-        raise RuntimeError(why_unavailable())
-    return ext
+    return _EXT.module()
 
 
 def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""`import sglang` for the DSL examples; with the repository's frontend-only install (README,
-"SGLang frontend programs") the GPU runtime is absent and `tests/sglang_frontend.py` stands in
-for the one runtime module `sglang/__init__.py` imports."""
+"""`import sglang` for the DSL examples; with the repository's frontend-only install
+(docs/agent-apis.md, "SGLang frontend programs") the GPU runtime is absent and
+`tests/sglang_frontend.py` stands in for the one runtime module `sglang/__init__.py` imports."""
 
 from __future__ import annotations
 

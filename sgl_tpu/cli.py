@@ -125,7 +125,7 @@ _HELP = {
                                       "sampled with a seed) does not depend on what it is "
                                       "batched with, how its prompt is chunked or whether its "
                                       "prefix came from the radix cache (bf16, torch CPU and "
-                                      "JAX); slower, see the README",
+                                      "JAX); slower, see docs/determinism.md",
     "router_policy": "with --dp-size > 1: the router's policy (cache_aware keeps each prefix on "
                      "the replica that caches it)",
 }

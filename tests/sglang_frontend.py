@@ -3,7 +3,7 @@
     from sglang_frontend import sgl   # tests/ is on sys.path under pytest
 
 The test environment installs `sglang` with `--no-deps` plus the few packages its frontend
-needs (see README, "SGLang frontend programs"). `sglang/__init__.py` also imports
+needs (see docs/agent-apis.md, "SGLang frontend programs"). `sglang/__init__.py` also imports
 `sglang.srt.utils.hf_transformers_patches` (monkey-patches on `transformers` for the server
 runtime), and that import goes through `sglang.srt.utils`, which pulls in torch, triton, orjson
 and the rest of the runtime. When that import fails, and only then, this module registers a

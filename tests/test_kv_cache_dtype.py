@@ -31,7 +31,7 @@ PS = 4
 # tiny random model, float32 compute: logits of a narrower pool within this fraction of the
 # largest float32-pool logit (bfloat16: K/V rounded to 8 significant bits, measured 0.26%;
 # fp8 e5m2: 3 bits, measured 17% on this model's random weights; the default model's
-# perplexity: README "fp8 KV cache")
+# perplexity: docs/quantization.md, "fp8 KV cache")
 REL_TOL = {"bfloat16": 0.02, "fp8_e5m2": 0.3}
 POOL_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e5m2": torch.float8_e5m2}
 FUSED = cpu_extension.load() is not None

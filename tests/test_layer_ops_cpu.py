@@ -70,10 +70,10 @@ def test_silu_mul_equals_torch(dtype, rows):
 
 def test_silu_mul_flushes_denormals_only_inside():
     """silu_mul runs with denormal results flushed to zero (its vector code evaluates a
-    discarded branch whose results are denormal; README, "Fused layer ops on CPU"): on x86 a
-    result below float32's smallest normal comes out 0 (elsewhere 0 or torch's), the others
-    as torch has them, and the thread's floating-point mode is restored afterwards (torch
-    still makes denormals)."""
+    discarded branch whose results are denormal; docs/backends.md, "Fused layer ops on CPU"):
+    on x86 a result below float32's smallest normal comes out 0 (elsewhere 0 or torch's), the
+    others as torch has them, and the thread's floating-point mode is restored afterwards
+    (torch still makes denormals)."""
     gate = torch.tensor([[1.0, 2.0, -3.0, 0.5, -80.0, 1e-20]], dtype=torch.float32)
     up = torch.tensor([[1e-38, 1.0, 1.0, 1e-39, 1.0, 1e-20]], dtype=torch.float32)
     out = ops().silu_mul(torch.cat([gate, up], dim=1))  # [1, 6]

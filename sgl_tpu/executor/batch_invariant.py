@@ -30,8 +30,8 @@ tests/test_determinism.py re-checks them on the machine that runs the tests):
                       rows, tiles or sequences share the step
     eager torch       torch.compile is off (inductor would fuse differently per bucket)
 
-The cost is measured by `python -m sgl_tpu.bench.determinism` (README, "Deterministic
-inference"). Without the flag nothing here is used.
+The cost is measured by `python -m sgl_tpu.bench.executor --deterministic`
+(docs/determinism.md). Without the flag nothing here is used.
 
 Import-light: no torch, no JAX (the CLI and the config resolution read it).
 """

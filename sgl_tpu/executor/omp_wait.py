@@ -6,7 +6,7 @@ kernels of every layer), with Python between them. After a region, libgomp's thr
 costs ~10 microseconds per region. `OMP_WAIT_POLICY=PASSIVE` (spin count 0) therefore made a
 batch-1 step ~1.2x slower on an idle machine, while long spinning (`ACTIVE`, or libgomp's own
 default of ~3 ms) made steps many times slower next to other busy processes. A short spin is
-the default; next to a busy neighbour it costs up to ~1.4x (README, "OpenMP waiting").
+the default; next to a busy neighbour it costs up to ~1.4x (docs/backends.md, "OpenMP waiting").
 
 `--omp-spin-count N` sets `GOMP_SPINCOUNT` for the scheduler process (0 sleeps at once);
 without it the environment's `GOMP_SPINCOUNT` / `OMP_WAIT_POLICY` apply when set, else

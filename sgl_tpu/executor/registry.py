@@ -90,8 +90,8 @@ def _resolve_compile(args: ServerArgs, backend: str) -> bool:
 def resolve_overlap_schedule(args: ServerArgs, backend: str) -> bool:
     """--overlap-schedule: auto = on for accelerators. On this project's CPUs the overlapped
     loop (its torch runner on one compute thread) measured as fast as the serial one, not
-    faster: the host work it hides is small next to a CPU step (README, "Overlap
-    scheduling")."""
+    faster: the host work it hides is small next to a CPU step
+    (docs/overlap-scheduling.md)."""
     if args.disable_overlap_schedule or args.overlap_schedule == "off":
         return False
     if args.overlap_schedule == "on":
@@ -100,12 +100,12 @@ def resolve_overlap_schedule(args: ServerArgs, backend: str) -> bool:
 
 
 # --speculative-algorithm auto drafts (NGRAM) only while at most this many requests decode. On
-# the 2-core CPU (default model, float32 kernels, 1,300-token contexts; `python -m
-# sgl_tpu.bench.speculative --batches 1,2`, benchmarks/results/speculative_rows_f32.json) a
+# the 2-core CPU (default model, float32 kernels, 1,300-token contexts;
+# benchmarks/results/speculative_rows_f32.json) a
 # verify row costs 0.25-0.4 of the step at 1 and 2 sequences, which the agent-loop workloads'
 # acceptance (40% on a single react answer, 71-83% with 8 agents) pays for or the draft rule
-# stops drafting; with 8 agents drafting did not raise programs/s (README, "Speculative
-# decoding").
+# stops drafting; with 8 agents drafting did not raise programs/s
+# (docs/speculative-decoding.md).
 AUTO_SPECULATIVE_MAX_BATCH = 2
 
 
@@ -221,7 +221,7 @@ def _resolve_kv_cache_dtype(args: ServerArgs, backend: str, dtype: str) -> str:
     "auto" is the compute dtype, except where the dtype was left to the machine too (`--dtype
     auto`) and resolved to float32 on a CPU without AMX (torch backend): there the pool
     is bfloat16, half the bytes a decode step's attention streams (as llama.cpp's f16 KV
-    default; +0.04% perplexity, README "bfloat16 KV cache"). An explicit `--dtype float32`
+    default; +0.04% perplexity, docs/quantization.md). An explicit `--dtype float32`
     keeps float32 K/V, and so does deterministic inference (its invariant kernels are checked
     on pools of the compute dtype). `dtype`: the resolved compute dtype."""
     if args.kv_cache_dtype == "auto":
@@ -237,13 +237,13 @@ def _resolve_kv_cache_dtype(args: ServerArgs, backend: str, dtype: str) -> str:
 
 
 def _resolve_jax_decode_state(args: ServerArgs, backend: str) -> bool:
-    """Device-resident decode batch state for the jax backend (`--jax-decode-state`): auto =
-    on for accelerators, where a step's host -> device copies cost latency (README, "Executor
-    backends"); on CPU the packing path measured the same and stays the default. Under tensor
-    parallelism on one host the state is replicated like the packed batch. Across hosts
-    (`--nnodes`) every rank replays rank 0's runner calls in order (parallel/leader.py) and
-    gets the same replicated token ids back, so their mirrors make the same diffs and scatter
-    the same rows (tests/test_tp_jax_multihost.py)."""
+    """Device-resident decode batch state for the jax backend (`--jax-decode-state`): auto = on
+    for accelerators, where a step's host -> device copies cost latency (docs/backends.md); on
+    CPU the packing path measured the same and stays the default. Under tensor parallelism on
+    one host the state is replicated like the packed batch. Across hosts (`--nnodes`) every
+    rank replays rank 0's runner calls in order (parallel/leader.py) and gets the same
+    replicated token ids back, so their mirrors make the same diffs and scatter the same rows
+    (tests/test_tp_jax_multihost.py)."""
     if backend != "jax" or args.jax_decode_state == "off":
         return False
     if args.jax_decode_state == "on":

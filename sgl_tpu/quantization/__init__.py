@@ -59,7 +59,7 @@ def resolve_quantization(name: str, *, backend: str, device_type: str, compile: 
     `auto` needs bfloat16 activations, or float32 ones with `f32_kernels` (the compiled block
     kernels load): with float32 activations (CPUs without AMX, where `--dtype auto` is
     float32) torch's int4 op measured ~8x slower than a float32 dense GEMV (AVX2, decode rows),
-    the compiled kernels several times faster (README, "Quantization"). `gguf-a8` needs
+    the compiled kernels several times faster (docs/quantization.md). `gguf-a8` needs
     float32 activations and `f32_kernels`."""
     if name == "auto":
         fast = dtype == "bfloat16" or (dtype == "float32" and f32_kernels)

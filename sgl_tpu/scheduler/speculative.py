@@ -57,7 +57,7 @@ from sgl_tpu.scheduler.req import Req
 
 # A verify row's cost as a fraction of one sequence's share of the decode step (the quantity
 # that decides whether a draft raises throughput), on the 2-core CPU (SmolLM2-135M, torch
-# backend, 1,300-token contexts; `python -m sgl_tpu.bench.speculative`): with bfloat16 dense
+# backend, 1,300-token contexts; docs/speculative-decoding.md): with bfloat16 dense
 # weights 0.04-0.2 alone, 0.3-0.37 with 4 sequences and 0.3-0.64 with 8
 # (benchmarks/results/speculative_rows.json); on the float32 block kernels of AVX2 CPUs, which
 # are compute-bound, 0.25-0.4 alone and with 2 (speculative_rows_f32.json). Modelled as

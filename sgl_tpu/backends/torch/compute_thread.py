@@ -9,7 +9,7 @@ threads of its own, kept until that thread exits. Overlapped steps run on a work
 the scheduler's thread also ran torch (building the model, warm-up, prefill, log-probs), the
 process would hold two teams, more OpenMP threads than a 2-core machine has CPUs, and libgomp
 then cuts every team's spin-wait to its throttled count, so each parallel region of every step
-pays a futex wake (`python -m sgl_tpu.bench.omp_teams`; README, "Overlap scheduling"). With
+pays a futex wake (benchmarks/results/omp_teams_cpu.json; docs/overlap-scheduling.md). With
 all compute on one thread the process has one team, as the serial loop has.
 
 The thread allocates from glibc's main malloc arena (`M_ARENA_MAX` 1, set before it starts),

@@ -7,8 +7,8 @@
                      runs bf16 matmuls there several times faster than float32); float32 on
                      other CPUs, AVX512-BF16 ones included: there the float32 path (the GGUF's
                      4-bit blocks on the compiled float32 kernels, a bfloat16 KV cache)
-                     served the agent loop 1.27-1.61x faster than bfloat16 (README,
-                     "Executor backends")
+                     served the agent loop 1.27-1.61x faster than bfloat16
+                     (docs/backends.md)
 """
 
 from __future__ import annotations

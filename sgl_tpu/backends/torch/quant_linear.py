@@ -29,13 +29,12 @@ With bfloat16, GGUF Q8_0 (per-block scales) has no kernel and stays dense: `_wei
 takes one scale per output feature (not exact for Q8_0). The exact form, two int4 nibble planes
 summed (blocks.Int8Groups.split_nibbles), measured 0.76x of bf16 on the default model's
 49152-row head at one row on a quiet machine but 1.33x under load, and 0.86-1.14x on layer-sized
-matrices (`sgl_tpu.bench.quant_linear`): at most ~0.5 ms of a 25 ms batch-1 step, not taken.
+matrices (per-matrix timing): at most ~0.5 ms of a 25 ms batch-1 step, not taken.
 
 `max_rows` comes from `max_kernel_rows`: `MAX_KERNEL_ROWS`, the crossover measured on a 2-core
 AVX512-BF16 CPU (no AMX; the float32 kernels on a 2-core AVX2 CPU, and their AVX-512 build on a
-2-core AVX-512 Xeon) with
-`python -m sgl_tpu.bench.quant_executor --kernel-max-rows 64 [--dtype float32]`
-(per matrix: `sgl_tpu.bench.quant_linear`).
+2-core AVX-512 Xeon), the kernels forced at every row count in the runner's decode step
+(benchmarks/results/README.md lists the commands; docs/quantization.md).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Dimensions: M rows, K input features, N output features.
     linear(x [..., K], PackedWeight, bias) -> [..., N]         in x's dtype, or float32 for a
                                                                 weight packed `float_output`
 
-The cost against oneDNN is `python -m sgl_tpu.bench.determinism` (docs: determinism).
+The cost against oneDNN is `python tools/invariant_gemm_bench.py` (docs/determinism.md).
 """
 
 from __future__ import annotations

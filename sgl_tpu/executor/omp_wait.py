@@ -33,6 +33,8 @@ def configure(spin_count: int | None = None) -> str:
     settings, else `DEFAULT_SPIN_COUNT`) while torch is not loaded yet. Returns what applies,
     for the start-up log."""
     global _set_before_torch
+    if spin_count is None and _set_before_torch:  # an earlier call (maybe the flag's) stands
+        return describe()
     if spin_count is None:
         # (a child process inherits its parent's default: not the user's setting)
         if _FROM_ENV and _FROM_ENV != {"GOMP_SPINCOUNT": str(DEFAULT_SPIN_COUNT)}:

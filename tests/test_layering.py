@@ -22,8 +22,6 @@ from server_harness import REPO_ROOT
 
 FRAMEWORKS = {"jax": ("jax", "jaxlib", "flax"), "torch": ("torch",)}
 HOMES = {"jax": "sgl_tpu.backends.jax", "torch": "sgl_tpu.backends.torch"}
-# Neutral modules allowed one framework, and why.
-EXCEPTIONS: dict[str, tuple[str, str]] = {}
 # the installed package's folders (pyproject.toml's package-dir): module prefix -> folder
 ROOTS = {"sgl_tpu.kernels": REPO_ROOT / "kernels", "sgl_tpu.server": REPO_ROOT / "server",
          "sgl_tpu": REPO_ROOT / "sgl_tpu"}
@@ -91,7 +89,7 @@ def test_only_the_homes_and_their_kernels_import_a_framework():
     found = []
     for name in sorted(MODULES):
         used = {_framework_of(i) for i in IMPORTS[name]} - {None}
-        allowed = {_home_of(name)} | ({EXCEPTIONS[name][0]} if name in EXCEPTIONS else set())
+        allowed = {_home_of(name)}
         if name.startswith("sgl_tpu.kernels"):
             assert len(used) <= 1, f"{name} imports {sorted(used)}: a kernel is one framework's"
             allowed |= used

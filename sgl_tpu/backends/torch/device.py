@@ -126,17 +126,16 @@ def onednn_info() -> dict[str, Any]:
             "amx": "amx" in (impls.get("bf16") or "")}
 
 
+@functools.cache
 def cpu_info() -> dict[str, Any]:
     """The host's vector features, oneDNN's choice, and the flavour and vector code of each
-    compiled kernel (sgl_tpu/backends/torch/kernels/cpu_extension.py) this process loads."""
+    compiled kernel (sgl_tpu/backends/torch/kernels/cpu_extension.py) this process loads; fixed
+    for the process, so read once (every `/server_info` and `/metrics` scrape reports it)."""
     from sgl_tpu.backends.torch.kernels import cpu_extension
 
-    kernels = {}
-    for ext in cpu_extension.EXTENSIONS:
-        module, why = cpu_extension.load_extension(ext)
-        kernels[ext.prefix] = ({"flavour": cpu_extension.flavour_of(module),
-                                "simd": getattr(module, "simd", None)}
-                               if module is not None else {"unavailable": why})
+    kernels = {ext.prefix: ({"flavour": ext.flavour(), "simd": ext.simd()} if ext.available()
+                            else {"unavailable": ext.why_unavailable()})
+               for ext in cpu_extension.EXTENSIONS}
     flags = cpu_flags().split()
     return {"flags": [f for f in _ISA_FLAGS if f in flags], "onednn": onednn_info(),
             "compiled_kernels": kernels}

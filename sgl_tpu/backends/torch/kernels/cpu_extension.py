@@ -101,6 +101,11 @@ class CpuExtension:
         module = load_extension(self)[0]
         return "" if module is None else getattr(module, "simd", None)
 
+    def flavour(self) -> str:
+        """The build this process loads ("native", "avx2", ...; "" unbuilt), from its name."""
+        module = load_extension(self)[0]
+        return "" if module is None else module.__name__.rsplit("_", 2)[1]
+
     def module(self) -> ModuleType:
         """The loaded module; RuntimeError saying why when it does not load."""
         module, why = load_extension(self)
@@ -128,11 +133,6 @@ def flavour_flags(flavour: str) -> list[str]:
 def has_avx2_build() -> bool:
     """Whether `make install` also builds the avx2 flavour (the native build is AVX-512)."""
     return "avx512f" in cpu_flags().split()
-
-
-def flavour_of(module: ModuleType) -> str:
-    """The flavour a loaded module was built as ("native", "avx2", ...), from its name."""
-    return module.__name__.rsplit("_", 2)[1]
 
 
 def link_flags(flags: list[str]) -> list[str]:

@@ -6,7 +6,9 @@ Why outputs moved without it (bfloat16, CPU): a token's hidden state is a chain 
 and the order of each reduction was chosen per call from the shapes of the whole step:
 
     dense GEMMs       oneDNN / XLA pick another kernel for one row (a GEMV, K split over
-                      threads) than for many; quantized linears switch kernel by row count
+                      threads) than for many, and oneDNN's AMX bf16 kernels reduce in an order
+                      that depends on the row count; quantized linears switch kernel by row
+                      count
     row sums          torch reduces a single row over both threads, many rows one per thread
     attention         EXTEND (flash SDPA, with or without a mask) and DECODE (bf16 GEMMs over
                       a shared + own split of the context) sum scores and values differently,
@@ -14,20 +16,24 @@ and the order of each reduction was chosen per call from the shapes of the whole
                       same token's K/V in one whole prefill; the first token after a cache hit
                       comes from an EXTEND of the suffix, a later one from DECODE
 
-What the flag does (each piece checked empirically over many row counts on the CPU it ran on;
-tests/test_determinism.py re-checks them on the machine that runs the tests):
+What the flag does (tests/test_determinism.py checks each piece on the machine that runs the
+tests, and tests/test_isa.py again under every lower ISA it has):
 
+    fixed-order GEMM  torch on a CPU: every projection, the vocabulary head and both attention
+                      products on backends/torch/kernels/invariant_gemm_cpu.py (one FMA chain
+                      per output: the same bits for any row count, thread count or x86 ISA),
+                      never oneDNN
     rows >= MIN_ROWS  every step runs at least two token rows and two sampled rows (a padding
-                      row that writes into reserved page 0), so no GEMM, norm or row sum ever
-                      takes its single-row path; above that, per-row results were bit-identical
-                      for every M tried (2 .. 1,100) on oneDNN bf16 and XLA:CPU
+                      row that writes into reserved page 0), so no norm or row sum ever takes
+                      its single-row path (nor, on JAX, a dot: XLA:CPU's per-row results were
+                      bit-identical for every M tried above one)
     dense weights     `--quantization auto` resolves to none (the quantized kernels are chosen
                       per row count); an explicit quantization is refused
     one attention     EXTEND and DECODE share one kernel (`torch-invariant`, `ref-invariant`):
-                      every query row walks its context in fixed `kv_tile` tiles from position
-                      0, online softmax in float32; tiles past a row's causal horizon are exact
-                      no-ops (p = 0, alpha = 1), so the row's result does not depend on how many
-                      rows, tiles or sequences share the step
+                      every query row attends its context in fixed `kv_tile` tiles from
+                      position 0, softmax in float32; tiles past a row's causal horizon add
+                      exact zeros, so the row's result does not depend on how many rows, tiles
+                      or sequences share the step
     eager torch       torch.compile is off (inductor would fuse differently per bucket)
 
 The cost is measured by `python -m sgl_tpu.bench.executor --deterministic`

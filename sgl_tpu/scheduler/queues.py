@@ -36,7 +36,9 @@ class ReqQueues:
             yield None, self.chunked_req
 
     def is_empty(self) -> bool:
-        return next(iter(self), None) is None
+        """O(1): asked by `has_work` on every turn of the scheduler's loop."""
+        return not (self.waiting or self.running or self.jump_forward_reqs
+                    or self.chunked_req is not None)
 
     def remove(self, queue: list[Req] | None, req: Req) -> None:
         if queue is None:

@@ -49,7 +49,8 @@ import numpy as np
 
 from sgl_tpu.mem_cache.allocator import PageAllocator
 from sgl_tpu.mem_cache.eviction import LeafQueue
-from sgl_tpu.mem_cache.tree_node import TreeNode
+from sgl_tpu.mem_cache.page_hash import ROOT_HASH, chain_hashes
+from sgl_tpu.mem_cache.tree_node import TreeListener, TreeNode
 
 _EMPTY_SLOTS = np.zeros(0, dtype=np.int32)
 _EMPTY_KEY = np.zeros(0, dtype=np.int32)
@@ -80,9 +81,15 @@ class PrefixPeek:
 
 class RadixCache:
     def __init__(self, allocator: PageAllocator, disable: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """``clock`` (seconds, never decreasing) times retention deadlines; tests inject one."""
+                 clock: Callable[[], float] = time.monotonic,
+                 listeners: Sequence[TreeListener] = ()) -> None:
+        """``clock`` (seconds, never decreasing) times retention deadlines; tests inject one.
+
+        ``listeners`` hear every leaf stored and removed (lower tiers, KV events); with any,
+        the tree keeps each page's chain hash (``TreeNode.hashes``)."""
         self.allocator = allocator
+        self.listeners = list(listeners)
+        self.track_hashes = bool(self.listeners)
         self.page_size = allocator.page_size
         self.disable = disable
         self.clock = clock
@@ -289,6 +296,10 @@ class RadixCache:
         RuntimeError if any node is locked (a running request still uses the tree)."""
         if self._protected_size:
             raise RuntimeError(f"reset with {self._protected_size} locked tokens in the tree")
+        if self.listeners:
+            nodes = [n for n in self._walk() if n is not self.root]
+            for listener in self.listeners:
+                listener.clearing(nodes)
         values = []
         for node in self._walk():
             if node is not self.root:
@@ -326,9 +337,12 @@ class RadixCache:
             lock_ref=child.lock_ref,
             last_access_time=child.last_access_time,
             retain_until=child.retain_until,
+            hashes=None if child.hashes is None else child.hashes[: split_len // self.page_size],
         )
         child.key = child.key[split_len:]
         child.value = child.value[split_len:]
+        if child.hashes is not None:
+            child.hashes = child.hashes[split_len // self.page_size:]
         child.parent = new_node
         new_node.children[self._page_key(child.key)] = child
         parent.children[self._page_key(new_node.key)] = new_node
@@ -346,15 +360,23 @@ class RadixCache:
         if np.unique(pages).size != pages.size:
             raise ValueError("insert: a page appears twice in the new slots")
         self._page_in_tree[pages] = True
-        leaf = TreeNode(next(self._node_ids), parent, key, value, last_access_time=now)
+        hashes = None
+        if self.track_hashes:
+            hashes = chain_hashes(parent.last_hash() or ROOT_HASH, key, self.page_size)
+        leaf = TreeNode(next(self._node_ids), parent, key, value, last_access_time=now,
+                        hashes=hashes)
         self.version += 1
         parent.children[self._page_key(key)] = leaf
         self._evictable_leaves.discard(parent)  # no longer a leaf
         self._evictable_size += len(key)
         self._add_evictable_leaf(leaf)
+        for listener in self.listeners:
+            listener.stored(leaf)
         return leaf
 
     def _delete_leaf(self, node: TreeNode) -> None:
+        for listener in self.listeners:
+            listener.removing(node)
         self.version += 1
         parent = node.parent
         del parent.children[self._page_key(node.key)]
@@ -436,6 +458,10 @@ class RadixCache:
             if np.any(rows[:, 0] % ps) or np.any(rows - rows[:, :1] != np.arange(ps)):
                 fail(f"{node!r} value is not runs of whole pages: {node.value.tolist()}")
             pages_seen.append(rows[:, 0] // ps)
+            if self.track_hashes:
+                expected = chain_hashes(node.parent.last_hash() or ROOT_HASH, node.key, ps)
+                if node.hashes is None or not np.array_equal(node.hashes, expected):
+                    fail(f"{node!r} page hashes do not chain from its parent's")
             if node.lock_ref:
                 protected += n
             else:

@@ -12,7 +12,7 @@ class TreeNode:
     """One edge of the tree: ``key`` tokens whose KV lives at ``value`` slots."""
 
     __slots__ = ("id", "parent", "children", "key", "value", "lock_ref", "last_access_time",
-                 "retain_until")
+                 "retain_until", "hashes")
 
     def __init__(
         self,
@@ -23,6 +23,7 @@ class TreeNode:
         lock_ref: int = 0,
         last_access_time: int = 0,
         retain_until: float = 0.0,
+        hashes: np.ndarray | None = None,
     ) -> None:
         self.id = node_id
         self.parent = parent
@@ -32,6 +33,28 @@ class TreeNode:
         self.lock_ref = lock_ref
         self.last_access_time = last_access_time
         self.retain_until = retain_until  # seconds on the tree's clock; 0.0 = never retained
+        # uint8 [num_pages, 16]: the chain hash of each page (page_hash.py), when the tree
+        # tracks them (a lower tier or KV events listen); else None
+        self.hashes = hashes
+
+    def last_hash(self) -> bytes | None:
+        """The chain hash of this edge's last page (None when hashes are not tracked)."""
+        return None if self.hashes is None else self.hashes[-1].tobytes()
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
+
+
+class TreeListener:
+    """What a lower cache tier or a KV-event publisher hears from the tree (no-op defaults).
+
+    Called synchronously by `RadixCache`; a listener must not change the tree."""
+
+    def stored(self, node: TreeNode) -> None:
+        """`node` was just added as a leaf: its key, pages and hashes are new to the tree."""
+
+    def removing(self, node: TreeNode) -> None:
+        """`node` (a leaf) is about to leave the tree: its pages still hold its KV."""
+
+    def clearing(self, nodes: list[TreeNode]) -> None:
+        """The whole tree is about to be emptied (`reset`); `nodes` are all but the root."""

@@ -35,6 +35,15 @@ TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 
                   80.0, 160.0)
 ITL_BUCKETS_S = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                  1.0, 2.0, 5.0)
+# (/server_info "tiers" key, metric name after "sglang:hicache_", help)
+TIER_GAUGES = (
+    ("hit_tokens", "hit_tokens", "Prompt tokens loaded from this tier into the KV pool"),
+    ("load_bytes", "load_bytes", "Bytes loaded from this tier into the KV pool"),
+    ("load_s", "load_seconds", "Seconds spent loading from this tier"),
+    ("demote_bytes", "demote_bytes", "Bytes written into this tier"),
+    ("demote_s", "demote_seconds", "Seconds spent writing into this tier"),
+    ("used_pages", "used_pages", "KV pages this tier holds"),
+)
 E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
 
@@ -74,6 +83,13 @@ class Metrics:
         self.e2e_request_latency = histogram("e2e_request_latency_seconds",
                                              "Time from arrival to the last output token",
                                              E2E_BUCKETS_S)
+        # KV cache tiers (`/server_info` "tiers"), per tier; totals since start-up, set from
+        # the scheduler's snapshot on each scrape
+        self._model_name = model_name
+        self.tier_gauges = {
+            key: Gauge(PREFIX + "hicache_" + name, doc, ["model_name", "tier"],
+                       registry=self.registry)
+            for key, name, doc in TIER_GAUGES}
         # request -> (time of the last update that brought tokens, completion tokens by then);
         # weak, so requests that end without a final update (client gone) leave nothing behind
         self._last_token: weakref.WeakKeyDictionary[ResponseAccumulator, tuple[float, int]] = (
@@ -110,6 +126,11 @@ class Metrics:
         stats = info["stats"]
         prompt = stats["prompt_tokens"]
         self.cache_hit_rate.set(stats["cached_tokens"] / prompt if prompt else 0.0)
+        for tier in ("host", "disk"):
+            values = info.get("tiers", {}).get(tier)
+            if values is not None:
+                for key, gauge in self.tier_gauges.items():
+                    gauge.labels(self._model_name, tier).set(values[key])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

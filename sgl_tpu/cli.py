@@ -9,6 +9,7 @@ import dataclasses
 from sgl_tpu.choices import check_chat_template_choice, registry_choices
 from sgl_tpu.config import (
     DTYPES,
+    HICACHE_WRITE_POLICIES,
     JAX_DECODE_STATE,
     OVERLAP_SCHEDULE,
     ROUTER_POLICIES,
@@ -29,6 +30,19 @@ _HELP = {
                             "previous_response_id (least recently used dropped first)",
     "responses_ttl_s": "Responses API: seconds a stored response is kept after its last use",
     "max_total_tokens": "KV cache capacity in tokens",
+    "enable_hierarchical_cache": "KV cache tiers below the pool: pages evicted from it demote "
+                                 "to host memory (and with --hicache-storage-backend file to "
+                                 "disk), and load back when a prompt reuses them",
+    "hicache_ratio": "host tier size as a multiple of the KV pool's (unless --hicache-size)",
+    "hicache_size": "host tier size in GB (0: from --hicache-ratio)",
+    "hicache_write_policy": "write_through: pages copied to the host tier (and disk) when "
+                            "cached, so eviction is free and the disk holds every prefix for a "
+                            "restart; write_back: copied only when evicted",
+    "hicache_storage_backend": "file: a disk tier below the host tier, in "
+                               "--hicache-storage-dir, that a restarted server with the same "
+                               "model, dtype and page size reads back",
+    "hicache_storage_dir": "folder of the disk tier (default: sgl-tpu-hicache in the "
+                           "temporary folder); one subfolder per model fingerprint",
     "kv_cache_dtype": "KV cache element type: auto (the compute dtype; bfloat16 where "
                       "--dtype auto resolves to float32 on a CPU without AMX, torch "
                       "backend), bfloat16 / bf16 (a float32 model keeps K/V rows rounded to "
@@ -136,7 +150,8 @@ ROUTER_FLAG_PREFIX = "--router-"
 
 _CHOICES = {"dtype": DTYPES, "device": TORCH_DEVICES, "torch_compile": TORCH_COMPILE,
             "overlap_schedule": OVERLAP_SCHEDULE, "jax_decode_state": JAX_DECODE_STATE,
-            "router_policy": ROUTER_POLICIES}
+            "router_policy": ROUTER_POLICIES, "hicache_write_policy": HICACHE_WRITE_POLICIES,
+            "hicache_storage_backend": ("file",)}
 
 
 def build_parser() -> argparse.ArgumentParser:

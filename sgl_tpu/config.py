@@ -24,6 +24,8 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "fp8_e5m2")
 UNSUPPORTED_KV_CACHE_DTYPES = ("fp8_e4m3", "fp4_e2m1")
 # --kv-cache-dtype -> the KV pool's element type (RunnerConfig.kv_cache_dtype)
 KV_POOL_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "fp8_e5m2": "float8_e5m2"}
+HICACHE_WRITE_POLICIES = ("write_through", "write_back")
+
 # The sglang-router's routing policies (`--router-policy`, with `--dp-size` > 1).
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "manual")
 TORCH_DEVICES = ("auto", "cpu", "cuda", "tpu")
@@ -170,6 +172,16 @@ class ServerArgs:
     # well under that) while bounding how long an abandoned session keeps its priority; the
     # KV stays evictable throughout, it is only evicted after unretained KV.
     session_retention_s: float = 30.0
+    # KV cache tiers below the pool (SGLang's HiCache flags, mem_cache/tiers.py): pages evicted
+    # from the pool demote to host memory, then to disk; the pages that follow a request's
+    # device match load back at admission. The disk tier, in a folder per model fingerprint,
+    # survives restarts. Off by default.
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0  # host tier size as a multiple of the pool's (unless size)
+    hicache_size: float = 0.0  # host tier size in GB; 0: from hicache_ratio
+    hicache_write_policy: str = "write_through"  # or "write_back"
+    hicache_storage_backend: str | None = None  # "file": the disk tier, in hicache_storage_dir
+    hicache_storage_dir: str | None = None  # None: "sgl-tpu-hicache" in the temp folder
     # Responses API: stored responses (their conversations, for previous_response_id) kept in
     # memory, at most this many (least recently used dropped first), each this long after its
     # last use.
@@ -338,8 +350,35 @@ class ServerArgs:
             raise ValueError(f"--enable-deterministic-inference runs dense weights (quantized "
                              f"kernels are chosen by row count); drop --quantization "
                              f"{self.quantization}")
+        self._check_hicache()
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name must not be empty")
+
+    def _check_hicache(self) -> None:
+        for name in ("hicache_ratio", "hicache_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) \
+                    or not 0 <= value < float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.hicache_ratio == 0 and self.hicache_size == 0:
+            raise ValueError("the host tier needs --hicache-ratio > 0 or --hicache-size > 0")
+        if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
+            raise ValueError(f"hicache_write_policy must be one of {HICACHE_WRITE_POLICIES}, "
+                             f"got {self.hicache_write_policy!r}")
+        if self.hicache_storage_backend not in (None, "file"):
+            raise ValueError(f"hicache_storage_backend must be file (or unset), "
+                             f"got {self.hicache_storage_backend!r}")
+        if not self.enable_hierarchical_cache:
+            if self.hicache_storage_backend is not None:
+                raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache "
+                                 "(the disk tier sits below the host tier)")
+            return
+        if self.disable_radix_cache:
+            raise ValueError("--enable-hierarchical-cache needs the radix cache; drop "
+                             "--disable-radix-cache")
+        if self.tp_size > 1 or self.nnodes > 1:
+            raise ValueError("--enable-hierarchical-cache runs on one device: use --tp-size 1 "
+                             "and --nnodes 1 (replicas with --dp-size each get their own tiers)")
 
     def replace(self, **changes) -> ServerArgs:
         return dataclasses.replace(self, **changes)

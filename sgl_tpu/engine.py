@@ -12,8 +12,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterator, Sequence
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from sgl_tpu.choices import check_registry_names
 from sgl_tpu.config import ServerArgs
@@ -28,6 +33,11 @@ from sgl_tpu.executor.registry import (
 )
 from sgl_tpu.loader import load_model
 from sgl_tpu.loader.chat_templates import with_chat_template
+from sgl_tpu.loader.loaded import LoadedModel
+from sgl_tpu.mem_cache.disk_tier import DiskTier
+from sgl_tpu.mem_cache.host_tier import HostTier
+from sgl_tpu.mem_cache.radix_cache import RadixCache
+from sgl_tpu.mem_cache.tiers import TieredCache, model_fingerprint
 from sgl_tpu.messages import TokenizedGenerateReq
 from sgl_tpu.parallel.runner_factory import close_runner, create_runner, join_group
 from sgl_tpu.response import ResponseAccumulator, error_status
@@ -80,8 +90,36 @@ def build_scheduler(args: ServerArgs) -> tuple[Scheduler, Any]:
         sched_cfg, runner, num_pages=runner_cfg.num_pages,
         decode=loaded.tokenizer.decode, eos_token_ids=eos,
         vocab_size=loaded.config.vocab_size, grammar=grammar,
-        disable_jump_forward=args.disable_jump_forward)
+        disable_jump_forward=args.disable_jump_forward,
+        tiers=tier_factory(args, loaded, runner, runner_cfg.num_pages))
     return scheduler, loaded
+
+
+def tier_factory(args: ServerArgs, loaded: LoadedModel, runner: Any, num_pages: int
+                 ) -> Callable[[RadixCache], TieredCache] | None:
+    """What builds the host (and disk) tiers over the scheduler's tree, sized from the flags;
+    None without --enable-hierarchical-cache."""
+    if not args.enable_hierarchical_cache:
+        return None
+    row = runner.read_kv_pages(np.zeros(1, dtype=np.int32))  # the padding page: its shape
+    row_bytes = row.shape[1] * row.itemsize
+    host_pages = (int(args.hicache_size * 2**30 // row_bytes) if args.hicache_size
+                  else int(args.hicache_ratio * num_pages))
+    host = HostTier(host_pages, row.shape[1], row.dtype)
+    disk = None
+    if args.hicache_storage_backend == "file":
+        folder = args.hicache_storage_dir or Path(tempfile.gettempdir()) / "sgl-tpu-hicache"
+        fingerprint = model_fingerprint(repr(loaded.config), loaded.params,
+                                        runner.kv_page_layout())
+        try:
+            disk = DiskTier(folder, fingerprint, args.page_size, row.shape[1], row.dtype)
+        except OSError as e:
+            logger.warning("KV disk tier: cannot use %s (%s); host tier only", folder, e)
+    logger.info("KV tiers: host %d pages (%.2f GB, %s)%s", host_pages,
+                host_pages * row_bytes / 2**30, args.hicache_write_policy,
+                "" if disk is None else f", disk {disk.dir} ({len(disk)} pages found)")
+    return partial(TieredCache, runner, host=host, disk=disk,
+                   write_policy=args.hicache_write_policy)
 
 
 class Engine:

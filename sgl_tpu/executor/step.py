@@ -136,6 +136,12 @@ class ModelRunner(Protocol):
     # Optional (overlap scheduling): `dispatch(mode, steps) -> PendingStep` starts the step
     # and returns at once; its input ids may hold placeholders (see the module docstring).
 
+    # Optional (the lower cache tiers, mem_cache/tiers.py), on single-device runners:
+    # `read_kv_pages(pages, out=None) -> rows` copies whole KV pages to host memory as raw-bit
+    # rows [len(pages), row elements] (into `out` when given), `write_kv_pages(pages, rows)`
+    # stores such rows back, and
+    # `kv_page_layout() -> str` names the rows' layout and dtype (part of a disk file's key).
+
     def token_logprobs(self, hidden: Any, target_ids: np.ndarray
                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Log-probs of target_ids[t] under row t of an EXTEND step's hidden states, with the

@@ -88,8 +88,8 @@ class RadixCache:
         ``listeners`` hear every leaf stored and removed (lower tiers, KV events); with any,
         the tree keeps each page's chain hash (``TreeNode.hashes``)."""
         self.allocator = allocator
-        self.listeners = list(listeners)
-        self.track_hashes = bool(self.listeners)
+        self.listeners: list[TreeListener] = []
+        self.track_hashes = False
         self.page_size = allocator.page_size
         self.disable = disable
         self.clock = clock
@@ -99,6 +99,8 @@ class RadixCache:
         self.num_evicted_retained_tokens = 0  # evicted while still under retention
         self.version = 0
         self._init_state()
+        for listener in listeners:
+            self.add_listener(listener)
 
     def _init_state(self) -> None:
         self.root = TreeNode(next(self._node_ids), None, _EMPTY_KEY, _EMPTY_SLOTS)
@@ -110,6 +112,13 @@ class RadixCache:
         self.version += 1
         # page -> held by the tree; catches a caller inserting pages the tree already owns.
         self._page_in_tree = np.zeros(self.allocator.num_pages, dtype=bool)
+
+    def add_listener(self, listener: TreeListener) -> None:
+        """Add a listener; only before anything is stored (hashes are kept from then on)."""
+        if self.total_size():
+            raise RuntimeError("listeners are added to an empty tree")
+        self.listeners.append(listener)
+        self.track_hashes = True
 
     # ---- sizes -------------------------------------------------------------------------------
 

@@ -25,14 +25,16 @@ import numpy as np
 
 from sgl_tpu.mem_cache.allocator import PageAllocator
 from sgl_tpu.mem_cache.radix_cache import RadixCache, check_page_accounting
+from sgl_tpu.mem_cache.tiers import TieredCache
 from sgl_tpu.scheduler.req import Req
 
 
 class KVManager:
     def __init__(self, allocator: PageAllocator, tree: RadixCache,
-                 session_retention_s: float = 0.0) -> None:
+                 session_retention_s: float = 0.0, tiers: TieredCache | None = None) -> None:
         self.allocator = allocator
         self.tree = tree
+        self.tiers = tiers  # host/disk tiers below the pool (mem_cache/tiers.py), or None
         self.page_size = allocator.page_size
         self.session_retention_s = session_retention_s
 
@@ -69,10 +71,14 @@ class KVManager:
 
     # ---- admission -----------------------------------------------------------------------
     def admit_prefix(self, req: Req) -> None:
-        """Lock the longest cached prefix of `req` (capped by `req.max_prefix_len`)."""
+        """Lock the longest cached prefix of `req` (capped by `req.max_prefix_len`), loading
+        into the pool what the lower tiers hold beyond the device match."""
         assert req.last_node is None and not req.pages, "request already holds KV"
         ps = self.page_size
-        match = self.tree.match_prefix(req.fill_ids[: req.max_prefix_len])
+        key = req.fill_ids[: req.max_prefix_len]
+        match = self.tree.match_prefix(key)
+        if self.tiers is not None:  # what follows the match in the host or disk tier
+            match = self.tiers.load(np.asarray(key, dtype=np.int32), match)
         prefix_len = match.prefix_len // ps * ps
         self.tree.inc_lock_ref(match.last_node)
         req.last_node = match.last_node
@@ -167,3 +173,5 @@ class KVManager:
         held = sum(self.owned_pages(r, self.page_size) for r in reqs_holding_kv)
         check_page_accounting(self.allocator, self.tree, held)
         self.tree.check_integrity()
+        if self.tiers is not None:
+            self.tiers.check()

@@ -54,6 +54,7 @@ from sgl_tpu.constrained.grammar_manager import GrammarManager
 from sgl_tpu.executor.step import DoneStep, ForwardMode, ModelRunner, StepResult
 from sgl_tpu.mem_cache.allocator import PageAllocator
 from sgl_tpu.mem_cache.radix_cache import RadixCache
+from sgl_tpu.mem_cache.tiers import TieredCache
 from sgl_tpu.messages import ReqOutput, TokenizedGenerateReq
 from sgl_tpu.scheduler import finish
 from sgl_tpu.scheduler.append import Appended, TokenAppender
@@ -84,14 +85,20 @@ class Scheduler:
         vocab_size: int,
         grammar: GrammarManager | None = None,
         disable_jump_forward: bool = False,
+        tiers: Callable[[RadixCache], TieredCache] | None = None,
     ) -> None:
+        """`tiers` builds the host/disk tiers below the pool over the tree (None: no tiers)."""
         self.config = config
         self.runner = runner
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
         allocator = PageAllocator(num_pages, config.page_size)
-        self.kv = KVManager(allocator, RadixCache(allocator, disable=config.disable_radix_cache),
-                            session_retention_s=config.session_retention_s)
+        tree = RadixCache(allocator, disable=config.disable_radix_cache)
+        self.tiers = None if tiers is None else tiers(tree)
+        if self.tiers is not None:
+            tree.add_listener(self.tiers)
+        self.kv = KVManager(allocator, tree, session_retention_s=config.session_retention_s,
+                            tiers=self.tiers)
         self.queues = ReqQueues(config.max_running_requests)
         self.stats = SchedulerStats()
         self._aborts: set[str] = set()
@@ -377,10 +384,13 @@ class Scheduler:
         return outputs
 
     def flush_cache(self) -> bool:
-        """Empty the radix tree; refused (False) while requests hold KV."""
+        """Empty the radix tree and the tiers below it; refused (False) while requests hold
+        KV."""
         if not self.queues.is_empty():
             return False
         self.kv.tree.reset()
+        if self.tiers is not None:
+            self.tiers.clear()
         return True
 
     def check_integrity(self) -> None:

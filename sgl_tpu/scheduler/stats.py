@@ -32,6 +32,8 @@ def server_info(scheduler: Scheduler) -> dict[str, Any]:
         "compute": scheduler.runner.compute_info(),
         "stats": stats,
     }
+    if scheduler.tiers is not None:  # host/disk tiers: hits, loads, demotions, occupancy
+        data["tiers"] = scheduler.tiers.info()
     if not scheduler.has_work:
         try:
             scheduler.check_integrity()

@@ -44,6 +44,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sgl_tpu.backends.jax import kv_pages
 from sgl_tpu.backends.jax import decode_state as jds
 from sgl_tpu.backends.jax import mesh as tp_mesh
 from sgl_tpu.backends.jax.forward_batch import (
@@ -330,6 +331,16 @@ class JaxModelRunner:
         heads each copy counts)."""
         k, _ = self.kv_pools[0]
         return 2 * k.size * k.dtype.itemsize * len(self.kv_pools)
+
+    # ---- KV pages to and from host memory (the lower cache tiers) ------------------------
+    def kv_page_layout(self) -> str:
+        return kv_pages.page_layout(self.kv_pools)
+
+    def read_kv_pages(self, pages: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        return kv_pages.read_pages(self.kv_pools, pages, out)
+
+    def write_kv_pages(self, pages: np.ndarray, rows: np.ndarray) -> None:
+        self.kv_pools = kv_pages.write_pages(self.kv_pools, pages, rows)
 
     def num_compilations(self) -> int:
         """Compiled variants of the jitted entry points so far."""

@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from sgl_tpu.backends.torch import invariant_linear, sampler
+from sgl_tpu.backends.torch import invariant_linear, kv_pages, sampler
 from sgl_tpu.backends.torch.compute_thread import ComputeThread
 from sgl_tpu.backends.torch.decode_state import row_uniforms
 from sgl_tpu.backends.torch.device import (
@@ -255,6 +255,24 @@ class TorchModelRunner:
     def kv_bytes(self) -> int:
         k, _ = self.kv_pools[0]
         return 2 * k.numel() * k.element_size() * len(self.kv_pools)
+
+    # ---- KV pages to and from host memory (the lower cache tiers) ------------------------
+    def kv_page_layout(self) -> str:
+        return kv_pages.page_layout(self.kv_pools, self.config.page_size)
+
+    def read_kv_pages(self, pages: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        self._wait_in_flight()
+        return self._call(kv_pages.read_pages, self.kv_pools, pages, self.config.page_size, out)
+
+    def write_kv_pages(self, pages: np.ndarray, rows: np.ndarray) -> None:
+        self._wait_in_flight()
+        self._call(kv_pages.write_pages, self.kv_pools, pages, rows, self.config.page_size)
+
+    def _wait_in_flight(self) -> None:
+        """Let a step dispatched to the worker thread finish (its pages are never the ones a
+        tier reads or writes, but its kernels run on the same pool tensors)."""
+        if self._in_flight is not None:
+            futures.wait([self._in_flight])
 
     # ---- packing -----------------------------------------------------------------------
     def _pack(self, mode: ForwardMode, steps: Sequence[SeqStep], num_rows: int | None

@@ -1,0 +1,260 @@
+"""Tiers below the KV pool: host memory, then disk (SGLang's HiCache, on one host).
+
+    device pool (radix tree) ──evict: demote──► host tier ──drop: demote──► disk tier
+          ▲                                        │                          │
+          └────── admission: load back ◄───────────┴──────────────────────────┘
+
+Pages are keyed by chain hash (`page_hash.py`): a page's hash names its tokens and every token
+before them, so the tiers need no tree of their own. The device tree tells this module when a
+leaf is stored and when it is about to be evicted (`TreeListener`); a request's admission asks
+it to load the pages that follow the device match (`load`).
+
+Write policies (`--hicache-write-policy`, SGLang's names):
+  write_through  a page is copied to the host tier when the tree stores it (and queued for the
+                 disk tier when the host tier takes it): an eviction frees the pool at once,
+                 and the disk holds every prefix for a restart.
+  write_back     a page is copied to the host tier only when it is evicted from the pool, and
+                 to disk only when the host tier drops it: less copying, a cold disk.
+
+A load copies the found pages' rows out of the tiers first, then frees pool pages (an eviction
+may demote other pages and push host entries out, never the rows already copied), writes them
+into the pool (`write_kv_pages`) and inserts them into the tree, where the request's admission
+locks them like any cached prefix. Tiers hold the pool's dtype as raw bits: an fp8 pool stays
+fp8. On CPU a load is a memory copy into the pool. On an accelerator the same copies cross the
+host link; see docs/kv-cache-tiers.md for the bandwidth and the overlap with compute.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from sgl_tpu.mem_cache.disk_tier import DiskTier
+from sgl_tpu.mem_cache.host_tier import HostTier
+from sgl_tpu.mem_cache.page_hash import ROOT_HASH, chain_hashes
+from sgl_tpu.mem_cache.radix_cache import MatchResult, RadixCache
+from sgl_tpu.mem_cache.tree_node import TreeListener, TreeNode
+
+logger = logging.getLogger(__name__)
+
+WRITE_POLICIES = ("write_through", "write_back")
+
+
+class KVPageIO(Protocol):
+    """What the tiers need from a runner (the step contract's optional KV-page methods)."""
+
+    def read_kv_pages(self, pages: np.ndarray, out: np.ndarray | None = None
+                      ) -> np.ndarray: ...
+
+    def write_kv_pages(self, pages: np.ndarray, rows: np.ndarray) -> None: ...
+
+
+@dataclass
+class TierCounters:
+    """What one tier did so far (`/server_info` "tiers", `/metrics`)."""
+
+    hit_tokens: int = 0  # prompt tokens loaded from this tier into the pool
+    load_bytes: int = 0
+    load_s: float = 0.0
+    demote_bytes: int = 0  # written into this tier (from the pool, or from the host tier)
+    demote_s: float = 0.0
+
+
+class TieredCache(TreeListener):
+    def __init__(self, io: KVPageIO, tree: RadixCache, host: HostTier,
+                 disk: DiskTier | None = None, write_policy: str = "write_through") -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+        self.io = io
+        self.tree = tree
+        self.allocator = tree.allocator
+        self.page_size = tree.page_size
+        self.host = host
+        self.disk = disk
+        self.write_through = write_policy == "write_through"
+        self.write_policy = write_policy
+        self.host_counters = TierCounters()
+        self.disk_counters = TierCounters()
+        # Row buffers reused by every copy (fresh memory is faulted in page by page, which
+        # costs more than the copy): one for demotions, one for loads, since a load's
+        # eviction demotes while the load's rows wait.
+        self._demote_buf = _RowBuffer(host.rows.shape[1], host.rows.dtype)
+        self._load_buf = _RowBuffer(host.rows.shape[1], host.rows.dtype)
+
+    # ---- the tree's events (TreeListener) --------------------------------------------------
+    def stored(self, node: TreeNode) -> None:
+        if self.write_through:
+            self._backup(node)
+
+    def removing(self, node: TreeNode) -> None:
+        self._backup(node)
+
+    def _backup(self, node: TreeNode) -> None:
+        """Copy `node`'s pages that the host tier lacks into it (refreshing the others)."""
+        ps = self.page_size
+        hashes = [h.tobytes() for h in node.hashes]
+        missing = [i for i, h in enumerate(hashes) if self.host.get(h) is None]
+        if not missing:
+            return
+        t0 = time.perf_counter()
+        pages = self.allocator.slots_to_pages(node.value)[missing]
+        rows = self.io.read_kv_pages(pages, self._demote_buf.get(len(pages)))
+        for row, i in zip(rows, missing, strict=True):
+            tokens = node.key[i * ps:(i + 1) * ps]
+            dropped = self.host.put(hashes[i], tokens, row)
+            if self.disk is not None:
+                if self.write_through:
+                    self.disk.write(hashes[i], tokens, row)
+                elif dropped is not None:
+                    self.disk.write(*dropped)
+        self.host_counters.demote_bytes += len(missing) * self.host.row_bytes
+        self.host_counters.demote_s += time.perf_counter() - t0
+
+    # ---- loading back ----------------------------------------------------------------------
+    def load(self, key: np.ndarray, match: MatchResult) -> MatchResult:
+        """Load the pages of `key` that follow `match` (the device tree's match of `key`) from
+        the lower tiers into the pool and the tree, as many as are found in a row and fit;
+        return the new match (`match` itself when nothing was loaded)."""
+        ps = self.page_size
+        t0 = time.perf_counter()
+        found = self._find(key, match.prefix_len, match.last_node.last_hash())
+        if not found:
+            return match
+        self.tree.inc_lock_ref(match.last_node)  # eviction below must not take the match
+        try:
+            n = min(len(found), self.allocator.num_free_pages
+                    + self.tree.evictable_size() // ps)
+            short = n - self.allocator.num_free_pages
+            if short > 0:
+                self.tree.evict(short * ps)
+            pages = self.allocator.alloc(n) if n else None
+        finally:
+            self.tree.dec_lock_ref(match.last_node)
+        if pages is None:
+            return match
+        self.io.write_kv_pages(pages, self._load_buf.get(n))
+        end = match.prefix_len + n * ps
+        slots = np.concatenate([match.slots, self.allocator.pages_to_slots(pages, n * ps)])
+        self.tree.insert(key[:end], slots)
+        elapsed = time.perf_counter() - t0
+        for tier, counters in (("host", self.host_counters), ("disk", self.disk_counters)):
+            num = found[:n].count(tier)
+            counters.hit_tokens += num * ps
+            counters.load_bytes += num * self.host.row_bytes
+            counters.load_s += elapsed * num / n
+        new = self.tree.match_prefix(key[:end])
+        if new.prefix_len != end:
+            raise RuntimeError(f"tree lost loaded pages ({new.prefix_len} != {end})")
+        return new
+
+    def _find(self, key: np.ndarray, start: int, parent_hash: bytes | None) -> list[str]:
+        """The tier of each page of `key` from token `start` on, while found; their rows are
+        copied, in order, into the load buffer."""
+        ps = self.page_size
+        prev = parent_hash or ROOT_HASH
+        tiers: list[str] = []
+        for p in range(start // ps, len(key) // ps):
+            tokens = np.asarray(key[p * ps:(p + 1) * ps], dtype=np.int32)
+            page_hash = chain_hashes(prev, tokens, ps)[0].tobytes()
+            row = self.host.get(page_hash)
+            tier = "host"
+            if row is None and self.disk is not None:
+                row, tier = self.disk.read(page_hash, tokens), "disk"
+            if row is None:
+                break
+            self._load_buf.get(len(tiers) + 1, keep=True)[-1] = row
+            tiers.append(tier)
+            prev = page_hash
+        return tiers
+
+    # ---- lifetime, reports -----------------------------------------------------------------
+    def clear(self) -> None:
+        """Empty the host and disk tiers (`/flush_cache`)."""
+        self.host.clear()
+        if self.disk is not None:
+            self.disk.clear()
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+
+    def info(self) -> dict[str, Any]:
+        """Per tier: hits, loads, demotions and occupancy (`/server_info` "tiers")."""
+        host = {"capacity_pages": self.host.capacity, "used_pages": len(self.host),
+                "capacity_bytes": self.host.capacity * self.host.row_bytes,
+                **vars(self.host_counters)}
+        out: dict[str, Any] = {"write_policy": self.write_policy, "host": host}
+        if self.disk is not None:
+            disk_counters = dict(vars(self.disk_counters))
+            disk_counters["demote_bytes"] = self.disk.write_bytes
+            disk_counters["demote_s"] = self.disk.write_s
+            out["disk"] = {"dir": str(self.disk.dir), "writable": self.disk.writable,
+                           "used_pages": len(self.disk), "used_bytes": self.disk.bytes_on_disk(),
+                           "queued_pages": self.disk.queued(),
+                           "skipped_files": self.disk.skipped_files, **disk_counters}
+        return out
+
+    def check(self, deep: bool = False) -> None:
+        """RuntimeError on a broken tier invariant. `deep` (tests): every tree page the host
+        tier also holds has the same content in both."""
+        if (problem := self.host.check()) is not None:
+            raise RuntimeError(problem)
+        if not deep:
+            return
+        for node in self.tree._walk():
+            if node is self.tree.root:
+                continue
+            pages = self.allocator.slots_to_pages(node.value)
+            for i, h in enumerate(node.hashes):
+                row = self.host.get(h.tobytes())
+                if row is not None and not np.array_equal(
+                        row, self.io.read_kv_pages(pages[i:i + 1])[0]):
+                    raise RuntimeError(f"tiers disagree on page {i} of {node!r}")
+
+
+class _RowBuffer:
+    """A growing array of page rows, reused from call to call."""
+
+    def __init__(self, row_elems: int, dtype: np.dtype) -> None:
+        self._rows = np.empty((0, row_elems), dtype=dtype)
+
+    def get(self, n: int, keep: bool = False) -> np.ndarray:
+        """The first `n` rows; `keep`: rows already there survive a growth."""
+        if n > len(self._rows):
+            grown = np.empty((max(n, 2 * len(self._rows)), self._rows.shape[1]),
+                             dtype=self._rows.dtype)
+            if keep:
+                grown[:len(self._rows)] = self._rows
+            self._rows = grown
+        return self._rows[:n]
+
+
+def model_fingerprint(model_desc: str, params: Any, layout: str) -> bytes:
+    """16 bytes naming what a KV page depends on: the model (its config and a sample of every
+    weight), the runner's page layout and dtype. Disk files are kept per fingerprint."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(model_desc.encode())
+    h.update(layout.encode())
+    for name, array in _arrays(params):
+        a = np.asarray(array)
+        h.update(f"{name}{a.shape}{a.dtype}".encode())
+        flat = a.reshape(-1)
+        h.update(np.ascontiguousarray(flat[:: max(1, flat.size // 4096)]).tobytes())
+    return h.digest()
+
+
+def _arrays(params: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(params, dict):
+        for k in sorted(params):
+            yield from _arrays(params[k], f"{prefix}/{k}")
+    elif isinstance(params, list | tuple):
+        for i, v in enumerate(params):
+            yield from _arrays(v, f"{prefix}/{i}")
+    elif params is not None:
+        yield prefix, params

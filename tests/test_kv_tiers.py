@@ -1,0 +1,356 @@
+"""KV cache tiers below the pool (mem_cache/tiers.py, host_tier.py, disk_tier.py): content kept
+exactly through demotion, loading and restarts; integrity of every tier; bad files skipped; a
+failing disk degrades to the host tier; the runners' page copies; and a real server that
+serves an evicted prefix from host memory, then from disk after a restart."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from sgl_tpu.backends.torch import kv_pages as torch_kv_pages
+from sgl_tpu.mem_cache.allocator import PageAllocator
+from sgl_tpu.mem_cache.disk_tier import DiskTier
+from sgl_tpu.mem_cache.host_tier import HostTier
+from sgl_tpu.mem_cache.page_hash import ROOT_HASH, chain_hashes
+from sgl_tpu.mem_cache.radix_cache import RadixCache, check_page_accounting
+from sgl_tpu.mem_cache.tiers import TieredCache, model_fingerprint
+
+ROW_ELEMS = 8  # int16 per page row in the numpy pool
+FINGERPRINT = bytes(range(16))
+
+
+class NumpyPool:
+    """A KV pool in host memory: the runner's page-copy methods over a numpy array."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.rows = np.zeros((num_pages, ROW_ELEMS), dtype=np.int16)
+
+    def read_kv_pages(self, pages, out=None):
+        rows = self.rows[np.asarray(pages)]
+        if out is None:
+            return rows
+        out[...] = rows
+        return out
+
+    def write_kv_pages(self, pages, rows) -> None:
+        self.rows[np.asarray(pages)] = rows
+
+
+def content(page_hash: bytes) -> np.ndarray:
+    """What "computing" a page writes: a function of its tokens and everything before them."""
+    return np.frombuffer(hashlib.blake2b(page_hash, digest_size=2 * ROW_ELEMS).digest(),
+                         dtype=np.int16)
+
+
+def expected_rows(key: list[int], num_tokens: int, page_size: int) -> np.ndarray:
+    hashes = chain_hashes(ROOT_HASH, np.asarray(key[:num_tokens], np.int32), page_size)
+    return np.stack([content(h.tobytes()) for h in hashes]) if len(hashes) else \
+        np.zeros((0, ROW_ELEMS), np.int16)
+
+
+class Server:
+    """One life of a server: a pool, a tree and its tiers (the disk folder outlives it)."""
+
+    def __init__(self, page_size: int, host_pages: int, policy: str, disk_dir: Path | None):
+        self.ps = page_size
+        self.allocator = PageAllocator(num_pages=10, page_size=page_size)
+        self.pool = NumpyPool(10)
+        self.tree = RadixCache(self.allocator)
+        disk = None if disk_dir is None else DiskTier(disk_dir, FINGERPRINT, page_size,
+                                                      ROW_ELEMS, np.int16)
+        self.tiers = TieredCache(self.pool, self.tree, HostTier(host_pages, ROW_ELEMS, np.int16),
+                                 disk, policy)
+        self.tree.add_listener(self.tiers)
+
+    def run(self, key: list[int]) -> int:
+        """Admit, "compute" and finish a request as KVManager does; return its cached length
+        (device match plus what the tiers loaded), after checking the cached pages' content."""
+        ps = self.ps
+        key_arr = np.asarray(key, np.int32)
+        match = self.tiers.load(key_arr, self.tree.match_prefix(key_arr))
+        cached = match.prefix_len
+        pages = self.allocator.slots_to_pages(match.slots)
+        np.testing.assert_array_equal(self.pool.rows[pages], expected_rows(key, cached, ps))
+        self.tree.inc_lock_ref(match.last_node)
+        new = len(key) // ps - cached // ps
+        if new > self.allocator.num_free_pages:
+            self.tree.evict((new - self.allocator.num_free_pages) * ps)
+        fresh = self.allocator.alloc(new)
+        if fresh is None:  # the pool is too small for this request: it does not run
+            self.tree.dec_lock_ref(match.last_node)
+            return cached
+        self.pool.rows[fresh] = expected_rows(key, len(key) // ps * ps, ps)[cached // ps:]
+        slots = np.concatenate([match.slots,
+                                self.allocator.pages_to_slots(fresh, len(fresh) * ps)])
+        self.tree.insert(key_arr[:len(slots)], slots)
+        self.tree.dec_lock_ref(match.last_node)
+        return cached
+
+    def check(self) -> None:
+        self.tree.check_integrity()
+        self.tiers.check(deep=True)
+        check_page_accounting(self.allocator, self.tree, held_by_requests=0)
+
+
+BASES = ([1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 6, 6, 7, 7, 8, 8])
+
+
+class TierMachine(RuleBasedStateMachine):
+    """Random requests, evictions, flushes and restarts; every cached page's content must be
+    what computing it would write, and every tier's bookkeeping must hold."""
+
+    @initialize(page_size=st.sampled_from([1, 2]), host_pages=st.sampled_from([2, 5, 20]),
+                policy=st.sampled_from(["write_through", "write_back"]),
+                with_disk=st.booleans())
+    def setup(self, page_size, host_pages, policy, with_disk):
+        self.dir = Path(tempfile.mkdtemp(prefix="kv_tiers_")) if with_disk else None
+        self.args = (page_size, host_pages, policy, self.dir)
+        self.server = Server(*self.args)
+
+    def teardown(self):
+        if getattr(self, "server", None) is not None and self.server.tiers.disk is not None:
+            self.server.tiers.close()
+        if getattr(self, "dir", None) is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    @rule(base=st.integers(0, len(BASES) - 1), cut=st.integers(1, 8),
+          tail=st.lists(st.integers(10, 12), max_size=6))
+    def request(self, base, cut, tail):
+        key = BASES[base][:cut] + tail
+        self.server.run(key)
+        # the same prompt again is cached up to its last whole page that fits the pool
+        again = self.server.run(key)
+        assert again <= len(key)
+
+    @rule(num_tokens=st.integers(1, 12))
+    def evict(self, num_tokens):
+        self.server.tree.evict(num_tokens)
+
+    @rule()
+    def flush(self):
+        self.server.tree.reset()
+        self.server.tiers.clear()
+        assert len(self.server.tiers.host) == 0
+        if self.server.tiers.disk is not None:
+            assert len(self.server.tiers.disk) == 0
+
+    @rule()
+    def restart(self):
+        """A new process: empty pool and host tier; the disk folder stays."""
+        if self.server.tiers.disk is not None:
+            self.server.tiers.close()  # (a stop writes what is queued)
+        self.server = Server(*self.args)
+
+    @invariant()
+    def consistent(self):
+        if hasattr(self, "server"):
+            self.server.check()
+
+
+TestTierMachine = TierMachine.TestCase
+TestTierMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
+                                    suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_evicted_prefix_is_loaded_from_host_then_disk(tmp_path):
+    server = Server(page_size=2, host_pages=3, policy="write_back", disk_dir=tmp_path)
+    key = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert server.run(key) == 0
+    server.tree.evict(100)  # all 4 pages demote to host; host keeps 3, drops one to disk
+    assert server.tree.total_size() == 0
+    server.tiers.disk.flush()
+    assert len(server.tiers.host) == 3 and len(server.tiers.disk) == 1
+    assert server.run(key) == 8
+    info = server.tiers.info()
+    assert info["host"]["hit_tokens"] == 6 and info["disk"]["hit_tokens"] == 2
+    server.check()
+
+
+def test_restart_finds_prefixes_on_disk(tmp_path):
+    first = Server(page_size=2, host_pages=8, policy="write_through", disk_dir=tmp_path)
+    key = list(range(1, 12))
+    first.run(key)
+    first.tiers.close()
+    second = Server(page_size=2, host_pages=8, policy="write_through", disk_dir=tmp_path)
+    assert second.run(key) == 10  # every whole page, checked against its content
+    assert second.tiers.info()["disk"]["hit_tokens"] == 10
+
+
+def _page_files(server: Server) -> list[Path]:
+    return sorted(server.tiers.disk.dir.glob("*.kv"))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "foreign"])
+def test_bad_disk_files_are_skipped_with_a_warning(tmp_path, caplog, damage):
+    first = Server(page_size=2, host_pages=8, policy="write_through", disk_dir=tmp_path)
+    key = [3, 1, 4, 1, 5, 9, 2, 6]
+    first.run(key)
+    first.tiers.close()
+    hashes = chain_hashes(ROOT_HASH, np.asarray(key, np.int32), 2)
+    bad = first.tiers.disk.dir / (hashes[2].tobytes().hex() + ".kv")  # the third page
+    blob = bytearray(bad.read_bytes())
+    if damage == "truncate":
+        blob = blob[:-3]
+    elif damage == "flip":
+        blob[-1] ^= 0xFF
+    else:  # a file of another model under the expected name
+        blob[12:28] = bytes(16)
+    bad.write_bytes(bytes(blob))
+    second = Server(page_size=2, host_pages=8, policy="write_through", disk_dir=tmp_path)
+    with caplog.at_level(logging.WARNING, logger="sgl_tpu.mem_cache.disk_tier"):
+        assert second.run(key) == 4  # the two pages before the bad one; never the bad one
+    assert "skipping" in caplog.text
+    assert second.tiers.info()["disk"]["skipped_files"] == 1
+    second.check()
+
+
+def test_a_failing_disk_degrades_to_the_host_tier(tmp_path, caplog):
+    server = Server(page_size=2, host_pages=8, policy="write_through", disk_dir=tmp_path)
+    folder = server.tiers.disk.dir
+    shutil.rmtree(folder)
+    folder.write_bytes(b"")  # the folder is now a file: every write fails
+    with caplog.at_level(logging.WARNING, logger="sgl_tpu.mem_cache.disk_tier"):
+        server.run([1, 2, 3, 4, 5, 6])
+        server.tiers.disk.flush()
+    assert not server.tiers.disk.writable
+    assert "host tier only" in caplog.text
+    assert len(server.tiers.disk) == 0  # nothing half-written is listed
+    server.tree.evict(100)
+    assert server.run([1, 2, 3, 4, 5, 6]) == 6  # served from the host tier
+    server.check()
+
+
+def test_a_disk_folder_that_cannot_be_made_is_an_os_error(tmp_path):
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(OSError):
+        DiskTier(tmp_path / "file" / "kv", FINGERPRINT, 2, ROW_ELEMS, np.int16)
+
+
+def test_fingerprint_names_the_model_and_the_layout():
+    params = {"embed": np.arange(12.0).reshape(3, 4), "layers": [{"wk": np.ones((2, 2))}]}
+    base = model_fingerprint("cfg", params, "layout")
+    other = {"embed": params["embed"] + 1, "layers": params["layers"]}
+    assert model_fingerprint("cfg", params, "layout") == base
+    assert model_fingerprint("cfg", other, "layout") != base
+    assert model_fingerprint("cfg", params, "other layout") != base
+    assert model_fingerprint("other cfg", params, "layout") != base
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2])
+def test_torch_page_copies_round_trip(dtype):
+    ps, pools = 4, [(torch.randn(64, 3, 8).to(dtype), torch.randn(64, 3, 8).to(dtype))
+                    for _ in range(2)]
+    rows = torch_kv_pages.read_pages(pools, np.array([3, 5]), ps)
+    assert rows.shape == (2, 2 * 2 * ps * 3 * 8) and rows.itemsize == pools[0][0].element_size()
+    out = np.empty_like(rows)
+    assert torch_kv_pages.read_pages(pools, np.array([3, 5]), ps, out) is out
+    np.testing.assert_array_equal(out, rows)
+    torch_kv_pages.write_pages(pools, np.array([9, 1]), rows, ps)
+    for k, v in pools:
+        for t in (k, v):
+            assert torch.equal(t[36:40].view(torch.uint8), t[12:16].view(torch.uint8))
+            assert torch.equal(t[4:8].view(torch.uint8), t[20:24].view(torch.uint8))
+
+
+def test_jax_page_copies_round_trip():
+    import jax.numpy as jnp
+
+    from sgl_tpu.backends.jax import kv_pages as jax_kv_pages
+    rng = np.random.default_rng(0)
+    pools = [tuple(jnp.asarray(rng.standard_normal((3, 16, 4, 8)), dtype=jnp.bfloat16)
+                   for _ in range(2)) for _ in range(2)]
+    before = [tuple(np.asarray(t) for t in layer) for layer in pools]
+    rows = jax_kv_pages.read_pages(pools, np.array([2, 7, 11]))
+    assert rows.shape == (3, 2 * 2 * 3 * 4 * 8) and rows.dtype == np.uint16
+    pools = jax_kv_pages.write_pages(pools, np.array([5, 6, 1]), rows)
+    for (k, v), (k0, v0) in zip(pools, before, strict=True):
+        for t, t0 in ((np.asarray(k), k0), (np.asarray(v), v0)):
+            np.testing.assert_array_equal(t[:, [5, 6, 1]], t0[:, [2, 7, 11]])
+            np.testing.assert_array_equal(t[:, 3], t0[:, 3])  # other pages untouched
+
+
+# ---- a real server ---------------------------------------------------------------------------
+def _post(base_url: str, path: str, body: dict | None = None) -> dict:
+    req = urllib.request.Request(base_url + path, data=json.dumps(body or {}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        raw = resp.read()
+    return json.loads(raw) if raw.strip().startswith(b"{") else {}
+
+
+def _generate(base_url: str, text: str) -> dict:
+    return _post(base_url, "/generate", {"text": text, "sampling_params": {
+        "max_new_tokens": 8, "temperature": 0}})
+
+
+def _wait_written(server, timeout: float = 30.0) -> dict:
+    import time
+    deadline = time.monotonic() + timeout
+    while (info := server.info())["tiers"]["disk"]["queued_pages"]:
+        assert time.monotonic() < deadline, "disk writes still queued"
+        time.sleep(0.1)
+    return info
+
+
+PROMPT = " ".join(f"Step {i}: the agent read file {i * 7 % 13} and ran test {i}." for i in range(40))
+
+
+def test_server_serves_evicted_prefixes_from_host_then_from_disk_after_a_restart(tmp_path):
+    from server_harness import launch_server
+
+    from sgl_tpu.loader import default_model_path
+    try:
+        default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    # deterministic: the answer does not depend on which part of the prompt was cached
+    flags = ("--skip-warmup", "--max-total-tokens", "1024", "--max-running-requests", "4",
+             "--enable-deterministic-inference", "--enable-hierarchical-cache",
+             "--hicache-ratio", "4", "--hicache-storage-backend", "file", "--hicache-storage-dir", str(tmp_path))
+    server = launch_server(*flags)
+    try:
+        cold = _generate(server.base_url, PROMPT)
+        prompt_len = cold["meta_info"]["prompt_tokens"]
+        assert 600 < prompt_len < 1000
+        for i in range(3):  # other agents fill the pool and evict the first prompt
+            _generate(server.base_url, f"Agent {i} notes. " + PROMPT[::-1])
+        info = server.wait_idle()
+        assert info["memory"]["evicted_tokens"] >= prompt_len // 2
+        warm = _generate(server.base_url, PROMPT)
+        assert warm["text"] == cold["text"]
+        assert warm["meta_info"]["cached_tokens"] >= prompt_len - 16
+        info = _wait_written(server)
+        assert info["tiers"]["host"]["hit_tokens"] >= prompt_len - 16
+        assert info["integrity"] == "ok"
+        with urllib.request.urlopen(server.base_url + "/metrics", timeout=30) as resp:
+            metrics = resp.read().decode()
+        assert 'sglang:hicache_hit_tokens{model_name=' in metrics and 'tier="host"' in metrics
+    finally:
+        server.stop()
+    server = launch_server(*flags)
+    try:
+        restarted = _generate(server.base_url, PROMPT)
+        assert restarted["text"] == cold["text"]
+        assert restarted["meta_info"]["cached_tokens"] >= prompt_len - 16
+        info = server.wait_idle()
+        assert info["tiers"]["disk"]["hit_tokens"] >= prompt_len - 16
+        assert info["tiers"]["disk"]["skipped_files"] == 0
+        _post(server.base_url, "/flush_cache")
+        info = server.info()
+        assert info["tiers"]["disk"]["used_pages"] == 0 and info["tiers"]["host"]["used_pages"] == 0
+        assert _generate(server.base_url, PROMPT)["meta_info"]["cached_tokens"] == 0
+    finally:
+        server.stop()

@@ -6,6 +6,7 @@ runs the harness's CLI against a real sgl-tpu server (tiny random-weight model).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
@@ -15,7 +16,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from sgl_tpu.bench.agent_loop.__main__ import main, parse_workload, ratios, warmup_config
+from sgl_tpu.bench.agent_loop.__main__ import (
+    main,
+    parse_latency,
+    parse_workload,
+    ratios,
+    warmup_config,
+)
 from sgl_tpu.bench.agent_loop.client import Client
 from sgl_tpu.bench.agent_loop.drivers import (
     DONE,
@@ -28,7 +35,12 @@ from sgl_tpu.bench.agent_loop.drivers import (
 )
 from sgl_tpu.bench.agent_loop.gbnf import schema_to_gbnf
 from sgl_tpu.bench.agent_loop.metrics import percentile, summarize
-from sgl_tpu.bench.agent_loop.runner import ProgramRunner, RunOptions, arrival_times
+from sgl_tpu.bench.agent_loop.runner import (
+    ProgramRunner,
+    RunOptions,
+    arrival_times,
+    tool_latency,
+)
 from sgl_tpu.bench.agent_loop.table import format_table
 from sgl_tpu.bench.agent_loop.targets import parse_target
 from sgl_tpu.bench.agent_loop.trace import RequestRecord, Trace
@@ -258,13 +270,27 @@ def test_runner_tool_latency_between_turns_only():
 
     program = Program("p", "s", "SYS", (Gen("Q", 4), Gen("OBS", 4), Gen("OBS2", 4)))
     t0 = time.perf_counter()
-    asyncio.run(ProgramRunner(send, render, RunOptions(progress=False, tool_latency_s=0.05))
+    asyncio.run(ProgramRunner(send, render, RunOptions(progress=False,
+                                                       tool_latency_s=(0.05, 0.05)))
                 .run([program]))
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     assert len(times) == 3 and all(g >= 0.05 for g in gaps)  # after each turn but the last
     assert time.perf_counter() - t0 < 0.05 * 2 + 2.0
-    with pytest.raises(ValueError, match="tool_latency"):
-        RunOptions(tool_latency_s=-1)
+    with pytest.raises(ValueError, match="tool latency"):
+        RunOptions(tool_latency_s=(-1, 0))
+    with pytest.raises(ValueError, match="tool latency"):
+        RunOptions(tool_latency_s=(2, 1))
+
+
+def test_tool_latency_range_is_seeded_per_call():
+    opts = RunOptions(seed=3, tool_latency_s=(1.0, 10.0))
+    waits = [tool_latency(opts, f"p{i}", step) for i in range(4) for step in range(3)]
+    assert all(1.0 <= w <= 10.0 for w in waits) and len(set(waits)) == len(waits)
+    assert waits == [tool_latency(opts, f"p{i}", step) for i in range(4) for step in range(3)]
+    assert tool_latency(RunOptions(seed=4, tool_latency_s=(1.0, 10.0)), "p0", 0) != waits[0]
+    assert parse_latency("2.5") == (2.5, 2.5) and parse_latency("1:10") == (1.0, 10.0)
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_latency("10:1")
 
 
 def test_runner_failed_request_ends_program():
@@ -414,6 +440,9 @@ def test_target_specs():
         "url", "http://127.0.0.1:8091", "openai-completions", "llamacpp")
     t = parse_target("peer=llamacpp:/venv/bin/python,args:--cache True")
     assert (t.api, t.json_dialect, t.args) == ("openai-completions", "llamacpp", "--cache True")
+    t = parse_target("peer=llama-server:/opt/bin/llama-server,args:-np 4 --cache-ram 2048")
+    assert (t.kind, t.value, t.api, t.args) == (
+        "llama-server", "/opt/bin/llama-server", "openai-completions", "-np 4 --cache-ram 2048")
     for bad in ("noequals", "x=url:", "x=launch:,url:http://h", "x=url:http://h,api:grpc",
                 "x=bogus:1"):
         with pytest.raises(ValueError):

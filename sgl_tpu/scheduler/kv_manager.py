@@ -85,6 +85,14 @@ class KVManager:
         req.pages = self.allocator.slots_to_pages(match.slots).tolist()
         req.kv_len = req.tree_len = prefix_len
 
+    def load_ahead(self, req: Req) -> None:
+        """A request of a session arrived: load its prefix from the lower tiers now, not when
+        its turn to run comes (`retain_prefix` then keeps it in the pool until admission)."""
+        if self.tiers is None or req.session_id is None:
+            return
+        key = np.asarray(req.fill_ids[: req.max_prefix_len], dtype=np.int32)
+        self.tiers.load(key, self.tree.match_prefix(key))
+
     def retain_prefix(self, req: Req) -> None:
         """A request of a session arrived: keep its cached prefix until it is admitted."""
         if req.session_id is None or self.session_retention_s <= 0 or self.tree.disable:

@@ -150,6 +150,7 @@ class Scheduler:
         req = self.intake.new_req(msg)
         if isinstance(req, ReqOutput):
             return req
+        self.kv.load_ahead(req)
         self.kv.retain_prefix(req)
         self.waiting.append(req)
         return None

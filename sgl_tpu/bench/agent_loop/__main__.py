@@ -63,6 +63,18 @@ def parse_workload(item: str, base: WorkloadConfig) -> tuple[str, WorkloadConfig
     return name, dataclasses.replace(base, **changes)
 
 
+def parse_latency(text: str) -> tuple[float, float]:
+    """`S` or `LO:HI` -> (lo, hi) seconds."""
+    lo, sep, hi = text.partition(":")
+    try:
+        bounds = (float(lo), float(hi if sep else lo))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected S or LO:HI seconds, got {text!r}") from None
+    if not 0 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"expected 0 <= LO <= HI, got {text!r}")
+    return bounds
+
+
 def warmup_config(cfg: WorkloadConfig, num_programs: int | None) -> WorkloadConfig | None:
     """The warm-up run's sizes: the same concurrency (batch shapes), fewer turns."""
     if num_programs == 0:
@@ -113,8 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--session-hint", action="store_true",
                    help="send each program's session_id (agent-aware cache retention)")
-    r.add_argument("--tool-latency", type=float, default=0.0,
-                   help="seconds an agent waits between its turns (its tool call); default 0")
+    r.add_argument("--tool-latency", type=parse_latency, default=(0.0, 0.0), metavar="S|LO:HI",
+                   help="seconds an agent waits between its turns (its tool call): fixed, or "
+                        "uniform in [LO, HI] drawn per call from --seed; default 0")
     r.add_argument("--warmup-programs", type=int, default=None,
                    help="programs of another seed, at most 2 turns each, run (not measured) "
                         "before each workload, so compilation for its batch shapes is done; "
@@ -162,6 +175,20 @@ async def run_workload(url: str, spec: TargetSpec, programs: list[Program], toke
         run_opts = RunOptions(args.concurrency, args.request_rate, args.seed, args.session_hint,
                               not args.no_progress, args.tool_latency)
         return await ProgramRunner(client.send, render, run_opts, desc).run(programs)
+
+
+def server_side(info: dict[str, Any] | None, summary: dict[str, Any]) -> dict[str, Any]:
+    """What the server reports after a run: its pool, how oversubscribed the run kept it
+    (the programs' final trajectories over the pool), and its KV tiers' counters."""
+    if info is None:
+        return {}
+    pool = info.get("memory", {}).get("max_total_tokens")
+    out: dict[str, Any] = {"pool_tokens": pool}
+    if pool:
+        out["oversubscription"] = summary["trajectory_tokens"] / pool
+    if "tiers" in info:
+        out["tiers"] = info["tiers"]
+    return out
 
 
 def ratios(runs: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
@@ -224,6 +251,7 @@ def main(argv: list[str] | None = None) -> None:
                     trace = asyncio.run(run_workload(target.base_url, spec, programs, tokenizer,
                                                      args, f"{spec.name}/{name}"))
                     runs[name] = summarize(trace)
+                    runs[name].update(server_side(target.server_info(), runs[name]))
                     if args.save_traces:
                         traces.setdefault(spec.name, {})[name] = trace.to_dict(with_text=True)
         except (RuntimeError, TimeoutError, OSError, ValueError) as e:

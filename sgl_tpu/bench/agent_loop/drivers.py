@@ -199,6 +199,9 @@ class _OpenAIDriver(Driver):
             details = usage.get("prompt_tokens_details") or {}
             if details.get("cached_tokens") is not None:
                 state.cached_tokens = details["cached_tokens"]
+        timings = data.get("timings")  # llama-server: prompt tokens reused from its cache
+        if timings and timings.get("cache_n") is not None and state.cached_tokens is None:
+            state.cached_tokens = timings["cache_n"]
         for choice in data.get("choices") or []:
             delta = self._delta(choice) or ""
             state.text += delta

@@ -9,6 +9,8 @@ Definitions:
                     by the tokens the later chunk carried (one sample per token, so a chunk of
                     n tokens after a gap g gives n samples of g / n)
   latency_s         per request: last byte - request sent
+  trajectory_tokens sum over programs of their longest request (prompt + output): what the
+                    KV pool would hold to keep every agent's trajectory at once
   cache_hit_rate    sum(cached_tokens) / sum(prompt_tokens) over requests whose server reported
                     cached_tokens (None when none did)
   valid_tool_call_share  calls whose name is offered and whose arguments validate against its
@@ -51,6 +53,14 @@ def itl_samples(record: RequestRecord) -> list[float]:
     return samples
 
 
+def trajectory_tokens(records: list[RequestRecord]) -> int:
+    longest: dict[str, int] = {}
+    for r in records:
+        longest[r.program_id] = max(longest.get(r.program_id, 0),
+                                    r.prompt_tokens + r.completion_tokens)
+    return sum(longest.values())
+
+
 def summarize(trace: Trace) -> dict[str, Any]:
     ok = [r for r in trace.records if r.ok]
     failed_programs = {r.program_id for r in trace.records if not r.ok}
@@ -87,6 +97,7 @@ def summarize(trace: Trace) -> dict[str, Any]:
         "ttft_s": distribution([r.ttft_s for r in ok if r.ttft_s is not None]),
         "itl_s": distribution([x for r in ok for x in itl_samples(r)]),
         "latency_s": distribution([r.end_s - r.start_s for r in ok]),
+        "trajectory_tokens": trajectory_tokens(ok),
         "cached_tokens": cached if reported else None,
         "cache_hit_rate": cached / reported_prompt if reported and reported_prompt else None,
         "cache_reported_requests": len(reported),

@@ -39,15 +39,25 @@ class RunOptions:
     seed: int = 0  # arrivals and per-request sampling seeds
     session_hint: bool = False  # send each program's session id
     progress: bool = True
-    tool_latency_s: float = 0.0  # an agent's wait between its turns (the tool call)
+    # an agent's wait between its turns (the tool call): uniform in [lo, hi], seeded per call
+    tool_latency_s: tuple[float, float] = (0.0, 0.0)
 
     def __post_init__(self) -> None:
         if self.concurrency < 0:
             raise ValueError("concurrency must be >= 0")
         if not self.request_rate > 0:
             raise ValueError("request_rate must be > 0 (inf: all at once)")
-        if self.tool_latency_s < 0:
-            raise ValueError("tool_latency_s must be >= 0")
+        lo, hi = self.tool_latency_s
+        if not 0 <= lo <= hi:
+            raise ValueError(f"tool latency range must be 0 <= lo <= hi, got {lo}:{hi}")
+
+
+def tool_latency(opts: RunOptions, program_id: str, step: int) -> float:
+    """The seeded wait after `step` of a program (the same for every target of a run)."""
+    lo, hi = opts.tool_latency_s
+    if hi == lo:
+        return lo
+    return random.Random(f"tool/{opts.seed}/{program_id}/{step}").uniform(lo, hi)
 
 
 def request_seed(seed: int, program_id: str, step: int, branch: int) -> int:
@@ -131,8 +141,9 @@ class ProgramRunner:
                 calls = r.tool_calls
                 messages = asked + [assistant_message(r.text, calls) if calls
                                     else {"role": "assistant", "content": r.text}]
-                if self.opts.tool_latency_s and i + 1 < len(program.steps):
-                    await asyncio.sleep(self.opts.tool_latency_s)  # the tool runs
+                if i + 1 < len(program.steps) and (
+                        wait := tool_latency(self.opts, program.program_id, i)):
+                    await asyncio.sleep(wait)  # the tool runs
                 continue
             assert isinstance(step, Fork)
             asks = [messages + [{"role": "user", "content": b}] for b in step.branches]

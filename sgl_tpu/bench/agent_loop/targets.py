@@ -8,12 +8,15 @@
       url:URL             a server that is already running
       llamacpp:PYTHON     start the llama.cpp peer with that interpreter (its own venv) on the
                           same GGUF, with the settings of shared/docs/peers.md
+      llama-server:PATH   start llama.cpp's own server (that binary; shared/peers/
+                          build_llama_server.sh builds it) on the same GGUF, with
+                          LLAMA_SERVER_FLAGS plus `args:` (e.g. `args:-np 4 --cache-ram 2048`)
     KEY
       api:API             native | openai-completions | openai-chat
                           (default: native, or openai-completions for llamacpp)
       json:DIALECT        structured-output dialect, openai | llamacpp (default: llamacpp for
                           the llamacpp kind, else openai); see drivers.py
-      args:ARGS           extra arguments for the llama.cpp peer, e.g. `args:--cache True`
+      args:ARGS           extra arguments for a llama.cpp peer, e.g. `args:--cache True`
       script:PATH         the peer's launcher (default: shared/peers/llamacpp_server.py, looked
                           for above this package)
       model:NAME          the OpenAI `model` field (default: omitted)
@@ -27,6 +30,7 @@ Fields are split at a comma that starts a known `KEY:`, so flags may contain com
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -39,12 +43,16 @@ from pathlib import Path
 from sgl_tpu.bench.agent_loop.drivers import DRIVERS, JSON_DIALECTS
 from sgl_tpu.bench.http_load import Server, free_port
 
-KINDS = ("launch", "url", "llamacpp")
+KINDS = ("launch", "url", "llamacpp", "llama-server")
+PEERS = ("llamacpp", "llama-server")
 KEYS = (*KINDS, "api", "json", "args", "script", "model")
 _FIELD_SPLIT = re.compile(r",(?=(?:" + "|".join(KEYS) + r"):)")
 PEER_SCRIPT = Path("shared") / "peers" / "llamacpp_server.py"
 PEER_FLAGS = ("--n_ctx", "8192", "--n_threads", "1", "--n_threads_batch", "2",
               "--interrupt_requests", "False", "--logits_all", "False")
+# llama-server: 2 threads for decode and prefill (this host's cores), tool-call templates;
+# slots (-np), context (-c, shared by the slots) and --cache-ram come with `args:`
+LLAMA_SERVER_FLAGS = ("-t", "2", "-tb", "2", "--jinja")
 READY_TIMEOUT_S = 900.0
 
 
@@ -77,13 +85,13 @@ def parse_target(spec: str) -> TargetSpec:
     if len(kinds) != 1:
         raise ValueError(f"target {name!r}: give exactly one of {', '.join(KINDS)}")
     kind = kinds[0]
-    api = fields.get("api") or ("openai-completions" if kind == "llamacpp" else "native")
+    api = fields.get("api") or ("openai-completions" if kind in PEERS else "native")
     if api not in DRIVERS:
         raise ValueError(f"target {name!r}: api must be one of {', '.join(DRIVERS)}")
-    dialect = fields.get("json") or ("llamacpp" if kind == "llamacpp" else "openai")
+    dialect = fields.get("json") or ("llamacpp" if kind in PEERS else "openai")
     if dialect not in JSON_DIALECTS:
         raise ValueError(f"target {name!r}: json must be one of {', '.join(JSON_DIALECTS)}")
-    if kind in ("url", "llamacpp") and not fields[kind]:
+    if kind in ("url", *PEERS) and not fields[kind]:
         raise ValueError(f"target {name!r}: {kind} needs a value")
     return TargetSpec(name.strip(), kind, fields[kind], api, dialect, fields.get("args", ""),
                       fields.get("script"), fields.get("model"))
@@ -137,18 +145,22 @@ class RunningTarget:
             except BaseException:
                 self._server.stop()
                 raise
-        elif self.spec.kind == "llamacpp":
+        elif self.spec.kind in PEERS:
             self._start_peer()
         return self
 
     def _start_peer(self) -> None:
         from sgl_tpu.loader.default_model import default_model_path
 
-        script = Path(self.spec.script) if self.spec.script else find_peer_script()
         gguf = self.model_path or default_model_path()
         port = free_port()
-        cmd = [self.spec.value, str(script), "--model", gguf, "--host", "127.0.0.1",
-               "--port", str(port), *PEER_FLAGS, *shlex.split(self.spec.args)]
+        if self.spec.kind == "llama-server":
+            cmd = [self.spec.value, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
+                   *LLAMA_SERVER_FLAGS, *shlex.split(self.spec.args)]
+        else:
+            script = Path(self.spec.script) if self.spec.script else find_peer_script()
+            cmd = [self.spec.value, str(script), "--model", gguf, "--host", "127.0.0.1",
+                   "--port", str(port), *PEER_FLAGS, *shlex.split(self.spec.args)]
         self._log = open(self.log_path, "w")
         self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         self.base_url = f"http://127.0.0.1:{port}"
@@ -171,7 +183,7 @@ class RunningTarget:
 
     def flush_cache(self) -> bool:
         """Empty the server's prefix cache between workloads (sgl-tpu/SGLang only)."""
-        if self.spec.kind == "llamacpp":
+        if self.spec.kind in PEERS:
             return False
         req = urllib.request.Request(self.base_url + "/flush_cache", data=b"", method="POST")
         try:
@@ -179,6 +191,16 @@ class RunningTarget:
                 return resp.status == 200
         except (urllib.error.URLError, OSError):
             return False
+
+    def server_info(self) -> dict | None:
+        """sgl-tpu's `/server_info` (pool size, tiers), or None for the peers."""
+        if self.spec.kind in PEERS:
+            return None
+        try:
+            with urllib.request.urlopen(self.base_url + "/server_info", timeout=30) as resp:
+                return json.loads(resp.read())
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
 
     def __exit__(self, *exc: object) -> None:
         if self._server is not None:

@@ -1,5 +1,5 @@
 """The supported bench entry points that drive servers, each run in a tiny mode on a tiny random
-checkpoint: `bench.serving` (both comparisons), `bench.structured` and `bench.reliability`.
+checkpoint: `bench.serving` (its three comparisons), `bench.structured` and `bench.reliability`.
 (`bench.executor`: tests/test_bench_executor.py; `bench.agent_loop`: tests/test_agent_loop.py;
 `bench.accelerator`: tests/test_random_checkpoint.py.)"""
 
@@ -48,6 +48,20 @@ def test_serving_compares_overlap_on_and_off(model, tmp_path):
         (c, name) for c in (1, 2) for name in ("overlap", "serial")}
     assert set(result["summary"]) == {"1", "2"}
     assert all(s["overlap_over_serial_median"] > 0 for s in result["summary"].values())
+
+
+@pytest.mark.slow
+def test_serving_compares_a_cold_server_with_a_restarted_one(model, tmp_path):
+    from sgl_tpu.bench import serving
+
+    out = tmp_path / "restart.json"
+    serving.main(["--compare", "restart", "--model-path", model, "--prefix-tokens", "256",
+                  "--output-tokens", "2", f"--server-flags={SERVER_FLAGS}", "--output", str(out)])
+    result = json.loads(out.read_text())
+    cold, warm = result["runs"]["cold"], result["runs"]["warm_restart"]
+    assert cold["cache_hit_rate"] == 0
+    assert warm["cache_hit_rate"] > 0.9  # the prompt's whole pages came from disk
+    assert result["ratios"]["ttft_cold_over_warm_restart"] > 0
 
 
 @pytest.mark.slow

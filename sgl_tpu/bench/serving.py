@@ -7,6 +7,7 @@ reported as ratios (the machine is shared; absolute numbers drift).
     python -m sgl_tpu.bench.serving --compare overlap [--concurrency 1 8 32] [--rounds 3]
         [--prompt-tokens 128] [--output-tokens 64] [--client-procs 1] [--engine]
         [--server-flags "--torch-threads 1"] [--output FILE]
+    python -m sgl_tpu.bench.serving --compare restart [--prefix-tokens 4096] [--output FILE]
 
 `--compare cache` (the default): `cache` (default flags) against `nocache`
 (`--disable-radix-cache`), one server after the other, each warmed with one request, then the
@@ -23,6 +24,12 @@ hits both alike. `--engine` instead runs one in-process `Engine` and switches it
 between the two loops (the same weights and warm-up; no HTTP, detokenizer process or sockets);
 it is built with overlap scheduling on, so a torch runner on CPU runs both loops' steps on its
 compute thread. Summary per concurrency: each loop's median output tok/s and overlap/serial.
+
+`--compare restart`: a server with the disk KV tier (`--enable-hierarchical-cache
+--hicache-storage-backend file`, a fresh folder) gets one prompt of `--prefix-tokens` tokens
+(`cold`: nothing cached); it is stopped and a new server on the same folder gets the same
+prompt (`warm_restart`: its prefix read from disk). Each server first runs another short prompt,
+so neither measurement includes compilation. Ratio: TTFT cold / warm_restart.
 
 `--client-procs N` spreads the streams over N client processes (where one would cap what it
 measures; each run reports the clients' CPU per token and `client_busy`).
@@ -89,6 +96,46 @@ def compare_overlap(args: argparse.Namespace, base: list[str], vocab: int) -> di
     run = _overlap_engine if args.engine else _overlap_servers
     runs = run(args, base, workload)
     return {"runs": runs, "summary": summarize_overlap(runs)}
+
+
+def compare_restart(args: argparse.Namespace, base: list[str], vocab: int) -> dict:
+    """TTFT of one long prompt on a cold server against a restarted one that reads the
+    prompt's KV from its disk tier."""
+    logs = Path(tempfile.mkdtemp(prefix="sgl_tpu_bench_restart_"))
+    flags = base + ["--enable-hierarchical-cache", "--hicache-storage-backend", "file",
+                    "--hicache-storage-dir", str(logs / "kv")]
+    shape = argparse.Namespace(clients=1, requests_per_client=1, question_tokens=0,
+                               prefix_tokens=args.prefix_tokens)
+    prompt = make_workload("random", shape, vocab, seed=0)
+    warmup = make_workload("random", argparse.Namespace(**{**vars(shape), "prefix_tokens": 64}),
+                           vocab, seed=1)
+    runs: dict[str, dict] = {}
+    for name in ("cold", "warm_restart"):
+        server = Server(flags, str(logs / f"{name}.log"))
+        try:
+            server.wait_ready()
+            asyncio.run(run_workload(server.url, warmup, args.output_tokens))
+            r = asyncio.run(run_workload(server.url, prompt, args.output_tokens))
+            runs[name] = r
+            print(json.dumps({name: r}), flush=True)
+            _wait_disk_written(server.url)
+        finally:
+            server.stop()
+    return {"runs": runs, "ratios": {
+        "ttft_cold_over_warm_restart": round(runs["cold"]["ttft_p50_s"]
+                                             / runs["warm_restart"]["ttft_p50_s"], 3)}}
+
+
+def _wait_disk_written(url: str, timeout: float = 120.0) -> None:
+    """Until the server's disk tier has written every queued page."""
+    import urllib.request
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(url + "/server_info", timeout=30) as resp:
+            if not json.loads(resp.read())["tiers"]["disk"]["queued_pages"]:
+                return
+        time.sleep(0.2)
+    raise TimeoutError("the disk tier still has queued pages")
 
 
 def summarize_overlap(runs: list[dict]) -> dict[str, dict]:
@@ -182,7 +229,7 @@ def _overlap_engine(args: argparse.Namespace, base: list[str], workload: Workloa
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--compare", choices=("cache", "overlap"), default="cache")
+    p.add_argument("--compare", choices=tuple(COMPARES), default="cache")
     p.add_argument("--model-path", default=None)
     p.add_argument("--output-tokens", type=int, default=None,
                    help="tokens per request (default: 32 for cache, 64 for overlap)")
@@ -190,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client-procs", type=int, default=1,
                    help="client processes the streams are spread over (servers only)")
     p.add_argument("--output", default=None, help="also write the JSON here")
-    cache = p.add_argument_group("--compare cache")
+    cache = p.add_argument_group("--compare cache (--prefix-tokens also: --compare restart)")
     cache.add_argument("--clients", type=int, default=16)
     cache.add_argument("--requests-per-client", type=int, default=2)
     cache.add_argument("--prefix-tokens", type=int, default=1000)
@@ -214,9 +261,11 @@ def main(argv: list[str] | None = None) -> None:
     vocab = load_tokenizer(args.model_path).vocab_size
     base = args.server_flags.split() + (["--model-path", args.model_path]
                                         if args.model_path else [])
-    compare = compare_cache if args.compare == "cache" else compare_overlap
+    compare = COMPARES[args.compare]
     emit({"args": vars(args), **compare(args, base, vocab)}, args.output)
 
+
+COMPARES = {"cache": compare_cache, "overlap": compare_overlap, "restart": compare_restart}
 
 if __name__ == "__main__":
     main()

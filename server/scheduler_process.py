@@ -90,6 +90,8 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, parent_pid: int) ->
         if outputs:
             send(to_detok, BatchTokenIdOut(outputs=outputs))
     logger.info("parent process gone; scheduler exits")
+    if scheduler.tiers is not None:
+        scheduler.tiers.close()  # the disk tier writes what is queued
     close_runner(runner)  # end the follower ranks (tensor parallelism), the compute thread
 
 

@@ -189,6 +189,8 @@ class Engine:
         if self.scheduler is not None and self.scheduler.grammar is not None:
             self.scheduler.grammar.shutdown()
         if self.scheduler is not None:
+            if self.scheduler.tiers is not None:
+                self.scheduler.tiers.close()  # the disk tier writes what is queued
             close_runner(self.scheduler.runner)
         self.scheduler = None  # type: ignore[assignment]
 

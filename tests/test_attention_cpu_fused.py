@@ -19,7 +19,7 @@ from sgl_tpu.backends.torch.kernels import cpu_extension
 from sgl_tpu.backends.torch.runner import TorchModelRunner
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.executor.registry import create_model_runner, runner_config
-from sgl_tpu.executor.step import ForwardMode, SeqStep
+from sgl_tpu.executor.step import ForwardMode, SeqStep, build_host_batch
 from sgl_tpu.kernels import backends
 from sgl_tpu.kernels import paged_attention_torch as sdpa
 from sgl_tpu.loader import load_model
@@ -148,7 +148,10 @@ def decode_batch(steps: list[SeqStep], num_rows: int, window: int | None,
     fake = SimpleNamespace(config=SimpleNamespace(page_size=PS),
                            model_config=SimpleNamespace(sliding_window=window),
                            attn=fused(), device=torch.device("cpu"), dtype=dtype)
-    return TorchModelRunner._decode_batch(fake, steps, num_rows)
+    host = build_host_batch(ForwardMode.DECODE, steps, num_tokens=num_rows,
+                            num_seqs=len(steps), page_size=PS, max_pages=1 << 16,
+                            num_mask_words=1, trim_pages=True)
+    return TorchModelRunner._decode_batch(fake, host)
 
 
 @pytest.mark.parametrize("dtypes", DTYPES, ids=DTYPE_IDS)

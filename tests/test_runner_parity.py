@@ -76,3 +76,83 @@ def test_runner_logits_match_transformers(tmp_path, backend, arch, kw):
     top2 = np.sort(ref_a[-1])[-2:]
     if top2[1] - top2[0] > 10 * ATOL:
         assert result.token_ids[0] == int(ref_a[-1].argmax())
+
+
+def test_both_runners_convert_one_host_batch(tmp_path, monkeypatch):
+    """A step's host arrays are built once, by the step contract (`build_host_batch`), and each
+    runner only converts them: the arrays each runner hands its device are its HostBatch's, and
+    the two runners' HostBatches of the same steps agree on every real row (they differ only
+    in padding: the JAX runner pads to its buckets, the eager torch runner does not)."""
+    from sgl_tpu.backends.jax import forward_batch as jax_fb
+    from sgl_tpu.backends.jax import runner as jax_runner
+    from sgl_tpu.backends.torch.runner import TorchModelRunner
+    from sgl_tpu.executor import step as step_contract
+
+    built = []
+    build = step_contract.build_host_batch
+
+    def build_spy(*args, **kw):
+        built.append(build(*args, **kw))
+        return built[-1]
+
+    monkeypatch.setattr(step_contract, "build_host_batch", build_spy)
+    monkeypatch.setattr(jax_fb, "build_host_batch", build_spy)
+    seen = {"jax": [], "torch": []}
+    to_forward_batch, torch_batch = jax_runner.to_forward_batch, TorchModelRunner._torch_batch
+
+    def jax_spy(host, shape, page_size):
+        seen["jax"].append((host, to_forward_batch(host, shape, page_size)))
+        return seen["jax"][-1][1]
+
+    def torch_spy(self, host):
+        seen["torch"].append((host, torch_batch(self, host)))
+        return seen["torch"][-1][1]
+
+    monkeypatch.setattr(jax_runner, "to_forward_batch", jax_spy)
+    monkeypatch.setattr(TorchModelRunner, "_torch_batch", torch_spy)
+
+    model_dir = ck.make_tiny_hf_checkpoint(tmp_path / "m", "llama")
+    rng = np.random.default_rng(1)
+    loaded, _ = _runner(model_dir, "torch")
+    a, b = (rng.integers(3, loaded.config.vocab_size, n).tolist() for n in (10, 6))
+    pages_a, pages_b = [5, 2, 9], [4, 7]
+    sampling = SamplingParams(temperature=0.8, top_k=5, frequency_penalty=0.5)
+    extend = [SeqStep(token_ids=a, prefix_len=0, pages=pages_a, sampling=sampling, seed=3,
+                      num_output_tokens=0, counts_row=1, counts_reset=True),
+              SeqStep(token_ids=b, prefix_len=0, pages=pages_b, sampling=GREEDY, seed=4,
+                      num_output_tokens=0, counts_row=2, counts_reset=True)]
+    decode = [SeqStep(token_ids=[a[0]], prefix_len=10, pages=pages_a, sampling=sampling,
+                      seed=3, num_output_tokens=1, counts_row=1),
+              SeqStep(token_ids=[b[0]], prefix_len=6, pages=pages_b, sampling=GREEDY, seed=4,
+                      num_output_tokens=1, counts_row=2)]
+    for backend in ("jax", "torch"):
+        _, runner = _runner(model_dir, backend)
+        for mode, steps in ((ForwardMode.EXTEND, extend), (ForwardMode.DECODE, decode)):
+            runner.forward(mode, steps)
+    assert len(built) == 4  # one per step and runner
+    converted = [host for host, _ in seen["jax"] + seen["torch"]]
+    assert len(converted) == 4 and all(c is b for c, b in zip(converted, built, strict=True))
+
+    for (jh, fb), (th, tb) in zip(seen["jax"], seen["torch"], strict=True):
+        # each runner's device inputs are its HostBatch's arrays, converted
+        for name in ("input_ids", "positions", "out_slots", "seq_lens", "page_table"):
+            np.testing.assert_array_equal(np.asarray(getattr(fb, name)), getattr(jh, name))
+        np.testing.assert_array_equal(fb.sample_idx, jh.sample_rows)
+        assert fb.sampling.temperature is jh.sampling.temperature
+        for name in ("input_ids", "positions", "out_slots"):
+            np.testing.assert_array_equal(getattr(tb, name).numpy(), getattr(th, name))
+        np.testing.assert_array_equal(tb.sample_rows.numpy(), th.sample_rows)
+        # the same steps: the same real rows on both
+        assert jh.mode == th.mode and jh.num_seqs == th.num_seqs == 2
+        t, n, p = jh.num_tokens, jh.num_seqs, th.page_table.shape[1]
+        assert t == th.num_tokens == (16 if jh.mode == ForwardMode.EXTEND else 2)
+        for name in ("input_ids", "positions", "out_slots"):
+            np.testing.assert_array_equal(getattr(jh, name)[:t], getattr(th, name)[:t])
+        for name in ("starts", "extend_lens", "prefix_lens", "seq_lens", "sample_rows"):
+            np.testing.assert_array_equal(getattr(jh, name)[:n], getattr(th, name)[:n])
+        np.testing.assert_array_equal(jh.page_table[:n, :p], th.page_table)
+        assert not jh.page_table[:, p:].any() and not jh.page_table[n:].any()
+        for name in ("temperature", "top_k", "frequency_penalty", "seed", "step",
+                     "counts_rows", "counts_reset", "sample_valid"):
+            np.testing.assert_array_equal(getattr(jh.sampling, name)[:n],
+                                          getattr(th.sampling, name))

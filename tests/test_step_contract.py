@@ -16,8 +16,9 @@ from sgl_tpu.cli import build_parser
 from sgl_tpu.executor.step import (
     ForwardMode,
     SeqStep,
+    build_host_batch,
     mask_words,
-    pack_tokens,
+    placeholder_id,
     sampling_columns,
     step_rows,
     warmup_step,
@@ -31,20 +32,82 @@ def _step(n_new: int, prefix: int, pages: list[int], **kw) -> SeqStep:
                    sampling=SamplingParams(**kw), seed=7, num_output_tokens=prefix)
 
 
-def test_pack_tokens_lays_sequences_end_to_end_with_slots():
-    # page_size 4: seq 0 continues at position 6 of pages [3, 5]; seq 1 is fresh on page [2]
-    steps = [_step(3, 6, [3, 5, 9]), _step(2, 0, [2])]
-    p = pack_tokens(steps, 8, page_size=4, max_pages=4)
-    assert p.input_ids.tolist() == [100, 101, 102, 100, 101, 0, 0, 0]
-    assert p.positions.tolist() == [6, 7, 8, 0, 1, 0, 0, 0]
+def test_host_batch_lays_out_tokens_sequences_and_pages():
+    # page_size 4: seq 0 continues at position 6 of pages [3, 5, 9]; seq 1 is fresh on page [2]
+    steps = [_step(3, 6, [3, 5, 9]), _step(2, 0, [2], temperature=0.5)]
+    kw = {"num_tokens": 8, "num_seqs": 4, "page_size": 4, "max_pages": 4, "num_mask_words": 2}
+    hb = build_host_batch(ForwardMode.EXTEND, steps, **kw)
+    assert hb.mode == ForwardMode.EXTEND and hb.num_seqs == 2 and hb.num_tokens == 5
+    assert hb.input_ids.tolist() == [100, 101, 102, 100, 101, 0, 0, 0]
+    assert hb.positions.tolist() == [6, 7, 8, 0, 1, 0, 0, 0]
     # position 6 -> page 5 offset 2 = slot 22; 8 -> page 9 offset 0 = 36; padding -> slot 0
-    assert p.out_slots.tolist() == [22, 23, 36, 8, 9, 0, 0, 0]
-    assert p.starts.tolist() == [0, 3] and p.sample_rows.tolist() == [2, 4]
-    assert p.seq_lens.tolist() == [9, 2]
+    assert hb.out_slots.tolist() == [22, 23, 36, 8, 9, 0, 0, 0]
+    # sequence rows: padding rows have every length and row 0
+    assert hb.starts.tolist() == [0, 3, 0, 0] and hb.sample_rows.tolist() == [2, 4, 0, 0]
+    assert hb.extend_lens.tolist() == [3, 2, 0, 0] and hb.prefix_lens.tolist() == [6, 0, 0, 0]
+    assert hb.seq_lens.tolist() == [9, 2, 0, 0]
+    assert hb.page_table.dtype == np.int32
+    assert hb.page_table.tolist() == [[3, 5, 9, 0], [2, 0, 0, 0], [0] * 4, [0] * 4]
+    assert hb.sampling.temperature.tolist() == pytest.approx([1.0, 0.5, 0.0, 0.0])
+    assert hb.sampling.sample_valid.tolist() == [True, True, False, False]
+    # a runner without compiled page-table shapes takes the longest sequence's width
+    trimmed = build_host_batch(ForwardMode.EXTEND, steps, **{**kw, "trim_pages": True})
+    assert trimmed.page_table.tolist() == [[3, 5, 9], [2, 0, 0], [0] * 3, [0] * 3]
+    assert trimmed.out_slots.tolist() == hb.out_slots.tolist()
     with pytest.raises(ValueError, match="pages cannot hold"):
-        pack_tokens([_step(3, 6, [3, 5])], 8, page_size=4, max_pages=4)
+        build_host_batch(ForwardMode.EXTEND, [_step(3, 6, [3, 5])], **kw)
+    with pytest.raises(ValueError, match="pages cannot hold"):  # more pages than the table
+        build_host_batch(ForwardMode.EXTEND, [_step(1, 0, [1, 2, 3, 4, 5])], **kw)
     with pytest.raises(ValueError, match="more than 4 tokens"):
-        pack_tokens(steps, 4, page_size=4, max_pages=4)
+        build_host_batch(ForwardMode.EXTEND, steps, **{**kw, "num_tokens": 4})
+    with pytest.raises(ValueError, match="exceed the batch"):
+        build_host_batch(ForwardMode.EXTEND, steps, **{**kw, "num_seqs": 1})
+
+
+def test_host_batch_decode_keeps_placeholders_and_pads_sequences():
+    steps = [_step(1, 4, [7, 8]), _step(1, 0, [3])]
+    steps[1].token_ids = [placeholder_id(0)]
+    hb = build_host_batch(ForwardMode.DECODE, steps, num_tokens=4, num_seqs=4, page_size=4,
+                          max_pages=2, num_mask_words=1)
+    assert hb.input_ids.tolist() == [100, -1, 0, 0]  # resolved on the device, not here
+    assert hb.positions.tolist() == [4, 0, 0, 0] and hb.out_slots.tolist() == [32, 12, 0, 0]
+    assert hb.sample_rows.tolist() == [0, 1, 0, 0] and hb.seq_lens.tolist() == [5, 1, 0, 0]
+    empty = build_host_batch(ForwardMode.DECODE, [], num_tokens=2, num_seqs=2, page_size=4,
+                             max_pages=2, num_mask_words=1)
+    assert empty.num_seqs == 0 and empty.page_table.tolist() == [[0, 0], [0, 0]]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_host_batch_matches_a_per_sequence_layout(seed):
+    """Random ragged batches (lists and arrays as inputs) against the layout written one
+    sequence at a time."""
+    rng = np.random.default_rng(seed)
+    ps, n = 4, int(rng.integers(1, 7))
+    steps, free = [], list(rng.permutation(np.arange(1, 200)))
+    for i in range(n):
+        prefix, new = int(rng.integers(0, 30)), int(rng.integers(1, 12))
+        pages = [int(free.pop()) for _ in range(-(-(prefix + new) // ps) + int(i % 2))]
+        ids = rng.integers(0, 1000, new)
+        steps.append(SeqStep(token_ids=ids if i % 2 else ids.tolist(), prefix_len=prefix,
+                             pages=np.array(pages) if i % 3 == 0 else pages,
+                             sampling=SamplingParams(), seed=i, num_output_tokens=0))
+    total = sum(len(st.token_ids) for st in steps)
+    hb = build_host_batch(ForwardMode.EXTEND, steps, num_tokens=total + 3, num_seqs=n + 1,
+                          page_size=ps, max_pages=16, num_mask_words=1)
+    t = 0
+    for i, st in enumerate(steps):
+        k, pages = len(st.token_ids), np.asarray(st.pages)
+        pos = np.arange(st.prefix_len, st.prefix_len + k)
+        rows = slice(t, t + k)
+        assert hb.input_ids[rows].tolist() == list(st.token_ids)
+        assert hb.positions[rows].tolist() == pos.tolist()
+        assert hb.out_slots[rows].tolist() == (pages[pos // ps] * ps + pos % ps).tolist()
+        assert (hb.starts[i], hb.sample_rows[i], hb.seq_lens[i]) == (t, t + k - 1,
+                                                                     st.prefix_len + k)
+        assert hb.page_table[i, : len(pages)].tolist() == pages.tolist()
+        assert not hb.page_table[i, len(pages):].any()
+        t += k
+    assert not hb.input_ids[t:].any() and not hb.out_slots[t:].any()
 
 
 def test_step_rows_picks_buckets_and_checks_limits():

@@ -148,9 +148,9 @@ def test_decode_reads_shared_prefix_pages_once_and_correctly(tmp_path):
         seqs.append((prefix + tail, pages))
     nxt = [int(rng.integers(3, vocab)) for _ in seqs]
     res = m.decode([(n, len(s), p) for (s, p), n in zip(seqs, nxt, strict=True)])
-    batch = m.runner._decode_batch(
-        [SeqStep(token_ids=[n], prefix_len=len(s), pages=p, sampling=GREEDY, seed=0,
-                 num_output_tokens=0) for (s, p), n in zip(seqs, nxt, strict=True)], 3)
+    batch = m.runner._decode_batch(m.runner._host_batch(ForwardMode.DECODE, [
+        SeqStep(token_ids=[n], prefix_len=len(s), pages=p, sampling=GREEDY, seed=0,
+                num_output_tokens=0) for (s, p), n in zip(seqs, nxt, strict=True)], 3))
     assert batch.shared_slots.shape[0] == 20  # the 5 common pages, read once
     alone = TorchPaged(loaded)
     for i, ((s, _), n) in enumerate(zip(seqs, nxt, strict=True)):

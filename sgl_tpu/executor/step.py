@@ -2,12 +2,16 @@
 
     Scheduler ──(ForwardMode, list[SeqStep])──► ModelRunner.forward ──► StepResult (numpy)
                                                    │
-                    host side, shared here:        │  backend side, per runner:
-                      step_rows      bucket T      │    jax:   ForwardBatch -> jitted step
-                      pack_tokens    ids, positions│    torch: tensors -> eager/compiled layers
-                                     KV slots, rows│
-                      sampling_columns  per-row    │
-                                     sampling knobs│
+           host side, once per step, shared here:  │  backend side, per runner: converts
+             step_rows         bucket T            │    jax:   HostBatch -> ForwardBatch
+             build_host_batch  HostBatch: token    │           -> jitted step
+               rows (ids, positions, KV slots),    │    torch: HostBatch -> tensors
+               sequence rows (lengths, sampled     │           -> eager/compiled layers
+               rows, page table, sampling_columns) │
+
+DECODE steps over a device-resident batch state (the JAX runner's `jax_decode_state`, the torch
+runner's `static_decode`) copy only changed rows instead: their host description is
+executor/decode_rows.py's `host_rows`, from the same SeqSteps.
 
 Overlap scheduling (`Scheduler`, `--disable-overlap-schedule`): a runner that also has
 `dispatch(mode, steps) -> PendingStep` starts a step without waiting for it, so the host can
@@ -22,8 +26,8 @@ token bucket (`RunnerConfig.token_buckets`), DECODE steps to a sequence bucket (
 Padding tokens write their K/V into the reserved page 0; padding sequences sample greedily into
 the scratch penalty-count row 0 and are dropped from the result.
 
-Dimensions: T tokens in the step (padded), n real sequences, S padded sequences, V vocabulary,
-W = mask_words(V) packed-mask words.
+Dimensions: T tokens in the step (padded), n real sequences, S padded sequences, P page-table
+columns, V vocabulary, W = mask_words(V) packed-mask words.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, Protocol
 
 import numpy as np
@@ -181,51 +186,6 @@ def step_rows(mode: ForwardMode, steps: Sequence[SeqStep], *, token_buckets: Seq
     return pick_bucket(token_buckets, exact, "extend batch tokens"), exact
 
 
-# ---- token packing --------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PackedTokens:
-    """Every sequence's new tokens laid end to end on one axis of T rows:
-
-        rows:   | seq 0 new tokens | seq 1 new tokens | ... | padding (token 0 -> slot 0) |
-        sequence i's rows: [starts[i], starts[i] + num_new[i]); its last row is sample_rows[i]
-    """
-
-    input_ids: np.ndarray  # i64[T]
-    positions: np.ndarray  # i64[T] position of each token in its sequence
-    out_slots: np.ndarray  # i64[T] KV slot its K/V is written to (page * page_size + offset)
-    sample_rows: np.ndarray  # i64[n] row whose logits are sampled for each sequence
-    starts: np.ndarray  # i64[n] first row of each sequence
-    seq_lens: np.ndarray  # i64[n] KV length after this step (prefix_len + new tokens)
-
-
-def pack_tokens(steps: Sequence[SeqStep], num_rows: int, page_size: int, max_pages: int
-                ) -> PackedTokens:
-    """Pack `steps` into `num_rows` rows (see PackedTokens), checking pages and capacity."""
-    n = len(steps)
-    input_ids = np.zeros(num_rows, np.int64)
-    positions = np.zeros(num_rows, np.int64)
-    out_slots = np.full(num_rows, PAD_PAGE * page_size, np.int64)
-    sample_rows = np.zeros(n, np.int64)
-    starts = np.zeros(n, np.int64)
-    seq_lens = np.zeros(n, np.int64)
-    t = 0
-    for i, st in enumerate(steps):
-        k = len(st.token_ids)
-        end = st.prefix_len + k
-        pages = np.asarray(st.pages, np.int64)
-        if len(pages) * page_size < end or len(pages) > max_pages:
-            raise ValueError(f"sequence {i}: {len(pages)} pages cannot hold {end} tokens")
-        if t + k > num_rows:
-            raise ValueError(f"batch needs more than {num_rows} tokens")
-        pos = np.arange(st.prefix_len, end)
-        input_ids[t : t + k] = st.token_ids
-        positions[t : t + k] = pos
-        out_slots[t : t + k] = pages[pos // page_size] * page_size + pos % page_size
-        starts[i], sample_rows[i], seq_lens[i] = t, t + k - 1, end
-        t += k
-    return PackedTokens(input_ids, positions, out_slots, sample_rows, starts, seq_lens)
-
-
 # ---- sampling columns -----------------------------------------------------------------------
 @dataclass(frozen=True)
 class SamplingColumns:
@@ -257,12 +217,6 @@ def sampling_columns(steps: Sequence[SeqStep], num_seqs: int, num_mask_words: in
         a[: len(steps)] = [fn(s) for s in steps]
         return a
 
-    bitmask = None
-    if any(s.bitmask is not None for s in steps):
-        bitmask = np.full((num_seqs, num_mask_words), -1, np.int32)
-        for i, s in enumerate(steps):
-            if s.bitmask is not None:
-                bitmask[i] = s.bitmask
     return SamplingColumns(
         temperature=col(lambda s: s.sampling.temperature, 0.0, np.float32),
         top_p=col(lambda s: s.sampling.top_p, 1.0, np.float32),
@@ -278,8 +232,110 @@ def sampling_columns(steps: Sequence[SeqStep], num_seqs: int, num_mask_words: in
         sample_valid=col(lambda s: s.sample_valid, False, np.bool_),
         return_logprob=col(lambda s: s.return_logprob, False, np.bool_),
         uses_penalties=any(s.sampling.uses_penalties for s in steps),
-        bitmask=bitmask,
+        bitmask=pack_bitmask(steps, num_seqs, num_mask_words),
     )
+
+
+def pack_bitmask(steps: Sequence[SeqStep], num_seqs: int, num_mask_words: int
+                 ) -> np.ndarray | None:
+    """i32[S, W] the allowed tokens of each sequence (-1 = all: unconstrained and padding
+    rows), or None when no sequence is constrained."""
+    if all(s.bitmask is None for s in steps):
+        return None
+    bitmask = np.full((num_seqs, num_mask_words), -1, np.int32)
+    for i, s in enumerate(steps):
+        if s.bitmask is not None:
+            bitmask[i] = s.bitmask
+    return bitmask
+
+
+# ---- the host batch -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HostBatch:
+    """One step's host arrays, built once per step (`build_host_batch`); each runner only
+    converts them to its device arrays (jax: backends/jax/forward_batch.py, torch:
+    backends/torch/runner.py).
+
+        token rows T:      | seq 0 new tokens | seq 1 new tokens | ... | padding          |
+                           sequence i: rows [starts[i], starts[i] + extend_lens[i]), its last
+                           row sampled (sample_rows[i]); padding: token 0 at position 0,
+                           written to slot 0 (the reserved PAD_PAGE)
+        sequence rows S:   | seq 0 | seq 1 | ... | seq n-1 | padding                     |
+                           padding: every length and row 0, greedy sampling, penalty row
+                           SCRATCH_COUNTS_ROW, not valid
+        page columns P:    | sequence i's pages | PAD_PAGE ...                            |
+    """
+
+    mode: ForwardMode
+    num_seqs: int  # n real sequences
+    input_ids: np.ndarray  # i64[T] (a DECODE input may be a placeholder_id)
+    positions: np.ndarray  # i64[T] position of each token in its sequence
+    out_slots: np.ndarray  # i64[T] KV slot its K/V is written to (page * page_size + offset)
+    starts: np.ndarray  # i64[S] first token row of each sequence
+    extend_lens: np.ndarray  # i64[S] new tokens of each sequence
+    prefix_lens: np.ndarray  # i64[S] tokens already in the KV pool
+    seq_lens: np.ndarray  # i64[S] KV length after this step (prefix_lens + extend_lens)
+    sample_rows: np.ndarray  # i64[S] token row whose logits are sampled
+    page_table: np.ndarray  # i32[S, P] page ids of each sequence's positions
+    sampling: SamplingColumns  # S rows
+
+    @property
+    def num_tokens(self) -> int:
+        """Real token rows (the rest of T is padding)."""
+        return int(self.extend_lens.sum())
+
+
+def build_host_batch(mode: ForwardMode, steps: Sequence[SeqStep], *, num_tokens: int,
+                     num_seqs: int, page_size: int, max_pages: int, num_mask_words: int,
+                     trim_pages: bool = False) -> HostBatch:
+    """`steps` laid out in T = `num_tokens` token rows and S = `num_seqs` sequence rows (see
+    HostBatch), the page table `max_pages` wide (`trim_pages`: as wide as the longest
+    sequence's pages, for a runner with no compiled page-table shape). Checks that every
+    sequence's pages hold its tokens and number at most `max_pages`, and that the tokens fit."""
+    n, T, S = len(steps), num_tokens, num_seqs
+    if n > S:
+        raise ValueError(f"{n} sequences exceed the batch's {S}")
+    lens = np.zeros((S, 3), np.int64)
+    if n:  # one list -> array conversion (per-sequence numpy assignments cost ~10x more)
+        lens[:n] = [(len(st.token_ids), st.prefix_len, len(st.pages)) for st in steps]
+    extend_lens, prefix_lens, num_pages = lens.T.copy()
+    seq_lens = prefix_lens + extend_lens
+    bad = (num_pages * page_size < seq_lens) | (num_pages > max_pages)
+    if bad.any():
+        i = int(bad.argmax())
+        raise ValueError(f"sequence {i}: {num_pages[i]} pages cannot hold {seq_lens[i]} tokens")
+    ends = np.cumsum(extend_lens)
+    total = int(ends[-1]) if S else 0
+    if total > T:
+        raise ValueError(f"batch needs more than {T} tokens")
+    starts = np.zeros(S, np.int64)
+    starts[1:n] = ends[: n - 1]
+    sample_rows = np.zeros(S, np.int64)
+    sample_rows[:n] = ends[:n] - 1
+
+    width = int(num_pages.max(initial=1)) if trim_pages else max_pages
+    page_table = np.full((S, width), PAD_PAGE, np.int32)
+    if n:  # (fromiter over the chained lists: the cheapest conversion of many short ones)
+        page_table[:n][np.arange(width) < num_pages[:n, None]] = np.fromiter(
+            chain.from_iterable(st.pages for st in steps), np.int32, int(num_pages.sum()))
+
+    input_ids = np.zeros(T, np.int64)
+    positions = np.zeros(T, np.int64)
+    out_slots = np.full(T, PAD_PAGE * page_size, np.int64)
+    if total:
+        input_ids[:total] = np.fromiter(chain.from_iterable(st.token_ids for st in steps),
+                                        np.int64, total)
+        # row r of sequence i: position r - starts[i] + prefix_lens[i], on page table row i
+        pos = np.repeat(prefix_lens[:n] - starts[:n], extend_lens[:n]) + np.arange(total)
+        positions[:total] = pos
+        table_at = np.repeat(np.arange(n) * width, extend_lens[:n]) + pos // page_size
+        out_slots[:total] = (page_table.ravel()[table_at].astype(np.int64) * page_size
+                             + pos % page_size)
+    return HostBatch(
+        mode=mode, num_seqs=n, input_ids=input_ids, positions=positions, out_slots=out_slots,
+        starts=starts, extend_lens=extend_lens, prefix_lens=prefix_lens, seq_lens=seq_lens,
+        sample_rows=sample_rows, page_table=page_table,
+        sampling=sampling_columns(steps, S, num_mask_words))
 
 
 # ---- seed to uniform ------------------------------------------------------------------------

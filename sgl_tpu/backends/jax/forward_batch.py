@@ -1,8 +1,9 @@
 """The JAX runner's conversion of a scheduled step (host, numpy) to its `ForwardBatch`.
 
-    Scheduler ──list[SeqStep]──► build_forward_batch ──ForwardBatch (numpy)──► jitted step
-                  step.pack_tokens + step.sampling_columns (shared with the torch runner),
-                  plus what the JAX attention kernels read (page table, query blocks, items)
+    Scheduler ──list[SeqStep]──► step.build_host_batch ──HostBatch──► to_forward_batch
+        (the host arrays, shared with the torch runner)     ──ForwardBatch (numpy)──► jitted step
+        to_forward_batch converts them to int32 and adds what the JAX attention kernels read
+        (query blocks, work items)
 
 `SeqStep` says, for one sequence, which new tokens run this step, how many of its tokens are
 already in the KV pool (`prefix_len`, from the radix cache or earlier steps) and which pages
@@ -31,10 +32,10 @@ from sgl_tpu.backends.jax.sampler import SamplingArrays
 from sgl_tpu.config import pow2_buckets
 from sgl_tpu.executor.step import (
     ForwardMode,
+    HostBatch,
     SeqStep,
-    pack_tokens,
+    build_host_batch,
     pick_bucket,
-    sampling_columns,
 )
 from sgl_tpu.kernels.paged_attention_ref import extend_work_items
 
@@ -86,51 +87,55 @@ class BatchShape:
             return 1
         return self.num_blocks * (self.max_pages // self.pages_per_tile)
 
+    def host_batch(self, steps: Sequence[SeqStep], page_size: int) -> HostBatch:
+        """The step's host arrays at these sizes (T token rows, S sequence rows, P pages)."""
+        return build_host_batch(self.mode, steps, num_tokens=self.num_tokens,
+                                num_seqs=self.num_seqs, page_size=page_size,
+                                max_pages=self.max_pages, num_mask_words=self.vocab_words)
+
 
 def build_forward_batch(steps: Sequence[SeqStep], shape: BatchShape, page_size: int
                         ) -> ForwardBatch:
-    """Pack `steps` into numpy arrays of `shape`'s static sizes (see the module docstring)."""
-    T, S, P, BQ = shape.num_tokens, shape.num_seqs, shape.max_pages, shape.block_q
-    if len(steps) > S:
-        raise ValueError(f"{len(steps)} sequences exceed the batch shape's {S}")
-    packed = pack_tokens(steps, T, page_size, P)
-    page_table = np.zeros((S, P), np.int32)
-    seq_lens = np.zeros(S, np.int32)
-    sample_idx = np.zeros(S, np.int32)
-    seq_lens[: len(steps)] = packed.seq_lens
-    sample_idx[: len(steps)] = packed.sample_rows
+    """`steps` as the numpy ForwardBatch of `shape`'s static sizes: the step's HostBatch,
+    converted (see the module docstring)."""
+    return to_forward_batch(shape.host_batch(steps, page_size), shape, page_size)
+
+
+def to_forward_batch(host: HostBatch, shape: BatchShape, page_size: int) -> ForwardBatch:
+    """A HostBatch of `shape`'s sizes -> ForwardBatch (numpy): its arrays as int32, plus the
+    query blocks and work items the JAX attention reads (EXTEND)."""
+    T, S, BQ = shape.num_tokens, shape.num_seqs, shape.block_q
+    seq_lens = host.seq_lens.astype(np.int32)
     nb = shape.num_blocks
     block_rows = np.full((nb, BQ), T, np.int32)
     block_seq = np.zeros(nb, np.int32)
     block_q_start = np.zeros(nb, np.int32)
-    b = 0
-    for i, st in enumerate(steps):
-        page_table[i, : len(st.pages)] = st.pages
-        if shape.mode == ForwardMode.EXTEND:  # query blocks of block_q rows, per sequence
-            t, n = int(packed.starts[i]), len(st.token_ids)
+    if shape.mode == ForwardMode.EXTEND:  # query blocks of block_q rows, per sequence
+        b = 0
+        for i in range(host.num_seqs):
+            t, n = int(host.starts[i]), int(host.extend_lens[i])
             for q0 in range(0, n, BQ):
                 rows = min(BQ, n - q0)
                 block_rows[b, :rows] = np.arange(t + q0, t + q0 + rows, dtype=np.int32)
                 block_seq[b] = i
-                block_q_start[b] = st.prefix_len + q0
+                block_q_start[b] = host.prefix_lens[i] + q0
                 b += 1
-    if shape.mode == ForwardMode.EXTEND:
         item_block, item_tile, num_items = extend_work_items(
             block_seq[:b], block_q_start[:b], seq_lens, BQ, shape.pages_per_tile * page_size,
             shape.max_items)
     else:
         item_block = item_tile = np.zeros(1, np.int32)
         num_items = 0
-    cols = sampling_columns(steps, S, shape.vocab_words)
+    cols = host.sampling
     bitmask = cols.bitmask if cols.bitmask is not None else np.full(
         (S, shape.vocab_words), -1, np.int32)
     return ForwardBatch(
-        input_ids=packed.input_ids.astype(np.int32),
-        positions=packed.positions.astype(np.int32),
-        out_slots=packed.out_slots.astype(np.int32),
-        page_table=page_table,
+        input_ids=host.input_ids.astype(np.int32),
+        positions=host.positions.astype(np.int32),
+        out_slots=host.out_slots.astype(np.int32),
+        page_table=host.page_table,
         seq_lens=seq_lens,
-        sample_idx=sample_idx,
+        sample_idx=host.sample_rows.astype(np.int32),
         block_rows=block_rows,
         block_seq=block_seq,
         block_q_start=block_q_start,

@@ -1,7 +1,8 @@
 """JaxModelRunner (`--backend jax`; the `ModelRunner` contract is in executor/step.py): owns
 the device state (weights, paged KV pools, penalty counts) and every jitted entry point. The
-scheduler hands it host-side `SeqStep`s; it pads them to a bucket (`build_forward_batch`), runs
-the jitted model step, then the jitted sampler, and returns host numpy results. With
+scheduler hands it host-side `SeqStep`s; it lays them out at a bucket's sizes (the step
+contract's `HostBatch`, converted by `to_forward_batch`), runs the jitted model step, then the
+jitted sampler, and returns host numpy results. With
 `config.jax_decode_state` (auto: on for accelerators) DECODE steps instead read a batch state
 kept on the device, copying only the rows that changed (decode_state.py).
 
@@ -44,20 +45,27 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sgl_tpu.backends.jax import kv_pages
 from sgl_tpu.backends.jax import decode_state as jds
+from sgl_tpu.backends.jax import kv_pages
 from sgl_tpu.backends.jax import mesh as tp_mesh
 from sgl_tpu.backends.jax.forward_batch import (
     BatchShape,
     ForwardBatch,
     ShapeBuckets,
-    build_forward_batch,
     page_buckets,
+    to_forward_batch,
 )
 from sgl_tpu.backends.jax.sampler import sample
 from sgl_tpu.backends.jax.shard_ops import gather_logits, replicated
 from sgl_tpu.config import RunnerConfig
-from sgl_tpu.executor.step import ForwardMode, SeqStep, StepResult, mask_words, warmup_step
+from sgl_tpu.executor.step import (
+    ForwardMode,
+    SeqStep,
+    StepResult,
+    mask_words,
+    pack_bitmask,
+    warmup_step,
+)
 from sgl_tpu.kernels.backends import get_attention_backend
 from sgl_tpu.models.config import ModelConfig
 from sgl_tpu.models.registry import jax_model
@@ -362,7 +370,8 @@ class JaxModelRunner:
         state = self.decode_state
         if state is not None and mode == ForwardMode.DECODE and state.accepts(steps):
             return self._run_state(steps, shape)
-        fb = build_forward_batch(steps, shape, self.config.page_size)
+        fb = to_forward_batch(shape.host_batch(steps, self.config.page_size), shape,
+                              self.config.page_size)
         self.h2d_bytes += sum(np.asarray(a).nbytes for a in jax.tree.leaves(fb))
         logits, hidden, self.kv_pools = self._step(self.params, self.kv_pools,
                                                    self._last_token_ids, fb, mode=mode)
@@ -379,11 +388,8 @@ class JaxModelRunner:
         state = self.decode_state
         S, P = shape.num_seqs, shape.max_pages
         self.h2d_bytes += state.sync(steps, S, P)
-        if any(st.bitmask is not None for st in steps):
-            bitmask = np.full((S, self.vocab_words), -1, np.int32)
-            for i, st in enumerate(steps):
-                if st.bitmask is not None:
-                    bitmask[i] = st.bitmask
+        bitmask = pack_bitmask(steps, S, self.vocab_words)
+        if bitmask is not None:
             self.h2d_bytes += bitmask.nbytes
             if self.mesh is not None:  # placed as the maskless steps' mask is (replicated):
                 # a host array would key a second compilation of the whole step under a mesh

@@ -3,12 +3,12 @@ imports JAX.
 
 Owns the torch device state and implements `sgl_tpu.executor.step.ModelRunner`:
 
-    list[SeqStep] ──step.pack_tokens + attention batch──► TorchBatch (rows: the token /
-        sequence bucket when compiled, exact when eager)
+    list[SeqStep] ──step.build_host_batch──► HostBatch ──+ attention batch──► TorchBatch (rows:
+        the token / sequence bucket when compiled, exact when eager)
         ──model.forward──► hidden [T, D]   (the registry's torch model for the architecture;
                                             dense layer parts compiled per bucket with
                                             torch.compile(dynamic=False); attention eager)
-        ──logits of the sampled rows──► sampler.sample(step.sampling_columns) ──► StepResult
+        ──logits of the sampled rows──► sampler.sample(HostBatch.sampling) ──► StepResult
 
 Overlap scheduling: `dispatch` runs the step in one worker thread (torch releases the GIL in
 its kernels, so the scheduler's host work runs meanwhile); steps run in dispatch order, and a
@@ -129,6 +129,7 @@ class TorchModelRunner:
             logger.info("torch backend: %d CPU threads", set_cpu_threads(config.cpu_threads))
         self.dtype = _DTYPES[config.dtype]
         self.vocab_size = model_config.vocab_size
+        self.vocab_words = step_contract.mask_words(self.vocab_size)
         self._compiles = 0
         self.attn = get_attention_backend(config.attention_backend)
         compile_fn = self._compile if config.compile else None
@@ -274,62 +275,76 @@ class TorchModelRunner:
         if self._in_flight is not None:
             futures.wait([self._in_flight])
 
-    # ---- packing -----------------------------------------------------------------------
-    def _pack(self, mode: ForwardMode, steps: Sequence[SeqStep], num_rows: int | None
-              ) -> TorchBatch:
+    # ---- the step's tensors -----------------------------------------------------------
+    def _host_batch(self, mode: ForwardMode, steps: Sequence[SeqStep], num_rows: int | None
+                    ) -> step_contract.HostBatch:
+        """The step's host arrays: `num_rows` token rows (warm-up, deterministic padding), else
+        the token / sequence bucket when compiled and the exact count when eager (no compiled
+        shapes to reuse); one sequence row per sequence (the sampler reads the real rows only)
+        and a page table as wide as the longest sequence's pages (attention runs eagerly)."""
         c = self.config
-        if num_rows is None:  # (warm-up passes a bucket)
+        if num_rows is None:
             bucket, exact = step_contract.step_rows(
                 mode, steps, token_buckets=c.token_buckets, seq_buckets=c.seq_buckets,
                 max_extend_seqs=c.max_extend_seqs)
-            num_rows = bucket if c.compile else exact  # eager: no compiled shapes to reuse
-        packed = step_contract.pack_tokens(steps, num_rows, c.page_size, c.max_pages_per_seq)
-        dev = self.device
+            num_rows = bucket if c.compile else exact
+        return step_contract.build_host_batch(
+            mode, steps, num_tokens=num_rows, num_seqs=len(steps), page_size=c.page_size,
+            max_pages=c.max_pages_per_seq, num_mask_words=self.vocab_words, trim_pages=True)
+
+    def _torch_batch(self, host: step_contract.HostBatch) -> TorchBatch:
+        """The HostBatch as this runner's tensors, plus the attention backend's description."""
+        ps, dev = self.config.page_size, self.device
         extend_seqs = decode = None
-        if mode == ForwardMode.EXTEND:
+        if host.mode == ForwardMode.EXTEND:
+            n = host.num_seqs
+            seq_lens = host.seq_lens[:n].tolist()
             extend_seqs = [self.attn.ExtendSeq(
-                start=int(start), num_new=len(st.token_ids), prefix_len=st.prefix_len,
-                slots=self.attn.context_slots(np.asarray(st.pages, np.int64), c.page_size,
-                                              int(end)).to(dev))
-                for st, start, end in zip(steps, packed.starts, packed.seq_lens, strict=True)]
+                start=start, num_new=num_new, prefix_len=prefix_len,
+                slots=self.attn.context_slots(
+                    host.page_table[i, : -(-end // ps)].astype(np.int64), ps, end).to(dev))
+                for i, (start, num_new, prefix_len, end) in enumerate(zip(
+                    host.starts[:n].tolist(), host.extend_lens[:n].tolist(),
+                    host.prefix_lens[:n].tolist(), seq_lens, strict=True))]
         else:
-            decode = self._decode_batch(steps, num_rows)
+            decode = self._decode_batch(host)
         return TorchBatch(
-            input_ids=torch.from_numpy(packed.input_ids).to(dev),
-            positions=torch.from_numpy(packed.positions).to(dev),
-            out_slots=torch.from_numpy(packed.out_slots).to(dev),
-            sample_rows=torch.from_numpy(packed.sample_rows).to(dev),
+            input_ids=torch.from_numpy(host.input_ids).to(dev),
+            positions=torch.from_numpy(host.positions).to(dev),
+            out_slots=torch.from_numpy(host.out_slots).to(dev),
+            sample_rows=torch.from_numpy(host.sample_rows[: host.num_seqs]).to(dev),
             extend_seqs=extend_seqs,
             decode=decode,
         )
 
-    def _decode_batch(self, steps: Sequence[SeqStep], num_rows: int) -> Any:
+    def _decode_batch(self, host: step_contract.HostBatch) -> Any:
         """Split each context into the whole pages all sequences share (leading page ids equal
-        in every page table: a radix-cache prefix) and the rest, [B, Lown] with Lown = the
+        in every page table: a radix-cache prefix) and the rest, [T, Lown] with Lown = the
         longest rest rounded up to whole pages (attention runs eagerly: no bucketing)."""
         ps = self.config.page_size
-        lens = np.array([st.prefix_len + len(st.token_ids) for st in steps])
-        tables = [np.asarray(st.pages, np.int64)[: -(-n // ps)]
-                  for st, n in zip(steps, lens, strict=True)]
-        first = tables[0][: min(lens) // ps]  # whole pages every sequence fills
-        for t in tables[1:]:
-            same = first == t[: len(first)]
-            first = first[: len(first) if same.all() else int(same.argmin())]
+        n, num_rows = host.num_seqs, len(host.input_ids)
+        lens = host.seq_lens[:n]
+        need = -(-lens // ps)  # pages holding each context
+        # [n, max(need)]; a row's columns past its need may hold pages it does not read yet
+        tables = host.page_table[:n, : need.max()].astype(np.int64)
+        common = int(lens.min()) // ps  # whole pages every sequence fills
+        differs = (tables[:, :common] != tables[:1, :common]).any(axis=0)
+        n_common = int(differs.argmax()) if differs.any() else common
         # a sliding window masks each sequence's own oldest keys: no shared part then
         window = self.model_config.sliding_window
-        n_shared = len(first) if len(steps) > 1 and window is None else 0
-        own_pages = max(len(t) for t in tables) - n_shared
+        n_shared = n_common if n > 1 and window is None else 0
+        own_pages = int(need.max()) - n_shared
         pages = np.zeros((num_rows, own_pages), np.int64)
-        for i, t in enumerate(tables):
-            pages[i, : len(t) - n_shared] = t[n_shared:]
+        pages[:n] = np.where(np.arange(n_shared, n_shared + own_pages) < need[:, None],
+                             tables[:, n_shared:], 0)
         slots = (pages[:, :, None] * ps + np.arange(ps)).reshape(num_rows, own_pages * ps)
         own_lens = np.ones(num_rows, np.int64)  # padding rows see slot 0 (never all-masked)
-        own_lens[: len(steps)] = lens - n_shared * ps
+        own_lens[:n] = lens - n_shared * ps
         mask = np.arange(own_pages * ps)[None, :] < own_lens[:, None]
         if window is not None:
             mask &= np.arange(own_pages * ps)[None, :] > own_lens[:, None] - 1 - window
         bias = np.where(mask, np.float32(0), np.float32(-np.inf))[:, None, :]
-        shared = (first[:n_shared, None] * ps + np.arange(ps)).reshape(-1)
+        shared = (tables[0, :n_shared, None] * ps + np.arange(ps)).reshape(-1)
         dev = self.device
         return self.attn.DecodeBatch(shared_slots=torch.from_numpy(shared).to(dev),
                                 slots=torch.from_numpy(slots).to(dev),
@@ -381,7 +396,8 @@ class TorchModelRunner:
     @torch.inference_mode()
     def _run(self, mode: ForwardMode, steps: Sequence[SeqStep], num_rows: int | None
              ) -> StepResult:
-        batch = self._pack(mode, steps, num_rows)
+        host = self._host_batch(mode, steps, num_rows)
+        batch = self._torch_batch(host)
         input_ids = batch.input_ids
         if step_contract.has_placeholders(steps):
             prev = self._last_token_ids  # [n_prev]
@@ -397,7 +413,7 @@ class TorchModelRunner:
         hidden = self.model.forward(input_ids, batch.positions, batch.out_slots,
                                     self.kv_pools, attention)
         logits = self.model.logits(hidden.index_select(0, batch.sample_rows))  # [n, V]
-        token_ids, logprobs, top_ids, top_lp = self._sample(mode, steps, logits)
+        token_ids, logprobs, top_ids, top_lp = self._sample(mode, host.sampling, logits)
         self._last_token_ids = token_ids
         return StepResult(
             token_ids=token_ids.to(torch.int32).cpu().numpy(),
@@ -407,10 +423,9 @@ class TorchModelRunner:
             hidden=hidden if mode == ForwardMode.EXTEND else None,
         )
 
-    def _sample(self, mode: ForwardMode, steps: Sequence[SeqStep], logits: torch.Tensor):
+    def _sample(self, mode: ForwardMode, cols: step_contract.SamplingColumns,
+                logits: torch.Tensor):
         dev = self.device
-        cols = step_contract.sampling_columns(steps, len(steps),
-                                              step_contract.mask_words(self.vocab_size))
 
         def t(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
             return torch.from_numpy(a).to(device=dev, dtype=dtype)

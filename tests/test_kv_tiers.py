@@ -305,7 +305,8 @@ def _wait_written(server, timeout: float = 30.0) -> dict:
     return info
 
 
-PROMPT = " ".join(f"Step {i}: the agent read file {i * 7 % 13} and ran test {i}." for i in range(40))
+PROMPT = " ".join(f"Step {i}: the agent read file {i * 7 % 13} and ran test {i}."
+                  for i in range(40))
 
 
 def test_server_serves_evicted_prefixes_from_host_then_from_disk_after_a_restart(tmp_path):
@@ -319,7 +320,8 @@ def test_server_serves_evicted_prefixes_from_host_then_from_disk_after_a_restart
     # deterministic: the answer does not depend on which part of the prompt was cached
     flags = ("--skip-warmup", "--max-total-tokens", "1024", "--max-running-requests", "4",
              "--enable-deterministic-inference", "--enable-hierarchical-cache",
-             "--hicache-ratio", "4", "--hicache-storage-backend", "file", "--hicache-storage-dir", str(tmp_path))
+             "--hicache-ratio", "4", "--hicache-storage-backend", "file",
+             "--hicache-storage-dir", str(tmp_path))
     server = launch_server(*flags)
     try:
         cold = _generate(server.base_url, PROMPT)

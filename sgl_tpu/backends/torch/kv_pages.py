@@ -7,8 +7,9 @@
 
 A read gathers the pages of every K and V tensor with one `index_select` each, into the rows'
 strided view of a buffer the caller passes (reused: fresh memory costs a page fault per 4 KiB,
-more than the copy); a write is one `index_copy_` per tensor. The page rows are this backend's own layout (`page_layout` names it,
-and disk files are keyed by it): a JAX server does not read a torch server's files.
+more than the copy); a write is one `index_copy_` per tensor. The page rows are this backend's
+own layout (`page_layout` names it, and disk files are keyed by it): a JAX server does not read
+a torch server's files.
 """
 
 from __future__ import annotations

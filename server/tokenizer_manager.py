@@ -72,6 +72,8 @@ class GenItem:
     return_text_in_logprobs: bool = False
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     session_id: str | None = None  # agent session: retention hint for its KV (KVManager)
+    # `sampling` parsed, once its request passed `TokenizerManager.validate` (None before)
+    parsed: SamplingParams | None = None
 
 
 @dataclass
@@ -209,6 +211,8 @@ class TokenizerManager:
                                f"length ({self.context_len} tokens) can hold")
 
     def validate(self, item: GenItem) -> SamplingParams:
+        """Parse and check one item (RequestError naming the problem); the parsed params are
+        kept on it (`item.parsed`), so `generate` does not parse them again."""
         if self.dead_reason:
             raise ServerDead(self.dead_reason)
         try:
@@ -228,6 +232,7 @@ class TokenizerManager:
             raise RequestError(f"top_logprobs_num must be in [0, {self.args.max_top_logprobs}]")
         if (error := check_session_id(item.session_id)) is not None:
             raise RequestError(error)
+        item.parsed = sampling
         return sampling
 
     async def generate(self, item: GenItem, *, final_only: bool = False
@@ -238,7 +243,11 @@ class TokenizerManager:
         and when final; with `final_only` (a caller that waits for the whole result) only
         the final one. The receive loop wakes this generator only for those (`wake_at`).
         Raises RequestError for bad input, ServerDead if the server died."""
-        interval = self.validate(item).stream_interval or self.args.stream_interval
+        if item.parsed is None:  # (a route validates its items before it generates)
+            self.validate(item)
+        elif self.dead_reason:
+            raise ServerDead(self.dead_reason)
+        interval = item.parsed.stream_interval or self.args.stream_interval
         if item.rid in self.states:
             raise RequestError(f"duplicate request id {item.rid!r}")
         acc = ResponseAccumulator(

@@ -161,13 +161,15 @@ class Engine:
             raise GenerationError("sampling_params list must match the number of prompts")
         reqs = []
         for ids, sp in zip(batch_ids, params, strict=True):
-            try:
+            try:  # the one parse in this process: the scheduler takes the parsed params
                 parsed = SamplingParams.from_dict(sp)
             except ValueError as e:
                 raise GenerationError(str(e)) from None
-            reqs += [(ids, d) for d in expand_n(sp or {}, parsed.n)]
-        accs = [self._submit(ids, sp, return_logprob, logprob_start_len, top_logprobs_num,
-                             return_text_in_logprobs) for ids, sp in reqs]
+            reqs += [(ids, d, sample) for d, sample in
+                     zip(expand_n(sp or {}, parsed.n), parsed.samples(), strict=True)]
+        accs = [self._submit(ids, sp, sampling, return_logprob, logprob_start_len,
+                             top_logprobs_num, return_text_in_logprobs)
+                for ids, sp, sampling in reqs]
         if stream:
             if not single or len(accs) != 1:
                 raise GenerationError("stream=True takes a single prompt with n=1")
@@ -212,8 +214,8 @@ class Engine:
             return [list(input_ids)], True
         return [list(x) for x in input_ids], False
 
-    def _submit(self, ids, sp, return_logprob, logprob_start_len, top_logprobs_num,
-                with_text) -> ResponseAccumulator:
+    def _submit(self, ids, sp, sampling: SamplingParams, return_logprob, logprob_start_len,
+                top_logprobs_num, with_text) -> ResponseAccumulator:
         rid = f"engine-{next(self._rids)}"
         acc = ResponseAccumulator(rid, return_logprob=return_logprob,
                                   return_text_in_logprobs=with_text,
@@ -225,7 +227,7 @@ class Engine:
         if any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size for t in ids):
             raise GenerationError(f"input_ids must be token ids in [0, "
                                   f"{self.model_config.vocab_size})")
-        error = self.scheduler.add_request(msg)
+        error = self.scheduler.add_request(msg, sampling)
         if error is not None:
             raise GenerationError(error.finish_reason["message"])
         self._pending[rid] = acc

@@ -2,11 +2,15 @@
 
 `SamplingParams.from_dict` is the single entry for user input (Engine, native API, OpenAI API);
 every problem raises `ValueError` with a message naming the field, which the HTTP layer turns
-into a 400.
+into a 400. Each process parses a request's params once: the HTTP process in
+`TokenizerManager.validate`, the scheduler process again on arrival (it trusts nothing from
+another process), the in-process `Engine` in `generate`, handing the parsed params to its
+scheduler.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import re
@@ -126,6 +130,21 @@ class SamplingParams:
     def replace(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)
 
+    def samples(self) -> list[SamplingParams]:
+        """The params of this request's `n` samples by `expand_n`'s rule (n = 1 each; with a
+        seed, sample k gets `sample_seed(seed, k)`), without validating them again: those
+        values are valid whenever these are, so a process parses a request once."""
+        if self.n == 1:
+            return [self]
+        out = []
+        for k in range(self.n):
+            sample = copy.copy(self)
+            object.__setattr__(sample, "n", 1)
+            if self.seed is not None:
+                object.__setattr__(sample, "seed", sample_seed(self.seed, k))
+            out.append(sample)
+        return out
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> SamplingParams:
         """Build from a JSON-like dict; nulls mean "default"; unknown keys are an error."""
@@ -169,9 +188,14 @@ def expand_n(sampling: Mapping[str, Any], n: int) -> list[dict[str, Any]]:
             d["seed"] = d.pop("sampling_seed")
         seed = d.get("seed")
         if n > 1 and isinstance(seed, int) and not isinstance(seed, bool):
-            d["seed"] = (seed + k) % (INT64_MAX + 1)
+            d["seed"] = sample_seed(seed, k)
         out.append(d)
     return out
+
+
+def sample_seed(seed: int, k: int) -> int:
+    """The seed of sample k of a seeded request with n > 1."""
+    return (seed + k) % (INT64_MAX + 1)
 
 
 def _alias_of(name: str) -> str:

@@ -320,3 +320,64 @@ def test_torch_overlap_runs_every_torch_call_on_the_compute_thread(engine):
     assert compute is not threading.main_thread() and compute.is_alive()
     assert {t for _, t in TORCH_CALLS} == {compute}
     assert {"_build", "_warmup", "_run", "_token_logprobs"} <= {n for n, _ in TORCH_CALLS}
+
+
+def test_samples_follow_expand_n():
+    """`SamplingParams.samples` (the Engine's per-sample params, not parsed again) equals
+    parsing each of `expand_n`'s sample dicts (the HTTP routes' rule)."""
+    from sgl_tpu.sampling_params import SamplingParams, expand_n
+
+    for d in ({"n": 3, "seed": 2**63 - 2, "temperature": 0.5, "stop": "x"},
+              {"n": 2, "sampling_seed": 7}, {"n": 4}, {"seed": 5}, {}):
+        parsed = SamplingParams.from_dict(d)
+        samples = parsed.samples()
+        assert samples == [SamplingParams.from_dict(x) for x in expand_n(d, parsed.n)]
+        assert [s.seed for s in samples] == [
+            SamplingParams.from_dict(x).seed for x in expand_n(d, parsed.n)]
+        assert all(s.n == 1 for s in samples)
+    one = SamplingParams(temperature=0.3)
+    assert one.samples()[0] is one
+
+
+def test_engine_parses_sampling_params_once(tmp_path, monkeypatch):
+    """The in-process Engine parses a request's sampling params once: its scheduler takes the
+    parsed ones (one per sample for n > 1) instead of parsing the message's dict again."""
+    from sgl_tpu.sampling_params import SamplingParams
+    from sgl_tpu.scheduler.intake import Intake
+
+    parse = SamplingParams.from_dict.__func__
+    calls, parsed, admitted = [], [], []
+
+    def counting(cls, d):
+        calls.append(d)
+        parsed.append(parse(cls, d))
+        return parsed[-1]
+
+    new_req = Intake.new_req
+
+    def admitting(self, msg, sampling=None):
+        admitted.append(sampling)
+        return new_req(self, msg, sampling)
+
+    monkeypatch.setattr(SamplingParams, "from_dict", classmethod(counting))
+    monkeypatch.setattr(Intake, "new_req", admitting)
+    model_dir = ck.make_tiny_hf_checkpoint(tmp_path / "m", "llama")
+    with Engine(model_dir, backend="torch", torch_compile="off", skip_warmup=True,
+                page_size=4, max_total_tokens=256, max_running_requests=4) as eng:
+        out = eng.generate(input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 2})
+        assert out["meta_info"]["completion_tokens"] == 2
+        assert len(calls) == 1 and len(admitted) == 1 and admitted[0] is parsed[0]
+
+        calls.clear(), parsed.clear(), admitted.clear()
+        outs = eng.generate(input_ids=[5, 6, 7], sampling_params={
+            "max_new_tokens": 2, "temperature": 0.7, "n": 3, "seed": 11})
+        assert len(outs) == 3 and len(calls) == 1
+        assert [s.seed for s in admitted] == [11, 12, 13] and {s.n for s in admitted} == {1}
+
+        calls.clear(), parsed.clear(), admitted.clear()
+        with pytest.raises(GenerationError, match=r"temperature must be in \[0.0, 100.0\]"):
+            eng.generate(input_ids=[5, 6, 7], sampling_params={"temperature": -1})
+        assert len(calls) == 1 and admitted == []  # refused before the scheduler
+        with pytest.raises(GenerationError, match="context"):
+            eng.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 10**6})
+        assert len(calls) == 2 and len(admitted) == 1  # the scheduler's checks still run

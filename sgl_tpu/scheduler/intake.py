@@ -1,7 +1,8 @@
 """Intake: a `TokenizedGenerateReq` from another process -> a queued `Req`, or a 400 output.
 
-The scheduler trusts nothing it receives: the sampling parameters are parsed and bounded again,
-ids must lie in the vocabulary, the prompt plus its output must fit the context and the KV pool,
+The scheduler trusts nothing it receives: the sampling parameters are parsed and bounded again
+(unless a caller in this process, the in-process Engine, hands over the ones it parsed), ids
+must lie in the vocabulary, the prompt plus its output must fit the context and the KV pool,
 and a grammar needs a grammar backend. A request without a seed gets a random one here, so
 its samples are reproducible in whatever batch it lands.
 """
@@ -34,11 +35,14 @@ class Intake:
         self.decode = decode
         self._seed_rng = random.Random(0x5C1)
 
-    def new_req(self, msg: TokenizedGenerateReq) -> Req | ReqOutput:
-        try:
-            sampling = SamplingParams.from_dict(msg.sampling)
-        except ValueError as e:
-            return error_output(msg.rid, len(msg.input_ids), str(e))
+    def new_req(self, msg: TokenizedGenerateReq, sampling: SamplingParams | None = None
+                ) -> Req | ReqOutput:
+        """`sampling`: `msg.sampling` already parsed in this process; None: parse it here."""
+        if sampling is None:
+            try:
+                sampling = SamplingParams.from_dict(msg.sampling)
+            except ValueError as e:
+                return error_output(msg.rid, len(msg.input_ids), str(e))
         error = check_token_ids("input_ids", msg.input_ids, self.vocab_size) or check_request(
             len(msg.input_ids), sampling, context_len=self.config.context_len,
             capacity_tokens=self.capacity_tokens, grammar_supported=self.grammar is not None,

@@ -56,6 +56,7 @@ from sgl_tpu.mem_cache.allocator import PageAllocator
 from sgl_tpu.mem_cache.radix_cache import RadixCache
 from sgl_tpu.mem_cache.tiers import TieredCache
 from sgl_tpu.messages import ReqOutput, TokenizedGenerateReq
+from sgl_tpu.sampling_params import SamplingParams
 from sgl_tpu.scheduler import finish
 from sgl_tpu.scheduler.append import Appended, TokenAppender
 from sgl_tpu.scheduler.counters import SchedulerStats
@@ -145,9 +146,12 @@ class Scheduler:
     def grammar_supported(self) -> bool:
         return self.grammar is not None
 
-    def add_request(self, msg: TokenizedGenerateReq) -> ReqOutput | None:
-        """Queue a request; returns an immediate error output if it cannot be served."""
-        req = self.intake.new_req(msg)
+    def add_request(self, msg: TokenizedGenerateReq, sampling: SamplingParams | None = None
+                    ) -> ReqOutput | None:
+        """Queue a request; returns an immediate error output if it cannot be served.
+        `sampling`: its params as the in-process Engine parsed them (None: from another
+        process, parsed again here)."""
+        req = self.intake.new_req(msg, sampling)
         if isinstance(req, ReqOutput):
             return req
         self.kv.load_ahead(req)

@@ -15,7 +15,9 @@ and supervises the processes:
    the launch with a non-zero exit; its own error is on stderr above), then starts the router
    on `--host/--port` with the replicas' URLs and `--api-key` (for its probes of `/server_info`
    and `/model_info`), and waits until the router lists every replica.
-3. Supervision: a replica that dies later is reported once (the router's health checks route
+3. The router's policy settings: the launcher's defaults spread agents that share a prefix
+   (`router_defaults`); any `--router-*` flag the user gives replaces the matching default.
+4. Supervision: a replica that dies later is reported once (the router's health checks route
    around it); the router dying, or every replica, ends the launch with exit 1. SIGTERM/SIGINT
    stop the router, then the replicas (SIGTERM, then SIGKILL after a grace period). Every child
    also gets SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG).
@@ -121,13 +123,42 @@ def replica_argv(args: ServerArgs, port: int) -> list[str]:
     return [sys.executable, "-m", "sgl_tpu.launch_server", *to_argv(one)]
 
 
+def router_defaults(args: ServerArgs) -> list[str]:
+    """The router flags the launcher sets for `args.router_policy`, less those the user gave.
+
+    cache_aware sends a request to the replica holding the longest prefix of its text unless the
+    replicas' loads (the router's count of requests in flight to each) are apart by more than
+    `--balance-abs-threshold` AND the busiest exceeds `--balance-rel-threshold` x the idlest;
+    then it goes to the idlest. The router's own thresholds (64 requests, 1.5x) suit SGLang GPU
+    workers that run thousands of requests at once; here a replica runs
+    `--max-running-requests` (64 by default), so they never trip, and agents that share a
+    system prompt all follow the replica that cached it first. The launcher scales the absolute
+    threshold to the replica (1/32 of `--max-running-requests`, at least 2) and asks for 1.2x:
+    a new agent goes to the idler replica, and an agent whose replica is the busier one keeps
+    its replica while the gap stays within the threshold (with two replicas, a returning agent
+    whose replica is the idler one goes back to it either way).
+
+    manual pins each `X-SMG-Routing-Key` to one replica; the launcher gives a new key to the
+    replica with the fewest keys in flight (`min_group`) rather than a random one, so sessions
+    split evenly and each stays where its KV is."""
+    if args.router_policy == "cache_aware":
+        defaults = {"--balance-abs-threshold": str(max(2, args.max_running_requests // 32)),
+                    "--balance-rel-threshold": "1.2"}
+    elif args.router_policy == "manual":
+        defaults = {"--assignment-mode": "min_group"}
+    else:
+        return []
+    given = {token.split("=", 1)[0] for token in args.router_args if token.startswith("--")}
+    return [t for flag, value in defaults.items() if flag not in given for t in (flag, value)]
+
+
 def router_argv(args: ServerArgs, urls: list[str]) -> list[str]:
     argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", args.host,
             "--port", str(args.port), "--worker-urls", *urls, "--policy", args.router_policy,
-            "--log-level", "warn"]
+            "--log-level", "warn", *router_defaults(args)]
     if args.api_key:
         argv += ["--api-key", args.api_key]
-    return argv + list(args.router_args)  # the user's router flags win (parsed last)
+    return argv + list(args.router_args)  # the user's router flags (parsed last)
 
 
 def _child_setup(cpus: tuple[int, ...] | None):
@@ -199,6 +230,8 @@ class ReplicaSet:
 
     def start_router(self) -> bool:
         urls = [f"http://{REPLICA_HOST}:{p}" for p in self.ports]
+        logger.info("router: --policy %s %s", self.args.router_policy,
+                    " ".join(router_defaults(self.args)))
         self.router = subprocess.Popen(router_argv(self.args, urls),
                                        preexec_fn=_child_setup(None))
         host = "127.0.0.1" if self.args.host in ("0.0.0.0", "::") else self.args.host

@@ -114,7 +114,11 @@ _HELP = {
     "dp_size": "data parallelism: run this many replicas of the server behind the sglang-router "
                "(pip install 'sgl-tpu[router]'), which listens on --port; the replicas listen "
                "on 127.0.0.1 at the next free ports. Other --router-* flags go to the router "
-               "(e.g. --router-cache-threshold 0.5 becomes --cache-threshold 0.5)",
+               "(e.g. --router-cache-threshold 0.5 becomes --cache-threshold 0.5) and replace "
+               "the launcher's defaults for it: with cache_aware, --balance-abs-threshold "
+               "max(2, --max-running-requests / 32) and --balance-rel-threshold 1.2, so agents "
+               "sharing a system prompt spread over the replicas; with manual, "
+               "--assignment-mode min_group",
     "tp_size": "tensor parallelism: split the model over this many devices (a JAX mesh) or "
                "ranks (torch.distributed); the query and KV head counts must allow it",
     "nnodes": "tensor parallelism across hosts: the number of hosts (one process each)",
@@ -141,7 +145,9 @@ _HELP = {
                                       "prefix came from the radix cache (bf16, torch CPU and "
                                       "JAX); slower, see docs/determinism.md",
     "router_policy": "with --dp-size > 1: the router's policy (cache_aware keeps each prefix on "
-                     "the replica that caches it)",
+                     "the replica that caches it, and balances when one replica is busier; "
+                     "manual pins each X-SMG-Routing-Key, e.g. an agent's session, to one "
+                     "replica; requests without one lose prefix-aware routing)",
 }
 # Fields set by the launcher, not by a flag of their own.
 _NO_FLAG = frozenset({"router_args"})

@@ -191,6 +191,13 @@ def server_side(info: dict[str, Any] | None, summary: dict[str, Any]) -> dict[st
     return out
 
 
+def replica_split(before: list[int] | None, after: list[int] | None) -> dict[str, Any]:
+    """Behind the router: how many of the run's requests each replica served."""
+    if before is None or after is None or len(before) != len(after):
+        return {}
+    return {"replica_requests": [b - a for a, b in zip(before, after, strict=True)]}
+
+
 def ratios(runs: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """Per workload, the first target against each other one: >1 means the first is better."""
     names = list(runs)
@@ -248,10 +255,12 @@ def main(argv: list[str] | None = None) -> None:
                                                  f"{spec.name}/{name} warm-up"))
                     target.flush_cache()
                     programs = make_workload(name, cfg, args.seed)
+                    before = target.replica_requests()
                     trace = asyncio.run(run_workload(target.base_url, spec, programs, tokenizer,
                                                      args, f"{spec.name}/{name}"))
                     runs[name] = summarize(trace)
                     runs[name].update(server_side(target.server_info(), runs[name]))
+                    runs[name].update(replica_split(before, target.replica_requests()))
                     if args.save_traces:
                         traces.setdefault(spec.name, {})[name] = trace.to_dict(with_text=True)
         except (RuntimeError, TimeoutError, OSError, ValueError) as e:

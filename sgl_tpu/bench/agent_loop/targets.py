@@ -202,7 +202,27 @@ class RunningTarget:
         except (urllib.error.URLError, OSError, ValueError):
             return None
 
+    def replica_requests(self) -> list[int] | None:
+        """Behind SGLang's router (a `--dp-size` server): each replica's finished-request count
+        (its `/server_info`), in the router's `/workers` order; None for any other server."""
+        if self.spec.kind in PEERS:
+            return None
+        try:
+            workers = _get_json(self.base_url + "/workers").get("workers")
+            if not isinstance(workers, list) or not workers:
+                return None
+            return [_get_json(w["url"] + "/server_info")["stats"]["num_requests_finished"]
+                    for w in workers]
+        except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError,
+                AttributeError):
+            return None
+
     def __exit__(self, *exc: object) -> None:
         if self._server is not None:
             self._server.stop()
         self._stop_peer()
+
+
+def _get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return json.loads(resp.read())

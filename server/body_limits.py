@@ -107,7 +107,7 @@ class BodyLimitMiddleware:
     def __init__(self, app: ASGIApp, max_bytes: int, on_error: Any) -> None:
         self.app = app
         self.max_bytes = max_bytes
-        self.on_error = on_error  # (message, status) -> ASGI response (the app's error shape)
+        self.on_error = on_error  # (path, message, status) -> ASGI response (the error shape)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -141,5 +141,5 @@ class BodyLimitMiddleware:
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, status: int,
                       message: str) -> None:
-        response = self.on_error(message, status)
+        response = self.on_error(scope["path"], message, status)
         await response(scope, receive, send)

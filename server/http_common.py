@@ -2,7 +2,9 @@
 body, JSON body parsing into a pydantic model, SSE framing, collecting results, the API-key
 check, the agent-session hint. Route modules import this; nothing here imports a route module.
 
-Every error is JSON `{"error": {"message", "type", "code"}}` with a 4xx/5xx status. Bodies are
+Every error is JSON `{"error": {"message", "type", "code"}}` with a 4xx/5xx status, except on
+the Anthropic routes (`/v1/messages...`), whose errors take Anthropic's shape
+`{"type": "error", "error": {"type", "message"}}` (`error_response_for` picks by path). Bodies are
 checked in layers: size and content type by `BodyLimitMiddleware`, JSON syntax, depth, strings
 and integer ranges by `parse_json` (`body_limits.py`), field types by the pydantic models,
 values by `TokenizerManager.validate`.
@@ -31,6 +33,27 @@ def error_response(message: str, status_code: int = 400, err_type: str | None = 
     return JSONResponse({"object": "error", "error": {"message": message, "type": err_type,
                                                       "code": status_code},
                          "message": message, "code": status_code}, status_code=status_code)
+
+
+# Anthropic's error types by HTTP status (other 4xx: invalid_request_error, other 5xx: api_error).
+ANTHROPIC_ERROR_TYPES = {401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large",
+                         429: "rate_limit_error", 529: "overloaded_error"}
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def anthropic_error_body(message: str, status_code: int) -> dict[str, Any]:
+    default = "invalid_request_error" if status_code < 500 else "api_error"
+    return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status_code, default),
+                                       "message": printable(message)}}
+
+
+def error_response_for(path: str, message: str, status_code: int = 400,
+                       err_type: str | None = None) -> JSONResponse:
+    """The error in the shape of the API that `path` belongs to."""
+    if path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/"):
+        return JSONResponse(anthropic_error_body(message, status_code), status_code=status_code)
+    return error_response(message, status_code, err_type)
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
@@ -133,6 +156,11 @@ def bearer_matches(header: str, key: str) -> bool:
     scheme, _, token = header.strip().partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
                                                               key.encode())
+
+
+def api_key_matches(header: str, key: str) -> bool:
+    """`x-api-key: KEY` (how Anthropic's clients send the key), compared in constant time."""
+    return bool(header) and hmac.compare_digest(header.strip().encode(), key.encode())
 
 
 async def gather_results(tm: TokenizerManager, items: list[GenItem]) -> list[dict[str, Any]]:

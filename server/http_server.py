@@ -1,9 +1,11 @@
 """The FastAPI app: error handlers and middleware, then every route module's `add_routes`
-(native `native_api.py`, OpenAI `openai_api.py`, Responses `responses_api.py`, Prometheus
-`metrics.py`), all on one `TokenizerManager`. Shared helpers are in `http_common.py`.
+(native `native_api.py`, OpenAI `openai_api.py`, Responses `responses_api.py`, Anthropic
+Messages `anthropic_api.py`, Prometheus `metrics.py`), all on one `TokenizerManager`. Shared
+helpers are in `http_common.py`.
 
 Bad input never reaches the scheduler (see `http_common.py` for the layers of checks).
-Routes `--api-key` guards: all but `/health` (the liveness probe: an empty 200 or a 503, it
+Routes `--api-key` guards (the key as `Authorization: Bearer KEY` or, as Anthropic's clients
+send it, `x-api-key: KEY`): all but `/health` (the liveness probe: an empty 200 or a 503, it
 reveals nothing and load balancers call it without credentials, as with SGLang). `/metrics`,
 `/get_model_info` and `/server_info` need the key. An unexpected exception in a handler is a 500
 whose body says only that (the traceback goes to the log, never paths or settings to clients).
@@ -21,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sgl_tpu.server.body_limits import BodyError, BodyLimitMiddleware
-from sgl_tpu.server.http_common import bearer_matches, error_response
+from sgl_tpu.server.http_common import api_key_matches, bearer_matches, error_response_for
 from sgl_tpu.server.tokenizer_manager import RequestError, ServerDead, TokenizerManager
 
 logger = logging.getLogger("sgl_tpu.http")
@@ -39,11 +41,12 @@ class ApiKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (self.key and scope["type"] == "http" and scope["path"] != "/health"
                 and scope["method"] != "OPTIONS"):
-            auth = next((v.decode("latin-1") for k, v in scope.get("headers", [])
-                         if k.lower() == b"authorization"), "")
-            if not bearer_matches(auth, self.key):
-                response = error_response("invalid or missing API key", 401,
-                                          "AuthenticationError")
+            headers = {k.lower(): v.decode("latin-1") for k, v in scope.get("headers", [])
+                       if k.lower() in (b"authorization", b"x-api-key")}
+            if not (bearer_matches(headers.get(b"authorization", ""), self.key)
+                    or api_key_matches(headers.get(b"x-api-key", ""), self.key)):
+                response = error_response_for(scope["path"], "invalid or missing API key", 401,
+                                              "AuthenticationError")
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -54,37 +57,38 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     app.state.tm = tm
 
     @app.exception_handler(RequestError)
-    async def _bad_request(_: Request, e: RequestError) -> JSONResponse:
-        return error_response(str(e), e.status_code)
+    async def _bad_request(request: Request, e: RequestError) -> JSONResponse:
+        return error_response_for(request.url.path, str(e), e.status_code)
 
     @app.exception_handler(ServerDead)
-    async def _dead(_: Request, e: ServerDead) -> JSONResponse:
-        return error_response(f"server unavailable: {e}", 503, "ServiceUnavailableError")
+    async def _dead(request: Request, e: ServerDead) -> JSONResponse:
+        return error_response_for(request.url.path, f"server unavailable: {e}", 503,
+                                  "ServiceUnavailableError")
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
         parts = []
         for err in e.errors():
             loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
             parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
-        return error_response("invalid request: " + "; ".join(parts), 400)
+        return error_response_for(request.url.path, "invalid request: " + "; ".join(parts), 400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return error_response(str(e.detail), e.status_code)
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error_response_for(request.url.path, str(e.detail), e.status_code)
 
     @app.exception_handler(BodyError)
-    async def _body(_: Request, e: BodyError) -> JSONResponse:
-        return error_response(str(e), e.status_code)
+    async def _body(request: Request, e: BodyError) -> JSONResponse:
+        return error_response_for(request.url.path, str(e), e.status_code)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> JSONResponse:
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return error_response(f"internal server error ({type(e).__name__}); see the server "
-                              "log", 500)
+        return error_response_for(request.url.path, f"internal server error "
+                                  f"({type(e).__name__}); see the server log", 500)
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=tm.args.max_request_bytes,
-                       on_error=error_response)
+                       on_error=error_response_for)
 
     app.add_middleware(ApiKeyMiddleware, key=tm.args.api_key)
 
@@ -94,10 +98,11 @@ def create_app(tm: TokenizerManager) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=list(tm.args.allow_origins),
                            allow_methods=["GET", "POST"], allow_headers=["*"])
 
-    from sgl_tpu.server import metrics, native_api, openai_api, responses_api
+    from sgl_tpu.server import anthropic_api, metrics, native_api, openai_api, responses_api
 
     native_api.add_routes(app, tm)
     openai_api.add_routes(app, tm)
     responses_api.add_routes(app, tm)
+    anthropic_api.add_routes(app, tm)
     metrics.add_routes(app, tm)
     return app

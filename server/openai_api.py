@@ -41,18 +41,23 @@ from sgl_tpu.server.tokenizer_manager import RequestError, ServerDead, Tokenizer
 from sgl_tpu.validation import check_batch_size
 
 
-def check_model(tm: TokenizerManager, name: str | None) -> JSONResponse | None:
+def model_error(tm: TokenizerManager, name: str | None) -> str | None:
     """Any model name is served by the one model (as SGLang: clients send "default",
     "gpt-4o", ...); only SGLang's `<served name>:<adapter>` form is parsed, and LoRA adapters
-    are not served (400)."""
+    are not served: the 400's message, or None for a servable name."""
     prefix = f"{tm.served_model_name}:"
     if name is None or name == tm.served_model_name or not name.startswith(prefix):
         return None
     adapter = name[len(prefix):].strip()
     if not adapter:
         return None
-    return error_response(f"model `{name}`: LoRA adapter `{adapter}` requested, but this "
-                          f"server serves no adapters", 400)
+    return (f"model `{name}`: LoRA adapter `{adapter}` requested, but this server serves no "
+            "adapters")
+
+
+def check_model(tm: TokenizerManager, name: str | None) -> JSONResponse | None:
+    message = model_error(tm, name)
+    return None if message is None else error_response(message, 400)
 
 
 async def sse_response(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:

@@ -2,10 +2,12 @@
 
     chat_completion(tm, req)         -> the whole `chat.completion` object (non-streaming)
     chat_completion_chunks(tm, req)  -> the `chat.completion.chunk` dicts of a stream
+    prompt_ids(tm, req)              -> the rendered prompt's token ids (no generation)
 
 The `/v1/chat/completions` route wraps them (JSON body / SSE); other front-ends (the Responses
-API) call them directly. Errors found before the first token (bad messages, a bad grammar, an
-unknown model name is the route's business) raise `RequestError`, so the caller can answer 4xx.
+and Anthropic Messages APIs) call them directly. Errors found before the first token (bad
+messages, a bad grammar; an unknown model name is the route's business) raise `RequestError`,
+so the caller can answer 4xx.
 
     request ──_chat_prompt──► prompt ids ──_chat_sampling──► GenItems ──tm.generate()──►
         non-stream: every item's final dict ──► one chat.completion
@@ -80,6 +82,13 @@ def _chat_sampling(tm: TokenizerManager, req: ChatCompletionRequest, prompt_len:
     return sp
 
 
+def prompt_ids(tm: TokenizerManager, req: ChatCompletionRequest) -> list[int]:
+    """The prompt's token ids exactly as a generation of `req` would send them (what a
+    token-counting route reports); RequestError on bad input."""
+    tm.check_num_messages(len(req.messages))
+    return _chat_prompt(tm, req, plan_chat(tm, req))
+
+
 def _chat_logprobs(tm: TokenizerManager, entries: list, tops: list) -> dict[str, Any]:
     def one(lp: float, tid: int, text: str | None) -> dict[str, Any]:
         return {"token": text or "", "logprob": lp,
@@ -146,17 +155,21 @@ async def chat_completion_chunks(tm: TokenizerManager, req: ChatCompletionReques
     outputs = [ChatOutput(plan) for _ in items]
     deltas = Deltas(len(items), stop_strings(req))
     started = [False] * len(items)
+    continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
+    latest: dict[int, dict[str, Any]] = {}  # each choice's latest result (continuous usage)
 
     def chunk(index: int, delta: dict[str, Any], lp: dict | None, reason: str | None,
               matched: Any = None) -> dict[str, Any]:
         choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
         if reason is not None:
             choice["matched_stop"] = matched
+        running = usage(list(latest.values()), len(latest)) if continuous else None
         return {"id": rid, "object": "chat.completion.chunk", "created": created,
-                "model": model, "choices": [choice], "usage": None}
+                "model": model, "choices": [choice], "usage": running}
 
     def chunks(index: int, result: dict[str, Any]) -> list[dict[str, Any]]:
         out = []
+        latest[index] = result
         if not started[index]:
             started[index] = True
             out.append(chunk(index, {"role": "assistant", "content": ""}, None, None))

@@ -52,8 +52,9 @@ _HELP = {
                       "supported",
     "chunked_prefill_size": "token budget of one prefill (EXTEND) batch; longer prompts are "
                             "chunked",
-    "api_key": "require 'Authorization: Bearer KEY' on every route but /health (the liveness "
-               "probe, which reveals nothing)",
+    "api_key": "require 'Authorization: Bearer KEY' (or 'x-api-key: KEY', as Anthropic's "
+               "clients send it) on every route but /health (the liveness probe, which "
+               "reveals nothing)",
     "allow_origins": "origins allowed by CORS (e.g. http://localhost:3000, or *); none by "
                      "default, so browsers on other origins cannot call the API",
     "max_request_bytes": "largest HTTP request body in bytes; larger ones get a 413",

@@ -140,6 +140,36 @@ REGRESSIONS = [
     ("multi-megabyte prompt", "/generate",
      {"text": "word " * 180_000, "sampling_params": {"max_new_tokens": 1}}, 400,
      ("characters",)),
+    ("Anthropic: no max_tokens", "/v1/messages",
+     {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, 400, ("max_tokens",)),
+    ("Anthropic: image block", "/v1/messages",
+     {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [
+         {"type": "image", "source": {"type": "base64", "data": "AAAA"}}]}]}, 400,
+     ("image",)),
+    ("Anthropic: tool_result content not text", "/v1/messages",
+     {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [
+         {"type": "tool_result", "tool_use_id": "t", "content": {"a": 1}}]}]}, 400,
+     ("messages[0].content[0].content",)),
+    ("Anthropic: tool_use input not an object", "/v1/messages",
+     {"model": "m", "max_tokens": 1, "messages": [
+         {"role": "user", "content": "hi"},
+         {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
+                                            "input": "[]"}]},
+         {"role": "user", "content": "ok"}]}, 400, ("input",)),
+    ("Anthropic: invalid input_schema", "/v1/messages",
+     {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"name": "f", "input_schema": {"type": 5}}]}, 400, ("tools[0].input_schema",)),
+    ("Anthropic: tool_choice names no tool", "/v1/messages",
+     {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+      "tool_choice": {"type": "tool", "name": "g"}}, 400, ("'g'",)),
+    ("Anthropic: five cache_control breakpoints", "/v1/messages/count_tokens",
+     {"model": "m", "messages": [{"role": "user", "content": [
+         {"type": "text", "text": "a", "cache_control": {"type": "ephemeral"}}] * 5}]}, 400,
+     ("cache_control",)),
+    ("Anthropic: surrogate in system", "/v1/messages/count_tokens",
+     surrogate('{"model": "m", "system": "SURROGATE", "messages": '
+               '[{"role": "user", "content": "hi"}]}'), 400, ("system",)),
 ]
 
 
@@ -152,6 +182,18 @@ def test_regression_is_a_clear_4xx(server, route, body, status, words):
     message = r.json()["error"]["message"]
     for word in words:
         assert word in message, message
+    if route.startswith("/v1/messages"):  # Anthropic's error shape
+        assert r.json() == {"type": "error", "error": {"type": "invalid_request_error",
+                                                       "message": message}}
+
+
+def test_anthropic_routes_take_x_api_key(server):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    for headers, status in (({"x-api-key": KEY}, 200), ({"x-api-key": "wrong"}, 401), ({}, 401)):
+        r = post(server, "/v1/messages/count_tokens", body,
+                 headers={"Content-Type": "application/json", **headers})
+        assert r.status_code == status, r.text
+    assert r.json()["error"]["type"] == "authentication_error"
 
 
 def test_server_serves_after_every_regression(server):
@@ -247,7 +289,8 @@ def _sender(server):
     session = requests.Session()
 
     def send(route: str, data: bytes, content_type: str) -> int:
-        headers = dict(AUTH)
+        # Anthropic's clients send the key as x-api-key
+        headers = {"x-api-key": KEY} if route.startswith("/v1/messages") else dict(AUTH)
         if content_type:
             headers["Content-Type"] = content_type
         return session.post(server.base_url + route, data=data, headers=headers,

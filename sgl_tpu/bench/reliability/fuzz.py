@@ -32,6 +32,12 @@ ROUTES: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
     "/v1/responses": {"input": [{"role": "user", "content": "Hi"}], "max_output_tokens": 4,
                       "temperature": 0},
+    "/v1/messages": {"model": "default", "max_tokens": 4, "temperature": 0,
+                     "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+                     "tools": [{"name": "f", "input_schema": {
+                         "type": "object", "properties": {"a": {"type": "string"}}}}]},
+    "/v1/messages/count_tokens": {"model": "default", "system": "Be brief.",
+                                  "messages": [{"role": "user", "content": "Hi"}]},
     "/abort_request": {"rid": "no-such-request"},
     "/flush_cache": {},
 }
@@ -58,6 +64,14 @@ _FIELDS: dict[str, tuple[str, ...]] = {
                       "max_output_tokens", "temperature", "top_p", "text", "text.format",
                       "store", "stream", "metadata", "user", "seed", "top_k", "ignore_eos",
                       "model"),
+    "/v1/messages": ("model", "messages", "messages.0", "messages.0.role", "messages.0.content",
+                     "messages.0.content.0", "messages.0.content.0.type", "system",
+                     "max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream",
+                     "tools", "tools.0", "tools.0.input_schema", "tools.0.name", "tool_choice",
+                     "thinking", "metadata", "cache_control"),
+    "/v1/messages/count_tokens": ("model", "messages", "messages.0", "messages.0.content",
+                                  "messages.0.role", "system", "tools", "tool_choice",
+                                  "thinking"),
     "/abort_request": ("rid",),
     "/flush_cache": ("x",),
 }

@@ -277,20 +277,26 @@ class RadixCacheMachine(RuleBasedStateMachine):
 
     Model: ``stored`` maps every stored page-aligned prefix (a tuple) to the page id of its last
     page; ``stamp`` holds each prefix's last access (our own clock, only the order matters);
-    ``deadline`` each prefix's session-retention deadline on the cache's injected clock ``now``.
-    A request = (key, slots, cached_len, last_node, pages it holds itself).
+    ``pins`` each prefix's retention pins by owner (None: time-only; "s0"/"s1": open sessions,
+    whose deadlines are in ``sessions``) on the cache's injected clock ``now``; ``prio`` each
+    prefix's priority. A request = (key, slots, cached_len, last_node, pages it holds itself).
     """
 
-    @initialize(page_size=st.sampled_from([1, 3, 4]), disable=st.sampled_from([False] * 4 + [True]))
-    def setup(self, page_size, disable):
+    @initialize(page_size=st.sampled_from([1, 3, 4]), disable=st.sampled_from([False] * 4 + [True]),
+                policy=st.sampled_from(["lru", "priority"]))
+    def setup(self, page_size, disable, policy):
         self.ps = page_size
         self.allocator = PageAllocator(num_pages=24, page_size=page_size)
         self.now = 1.0
-        self.cache = RadixCache(self.allocator, disable=disable, clock=lambda: self.now)
+        self.cache = RadixCache(self.allocator, disable=disable, clock=lambda: self.now,
+                                eviction_policy=policy)
+        self.policy = policy
         self.disable = disable
         self.stored: dict[tuple[int, ...], int] = {}
         self.stamp: dict[tuple[int, ...], int] = {}
-        self.deadline: dict[tuple[int, ...], float] = {}
+        self.pins: dict[tuple[int, ...], dict[str | None, float]] = {}
+        self.prio: dict[tuple[int, ...], int] = {}
+        self.sessions: dict[str, float] = {}  # open session -> its pins' deadline
         self.clock = 0
         self.requests: list[tuple[list[int], np.ndarray, int, object, int]] = []
         self.seen_keys: list[list[int]] = []
@@ -317,15 +323,22 @@ class RadixCacheMachine(RuleBasedStateMachine):
         for q in range(self.ps, length + 1, self.ps):
             self.stamp[tuple(key[:q])] = self.clock
 
-    def retain(self, key, length, retain_s) -> None:
+    def pin(self, key, length, owner, deadline) -> None:
         for q in range(self.ps, length + 1, self.ps):
-            p = tuple(key[:q])
-            self.deadline[p] = max(self.deadline.get(p, 0.0), self.now + retain_s)
+            pins = self.pins.setdefault(tuple(key[:q]), {})
+            pins[owner] = max(pins.get(owner, 0.0), deadline)
+
+    def deadline(self, prefix) -> float:
+        return max(self.pins.get(prefix, {}).values(), default=0.0)
 
     def evict_key(self, prefix) -> tuple:
-        """Eviction order: unretained by last access, then retained, latest deadline first."""
-        deadline = self.deadline.get(prefix, 0.0)
-        return (1, -deadline) if deadline > self.now else (0, self.stamp[prefix])
+        """Eviction order: unretained by last access, then retained, latest deadline first;
+        the priority policy puts the lower priority first within each class."""
+        deadline = self.deadline(prefix)
+        prio = (self.prio.get(prefix, 0),) if self.policy == "priority" else ()
+        if deadline > self.now:
+            return (1, *prio, -deadline)
+        return (0, *prio, self.stamp[prefix])
 
     def tree_contents(self) -> dict[tuple[int, ...], int]:
         out, stack = {}, [(self.cache.root, ())]
@@ -379,8 +392,9 @@ class RadixCacheMachine(RuleBasedStateMachine):
             for p in (after.keys() & leaves_before) - locked:
                 assert self.evict_key(p) >= last_removed, (p, self.evict_key(p), last_removed)
         self.stored = after
-        for p in removed:  # a page stored again later starts unretained
-            self.deadline.pop(p, None)
+        for p in removed:  # a page stored again later starts unretained, at priority 0
+            self.pins.pop(p, None)
+            self.prio.pop(p, None)
 
     # -- rules --
 
@@ -409,9 +423,10 @@ class RadixCacheMachine(RuleBasedStateMachine):
         i = data.draw(st.integers(0, len(self.requests) - 1))
         key, slots, cached_len, node, _ = self.requests.pop(i)
         retain_s = data.draw(st.sampled_from([0.0, 4.0, 10.0]))
+        priority = data.draw(st.sampled_from([0, 0, 1, 5, -2]))
         aligned = len(key) - len(key) % self.ps
         expected_prefix = self.longest(key[:aligned])
-        prefix_len = self.cache.insert(key, slots, retain_s)
+        prefix_len = self.cache.insert(key, slots, retain_s, priority)
         if self.disable:
             assert prefix_len == 0
             self.allocator.free(slots_to_pages(slots[cached_len:], self.ps))
@@ -422,8 +437,17 @@ class RadixCacheMachine(RuleBasedStateMachine):
             for q in range(prefix_len + self.ps, aligned + 1, self.ps):
                 self.stored[tuple(key[:q])] = int(slots[q - self.ps]) // self.ps
             self.touch(key, aligned)
+            for q in range(self.ps, aligned + 1, self.ps):
+                p = tuple(key[:q])
+                self.prio[p] = max(self.prio.get(p, 0), priority)
             if retain_s:
-                self.retain(key, aligned, retain_s)
+                self.pin(key, aligned, None, self.now + retain_s)
+        owner = data.draw(st.sampled_from([None, *sorted(self.sessions)]))
+        if owner is not None:  # a turn of an open session: its whole path is pinned
+            match = self.check_match(key[:aligned])
+            self.cache.pin(match.last_node, owner, self.sessions[owner])
+            if not self.disable:
+                self.pin(key, aligned, owner, self.sessions[owner])
         self.cache.dec_lock_ref(node)
 
     @precondition(lambda self: self.requests)
@@ -445,7 +469,38 @@ class RadixCacheMachine(RuleBasedStateMachine):
         match = self.check_match(key)
         self.cache.retain(match.last_node, retain_s)
         if not self.disable:
-            self.retain(key, match.prefix_len, retain_s)
+            self.pin(key, match.prefix_len, None, self.now + retain_s)
+
+    @rule(owner=st.sampled_from(["s0", "s1"]), ttl=st.sampled_from([2.0, 6.0, 20.0]))
+    def renew_session(self, owner, ttl):
+        """A session opens, or a request of it renews its TTL: every pin of it moves."""
+        self.sessions[owner] = self.now + ttl
+        self.cache.repin(owner, self.now + ttl)
+        for pins in self.pins.values():
+            if owner in pins:
+                pins[owner] = self.now + ttl
+
+    @precondition(lambda self: self.sessions)
+    @rule(abstract=abstract_keys, data=st.data())
+    def pin_session(self, abstract, data):
+        """A request of an open session: its cached prefix is pinned until the session's
+        deadline."""
+        owner = data.draw(st.sampled_from(sorted(self.sessions)))
+        key = self.key(abstract)
+        match = self.check_match(key)
+        self.cache.pin(match.last_node, owner, self.sessions[owner])
+        if not self.disable:
+            self.pin(key, match.prefix_len, owner, self.sessions[owner])
+
+    @precondition(lambda self: self.sessions)
+    @rule(data=st.data())
+    def close_session(self, data):
+        """/close_session: the session's pins are dropped, its KV is plain evictable KV."""
+        owner = data.draw(st.sampled_from(sorted(self.sessions)))
+        del self.sessions[owner]
+        self.cache.unpin(owner)
+        for pins in self.pins.values():
+            pins.pop(owner, None)
 
     @rule(abstract=abstract_keys)
     def watch(self, abstract):
@@ -464,7 +519,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
     @rule()
     def reset(self):
         self.cache.reset()
-        self.stored, self.stamp, self.deadline = {}, {}, {}
+        self.stored, self.stamp, self.pins, self.prio = {}, {}, {}, {}
         assert self.allocator.num_free_pages == self.allocator.num_usable_pages
 
     @invariant()
@@ -487,8 +542,11 @@ class RadixCacheMachine(RuleBasedStateMachine):
         assert self.tree_contents() == self.stored
         assert self.cache.total_size() == len(self.stored) * self.ps
         assert self.cache.protected_size() == len(self.locked_prefixes()) * self.ps
-        retained = [p for p in self.stored if self.deadline.get(p, 0.0) > self.now]
+        retained = [p for p in self.stored if self.deadline(p) > self.now]
         assert self.cache.retained_size() == len(retained) * self.ps
+        for owner in self.sessions:
+            pinned = [p for p in self.stored if self.pins.get(p, {}).get(owner, 0.0) > self.now]
+            assert self.cache.pinned_size(owner) == len(pinned) * self.ps
 
     def teardown(self):
         for _, _, _, node, _ in self.requests:

@@ -161,7 +161,7 @@ def test_heaps_stay_bounded_under_repeated_retention():
         clock.now += 1
         cache.retain(cache.match_prefix([1, 1]).last_node, 3)
     q = cache._evictable_leaves
-    assert max(len(q._lru), len(q._retained), len(q._expiry)) <= 2 * len(q) + 65
+    assert max(len(q._unretained), len(q._retained), len(q._expiry)) <= 2 * len(q) + 65
     cache.check_integrity()
 
 
@@ -175,8 +175,12 @@ def test_check_integrity_catches_retention_corruption():
     parent.retain_until = 0.0
     with pytest.raises(RuntimeError, match="retained longer than its parent"):
         cache.check_integrity()
-    parent.retain_until = child.retain_until = child.retain_until + 1  # behind the queue's
-    with pytest.raises(RuntimeError, match="heap entry"):  # back: the leaf's entry is stale
+    late = child.retain_until + 1
+    parent.retain_until = child.retain_until = late  # behind the queue's back: the leaf's
+    with pytest.raises(RuntimeError, match="not its pins' maximum"):  # entry is stale, and
+        cache.check_integrity()  # its pins disagree
+    parent.pins[None] = child.pins[None] = late
+    with pytest.raises(RuntimeError, match="heap entry"):
         cache.check_integrity()
 
 

@@ -29,11 +29,20 @@ Ownership and mutation:
     the sum of its children's.
   * Evictable leaves (unlocked, childless, non-root) are kept in a `LeafQueue` (a set plus lazy
     heaps, see ``eviction.py``), updated as nodes change, so eviction never scans the tree.
-  * Session retention: ``retain(node, retain_s)`` (or ``insert(..., retain_s=...)``) gives the
-    path node..root a deadline ``clock() + retain_s``; until it passes, those nodes are evicted
-    only after every unretained leaf. It never blocks anything: retained tokens still count in
-    ``evictable_size()``. A deadline only grows, and a parent's is at least each child's (the
-    whole path is stamped), like access times.
+  * Retention pins: ``pin(node, owner, deadline)`` stamps every node of the path node..root
+    with ``pins[owner] = deadline`` (an owner's pin only grows); a node's ``retain_until`` is
+    the largest of its pins. Until it passes, the node is evicted only after every unretained
+    leaf (``eviction.py``). It never blocks anything: retained tokens still count in
+    ``evictable_size()``. Owners are an open session's id, dropped all at once by
+    ``unpin(owner)`` (a closed session) or moved by ``repin`` (a session's TTL renewed), or
+    None for time-only pins (``retain(node, retain_s)``, ``insert(..., retain_s=...)``), which
+    only expire. Since a pin stamps the whole path and a split copies the pins to the new head,
+    a parent holds each of its children's pins with an equal or later deadline; so an evicted
+    leaf takes nothing from its ancestors, and a parent's ``retain_until`` is at least each
+    child's. Each owner's stamped nodes are indexed, so ``unpin`` walks only those.
+  * Priority (``insert(..., priority=...)``): each node of the stored path keeps the highest
+    priority of the requests that stored it, a parent's at least each child's; the
+    ``priority`` eviction policy evicts low priorities first.
 
 ``check_integrity()`` verifies all of the above by a full walk (for tests and idle checks).
 """
@@ -82,8 +91,9 @@ class PrefixPeek:
 class RadixCache:
     def __init__(self, allocator: PageAllocator, disable: bool = False,
                  clock: Callable[[], float] = time.monotonic,
-                 listeners: Sequence[TreeListener] = ()) -> None:
+                 listeners: Sequence[TreeListener] = (), eviction_policy: str = "lru") -> None:
         """``clock`` (seconds, never decreasing) times retention deadlines; tests inject one.
+        ``eviction_policy``: a name in ``eviction.EVICTION_POLICIES``.
 
         ``listeners`` hear every leaf stored and removed (lower tiers, KV events); with any,
         the tree keeps each page's chain hash (``TreeNode.hashes``)."""
@@ -93,6 +103,7 @@ class RadixCache:
         self.page_size = allocator.page_size
         self.disable = disable
         self.clock = clock
+        self.eviction_policy = eviction_policy
         self._node_ids = itertools.count()
         self._access_clock = itertools.count(1)  # logical LRU time, one tick per match/insert
         self.num_evicted_tokens = 0
@@ -106,7 +117,9 @@ class RadixCache:
         self.root = TreeNode(next(self._node_ids), None, _EMPTY_KEY, _EMPTY_SLOTS)
         self._evictable_size = 0
         self._protected_size = 0
-        self._evictable_leaves = LeafQueue(self.clock)
+        self._evictable_leaves = LeafQueue(self.clock, self.eviction_policy)
+        # owner -> the nodes stamped with its pin (some may have been evicted since)
+        self._pinned: dict[str, set[TreeNode]] = {}
         # Bumped whenever the stored content changes (a leaf added or deleted, a reset); a node
         # split keeps the content. Read by `peek_prefix` hints.
         self.version += 1
@@ -192,10 +205,11 @@ class RadixCache:
         return PrefixPeek(node_len, node, node_len, self.version)
 
     def insert(self, key: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray,
-               retain_s: float = 0.0) -> int:
+               retain_s: float = 0.0, priority: int = 0) -> int:
         """Store the page-aligned part of ``key`` -> ``slots``; return the cached prefix length.
 
-        ``retain_s > 0`` then retains the whole stored path (see ``retain``).
+        ``retain_s > 0`` then retains the whole stored path (see ``retain``); every node of the
+        path keeps at least ``priority``.
 
         ``len(slots)`` must equal ``len(key)``; both are cut to ``aligned_len`` (the largest
         multiple of page_size <= len(key)). The return value ``prefix_len`` is the length of
@@ -228,6 +242,9 @@ class RadixCache:
             match_len = self._match_len(child.key, key)
             if match_len < len(child.key):
                 child = self._split_node(child, match_len)
+            if child.priority < priority:
+                child.priority = priority
+                self._evictable_leaves.priority_raised(child)
             self._touch(child, now)
             node = child
             prefix_len += match_len
@@ -235,23 +252,68 @@ class RadixCache:
             slots = slots[match_len:]
         if len(key):
             node = self._add_leaf(node, key.copy(), slots.copy(), now)
+            if node.priority < priority:
+                node.priority = priority
+                self._evictable_leaves.priority_raised(node)
         if retain_s > 0:
             self.retain(node, retain_s)
         return prefix_len
 
     def retain(self, node: TreeNode, retain_s: float) -> None:
-        """Evict the path node..root only after every unretained leaf, for ``retain_s`` seconds.
+        """Evict the path node..root only after every unretained leaf, for ``retain_s`` seconds
+        (a time-only pin: ``pin(node, None, clock() + retain_s)``).
 
-        For an agent's trajectory between turns: its next request resends it. Deadlines only
-        grow; the walk stops at the first node whose deadline is already as late (its
-        ancestors' are too). A no-op on the root (a disabled cache matches nothing else).
-        """
+        For an agent's trajectory between turns: its next request resends it."""
+        self.pin(node, None, self.clock() + retain_s)
+
+    def pin(self, node: TreeNode, owner: str | None, deadline: float) -> None:
+        """Pin the path node..root for ``owner`` until ``deadline`` (seconds on the clock).
+
+        An owner's pin on a node only grows; the walk stops at the first node whose pin is
+        already as late (its ancestors' are too). A no-op on the root (a disabled cache matches
+        nothing else)."""
         self._check_attached(node)
-        deadline = self.clock() + retain_s
-        while node is not self.root and node.retain_until < deadline:
-            node.retain_until = deadline
-            self._evictable_leaves.retention_raised(node)
+        stamped = None if owner is None else self._pinned.setdefault(owner, set())
+        while node is not self.root and node.pins.get(owner, 0.0) < deadline:
+            node.pins[owner] = deadline
+            if stamped is not None:
+                stamped.add(node)
+            if node.retain_until < deadline:
+                node.retain_until = deadline
+                self._evictable_leaves.retention_changed(node)
             node = node.parent
+
+    def repin(self, owner: str, deadline: float) -> None:
+        """Move every pin of ``owner`` to ``deadline`` (later or earlier: a renewed TTL)."""
+        for node in self._stamped(owner):
+            node.pins[owner] = deadline
+            self._update_retention(node)
+
+    def unpin(self, owner: str) -> None:
+        """Drop every pin of ``owner`` (a closed or expired session): its nodes keep only
+        their other pins, and those no other pin covers are plain evictable KV again."""
+        for node in self._stamped(owner):
+            del node.pins[owner]
+            self._update_retention(node)
+        self._pinned.pop(owner, None)
+
+    def pinned_size(self, owner: str) -> int:
+        """Tokens ``owner`` pins now (locked or not)."""
+        now = self.clock()
+        return sum(len(n.key) for n in self._stamped(owner) if n.pins[owner] > now)
+
+    def _stamped(self, owner: str) -> list[TreeNode]:
+        """The nodes still in the tree that carry ``owner``'s pin (evicted ones are dropped
+        from the index here)."""
+        stamped = self._pinned.get(owner, set())
+        stamped.difference_update([n for n in stamped if n.parent is None])
+        return list(stamped)
+
+    def _update_retention(self, node: TreeNode) -> None:
+        deadline = max(node.pins.values(), default=0.0)
+        if deadline != node.retain_until:
+            node.retain_until = deadline
+            self._evictable_leaves.retention_changed(node)
 
     # ---- locking -----------------------------------------------------------------------------
 
@@ -347,7 +409,12 @@ class RadixCache:
             last_access_time=child.last_access_time,
             retain_until=child.retain_until,
             hashes=None if child.hashes is None else child.hashes[: split_len // self.page_size],
+            pins=dict(child.pins),  # the head is on every path the child's pins stamped
+            priority=child.priority,
         )
+        for owner in child.pins:
+            if owner is not None:
+                self._pinned[owner].add(new_node)
         child.key = child.key[split_len:]
         child.value = child.value[split_len:]
         if child.hashes is not None:
@@ -451,11 +518,21 @@ class RadixCache:
                     fail(f"{child!r} was accessed after its parent {node!r}")
                 if child.retain_until > node.retain_until and node is not self.root:
                     fail(f"{child!r} is retained longer than its parent {node!r}")
+                if node is not self.root and any(node.pins.get(owner, -1.0) < deadline
+                                                 for owner, deadline in child.pins.items()):
+                    fail(f"{child!r} has a pin its parent {node!r} lacks or ends sooner")
+                if child.priority > node.priority and node is not self.root:
+                    fail(f"{child!r} has a higher priority than its parent {node!r}")
                 child_locks += child.lock_ref
             if node is self.root:
-                if len(node.key) or node.lock_ref or node.retain_until:
+                if len(node.key) or node.lock_ref or node.retain_until or node.pins:
                     fail("root has a key, a lock_ref or a retention deadline")
                 continue
+            if node.retain_until != max(node.pins.values(), default=0.0):
+                fail(f"{node!r} retain_until {node.retain_until} is not its pins' maximum")
+            for owner in node.pins:
+                if owner is not None and node not in self._pinned.get(owner, ()):
+                    fail(f"{node!r} carries a pin of {owner!r} that is not indexed")
             if node.lock_ref < 0:
                 fail(f"{node!r} has a negative lock_ref")
             if node.lock_ref < child_locks:

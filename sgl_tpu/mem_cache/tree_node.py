@@ -12,7 +12,7 @@ class TreeNode:
     """One edge of the tree: ``key`` tokens whose KV lives at ``value`` slots."""
 
     __slots__ = ("id", "parent", "children", "key", "value", "lock_ref", "last_access_time",
-                 "retain_until", "hashes")
+                 "retain_until", "pins", "priority", "hashes")
 
     def __init__(
         self,
@@ -24,6 +24,8 @@ class TreeNode:
         last_access_time: int = 0,
         retain_until: float = 0.0,
         hashes: np.ndarray | None = None,
+        pins: dict[str | None, float] | None = None,
+        priority: int = 0,
     ) -> None:
         self.id = node_id
         self.parent = parent
@@ -33,6 +35,11 @@ class TreeNode:
         self.lock_ref = lock_ref
         self.last_access_time = last_access_time
         self.retain_until = retain_until  # seconds on the tree's clock; 0.0 = never retained
+        # The retention pins covering this node, by owner (an open session's id; None for
+        # time-only pins), each its deadline; retain_until is their maximum (radix_cache.py).
+        self.pins: dict[str | None, float] = {} if pins is None else pins
+        # The highest request priority that stored or reused this node (priority eviction).
+        self.priority = priority
         # uint8 [num_pages, 16]: the chain hash of each page (page_hash.py), when the tree
         # tracks them (a lower tier or KV events listen); else None
         self.hashes = hashes

@@ -1,7 +1,7 @@
 """SGLang's native API (see shared docs `sglang-native-api.md`): `/generate` (single or batch,
 text or ids, streaming, log-probs), `/health`, `/health_generate`, `/get_model_info`,
 `/model_info`, `/server_info` (`/get_server_info`), `/get_load`, `/flush_cache`,
-`/abort_request`.
+`/abort_request`, `/open_session`, `/close_session`.
 
     body ──parse_body──► GenerateReqInput ──expand_generate──► GenItems (one per prompt x n)
         ──tm.validate──► tm.generate ──► one dict per item, or SSE chunks (one item)
@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, StrictInt
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
 
 from sgl_tpu.response import incremental_logprobs
 from sgl_tpu.sampling_params import expand_n
@@ -52,6 +52,31 @@ class GenerateReqInput(BaseModel):
     # `session_params.id` or the X-SMG-Routing-Key header name the session (`session_hint`).
     session_id: str | list[str | None] | None = None
     session_params: dict[str, Any] | list[dict[str, Any] | None] | None = None
+    # Cache control (scheduler/retention.py), each one value or one per prompt: the KV's
+    # eviction priority (SGLang's field; --radix-eviction-policy priority), a retention pin in
+    # seconds (at most --max-retention-s), and the hint that the turn ends in a tool call (its
+    # KV is pinned for --tool-pause-grace-s).
+    priority: StrictInt | list[StrictInt | None] | None = None
+    retention_seconds: StrictInt | StrictFloat | list[StrictInt | StrictFloat | None] | None = None
+    tool_pause: StrictBool | list[StrictBool] = False
+
+
+class OpenSessionInput(BaseModel):
+    """SGLang's `OpenSessionReqInput`; `capacity_of_str_len` is accepted and unused (a session
+    here pins KV, it does not keep the text)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    capacity_of_str_len: StrictInt | None = None
+    session_id: str | None = None
+    streaming: bool | None = None
+    timeout: StrictInt | StrictFloat | None = None  # seconds; None: --session-ttl-s
+
+
+class CloseSessionInput(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    session_id: str
 
 
 def _pick(value: Any, i: int) -> Any:
@@ -59,7 +84,8 @@ def _pick(value: Any, i: int) -> Any:
 
 
 _PER_PROMPT_FIELDS = ("sampling_params", "rid", "session_id", "session_params", "return_logprob",
-                      "logprob_start_len", "top_logprobs_num")
+                      "logprob_start_len", "top_logprobs_num", "priority", "retention_seconds",
+                      "tool_pause")
 
 
 async def expand_generate(tm: TokenizerManager, req: GenerateReqInput, request: Request
@@ -104,7 +130,9 @@ async def expand_generate(tm: TokenizerManager, req: GenerateReqInput, request: 
                 logprob_start_len=int(_pick(req.logprob_start_len, i)),
                 top_logprobs_num=int(_pick(req.top_logprobs_num, i)),
                 return_text_in_logprobs=req.return_text_in_logprobs,
-                session_id=_pick(session, i))
+                session_id=_pick(session, i), priority=_pick(req.priority, i),
+                retention_seconds=_pick(req.retention_seconds, i) or 0.0,
+                tool_pause=bool(_pick(req.tool_pause, i)))
             if rid is not None:
                 item.rid = rid if n == 1 else f"{rid}-{k}"
             items.append(item)
@@ -176,6 +204,20 @@ def add_routes(app: FastAPI, tm: TokenizerManager) -> None:
         if not resp.ok:
             return error_response("cache not flushed: requests are still running", 400)
         return PlainTextResponse("Cache flushed.\n")
+
+    @app.api_route("/open_session", methods=["GET", "POST"])
+    async def open_session(request: Request) -> Any:
+        """SGLang's answer: the session's id as a JSON string."""
+        req = await parse_body(request, OpenSessionInput)
+        if req.streaming:
+            raise RequestError("streaming sessions are not supported")
+        return await tm.open_session(req.session_id, req.timeout)
+
+    @app.api_route("/close_session", methods=["GET", "POST"])
+    async def close_session(request: Request) -> Response:
+        req = await parse_body(request, CloseSessionInput)
+        await tm.close_session(req.session_id)
+        return Response(status_code=200)
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:

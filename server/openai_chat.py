@@ -26,6 +26,7 @@ from sgl_tpu.server.chat_output import ChatOutput, final_message
 from sgl_tpu.server.http_common import gather_results
 from sgl_tpu.server.openai_common import (
     Deltas,
+    cache_control,
     expand_items,
     finish_reason,
     matched_stop,
@@ -112,7 +113,8 @@ def _items(tm: TokenizerManager, req: ChatCompletionRequest) -> tuple[list[GenIt
     prompt = _chat_prompt(tm, req, plan)
     items = expand_items([prompt], _chat_sampling(tm, req, len(prompt), plan), req.n, req.rid,
                          return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
-                         return_text_in_logprobs=True, session_id=req.session_id)
+                         return_text_in_logprobs=True, session_id=req.session_id,
+                         may_call_tools=plan.parser is not None, **cache_control(req))
     for item in items:
         tm.validate(item)
     return items, plan
@@ -129,15 +131,18 @@ async def chat_completion(tm: TokenizerManager, req: ChatCompletionRequest) -> d
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     model = req.model or tm.served_model_name
     results = await gather_results(tm, items)
-    choices = []
+    choices, paused = [], []  # paused: the rids whose turn ended in tool calls
     for i, r in enumerate(results):
         meta = r["meta_info"]
         lp = (_chat_logprobs(tm, meta["output_token_logprobs"], meta["output_top_logprobs"])
               if req.logprobs else None)
         finish_reason(r)  # an aborted request raises
         message, has_calls = final_message(plan, r["text"])
+        if has_calls:
+            paused.append(items[i].rid)
         choices.append({"index": i, "message": message, "logprobs": lp,
                         "finish_reason": _reason(r, has_calls), "matched_stop": matched_stop(r)})
+    tm.tool_pause(paused)
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage(results, req.n)}
 
@@ -186,6 +191,8 @@ async def chat_completion_chunks(tm: TokenizerManager, req: ChatCompletionReques
             out.append(chunk(index, delta, lp if k == 0 else None, None))
         if reason is not None:
             has_calls = outputs[index].num_calls > 0
+            if has_calls:
+                tm.tool_pause([items[index].rid])
             out.append(chunk(index, {}, None, _reason(result, has_calls), matched_stop(result)))
         return out
 

@@ -43,6 +43,12 @@ def expand_items(prompts: list[list[int]], sampling: dict[str, Any], n: int, rid
     return items
 
 
+def cache_control(req: Any) -> dict[str, Any]:
+    """A request's cache-control fields as GenItem arguments (checked by `tm.validate`)."""
+    return {"priority": req.priority, "retention_seconds": req.retention_seconds or 0.0,
+            "tool_pause": bool(req.tool_pause)}
+
+
 def finish_reason(result: dict[str, Any]) -> str | None:
     reason = result["meta_info"]["finish_reason"]
     if reason is None:

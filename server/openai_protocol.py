@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
 
 class StreamOptions(BaseModel):
@@ -50,6 +50,11 @@ class SamplingRequest(BaseModel):
     rid: str | None = None
     session_id: str | None = None  # an agent's session: retention hint for its KV
     session_params: dict[str, Any] | None = None  # SGLang's; its `id` names the session too
+    # cache control (scheduler/retention.py): the KV's eviction priority (SGLang's field), a
+    # retention pin in seconds, the hint that this turn ends in a tool call
+    priority: StrictInt | None = None
+    retention_seconds: StrictInt | StrictFloat | None = None
+    tool_pause: bool | None = None
 
 
 class CompletionRequest(SamplingRequest):

@@ -31,14 +31,18 @@ from sgl_tpu.config import ServerArgs
 from sgl_tpu.messages import (
     AbortReq,
     BatchTokenIdOut,
+    CloseSessionReq,
     ControlReq,
     ControlResp,
+    OpenSessionReq,
     ReadyMsg,
     ReqOutput,
     TokenizedGenerateReq,
+    ToolPauseReq,
 )
 from sgl_tpu.parallel.runner_factory import close_runner
 from sgl_tpu.scheduler.faults import fault_reason, is_fatal
+from sgl_tpu.scheduler.sessions import SessionError
 from sgl_tpu.scheduler.stats import load_info, server_info
 from sgl_tpu.server.ipc import PortArgs, parent_alive, pull_socket, push_socket, recv_all, send
 
@@ -105,6 +109,10 @@ def _handle(scheduler, msg, to_tokenizer) -> ReqOutput | None:
                              finish_reason=fault_reason(msg.rid, e))
     if isinstance(msg, AbortReq):
         scheduler.abort(msg.rid)
+    elif isinstance(msg, ToolPauseReq):
+        scheduler.tool_pause(msg.rids)
+    elif isinstance(msg, OpenSessionReq | CloseSessionReq):
+        send(to_tokenizer, _session_call(scheduler, msg))
     elif isinstance(msg, ControlReq):
         try:
             resp = _control(scheduler, msg)
@@ -118,6 +126,19 @@ def _handle(scheduler, msg, to_tokenizer) -> ReqOutput | None:
 
 def _log_bad_message(error: Exception) -> None:
     logger.error("dropped a message that does not decode: %s", error)
+
+
+def _session_call(scheduler, msg: OpenSessionReq | CloseSessionReq) -> ControlResp:
+    """/open_session or /close_session; a refusal carries its message and HTTP status."""
+    try:
+        if isinstance(msg, OpenSessionReq):
+            session_id = scheduler.open_session(msg.session_id, msg.ttl_s)
+            return ControlResp(call_id=msg.call_id, ok=True, data={"session_id": session_id})
+        scheduler.close_session(msg.session_id)
+        return ControlResp(call_id=msg.call_id, ok=True)
+    except SessionError as e:
+        return ControlResp(call_id=msg.call_id, ok=False,
+                           data={"error": str(e), "status": e.status_code})
 
 
 def _control(scheduler, msg: ControlReq) -> ControlResp:

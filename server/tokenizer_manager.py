@@ -30,16 +30,19 @@ from sgl_tpu.loader.tokenizer import Tokenizer
 from sgl_tpu.messages import (
     AbortReq,
     BatchStrOut,
+    CloseSessionReq,
     ControlReq,
     ControlResp,
+    OpenSessionReq,
     ReadyMsg,
     ReqStrOut,
     TokenizedGenerateReq,
+    ToolPauseReq,
 )
 from sgl_tpu.response import ResponseAccumulator, error_status
 from sgl_tpu.sampling_params import SamplingParams
 from sgl_tpu.server.ipc import PortArgs
-from sgl_tpu.validation import check_request, check_session_id, check_token_ids
+from sgl_tpu.validation import check_cache_control, check_request, check_token_ids
 
 logger = logging.getLogger("sgl_tpu.tokenizer_manager")
 # Texts longer than this (characters) are tokenized on a worker thread (the tokenizer releases
@@ -72,6 +75,12 @@ class GenItem:
     return_text_in_logprobs: bool = False
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     session_id: str | None = None  # agent session: retention hint for its KV (KVManager)
+    # cache control (scheduler/retention.py): eviction priority, a retention pin in seconds,
+    # the client's hint that this turn ends in a tool call, tools offered (chat)
+    priority: int | None = None
+    retention_seconds: float = 0.0
+    tool_pause: bool = False
+    may_call_tools: bool = False
     # `sampling` parsed, once its request passed `TokenizerManager.validate` (None before)
     parsed: SamplingParams | None = None
 
@@ -230,7 +239,9 @@ class TokenizerManager:
                                f"than the prompt length ({n})")
         if item.top_logprobs_num < 0 or item.top_logprobs_num > self.args.max_top_logprobs:
             raise RequestError(f"top_logprobs_num must be in [0, {self.args.max_top_logprobs}]")
-        if (error := check_session_id(item.session_id)) is not None:
+        if (error := check_cache_control(item.session_id, item.priority,
+                                         item.retention_seconds,
+                                         self.args.max_retention_s)) is not None:
             raise RequestError(error)
         item.parsed = sampling
         return sampling
@@ -258,7 +269,9 @@ class TokenizerManager:
             data = messages.encode(TokenizedGenerateReq(
                 rid=item.rid, input_ids=item.input_ids, sampling=item.sampling,
                 return_logprob=item.return_logprob, logprob_start_len=item.logprob_start_len,
-                top_logprobs_num=item.top_logprobs_num, session_id=item.session_id))
+                top_logprobs_num=item.top_logprobs_num, session_id=item.session_id,
+                priority=item.priority, retention_seconds=item.retention_seconds,
+                tool_pause=item.tool_pause, may_call_tools=item.may_call_tools))
         except (TypeError, ValueError, OverflowError, UnicodeEncodeError) as e:
             # What the HTTP layer's checks let through (the Engine-like callers) ends here.
             raise RequestError(f"request cannot be encoded: {type(e).__name__}: {e}") from None
@@ -289,12 +302,40 @@ class TokenizerManager:
         await self.to_scheduler.send(messages.encode(AbortReq(rid=rid)))
 
     async def control(self, name: str, timeout_s: float = 30.0) -> ControlResp:
+        return await self._call(lambda call_id: ControlReq(call_id=call_id, name=name),
+                                timeout_s)
+
+    async def open_session(self, session_id: str | None, ttl_s: float | None) -> str:
+        """/open_session: the session's id; RequestError (4xx) when the scheduler refuses."""
+        resp = await self._call(lambda call_id: OpenSessionReq(
+            call_id=call_id, session_id=session_id, ttl_s=ttl_s))
+        self._raise_refusal(resp)
+        return resp.data["session_id"]
+
+    async def close_session(self, session_id: str) -> None:
+        """/close_session; RequestError (404) when it is not open."""
+        self._raise_refusal(await self._call(
+            lambda call_id: CloseSessionReq(call_id=call_id, session_id=session_id)))
+
+    def tool_pause(self, rids: list[str]) -> None:
+        """These finished requests' answers hold tool calls: the scheduler pins their KV for
+        the tool-pause grace period (scheduler/retention.py). Sent without waiting."""
+        if rids and not self.dead_reason:
+            self.to_scheduler.send(messages.encode(ToolPauseReq(rids=rids)))
+
+    @staticmethod
+    def _raise_refusal(resp: ControlResp) -> None:
+        if not resp.ok:
+            raise RequestError(resp.data.get("error", "refused"), resp.data.get("status", 400))
+
+    async def _call(self, make, timeout_s: float = 30.0) -> ControlResp:
+        """Send the request/reply message `make(call_id)` to the scheduler; await its answer."""
         if self.dead_reason:
             raise ServerDead(self.dead_reason)
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
-        await self.to_scheduler.send(messages.encode(ControlReq(call_id=call_id, name=name)))
+        await self.to_scheduler.send(messages.encode(make(call_id)))
         try:
             return await asyncio.wait_for(fut, timeout_s)
         finally:

@@ -2,6 +2,7 @@
 list them (the CLI offers exactly these), and one check run before a model loads.
 
     schedule_policy    scheduler/policy.py     POLICIES
+    radix_eviction_policy  mem_cache/eviction.py  EVICTION_POLICIES
     backend            executor/registry.py    EXECUTOR_BACKENDS (+ auto)
     attention_backend  kernels/backends.py     ATTENTION_BACKENDS (+ auto; per executor)
     grammar_backend    constrained/__init__.py GRAMMAR_BACKENDS (+ none)
@@ -23,6 +24,7 @@ def registry_choices() -> dict[str, tuple[str, ...]]:
     from sgl_tpu.executor.registry import BACKEND_CHOICES
     from sgl_tpu.function_call import TOOL_CALL_PARSERS
     from sgl_tpu.kernels.backends import ATTENTION_BACKENDS
+    from sgl_tpu.mem_cache.eviction import EVICTION_POLICIES
     from sgl_tpu.quantization import QUANTIZATION_CHOICES
     from sgl_tpu.reasoning_parser import REASONING_PARSERS
     from sgl_tpu.scheduler.policy import POLICIES
@@ -30,6 +32,7 @@ def registry_choices() -> dict[str, tuple[str, ...]]:
 
     return {
         "schedule_policy": tuple(POLICIES),
+        "radix_eviction_policy": tuple(EVICTION_POLICIES),
         "backend": BACKEND_CHOICES,
         "attention_backend": ("auto", *ATTENTION_BACKENDS),
         "grammar_backend": (*GRAMMAR_BACKENDS, "none"),

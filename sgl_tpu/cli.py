@@ -73,6 +73,17 @@ _HELP = {
                          "kernels of --enable-deterministic-inference",
     "session_retention_s": "seconds a finished request with a session_id keeps its KV at "
                            "eviction priority for the agent's next turn (0 disables)",
+    "radix_eviction_policy": "which unlocked KV the radix cache evicts first: lru, or priority "
+                             "(the requests' priority, lowest first, LRU within one); pinned "
+                             "KV (sessions, retention_seconds, tool pauses) always goes last",
+    "max_retention_s": "longest a request's retention_seconds or a session's TTL may pin KV "
+                       "(longer ones are a 400)",
+    "session_ttl_s": "TTL of a session opened by /open_session without a timeout: its KV stays "
+                     "pinned until /close_session or this long after its last request",
+    "tool_pause_grace_s": "seconds a turn that ends in tool calls (finish_reason tool_calls, "
+                          "or tool_pause on the request) keeps its KV pinned on the device; "
+                          "then it is evicted, or demoted to the host tier, the normal way "
+                          "(0 disables)",
     "backend": "executor: jax (XLA), torch (PyTorch), or auto (torch on CPU when installed, "
                "jax on TPU/GPU)",
     "disable_compile": "torch backend: run eagerly instead of torch.compile (debugging; same as "

@@ -123,6 +123,10 @@ class SchedulerConfig:
     disable_radix_cache: bool = False
     max_top_logprobs: int = 20
     session_retention_s: float = 30.0  # see ServerArgs
+    radix_eviction_policy: str = "lru"  # a name in mem_cache/eviction.py EVICTION_POLICIES
+    max_retention_s: float = 600.0  # see ServerArgs (the longest pin of any kind)
+    session_ttl_s: float = 300.0
+    tool_pause_grace_s: float = 10.0
     # resolved from ServerArgs.speculative_algorithm by executor/registry.py: a DRAFTERS name
     # or None (off); drafting happens only while at most speculative_max_batch requests run
     # (None: at any batch size)
@@ -172,6 +176,16 @@ class ServerArgs:
     # well under that) while bounding how long an abandoned session keeps its priority; the
     # KV stays evictable throughout, it is only evicted after unretained KV.
     session_retention_s: float = 30.0
+    # Cache control for agents (scheduler/sessions.py): which unlocked KV is evicted first
+    # (lru, or priority: the requests' `priority`, low first); the longest a request's
+    # `retention_seconds` or a session's TTL may pin KV; the TTL of an /open_session without a
+    # `timeout` (renewed by each request of the session); how long a turn that ends in tool
+    # calls keeps its KV pinned on the device (0 = off), after which it is evicted (or demoted
+    # to the host tier) the normal way.
+    radix_eviction_policy: str = "lru"
+    max_retention_s: float = 600.0
+    session_ttl_s: float = 300.0
+    tool_pause_grace_s: float = 10.0
     # KV cache tiers below the pool (SGLang's HiCache flags, mem_cache/tiers.py): pages evicted
     # from the pool demote to host memory, then to disk; the pages that follow a request's
     # device match load back at admission. The disk tier, in a folder per model fingerprint,
@@ -253,11 +267,15 @@ class ServerArgs:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
-        if (isinstance(self.session_retention_s, bool)
-                or not isinstance(self.session_retention_s, int | float)
-                or not 0 <= self.session_retention_s < float("inf")):
-            raise ValueError(f"session_retention_s must be a finite number >= 0, "
-                             f"got {self.session_retention_s!r}")
+        for name in ("session_retention_s", "max_retention_s", "session_ttl_s",
+                     "tool_pause_grace_s"):
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, int | float)
+                    or not 0 <= value < float("inf")):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if not 0 < self.session_ttl_s <= self.max_retention_s:
+            raise ValueError(f"session_ttl_s must be in (0, max_retention_s = "
+                             f"{self.max_retention_s}], got {self.session_ttl_s}")
         if isinstance(self.torch_threads, bool) or not isinstance(self.torch_threads, int) \
                 or self.torch_threads < 0:
             raise ValueError(f"torch_threads must be an integer >= 0, got {self.torch_threads!r}")
@@ -398,6 +416,10 @@ class ServerArgs:
             disable_radix_cache=self.disable_radix_cache,
             max_top_logprobs=self.max_top_logprobs,
             session_retention_s=float(self.session_retention_s),
+            radix_eviction_policy=self.radix_eviction_policy,
+            max_retention_s=float(self.max_retention_s),
+            session_ttl_s=float(self.session_ttl_s),
+            tool_pause_grace_s=float(self.tool_pause_grace_s),
             speculative_algorithm=speculative_algorithm,
             speculative_max_batch=speculative_max_batch,
             speculative_num_draft_tokens=self.speculative_num_draft_tokens,

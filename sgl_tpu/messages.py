@@ -1,6 +1,7 @@
 """Every message that crosses a process boundary, typed and msgpack-encoded (no pickle).
 
     TokenizerManager ──TokenizedGenerateReq / AbortReq / ControlReq──► Scheduler
+                     ──OpenSessionReq / CloseSessionReq / ToolPauseReq──► Scheduler
     Scheduler        ──BatchTokenIdOut──► Detokenizer ──BatchStrOut──► TokenizerManager
     Scheduler        ──ControlResp / ReadyMsg──► TokenizerManager
 
@@ -30,10 +31,37 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     session_id: str | None = None
+    # cache control (scheduler/retention.py)
+    priority: int | None = None
+    retention_seconds: float = 0.0
+    tool_pause: bool = False  # the client's hint: this turn ends in a tool call
+    may_call_tools: bool = False  # tools offered: a ToolPauseReq may follow its finish
 
 
 class AbortReq(msgspec.Struct, tag=True):
     rid: str
+
+
+class OpenSessionReq(msgspec.Struct, tag=True):
+    """/open_session (answered by a ControlResp: data {"session_id"} or {"error", "status"})."""
+
+    call_id: int
+    session_id: str | None = None  # None: the scheduler picks one
+    ttl_s: float | None = None  # None: --session-ttl-s
+
+
+class CloseSessionReq(msgspec.Struct, tag=True):
+    """/close_session (answered by a ControlResp like OpenSessionReq)."""
+
+    call_id: int
+    session_id: str
+
+
+class ToolPauseReq(msgspec.Struct, tag=True):
+    """These finished requests' answers hold tool calls (parsed on the HTTP side): pin their
+    KV for the tool-pause grace period. No answer."""
+
+    rids: list[str]
 
 
 class ControlReq(msgspec.Struct, tag=True):
@@ -211,7 +239,7 @@ class TorchFollowerSpec(msgspec.Struct, tag=True):
     dist_timeout_s: float = 300.0
 
 Message = (TokenizedGenerateReq | AbortReq | ControlReq | ControlResp | ReadyMsg
-           | BatchTokenIdOut | BatchStrOut)
+           | BatchTokenIdOut | BatchStrOut | OpenSessionReq | CloseSessionReq | ToolPauseReq)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -31,6 +31,28 @@ def check_session_id(session_id: object) -> str | None:
     return None
 
 
+# `priority` (SGLang's request field; the priority eviction policy): a 32-bit signed integer.
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)
+
+
+def check_cache_control(session_id: object, priority: object, retention_seconds: object,
+                        max_retention_s: float) -> str | None:
+    """A message naming the problem with a request's cache-control fields, else None:
+    `session_id` (see `check_session_id`), `priority` (an integer in PRIORITY_RANGE, or None),
+    `retention_seconds` (seconds in [0, --max-retention-s])."""
+    if (error := check_session_id(session_id)) is not None:
+        return error
+    lo, hi = PRIORITY_RANGE
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)
+                                 or not lo <= priority <= hi):
+        return f"priority must be an integer in [{lo}, {hi}], got {priority!r}"
+    if (isinstance(retention_seconds, bool) or not isinstance(retention_seconds, int | float)
+            or not 0 <= retention_seconds <= max_retention_s):
+        return (f"retention_seconds must be a number of seconds in [0, {max_retention_s}] "
+                f"(--max-retention-s), got {retention_seconds!r}")
+    return None
+
+
 def check_token_ids(name: str, ids: object, vocab_size: int) -> str | None:
     """A message if `ids` is not a list of token ids within the vocabulary, else None."""
     if not isinstance(ids, list | tuple) or any(

@@ -392,7 +392,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
             for p in (after.keys() & leaves_before) - locked:
                 assert self.evict_key(p) >= last_removed, (p, self.evict_key(p), last_removed)
         self.stored = after
-        for p in removed:  # a page stored again later starts unretained, at priority 0
+        for p in removed:  # a page stored again later starts unretained
             self.pins.pop(p, None)
             self.prio.pop(p, None)
 
@@ -437,9 +437,9 @@ class RadixCacheMachine(RuleBasedStateMachine):
             for q in range(prefix_len + self.ps, aligned + 1, self.ps):
                 self.stored[tuple(key[:q])] = int(slots[q - self.ps]) // self.ps
             self.touch(key, aligned)
-            for q in range(self.ps, aligned + 1, self.ps):
-                p = tuple(key[:q])
-                self.prio[p] = max(self.prio.get(p, 0), priority)
+            for q in range(self.ps, aligned + 1, self.ps):  # a new page takes the priority,
+                p = tuple(key[:q])  # a cached one keeps the highest
+                self.prio[p] = priority if q > prefix_len else max(self.prio[p], priority)
             if retain_s:
                 self.pin(key, aligned, None, self.now + retain_s)
         owner = data.draw(st.sampled_from([None, *sorted(self.sessions)]))

@@ -312,3 +312,139 @@ def test_bad_session_id_is_a_400_and_the_server_keeps_serving(small_pool_server)
     out = _generate(server, input_ids=[prompt, prompt], sampling_params=sp,
                     session_id=["agent-a", None])
     assert [o["meta_info"]["completion_tokens"] for o in out] == [2, 2]
+
+
+# ---- cache control: priority eviction, open sessions, retention_seconds, tool pauses ---------
+def _kv(clock_tree, **kw) -> KVManager:
+    from sgl_tpu.scheduler.sessions import SessionTable
+
+    _, allocator, tree = clock_tree
+    sessions = SessionTable(tree, default_ttl_s=60, max_ttl_s=100)
+    return KVManager(allocator, tree, session_retention_s=0, sessions=sessions,
+                     max_retention_s=100, **kw)
+
+
+def test_priority_policy_evicts_low_priorities_first_lru_within_one():
+    clock = Clock()
+    allocator = PageAllocator(64, 1)
+    cache = RadixCache(allocator, clock=clock, eviction_policy="priority")
+    for key, priority in (([1, 1], 5), ([2, 2], 0), ([3, 3], 0), ([4, 4], -1)):
+        match = cache.match_prefix(key)
+        slots = allocator.pages_to_slots(allocator.alloc(2), 2)
+        cache.insert(key, slots, priority=priority)
+        assert match.prefix_len == 0
+    cache.check_integrity()
+    order = []
+    while cache.total_size():
+        before = {k: cached(cache, [k, k]) for k in (1, 2, 3, 4)}
+        evict_one_leaf(cache)
+        order += [k for k in (1, 2, 3, 4) if before[k] and not cached(cache, [k, k])]
+    assert order == [4, 2, 3, 1]  # LRU among the 0s
+    lru = RadixCache(PageAllocator(8, 1), clock=clock)
+    with pytest.raises(ValueError, match="eviction policy"):
+        RadixCache(PageAllocator(8, 1), clock=clock, eviction_policy="lfu")
+    assert lru.eviction_policy == "lru"
+
+
+def test_priority_keeps_the_highest_on_a_shared_path():
+    _, allocator, _ = make()
+    cache = RadixCache(allocator, eviction_policy="priority")
+    finish_key = [7, 7, 1, 1]
+    cache.insert(finish_key, allocator.pages_to_slots(allocator.alloc(4), 4), priority=3)
+    cache.insert([7, 7, 2, 2], np.concatenate([cache.match_prefix([7, 7]).slots,
+                 allocator.pages_to_slots(allocator.alloc(2), 2)]), priority=1)
+    cache.check_integrity()  # the shared head [7, 7] keeps 3; the [2, 2] leaf has 1
+    evict_one_leaf(cache)
+    assert cached(cache, [7, 7, 2, 2]) == 2 and cached(cache, finish_key) == 4
+
+
+def test_open_session_pins_until_closed_then_plain_lru():
+    clock_tree = make(page_size=4)
+    clock, _, tree = clock_tree
+    kv = _kv(clock_tree)
+    sid = kv.sessions.open("agent-1", None)
+    _run_and_release(kv, _req(list(range(10, 22)), sid), retain=True)
+    _run_and_release(kv, _req(list(range(30, 42)), None), retain=True)  # newer, unpinned
+    assert tree.pinned_size(sid) == 12 and tree.retained_size() == 12
+    kv.check([])
+    tree.evict(4)  # the unpinned request goes first although it is newer
+    assert cached(tree, list(range(30, 42))) == 0 and cached(tree, list(range(10, 22))) == 12
+    _run_and_release(kv, _req(list(range(50, 62)), None), retain=True)
+    kv.sessions.close(sid)  # evictable again: the oldest now, so LRU takes it first
+    assert tree.pinned_size(sid) == 0 and tree.retained_size() == 0
+    kv.check([])
+    tree.evict(4)
+    assert cached(tree, list(range(10, 22))) == 0 and cached(tree, list(range(50, 62))) == 12
+    from sgl_tpu.scheduler.sessions import SessionError
+
+    with pytest.raises(SessionError, match="not open") as e:
+        kv.sessions.close(sid)
+    assert e.value.status_code == 404
+
+
+def test_session_ttl_is_renewed_by_requests_and_expires():
+    clock_tree = make(page_size=4)
+    clock, _, tree = clock_tree
+    kv = _kv(clock_tree)
+    from sgl_tpu.scheduler.sessions import SessionError
+
+    for bad in (0, -1, 101, float("nan"), "10", True):
+        with pytest.raises(SessionError, match="timeout"):
+            kv.sessions.open(None, bad)
+    sid = kv.sessions.open(None, 10)
+    assert len(sid) == 32 and len(kv.sessions) == 1
+    with pytest.raises(SessionError, match="already open"):
+        kv.sessions.open(sid, 10)
+    _run_and_release(kv, _req(list(range(10, 22)), sid), retain=True)
+    clock.now += 8
+    kv.retain_prefix(_req(list(range(10, 22)) + [5], sid))  # a new turn arrives: renewed
+    clock.now += 8  # 16 s after the first turn, 8 after the renewal
+    assert tree.pinned_size(sid) == 12
+    clock.now += 3  # the TTL ran out: plain evictable KV, and the session is forgotten
+    assert tree.retained_size() == 0
+    info = kv.sessions.info()
+    assert info["num_open"] == 0 and sid not in tree._pinned
+    kv.check([])
+
+
+def test_retention_seconds_is_bounded_by_the_server_max():
+    from sgl_tpu.validation import check_cache_control
+
+    assert check_cache_control(None, 3, 100, 100) is None
+    assert "retention_seconds" in check_cache_control(None, None, 100.5, 100)
+    assert "retention_seconds" in check_cache_control(None, None, -1, 100)
+    assert "priority" in check_cache_control(None, 2**31, 0, 100)
+    assert "priority" in check_cache_control(None, True, 0, 100)
+    clock_tree = make(page_size=4)
+    clock, _, tree = clock_tree
+    kv = _kv(clock_tree)
+    req = _req(list(range(10, 22)), None)
+    req.retention_seconds = 1000  # past the max (the Engine path): clamped, never longer
+    _run_and_release(kv, req, retain=True)
+    clock.now += 99
+    assert tree.retained_size() == 12
+    clock.now += 1
+    assert tree.retained_size() == 0
+
+
+def test_tool_pause_pins_for_the_grace_then_normal_eviction():
+    clock_tree = make(page_size=4)
+    clock, _, tree = clock_tree
+    kv = _kv(clock_tree, tool_pause_grace_s=5)
+    hinted = _req(list(range(10, 22)), None)
+    hinted.tool_pause = True  # the client's hint: pinned at its finish
+    _run_and_release(kv, hinted, retain=True)
+    offered = _req(list(range(30, 42)), None)
+    offered.may_call_tools = True  # tools offered: pinned once the HTTP side reports a call
+    _run_and_release(kv, offered, retain=True)
+    plain = _req(list(range(50, 62)), None)
+    plain.may_call_tools = True
+    _run_and_release(kv, plain, retain=True)
+    assert tree.retained_size() == 12
+    assert kv.retention.tool_pause(offered.rid) and not kv.retention.tool_pause("unknown")
+    assert tree.retained_size() == 24
+    tree.evict(4)  # the turn without tool calls goes first
+    assert cached(tree, list(range(50, 62))) == 0
+    kv.check([])
+    clock.now += 5  # the grace is over: the paused turns are plain LRU again
+    assert tree.retained_size() == 0 and kv.retention.num_tool_pauses == 1

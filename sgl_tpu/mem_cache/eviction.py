@@ -38,7 +38,7 @@ computes for the node now. An unretained entry whose node is retained is dropped
 reaches the top; `_expire` gives the node a fresh entry once its deadline passes. So every
 leaf in the set always has a current unretained entry or a current expiry entry, and a retained
 one also a current ``_retained`` entry (`check()` verifies exactly this). The tree reports
-every change of a leaf's keys (`touched`, `priority_raised`, `retention_changed`), a deadline
+every change of a leaf's keys (`touched`, `priority_changed`, `retention_changed`), a deadline
 lowered when a session closes included. Each push or pop is O(log n); the heaps are rebuilt
 from the set, O(leaves), when stale entries outnumber live ones. The clock must never go backwards.
 """
@@ -106,8 +106,8 @@ class LeafQueue:
         if node in self.nodes:
             self._push_unretained(node)
 
-    def priority_raised(self, node: TreeNode) -> None:
-        """``node.priority`` grew (it never shrinks)."""
+    def priority_changed(self, node: TreeNode) -> None:
+        """``node.priority`` changed (it grows; a new leaf takes its request's)."""
         if node in self.nodes:
             self._push_unretained(node)
             if node.retain_until > self.clock():

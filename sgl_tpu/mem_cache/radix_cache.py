@@ -244,7 +244,7 @@ class RadixCache:
                 child = self._split_node(child, match_len)
             if child.priority < priority:
                 child.priority = priority
-                self._evictable_leaves.priority_raised(child)
+                self._evictable_leaves.priority_changed(child)
             self._touch(child, now)
             node = child
             prefix_len += match_len
@@ -252,9 +252,9 @@ class RadixCache:
             slots = slots[match_len:]
         if len(key):
             node = self._add_leaf(node, key.copy(), slots.copy(), now)
-            if node.priority < priority:
+            if node.priority != priority:  # a new leaf: its own priority, even a negative one
                 node.priority = priority
-                self._evictable_leaves.priority_raised(node)
+                self._evictable_leaves.priority_changed(node)
         if retain_s > 0:
             self.retain(node, retain_s)
         return prefix_len

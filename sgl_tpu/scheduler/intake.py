@@ -21,7 +21,7 @@ from sgl_tpu.sampling_params import SamplingParams
 from sgl_tpu.scheduler.grammar_steps import GRAMMAR_COMPILE_BUDGET_S
 from sgl_tpu.scheduler.output import error_output
 from sgl_tpu.scheduler.req import Req
-from sgl_tpu.validation import check_request, check_token_ids
+from sgl_tpu.validation import check_cache_control, check_request, check_token_ids
 
 
 class Intake:
@@ -47,6 +47,8 @@ class Intake:
             len(msg.input_ids), sampling, context_len=self.config.context_len,
             capacity_tokens=self.capacity_tokens, grammar_supported=self.grammar is not None,
             vocab_size=self.vocab_size)
+        error = error or check_cache_control(msg.session_id, msg.priority,
+                                             msg.retention_seconds, self.config.max_retention_s)
         if error is not None:
             return error_output(msg.rid, len(msg.input_ids), error)
         seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(32)
@@ -54,7 +56,9 @@ class Intake:
                   seed=seed, return_logprob=msg.return_logprob,
                   logprob_start_len=msg.logprob_start_len,
                   top_logprobs_num=min(msg.top_logprobs_num, self.config.max_top_logprobs),
-                  session_id=msg.session_id)
+                  session_id=msg.session_id, priority=msg.priority or 0,
+                  retention_seconds=msg.retention_seconds, tool_pause=msg.tool_pause,
+                  may_call_tools=msg.may_call_tools)
         if sampling.stop or sampling.stop_regex:
             req.decoder = IncrementalDecoder(self.decode, sampling.skip_special_tokens)
         if sampling.grammar is not None and self.grammar is not None:

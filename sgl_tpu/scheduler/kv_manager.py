@@ -10,13 +10,14 @@ Every page is exactly one of: free (allocator), owned by the tree, or owned by a
 * `release_req`   at finish or retraction: cache, then unlock and free what the tree did not
                   take.
 
-Session retention (`session_retention_s`, see `RadixCache.retain`): a request that carries a
-`session_id` is one turn of an agent loop, and the agent's next turn resends this turn's prompt
-and output after a tool call. So when such a request finishes, `release_req(req, retain=True)`
-retains its whole inserted path, and when a request of a session arrives, `retain_prefix`
-retains the part of its prompt that is cached, so it is still there once the request is
-admitted (admission locks it; a long queue must not let other traffic evict it first). Without
-a session, or with a disabled cache, nothing changes.
+Retention pins (`retention.py`: open sessions, session hints, `retention_seconds`, tool
+pauses): a request that carries a `session_id` is one turn of an agent loop, and the agent's
+next turn resends this turn's prompt and output after a tool call. So when such a request
+finishes, `release_req(req, retain=True)` pins its whole inserted path, and when it arrives,
+`retain_prefix` pins the part of its prompt that is cached, so it is still there once the
+request is admitted (admission locks it; a long queue must not let other traffic evict it
+first). Every insert carries the request's `priority` (the `priority` eviction policy). Without
+any of these, or with a disabled cache, nothing changes.
 """
 
 from __future__ import annotations
@@ -27,16 +28,24 @@ from sgl_tpu.mem_cache.allocator import PageAllocator
 from sgl_tpu.mem_cache.radix_cache import RadixCache, check_page_accounting
 from sgl_tpu.mem_cache.tiers import TieredCache
 from sgl_tpu.scheduler.req import Req
+from sgl_tpu.scheduler.retention import Retention
+from sgl_tpu.scheduler.sessions import SessionTable
 
 
 class KVManager:
     def __init__(self, allocator: PageAllocator, tree: RadixCache,
-                 session_retention_s: float = 0.0, tiers: TieredCache | None = None) -> None:
+                 session_retention_s: float = 0.0, tiers: TieredCache | None = None, *,
+                 sessions: SessionTable | None = None, max_retention_s: float = 600.0,
+                 tool_pause_grace_s: float = 0.0) -> None:
         self.allocator = allocator
         self.tree = tree
         self.tiers = tiers  # host/disk tiers below the pool (mem_cache/tiers.py), or None
         self.page_size = allocator.page_size
         self.session_retention_s = session_retention_s
+        self.sessions = sessions  # open sessions (/open_session), or None
+        self.retention = Retention(tree, sessions, session_retention_s=session_retention_s,
+                                   max_retention_s=max_retention_s,
+                                   tool_pause_grace_s=tool_pause_grace_s)
 
     # ---- capacity ------------------------------------------------------------------------
     @property
@@ -94,11 +103,11 @@ class KVManager:
         self.tiers.load(key, self.tree.match_prefix(key))
 
     def retain_prefix(self, req: Req) -> None:
-        """A request of a session arrived: keep its cached prefix until it is admitted."""
-        if req.session_id is None or self.session_retention_s <= 0 or self.tree.disable:
+        """A request with retention arrived: keep its cached prefix until it is admitted."""
+        if not self.retention.wants_pins(req):
             return
         match = self.tree.match_prefix(req.fill_ids[: req.max_prefix_len])
-        self.tree.retain(match.last_node, self.session_retention_s)
+        self.retention.on_arrival(req, match.last_node)
 
     def alloc_pages(self, req: Req, num_pages: int) -> bool:
         """Append `num_pages` fresh pages to `req`, evicting tree leaves if needed."""
@@ -137,9 +146,12 @@ class KVManager:
         if self.tree.disable:
             taken_end = own_start
         else:
-            retain_s = self.session_retention_s if retain and req.session_id is not None else 0.0
-            aligned, _ = self._insert(req, retain_s)
+            aligned, _ = self._insert(req)
             taken_end = aligned // ps
+            if retain and self.retention.wants_pins(req):
+                key = req.fill_ids[:aligned]
+                end = self.tree.peek_prefix(lambda: key).node  # ends exactly at `aligned`
+                self.retention.on_turn_end(req, end)
         self._drop(req, taken_end)
 
     def discard_req(self, req: Req) -> None:
@@ -159,12 +171,12 @@ class KVManager:
         req.last_node = None
         req.kv_len = req.tree_len = 0
 
-    def _insert(self, req: Req, retain_s: float = 0.0) -> tuple[int, int]:
+    def _insert(self, req: Req) -> tuple[int, int]:
         """Insert req's computed tokens; free its duplicate pages. Returns (aligned, prefix)."""
         ps = self.page_size
         key = req.fill_ids[: req.kv_len]
         slots = self.allocator.pages_to_slots(req.pages, req.kv_len)
-        prefix_len = self.tree.insert(key, slots, retain_s)
+        prefix_len = self.tree.insert(key, slots, priority=req.priority)
         aligned = req.kv_len // ps * ps
         dup = req.pages[req.tree_len // ps : prefix_len // ps]
         if dup:

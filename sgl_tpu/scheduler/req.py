@@ -39,6 +39,13 @@ class Req:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     session_id: str | None = None
+    # cache control (scheduler/retention.py): eviction priority of its KV, its own retention
+    # pin, the client's hint that the turn ends in a tool call, tools offered (the HTTP side
+    # may report a tool-call finish later)
+    priority: int = 0
+    retention_seconds: float = 0.0
+    tool_pause: bool = False
+    may_call_tools: bool = False
     arrival: int = field(default_factory=lambda: next(_arrival))
 
     output_ids: list[int] = field(default_factory=list)

@@ -12,9 +12,10 @@ Each `step()` is: take aborts, build one batch, run it, post-process.
   leaves are evicted first; if that is not enough the request with the least progress is
   retracted: its KV goes to the tree (so the recompute is mostly a cache hit), it re-queues.
 * Finished requests give their KV to the tree and unlock it; nothing else holds pages. A
-  request with a `session_id` (one turn of an agent loop) also retains it for
-  `session_retention_s`: under memory pressure it is evicted after all unretained KV, since the
-  agent's next turn resends it (`KVManager`, `mem_cache/eviction.py`).
+  request with a `session_id` (one turn of an agent loop) also pins it: until its open
+  session closes (sessions.py), else for `session_retention_s`; so do `retention_seconds` and a
+  turn that ends in tool calls (retention.py). Under memory pressure pinned KV is evicted after
+  all unpinned KV, since the agent's next turn resends it (`mem_cache/eviction.py`).
 
 With overlap scheduling (`SchedulerConfig.overlap_schedule`, scheduler/overlap.py) a DECODE
 step is dispatched before the previous one's tokens reach the host, and the host processes
@@ -71,6 +72,7 @@ from sgl_tpu.scheduler.output import error_output, make_output
 from sgl_tpu.scheduler.overlap import PendingDecode, can_overlap, lagged_rows, overlappable
 from sgl_tpu.scheduler.queues import ReqQueues
 from sgl_tpu.scheduler.req import Req
+from sgl_tpu.scheduler.sessions import SessionTable
 from sgl_tpu.scheduler.speculative import Speculator, verify_steps
 
 
@@ -94,12 +96,17 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
         allocator = PageAllocator(num_pages, config.page_size)
-        tree = RadixCache(allocator, disable=config.disable_radix_cache)
+        tree = RadixCache(allocator, disable=config.disable_radix_cache,
+                          eviction_policy=config.radix_eviction_policy)
         self.tiers = None if tiers is None else tiers(tree)
         if self.tiers is not None:
             tree.add_listener(self.tiers)
+        self.sessions = SessionTable(tree, default_ttl_s=config.session_ttl_s,
+                                     max_ttl_s=config.max_retention_s)
         self.kv = KVManager(allocator, tree, session_retention_s=config.session_retention_s,
-                            tiers=self.tiers)
+                            tiers=self.tiers, sessions=self.sessions,
+                            max_retention_s=config.max_retention_s,
+                            tool_pause_grace_s=config.tool_pause_grace_s)
         self.queues = ReqQueues(config.max_running_requests)
         self.stats = SchedulerStats()
         self._aborts: set[str] = set()
@@ -161,6 +168,20 @@ class Scheduler:
 
     def abort(self, rid: str) -> None:
         self._aborts.add(rid)
+
+    # ---- cache control (sessions.py, retention.py) -------------------------------------------
+    def open_session(self, session_id: str | None, ttl_s: float | None) -> str:
+        """/open_session: returns the session's id; `SessionError` when refused."""
+        return self.sessions.open(session_id, ttl_s)
+
+    def close_session(self, session_id: str) -> None:
+        """/close_session: its KV is evictable again; `SessionError` if it is not open."""
+        self.sessions.close(session_id)
+
+    def tool_pause(self, rids: Sequence[str]) -> None:
+        """These finished requests' turns ended in tool calls: pin their KV for the grace."""
+        for rid in rids:
+            self.kv.retention.tool_pause(rid)
 
     @property
     def num_running(self) -> int:

@@ -32,6 +32,13 @@ def server_info(scheduler: Scheduler) -> dict[str, Any]:
         "compute": scheduler.runner.compute_info(),
         "stats": stats,
     }
+    # cache control: open sessions (scheduler/sessions.py), the eviction policy, tool pauses
+    data["sessions"] = scheduler.sessions.info()
+    data["cache_control"] = {
+        "radix_eviction_policy": scheduler.config.radix_eviction_policy,
+        "max_retention_s": scheduler.config.max_retention_s,
+        "tool_pause_grace_s": scheduler.config.tool_pause_grace_s,
+        "num_tool_pauses": scheduler.kv.retention.num_tool_pauses}
     if scheduler.tiers is not None:  # host/disk tiers: hits, loads, demotions, occupancy
         data["tiers"] = scheduler.tiers.info()
     if not scheduler.has_work:

@@ -1,0 +1,105 @@
+"""Cache control for agents through a real server (the default model, a 32-page KV pool, the
+priority eviction policy): an open session's trajectory survives traffic that evicts everything
+else and is evictable again once closed; low-priority KV goes before high-priority KV; the
+session endpoints' errors. Unit tests of the same rules: tests/test_session_retention.py."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import requests
+
+FLAGS = ("--skip-warmup", "--page-size", "16", "--max-total-tokens", "512",
+         "--radix-eviction-policy", "priority", "--session-retention-s", "0")
+SP = {"temperature": 0.0, "max_new_tokens": 1}
+
+
+@pytest.fixture(scope="module")
+def server():
+    from server_harness import launch_server
+
+    handle = launch_server(*FLAGS)
+    yield handle
+    handle.stop()
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def _post(server, path: str, body: dict) -> requests.Response:
+    return requests.post(server.base_url + path, json=body, timeout=180)
+
+
+def _cached(server, ids: list[int], **fields) -> int:
+    r = _post(server, "/generate", {"input_ids": ids, "sampling_params": SP, **fields})
+    assert r.status_code == 200, (r.text, server.log_tail())
+    return r.json()["meta_info"]["cached_tokens"]
+
+
+def _traffic(server, seed: int) -> None:
+    """Three unrelated 200-token prompts: each needs 13 of the 32 pages."""
+    for k in range(3):
+        _cached(server, _ids(200, seed + k))
+
+
+def _info(server) -> dict:
+    return requests.get(server.base_url + "/server_info", timeout=60).json()
+
+
+@pytest.mark.slow
+def test_open_session_survives_traffic_until_closed(server):
+    r = _post(server, "/open_session", {"capacity_of_str_len": 1000, "timeout": 300})
+    assert r.status_code == 200, r.text
+    sid = r.json()
+    assert isinstance(sid, str) and sid
+    turn = _ids(160, 1)
+    _cached(server, turn, session_params={"id": sid})
+    _traffic(server, 10)
+    info = _info(server)
+    assert info["memory"]["evicted_tokens"] > 0  # the pool overflowed
+    (listed,) = [s for s in info["sessions"]["open"] if s["session_id"] == sid]
+    assert listed["pinned_tokens"] >= 160
+    assert _cached(server, turn + _ids(8, 2), session_params={"id": sid}) >= 160
+    assert _post(server, "/close_session", {"session_id": sid}).status_code == 200
+    assert _info(server)["sessions"]["num_open"] == 0
+    _traffic(server, 20)  # the closed session's KV is the oldest now: evicted first
+    assert _cached(server, turn) == 0
+
+
+@pytest.mark.slow
+def test_low_priority_kv_is_evicted_before_high_priority(server):
+    high, low = _ids(160, 30), _ids(160, 31)
+    _cached(server, high, priority=10)  # older, but high priority
+    _cached(server, low, priority=0)
+    _cached(server, _ids(200, 32))  # needs pages: the low-priority prompt goes, not the older
+    assert _cached(server, high) == 144  # all it may reuse: its last token must run
+    assert _cached(server, low) == 0
+
+
+@pytest.mark.slow
+def test_session_and_field_errors_are_4xx(server):
+    def error(path: str, body: dict, status: int) -> None:
+        r = _post(server, path, body)
+        assert r.status_code == status, r.text
+        assert r.json()["error"]["message"], r.text
+
+    error("/close_session", {"session_id": "never-opened"}, 404)
+    error("/open_session", {"timeout": 0}, 400)
+    error("/open_session", {"timeout": 10**6}, 400)  # past --max-retention-s
+    error("/open_session", {"session_id": ""}, 400)
+    assert _post(server, "/open_session", {"session_id": "dup"}).json() == "dup"
+    error("/open_session", {"session_id": "dup"}, 409)
+    assert _post(server, "/close_session", {"session_id": "dup"}).status_code == 200
+    prompt = {"input_ids": _ids(20, 40), "sampling_params": SP}
+    error("/generate", {**prompt, "retention_seconds": 10**4}, 400)
+    error("/generate", {**prompt, "priority": "high"}, 400)
+    error("/v1/completions", {"prompt": _ids(20, 41), "max_tokens": 1,
+                              "retention_seconds": -1}, 400)
+    ok = _post(server, "/v1/completions", {"prompt": _ids(20, 42), "max_tokens": 1,
+                                           "priority": 3, "retention_seconds": 5,
+                                           "tool_pause": True})
+    assert ok.status_code == 200, ok.text
+    assert _info(server)["integrity"] == "ok"

@@ -26,6 +26,7 @@ and supervises the processes:
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import glob
 import importlib.util
 import json
@@ -116,10 +117,14 @@ def free_ports(after: int, count: int, host: str = REPLICA_HOST) -> list[int]:
     return ports
 
 
-def replica_argv(args: ServerArgs, port: int) -> list[str]:
-    """The command line of one replica: the same flags, one replica, its own address."""
+def replica_argv(args: ServerArgs, port: int, rank: int = 0) -> list[str]:
+    """The command line of replica `rank`: the same flags, one replica, its own address (and
+    its KV events on the configured ports + `rank`, stamped with it)."""
     one = args.replace(dp_size=1, router_args=(), router_policy="cache_aware", host=REPLICA_HOST,
                        port=port)
+    if args.kv_events is not None:
+        one = one.replace(kv_events_config=dataclasses.replace(
+            args.kv_events, dp_rank=rank).to_json())
     return [sys.executable, "-m", "sgl_tpu.launch_server", *to_argv(one)]
 
 
@@ -204,7 +209,7 @@ class ReplicaSet:
             logger.info("replica %d: port %d, %s", i, port,
                         f"cpus {list(place.cpus)}" if place.cpus is not None else place.env)
             self.replicas.append(subprocess.Popen(
-                replica_argv(self.args, port), env={**os.environ, **place.env},
+                replica_argv(self.args, port, i), env={**os.environ, **place.env},
                 preexec_fn=_child_setup(place.cpus)))
 
     def wait_replicas(self) -> bool:

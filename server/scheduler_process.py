@@ -10,6 +10,9 @@ exception while admitting one request answers that request with an error, and an
 a step ends the requests of that step (`Scheduler.fail_all`) while the process keeps serving.
 Only fatal faults (`scheduler/faults.py`) end the process; the launcher then answers 503.
 
+With `--kv-events-config`, each turn of the loop ends by publishing what it changed in the
+radix tree as one batch of KV events (server/kv_events.py).
+
 CPU threads (torch on CPU): `--torch-threads`, or every CPU the process may use, fixed at
 start (switching per step costs a slow first step after each switch). On a busy host give it
 fewer: a step runs hundreds of OpenMP parallel regions, each ending in a barrier, and when one
@@ -45,6 +48,7 @@ from sgl_tpu.scheduler.faults import fault_reason, is_fatal
 from sgl_tpu.scheduler.sessions import SessionError
 from sgl_tpu.scheduler.stats import load_info, server_info
 from sgl_tpu.server.ipc import PortArgs, parent_alive, pull_socket, push_socket, recv_all, send
+from sgl_tpu.server.kv_events import KVEventStream
 
 logger = logging.getLogger("sgl_tpu.scheduler")
 IDLE_POLL_MS = 500
@@ -59,6 +63,9 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, parent_pid: int) ->
         from sgl_tpu.engine import build_scheduler
 
         scheduler, loaded = build_scheduler(args)
+        kv_events = None if args.kv_events is None else KVEventStream(args.kv_events)
+        if kv_events is not None:
+            scheduler.kv.tree.add_listener(kv_events.recorder)
     except Exception as e:  # report why start-up failed, then exit
         send(to_tokenizer, ReadyMsg(process="scheduler", ok=False,
                                     error=f"{type(e).__name__}: {e}"))
@@ -93,7 +100,11 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, parent_pid: int) ->
             outputs += scheduler.fail_all(e)
         if outputs:
             send(to_detok, BatchTokenIdOut(outputs=outputs))
+        if kv_events is not None:
+            kv_events.flush()  # what this turn stored in, and dropped from, the tree
     logger.info("parent process gone; scheduler exits")
+    if kv_events is not None:
+        kv_events.close()
     if scheduler.tiers is not None:
         scheduler.tiers.close()  # the disk tier writes what is queued
     close_runner(runner)  # end the follower ranks (tensor parallelism), the compute thread

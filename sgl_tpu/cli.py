@@ -160,6 +160,13 @@ _HELP = {
                      "the replica that caches it, and balances when one replica is busier; "
                      "manual pins each X-SMG-Routing-Key, e.g. an agent's session, to one "
                      "replica; requests without one lose prefix-aware routing)",
+    "kv_events_config": "publish the radix cache's stored and removed pages to a "
+                        "cache-aware router over ZeroMQ, in SGLang's KV event format: a JSON "
+                        "object such as '{\"publisher\": \"zmq\", \"endpoint\": "
+                        "\"tcp://*:5557\", \"topic\": \"kv\"}' (SGLang's keys: publisher "
+                        "null/zmq, endpoint, replay_endpoint, buffer_steps, hwm, "
+                        "max_queue_size, topic). With --dp-size each replica adds its rank to "
+                        "the ports",
 }
 # Fields set by the launcher, not by a flag of their own.
 _NO_FLAG = frozenset({"router_args"})

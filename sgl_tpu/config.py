@@ -14,6 +14,7 @@ executor, attention and grammar backends, chat template) are checked against the
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -32,6 +33,8 @@ TORCH_DEVICES = ("auto", "cpu", "cuda", "tpu")
 TORCH_COMPILE = ("auto", "on", "off")
 OVERLAP_SCHEDULE = ("auto", "on", "off")
 JAX_DECODE_STATE = ("auto", "on", "off")
+# --kv-events-config "publisher" values (server/kv_events.py PUBLISHERS): null publishes nothing
+KV_EVENT_PUBLISHERS = ("null", "zmq")
 
 
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
@@ -142,6 +145,56 @@ class SchedulerConfig:
     # decode steps over batch state kept on the device (jax decode state, torch static step;
     # reported only)
     device_decode_state: bool = False
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """`--kv-events-config`: SGLang's JSON keys for publishing the radix tree's changes
+    (server/kv_events.py), plus `dp_rank`, which the `--dp-size` launcher sets per replica."""
+
+    publisher: str = "null"  # a KV_EVENT_PUBLISHERS name
+    endpoint: str = "tcp://*:5557"  # PUB socket: bound if it has *, :: or 0.0.0.0, else dialed
+    replay_endpoint: str | None = None  # ROUTER socket answering replay requests
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark (messages queued per subscriber)
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread
+    topic: str = ""  # first frame of every message (subscribers filter by its prefix)
+    dp_rank: int = 0  # the replica: its ports are the endpoints' + dp_rank
+
+    def __post_init__(self) -> None:
+        if self.publisher not in KV_EVENT_PUBLISHERS:
+            raise ValueError(f"--kv-events-config: unknown publisher {self.publisher!r}; "
+                             f"choose one of {KV_EVENT_PUBLISHERS}")
+        for name in ("endpoint", "topic"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"--kv-events-config: {name} must be a string")
+        if self.replay_endpoint is not None and not isinstance(self.replay_endpoint, str):
+            raise ValueError("--kv-events-config: replay_endpoint must be a string or null")
+        for name, lo in (("buffer_steps", 1), ("hwm", 0), ("max_queue_size", 1),
+                         ("dp_rank", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                raise ValueError(f"--kv-events-config: {name} must be an integer >= {lo}, "
+                                 f"got {value!r}")
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        """ValueError naming the problem: not JSON, not an object, an unknown key, a bad
+        value."""
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--kv-events-config is not valid JSON ({e}): {text!r}") from None
+        if not isinstance(fields, dict):
+            raise ValueError(f"--kv-events-config must be a JSON object, got {text!r}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(fields) - set(known))
+        if unknown:
+            raise ValueError(f"--kv-events-config: unknown keys {unknown}; known: {known}")
+        return cls(**fields)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
 
 
 @dataclass(frozen=True)
@@ -257,6 +310,9 @@ class ServerArgs:
     # (batch-invariant kernels; see sgl_tpu/executor/batch_invariant.py for what it costs).
     enable_deterministic_inference: bool = False
     chat_template: str | None = None  # built-in name or Jinja file; None: the model's own
+    # KV events for a cache-aware router (SGLang's --kv-events-config): a JSON object of
+    # KVEventsConfig's keys; None (or publisher "null"): none published.
+    kv_events_config: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_total_tokens", "max_running_requests", "max_extend_seqs",
@@ -369,6 +425,8 @@ class ServerArgs:
                              f"kernels are chosen by row count); drop --quantization "
                              f"{self.quantization}")
         self._check_hicache()
+        if self.kv_events_config is not None:
+            KVEventsConfig.from_json(self.kv_events_config)
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name must not be empty")
 
@@ -400,6 +458,14 @@ class ServerArgs:
 
     def replace(self, **changes) -> ServerArgs:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def kv_events(self) -> KVEventsConfig | None:
+        """The parsed --kv-events-config; None when nothing is published."""
+        if self.kv_events_config is None:
+            return None
+        config = KVEventsConfig.from_json(self.kv_events_config)
+        return None if config.publisher == "null" else config
 
     def scheduler_config(self, runner: RunnerConfig, overlap_schedule: bool = False,
                          speculative_algorithm: str | None = None,

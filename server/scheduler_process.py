@@ -78,7 +78,7 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, parent_pid: int) ->
             "max_total_tokens": scheduler.kv.capacity_tokens,
             "num_compilations": runner.num_compilations(), "dtype": runner.config.dtype,
             "kv_cache_dtype": runner.config.kv_dtype,
-            "grammar_supported": scheduler.grammar_supported,
+            "grammar_supported": scheduler.grammar is not None,
             "pid": os.getpid()}
     send(to_tokenizer, ReadyMsg(process="scheduler", info=info))
     logger.info("scheduler ready: %s", info)
@@ -121,7 +121,8 @@ def _handle(scheduler, msg, to_tokenizer) -> ReqOutput | None:
     if isinstance(msg, AbortReq):
         scheduler.abort(msg.rid)
     elif isinstance(msg, ToolPauseReq):
-        scheduler.tool_pause(msg.rids)
+        for rid in msg.rids:  # turns that ended in tool calls: pinned for the grace
+            scheduler.kv.retention.tool_pause(rid)
     elif isinstance(msg, OpenSessionReq | CloseSessionReq):
         send(to_tokenizer, _session_call(scheduler, msg))
     elif isinstance(msg, ControlReq):
@@ -143,9 +144,9 @@ def _session_call(scheduler, msg: OpenSessionReq | CloseSessionReq) -> ControlRe
     """/open_session or /close_session; a refusal carries its message and HTTP status."""
     try:
         if isinstance(msg, OpenSessionReq):
-            session_id = scheduler.open_session(msg.session_id, msg.ttl_s)
+            session_id = scheduler.sessions.open(msg.session_id, msg.ttl_s)
             return ControlResp(call_id=msg.call_id, ok=True, data={"session_id": session_id})
-        scheduler.close_session(msg.session_id)
+        scheduler.sessions.close(msg.session_id)
         return ControlResp(call_id=msg.call_id, ok=True)
     except SessionError as e:
         return ControlResp(call_id=msg.call_id, ok=False,

@@ -115,7 +115,7 @@ def test_load_counts_a_chunked_prompt_and_a_jump_forward_request_as_running():
     sched, _ = make_scheduler(chunk=16)
     sched.add_request(request("a", list(range(100, 150)), 3))  # 50 tokens: 4 chunks
     sched.step()
-    assert not sched.running and sched.chunked_req is not None
+    assert not sched.running and sched.queues.chunked_req is not None
     assert server_info(sched)["num_running_reqs"] == 1
     load = load_info(sched)
     assert (load["num_reqs"], load["num_waiting_reqs"]) == (1, 0)
@@ -123,7 +123,7 @@ def test_load_counts_a_chunked_prompt_and_a_jump_forward_request_as_running():
     run_steps(sched, {}, max_steps=3)  # the other chunks, then the first decode
     a = sched.running.pop()
     a.jumped = True
-    sched.jump_forward_reqs.append(a)
+    sched.queues.jump_forward_reqs.append(a)
     assert server_info(sched)["num_running_reqs"] == 1 and load_info(sched)["num_reqs"] == 1
     out = run_all(sched)
     assert out["a"]["reason"]["type"] == "length"
@@ -179,7 +179,7 @@ def test_short_memory_retracts_a_jump_forward_request_before_ending_the_last_run
     b = next(r for r in sched.running if r.rid == "b")
     sched.running.remove(b)
     b.jumped = True
-    sched.jump_forward_reqs.append(b)
+    sched.queues.jump_forward_reqs.append(b)
     out = run_steps(sched, out)
     assert not sched.has_work, "scheduler did not go idle"
     for rid, p in prompts.items():

@@ -22,8 +22,11 @@ any of these, or with a disabled cache, nothing changes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
+from sgl_tpu.config import SchedulerConfig
 from sgl_tpu.mem_cache.allocator import PageAllocator
 from sgl_tpu.mem_cache.radix_cache import RadixCache, check_page_accounting
 from sgl_tpu.mem_cache.tiers import TieredCache
@@ -46,6 +49,29 @@ class KVManager:
         self.retention = Retention(tree, sessions, session_retention_s=session_retention_s,
                                    max_retention_s=max_retention_s,
                                    tool_pause_grace_s=tool_pause_grace_s)
+
+    @classmethod
+    def for_config(cls, config: SchedulerConfig, num_pages: int,
+                   tiers: Callable[[RadixCache], TieredCache] | None = None) -> KVManager:
+        """The pool of `num_pages` pages, its tree, open sessions and, where `tiers` builds
+        them over the tree, the host/disk tiers below it."""
+        allocator = PageAllocator(num_pages, config.page_size)
+        tree = RadixCache(allocator, disable=config.disable_radix_cache,
+                          eviction_policy=config.radix_eviction_policy)
+        tiered = None if tiers is None else tiers(tree)
+        if tiered is not None:
+            tree.add_listener(tiered)
+        sessions = SessionTable(tree, default_ttl_s=config.session_ttl_s,
+                                max_ttl_s=config.max_retention_s)
+        return cls(allocator, tree, config.session_retention_s, tiered, sessions=sessions,
+                   max_retention_s=config.max_retention_s,
+                   tool_pause_grace_s=config.tool_pause_grace_s)
+
+    def flush(self) -> None:
+        """Empty the tree and the tiers below it (no request may hold KV)."""
+        self.tree.reset()
+        if self.tiers is not None:
+            self.tiers.clear()
 
     # ---- capacity ------------------------------------------------------------------------
     @property

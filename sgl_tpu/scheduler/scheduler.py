@@ -53,7 +53,6 @@ import numpy as np
 from sgl_tpu.config import SchedulerConfig
 from sgl_tpu.constrained.grammar_manager import GrammarManager
 from sgl_tpu.executor.step import DoneStep, ForwardMode, ModelRunner, StepResult
-from sgl_tpu.mem_cache.allocator import PageAllocator
 from sgl_tpu.mem_cache.radix_cache import RadixCache
 from sgl_tpu.mem_cache.tiers import TieredCache
 from sgl_tpu.messages import ReqOutput, TokenizedGenerateReq
@@ -72,7 +71,6 @@ from sgl_tpu.scheduler.output import error_output, make_output
 from sgl_tpu.scheduler.overlap import PendingDecode, can_overlap, lagged_rows, overlappable
 from sgl_tpu.scheduler.queues import ReqQueues
 from sgl_tpu.scheduler.req import Req
-from sgl_tpu.scheduler.sessions import SessionTable
 from sgl_tpu.scheduler.speculative import Speculator, verify_steps
 
 
@@ -95,18 +93,8 @@ class Scheduler:
         self.runner = runner
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
-        allocator = PageAllocator(num_pages, config.page_size)
-        tree = RadixCache(allocator, disable=config.disable_radix_cache,
-                          eviction_policy=config.radix_eviction_policy)
-        self.tiers = None if tiers is None else tiers(tree)
-        if self.tiers is not None:
-            tree.add_listener(self.tiers)
-        self.sessions = SessionTable(tree, default_ttl_s=config.session_ttl_s,
-                                     max_ttl_s=config.max_retention_s)
-        self.kv = KVManager(allocator, tree, session_retention_s=config.session_retention_s,
-                            tiers=self.tiers, sessions=self.sessions,
-                            max_retention_s=config.max_retention_s,
-                            tool_pause_grace_s=config.tool_pause_grace_s)
+        self.kv = KVManager.for_config(config, num_pages, tiers)
+        self.tiers, self.sessions = self.kv.tiers, self.kv.sessions
         self.queues = ReqQueues(config.max_running_requests)
         self.stats = SchedulerStats()
         self._aborts: set[str] = set()
@@ -140,19 +128,7 @@ class Scheduler:
     def running(self) -> list[Req]:
         return self.queues.running
 
-    @property
-    def jump_forward_reqs(self) -> list[Req]:
-        return self.queues.jump_forward_reqs
-
-    @property
-    def chunked_req(self) -> Req | None:
-        return self.queues.chunked_req
-
     # ---- intake ----------------------------------------------------------------------------
-    @property
-    def grammar_supported(self) -> bool:
-        return self.grammar is not None
-
     def add_request(self, msg: TokenizedGenerateReq, sampling: SamplingParams | None = None
                     ) -> ReqOutput | None:
         """Queue a request; returns an immediate error output if it cannot be served.
@@ -168,20 +144,6 @@ class Scheduler:
 
     def abort(self, rid: str) -> None:
         self._aborts.add(rid)
-
-    # ---- cache control (sessions.py, retention.py) -------------------------------------------
-    def open_session(self, session_id: str | None, ttl_s: float | None) -> str:
-        """/open_session: returns the session's id; `SessionError` when refused."""
-        return self.sessions.open(session_id, ttl_s)
-
-    def close_session(self, session_id: str) -> None:
-        """/close_session: its KV is evictable again; `SessionError` if it is not open."""
-        self.sessions.close(session_id)
-
-    def tool_pause(self, rids: Sequence[str]) -> None:
-        """These finished requests' turns ended in tool calls: pin their KV for the grace."""
-        for rid in rids:
-            self.kv.retention.tool_pause(rid)
 
     @property
     def num_running(self) -> int:
@@ -414,9 +376,7 @@ class Scheduler:
         KV."""
         if not self.queues.is_empty():
             return False
-        self.kv.tree.reset()
-        if self.tiers is not None:
-            self.tiers.clear()
+        self.kv.flush()
         return True
 
     def check_integrity(self) -> None:

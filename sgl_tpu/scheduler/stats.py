@@ -54,8 +54,9 @@ def load_info(scheduler: Scheduler) -> dict[str, Any]:
     """The load a router balances on (`/get_load`, SGLang's fields): requests running and
     waiting, tokens whose K/V the running requests hold, prompt tokens still to compute. Cheap:
     no integrity check, one pass over the queues."""
-    chunked = [] if scheduler.chunked_req is None else [scheduler.chunked_req]
-    running = [*scheduler.running, *scheduler.jump_forward_reqs, *chunked]
+    queues = scheduler.queues
+    chunked = [] if queues.chunked_req is None else [queues.chunked_req]
+    running = [*queues.running, *queues.jump_forward_reqs, *chunked]
     waiting = list(scheduler.waiting)
     return {
         "num_reqs": len(running) + len(waiting),

@@ -103,3 +103,37 @@ def test_session_and_field_errors_are_4xx(server):
                                            "tool_pause": True})
     assert ok.status_code == 200, ok.text
     assert _info(server)["integrity"] == "ok"
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Lisbon", "Paris"]}},
+                   "required": ["city"]}}}
+
+
+def _chat(server, system: str, tool_choice: str) -> dict:
+    r = _post(server, "/v1/chat/completions", {
+        "messages": [{"role": "system", "content": system},
+                     {"role": "user", "content": "What is the weather in Lisbon?"}],
+        "tools": [WEATHER_TOOL], "tool_choice": tool_choice, "parallel_tool_calls": False,
+        "max_tokens": 64, "temperature": 0})
+    assert r.status_code == 200, (r.text, server.log_tail())
+    return r.json()
+
+
+@pytest.mark.slow
+def test_a_turn_that_ends_in_tool_calls_keeps_its_kv_through_the_tool_pause(server):
+    """Last in this module: the paused turn stays pinned for --tool-pause-grace-s (10 s)."""
+    paused_system = "You are a weather agent. Call a tool, then answer in one line."
+    first = _chat(server, paused_system, "required")
+    assert first["choices"][0]["message"]["tool_calls"]
+    plain_system = "You are a travel agent. Answer in one short line, without tools."
+    plain = _chat(server, plain_system, "none")
+    assert not plain["choices"][0]["message"].get("tool_calls")
+    _traffic(server, 50)  # every unpinned page is evicted
+    assert _info(server)["memory"]["evicted_tokens"] > 0
+    prompt_tokens = first["usage"]["prompt_tokens"]
+    resent = _chat(server, paused_system, "required")["usage"]
+    assert resent["prompt_tokens_details"]["cached_tokens"] >= prompt_tokens - 17
+    resent_plain = _chat(server, plain_system, "none")["usage"]
+    assert resent_plain["prompt_tokens_details"]["cached_tokens"] < prompt_tokens // 2

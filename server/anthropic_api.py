@@ -5,7 +5,8 @@ Served on top of the chat path (`openai_chat.chat_completion` / `chat_completion
 chat route's:
 
     MessagesRequest ──chat_request──► ChatCompletionRequest (messages, tools, tool_choice,
-                                      stop, session from the X-SMG-Routing-Key header)
+                                      stop, priority, session from the X-SMG-Routing-Key
+                                      header, cache_control TTLs as retention_seconds)
     non-stream: chat.completion ──message_content / stop_reason / usage──► message object
     stream:     chat.completion.chunk ... ──MessageEvents──► Anthropic's SSE events
 
@@ -32,7 +33,7 @@ from sgl_tpu.server.anthropic_protocol import (
     usage,
 )
 from sgl_tpu.server.anthropic_stream import MessageEvents
-from sgl_tpu.server.http_common import parse_body, session_hint, sse
+from sgl_tpu.server.http_common import log_identity, parse_body, session_hint, sse
 from sgl_tpu.server.openai_api import model_error
 from sgl_tpu.server.openai_chat import chat_completion, chat_completion_chunks, prompt_ids
 from sgl_tpu.server.tokenizer_manager import RequestError, ServerDead, TokenizerManager
@@ -54,7 +55,10 @@ async def _request(tm: TokenizerManager, request: Request, model: type[CountToke
     req = await parse_body(request, model)
     if (error := model_error(tm, req.model)) is not None:
         raise RequestError(error)
-    return req, chat_request(req, session_hint(None, None, request))
+    metadata = getattr(req, "metadata", None)
+    if isinstance(metadata, dict):
+        log_identity(request, user_id=metadata.get("user_id"))
+    return req, chat_request(req, session_hint(None, None, request), tm.args.max_retention_s)
 
 
 async def create_message(tm: TokenizerManager, request: Request):

@@ -11,8 +11,13 @@ OpenAI chat wire format. This module maps the request side:
     tools (input_schema), tool_choice, thinking, stop_sequences ──► their chat forms
 
 and back (`message_content`, `stop_reason`, `usage`): a chat message becomes `thinking`, `text`
-and `tool_use` content blocks. `cache_control` breakpoints are checked (shape, at most four)
-and otherwise ignored: the radix cache keeps every prefix without being asked.
+and `tool_use` content blocks.
+
+`cache_control` breakpoints (at most four) become one retention pin: the radix cache keeps
+every prefix without being asked, but a pin keeps it through memory pressure. A pin covers a
+request's whole path in the tree (its prompt, then its trajectory), not a prefix ending at a
+block, so the request's `retention_seconds` is the longest TTL among its breakpoints
+("5m" = 300 s, "1h" = 3600 s), at most the server's `--max-retention-s`.
 """
 
 from __future__ import annotations
@@ -21,13 +26,13 @@ import json
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from sgl_tpu.server.openai_protocol import ChatCompletionRequest
 from sgl_tpu.server.tokenizer_manager import RequestError
 
 MAX_CACHE_BREAKPOINTS = 4  # as Anthropic
-_CACHE_TTLS = ("5m", "1h")
+CACHE_TTL_SECONDS = {"5m": 300, "1h": 3600}  # Anthropic's TTLs; "5m" when none is given
 
 
 class MessageParam(BaseModel):
@@ -62,6 +67,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
+    priority: StrictInt | None = None  # as on the chat route (SGLang's field)
 
 
 def new_id(prefix: str) -> str:
@@ -75,10 +81,12 @@ def tool_use_id(call_id: str) -> str:
 
 # ---- request -> chat request -------------------------------------------------------------
 class _Breakpoints:
-    """Counts `cache_control` breakpoints, refusing a malformed one or a fifth."""
+    """Counts `cache_control` breakpoints, refusing a malformed one or a fifth, and keeps the
+    longest TTL among them (seconds; 0 without breakpoints)."""
 
     def __init__(self) -> None:
         self.count = 0
+        self.ttl_s = 0
 
     def check(self, holder: dict[str, Any], where: str) -> None:
         cc = holder.get("cache_control")
@@ -86,9 +94,11 @@ class _Breakpoints:
             return
         if not isinstance(cc, dict) or cc.get("type") != "ephemeral":
             raise RequestError(f'{where}.cache_control must be {{"type": "ephemeral"}}')
-        if cc.get("ttl") is not None and cc["ttl"] not in _CACHE_TTLS:
+        ttl = "5m" if cc.get("ttl") is None else cc["ttl"]
+        if not isinstance(ttl, str) or ttl not in CACHE_TTL_SECONDS:
             raise RequestError(f"{where}.cache_control.ttl must be one of "
-                               f"{', '.join(_CACHE_TTLS)}")
+                               f"{', '.join(CACHE_TTL_SECONDS)}")
+        self.ttl_s = max(self.ttl_s, CACHE_TTL_SECONDS[ttl])
         self.count += 1
         if self.count > MAX_CACHE_BREAKPOINTS:
             raise RequestError(f"{where}: at most {MAX_CACHE_BREAKPOINTS} blocks may carry "
@@ -249,12 +259,16 @@ def _thinking(thinking: dict[str, Any] | None) -> dict[str, Any] | None:
                        f"'disabled', got {kind!r}")
 
 
-def chat_request(req: CountTokensRequest, session_id: Any = None) -> ChatCompletionRequest:
+def chat_request(req: CountTokensRequest, session_id: Any = None,
+                 max_retention_s: float = 0.0) -> ChatCompletionRequest:
     """The chat-completions request that serves `req` (RequestError on bad input; errors in
-    the chat request's own checks name the chat fields)."""
+    the chat request's own checks name the chat fields). Its `retention_seconds` is the
+    longest breakpoint TTL, at most `max_retention_s`."""
     marks = _Breakpoints()
-    if req.cache_control is not None:
-        _Breakpoints().check({"cache_control": req.cache_control}, "body")
+    if req.cache_control is not None:  # a breakpoint on the whole request
+        top = _Breakpoints()
+        top.check({"cache_control": req.cache_control}, "body")
+        marks.ttl_s = top.ttl_s
     system: list[dict[str, Any]] = []
     if req.system is not None:
         text = req.system if isinstance(req.system, str) \
@@ -270,7 +284,8 @@ def chat_request(req: CountTokensRequest, session_id: Any = None) -> ChatComplet
     if isinstance(req, MessagesRequest):
         body.update(max_tokens=req.max_tokens, stop=req.stop_sequences,
                     temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                    stream=req.stream,
+                    stream=req.stream, priority=req.priority,
+                    retention_seconds=min(marks.ttl_s, max_retention_s) or None,
                     stream_options={"continuous_usage_stats": True} if req.stream else None)
     try:
         return ChatCompletionRequest.model_validate(

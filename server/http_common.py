@@ -1,6 +1,7 @@
 """HTTP helpers shared by every route module (native, OpenAI, Responses, metrics): the error
 body, JSON body parsing into a pydantic model, SSE framing, collecting results, the API-key
-check, the agent-session hint. Route modules import this; nothing here imports a route module.
+check, the agent-session hint, the debug log of client identifiers. Route modules import this;
+nothing here imports a route module.
 
 Every error is JSON `{"error": {"message", "type", "code"}}` with a 4xx/5xx status, except on
 the Anthropic routes (`/v1/messages...`), whose errors take Anthropic's shape
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 from typing import Any
 
 import orjson
@@ -24,7 +26,9 @@ from pydantic import BaseModel, ValidationError
 
 from sgl_tpu.server.body_limits import BodyError, parse_json, printable
 from sgl_tpu.server.tokenizer_manager import GenItem, RequestError, TokenizerManager
+from sgl_tpu.validation import check_session_id
 
+logger = logging.getLogger(__name__)
 
 def error_response(message: str, status_code: int = 400, err_type: str | None = None
                    ) -> JSONResponse:
@@ -81,19 +85,41 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
 ROUTING_KEY_HEADER = "x-smg-routing-key"
 
 
-def session_hint(session_id: Any, session_params: Any, request: Request) -> Any:
+def session_hint(session_id: Any, session_params: Any, request: Request,
+                 prompt_cache_key: Any = None) -> Any:
     """The agent session a request belongs to (a KV retention hint, see
     `KVManager.retain_prefix`), from the first of: the body's `session_id`, SGLang's
-    `session_params.id`, the `X-SMG-Routing-Key` header; the latter two survive the
-    sglang-router. `session_params` may be one object or a list with one per prompt (then a
-    list comes back); the values are checked later by `check_session_id`."""
+    `session_params.id`, OpenAI's `prompt_cache_key`, the `X-SMG-Routing-Key` header; the
+    header is what the sglang-router routes on (`--router-policy manual`), and it and
+    `session_params.id` survive the router. `session_params` may be one object or a list with
+    one per prompt (then a list comes back); the values are checked later by
+    `check_session_id`."""
     if session_id is not None:
         return session_id
     if isinstance(session_params, list):
         return [_params_id(p, f"session_params[{i}]") for i, p in enumerate(session_params)]
     if session_params is not None:
         return _params_id(session_params, "session_params")
+    if prompt_cache_key is not None:
+        return checked_cache_key(prompt_cache_key)
     return request.headers.get(ROUTING_KEY_HEADER)
+
+
+def checked_cache_key(prompt_cache_key: str) -> str:
+    """OpenAI's `prompt_cache_key` as a session id (RequestError naming the field)."""
+    if (error := check_session_id(prompt_cache_key)) is not None:
+        raise RequestError(error.replace("session_id", "prompt_cache_key", 1))
+    return prompt_cache_key
+
+
+def log_identity(request: Request, **ids: Any) -> None:
+    """Client identifiers (OpenAI's `user` / `safety_identifier`, Anthropic's
+    `metadata.user_id`) at debug level: accepted and logged, never used for routing or
+    retention."""
+    named = {k: v for k, v in ids.items() if v is not None}
+    if named and logger.isEnabledFor(logging.DEBUG):
+        logger.debug("%s %s", request.url.path,
+                     " ".join(f"{k}={printable(str(v))[:200]!r}" for k, v in named.items()))
 
 
 def _params_id(params: Any, name: str) -> Any:

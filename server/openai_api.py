@@ -23,7 +23,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from sgl_tpu.server.http_common import error_response, gather_results, parse_body, session_hint, sse
+from sgl_tpu.server.http_common import (
+    error_response,
+    gather_results,
+    log_identity,
+    parse_body,
+    session_hint,
+    sse,
+)
 from sgl_tpu.server.openai_chat import chat_completion, chat_completion_chunks
 from sgl_tpu.server.openai_common import (
     Deltas,
@@ -127,7 +134,9 @@ def _completion_logprobs(entries: list, tops: list, offset: int) -> dict[str, An
 
 async def completions(tm: TokenizerManager, request: Request):
     req = await parse_body(request, CompletionRequest)
-    req.session_id = session_hint(req.session_id, req.session_params, request)
+    req.session_id = session_hint(req.session_id, req.session_params, request,
+                                  req.prompt_cache_key)
+    log_identity(request, user=req.user, safety_identifier=req.safety_identifier)
     if (err := check_model(tm, req.model)) is not None:
         return err
     if req.suffix:
@@ -227,7 +236,9 @@ def add_routes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.post("/v1/chat/completions")
     async def v1_chat_completions(request: Request):
         req = await parse_body(request, ChatCompletionRequest)
-        req.session_id = session_hint(req.session_id, req.session_params, request)
+        req.session_id = session_hint(req.session_id, req.session_params, request,
+                                      req.prompt_cache_key)
+        log_identity(request, user=req.user, safety_identifier=req.safety_identifier)
         if (err := check_model(tm, req.model)) is not None:
             return err
         if req.stream:

@@ -33,7 +33,9 @@ class SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # `user` and `safety_identifier`: logged at debug level only
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # names the session, as `session_id` does
     # SGLang extensions
     top_k: int | None = None
     min_p: float | None = None

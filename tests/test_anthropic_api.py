@@ -14,9 +14,10 @@ import requests
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from sgl_tpu.server.anthropic_protocol import message_content
+from sgl_tpu.server.anthropic_protocol import MessagesRequest, chat_request, message_content
 from sgl_tpu.server.anthropic_stream import MessageEvents
 from sgl_tpu.server.http_server import ApiKeyMiddleware
+from sgl_tpu.server.tokenizer_manager import RequestError
 
 WEATHER = {"name": "get_weather", "description": "Current weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -79,6 +80,22 @@ def test_plain_message_and_cached_usage(client, plain):
     assert again.usage.input_tokens + again.usage.cache_read_input_tokens == total
     assert again.usage.cache_read_input_tokens >= total - 16 > 0
     assert again.content[0].text == plain.content[0].text
+
+
+@pytest.mark.slow
+def test_cache_control_breakpoint_pins_the_prompt(server, client):
+    """A 1h breakpoint asks for more than the server's --max-retention-s (600 s by default):
+    the pin is cut to it, not refused, and the prompt's KV is retained."""
+    system = [{"type": "text", "text": "You answer questions about colours. " * 6,
+               "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    msg = client.messages.create(model="m", max_tokens=2, system=system, messages=QUESTION,
+                                 extra_body={"temperature": 0, "priority": 2})
+    prompt = msg.usage.input_tokens + msg.usage.cache_read_input_tokens
+    info = requests.get(server.base_url + "/server_info", timeout=30).json()
+    assert info["memory"]["tree_retained_tokens"] >= prompt - 16  # whole pages
+    with pytest.raises(anthropic.BadRequestError, match="priority"):
+        client.messages.create(model="m", max_tokens=2, messages=QUESTION,
+                               extra_body={"priority": "urgent"})
 
 
 @pytest.mark.slow
@@ -249,6 +266,28 @@ def test_langchain_anthropic_tool_loop(server):
     answer = llm.bind_tools([get_weather]).invoke(history)
     assert answer.usage_metadata["input_tokens"] > 0
     assert answer.usage_metadata["input_token_details"]["cache_read"] > 0
+
+
+def test_cache_control_ttl_is_the_retention_and_priority_passes_through():
+    """The longest breakpoint TTL (5m when none is named) becomes the chat request's
+    retention_seconds, at most the server's maximum; `priority` reaches the chat field."""
+    def chat(max_retention_s=600.0, **body):
+        req = MessagesRequest.model_validate(
+            {"model": "m", "max_tokens": 4, "messages": QUESTION, **body})
+        return chat_request(req, None, max_retention_s)
+
+    assert chat().retention_seconds is None and chat().priority is None
+    assert chat(system=SYSTEM).retention_seconds == 300  # no ttl: 5 minutes
+    hour = [{"type": "text", "text": "Be brief.",
+             "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    assert chat(system=SYSTEM + hour).retention_seconds == 600  # bounded by the server
+    assert chat(4000.0, system=hour).retention_seconds == 3600
+    assert chat(cache_control={"type": "ephemeral", "ttl": "1h"},
+                max_retention_s=7200.0).retention_seconds == 3600
+    assert chat(priority=5).priority == 5
+    with pytest.raises(RequestError, match="ttl must be one of 5m, 1h"):
+        chat(system=[{"type": "text", "text": "x",
+                      "cache_control": {"type": "ephemeral", "ttl": "2h"}}])
 
 
 def test_stream_events_for_thinking_text_and_calls():

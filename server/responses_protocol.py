@@ -7,16 +7,17 @@ OpenAI chat wire format. This module maps the request side:
     tools, tool_choice, text.format, max_output_tokens ──► their chat-completions forms
 
 and back (`output_items`): a `chat.completion` message becomes the response's output items
-(a `message` with `output_text`, one `function_call` per tool call, a `reasoning` item when the
-chat path split one out).
+(a `reasoning` item when the chat path's reasoning parser split one out, a `message` with
+`output_text` and, with `include: ["message.output_text.logprobs"]`, its tokens' log-probs,
+one `function_call` per tool call).
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from sgl_tpu.server.tokenizer_manager import RequestError
 
@@ -27,9 +28,19 @@ class TextConfig(BaseModel):
     format: dict[str, Any] | None = None
 
 
+# `include` values OpenAI accepts; only the log-probs change what this server returns (it runs
+# no built-in tools and keeps no encrypted reasoning).
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+INCLUDABLE = (OUTPUT_LOGPROBS, "reasoning.encrypted_content", "file_search_call.results",
+              "web_search_call.results", "web_search_call.action.sources",
+              "message.input_image.image_url", "computer_call_output.output.image_url",
+              "code_interpreter_call.outputs")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
 class ResponsesRequest(BaseModel):
-    """`POST /v1/responses`; fields a local server has no use for (include, reasoning,
-    truncation, prompt_cache_key, ...) are accepted and ignored."""
+    """`POST /v1/responses`; fields a local server has no use for (service_tier, background,
+    ...) are accepted and ignored."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -47,11 +58,24 @@ class ResponsesRequest(BaseModel):
     store: bool = True
     stream: bool = False
     metadata: dict[str, str] | None = None
-    user: str | None = None
+    include: list[Literal[INCLUDABLE]] | None = None  # type: ignore[valid-type]
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    reasoning: dict[str, Any] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    user: str | None = None  # `user` and `safety_identifier`: logged at debug level only
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # names the session (default: the conversation)
+    priority: StrictInt | None = None  # as on the chat route (SGLang's field)
     # SGLang-style extensions (extra_body)
     seed: int | None = None
     top_k: int | None = None
     ignore_eos: bool | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return OUTPUT_LOGPROBS in (self.include or ()) or bool(self.top_logprobs)
 
 
 def new_id(prefix: str) -> str:
@@ -196,39 +220,59 @@ def reasoning_item(text: str, item_id: str | None = None) -> dict[str, Any]:
             "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
 
 
-def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """A chat.completion `message` -> the response's output items."""
+def thinking_kwargs(reasoning: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Chat template kwargs for `reasoning`: effort "none" turns the template's thinking off;
+    the other efforts leave the model's default (the effort is not enforced)."""
+    effort = (reasoning or {}).get("effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise RequestError(f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}, "
+                           f"got {effort!r}")
+    return {"enable_thinking": False} if effort == "none" else None
+
+
+def text_logprobs(entries: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """The chat path's per-token log-probs (every generated token: reasoning, text, call
+    markup, stop) cut to the tokens that wrote `text`, found by its place in their text."""
+    if not text:
+        return []
+    joined = "".join(e["token"] for e in entries)
+    start = joined.find(text)
+    if start < 0:
+        return entries
+    end, out, at = start + len(text), [], 0
+    for e in entries:
+        if at < end and at + len(e["token"]) > start:
+            out.append(e)
+        at += len(e["token"])
+    return out
+
+
+def output_items(message: dict[str, Any], logprobs: list[dict[str, Any]] | None = None
+                 ) -> list[dict[str, Any]]:
+    """A chat.completion `message` -> the response's output items; `logprobs` (the chat
+    choice's `logprobs.content`) go to the output text when given."""
     items = []
     if message.get("reasoning_content"):
         items.append(reasoning_item(message["reasoning_content"]))
     calls = message.get("tool_calls") or []
     if message.get("content") or not calls:
-        items.append(message_item(message.get("content") or ""))
+        item = message_item(message.get("content") or "")
+        if logprobs is not None:
+            item["content"][0]["logprobs"] = text_logprobs(logprobs, message.get("content") or "")
+        items.append(item)
     for call in calls:
         fn = call["function"]
         items.append(function_call_item(call["id"], fn["name"], fn["arguments"]))
     return items
 
 
-def assistant_message(items: list[dict[str, Any]]) -> dict[str, Any]:
-    """The response's output as the chat message the next turn's prompt replays."""
-    text = "".join(part["text"] for it in items if it["type"] == "message"
-                   for part in it["content"])
-    calls = [{"id": it["call_id"], "type": "function",
-              "function": {"name": it["name"], "arguments": it["arguments"]}}
-             for it in items if it["type"] == "function_call"]
-    msg: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
-    if calls:
-        msg["tool_calls"] = calls
-    return msg
-
-
-def usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
+def usage(chat_usage: dict[str, Any] | None, reasoning_tokens: int = 0
+          ) -> dict[str, Any] | None:
     if chat_usage is None:
         return None
     details = chat_usage.get("prompt_tokens_details") or {}
     return {"input_tokens": chat_usage["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": details.get("cached_tokens", 0)},
             "output_tokens": chat_usage["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": chat_usage["total_tokens"]}

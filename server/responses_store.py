@@ -1,14 +1,15 @@
 """In-memory store of the Responses API's stored responses and their conversations.
 
-Each stored response keeps the response object (for `GET /v1/responses/{id}`) and the whole
-conversation up to and including its output, as chat messages, so that a request naming it as
-`previous_response_id` sends only its new items. The conversation id (the first response's
+Each stored response keeps the response object (for `GET /v1/responses/{id}`) and the items
+its model saw (`input_items`, for `GET /v1/responses/{id}/input_items`; `responses_items.py`),
+so that a request naming it as `previous_response_id` sends only its new items: its
+conversation is those items and the response's output. The conversation id (the first response's
 id) is the agent's `session_id`: the radix cache keeps the trajectory at eviction priority
 between turns (`KVManager.retain_prefix`).
 
 Bounded two ways: at most `max_count` responses (the least recently used goes first) and each
-for `ttl_s` seconds after it was last stored or read. Nothing survives a restart. Message
-dicts are shared between a response and its successors (lists are copied, not messages).
+for `ttl_s` seconds after it was last stored or read. Nothing survives a restart. Item
+dicts are shared between a response and its successors (lists are copied, not items).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 @dataclass
 class StoredResponse:
     response: dict[str, Any]  # the Responses API object, as returned
-    messages: list[dict[str, Any]]  # the conversation so far, output included (no instructions)
+    input_items: list[dict[str, Any]]  # the items the model saw (no instructions, no output)
     conversation_id: str  # = session_id of every turn of this conversation
     expires_at: float
 
@@ -42,11 +43,11 @@ class ResponseStore:
         self._expire()
         return len(self._entries)
 
-    def put(self, response: dict[str, Any], messages: list[dict[str, Any]],
+    def put(self, response: dict[str, Any], input_items: list[dict[str, Any]],
             conversation_id: str) -> None:
         self._expire()
         rid = response["id"]
-        self._entries[rid] = StoredResponse(response, messages, conversation_id,
+        self._entries[rid] = StoredResponse(response, input_items, conversation_id,
                                             self._clock() + self.ttl_s)
         self._entries.move_to_end(rid)
         while len(self._entries) > self.max_count:

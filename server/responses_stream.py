@@ -10,10 +10,16 @@ each output item `response.output_item.added`, its content events (a message:
 `response.reasoning_text.done`), `response.output_item.done`, and last `response.completed`
 (`response.incomplete` when `max_output_tokens` cut it short). One item is open at a time: a
 new item (text after reasoning, a tool call after text) closes the previous one.
+
+With log-probs asked for, a chunk's log-probs go out with its text delta (those of a chunk
+that carries no text wait for the next text delta; those of reasoning or call chunks, and
+those no text follows, such as EOS or a trimmed stop string, are dropped), and the message's
+`output_text` collects them all.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from sgl_tpu.server.responses_protocol import (
@@ -27,10 +33,14 @@ from sgl_tpu.server.responses_protocol import (
 
 class ResponseEvents:
     """Turns one choice's chat chunks into Responses events; `response` is the in-progress
-    response object (no output yet), completed by `finish`."""
+    response object (no output yet), completed by `finish`; `count_reasoning` gives the
+    reasoning tokens of the final output items."""
 
-    def __init__(self, response: dict[str, Any]) -> None:
+    def __init__(self, response: dict[str, Any],
+                 count_reasoning: Callable[[list[dict[str, Any]]], int] | None = None) -> None:
         self.response = response
+        self.count_reasoning = count_reasoning
+        self._pending_logprobs: list[dict[str, Any]] = []
         self.items: list[dict[str, Any]] = []  # output items, final form once closed
         self._seq = 0
         self._open: int | None = None  # output index of the open item
@@ -70,8 +80,9 @@ class ResponseEvents:
         events = []
         if item["type"] == "message":
             part = item["content"][0]
+            self._pending_logprobs = []  # tokens that wrote no text (EOS, a trimmed stop)
             events += [self._event("response.output_text.done", **at, content_index=0,
-                                   text=part["text"], logprobs=[]),
+                                   text=part["text"], logprobs=part["logprobs"]),
                        self._event("response.content_part.done", **at, content_index=0,
                                    part=part)]
         elif item["type"] == "function_call":
@@ -102,12 +113,14 @@ class ResponseEvents:
                                   part={"type": "output_text", "text": "", "annotations": []}))
         return item, events
 
-    def _text(self, delta: str) -> list[dict[str, Any]]:
+    def _text(self, delta: str, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         item, events = self._message()
+        logprobs, self._pending_logprobs = self._pending_logprobs + logprobs, []
         item["content"][0]["text"] += delta
+        item["content"][0]["logprobs"] += logprobs
         events.append(self._event("response.output_text.delta", item_id=item["id"],
                                   output_index=self._open, content_index=0, delta=delta,
-                                  logprobs=[]))
+                                  logprobs=logprobs))
         return events
 
     def _reasoning(self, delta: str) -> list[dict[str, Any]]:
@@ -147,10 +160,13 @@ class ResponseEvents:
         events = []
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
+            logprobs = (choice.get("logprobs") or {}).get("content") or []
             if delta.get("reasoning_content"):
                 events += self._reasoning(delta["reasoning_content"])
             if delta.get("content"):
-                events += self._text(delta["content"])
+                events += self._text(delta["content"], logprobs)
+            elif "content" in delta and not delta.get("reasoning_content"):
+                self._pending_logprobs += logprobs
             for call in delta.get("tool_calls") or []:
                 events += self._tool_call(call)
             if choice.get("finish_reason") is not None:
@@ -164,7 +180,8 @@ class ResponseEvents:
             events += self._message()[1] + self._close()
         incomplete = self._finish_reason == "length"
         final = self._snapshot("incomplete" if incomplete else "completed")
-        final["usage"] = usage(self._usage)
+        reasoning = self.count_reasoning(self.items) if self.count_reasoning else 0
+        final["usage"] = usage(self._usage, reasoning)
         if incomplete:
             final["incomplete_details"] = {"reason": "max_output_tokens"}
         kind = "response.incomplete" if incomplete else "response.completed"

@@ -1,16 +1,19 @@
 """The Responses API's pure parts, without a server: the store's bound and expiry (on a test
-clock), input items -> chat messages, and the streamed event sequence built from chat chunks
-(reasoning, text and parallel tool calls, as the chat path streams them)."""
+clock), input items -> chat messages and item resources, `input_items` pages, truncation cuts,
+output-text log-probs, `reasoning.effort`, and the streamed event sequence built from chat
+chunks (reasoning, text and parallel tool calls, log-probs, as the chat path streams them)."""
 
 from __future__ import annotations
 
 import pytest
 
+from sgl_tpu.server.responses_items import input_item_resources, page, truncation_cuts
 from sgl_tpu.server.responses_protocol import (
-    assistant_message,
     chat_tools,
     items_to_messages,
     output_items,
+    text_logprobs,
+    thinking_kwargs,
 )
 from sgl_tpu.server.responses_store import ResponseStore
 from sgl_tpu.server.responses_stream import ResponseEvents
@@ -89,14 +92,14 @@ def test_items_to_messages():
             items_to_messages(bad)
 
 
-def test_output_items_round_trip_to_the_assistant_message():
+def test_output_items_replay_as_the_assistant_message():
     message = {"role": "assistant", "content": "Let me check.", "tool_calls": [
         {"id": "c1", "type": "function",
          "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
     items = output_items(message)
     assert [it["type"] for it in items] == ["message", "function_call"]
     assert items[1]["call_id"] == "c1"
-    assert assistant_message(items) == message
+    assert items_to_messages(items) == [message]  # how the next turn replays them
     assert [it["type"] for it in output_items({"content": None})] == ["message"]
 
 
@@ -172,3 +175,94 @@ def test_chat_tools_flat_and_chat_forms():
     assert chat_tools(want) == want
     with pytest.raises(RequestError, match="function tools only"):
         chat_tools([{"type": "file_search"}])
+
+
+def test_input_item_resources_have_ids_and_replay_the_same_messages():
+    items = [{"role": "user", "content": "hi"},
+             {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "ok", "id": "mine"}]
+    res = input_item_resources(items)
+    assert [r["id"][:3] for r in res[:2]] == ["msg", "fc_"] and res[2]["id"] == "mine"
+    assert res[0]["content"] == [{"type": "input_text", "text": "hi"}]
+    assert all(r["status"] == "completed" for r in res)
+    assert items_to_messages(res) == items_to_messages(items)
+    assert input_item_resources("hi")[0]["role"] == "user"
+
+
+def test_input_items_pages_like_openai():
+    items = [{"id": f"i{k}"} for k in range(5)]
+    first = page(items, {"limit": "2"})  # newest first by default
+    assert [it["id"] for it in first["data"]] == ["i4", "i3"]
+    assert (first["object"], first["first_id"], first["last_id"], first["has_more"]) == (
+        "list", "i4", "i3", True)
+    rest = page(items, {"limit": "2", "after": "i3"})
+    assert [it["id"] for it in rest["data"]] == ["i2", "i1"] and rest["has_more"]
+    last = page(items, {"order": "asc", "after": "i3"})
+    assert [it["id"] for it in last["data"]] == ["i4"] and not last["has_more"]
+    assert page([], {})["data"] == [] and page([], {})["first_id"] is None
+    for bad, needle in [({"limit": "0"}, "limit"), ({"limit": "x"}, "limit"),
+                        ({"limit": "101"}, "limit"), ({"order": "up"}, "order"),
+                        ({"after": "nope"}, "after")]:
+        with pytest.raises(RequestError, match=needle):
+            page(items, bad)
+
+
+def test_truncation_cuts_start_turns_and_keep_calls_with_outputs():
+    user = {"type": "message", "role": "user"}
+    call = {"type": "function_call", "call_id": "c"}
+    items = [user, {"type": "message", "role": "assistant"},    # turn 1
+             user, call, {"type": "function_call_output", "call_id": "c"},  # turn 2, a tool
+             {"type": "message", "role": "assistant"},
+             user, call | {"call_id": "d"},                       # turn 3 asks for a tool
+             {"type": "function_call_output", "call_id": "d"}]    # the new input
+    assert truncation_cuts(items, 8) == [2, 6]  # not at 8: the call's output would be orphaned
+    assert truncation_cuts(items, 6) == [2, 6]
+    assert truncation_cuts(items, 0) == []
+
+
+def test_text_logprobs_keep_the_tokens_of_the_text():
+    def lp(token):
+        return {"token": token, "logprob": -1.0, "bytes": [], "top_logprobs": []}
+
+    entries = [lp("<think>"), lp("hm"), lp("</think>"), lp("\n"), lp("Hel"), lp("lo"),
+               lp("<tool_call>")]
+    assert [e["token"] for e in text_logprobs(entries, "Hello")] == ["Hel", "lo"]
+    assert text_logprobs(entries, "") == []
+    assert text_logprobs(entries, "elsewhere") == entries  # not found: all of them
+    message = {"content": "Hello"}
+    got = output_items(message, entries)[0]["content"][0]["logprobs"]
+    assert [e["token"] for e in got] == ["Hel", "lo"]
+    assert output_items(message)[0]["content"][0]["logprobs"] == []
+
+
+def test_reasoning_effort_none_turns_thinking_off():
+    assert thinking_kwargs({"effort": "none"}) == {"enable_thinking": False}
+    assert thinking_kwargs({"effort": "high", "summary": "auto"}) is None
+    assert thinking_kwargs(None) is None
+    with pytest.raises(RequestError, match="reasoning.effort"):
+        thinking_kwargs({"effort": "max"})
+
+
+def test_stream_logprobs_go_with_the_text_deltas():
+    def lp(token):
+        return {"token": token, "logprob": -0.5, "bytes": [], "top_logprobs": []}
+
+    def with_lp(delta, *tokens):
+        c = chunk(delta)
+        c["choices"][0]["logprobs"] = {"content": [lp(t) for t in tokens]}
+        return c
+
+    events = ResponseEvents({"id": "resp_3"}, count_reasoning=lambda items: 7)
+    out = events.start()
+    for c in [with_lp({"reasoning_content": "hm"}, "hm"), with_lp({"content": ""}, "He"),
+              with_lp({"content": "Hello"}, "llo"), with_lp({"content": "!"}, "!"),
+              with_lp({"content": ""}, "<eos>"), chunk(finish="stop"),
+              chunk(usage={"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6})]:
+        out += events.feed(c)
+    closing, final = events.finish()
+    deltas = [e for e in out if e["type"] == "response.output_text.delta"]
+    assert [[x["token"] for x in e["logprobs"]] for e in deltas] == [["He", "llo"], ["!"]]
+    done = next(e for e in closing if e["type"] == "response.output_text.done")
+    assert [x["token"] for x in done["logprobs"]] == ["He", "llo", "!"]
+    assert final["output"][1]["content"][0]["logprobs"] == done["logprobs"]
+    assert final["usage"]["output_tokens_details"] == {"reasoning_tokens": 7}

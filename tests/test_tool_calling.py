@@ -2,6 +2,9 @@
 default model (SmolLM2-135M, whose template ignores tools: the hermes block is injected), the
 official `openai` client, and LangChain's `bind_tools` agent loop.
 
+The tiny random checkpoint with `--reasoning-parser qwen3` also serves the Responses API's
+`reasoning` output items.
+
 `tool_choice` required / named decode under a grammar, so every call validates against its
 schema even at temperature 1 on a 135M model; `auto` lets the model talk and constrains a call
 once it opens one.
@@ -391,3 +394,35 @@ def test_reasoning_parser_end_to_end(tiny):
         assert [t.function.name for t in choice.message.tool_calls] == ["noop"]
     else:  # the random model stayed in its reasoning block until max_tokens
         assert choice.finish_reason == "length" and choice.message.reasoning_content
+
+
+def test_responses_reasoning_items(tiny):
+    """The Responses API on the reasoning parser: a reasoning block is a `reasoning` output
+    item before the message (streamed as reasoning_text deltas), counted in reasoning_tokens;
+    the text's log-probs leave the block out; `reasoning.effort: "none"` turns thinking off."""
+    _, c, model = tiny
+    forced = 'start: "<think>\\nAdd 2 and 2.\\n</think>\\n\\nThe answer is 4."'
+    kw = dict(model=model, input="2+2?", max_output_tokens=60, temperature=0,
+              include=["message.output_text.logprobs"], extra_body={"ebnf": forced})
+    r = c.responses.create(**kw)
+    assert [it.type for it in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "Add 2 and 2."
+    assert r.output_text == "The answer is 4."
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
+    tokens = "".join(lp.token for lp in r.output[1].content[0].logprobs)
+    assert "The answer is 4." in tokens and "Add" not in tokens
+    events = list(c.responses.create(**kw, stream=True))
+    assert "".join(e.delta for e in events
+                   if e.type == "response.reasoning_text.delta") == "Add 2 and 2."
+    final = events[-1].response
+    assert [it.type for it in final.output] == ["reasoning", "message"]
+    assert final.usage.output_tokens_details.reasoning_tokens == \
+        r.usage.output_tokens_details.reasoning_tokens
+    # the next turn replays the answer without its reasoning
+    nxt = c.responses.create(model=model, input="And 3+3?", previous_response_id=r.id,
+                             max_output_tokens=2)
+    items = c.responses.input_items.list(nxt.id, order="asc").data
+    assert [it.type for it in items] == ["message", "reasoning", "message", "message"]
+    off = c.responses.create(model=model, input="x", max_output_tokens=8, temperature=0,
+                             reasoning={"effort": "none"}, extra_body={"ignore_eos": True})
+    assert [it.type for it in off.output] == ["message"] and off.reasoning.effort == "none"

@@ -12,6 +12,7 @@ from sgl_tpu.config import (
     HICACHE_WRITE_POLICIES,
     JAX_DECODE_STATE,
     OVERLAP_SCHEDULE,
+    RETRACTION_POLICIES,
     ROUTER_POLICIES,
     TORCH_COMPILE,
     TORCH_DEVICES,
@@ -76,6 +77,27 @@ _HELP = {
     "radix_eviction_policy": "which unlocked KV the radix cache evicts first: lru, or priority "
                              "(the requests' priority, lowest first, LRU within one); pinned "
                              "KV (sessions, retention_seconds, tool pauses) always goes last",
+    "enable_priority_scheduling": "admit waiting requests by their priority (higher values "
+                                  "first), and let one that does not fit retract running "
+                                  "requests of a lower priority (their KV stays in the radix "
+                                  "cache); a request without a priority gets "
+                                  "--default-priority-value",
+    "schedule_low_priority_values_first": "with --enable-priority-scheduling: lower priority "
+                                          "values are the more urgent (also for "
+                                          "--radix-eviction-policy priority)",
+    "priority_scheduling_preemption_threshold": "a waiting request retracts a running one only "
+                                                "if its priority is more than this above the "
+                                                "running one's",
+    "disable_priority_preemption": "with --enable-priority-scheduling: order admissions by "
+                                   "priority, never retract a running request for one",
+    "default_priority_value": "with --enable-priority-scheduling: the priority of a request "
+                              "that gives none (default 0)",
+    "retraction_policy": "which running request a full KV cache retracts first: length (the "
+                         "least progress) or priority (the lowest priority, then the least "
+                         "progress; needs --enable-priority-scheduling)",
+    "priority_aging_rate": "with --enable-priority-scheduling: priority levels a request gains "
+                           "per second since it arrived, so a low priority is delayed, never "
+                           "starved (0: no aging)",
     "max_retention_s": "longest a request's retention_seconds or a session's TTL may pin KV "
                        "(longer ones are a 400)",
     "session_ttl_s": "TTL of a session opened by /open_session without a timeout: its KV stays "
@@ -176,7 +198,7 @@ ROUTER_FLAG_PREFIX = "--router-"
 _CHOICES = {"dtype": DTYPES, "device": TORCH_DEVICES, "torch_compile": TORCH_COMPILE,
             "overlap_schedule": OVERLAP_SCHEDULE, "jax_decode_state": JAX_DECODE_STATE,
             "router_policy": ROUTER_POLICIES, "hicache_write_policy": HICACHE_WRITE_POLICIES,
-            "hicache_storage_backend": ("file",)}
+            "hicache_storage_backend": ("file",), "retraction_policy": RETRACTION_POLICIES}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -198,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
             kw["choices"] = choices[f.name]
         typ = int if isinstance(f.default, int) else float if isinstance(f.default, float) \
             else str
-        if f.name in ("context_length", "cuda_graph_max_bs", "omp_spin_count"):
+        if f.name in ("context_length", "cuda_graph_max_bs", "omp_spin_count",
+                      "default_priority_value"):
             typ = int
         p.add_argument(flag, type=typ, **kw)
     p.add_argument("--mem-fraction-static", type=float, default=None,

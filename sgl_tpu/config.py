@@ -35,6 +35,35 @@ OVERLAP_SCHEDULE = ("auto", "on", "off")
 JAX_DECODE_STATE = ("auto", "on", "off")
 # --kv-events-config "publisher" values (server/kv_events.py PUBLISHERS): null publishes nothing
 KV_EVENT_PUBLISHERS = ("null", "zmq")
+# --retraction-policy (SGLang's): which running request a short KV pool retracts first
+RETRACTION_POLICIES = ("length", "priority")
+# --priority-aging-rate: priority levels a request gains per second since it arrived
+PRIORITY_AGING_RATE = 0.1
+# a request's `priority` (SGLang's field; priority scheduling and eviction): a 32-bit signed
+# integer (validation.py checks requests)
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)
+
+
+def check_priority_scheduling(cfg: ServerArgs | SchedulerConfig) -> None:
+    """ValueError for a bad priority-scheduling setting (the fields both configs share)."""
+    threshold = cfg.priority_scheduling_preemption_threshold
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+        raise ValueError(f"priority_scheduling_preemption_threshold must be an integer >= 0, "
+                         f"got {threshold!r}")
+    rate = cfg.priority_aging_rate
+    if isinstance(rate, bool) or not isinstance(rate, int | float) \
+            or not 0 <= rate < float("inf"):
+        raise ValueError(f"priority_aging_rate must be a finite number >= 0, got {rate!r}")
+    default, (lo, hi) = cfg.default_priority_value, PRIORITY_RANGE
+    if default is not None and (isinstance(default, bool) or not isinstance(default, int)
+                                or not lo <= default <= hi):
+        raise ValueError(f"default_priority_value must be an integer in [{lo}, {hi}], "
+                         f"got {default!r}")
+    if cfg.retraction_policy not in RETRACTION_POLICIES:
+        raise ValueError(f"retraction_policy must be one of {RETRACTION_POLICIES}, "
+                         f"got {cfg.retraction_policy!r}")
+    if cfg.retraction_policy == "priority" and not cfg.enable_priority_scheduling:
+        raise ValueError("--retraction-policy priority requires --enable-priority-scheduling")
 
 
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
@@ -145,6 +174,17 @@ class SchedulerConfig:
     # decode steps over batch state kept on the device (jax decode state, torch static step;
     # reported only)
     device_decode_state: bool = False
+    # Priority scheduling (SGLang's flags; scheduler/priority.py): see ServerArgs.
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    priority_scheduling_preemption_threshold: int = 10
+    disable_priority_preemption: bool = False
+    default_priority_value: int | None = None
+    retraction_policy: str = "length"
+    priority_aging_rate: float = PRIORITY_AGING_RATE
+
+    def __post_init__(self) -> None:
+        check_priority_scheduling(self)
 
 
 @dataclass(frozen=True)
@@ -239,6 +279,21 @@ class ServerArgs:
     max_retention_s: float = 600.0
     session_ttl_s: float = 300.0
     tool_pause_grace_s: float = 10.0
+    # Priority scheduling (SGLang's flags, scheduler/priority.py): waiting requests are
+    # admitted by `priority` (higher first; lower first with
+    # schedule_low_priority_values_first), and one that does not fit retracts running requests
+    # more than the threshold below it (unless disable_priority_preemption). A request without
+    # a priority gets default_priority_value (None: 0). Every request gains
+    # priority_aging_rate levels per second since it arrived, so a low priority is delayed,
+    # never starved (0: no aging). retraction_policy "priority": a short KV pool retracts the
+    # lowest priority first instead of the least progress ("length").
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    priority_scheduling_preemption_threshold: int = 10
+    disable_priority_preemption: bool = False
+    default_priority_value: int | None = None
+    retraction_policy: str = "length"
+    priority_aging_rate: float = PRIORITY_AGING_RATE
     # KV cache tiers below the pool (SGLang's HiCache flags, mem_cache/tiers.py): pages evicted
     # from the pool demote to host memory, then to disk; the pages that follow a request's
     # device match load back at admission. The disk tier, in a folder per model fingerprint,
@@ -425,6 +480,7 @@ class ServerArgs:
                              f"kernels are chosen by row count); drop --quantization "
                              f"{self.quantization}")
         self._check_hicache()
+        check_priority_scheduling(self)
         if self.kv_events_config is not None:
             KVEventsConfig.from_json(self.kv_events_config)
         if self.served_model_name is not None and not self.served_model_name.strip():
@@ -494,4 +550,12 @@ class ServerArgs:
             overlap_schedule=overlap_schedule,
             kv_cache_dtype=runner.kv_dtype,
             device_decode_state=runner.jax_decode_state or runner.static_decode,
+            enable_priority_scheduling=self.enable_priority_scheduling,
+            schedule_low_priority_values_first=self.schedule_low_priority_values_first,
+            priority_scheduling_preemption_threshold=(
+                self.priority_scheduling_preemption_threshold),
+            disable_priority_preemption=self.disable_priority_preemption,
+            default_priority_value=self.default_priority_value,
+            retraction_policy=self.retraction_policy,
+            priority_aging_rate=float(self.priority_aging_rate),
         )

@@ -3,6 +3,7 @@ scheduler (which re-checks, since the in-process Engine and other clients reach 
 
 from __future__ import annotations
 
+from sgl_tpu.config import PRIORITY_RANGE
 from sgl_tpu.sampling_params import SamplingParams
 
 MAX_SESSION_ID_LEN = 256
@@ -30,9 +31,6 @@ def check_session_id(session_id: object) -> str | None:
         return f"session_id must be a string of 1 to {MAX_SESSION_ID_LEN} characters, got {got}"
     return None
 
-
-# `priority` (SGLang's request field; the priority eviction policy): a 32-bit signed integer.
-PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 
 
 def check_cache_control(session_id: object, priority: object, retention_seconds: object,

@@ -16,6 +16,7 @@ class SchedulerStats:
     generated_tokens: int = 0
     num_requests_finished: int = 0
     num_retractions: int = 0
+    num_priority_preemptions: int = 0  # retractions for a higher-priority request (priority.py)
     num_extend_steps: int = 0
     num_decode_steps: int = 0
     # Where the scheduler's time goes: seconds from each step's dispatch until its results

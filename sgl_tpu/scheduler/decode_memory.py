@@ -3,7 +3,8 @@
 * `make_room`: every running request gets a page for its next token where its last page is
   full. When pages are short (after evicting the tree's unlocked leaves, `KVManager`),
   requests are retracted: first those waiting to re-extend after a jump forward (they hold KV
-  but do not decode), then the running request with the least progress.
+  but do not decode), then the running request with the least progress (with
+  `--retraction-policy priority`, the lowest priority first: `priority.py`).
 * `retract`: a request gives its KV to the tree (so its recompute is mostly a cache hit) and
   its row back, and re-queues at the front of the waiting queue.
 * `fit_drafts`: a speculative draft is cut to the pages its request holds unless free pages
@@ -19,6 +20,7 @@ from sgl_tpu.scheduler import finish
 from sgl_tpu.scheduler.counters import SchedulerStats
 from sgl_tpu.scheduler.grammar_steps import drop_draft
 from sgl_tpu.scheduler.kv_manager import KVManager
+from sgl_tpu.scheduler.priority import Priorities, length_key
 from sgl_tpu.scheduler.queues import ReqQueues
 from sgl_tpu.scheduler.req import Req
 
@@ -26,10 +28,12 @@ logger = logging.getLogger("sgl_tpu.scheduler.scheduler")
 
 
 class DecodeMemory:
-    def __init__(self, kv: KVManager, queues: ReqQueues, stats: SchedulerStats) -> None:
+    def __init__(self, kv: KVManager, queues: ReqQueues, stats: SchedulerStats,
+                 priorities: Priorities | None = None) -> None:
         self.kv = kv
         self.queues = queues
         self.stats = stats
+        self.priorities = priorities  # None: priority scheduling off
 
     def make_room(self) -> Req | None:
         """Give every running request room for one more token, retracting requests while
@@ -52,7 +56,8 @@ class DecodeMemory:
                 req = q.running.pop()
                 req.finish_reason = finish.abort("out of KV cache memory")
                 return req
-            victim = min(q.running, key=lambda r: (len(r.output_ids), -r.prompt_len))
+            victim = (min(q.running, key=length_key) if self.priorities is None
+                      else self.priorities.retraction_victim(q.running))
             q.running.remove(victim)
             self.retract(victim)
 

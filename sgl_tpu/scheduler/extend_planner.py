@@ -11,6 +11,11 @@ request is admitted only with a page per running request kept in reserve, so adm
 not starve decode, and not when it shares a long uncached prefix with a request already in
 the batch: it waits a step and then reuses that request's KV from the tree
 (`policy.InBatchPrefixes`).
+
+With priority scheduling (`priority.py`) the policy's order is sorted by priority level, and a
+request that finds no free row or too few pages (a new one, or the chunked prompt's next chunk)
+may retract lower-priority running requests (`_preempt`); the first waiting request that still
+does not fit ends the admissions, as without it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from sgl_tpu.config import SchedulerConfig
 from sgl_tpu.scheduler.counters import SchedulerStats
 from sgl_tpu.scheduler.kv_manager import KVManager
 from sgl_tpu.scheduler.policy import InBatchPrefixes, order_waiting
+from sgl_tpu.scheduler.priority import Priorities, pages_freed
 from sgl_tpu.scheduler.queues import ReqQueues
 from sgl_tpu.scheduler.req import Req
 
@@ -29,12 +35,15 @@ ExtendBatch = list[tuple[Req, int]]  # (request, number of its tokens to run)
 
 class ExtendPlanner:
     def __init__(self, config: SchedulerConfig, kv: KVManager, queues: ReqQueues,
-                 stats: SchedulerStats, retract: Callable[[Req], None]) -> None:
+                 stats: SchedulerStats, retract: Callable[[Req], None],
+                 priorities: Priorities | None = None) -> None:
         self.config = config
         self.kv = kv
         self.queues = queues
         self.stats = stats
         self.retract = retract
+        self.priorities = priorities  # None: priority scheduling off
+        self.can_preempt = priorities is not None and priorities.preemption
 
     def next_batch(self) -> ExtendBatch:
         """Pick the next EXTEND batch; admitted requests leave their queues and hold pages."""
@@ -51,7 +60,10 @@ class ExtendPlanner:
         if req is None:
             return budget, False
         n = min(len(req.fill_ids) - req.kv_len, budget)
-        if not self.kv.alloc_pages(req, self.kv.pages_needed(req, req.kv_len + n)):
+        need = self.kv.pages_needed(req, req.kv_len + n)
+        if not self.kv.alloc_pages(req, need) and not (
+                self.can_preempt and self._preempt(req, self._held(batch), need)
+                and self.kv.alloc_pages(req, need)):
             return budget, True
         batch.append((req, n))
         self.queues.chunked_req = None
@@ -77,15 +89,18 @@ class ExtendPlanner:
     def _admit_waiting(self, batch: ExtendBatch, budget: int) -> None:
         cfg, q = self.config, self.queues
         ready = [r for r in q.waiting if r.grammar_future is None or r.matcher is not None]
-        held = len(q.running) + len(q.jump_forward_reqs) + len(batch)
+        preempt = self.can_preempt
         if not ready or budget <= 0 or len(batch) >= cfg.max_extend_seqs \
-                or held >= cfg.max_running_requests:
+                or (self._held(batch) >= cfg.max_running_requests and not preempt):
             return  # nothing can be admitted: do not order the queue
         in_batch = InBatchPrefixes(self.kv.page_size)
-        for req in order_waiting(cfg.schedule_policy, ready, self.kv.tree):
-            held = len(q.running) + len(q.jump_forward_reqs) + len(batch)
-            if len(batch) >= cfg.max_extend_seqs or budget <= 0 \
-                    or held >= cfg.max_running_requests:
+        order = order_waiting(cfg.schedule_policy, ready, self.kv.tree)
+        if self.priorities is not None:
+            order = self.priorities.order(order)
+        for req in order:
+            held = self._held(batch)
+            rows_short = held >= cfg.max_running_requests
+            if len(batch) >= cfg.max_extend_seqs or budget <= 0 or (rows_short and not preempt):
                 break
             self.kv.admit_prefix(req)
             if not self.kv.tree.disable and in_batch.shares_uncached(req):
@@ -94,7 +109,11 @@ class ExtendPlanner:
             n = min(len(req.fill_ids) - req.kv_len, budget)
             # Keep a page per running request in reserve so admission does not starve decode.
             need = self.kv.pages_needed(req, req.kv_len + n)
-            if need + held > self.kv.available_pages() or not self.kv.alloc_pages(req, need):
+            if (rows_short or need + held > self.kv.available_pages()) \
+                    and not (preempt and self._preempt(req, held, need)):
+                self.kv.release_req(req)
+                break
+            if not self.kv.alloc_pages(req, need):
                 self.kv.release_req(req)
                 break
             q.waiting.remove(req)
@@ -106,3 +125,28 @@ class ExtendPlanner:
             batch.append((req, n))
             in_batch.add(req)
             budget -= n
+
+    def _held(self, batch: ExtendBatch) -> int:
+        """Rows held: running, waiting to re-extend, admitted to this batch."""
+        q = self.queues
+        return len(q.running) + len(q.jump_forward_reqs) + len(batch)
+
+    def _preempt(self, req: Req, held: int, need: int) -> bool:
+        """Retract the fewest lower-priority running requests that give `req` a row and `need`
+        pages (with the reserve); retract none and return False if all of them would not."""
+        ps, tree = self.kv.page_size, self.kv.tree
+        available = self.kv.available_pages()
+        victims: list[Req] = []
+        for victim in self.priorities.preemptible(req, self.queues.running):
+            victims.append(victim)
+            left = held - len(victims)
+            if left < self.config.max_running_requests \
+                    and need + left <= available + pages_freed(victims, tree, ps):
+                break
+        else:
+            return False
+        for victim in victims:
+            self.queues.running.remove(victim)
+            self.retract(victim)
+        self.stats.num_priority_preemptions += len(victims)
+        return True

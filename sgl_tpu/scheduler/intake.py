@@ -20,6 +20,7 @@ from sgl_tpu.messages import ReqOutput, TokenizedGenerateReq
 from sgl_tpu.sampling_params import SamplingParams
 from sgl_tpu.scheduler.grammar_steps import GRAMMAR_COMPILE_BUDGET_S
 from sgl_tpu.scheduler.output import error_output
+from sgl_tpu.scheduler.priority import req_priority
 from sgl_tpu.scheduler.req import Req
 from sgl_tpu.validation import check_cache_control, check_request, check_token_ids
 
@@ -56,7 +57,8 @@ class Intake:
                   seed=seed, return_logprob=msg.return_logprob,
                   logprob_start_len=msg.logprob_start_len,
                   top_logprobs_num=min(msg.top_logprobs_num, self.config.max_top_logprobs),
-                  session_id=msg.session_id, priority=msg.priority or 0,
+                  session_id=msg.session_id,
+                  priority=req_priority(msg.priority, self.config),
                   retention_seconds=msg.retention_seconds, tool_pause=msg.tool_pause,
                   may_call_tools=msg.may_call_tools)
         if sampling.stop or sampling.stop_regex:

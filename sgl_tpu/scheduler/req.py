@@ -13,6 +13,7 @@ KV bookkeeping of a request, in tokens (ps = page_size):
 from __future__ import annotations
 
 import itertools
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,14 +40,16 @@ class Req:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     session_id: str | None = None
-    # cache control (scheduler/retention.py): eviction priority of its KV, its own retention
-    # pin, the client's hint that the turn ends in a tool call, tools offered (the HTTP side
-    # may report a tool-call finish later)
+    # cache control (scheduler/retention.py): the priority of its admission (priority.py) and
+    # of its KV's eviction, higher = more urgent; its own retention pin, the client's hint that
+    # the turn ends in a tool call, tools offered (the HTTP side may report a tool-call finish
+    # later)
     priority: int = 0
     retention_seconds: float = 0.0
     tool_pause: bool = False
     may_call_tools: bool = False
-    arrival: int = field(default_factory=lambda: next(_arrival))
+    arrival: int = field(default_factory=lambda: next(_arrival))  # arrival order
+    arrival_s: float = field(default_factory=time.monotonic)  # arrival time (priority aging)
 
     output_ids: list[int] = field(default_factory=list)
     # KV state (see module docstring)

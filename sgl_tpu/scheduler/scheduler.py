@@ -31,6 +31,7 @@ it the same way. This class only schedules; the rest of a step's host work lives
     queues.py          where requests sit between steps (waiting, running, ...), their rows
     extend_planner.py  the next EXTEND batch: chunks, jump-forward re-admissions, admissions
     policy.py          waiting-queue order; in-batch prefix sharing
+    priority.py        priority scheduling: admission by priority with aging, preemption
     decode_memory.py   a page for each running request's next token; retraction; draft pages
     append.py          appending sampled tokens: stop conditions, grammar, jump-forward
     grammar_steps.py   masks, matcher advance, jump-forward and draft verification
@@ -69,6 +70,7 @@ from sgl_tpu.scheduler.kv_manager import KVManager
 from sgl_tpu.scheduler.logprobs import collect_input_logprobs
 from sgl_tpu.scheduler.output import error_output, make_output
 from sgl_tpu.scheduler.overlap import PendingDecode, can_overlap, lagged_rows, overlappable
+from sgl_tpu.scheduler.priority import Priorities
 from sgl_tpu.scheduler.queues import ReqQueues
 from sgl_tpu.scheduler.req import Req
 from sgl_tpu.scheduler.speculative import Speculator, verify_steps
@@ -109,9 +111,10 @@ class Scheduler:
             config.speculative_ngram_min_match_window_size,
             config.speculative_ngram_max_match_window_size,
             max_rows=config.max_running_requests, max_batch=config.speculative_max_batch)
-        self.memory = DecodeMemory(self.kv, self.queues, self.stats)
+        priorities = Priorities.from_config(config)  # None: no --enable-priority-scheduling
+        self.memory = DecodeMemory(self.kv, self.queues, self.stats, priorities)
         self.extend_planner = ExtendPlanner(config, self.kv, self.queues, self.stats,
-                                            retract=self.memory.retract)
+                                            retract=self.memory.retract, priorities=priorities)
         self.appender = TokenAppender(self.stats, self.grammar_steps, self.speculator,
                                       self.eos_token_ids, vocab_size)
         # A DECODE step in flight whose results are not processed yet (overlap scheduling).

@@ -1,7 +1,8 @@
 """The supported bench entry points that drive servers, each run in a tiny mode on a tiny random
-checkpoint: `bench.serving` (its three comparisons), `bench.structured` and `bench.reliability`.
-(`bench.executor`: tests/test_bench_executor.py; `bench.agent_loop`: tests/test_agent_loop.py;
-`bench.accelerator`: tests/test_random_checkpoint.py.)"""
+checkpoint: `bench.serving` (its three comparisons), `bench.structured`, `bench.reliability` and
+`bench.agent_loop --mixed-batch`. (`bench.executor`: tests/test_bench_executor.py; the rest of
+`bench.agent_loop`: tests/test_agent_loop.py; `bench.accelerator`:
+tests/test_random_checkpoint.py.)"""
 
 from __future__ import annotations
 
@@ -91,3 +92,33 @@ def test_reliability_campaign_in_a_tiny_size(model, tmp_path):
     assert totals["num_5xx_outside_fatal_fault"] == 0
     assert totals["leaked_pages"] == 0
     assert totals["faults_injected"] >= 1
+
+
+@pytest.mark.slow
+def test_agent_loop_mixed_batch_runs_agents_alone_then_beside_a_batch(model, tmp_path):
+    """`--mixed-batch`: the agents alone, then beside long completions without and with
+    priorities sent (through the native API, to a server scheduling by them)."""
+    from sgl_tpu.bench.agent_loop.__main__ import main
+
+    out = tmp_path / "mixed.json"
+    main(["--launch", f"{SERVER_FLAGS} --enable-priority-scheduling", "--model-path", model,
+          "--workloads", "multi-turn-chat", "--num-programs", "2", "--turns", "2",
+          "--output-tokens", "4", "--system-tokens", "30", "--observation-tokens", "10",
+          "--warmup-programs", "0", "--no-progress", "--mixed-batch", "2",
+          "--batch-prompt-tokens", "16", "--batch-output-tokens", "8", "--output", str(out)])
+    result = json.loads(out.read_text())
+    assert not result["target_errors"]
+    mixed = result["mixed"]["sgl-tpu"]["multi-turn-chat"]
+    for phase in ("alone", "without_priority", "with_priority"):
+        agents = mixed[phase]["interactive"]
+        assert (agents["requests"], agents["requests_failed"]) == (4, 0), agents["errors"]
+        if phase != "alone":
+            batch = mixed[phase]["batch"]
+            assert (batch["requests"], batch["generated_tokens"]) == (2, 16), batch["errors"]
+            assert mixed[phase]["priority_preemptions"] >= 0
+    assert mixed["without_priority"]["priority_preemptions"] == 0  # no priorities sent
+    ratios = mixed["ratios"]
+    assert ratios["ttft_p99_over_alone"]["with_priority"] > 0
+    assert ratios["batch_gen_tok_per_s_with_over_without"] > 0
+    assert set(result["runs"]["sgl-tpu"]) == {
+        "multi-turn-chat", "multi-turn-chat+batch", "multi-turn-chat+batch+prio"}

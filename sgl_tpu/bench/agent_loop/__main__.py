@@ -12,6 +12,11 @@ server if the target launches one, warm it up with the workload at another seed 
 turns, so compiled batch shapes are ready), flush its cache, run the workload (runner.py),
 summarize (metrics.py). Prints a table on stderr and the
 result JSON (report.emit); `--compare` with `--output` also writes a PNG next to it.
+
+`--mixed-batch N` runs each workload in three phases instead (mixed.py): its agents alone, then
+beside N long completions without priorities, then with them (the JSON's `mixed` section):
+
+    python -m sgl_tpu.bench.agent_loop --launch "--enable-priority-scheduling" --mixed-batch 8
 """
 
 from __future__ import annotations
@@ -30,6 +35,14 @@ import aiohttp
 from sgl_tpu.bench.agent_loop.client import Client
 from sgl_tpu.bench.agent_loop.drivers import DRIVERS, OUTPUT_MODES, DriverOptions
 from sgl_tpu.bench.agent_loop.metrics import summarize
+from sgl_tpu.bench.agent_loop.mixed import (
+    PHASES,
+    batch_programs,
+    mixed_ratios,
+    phase_priorities,
+    preemptions,
+    runs_rows,
+)
 from sgl_tpu.bench.agent_loop.runner import ProgramRunner, RunOptions
 from sgl_tpu.bench.agent_loop.table import format_table
 from sgl_tpu.bench.agent_loop.targets import RunningTarget, TargetSpec, parse_target
@@ -133,6 +146,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "before each workload, so compilation for its batch shapes is done; "
                         "default: as many as the workload has; 0: none")
     r.add_argument("--no-progress", action="store_true")
+    m = p.add_argument_group("mixed traffic (priority scheduling)")
+    m.add_argument("--mixed-batch", type=int, default=0, metavar="N",
+                   help="run each workload's agents alone, then beside N long completions "
+                        "sent at once, without and with priorities (0: off)")
+    m.add_argument("--batch-prompt-tokens", type=int, default=256,
+                   help="prompt of each batch completion (its own text)")
+    m.add_argument("--batch-output-tokens", type=int, default=512,
+                   help="tokens each batch completion generates")
+    m.add_argument("--interactive-priority", type=int, default=100,
+                   help="the agents' priority in the with-priority phase")
+    m.add_argument("--batch-priority", type=int, default=0,
+                   help="the batch's priority in the with-priority phase")
     o = p.add_argument_group("output")
     o.add_argument("--output", help="result JSON file")
     o.add_argument("--plot", help="PNG path (default with --compare: the --output path, .png)")
@@ -157,8 +182,17 @@ def single_target(args: argparse.Namespace) -> TargetSpec:
                                json_dialect=args.json_dialect or target.json_dialect)
 
 
-async def run_workload(url: str, spec: TargetSpec, programs: list[Program], tokenizer: Any,
-                       args: argparse.Namespace, desc: str) -> Trace:
+def run_options(args: argparse.Namespace, priority: int | None = None) -> RunOptions:
+    return RunOptions(args.concurrency, args.request_rate, args.seed, args.session_hint,
+                      not args.no_progress, args.tool_latency, priority)
+
+
+Group = tuple[list[Program], RunOptions, str]  # programs, how to run them, progress label
+
+
+async def run_groups(url: str, spec: TargetSpec, groups: list[Group], tokenizer: Any,
+                     args: argparse.Namespace) -> list[Trace]:
+    """Run the groups of programs at once, each as its own ProgramRunner; a trace each."""
     opts = DriverOptions(args.output_mode, args.temperature, spec.json_dialect, spec.model)
 
     def count_tokens(text: str) -> int:
@@ -172,9 +206,42 @@ async def run_workload(url: str, spec: TargetSpec, programs: list[Program], toke
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
         client = Client(session, url, DRIVERS[spec.api], opts, count_tokens,
                         api_key=args.api_key)
-        run_opts = RunOptions(args.concurrency, args.request_rate, args.seed, args.session_hint,
-                              not args.no_progress, args.tool_latency)
-        return await ProgramRunner(client.send, render, run_opts, desc).run(programs)
+        return list(await asyncio.gather(*(
+            ProgramRunner(client.send, render, run_opts, desc).run(programs)
+            for programs, run_opts, desc in groups)))
+
+
+async def run_workload(url: str, spec: TargetSpec, programs: list[Program], tokenizer: Any,
+                       args: argparse.Namespace, desc: str) -> Trace:
+    (trace,) = await run_groups(url, spec, [(programs, run_options(args), desc)], tokenizer,
+                                args)
+    return trace
+
+
+def run_mixed(target: RunningTarget, spec: TargetSpec, programs: list[Program], tokenizer: Any,
+              args: argparse.Namespace, desc: str) -> dict[str, Any]:
+    """`--mixed-batch`: the agents alone, then beside the batch without and with priorities
+    (mixed.py), each phase after a cache flush."""
+    batch = batch_programs(args.mixed_batch, args.batch_prompt_tokens, args.batch_output_tokens,
+                           args.seed)
+    quiet = RunOptions(seed=args.seed, progress=False)  # the batch: all at once
+    phases: dict[str, dict[str, Any]] = {}
+    for phase in PHASES:
+        agents, batch_priority = phase_priorities(phase, args.interactive_priority,
+                                                  args.batch_priority)
+        groups = [(programs, run_options(args, agents), f"{desc} {phase}")]
+        if phase != "alone":
+            groups.append((batch, dataclasses.replace(quiet, priority=batch_priority), ""))
+        target.flush_cache()
+        before = preemptions(target.server_info())
+        traces = asyncio.run(run_groups(target.base_url, spec, groups, tokenizer, args))
+        after = preemptions(target.server_info())
+        phases[phase] = {"interactive": summarize(traces[0])}
+        if phase != "alone":
+            phases[phase]["batch"] = summarize(traces[1])
+            phases[phase]["priority_preemptions"] = (
+                None if before is None or after is None else after - before)
+    return {**phases, "ratios": mixed_ratios(phases)}
 
 
 def server_side(info: dict[str, Any] | None, summary: dict[str, Any]) -> dict[str, Any]:
@@ -221,6 +288,8 @@ def ratios(runs: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.mixed_batch < 0:
+        raise SystemExit("--mixed-batch must be >= 0")
     specs = [parse_target(s) for s in args.compare] if args.compare else [single_target(args)]
     if len({s.name for s in specs}) != len(specs):
         raise SystemExit("target names must be distinct")
@@ -241,6 +310,8 @@ def main(argv: list[str] | None = None) -> None:
             make_workload(name, cfg, args.seed), count_tokens)} for name, cfg in workloads},
         "runs": {}, "target_errors": {},
     }
+    if args.mixed_batch:
+        results["mixed"] = {}
     traces: dict[str, Any] = {}
     log_dir = Path(args.log_dir)
     for spec in specs:
@@ -253,8 +324,14 @@ def main(argv: list[str] | None = None) -> None:
                         warm = make_workload(name, warm_cfg, args.seed + WARMUP_SEED_OFFSET)
                         asyncio.run(run_workload(target.base_url, spec, warm, tokenizer, args,
                                                  f"{spec.name}/{name} warm-up"))
-                    target.flush_cache()
                     programs = make_workload(name, cfg, args.seed)
+                    if args.mixed_batch:
+                        mixed = run_mixed(target, spec, programs, tokenizer, args,
+                                          f"{spec.name}/{name}")
+                        results["mixed"].setdefault(spec.name, {})[name] = mixed
+                        runs.update(runs_rows(name, mixed))
+                        continue
+                    target.flush_cache()
                     before = target.replica_requests()
                     trace = asyncio.run(run_workload(target.base_url, spec, programs, tokenizer,
                                                      args, f"{spec.name}/{name}"))

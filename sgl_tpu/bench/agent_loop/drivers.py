@@ -23,6 +23,9 @@ Structured output per dialect (`json_dialect`): "openai" (sgl-tpu, SGLang) sends
 (completions) or `response_format: {"type": "json_object", "schema": ...}` (chat), since
 llama.cpp answers HTTP 500 to OpenAI's `json_schema` form.
 
+`priority` (mixed traffic, mixed.py) goes as a top-level body field on every API (SGLang's
+name; servers that do not schedule by it ignore it).
+
 Function tools (the `tool-calls` workload) exist only in the chat API: the body carries `tools`,
 `tool_choice` and `parallel_tool_calls: false` (one call per agent turn); streamed
 `delta.tool_calls` fragments are joined per call `index` into `StreamState.tool_calls`, and
@@ -58,6 +61,7 @@ class GenRequest:
     session_id: str | None = None
     tools: tuple[dict[str, Any], ...] = ()
     tool_choice: str | dict[str, Any] | None = None
+    priority: int | None = None  # SGLang's `priority` field (None: not sent)
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,8 @@ class NativeDriver(Driver):
         body: dict[str, Any] = {"text": req.prompt, "sampling_params": sp, "stream": True}
         if req.session_id is not None:
             body["session_id"] = req.session_id
+        if req.priority is not None:
+            body["priority"] = req.priority
         return body
 
     def update(self, state: StreamState, data: dict[str, Any], t: float) -> None:
@@ -180,6 +186,8 @@ class _OpenAIDriver(Driver):
             body["model"] = opts.model
         if req.session_id is not None:
             body["session_id"] = req.session_id
+        if req.priority is not None:
+            body["priority"] = req.priority
         return body
 
     @staticmethod

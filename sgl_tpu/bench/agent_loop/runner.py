@@ -41,6 +41,7 @@ class RunOptions:
     progress: bool = True
     # an agent's wait between its turns (the tool call): uniform in [lo, hi], seeded per call
     tool_latency_s: tuple[float, float] = (0.0, 0.0)
+    priority: int | None = None  # every request's `priority` (None: not sent)
 
     def __post_init__(self) -> None:
         if self.concurrency < 0:
@@ -119,7 +120,8 @@ class ProgramRunner:
         req = GenRequest(messages, self.render(renderable(messages)), max_tokens, stop,
                          json_schema,
                          request_seed(self.opts.seed, program.program_id, step, branch),
-                         program.session if self.opts.session_hint else None, tools, tool_choice)
+                         program.session if self.opts.session_hint else None, tools, tool_choice,
+                         self.opts.priority)
         record = await self.send(req, program.program_id, step, branch)
         self.records.append(record)
         if self.progress is not None:

@@ -19,7 +19,7 @@ from checkpoints import make_tiny_hf_checkpoint
 from safetensors.numpy import save_file
 from server_harness import REPO_ROOT, launch_server
 
-from sgl_tpu.bench.reliability.fuzz import CLASSES, ROUTES, run_fuzz
+from sgl_tpu.bench.reliability.fuzz import CLASSES, ROUTES, URL_ROUTES, run_fuzz, run_url_fuzz
 from sgl_tpu.bench.reliability.invariants import check_invariants
 from sgl_tpu.bench.reliability.phases import (
     child_pids,
@@ -167,6 +167,29 @@ REGRESSIONS = [
      {"model": "m", "messages": [{"role": "user", "content": [
          {"type": "text", "text": "a", "cache_control": {"type": "ephemeral"}}] * 5}]}, 400,
      ("cache_control",)),
+    ("Anthropic: unknown cache_control ttl", "/v1/messages",
+     {"model": "m", "max_tokens": 1, "system": [
+         {"type": "text", "text": "a", "cache_control": {"type": "ephemeral", "ttl": "2h"}}],
+      "messages": [{"role": "user", "content": "hi"}]}, 400, ("ttl",)),
+    ("Anthropic: priority not an integer", "/v1/messages",
+     {"model": "m", "max_tokens": 1, "priority": 1.5,
+      "messages": [{"role": "user", "content": "hi"}]}, 400, ("priority",)),
+    ("Responses: unknown include", "/v1/responses", {"input": "hi", "include": ["all"]}, 400,
+     ("include",)),
+    ("Responses: unknown truncation", "/v1/responses",
+     {"input": "hi", "truncation": "sometimes"}, 400, ("truncation",)),
+    ("Responses: unknown reasoning effort", "/v1/responses",
+     {"input": "hi", "reasoning": {"effort": "max"}}, 400, ("reasoning.effort",)),
+    ("Responses: top_logprobs 21", "/v1/responses", {"input": "hi", "top_logprobs": 21}, 400,
+     ("top_logprobs",)),
+    ("Responses: empty prompt_cache_key", "/v1/responses",
+     {"input": "hi", "prompt_cache_key": ""}, 400, ("prompt_cache_key",)),
+    ("Responses: truncation auto, the input alone too long", "/v1/responses",
+     {"input": "word " * 3000, "truncation": "auto", "max_output_tokens": 1}, 400,
+     ("prompt",)),
+    ("chat: prompt_cache_key of 300 characters", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+      "prompt_cache_key": "k" * 300}, 400, ("prompt_cache_key",)),
     ("Anthropic: surrogate in system", "/v1/messages/count_tokens",
      surrogate('{"model": "m", "system": "SURROGATE", "messages": '
                '[{"role": "user", "content": "hi"}]}'), 400, ("system",)),
@@ -313,6 +336,24 @@ def test_fuzz_route_no_5xx(server, route):
     # ignores any JSON body.
     if route != "/flush_cache":
         assert statuses["2xx"] > 0
+    assert_serving(server)
+
+
+@pytest.mark.parametrize("method, path, params", URL_ROUTES,
+                         ids=[f"{m} {p}" for m, p, _ in URL_ROUTES])
+def test_fuzz_url_routes_no_5xx(server, method, path, params):
+    """Odd ids and paging parameters in the URL (a stored response's id among them)."""
+    stored = post(server, "/v1/responses", {"input": "hi", "max_output_tokens": 2}).json()["id"]
+    session = requests.Session()
+
+    def send(method: str, url: str) -> int:
+        return session.request(method, server.base_url + url, headers=AUTH,
+                               timeout=120).status_code
+
+    statuses = run_url_fuzz(send, method, path, params, [stored], 3 * FUZZ_EXAMPLES, seed=1234)
+    statuses += run_url_fuzz(send, method, path, params, [stored], 5, seed=None)
+    print(method, path, dict(statuses))
+    assert statuses["4xx"] > 0 and statuses["2xx"] > 0 and not statuses["5xx"]
     assert_serving(server)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import requests
 
 from sgl_tpu.bench.http_load import Server
-from sgl_tpu.bench.reliability.fuzz import CLASSES, ROUTES, run_fuzz
+from sgl_tpu.bench.reliability.fuzz import CLASSES, ROUTES, URL_ROUTES, run_fuzz, run_url_fuzz
 from sgl_tpu.bench.reliability.invariants import check_invariants
 from sgl_tpu.bench.reliability.phases import (
     LatencyProbe,
@@ -46,6 +46,23 @@ def make_sender(base_url: str, headers: dict[str, str]):
         return session.post(base_url + route, data=data, headers=h, timeout=120).status_code
 
     return send
+
+
+def url_fuzz(base_url: str, headers: dict[str, str], num_examples: int,
+             seed: int | None) -> Counter:
+    """Every `URL_ROUTES` entry, with one stored response's id among the generated ones."""
+    session = requests.Session()
+    stored = session.post(base_url + "/v1/responses", headers=headers, timeout=120,
+                          json={"input": "Hi", "max_output_tokens": 2}).json()["id"]
+
+    def send(method: str, url: str) -> int:
+        return session.request(method, base_url + url, headers=headers,
+                               timeout=120).status_code
+
+    statuses: Counter = Counter()
+    for method, path, params in URL_ROUTES:
+        statuses += run_url_fuzz(send, method, path, params, [stored], num_examples, seed)
+    return statuses
 
 
 async def campaign(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -82,6 +99,10 @@ async def campaign(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
                                                    args.fuzz_examples, args.seed)
                 fuzz_counts[kind] += sum(statuses.values())
                 fuzz_statuses.update(statuses)
+        statuses = await asyncio.to_thread(url_fuzz, base_url, headers, args.fuzz_examples,
+                                           args.seed)
+        fuzz_counts["url"] += sum(statuses.values())
+        fuzz_statuses.update(statuses)
         info = check_invariants(base_url, headers)
         phases["fuzz"] = {"bodies": sum(fuzz_counts.values()),
                           "statuses": dict(fuzz_statuses), "wall_s":

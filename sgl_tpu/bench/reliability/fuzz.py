@@ -11,6 +11,11 @@ unknown one) replaced by a value of one *class* of bad input:
 so generated inputs reach the validation of every field, not only the JSON parser. What could
 make a valid request expensive (token counts, `n`, batch width) is capped afterwards, so a run
 is bounded in time. Seeded (`seed`) for reproducible CI runs; `seed=None` draws fresh examples.
+
+Routes whose input is the URL (`URL_ROUTES`: a stored response's id in the path, paging
+parameters in the query) get URLs instead: a known id, an unknown one or odd text as the id,
+and up to three parameters with odd values, each percent-encoded from its UTF-8 bytes (lone
+surrogates become invalid UTF-8).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import urllib.parse
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -53,28 +59,41 @@ _FIELDS: dict[str, tuple[str, ...]] = {
     "/v1/completions": ("prompt", "max_tokens", "n", "stream", "logprobs", "echo", "stop",
                         "seed", "logit_bias", "stop_token_ids", "min_tokens", "regex",
                         "json_schema", "stream_options", "temperature", "top_p", "model",
-                        "session_id", "rid", "skip_special_tokens", "ignore_eos"),
+                        "session_id", "rid", "skip_special_tokens", "ignore_eos",
+                        "prompt_cache_key", "user", "safety_identifier", "priority"),
     "/v1/chat/completions": ("messages", "max_tokens", "max_completion_tokens", "n", "stream",
                              "logprobs", "top_logprobs", "response_format", "tools",
                              "tool_choice", "stop", "seed", "logit_bias", "stop_token_ids",
                              "min_tokens", "chat_template_kwargs", "messages.0.content",
-                             "messages.0.role", "temperature", "model", "session_id"),
+                             "messages.0.role", "temperature", "model", "session_id",
+                             "prompt_cache_key", "user", "safety_identifier", "priority",
+                             "retention_seconds"),
     "/v1/responses": ("input", "input.0", "input.0.content", "input.0.role", "instructions",
                       "previous_response_id", "tools", "tool_choice", "parallel_tool_calls",
                       "max_output_tokens", "temperature", "top_p", "text", "text.format",
                       "store", "stream", "metadata", "user", "seed", "top_k", "ignore_eos",
-                      "model"),
+                      "model", "include", "include.0", "top_logprobs", "reasoning",
+                      "reasoning.effort", "truncation", "prompt_cache_key",
+                      "safety_identifier", "priority", "regex", "ebnf"),
     "/v1/messages": ("model", "messages", "messages.0", "messages.0.role", "messages.0.content",
                      "messages.0.content.0", "messages.0.content.0.type", "system",
                      "max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream",
                      "tools", "tools.0", "tools.0.input_schema", "tools.0.name", "tool_choice",
-                     "thinking", "metadata", "cache_control"),
+                     "thinking", "metadata", "cache_control", "priority",
+                     "messages.0.content.0.cache_control",
+                     "messages.0.content.0.cache_control.ttl"),
     "/v1/messages/count_tokens": ("model", "messages", "messages.0", "messages.0.content",
                                   "messages.0.role", "system", "tools", "tool_choice",
                                   "thinking"),
     "/abort_request": ("rid",),
     "/flush_cache": ("x",),
 }
+# (method, path with "{id}", query parameters) of the routes whose input is the URL.
+URL_ROUTES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("GET", "/v1/responses/{id}/input_items", ("after", "limit", "order", "include")),
+    ("GET", "/v1/responses/{id}", ("include", "stream")),
+    ("DELETE", "/v1/responses/{id}", ()),
+)
 # Caps applied to every generated body so valid ones stay cheap to serve.
 _MAX_TOKENS_KEYS = ("max_new_tokens", "max_tokens", "max_completion_tokens", "min_new_tokens",
                     "min_tokens", "max_output_tokens")
@@ -228,6 +247,49 @@ def _dumps(body: Any) -> bytes:
         return _DEEP.sub(_deep_text, json.dumps(body)).encode()
     except (ValueError, RecursionError):
         return b"{}"
+
+
+def _quoted(text: str) -> str:
+    return urllib.parse.quote(text.encode("utf-8", "surrogatepass"), safe="")
+
+
+def url_strategy(path: str, params: tuple[str, ...], ids: list[str]
+                 ) -> st.SearchStrategy[str]:
+    """URLs of `path` ("{id}" replaced) with odd ids and query values (`ids`: known ones)."""
+    odd = (st.sampled_from(_ODD_STRINGS) | st.text(max_size=30)
+           | st.integers(-(2**70), 2**70).map(str)
+           | st.sampled_from(["0", "-1", "101", "20", "asc", "desc", "1e3", " 5", "true"]))
+    if ids:
+        odd = odd | st.sampled_from(ids)
+    query = st.dictionaries(st.sampled_from(params + ("unknown",)), odd, max_size=3)
+
+    def build(rid: str, q: dict[str, str]) -> str:
+        url = path.replace("{id}", _quoted(rid))
+        return url + ("?" + "&".join(f"{_quoted(k)}={_quoted(v)}" for k, v in q.items())
+                      if q else "")
+
+    return st.builds(build, odd, query)
+
+
+def run_url_fuzz(send: Callable[[str, str], int], method: str, path: str,
+                 params: tuple[str, ...], ids: list[str], num_examples: int,
+                 seed: int | None) -> Counter:
+    """`send(method, url)` for `num_examples` generated URLs of one `URL_ROUTES` entry; a
+    Counter of status classes. Fails (AssertionError, with the URL) on a status >= 500."""
+    statuses: Counter = Counter()
+
+    @settings(max_examples=num_examples, deadline=None, database=None,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(url_strategy(path, params, ids))
+    def prop(url: str) -> None:
+        status = send(method, url)
+        statuses[f"{status // 100}xx"] += 1
+        assert status < 500, f"{method} {url[:300]} answered {status}"
+
+    if seed is not None:
+        prop = hypothesis_seed(seed)(prop)
+    prop()
+    return statuses
 
 
 def run_fuzz(send: Callable[[str, bytes, str], int], route: str, kind: str, num_examples: int,

@@ -3,8 +3,8 @@
 A request's `priority` is an integer; a higher value is more urgent (with
 `--schedule-low-priority-values-first`, a lower one). Intake stores it on the `Req` one way
 round, higher = more urgent (`req_priority`), so this module and the `priority` eviction policy
-(which evicts low priorities first) read it alike. Without the flag nothing here runs and the
-stored value is the client's, for eviction only.
+(which evicts low priorities first) read it alike. Without the flag only `req_priority` runs,
+and it keeps the client's value (0 when none), which then orders eviction only.
 
 * Admission order (extend_planner.py). The schedule policy orders the waiting queue (lpm, fcfs,
   dfs-weight), then a stable sort puts higher levels first: requests of one level keep the

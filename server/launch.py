@@ -69,6 +69,13 @@ def event_loop_factory():
     return uvloop.new_event_loop
 
 
+# An idle keep-alive connection stays open this long. Agents idle between turns while a tool
+# runs, and their HTTP clients pool connections for longer than uvicorn's 5 s default (aiohttp
+# 15 s): a request sent as the server closes the connection is lost to the client. Past every
+# common client's pool expiry, the client closes first.
+KEEP_ALIVE_S = 75
+
+
 async def _serve(args: ServerArgs, ports: PortArgs, procs: dict[str, mp.Process]) -> None:
     from sgl_tpu.loader import load_model
     from sgl_tpu.loader.chat_templates import with_chat_template
@@ -121,7 +128,7 @@ async def _serve(args: ServerArgs, ports: PortArgs, procs: dict[str, mp.Process]
         raise SystemExit(1)
     app = create_app(tm)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=2)
+                            timeout_graceful_shutdown=2, timeout_keep_alive=KEEP_ALIVE_S)
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # ours above
     serve = asyncio.ensure_future(server.serve())

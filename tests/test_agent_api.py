@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import re
+import time
 
 import openai
 import pytest
@@ -306,3 +307,22 @@ def test_agents_sdk_function_tool_over_chat_and_responses(server):
             ids = [r.response_id for r in result.raw_responses]
             last = requests.get(f"{server.base_url}/v1/responses/{ids[-1]}", timeout=30).json()
             assert len(ids) == 2 and last["previous_response_id"] == ids[0]
+
+
+def test_a_keep_alive_connection_outlives_a_tool_pause(server):
+    """An agent's pooled connection, idle for a tool call longer than uvicorn's 5 s default,
+    still carries its next request (the server closing it first loses that request)."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    url = urlsplit(server.base_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    try:
+        for pause_s in (0, 6):
+            time.sleep(pause_s)
+            conn.request("GET", "/v1/models")
+            resp = conn.getresponse()
+            resp.read()
+            assert resp.status == 200
+    finally:
+        conn.close()

@@ -30,6 +30,7 @@ from sgl_tpu.validation import check_session_id
 
 logger = logging.getLogger(__name__)
 
+
 def error_response(message: str, status_code: int = 400, err_type: str | None = None
                    ) -> JSONResponse:
     err_type = err_type or ("BadRequestError" if status_code < 500 else "InternalServerError")
@@ -107,8 +108,8 @@ def session_hint(session_id: Any, session_params: Any, request: Request,
 
 def checked_cache_key(prompt_cache_key: str) -> str:
     """OpenAI's `prompt_cache_key` as a session id (RequestError naming the field)."""
-    if (error := check_session_id(prompt_cache_key)) is not None:
-        raise RequestError(error.replace("session_id", "prompt_cache_key", 1))
+    if (error := check_session_id(prompt_cache_key, "prompt_cache_key")) is not None:
+        raise RequestError(error)
     return prompt_cache_key
 
 

@@ -20,17 +20,16 @@ def check_batch_size(num_prompts: int, n: int = 1) -> str | None:
     return None
 
 
-def check_session_id(session_id: object) -> str | None:
+def check_session_id(session_id: object, field: str = "session_id") -> str | None:
     """A message naming the problem if `session_id` (a retention hint, see
-    `KVManager.retain_prefix`) is malformed, else None."""
+    `KVManager.retain_prefix`; sent as the request's `field`) is malformed, else None."""
     if session_id is None:
         return None
     if not isinstance(session_id, str) or not 1 <= len(session_id) <= MAX_SESSION_ID_LEN:
         got = (f"{len(session_id)} characters" if isinstance(session_id, str)
                else type(session_id).__name__)
-        return f"session_id must be a string of 1 to {MAX_SESSION_ID_LEN} characters, got {got}"
+        return f"{field} must be a string of 1 to {MAX_SESSION_ID_LEN} characters, got {got}"
     return None
-
 
 
 def check_cache_control(session_id: object, priority: object, retention_seconds: object,

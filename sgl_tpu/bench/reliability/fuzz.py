@@ -276,36 +276,36 @@ def run_url_fuzz(send: Callable[[str, str], int], method: str, path: str,
                  seed: int | None) -> Counter:
     """`send(method, url)` for `num_examples` generated URLs of one `URL_ROUTES` entry; a
     Counter of status classes. Fails (AssertionError, with the URL) on a status >= 500."""
-    statuses: Counter = Counter()
+    def check(url: str) -> tuple[int, str]:
+        return send(method, url), f"{method} {url[:300]}"
 
-    @settings(max_examples=num_examples, deadline=None, database=None,
-              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
-    @given(url_strategy(path, params, ids))
-    def prop(url: str) -> None:
-        status = send(method, url)
-        statuses[f"{status // 100}xx"] += 1
-        assert status < 500, f"{method} {url[:300]} answered {status}"
-
-    if seed is not None:
-        prop = hypothesis_seed(seed)(prop)
-    prop()
-    return statuses
+    return _run_property(url_strategy(path, params, ids), check, num_examples, seed)
 
 
 def run_fuzz(send: Callable[[str, bytes, str], int], route: str, kind: str, num_examples: int,
              seed: int | None) -> Counter:
     """Send `num_examples` generated bodies; returns a Counter of status classes ("2xx", ...).
     Fails (AssertionError, with the body) on the first status >= 500."""
+    def check(case: tuple[bytes, str]) -> tuple[int, str]:
+        data, content_type = case
+        return send(route, data, content_type), f"{route} to {data[:300]!r} ({content_type})"
+
+    return _run_property(body_strategy(route, kind), check, num_examples, seed)
+
+
+def _run_property(strategy, check: Callable[[Any], tuple[int, str]], num_examples: int,
+                  seed: int | None) -> Counter:
+    """Run `check` (its status and what it sent) on `num_examples` draws of `strategy`;
+    count status classes, fail on the first status >= 500."""
     statuses: Counter = Counter()
 
     @settings(max_examples=num_examples, deadline=None, database=None,
               phases=[Phase.generate], suppress_health_check=list(HealthCheck))
-    @given(body_strategy(route, kind))
-    def prop(case: tuple[bytes, str]) -> None:
-        data, content_type = case
-        status = send(route, data, content_type)
+    @given(strategy)
+    def prop(case) -> None:
+        status, sent = check(case)
         statuses[f"{status // 100}xx"] += 1
-        assert status < 500, f"{route} answered {status} to {data[:300]!r} ({content_type})"
+        assert status < 500, f"{sent} answered {status}"
 
     if seed is not None:
         prop = hypothesis_seed(seed)(prop)

@@ -173,6 +173,14 @@ _HELP = {
     "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix of the context matched",
     "speculative_ngram_max_match_window_size": "NGRAM: longest suffix of the context matched "
                                                "(the longest match wins)",
+    "speculative_suffix_max_tree_depth": "SUFFIX: longest run of output tokens counted (the "
+                                         "matched suffix plus the draft)",
+    "speculative_suffix_max_cached_requests": "SUFFIX: outputs of this many recent requests "
+                                              "are drafted from (at most 32,768 tokens)",
+    "speculative_suffix_max_spec_factor": "SUFFIX: a draft is at most this many times the "
+                                          "matched suffix's length",
+    "speculative_suffix_min_token_prob": "SUFFIX: a draft stops where its estimated "
+                                         "probability (from the counts) falls below this",
     "enable_deterministic_inference": "batch-invariant kernels: a request's output (greedy, or "
                                       "sampled with a seed) does not depend on what it is "
                                       "batched with, how its prompt is chunked or whether its "

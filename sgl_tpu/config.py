@@ -167,6 +167,10 @@ class SchedulerConfig:
     speculative_num_draft_tokens: int = 4
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 8
+    speculative_suffix_max_tree_depth: int = 24
+    speculative_suffix_max_cached_requests: int = 10_000
+    speculative_suffix_max_spec_factor: float = 1.0
+    speculative_suffix_min_token_prob: float = 0.1
     # Dispatch a DECODE step before the previous one's tokens reach the host (resolved from
     # ServerArgs.overlap_schedule by executor/registry.py; see scheduler/overlap.py).
     overlap_schedule: bool = False
@@ -326,6 +330,14 @@ class ServerArgs:
     speculative_num_draft_tokens: int = 4
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 8
+    # "SUFFIX" also drafts from the outputs of recent requests (scheduler/suffix.py): runs of
+    # up to max_tree_depth tokens of the last max_cached_requests outputs (and at most
+    # suffix.MAX_CACHED_TOKENS tokens); a draft follows the most frequent continuation while
+    # its probability is >= min_token_prob, for at most max_spec_factor x the matched length.
+    speculative_suffix_max_tree_depth: int = 24
+    speculative_suffix_max_cached_requests: int = 10_000
+    speculative_suffix_max_spec_factor: float = 1.0
+    speculative_suffix_min_token_prob: float = 0.1
     log_level: str = "info"
     backend: str = "auto"  # executor: "jax", "torch", or "auto" (the faster one here)
     torch_compile: str = "auto"  # torch backend: auto = on for tpu/cuda, off on CPU (see help)
@@ -464,6 +476,17 @@ class ServerArgs:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
                 raise ValueError(f"{name} must be an integer in [1, {hi}], got {value!r}")
+        for name, lo, hi in (("speculative_suffix_max_tree_depth", 2, 1024),
+                             ("speculative_suffix_max_cached_requests", 1, 10**7)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+                raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
+        if not 0 < self.speculative_suffix_max_spec_factor <= 64:
+            raise ValueError("speculative_suffix_max_spec_factor must be in (0, 64], got "
+                             f"{self.speculative_suffix_max_spec_factor!r}")
+        if not 0 <= self.speculative_suffix_min_token_prob <= 1:
+            raise ValueError("speculative_suffix_min_token_prob must be in [0, 1], got "
+                             f"{self.speculative_suffix_min_token_prob!r}")
         if self.speculative_ngram_min_match_window_size \
                 > self.speculative_ngram_max_match_window_size:
             raise ValueError("speculative_ngram_min_match_window_size must not exceed "
@@ -547,6 +570,10 @@ class ServerArgs:
             speculative_num_draft_tokens=self.speculative_num_draft_tokens,
             speculative_ngram_min_match_window_size=self.speculative_ngram_min_match_window_size,
             speculative_ngram_max_match_window_size=self.speculative_ngram_max_match_window_size,
+            speculative_suffix_max_tree_depth=self.speculative_suffix_max_tree_depth,
+            speculative_suffix_max_cached_requests=self.speculative_suffix_max_cached_requests,
+            speculative_suffix_max_spec_factor=float(self.speculative_suffix_max_spec_factor),
+            speculative_suffix_min_token_prob=float(self.speculative_suffix_min_token_prob),
             overlap_schedule=overlap_schedule,
             kv_cache_dtype=runner.kv_dtype,
             device_decode_state=runner.jax_decode_state or runner.static_decode,

@@ -1,6 +1,8 @@
-"""Speculative decoding (`--speculative-algorithm NGRAM`): the n-gram drafter, the draft-length
-rule, the scheduler against a hand-computable runner, and the in-process Engine with a tiny
-random model, where every output with speculation must equal the output without it:
+"""Speculative decoding (`--speculative-algorithm NGRAM|SUFFIX`): the n-gram drafter, the
+suffix tree over recent outputs, the draft-length rule, the scheduler against a
+hand-computable runner, and the in-process Engine with a tiny random model (SUFFIX, which
+also drafts as NGRAM does), where every output with speculation must equal the output
+without it:
 
 * greedy, with and without grammars (regex, JSON schema), with stop strings, min/max tokens;
 * seeded sampling (top-p / top-k / min-p), token for token, and log-probs;
@@ -30,6 +32,7 @@ from sgl_tpu.scheduler.speculative import (
     choose_num_draft,
     expected_kept,
 )
+from sgl_tpu.scheduler.suffix import SuffixTree
 
 
 # ---- drafter and rules ----------------------------------------------------------------------
@@ -49,6 +52,73 @@ def test_ngram_longest_match_wins_and_periodic_continuation():
         NgramIndex(3, 2)
 
 
+def _runs(outputs: list[list[int]], depth: int) -> dict[tuple[int, ...], int]:
+    """Brute force: how often each run of up to `depth` tokens occurs in the outputs."""
+    counts: dict[tuple[int, ...], int] = {}
+    for out in outputs:
+        for i in range(len(out)):
+            for j in range(i + 1, min(i + depth, len(out)) + 1):
+                counts[tuple(out[i:j])] = counts.get(tuple(out[i:j]), 0) + 1
+    return counts
+
+
+def _tree_runs(tree: SuffixTree) -> dict[tuple[int, ...], int]:
+    counts, stack = {}, [((), tree.root)]
+    while stack:
+        path, node = stack.pop()
+        for token, child in node.children.items():
+            counts[path + (token,)] = child.count
+            stack.append((path + (token,), child))
+    return counts
+
+
+def test_suffix_tree_counts_every_run_and_removes_exactly():
+    rng = np.random.default_rng(0)
+    tree = SuffixTree(max_depth=5, max_cached_requests=3)
+    outputs: dict[str, list[int]] = {}
+    for step in range(60):  # 5 requests growing in random chunks, the oldest removed
+        key = f"r{int(rng.integers(0, 5))}"
+        chunk = rng.integers(0, 4, int(rng.integers(1, 4))).tolist()
+        if key not in outputs:
+            outputs[key] = []
+        outputs[key] += chunk
+        tree.extend(key, chunk)
+        assert tree.output(key) is not None  # the request being extended stays
+        for k in [k for k in outputs if tree.output(k) is None]:
+            del outputs[k]  # removed, oldest first, past 3 requests
+        assert len(tree) <= 3 and tree.num_tokens == sum(map(len, outputs.values()))
+        assert _tree_runs(tree) == _runs(list(outputs.values()), 5), step
+    for key in list(outputs):
+        tree.remove(key)
+    assert tree.root.children == {} and tree.num_tokens == 0
+
+
+def test_suffix_tree_drafts_the_most_frequent_continuation():
+    tree = SuffixTree(max_depth=8, max_cached_requests=10)
+    tree.extend("a", [1, 2, 3, 4, 5])
+    tree.extend("b", [1, 2, 3, 4, 6])
+    tree.extend("c", [9, 2, 3, 4, 6])
+    # after (2 3) came 4 three times, then 6 twice in three: probability 2/3
+    assert tree.propose([7, 2, 3], 4, 0.1, 2.0) == ([4, 6], 2)
+    assert tree.propose([7, 2, 3], 4, 0.7, 2.0) == ([4], 2)  # 2/3 < 0.7: cut
+    assert tree.propose([7, 2, 3], 4, 0.1, 0.5) == ([4], 2)  # at most 0.5 x 2 tokens
+    # the longer match (1 2 3): 4, then 5 and 6 once each (a tie: the first seen)
+    assert tree.propose([1, 2, 3], 4, 0.1, 2.0) == ([4, 5], 3)
+    assert tree.propose([8], 4, 0.1, 2.0) == ([], 0)
+
+
+def test_suffix_tree_skips_a_running_requests_own_tail():
+    # the running request's last tokens are in the tree with no continuation yet: the draft
+    # comes from the longest suffix that has one
+    tree = SuffixTree(max_depth=8, max_cached_requests=10)
+    tree.extend("old", [5, 6, 7, 8])
+    tree.extend("now", [1, 5, 6])
+    assert tree.propose([1, 5, 6], 2, 0.1, 2.0) == ([7, 8], 2)
+    tree.close("now")
+    tree.extend("next", [2])  # a closed request is no longer extended from its last runs
+    assert tree.output("now") == [1, 5, 6] and tree.num_tokens == 8
+
+
 def test_accept_and_draft_length_rule():
     assert accept([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all kept + bonus
     assert accept([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # first mismatch replaced
@@ -57,7 +127,9 @@ def test_accept_and_draft_length_rule():
     assert choose_num_draft(0.9, 8, 0.0) == 8  # free rows: draft the most
     assert choose_num_draft(0.05, 8, 0.25) == 0  # rows cost more than they keep
     assert 0 < choose_num_draft(0.6, 8, 0.25) < 8
-    spec = Speculator("NGRAM", 4, 1, 8, max_rows=64)
+    spec = Speculator(SchedulerConfig(page_size=4, max_running_requests=64, max_extend_seqs=8,
+                                      chunked_prefill_size=64, context_len=512,
+                                      speculative_algorithm="NGRAM"))
     assert spec.row_cost_at(1) < spec.row_cost_at(8) <= ROW_COST_MAX == spec.row_cost_at(64)
 
 
@@ -113,12 +185,12 @@ def _runner_cfg():
 
 # ---- scheduler with a hand-computable runner ------------------------------------------------
 def _spec_scheduler(num_pages: int = 64, max_running: int = 8, draft: int = 4,
-                    max_batch: int | None = None):
+                    max_batch: int | None = None, algorithm: str = "NGRAM"):
     from sgl_tpu.scheduler.scheduler import Scheduler
 
     cfg = SchedulerConfig(page_size=4, max_running_requests=max_running, max_extend_seqs=8,
                           chunked_prefill_size=64, context_len=512,
-                          speculative_algorithm="NGRAM", speculative_num_draft_tokens=draft,
+                          speculative_algorithm=algorithm, speculative_num_draft_tokens=draft,
                           speculative_max_batch=max_batch)
     runner = PlusOneRunner()
     sched = Scheduler(cfg, runner, num_pages=num_pages, decode=lambda ids, skip: "",
@@ -147,6 +219,27 @@ def test_scheduler_verifies_drafts_in_decode_rows_exactly():
     # a verify is one DECODE row per input (the last token, then each draft token), within
     # the largest decode batch (max_running_requests = 8 rows; 2 x 5 would not fit)
     assert max(len(c) for c in decodes) == 8
+    assert sched.memory_info()["num_pages_requests"] == 0
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "SUFFIX"])
+def test_suffix_drafts_from_other_requests_outputs(algorithm):
+    # b's prompt has nothing to match in itself, but a's output (500, 501, ...) went on
+    # from b's last token: SUFFIX drafts from it, NGRAM cannot
+    sched, runner = _spec_scheduler(algorithm=algorithm)
+    assert sched.add_request(request("a", [1, 2, 499], 30)) is None
+    run_all(sched)
+    assert sched.stats.spec_accepted_tokens == 0  # a's own output never repeats
+    prompt = [7, 8, 9, 505]
+    assert sched.add_request(request("b", prompt, 16)) is None
+    out = run_all(sched)
+    assert out["b"]["ids"] == expected(prompt, 16)
+    decodes = [c for m, c in runner.calls if m == ForwardMode.DECODE]
+    if algorithm == "NGRAM":
+        assert sched.stats.spec_draft_tokens == 0 and len(decodes) == 29 + 15
+    else:  # a draft of 1 (one token matched), then longer ones as b's run of a's grows
+        assert sched.stats.spec_accepted_tokens == sched.stats.spec_draft_tokens > 5
+        assert len(decodes) < 29 + 8
     assert sched.memory_info()["num_pages_requests"] == 0
 
 
@@ -194,7 +287,7 @@ def engine(tmp_path_factory):
     eng = Engine(model_dir, page_size=4, max_total_tokens=4096, max_running_requests=16,
                  max_extend_seqs=8, chunked_prefill_size=256, min_token_bucket=32,
                  kv_tile=16, block_q=16, backend="torch", dtype="float32",
-                 speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+                 speculative_algorithm="SUFFIX", speculative_num_draft_tokens=4)
     spec = eng.scheduler.speculator
     spec.row_cost = spec.row_cost_slope = 0.0  # draft whenever the n-grams match (coverage)
     yield eng
@@ -310,7 +403,7 @@ def test_sampled_distribution_matches_plain_decoding(engine, monkeypatch):
     sp = {"temperature": 0.15, "top_k": 3, "max_new_tokens": 4, "ignore_eos": True}
     greedy = engine.generate(input_ids=prompt, sampling_params={**sp, "temperature": 0})
     guess = greedy["output_ids"]
-    monkeypatch.setattr(engine.scheduler.speculator, "propose",
+    monkeypatch.setattr(engine.scheduler.speculator.drafter, "propose",
                         lambda req, k: guess[len(req.output_ids) : len(req.output_ids) + k])
     stats = engine.scheduler.stats
     drafted, kept = stats.spec_draft_tokens, stats.spec_accepted_tokens

@@ -106,11 +106,7 @@ class Scheduler:
                              decode=decode)
         self.grammar_steps = GrammarSteps(vocab_size, self.eos_token_ids, disable_jump_forward)
         self._step_reqs: list[Req] = []  # the batch of the step in progress (for fail_all)
-        self.speculator = None if config.speculative_algorithm is None else Speculator(
-            config.speculative_algorithm, config.speculative_num_draft_tokens,
-            config.speculative_ngram_min_match_window_size,
-            config.speculative_ngram_max_match_window_size,
-            max_rows=config.max_running_requests, max_batch=config.speculative_max_batch)
+        self.speculator = None if config.speculative_algorithm is None else Speculator(config)
         priorities = Priorities.from_config(config)  # None: no --enable-priority-scheduling
         self.memory = DecodeMemory(self.kv, self.queues, self.stats, priorities)
         self.extend_planner = ExtendPlanner(config, self.kv, self.queues, self.stats,
@@ -356,6 +352,8 @@ class Scheduler:
         # A turn of an agent session that ended normally: its next turn will resend it.
         self.kv.release_req(req, retain=req.finish_reason["type"] != "abort")
         self.queues.free_row(req)
+        if self.speculator is not None:
+            self.speculator.finished(req)
         self.stats.num_requests_finished += 1
         return make_output(req, new_ids, logprobs)
 

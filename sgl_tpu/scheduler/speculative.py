@@ -51,9 +51,11 @@ from typing import Any
 
 import numpy as np
 
+from sgl_tpu.config import SchedulerConfig
 from sgl_tpu.executor.step import SeqStep
 from sgl_tpu.scheduler.ngram import NgramIndex
 from sgl_tpu.scheduler.req import Req
+from sgl_tpu.scheduler.suffix import SuffixTree
 
 # A verify row's cost as a fraction of one sequence's share of the decode step (the quantity
 # that decides whether a draft raises throughput), on the 2-core CPU (SmolLM2-135M, torch
@@ -84,21 +86,71 @@ class SpecState:
     drafter: Any = None  # the drafter's own state (NGRAM: the request's NgramIndex)
 
 
-def _ngram_drafter(min_n: int, max_n: int) -> Callable[[Req, int], list[int]]:
-    def propose(req: Req, num_tokens: int) -> list[int]:
+class NgramDrafter:
+    """NGRAM: drafts from the request's own prompt and output (ngram.py; its index on
+    `req.spec.drafter`)."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.min_n = config.speculative_ngram_min_match_window_size
+        self.max_n = config.speculative_ngram_max_match_window_size
+
+    def observe(self, running: Sequence[Req]) -> None:
+        """Every DECODE step, before drafting: the running requests' outputs so far."""
+
+    def finished(self, req: Req) -> None:
+        """`req` ended (its last tokens are in its output)."""
+
+    def propose(self, req: Req, num_tokens: int) -> list[int]:
+        return self._own(req, num_tokens)[0]
+
+    def _own(self, req: Req, num_tokens: int) -> tuple[list[int], int]:
         if req.spec.drafter is None:
-            req.spec.drafter = NgramIndex(min_n, max_n)
+            req.spec.drafter = NgramIndex(self.min_n, self.max_n)
         req.spec.drafter.sync(req.fill_ids)
-        return req.spec.drafter.propose(num_tokens)[0]
-
-    return propose
+        return req.spec.drafter.propose(num_tokens)
 
 
-# name (SGLang's --speculative-algorithm) -> factory(min window, max window) -> propose(req, k),
-# which may keep per-request state in req.spec.drafter
-DRAFTERS: dict[str, Callable[[int, int], Callable[[Req, int], list[int]]]] = {
-    "NGRAM": _ngram_drafter,
-}
+class SuffixDrafter(NgramDrafter):
+    """SUFFIX: drafts from the outputs of recent requests, running ones included (suffix.py),
+    and, as NGRAM, from the request's own prompt and output; the longer match wins, the
+    request's own on a tie (it is the more specific)."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self.tree = SuffixTree(config.speculative_suffix_max_tree_depth,
+                               config.speculative_suffix_max_cached_requests)
+        self.min_token_prob = config.speculative_suffix_min_token_prob
+        self.max_spec_factor = config.speculative_suffix_max_spec_factor
+
+    def observe(self, running: Sequence[Req]) -> None:
+        for req in running:
+            self._sync(req)
+
+    def finished(self, req: Req) -> None:
+        self._sync(req)
+        self.tree.close(req.rid)
+
+    def _sync(self, req: Req) -> None:
+        counted = self.tree.output(req.rid)
+        have = 0 if counted is None else len(counted)
+        if have > len(req.output_ids):  # cut back (a grammar's rejected jump): count anew
+            self.tree.remove(req.rid)
+            have = 0
+        self.tree.extend(req.rid, req.output_ids[have:])
+
+    def propose(self, req: Req, num_tokens: int) -> list[int]:
+        own, own_len = self._own(req, num_tokens)
+        depth = self.tree.max_depth
+        context = req.output_ids[-depth:]
+        if len(context) < depth:
+            context = req.origin_input_ids[len(context) - depth :] + context
+        shared, shared_len = self.tree.propose(context, num_tokens, self.min_token_prob,
+                                               self.max_spec_factor)
+        return shared if shared_len > own_len else own
+
+
+# name (SGLang's --speculative-algorithm) -> drafter class
+DRAFTERS: dict[str, type[NgramDrafter]] = {"NGRAM": NgramDrafter, "SUFFIX": SuffixDrafter}
 
 
 def expected_kept(accept_rate: float, k: int) -> float:
@@ -151,20 +203,24 @@ class Speculator:
     """Drafts for the running requests of a DECODE step and the bookkeeping of their verify.
     Holds no request state of its own (that is on `Req.spec`)."""
 
-    def __init__(self, algorithm: str, num_draft_tokens: int, min_window: int,
-                 max_window: int, max_rows: int, max_batch: int | None = None) -> None:
+    def __init__(self, config: SchedulerConfig) -> None:
+        algorithm = config.speculative_algorithm
         if algorithm not in DRAFTERS:
             raise ValueError(f"speculative_algorithm must be one of {tuple(DRAFTERS)}, "
                              f"got {algorithm!r}")
-        self.propose = DRAFTERS[algorithm](min_window, max_window)
-        self.num_draft_tokens = num_draft_tokens
-        self.max_rows = max_rows
-        self.max_batch = max_batch  # draft only while at most this many requests run (None: any)
+        self.drafter = DRAFTERS[algorithm](config)
+        self.num_draft_tokens = config.speculative_num_draft_tokens
+        self.max_rows = config.max_running_requests
+        # draft only while at most this many requests run (None: any)
+        self.max_batch = config.speculative_max_batch
         self.row_cost, self.row_cost_slope = ROW_COST, ROW_COST_SLOPE
 
     def row_cost_at(self, batch: int) -> float:
         """A verify row's cost relative to a sequence's share of a `batch`-sequence step."""
         return min(ROW_COST_MAX, self.row_cost + self.row_cost_slope * (batch - 1))
+
+    def finished(self, req: Req) -> None:
+        self.drafter.finished(req)
 
     @staticmethod
     def eligible(req: Req) -> bool:
@@ -178,6 +234,7 @@ class Speculator:
     def drafts(self, running: Sequence[Req]) -> dict[int, list[int]]:
         """Drafts (by id(req)) for this step's requests, within the step's row budget; none
         while more than max_batch requests run."""
+        self.drafter.observe(running)
         if self.max_batch is not None and len(running) > self.max_batch:
             return {}
         spare = self.max_rows - len(running)
@@ -196,7 +253,7 @@ class Speculator:
             if k == 0:
                 req.spec.accept_rate += ACCEPT_RECOVERY * (ACCEPT_PRIOR - rate)
                 continue
-            draft = self.propose(req, k)
+            draft = self.drafter.propose(req, k)
             if draft:
                 out[id(req)] = draft
                 spare -= len(draft)

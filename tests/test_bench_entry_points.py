@@ -1,5 +1,5 @@
 """The supported bench entry points that drive servers, each run in a tiny mode on a tiny random
-checkpoint: `bench.serving` (its three comparisons), `bench.structured`, `bench.reliability` and
+checkpoint: `bench.serving` (its four comparisons), `bench.structured`, `bench.reliability` and
 `bench.agent_loop --mixed-batch`. (`bench.executor`: tests/test_bench_executor.py; the rest of
 `bench.agent_loop`: tests/test_agent_loop.py; `bench.accelerator`:
 tests/test_random_checkpoint.py.)"""
@@ -49,6 +49,20 @@ def test_serving_compares_overlap_on_and_off(model, tmp_path):
         (c, name) for c in (1, 2) for name in ("overlap", "serial")}
     assert set(result["summary"]) == {"1", "2"}
     assert all(s["overlap_over_serial_median"] > 0 for s in result["summary"].values())
+
+
+@pytest.mark.slow
+def test_serving_compares_the_server_with_its_executor(model, tmp_path):
+    from sgl_tpu.bench import serving
+
+    out = tmp_path / "gap.json"
+    serving.main(["--compare", "gap", "--model-path", model, "--concurrency", "1", "3",
+                  "--rounds", "1", "--prompt-tokens", "16", "--output-tokens", "4",
+                  f"--server-flags={SERVER_FLAGS}", "--output", str(out)])
+    result = json.loads(out.read_text())
+    assert {(r["concurrency"], r["config"], r["requests"]) for r in result["runs"]} == {
+        (c, name, c) for c in (1, 3) for name in ("server", "engine")}
+    assert all(s["server_over_engine_median"] > 0 for s in result["summary"].values())
 
 
 @pytest.mark.slow

@@ -27,7 +27,9 @@ from sgl_tpu.executor.step import ForwardMode
 from sgl_tpu.scheduler.ngram import NgramIndex
 from sgl_tpu.scheduler.speculative import (
     ROW_COST_MAX,
+    STEP_MIN,
     Speculator,
+    StepCosts,
     accept,
     choose_num_draft,
     expected_kept,
@@ -133,6 +135,20 @@ def test_accept_and_draft_length_rule():
     assert spec.row_cost_at(1) < spec.row_cost_at(8) <= ROW_COST_MAX == spec.row_cost_at(64)
 
 
+def test_step_costs_measure_a_rows_cost():
+    costs = StepCosts()
+    for i in range(STEP_MIN - 1):  # steps of 8..12 rows, 20 ms + 3 ms per row
+        costs.record(8 + i % 5, 0.020 + 0.003 * (8 + i % 5))
+    assert costs.row_cost(8) is None  # not fitted yet
+    costs.record(8, 0.044)
+    assert costs.row_cost(8) == pytest.approx(0.003 * 8 / 0.044)
+    assert costs.row_cost(1) == pytest.approx(0.003 / 0.023)
+    flat = StepCosts()  # one row count only: no slope to read
+    for _ in range(2 * STEP_MIN):
+        flat.record(8, 0.05)
+    assert flat.row_cost(8) is None
+
+
 def test_config_validation_and_cli():
     from sgl_tpu.choices import check_registry_names
     from sgl_tpu.cli import parse_args
@@ -196,6 +212,7 @@ def _spec_scheduler(num_pages: int = 64, max_running: int = 8, draft: int = 4,
     sched = Scheduler(cfg, runner, num_pages=num_pages, decode=lambda ids, skip: "",
                       eos_token_ids=(), vocab_size=1000)
     sched.speculator.row_cost = sched.speculator.row_cost_slope = 0.0
+    sched.speculator.step_costs = None
     return sched, runner
 
 
@@ -290,6 +307,7 @@ def engine(tmp_path_factory):
                  speculative_algorithm="SUFFIX", speculative_num_draft_tokens=4)
     spec = eng.scheduler.speculator
     spec.row_cost = spec.row_cost_slope = 0.0  # draft whenever the n-grams match (coverage)
+    spec.step_costs = None
     yield eng
     eng.shutdown()
 
@@ -441,6 +459,7 @@ def test_jax_backend_greedy_identical(tmp_path_factory):
                  speculative_algorithm="NGRAM", speculative_num_draft_tokens=3)
     try:
         eng.scheduler.speculator.row_cost = eng.scheduler.speculator.row_cost_slope = 0.0
+        eng.scheduler.speculator.step_costs = None
         prompts = _prompts(eng, 2, seed=5)
         params = [{"temperature": 0, "max_new_tokens": 24, "ignore_eos": True},
                   {"temperature": 0.7, "seed": 3, "max_new_tokens": 24, "ignore_eos": True}]

@@ -59,7 +59,8 @@ from typing import Any
 
 from sgl_tpu.bench.random_checkpoint import write_shape, write_weights
 from sgl_tpu.bench.report import emit, model_label
-from sgl_tpu.bench.serving import summarize_overlap
+from sgl_tpu.bench.serving import OVERLAP_CONFIGS
+from sgl_tpu.bench.serving import summarize as summarize_streams
 
 PARTS = ("executor", "servers", "profile", "host")
 HOST_MODEL = "host_model"  # in --out-dir: the `host` part's minimal model
@@ -183,7 +184,8 @@ def summarize(backend: str, parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for part, key in (("servers", "server_output_tok_per_s"),
                       ("host", "host_ceiling_output_tok_per_s")):
         out = parts.get(part, {}).get("json", {})
-        summary = out.get("summary") or summarize_overlap(out.get("runs", []))
+        summary = out.get("summary") or summarize_streams(out.get("runs", []),
+                                                          tuple(OVERLAP_CONFIGS))
         row[key] = {f"{c} streams": {"overlap": s.get("overlap_output_tok_per_s"),
                                      "serial": s.get("serial_output_tok_per_s"),
                                      "client_busy_max": s.get("client_busy_max")}

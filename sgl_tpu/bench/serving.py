@@ -8,6 +8,8 @@ reported as ratios (the machine is shared; absolute numbers drift).
         [--prompt-tokens 128] [--output-tokens 64] [--client-procs 1] [--engine]
         [--server-flags "--torch-threads 1"] [--output FILE]
     python -m sgl_tpu.bench.serving --compare restart [--prefix-tokens 4096] [--output FILE]
+    python -m sgl_tpu.bench.serving --compare gap [--concurrency 1 8 32] [--rounds 3]
+        [--prompt-tokens 128] [--output-tokens 64] [--server-flags "..."] [--output FILE]
 
 `--compare cache` (the default): `cache` (default flags) against `nocache`
 (`--disable-radix-cache`), one server after the other, each warmed with one request, then the
@@ -31,6 +33,13 @@ compute thread. Summary per concurrency: each loop's median output tok/s and ove
 prompt (`warm_restart`: its prefix read from disk). Each server first runs another short prompt,
 so neither measurement includes compilation. Ratio: TTFT cold / warm_restart.
 
+`--compare gap`: the server against its own executor. `server` is a server of the given flags
+(HTTP streams through the tokenizer and detokenizer processes); `engine` is an in-process
+`Engine` of the same flags in the bench process (the same scheduler and runner, no HTTP, no
+processes around it). Both are up at once (only one runs at a time) and warmed with every
+concurrency's batch; the rounds are those of `--compare overlap`. Summary per concurrency: each
+side's median output tok/s and server/engine (1.0: the server costs nothing).
+
 `--client-procs N` spreads the streams over N client processes (where one would cap what it
 measures; each run reports the clients' CPU per token and `client_busy`).
 """
@@ -44,6 +53,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from sgl_tpu.bench.http_load import Server, make_workload, run_workload
@@ -85,17 +95,46 @@ def compare_cache(args: argparse.Namespace, base: list[str], vocab: int) -> dict
     return {"runs": runs, "ratios": ratios}
 
 
-def compare_overlap(args: argparse.Namespace, base: list[str], vocab: int) -> dict:
-    """Overlap scheduling on against off: every run and the summary per concurrency."""
+def _random_streams(args: argparse.Namespace, vocab: int) -> Workload:
+    """(clients, seed) -> one random prompt of --prompt-tokens per client."""
 
     def workload(clients: int, seed: int) -> list[list[list[int]]]:
         shape = argparse.Namespace(clients=clients, requests_per_client=1, question_tokens=0,
                                    prefix_tokens=args.prompt_tokens)
         return make_workload("random", shape, vocab, seed)
 
+    return workload
+
+
+def compare_overlap(args: argparse.Namespace, base: list[str], vocab: int) -> dict:
+    """Overlap scheduling on against off: every run and the summary per concurrency."""
     run = _overlap_engine if args.engine else _overlap_servers
-    runs = run(args, base, workload)
-    return {"runs": runs, "summary": summarize_overlap(runs)}
+    runs = run(args, base, _random_streams(args, vocab))
+    return {"runs": runs, "summary": summarize(runs, tuple(OVERLAP_CONFIGS))}
+
+
+def compare_gap(args: argparse.Namespace, base: list[str], vocab: int) -> dict:
+    """The server against an in-process Engine of the same flags: every run and the summary
+    per concurrency."""
+    workload = _random_streams(args, vocab)
+    logs = Path(tempfile.mkdtemp(prefix="sgl_tpu_bench_gap_"))
+    server = Server(base, str(logs / "server.log"))
+    engine = None
+    try:
+        server.wait_ready()
+        engine = _engine(args, base)
+        for c in args.concurrency:  # every decode batch shape once, on both
+            asyncio.run(run_workload(server.url, workload(c, 10_000 + c), 4))
+            _engine_run(engine, workload(c, 10_000 + c), 4)
+        sides = {"server": lambda clients: asyncio.run(run_workload(
+                     server.url, clients, args.output_tokens, args.client_procs)),
+                 "engine": lambda clients: _engine_run(engine, clients, args.output_tokens)}
+        runs = _rounds(args, workload, sides)
+    finally:
+        server.stop()
+        if engine is not None:
+            engine.shutdown()
+    return {"runs": runs, "summary": summarize(runs, ("server", "engine"))}
 
 
 def compare_restart(args: argparse.Namespace, base: list[str], vocab: int) -> dict:
@@ -138,22 +177,23 @@ def _wait_disk_written(url: str, timeout: float = 120.0) -> None:
     raise TimeoutError("the disk tier still has queued pages")
 
 
-def summarize_overlap(runs: list[dict]) -> dict[str, dict]:
-    """Per concurrency level: the median output tok/s of each loop, overlap/serial of every
+def summarize(runs: list[dict], names: tuple[str, str]) -> dict[str, dict]:
+    """Per concurrency level: the median output tok/s of each side, first/second of every
     round that ran both (a run cut short has fewer), their median, and the busiest client
     process's share of a core (servers only; near 1: the clients, not the server, set the
-    pace). Levels and loops without a run are left out."""
+    pace). Levels and sides without a run are left out."""
+    first, second = names
     summary: dict[str, dict] = {}
     for c in dict.fromkeys(r["concurrency"] for r in runs):
         by = {(r["round"], r["config"]): r for r in runs if r["concurrency"] == c}
         rounds = sorted(dict.fromkeys(rnd for rnd, _ in by))
-        row = {f"{name}_output_tok_per_s": statistics.median(tput) for name in OVERLAP_CONFIGS
+        row = {f"{name}_output_tok_per_s": statistics.median(tput) for name in names
                if (tput := [by[rnd, name]["output_tok_per_s"] for rnd in rounds
                             if (rnd, name) in by])}
-        ratios = [by[rnd, "overlap"]["output_tok_per_s"] / by[rnd, "serial"]["output_tok_per_s"]
-                  for rnd in rounds if (rnd, "overlap") in by and (rnd, "serial") in by]
+        ratios = [by[rnd, first]["output_tok_per_s"] / by[rnd, second]["output_tok_per_s"]
+                  for rnd in rounds if (rnd, first) in by and (rnd, second) in by]
         if ratios:
-            row["overlap_over_serial_median"] = round(statistics.median(ratios), 3)
+            row[f"{first}_over_{second}_median"] = round(statistics.median(ratios), 3)
             row["per_round"] = [round(x, 3) for x in ratios]
         busy = [r["client_busy"] for r in by.values() if "client_busy" in r]
         if busy:
@@ -162,19 +202,19 @@ def summarize_overlap(runs: list[dict]) -> dict[str, dict]:
     return summary
 
 
-def _overlap_rounds(args: argparse.Namespace, workload: Workload,
-                    send: Callable[[str, list], dict]) -> list[dict]:
-    """`send(config, clients) -> metrics` for every round, concurrency and config (in
+def _rounds(args: argparse.Namespace, workload: Workload,
+            sides: dict[str, Callable[[list], dict]]) -> list[dict]:
+    """`sides[name](clients) -> metrics` for every round, concurrency and side (in
     alternating order)."""
     runs = []
     for rnd in range(args.rounds):
         for c in args.concurrency:
-            order = list(OVERLAP_CONFIGS)
+            order = list(sides)
             if (rnd + c) % 2:
                 order.reverse()
             for name in order:
                 r = {"round": rnd, "concurrency": c, "config": name,
-                     **send(name, workload(c, rnd * 100 + c))}
+                     **sides[name](workload(c, rnd * 100 + c))}
                 runs.append(r)
                 print(json.dumps(r), flush=True)
     return runs
@@ -190,39 +230,52 @@ def _overlap_servers(args: argparse.Namespace, base: list[str], workload: Worklo
             server.wait_ready()
             for c in args.concurrency:  # every decode batch shape once
                 asyncio.run(run_workload(server.url, workload(c, 10_000 + c), 4))
-        return _overlap_rounds(args, workload, lambda name, clients: asyncio.run(
-            run_workload(servers[name].url, clients, args.output_tokens, args.client_procs)))
+        return _rounds(args, workload, {name: partial(_stream, servers[name].url, args)
+                                        for name in servers})
     finally:
         for server in servers.values():
             server.stop()
 
 
-def _overlap_engine(args: argparse.Namespace, base: list[str], workload: Workload
-                    ) -> list[dict]:
+def _stream(url: str, args: argparse.Namespace, clients: list[list[list[int]]]) -> dict:
+    return asyncio.run(run_workload(url, clients, args.output_tokens, args.client_procs))
+
+
+def _engine(args: argparse.Namespace, flags: list[str]):
+    """An in-process Engine of the server flags `flags`."""
     from sgl_tpu.cli import parse_args
     from sgl_tpu.engine import Engine
 
-    kwargs = {k: v for k, v in vars(parse_args(base + OVERLAP_CONFIGS["overlap"])).items()
-              if k != "model_path"}
-    engine = Engine(args.model_path, **kwargs)
-    sp = {"temperature": 0, "max_new_tokens": args.output_tokens, "ignore_eos": True}
+    kwargs = {k: v for k, v in vars(parse_args(flags)).items() if k != "model_path"}
+    return Engine(args.model_path, **kwargs)
 
-    def send(name: str, clients: list[list[list[int]]]) -> dict:
-        engine.scheduler.overlap = name == "overlap"
+
+def _engine_run(engine, clients: list[list[list[int]]], output_tokens: int) -> dict:
+    """Every client's prompts at once through `engine` (greedy, fixed length)."""
+    sp = {"temperature": 0, "max_new_tokens": output_tokens, "ignore_eos": True}
+    prompts = [p for c in clients for p in c]
+    t0 = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=sp)
+    wall = time.perf_counter() - t0
+    gen = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    return {"requests": len(prompts), "wall_s": round(wall, 2),
+            "output_tok_per_s": round(gen / wall, 1)}
+
+
+def _overlap_engine(args: argparse.Namespace, base: list[str], workload: Workload
+                    ) -> list[dict]:
+    engine = _engine(args, base + OVERLAP_CONFIGS["overlap"])
+
+    def side(overlap: bool, clients: list[list[list[int]]]) -> dict:
+        engine.scheduler.overlap = overlap
         engine.scheduler.flush_cache()
-        prompts = [p for c in clients for p in c]
-        t0 = time.perf_counter()
-        outs = engine.generate(input_ids=prompts, sampling_params=sp)
-        wall = time.perf_counter() - t0
-        gen = sum(o["meta_info"]["completion_tokens"] for o in outs)
-        return {"requests": len(prompts), "wall_s": round(wall, 2),
-                "output_tok_per_s": round(gen / wall, 1)}
+        return _engine_run(engine, clients, args.output_tokens)
 
     try:
         for c in args.concurrency:
-            engine.generate(input_ids=[p for cl in workload(c, 10_000 + c) for p in cl],
-                            sampling_params={**sp, "max_new_tokens": 4})
-        return _overlap_rounds(args, workload, send)
+            _engine_run(engine, workload(c, 10_000 + c), 4)
+        return _rounds(args, workload, {"overlap": partial(side, True),
+                                        "serial": partial(side, False)})
     finally:
         engine.shutdown()
 
@@ -243,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--prefix-tokens", type=int, default=1000)
     cache.add_argument("--question-tokens", type=int, default=50)
     cache.add_argument("--workloads", default="shared,random")
-    overlap = p.add_argument_group("--compare overlap")
+    overlap = p.add_argument_group("--compare overlap and gap")
     overlap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     overlap.add_argument("--rounds", type=int, default=3)
     overlap.add_argument("--prompt-tokens", type=int, default=128)
@@ -265,7 +318,8 @@ def main(argv: list[str] | None = None) -> None:
     emit({"args": vars(args), **compare(args, base, vocab)}, args.output)
 
 
-COMPARES = {"cache": compare_cache, "overlap": compare_overlap, "restart": compare_restart}
+COMPARES = {"cache": compare_cache, "overlap": compare_overlap, "restart": compare_restart,
+            "gap": compare_gap}
 
 if __name__ == "__main__":
     main()

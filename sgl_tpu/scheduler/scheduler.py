@@ -287,7 +287,10 @@ class Scheduler:
         """Wait for `decode`'s tokens and append them; rows of requests that ended while it
         was in flight (overlap: one step late) are discarded."""
         result = decode.step.result()
-        self.stats.count_decode(time.perf_counter() - decode.dispatched_at)
+        seconds = time.perf_counter() - decode.dispatched_at
+        self.stats.count_decode(seconds)
+        if self.speculator is not None:
+            self.speculator.record_step(sum(1 + len(d) for _, d, _ in decode.batch), seconds)
         outputs = []
         for req, draft, row in decode.batch:
             if req.finished:

@@ -45,6 +45,7 @@ rate, beats k * row_cost.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,12 @@ from sgl_tpu.scheduler.suffix import SuffixTree
 ROW_COST = 0.35
 ROW_COST_SLOPE = 0.05
 ROW_COST_MAX = 0.5
+# Once the scheduler has timed enough DECODE steps of different row counts (StepCosts), the
+# measured cost replaces that model: the last STEP_WINDOW steps, at least STEP_MIN of them,
+# spanning at least STEP_MIN_SPREAD rows.
+STEP_WINDOW = 256
+STEP_MIN = 32
+STEP_MIN_SPREAD = 3
 # A new request's assumed per-token acceptance rate: near what the agent-loop workloads
 # measured (react 71%, tool-json 83%), so that drafting is tried even in larger batches.
 ACCEPT_PRIOR = 0.7
@@ -84,6 +91,36 @@ class SpecState:
 
     accept_rate: float = ACCEPT_PRIOR
     drafter: Any = None  # the drafter's own state (NGRAM: the request's NgramIndex)
+
+
+class StepCosts:
+    """DECODE step time against the step's rows, as measured: a least-squares line
+    seconds = fixed + per_row * rows through the last STEP_WINDOW steps. A verify row of a
+    `batch`-sequence step then costs per_row / ((fixed + per_row * batch) / batch) of a
+    sequence's share. The line is refitted every STEP_MIN steps."""
+
+    def __init__(self) -> None:
+        self.steps: deque[tuple[int, float]] = deque(maxlen=STEP_WINDOW)
+        self.line: tuple[float, float] | None = None  # (fixed, per_row) seconds
+        self._since_fit = 0
+
+    def record(self, rows: int, seconds: float) -> None:
+        self.steps.append((rows, seconds))
+        self._since_fit += 1
+        if self._since_fit >= STEP_MIN:
+            self._since_fit = 0
+            rows_seen = [r for r, _ in self.steps]
+            if max(rows_seen) - min(rows_seen) >= STEP_MIN_SPREAD:
+                per_row, fixed = np.polyfit(rows_seen, [t for _, t in self.steps], 1)
+                self.line = (float(fixed), max(0.0, float(per_row)))
+
+    def row_cost(self, batch: int) -> float | None:
+        """A verify row's cost relative to a sequence's share; None before the first fit."""
+        if self.line is None:
+            return None
+        fixed, per_row = self.line
+        step = fixed + per_row * batch
+        return per_row * batch / step if step > 0 else None
 
 
 class NgramDrafter:
@@ -214,10 +251,20 @@ class Speculator:
         # draft only while at most this many requests run (None: any)
         self.max_batch = config.speculative_max_batch
         self.row_cost, self.row_cost_slope = ROW_COST, ROW_COST_SLOPE
+        self.step_costs: StepCosts | None = StepCosts()  # None: the constants only
 
     def row_cost_at(self, batch: int) -> float:
-        """A verify row's cost relative to a sequence's share of a `batch`-sequence step."""
+        """A verify row's cost relative to a sequence's share of a `batch`-sequence step:
+        measured once enough steps were timed, else the constants' model."""
+        measured = None if self.step_costs is None else self.step_costs.row_cost(batch)
+        if measured is not None:
+            return measured
         return min(ROW_COST_MAX, self.row_cost + self.row_cost_slope * (batch - 1))
+
+    def record_step(self, rows: int, seconds: float) -> None:
+        """A DECODE step of `rows` rows took `seconds` (dispatch to tokens on the host)."""
+        if self.step_costs is not None:
+            self.step_costs.record(rows, seconds)
 
     def finished(self, req: Req) -> None:
         self.drafter.finished(req)

@@ -3,6 +3,7 @@ and dtype.
 
     python -m sgl_tpu.bench.executor [--backends torch,jax] [--dtypes float32,bfloat16]
         [--prefill 128,512,2048] [--decode-batches 1,8,32,64] [--context 256] [--repeats 3]
+        [--shared-prefix 0] [--kv-cache-dtype auto]
         [--torch-compile auto|on|off] [--torch-threads N] [--sampling greedy,sampled]
         [--torch-decode-paths packing,static] [--count-calls] [--quantization auto]
         [--attention-backend auto|ref|gathered|torch-sdpa|torch-cpu-fused|...]
@@ -10,7 +11,11 @@ and dtype.
 
 Runs the real step (paged KV, bucketed shapes, sampler) of each backend on the default model
 (or `--model-path`), compiles each shape once before timing, reports the best of `--repeats`
-runs, and prints one JSON object. Compare backends/dtypes/sizes as ratios within one run: the
+runs, and prints one JSON object. Decode rows have `--context` tokens of context each, of which
+the first `--shared-prefix` are the same pages in every sequence (an agent batch), and report
+the KV bytes a step must read at least (`kv_mb_per_step`: the shared pages once) over the
+median step time (`kv_gb_per_s_over_step`: against the host's memory bandwidth, how near the
+step is to attention's floor). Compare backends/dtypes/sizes as ratios within one run: the
 machine is shared. `--sampling` lists the decode modes: `greedy` (temperature 0), `sampled`
 (temperature 0.7, top-p 0.9, a seed per sequence; no log-probs asked), `top-k` (the same
 with top-k 40) and `temperature` (1.0, no truncation); with several, their decode steps
@@ -87,7 +92,8 @@ def run(args: argparse.Namespace, step_probes: dict[str, StepProbe] | None = Non
                                backend=backend, torch_compile=args.torch_compile,
                                torch_threads=args.torch_threads,
                                quantization=args.quantization,
-                               attention_backend=args.attention_backend)
+                               attention_backend=args.attention_backend,
+                               kv_cache_dtype=args.kv_cache_dtype)
             rcfg = runner_config(sargs, cfg.context_len)
             paths = {"": create_model_runner(cfg, loaded.params, _decode_path(rcfg, "packing"))}
             # (mixture-of-experts layers have no static step: they route on the host)
@@ -113,7 +119,8 @@ def run(args: argparse.Namespace, step_probes: dict[str, StepProbe] | None = Non
                 tokens = rng.integers(0, cfg.vocab_size, b)  # the same inputs in every mode
                 fns = {}
                 for mode in modes:
-                    steps = make_steps(b, 1, args.context, ps, rng, cfg.vocab_size, mode)
+                    steps = make_steps(b, 1, args.context, ps, rng, cfg.vocab_size, mode,
+                                       shared=args.shared_prefix)
                     for st, tok in zip(steps, tokens, strict=True):
                         st.token_ids = [int(tok)]
                     for path, path_runner in paths.items():
@@ -124,10 +131,15 @@ def run(args: argparse.Namespace, step_probes: dict[str, StepProbe] | None = Non
                     for mode in modes:
                         key = path + mode
                         t, med = min(times[key]), statistics.median(times[key])
+                        kv = kv_bytes_read(cfg, rcfg.kv_dtype, b, args.context + 1,
+                                           args.shared_prefix)
                         row = {**tag, "phase": "decode", "batch": b, "context": args.context,
+                               "shared_prefix": args.shared_prefix,
                                "decode_path": path.rstrip("-") or "packing", "sampling": mode,
                                "step_ms": round(1e3 * t, 2), "median_ms": round(1e3 * med, 2),
-                               "tok_per_s": round(b / t, 1)}
+                               "tok_per_s": round(b / t, 1),
+                               "kv_mb_per_step": round(kv / 1e6, 2),
+                               "kv_gb_per_s_over_step": round(kv / 1e9 / med, 2)}
                         if mode != modes[0]:
                             row[f"median_over_{modes[0]}"] = round(
                                 med / statistics.median(times[path + modes[0]]), 3)
@@ -142,6 +154,16 @@ def run(args: argparse.Namespace, step_probes: dict[str, StepProbe] | None = Non
                         results["runs"].append(row)
                         print(json.dumps(row), flush=True)
     return results
+
+
+KV_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float8_e5m2": 1}
+
+
+def kv_bytes_read(cfg, kv_dtype: str, batch: int, context: int, shared: int) -> int:
+    """The KV bytes a decode step must read at least: every layer's K and V of each
+    sequence's `context` tokens, the `shared` prefix once for the whole batch."""
+    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * KV_ELEMENT_BYTES[kv_dtype]
+    return per_token * (shared + batch * (context - shared))
 
 
 def _decode_path(rcfg, path: str):
@@ -189,6 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", default="128,512,2048")
     p.add_argument("--decode-batches", default="1,8,32,64")
     p.add_argument("--context", type=int, default=256)
+    p.add_argument("--shared-prefix", type=int, default=0,
+                   help="decode rows: tokens of the context every sequence shares (whole "
+                        "pages; agents forking one prompt)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="as the server's flag")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sampling", default="greedy",
                    help="decode modes, comma list of " + "/".join(SAMPLING))

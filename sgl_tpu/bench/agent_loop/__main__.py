@@ -45,7 +45,7 @@ from sgl_tpu.bench.agent_loop.mixed import (
 )
 from sgl_tpu.bench.agent_loop.runner import ProgramRunner, RunOptions
 from sgl_tpu.bench.agent_loop.table import format_table
-from sgl_tpu.bench.agent_loop.targets import RunningTarget, TargetSpec, parse_target
+from sgl_tpu.bench.agent_loop.targets import PEERS, RunningTarget, TargetSpec, parse_target
 from sgl_tpu.bench.agent_loop.trace import Trace
 from sgl_tpu.bench.agent_loop.workloads import (
     WORKLOADS,
@@ -202,8 +202,11 @@ async def run_groups(url: str, spec: TargetSpec, groups: list[Group], tokenizer:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     timeout = aiohttp.ClientTimeout(total=None, sock_read=1800)
-    async with aiohttp.ClientSession(timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+    # The llama.cpp servers close a connection idle for a few seconds (cpp-httplib's
+    # keep-alive), which races a pooled connection's reuse ("Can not write request body"):
+    # a new connection per request for them.
+    connector = aiohttp.TCPConnector(limit=0, force_close=spec.kind in PEERS)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         client = Client(session, url, DRIVERS[spec.api], opts, count_tokens,
                         api_key=args.api_key)
         return list(await asyncio.gather(*(

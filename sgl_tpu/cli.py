@@ -162,12 +162,13 @@ _HELP = {
                     "that cannot reach rank 0 exits with an error after this)",
     "speculative_algorithm": "speculative decoding: NGRAM drafts tokens from the request's "
                              "own prompt and output (agents copy tool outputs, JSON keys, "
-                             "code) and verifies them in the decode step; exact (greedy: the "
-                             "same output; sampling: the same distribution, with a seed the "
-                             "same output). auto (default): NGRAM on the torch backend on a "
-                             "CPU while at most 2 requests decode (each request drafts only "
-                             "while its acceptance rate pays for the extra rows); off "
-                             "elsewhere. none: off",
+                             "code), SUFFIX also from the outputs of recent requests (agents "
+                             "repeat each other's tool calls); drafts are verified in the "
+                             "decode step, exactly (greedy: the same output; sampling: the "
+                             "same distribution, with a seed the same output). auto "
+                             "(default): SUFFIX on the torch backend on a CPU (each request "
+                             "drafts only while its acceptance rate pays for the extra rows, "
+                             "at the row cost measured on this host); off elsewhere. none: off",
     "speculative_num_draft_tokens": "most draft tokens per request and decode step (fewer "
                                     "while its acceptance rate is low)",
     "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix of the context matched",

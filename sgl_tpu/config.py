@@ -324,8 +324,9 @@ class ServerArgs:
     # Speculative decoding (SGLang's flags): "NGRAM" drafts up to speculative_num_draft_tokens
     # tokens per request and step from the request's own context (its last n tokens, n from
     # the max down to the min window, matched earlier in it) and verifies them in the decode
-    # step (scheduler/speculative.py). "auto": NGRAM for small decode batches where it is
-    # measured to pay (executor/registry.py resolve_speculation); "none" or None: off.
+    # step (scheduler/speculative.py); "SUFFIX" also drafts from recent requests' outputs.
+    # "auto": SUFFIX on CPUs, drafting while the measured row cost pays
+    # (executor/registry.py resolve_speculation); "none" or None: off.
     speculative_algorithm: str | None = "auto"
     speculative_num_draft_tokens: int = 4
     speculative_ngram_min_match_window_size: int = 1

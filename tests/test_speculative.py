@@ -169,11 +169,11 @@ def test_config_validation_and_cli():
     assert parse_args([]).speculative_algorithm == "auto"
 
 
-def test_auto_speculation_resolves_to_small_cpu_batches_only():
-    from sgl_tpu.executor.registry import AUTO_SPECULATIVE_MAX_BATCH, resolve_speculation
+def test_auto_speculation_resolves_to_suffix_on_cpus_only():
+    from sgl_tpu.executor.registry import resolve_speculation
 
     auto = ServerArgs(device="cpu")
-    assert resolve_speculation(auto, "torch", False) == ("NGRAM", AUTO_SPECULATIVE_MAX_BATCH)
+    assert resolve_speculation(auto, "torch", False) == ("SUFFIX", None)
     # off where overlap scheduling runs, on the JAX runner, in deterministic mode, or asked off
     assert resolve_speculation(auto, "torch", True) == (None, None)
     assert resolve_speculation(auto, "jax", False) == (None, None)

@@ -99,23 +99,17 @@ def resolve_overlap_schedule(args: ServerArgs, backend: str) -> bool:
     return platform(backend).overlap_default(args)
 
 
-# --speculative-algorithm auto drafts (NGRAM) only while at most this many requests decode. On
-# the 2-core CPU (default model, float32 kernels, 1,300-token contexts;
-# benchmarks/results/speculative_rows_f32.json) a
-# verify row costs 0.25-0.4 of the step at 1 and 2 sequences, which the agent-loop workloads'
-# acceptance (40% on a single react answer, 71-83% with 8 agents) pays for or the draft rule
-# stops drafting; with 8 agents drafting did not raise programs/s
-# (docs/speculative-decoding.md).
-AUTO_SPECULATIVE_MAX_BATCH = 2
-
-
 def resolve_speculation(args: ServerArgs, backend: str, overlap_schedule: bool
                         ) -> tuple[str | None, int | None]:
     """--speculative-algorithm -> (drafter name or None, the largest decode batch that drafts or
-    None for any). auto: NGRAM up to AUTO_SPECULATIVE_MAX_BATCH requests on the torch backend
-    on a CPU; off elsewhere: accelerators run overlap scheduling, which speculation excludes
-    (a draft needs the previous step's token), the JAX runner pads a verify's rows to its
-    compiled buckets, and --enable-deterministic-inference keeps plain steps."""
+    None for any). auto: SUFFIX on the torch backend on a CPU, at any batch size: each request
+    drafts only while its acceptance rate pays for the rows, at the row cost the scheduler
+    measures (speculative.py StepCosts; on a 2-core AVX2 CPU, where a row costs about a
+    sequence's share at 8 sequences, drafting at 8 agents was measured neutral:
+    docs/speculative-decoding.md). Off elsewhere: accelerators run overlap scheduling, which
+    speculation excludes (a draft needs the previous step's token), the JAX runner pads a
+    verify's rows to its compiled buckets, and --enable-deterministic-inference keeps plain
+    steps."""
     algorithm = args.speculative_algorithm
     if algorithm in (None, "none"):
         return None, None
@@ -124,7 +118,7 @@ def resolve_speculation(args: ServerArgs, backend: str, overlap_schedule: bool
     if backend != "torch" or overlap_schedule or args.enable_deterministic_inference \
             or _torch_device_type(args) != "cpu":
         return None, None
-    return "NGRAM", AUTO_SPECULATIVE_MAX_BATCH
+    return "SUFFIX", None
 
 
 def _is_gguf_checkpoint(model_path: str | None) -> bool:

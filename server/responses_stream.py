@@ -31,6 +31,23 @@ from sgl_tpu.server.responses_protocol import (
 )
 
 
+def _split_after(entries: list[dict[str, Any]], delta: str
+                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """`entries` (log-probs of the tokens behind a text `delta`, and maybe more) split into
+    those that wrote up to the end of `delta` and those after it: one decode step can emit
+    the last text token and the EOS (or a trimmed stop) together, and the tokens after the
+    text wait, as tokens that wrote no text do, for text that may never come."""
+    start = "".join(e["token"] for e in entries).find(delta)
+    if start < 0:
+        return entries, []
+    end, at = start + len(delta), 0
+    for i, e in enumerate(entries):
+        if at >= end:
+            return entries[:i], entries[i:]
+        at += len(e["token"])
+    return entries, []
+
+
 class ResponseEvents:
     """Turns one choice's chat chunks into Responses events; `response` is the in-progress
     response object (no output yet), completed by `finish`; `count_reasoning` gives the
@@ -115,7 +132,8 @@ class ResponseEvents:
 
     def _text(self, delta: str, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         item, events = self._message()
-        logprobs, self._pending_logprobs = self._pending_logprobs + logprobs, []
+        logprobs, self._pending_logprobs = _split_after(self._pending_logprobs + logprobs,
+                                                        delta)
         item["content"][0]["text"] += delta
         item["content"][0]["logprobs"] += logprobs
         events.append(self._event("response.output_text.delta", item_id=item["id"],

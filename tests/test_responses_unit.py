@@ -254,15 +254,19 @@ def test_stream_logprobs_go_with_the_text_deltas():
 
     events = ResponseEvents({"id": "resp_3"}, count_reasoning=lambda items: 7)
     out = events.start()
+    # "\ufffd": a token that wrote no text yet (half a character); the last chunk's step
+    # wrote " ok" and the EOS (a speculative step can accept both)
     for c in [with_lp({"reasoning_content": "hm"}, "hm"), with_lp({"content": ""}, "He"),
               with_lp({"content": "Hello"}, "llo"), with_lp({"content": "!"}, "!"),
-              with_lp({"content": ""}, "<eos>"), chunk(finish="stop"),
+              with_lp({"content": ""}, "\ufffd"), with_lp({"content": " ok"}, " ok", "<eos>"),
+              chunk(finish="stop"),
               chunk(usage={"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6})]:
         out += events.feed(c)
     closing, final = events.finish()
     deltas = [e for e in out if e["type"] == "response.output_text.delta"]
-    assert [[x["token"] for x in e["logprobs"]] for e in deltas] == [["He", "llo"], ["!"]]
+    assert [[x["token"] for x in e["logprobs"]] for e in deltas] == [
+        ["He", "llo"], ["!"], ["\ufffd", " ok"]]
     done = next(e for e in closing if e["type"] == "response.output_text.done")
-    assert [x["token"] for x in done["logprobs"]] == ["He", "llo", "!"]
+    assert [x["token"] for x in done["logprobs"]] == ["He", "llo", "!", "\ufffd", " ok"]
     assert final["output"][1]["content"][0]["logprobs"] == done["logprobs"]
     assert final["usage"]["output_tokens_details"] == {"reasoning_tokens": 7}

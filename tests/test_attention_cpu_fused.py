@@ -254,6 +254,41 @@ def test_decode_many_rows_share_a_prefix(window):
         assert (out[i : i + 1].double() - want).abs().max() < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("window,cap", [(None, None), (100, None), (None, 2.5)],
+                         ids=["plain", "window", "softcap"])
+def test_decode_shared_prefix_on_pages_of_16(dtype, window, cap):
+    """The kernel's decode call over a shared prefix on pages of 16 slots (a key tile's rows
+    consecutive in the pool, as the server's default page size lays them out) ending
+    mid-page; 7 forks x 3 group heads = 21 rows per shared item, own tails of 1 to 37 keys,
+    a window that hides part of the prefix, soft-cap."""
+    d, scale, kvh, group, page = 64, 0.125, 2, 3, 16
+    g = torch.Generator().manual_seed(5)
+    num_pages = 64
+    pool = SimpleNamespace(k=torch.randn(num_pages * page, kvh, d, generator=g).to(dtype),
+                           v=torch.randn(num_pages * page, kvh, d, generator=g).to(dtype))
+    free = (1 + torch.randperm(num_pages - 1, generator=g)).tolist()
+
+    def slots_on_new_pages(n: int) -> torch.Tensor:
+        pages = [free.pop() for _ in range(-(-n // page))]
+        return torch.cat([torch.arange(p * page, (p + 1) * page) for p in pages])[:n]
+
+    shared = slots_on_new_pages(327)
+    own_lens = [1, 6, 11, 16, 17, 30, 37]
+    own = torch.zeros(len(own_lens), max(own_lens), dtype=torch.int64)
+    for b, n in enumerate(own_lens):
+        own[b, :n] = slots_on_new_pages(n)
+    q = torch.randn(len(own_lens), kvh * group, d, generator=g).to(dtype)
+    out = cpu_extension.load().decode(
+        q, pool.k, pool.v, shared, own, torch.zeros(len(own_lens), dtype=torch.int64),
+        torch.tensor(own_lens), scale, window or 0, cap or 0.0)
+    for b, n in enumerate(own_lens):
+        slots = torch.cat([shared, own[b, :n]])
+        want = reference(q[b : b + 1], pool, slots, torch.tensor([len(slots) - 1]), scale,
+                         window, cap, group=group)
+        assert (out[b : b + 1].double() - want).abs().max() < TOL[dtype]
+
+
 def test_refuses_mixed_dtypes_other_than_float32_over_bfloat16():
     ext = cpu_extension.load()
     q32, pool32 = torch.zeros(1, 2, 16), torch.zeros(8, 1, 16)

@@ -230,21 +230,27 @@ def thinking_kwargs(reasoning: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"enable_thinking": False} if effort == "none" else None
 
 
+def token_span(entries: list[dict[str, Any]], text: str) -> tuple[int, int] | None:
+    """(first, last + 1): the log-prob entries whose tokens wrote `text`, found by its first
+    place in their joined token text; None where `text` is empty or not there."""
+    start = "".join(e["token"] for e in entries).find(text)
+    if not text or start < 0:
+        return None
+    end, at, wrote = start + len(text), 0, []
+    for i, e in enumerate(entries):
+        if at < end and at + len(e["token"]) > start:
+            wrote.append(i)
+        at += len(e["token"])
+    return wrote[0], wrote[-1] + 1
+
+
 def text_logprobs(entries: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
     """The chat path's per-token log-probs (every generated token: reasoning, text, call
     markup, stop) cut to the tokens that wrote `text`, found by its place in their text."""
     if not text:
         return []
-    joined = "".join(e["token"] for e in entries)
-    start = joined.find(text)
-    if start < 0:
-        return entries
-    end, out, at = start + len(text), [], 0
-    for e in entries:
-        if at < end and at + len(e["token"]) > start:
-            out.append(e)
-        at += len(e["token"])
-    return out
+    span = token_span(entries, text)
+    return entries if span is None else entries[span[0] : span[1]]
 
 
 def output_items(message: dict[str, Any], logprobs: list[dict[str, Any]] | None = None

@@ -12,7 +12,8 @@ each output item `response.output_item.added`, its content events (a message:
 new item (text after reasoning, a tool call after text) closes the previous one.
 
 With log-probs asked for, a chunk's log-probs go out with its text delta (those of a chunk
-that carries no text wait for the next text delta; those of reasoning or call chunks, and
+that carries no text, and those of a chunk's tokens after its text, wait for the next text
+delta; those of reasoning or call chunks, and
 those no text follows, such as EOS or a trimmed stop string, are dropped), and the message's
 `output_text` collects them all.
 """
@@ -27,25 +28,9 @@ from sgl_tpu.server.responses_protocol import (
     message_item,
     new_id,
     reasoning_item,
+    token_span,
     usage,
 )
-
-
-def _split_after(entries: list[dict[str, Any]], delta: str
-                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """`entries` (log-probs of the tokens behind a text `delta`, and maybe more) split into
-    those that wrote up to the end of `delta` and those after it: one decode step can emit
-    the last text token and the EOS (or a trimmed stop) together, and the tokens after the
-    text wait, as tokens that wrote no text do, for text that may never come."""
-    start = "".join(e["token"] for e in entries).find(delta)
-    if start < 0:
-        return entries, []
-    end, at = start + len(delta), 0
-    for i, e in enumerate(entries):
-        if at >= end:
-            return entries[:i], entries[i:]
-        at += len(e["token"])
-    return entries, []
 
 
 class ResponseEvents:
@@ -132,8 +117,12 @@ class ResponseEvents:
 
     def _text(self, delta: str, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         item, events = self._message()
-        logprobs, self._pending_logprobs = _split_after(self._pending_logprobs + logprobs,
-                                                        delta)
+        # one decode step can write the last text and the EOS (or a trimmed stop): the tokens
+        # after the delta's text wait, as tokens that wrote no text do, for text to come
+        pending = self._pending_logprobs + logprobs
+        span = token_span(pending, delta)
+        cut = len(pending) if span is None else span[1]
+        logprobs, self._pending_logprobs = pending[:cut], pending[cut:]
         item["content"][0]["text"] += delta
         item["content"][0]["logprobs"] += logprobs
         events.append(self._event("response.output_text.delta", item_id=item["id"],

@@ -34,15 +34,20 @@ serve: $(STAMP) cpu-kernels
 
 # The whole suite runs on the default executor backend (`auto`: torch on this CPU), then the
 # end-to-end server suites again on the JAX backend (both backends serve the same API), less the
-# tests marked `backend_independent` (the first pass ran them; see pyproject.toml).
+# tests marked `backend_independent` (the first pass ran them; see pyproject.toml). Lint and
+# both passes always run, whichever fails; the last line names each one's result, and the exit
+# status is non-zero if any failed.
 E2E_SUITES := tests/test_server_native.py tests/test_openai_api.py tests/test_structured.py \
 	tests/test_frontend.py
 
 test: $(STAMP) cpu-kernels
-	$(PY) -m ruff check sgl_tpu server kernels tests examples tools
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q -rs --durations=20 tests
+	@lint=ok; main=ok; jax=ok; \
+	$(PY) -m ruff check sgl_tpu server kernels tests examples tools || lint=FAILED; \
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -rs --durations=20 tests || main=FAILED; \
 	JAX_PLATFORMS=cpu SGL_TPU_TEST_BACKEND=jax $(PY) -m pytest -q --durations=10 \
-		-m "not backend_independent" $(E2E_SUITES)
+		-m "not backend_independent" $(E2E_SUITES) || jax=FAILED; \
+	echo "make test: lint $$lint, main pass $$main, JAX end-to-end pass $$jax"; \
+	[ $$lint$$main$$jax = okokok ]
 
 # The tests that compare tokens across batches, chunking, cache hits or backends (marker
 # `isa_invariance`) again as CPUs of lower ISAs run them: under ONEDNN_MAX_CPU_ISA at each ISA

@@ -129,7 +129,8 @@ def test_agent_loop_mixed_batch_runs_agents_alone_then_beside_a_batch(model, tmp
         if phase != "alone":
             batch = mixed[phase]["batch"]
             assert (batch["requests"], batch["generated_tokens"]) == (2, 16), batch["errors"]
-            assert mixed[phase]["priority_preemptions"] >= 0
+            # the server's counter was read (None when /server_info lacks it)
+            assert type(mixed[phase]["priority_preemptions"]) is int
     assert mixed["without_priority"]["priority_preemptions"] == 0  # no priorities sent
     ratios = mixed["ratios"]
     assert ratios["ttft_p99_over_alone"]["with_priority"] > 0

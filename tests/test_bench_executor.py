@@ -55,3 +55,22 @@ def test_executor_bench_deterministic_mode_times_the_flag_on_over_off(tmp_path):
     assert result["settings"]["torch-bfloat16-on"]["quantization"] == "none"
     on = result["compute"]["torch-bfloat16-on"]  # what each runner computes with
     assert on["gemm"] == "fixed-order" and on["cpu"]["onednn"]["isa"]
+
+
+def test_isa_twins_pair_whatever_their_timings():
+    """Twins under two caps differ in every timing and in what is derived from one (the KV
+    bytes over the step time): a loaded machine must not unpair them."""
+    from sgl_tpu.bench.executor import pair_by_isa
+
+    base = {"quantization": "none", "backend": "torch", "dtype": "bfloat16",
+            "attention": "torch-cpu-fused", "compile": False, "phase": "decode", "batch": 2,
+            "context": 16, "shared_prefix": 0, "decode_path": "packing", "sampling": "greedy",
+            "kv_mb_per_step": 0.1}
+    runs = [{**base, "onednn_isa": "default", "step_ms": 2.0, "median_ms": 2.1,
+             "tok_per_s": 1000.0, "kv_gb_per_s_over_step": 0.05},
+            {**base, "onednn_isa": "AVX2", "step_ms": 4.0, "median_ms": 9.0,
+             "tok_per_s": 500.0, "kv_gb_per_s_over_step": 0.01},
+            {**base, "onednn_isa": "AVX2", "batch": 8, "tok_per_s": 100.0}]
+    pairs = pair_by_isa(runs, "default")
+    assert [(p["batch"], p["other_isa"], p["tok_per_s_ratio"]) for p in pairs] == \
+        [(2, "AVX2", 2.0)]

@@ -245,6 +245,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 _VARIANT_FLAGS = ("--onednn-isas", "--quantization", "--output")
+# What a row measured, as opposed to what it measured it from: twins under two ISA caps agree
+# on these keys. Every other key is a timing or derived from one (`kv_gb_per_s_over_step`
+# divides by the step time), so it differs between the caps.
+_ROW_IDENTITY = ("quantization", "backend", "dtype", "attention", "compile", "phase", "tokens",
+                 "batch", "context", "shared_prefix", "decode_path", "sampling")
 
 
 def run_variants(args: argparse.Namespace, argv: list[str]) -> dict:
@@ -280,20 +285,25 @@ def run_variants(args: argparse.Namespace, argv: list[str]) -> dict:
             results["variants"].append({**tag, "onednn": onednn})
             results["runs"] += [{**tag, **row} for row in child["runs"]]
             print(json.dumps(results["variants"][-1]), flush=True)
-    for row in results["runs"]:
-        if row["onednn_isa"] != isas[0]:
+    results["by_isa"] = pair_by_isa(results["runs"], isas[0])
+    return results
+
+
+def pair_by_isa(runs: list[dict], first_isa: str) -> list[dict]:
+    """Each row under `first_isa`: its tok/s over that of its twin under every other cap."""
+    out = []
+    for row in runs:
+        if row["onednn_isa"] != first_isa:
             continue
-        for other in results["runs"]:
-            same = all(other.get(k) == row.get(k) for k in row
-                       if k not in ("onednn_isa", "seconds", "tok_per_s", "step_ms",
-                                    "median_ms") and not k.startswith("median_over"))
-            if other["onednn_isa"] != isas[0] and same:
-                results["by_isa"].append({
+        for other in runs:
+            same = all(other.get(k) == row.get(k) for k in _ROW_IDENTITY)
+            if other["onednn_isa"] != first_isa and same:
+                out.append({
                     **{k: row[k] for k in ("quantization", "backend", "dtype", "phase")},
                     **{k: row[k] for k in ("tokens", "batch") if k in row},
-                    "isa": isas[0], "other_isa": other["onednn_isa"],
+                    "isa": first_isa, "other_isa": other["onednn_isa"],
                     "tok_per_s_ratio": round(row["tok_per_s"] / other["tok_per_s"], 3)})
-    return results
+    return out
 
 
 if __name__ == "__main__":

@@ -488,6 +488,16 @@ class ServerArgs:
         if not 0 <= self.speculative_suffix_min_token_prob <= 1:
             raise ValueError("speculative_suffix_min_token_prob must be in [0, 1], got "
                              f"{self.speculative_suffix_min_token_prob!r}")
+        # suffix.py matches at most max_tree_depth - k context tokens for a draft of k: at
+        # depth <= k no full-length draft ever comes from other requests' outputs
+        if self.speculative_algorithm in ("auto", "SUFFIX") and \
+                self.speculative_suffix_max_tree_depth <= self.speculative_num_draft_tokens:
+            raise ValueError(
+                f"--speculative-suffix-max-tree-depth "
+                f"{self.speculative_suffix_max_tree_depth} leaves no room to match a context "
+                f"before a draft of --speculative-num-draft-tokens "
+                f"{self.speculative_num_draft_tokens}: raise --speculative-suffix-max-tree-depth "
+                f"above --speculative-num-draft-tokens")
         if self.speculative_ngram_min_match_window_size \
                 > self.speculative_ngram_max_match_window_size:
             raise ValueError("speculative_ngram_min_match_window_size must not exceed "

@@ -169,6 +169,28 @@ def test_config_validation_and_cli():
     assert parse_args([]).speculative_algorithm == "auto"
 
 
+def test_suffix_tree_depth_must_exceed_the_draft_length(capsys):
+    from sgl_tpu.cli import parse_args
+
+    # a draft of k matches at most max_depth - k context tokens: none at depth k, one at k + 1
+    tree = SuffixTree(max_depth=4, max_cached_requests=10)
+    tree.extend("old", [1, 2, 3, 4, 5])
+    assert tree.propose([9, 1], 4, 0.1, 2.0) == ([], 0)
+    tree = SuffixTree(max_depth=5, max_cached_requests=10)
+    tree.extend("old", [1, 2, 3, 4, 5])
+    assert tree.propose([9, 1], 4, 0.1, 2.0) == ([2, 3], 1)
+    for algorithm in ("auto", "SUFFIX"):
+        with pytest.raises(ValueError, match="raise --speculative-suffix-max-tree-depth above"):
+            ServerArgs(speculative_algorithm=algorithm, speculative_num_draft_tokens=4,
+                       speculative_suffix_max_tree_depth=4)
+        ServerArgs(speculative_algorithm=algorithm, speculative_num_draft_tokens=4,
+                   speculative_suffix_max_tree_depth=5)
+    ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=32)  # no tree
+    with pytest.raises(SystemExit):
+        parse_args(["--speculative-num-draft-tokens", "32"])
+    assert "raise --speculative-suffix-max-tree-depth above" in capsys.readouterr().err
+
+
 def test_auto_speculation_resolves_to_suffix_on_cpus_only():
     from sgl_tpu.executor.registry import resolve_speculation
 

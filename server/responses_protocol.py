@@ -232,21 +232,30 @@ def thinking_kwargs(reasoning: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def token_span(entries: list[dict[str, Any]], text: str) -> tuple[int, int] | None:
     """(first, last + 1): the log-prob entries whose tokens wrote `text`, found by its first
-    place in their joined token text; None where `text` is empty or not there."""
-    start = "".join(e["token"] for e in entries).find(text)
+    place in their joined bytes (a character split over tokens decodes to U+FFFD token by
+    token), or their joined token text where an entry has no bytes; None where `text` is
+    empty or not there."""
+    if all(e.get("bytes") for e in entries):
+        pieces: list[Any] = [bytes(e["bytes"]) for e in entries]
+        target: Any = text.encode()
+        start = b"".join(pieces).find(target)
+    else:
+        pieces, target = [e["token"] for e in entries], text
+        start = "".join(pieces).find(target)
     if not text or start < 0:
         return None
-    end, at, wrote = start + len(text), 0, []
-    for i, e in enumerate(entries):
-        if at < end and at + len(e["token"]) > start:
+    end, at, wrote = start + len(target), 0, []
+    for i, piece in enumerate(pieces):
+        if at < end and at + len(piece) > start:
             wrote.append(i)
-        at += len(e["token"])
+        at += len(piece)
     return wrote[0], wrote[-1] + 1
 
 
 def text_logprobs(entries: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
     """The chat path's per-token log-probs (every generated token: reasoning, text, call
-    markup, stop) cut to the tokens that wrote `text`, found by its place in their text."""
+    markup, stop) cut to the tokens that wrote `text` (token_span); all of them where their
+    bytes do not contain `text`."""
     if not text:
         return []
     span = token_span(entries, text)

@@ -235,6 +235,32 @@ def test_text_logprobs_keep_the_tokens_of_the_text():
     assert output_items(message)[0]["content"][0]["logprobs"] == []
 
 
+def test_text_logprobs_find_a_character_split_over_tokens_by_bytes():
+    def lp(token, data):
+        return {"token": token, "logprob": -1.0, "bytes": list(data), "top_logprobs": []}
+
+    # "é" is two tokens of one byte each; token by token each decodes to U+FFFD
+    entries = [lp("<think>", b"<think>"), lp("</think>", b"</think>"), lp("caf", b"caf"),
+               lp("\ufffd", b"\xc3"), lp("\ufffd", b"\xa9"), lp("<|im_end|>", b"<|im_end|>")]
+    assert [e["bytes"] for e in text_logprobs(entries, "café")] == [
+        list(b"caf"), [0xC3], [0xA9]]
+    # text the tokens' bytes do not hold (a detokenizer that rewrote it): every entry,
+    # reasoning and EOS included, as docs/agent-apis.md says
+    assert text_logprobs(entries, "cafe") == entries
+    events = ResponseEvents({"id": "resp_4"})
+    events.start()
+    deltas = []
+    for content, lps in [("caf", entries[2:3]), ("", entries[3:4]), ("é", entries[4:5]),
+                         ("cafe", entries[2:])]:
+        c = chunk({"content": content})
+        c["choices"][0]["logprobs"] = {"content": lps}
+        deltas += [e["logprobs"] for e in events.feed(c)
+                   if e["type"] == "response.output_text.delta"]
+    # the half character waits for the delta that wrote "é"; text not in the bytes: the
+    # chunk's entries, its EOS included
+    assert deltas == [entries[2:3], entries[3:5], entries[2:]]
+
+
 def test_reasoning_effort_none_turns_thinking_off():
     assert thinking_kwargs({"effort": "none"}) == {"enable_thinking": False}
     assert thinking_kwargs({"effort": "high", "summary": "auto"}) is None

@@ -175,7 +175,8 @@ _HELP = {
     "speculative_ngram_max_match_window_size": "NGRAM: longest suffix of the context matched "
                                                "(the longest match wins)",
     "speculative_suffix_max_tree_depth": "SUFFIX: longest run of output tokens counted (the "
-                                         "matched suffix plus the draft)",
+                                         "matched suffix plus the draft); must exceed "
+                                         "--speculative-num-draft-tokens",
     "speculative_suffix_max_cached_requests": "SUFFIX: outputs of this many recent requests "
                                               "are drafted from (at most 32,768 tokens)",
     "speculative_suffix_max_spec_factor": "SUFFIX: a draft is at most this many times the "

@@ -17,6 +17,7 @@ import uvicorn
 
 from sgl_tpu.choices import check_registry_names
 from sgl_tpu.config import ServerArgs
+from sgl_tpu.mem_cache.disk_folder import StorageDirError, open_storage_dir, storage_dir
 from sgl_tpu.parallel.head_split import check_tp_size
 from sgl_tpu.server.detokenizer_process import run_detokenizer_process
 from sgl_tpu.server.ipc import PortArgs
@@ -31,6 +32,7 @@ def launch_server(args: ServerArgs) -> None:
     logging.basicConfig(level=args.log_level.upper(),
                         format="[%(asctime)s %(name)s] %(message)s")
     check_registry_names(args)  # a bad name fails here, before any process starts
+    _check_storage_dir(args)
     ports = PortArgs.for_pid()
     ctx = mp.get_context("spawn")
     parent = os.getpid()
@@ -56,6 +58,21 @@ def launch_server(args: ServerArgs) -> None:
         for path in ports.paths():
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def _check_storage_dir(args: ServerArgs) -> None:
+    """An unsafe disk tier folder (another user's, writable by others) ends the start with one
+    clear line; one that cannot be made is left to the scheduler (host tier only)."""
+    if not args.enable_hierarchical_cache or args.hicache_storage_backend != "file":
+        return
+    try:
+        open_storage_dir(storage_dir(args.hicache_storage_dir),
+                         is_default=args.hicache_storage_dir is None)
+    except StorageDirError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    except OSError:
+        pass
 
 
 def event_loop_factory():

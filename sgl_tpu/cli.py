@@ -9,6 +9,7 @@ import dataclasses
 from sgl_tpu.choices import check_chat_template_choice, registry_choices
 from sgl_tpu.config import (
     DTYPES,
+    HICACHE_STORAGE_DURABILITIES,
     HICACHE_WRITE_POLICIES,
     JAX_DECODE_STATE,
     OVERLAP_SCHEDULE,
@@ -42,8 +43,18 @@ _HELP = {
     "hicache_storage_backend": "file: a disk tier below the host tier, in "
                                "--hicache-storage-dir, that a restarted server with the same "
                                "model, dtype and page size reads back",
-    "hicache_storage_dir": "folder of the disk tier (default: sgl-tpu-hicache in the "
-                           "temporary folder); one subfolder per model fingerprint",
+    "hicache_storage_dir": "folder of the disk tier (default: sgl-tpu-hicache-<uid> in the "
+                           "temporary folder, mode 0700); one subfolder per model "
+                           "fingerprint. It must be owned by the server's user and not "
+                           "writable by group or others, else the server refuses to start",
+    "hicache_storage_max_bytes": "most bytes of page files the disk tier keeps (least "
+                                 "recently used deleted first); 0: a quarter of the free "
+                                 "space of the folder's file system at start",
+    "hicache_storage_durability": "none: page files are renamed into place, and the check "
+                                  "on read catches what a power loss tears; fsync: each "
+                                  "file and its folder are synced before the page counts as "
+                                  "stored (about 12x the write cost per page on a virtual "
+                                  "disk)",
     "kv_cache_dtype": "KV cache element type: auto (the compute dtype; bfloat16 where "
                       "--dtype auto resolves to float32 on a CPU without AMX, torch "
                       "backend), bfloat16 / bf16 (a float32 model keeps K/V rows rounded to "
@@ -208,7 +219,8 @@ ROUTER_FLAG_PREFIX = "--router-"
 _CHOICES = {"dtype": DTYPES, "device": TORCH_DEVICES, "torch_compile": TORCH_COMPILE,
             "overlap_schedule": OVERLAP_SCHEDULE, "jax_decode_state": JAX_DECODE_STATE,
             "router_policy": ROUTER_POLICIES, "hicache_write_policy": HICACHE_WRITE_POLICIES,
-            "hicache_storage_backend": ("file",), "retraction_policy": RETRACTION_POLICIES}
+            "hicache_storage_backend": ("file",), "retraction_policy": RETRACTION_POLICIES,
+            "hicache_storage_durability": HICACHE_STORAGE_DURABILITIES}
 
 
 def build_parser() -> argparse.ArgumentParser:

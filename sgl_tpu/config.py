@@ -26,6 +26,7 @@ UNSUPPORTED_KV_CACHE_DTYPES = ("fp8_e4m3", "fp4_e2m1")
 # --kv-cache-dtype -> the KV pool's element type (RunnerConfig.kv_cache_dtype)
 KV_POOL_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "fp8_e5m2": "float8_e5m2"}
 HICACHE_WRITE_POLICIES = ("write_through", "write_back")
+HICACHE_STORAGE_DURABILITIES = ("none", "fsync")  # mem_cache/disk_tier.py DURABILITIES
 
 # The sglang-router's routing policies (`--router-policy`, with `--dp-size` > 1).
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "manual")
@@ -91,7 +92,7 @@ class RunnerConfig:
     block_q: int  # query rows per EXTEND attention block
     max_top_logprobs: int
     warmup: bool = True
-    attention_backend: str = "ref"  # resolved: a kernels/backends.py name of this backend
+    attention_backend: str = "ref"  # resolved: an attention_registry.py name of this backend
     backend: str = "jax"  # resolved executor backend: "jax" or "torch"
     compile: bool = True  # torch: torch.compile(dynamic=False) per bucket; False = eager
     device: str = "auto"  # torch: "cpu", "cuda", "tpu" or "auto"
@@ -307,7 +308,9 @@ class ServerArgs:
     hicache_size: float = 0.0  # host tier size in GB; 0: from hicache_ratio
     hicache_write_policy: str = "write_through"  # or "write_back"
     hicache_storage_backend: str | None = None  # "file": the disk tier, in hicache_storage_dir
-    hicache_storage_dir: str | None = None  # None: "sgl-tpu-hicache" in the temp folder
+    hicache_storage_dir: str | None = None  # None: "sgl-tpu-hicache-<uid>" in the temp folder
+    hicache_storage_max_bytes: int = 0  # 0: a quarter of the folder's free space at start
+    hicache_storage_durability: str = "none"  # or "fsync": each page file and its folder
     # Responses API: stored responses (their conversations, for previous_response_id) kept in
     # memory, at most this many (least recently used dropped first), each this long after its
     # last use.
@@ -534,6 +537,15 @@ class ServerArgs:
         if self.hicache_storage_backend not in (None, "file"):
             raise ValueError(f"hicache_storage_backend must be file (or unset), "
                              f"got {self.hicache_storage_backend!r}")
+        if isinstance(self.hicache_storage_max_bytes, bool) \
+                or not isinstance(self.hicache_storage_max_bytes, int) \
+                or self.hicache_storage_max_bytes < 0:
+            raise ValueError(f"hicache_storage_max_bytes must be an integer >= 0, "
+                             f"got {self.hicache_storage_max_bytes!r}")
+        if self.hicache_storage_durability not in HICACHE_STORAGE_DURABILITIES:
+            raise ValueError(f"hicache_storage_durability must be one of "
+                             f"{HICACHE_STORAGE_DURABILITIES}, "
+                             f"got {self.hicache_storage_durability!r}")
         if not self.enable_hierarchical_cache:
             if self.hicache_storage_backend is not None:
                 raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache "

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,6 +32,7 @@ from sgl_tpu.executor.registry import (
 from sgl_tpu.loader import load_model
 from sgl_tpu.loader.chat_templates import with_chat_template
 from sgl_tpu.loader.loaded import LoadedModel
+from sgl_tpu.mem_cache.disk_folder import storage_dir
 from sgl_tpu.mem_cache.disk_tier import DiskTier
 from sgl_tpu.mem_cache.host_tier import HostTier
 from sgl_tpu.mem_cache.radix_cache import RadixCache
@@ -108,16 +107,20 @@ def tier_factory(args: ServerArgs, loaded: LoadedModel, runner: Any, num_pages: 
     host = HostTier(host_pages, row.shape[1], row.dtype)
     disk = None
     if args.hicache_storage_backend == "file":
-        folder = args.hicache_storage_dir or Path(tempfile.gettempdir()) / "sgl-tpu-hicache"
+        folder = storage_dir(args.hicache_storage_dir)
         fingerprint = model_fingerprint(repr(loaded.config), loaded.params,
                                         runner.kv_page_layout())
-        try:
-            disk = DiskTier(folder, fingerprint, args.page_size, row.shape[1], row.dtype)
+        try:  # an unsafe folder (StorageDirError) is fatal, one that cannot be made is not
+            disk = DiskTier(folder, fingerprint, args.page_size, row.shape[1], row.dtype,
+                            max_bytes=args.hicache_storage_max_bytes,
+                            durability=args.hicache_storage_durability,
+                            is_default_dir=args.hicache_storage_dir is None)
         except OSError as e:
             logger.warning("KV disk tier: cannot use %s (%s); host tier only", folder, e)
     logger.info("KV tiers: host %d pages (%.2f GB, %s)%s", host_pages,
                 host_pages * row_bytes / 2**30, args.hicache_write_policy,
-                "" if disk is None else f", disk {disk.dir} ({len(disk)} pages found)")
+                "" if disk is None else f", disk {disk.dir} ({len(disk)} pages found, at "
+                f"most {disk.max_bytes / 2**30:.2f} GB, durability {disk.durability})")
     return partial(TieredCache, runner, host=host, disk=disk,
                    write_policy=args.hicache_write_policy)
 

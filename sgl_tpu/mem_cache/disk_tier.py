@@ -2,128 +2,293 @@
 named by its chain hash, in a folder per model fingerprint, so a restarted server with the same
 model, dtype, page size and KV layout finds the prefixes computed before.
 
-    DIR/<fingerprint>/<chain hash hex>.kv
+    DIR/<fingerprint>/<chain hash hex>.kv        (DIR: disk_folder.py)
 
     header   magic "SGLTPUKV", format version, fingerprint (16 bytes), chain hash (16 bytes),
-             page size, row bytes, CRC-32 of the row         (struct `_HEADER`, little-endian)
+             page size, row bytes                            (struct `_HEADER`, little-endian)
     tokens   int32 [page size]   the page's token ids
     row      the page's raw-bit KV row (the runner's page-row layout)
+    mac      HMAC-SHA256 of header, tokens and row under the folder's secret (32 bytes)
 
-A file is written to a temporary name and renamed, so a reader never sees half of one. Reads
-check everything: a truncated, corrupt or foreign file (other fingerprint, other tokens) is
-skipped with a warning and forgotten, never served. Writes run on a background thread, in
-order; a page queued but not yet written is read from the queue. The first write that fails (a
-full disk, a read-only folder) turns writing off with a warning: the server goes on host-only.
+Writes run on one background thread, in order; a page queued but not yet written is read from
+the queue. A file is written under a temporary name unique to its process and writer
+(`<hash>.<pid>-<writer>.tmp`), optionally fsynced (`--hicache-storage-durability fsync`: the file,
+then the folder after the rename), then renamed, so a reader never sees half of one; it counts
+as stored only then. Reads check everything: a truncated, corrupt, planted (no valid mac) or
+foreign file is skipped with a warning, counted and deleted, never served. A file that vanished
+(another server's `/flush_cache` or eviction) is a plain miss.
+
+Size: the page files this server knows (found at start, written, read) stay under `max_bytes`;
+the least recently used (by write or read; at start by mtime) are deleted first. The index is
+kept in memory: the folder is listed once, at start, when temporaries whose writer process is
+gone are deleted too. A write that fails pauses writing (pages offered meanwhile are dropped):
+a full disk first evicts an eighth of this tier's pages and retries once; writing comes back
+after a back-off (1 s, doubling to 64 s) or a `/flush_cache`.
+
+Threads: `write`, `read`, `clear` run on the scheduler thread; `_lock` guards the index
+(`_files`, `_pending`) against the writer thread, which alone creates files and evicts.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import hmac
 import logging
 import os
 import queue
-import shutil
+import secrets
 import struct
 import threading
 import time
-import zlib
+from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from sgl_tpu.mem_cache.disk_folder import (
+    default_max_bytes,
+    fsync_dir,
+    make_private_subdir,
+    open_storage_dir,
+    pid_alive,
+    restore_storage_dir,
+)
+
 logger = logging.getLogger(__name__)
 
+DURABILITIES = ("none", "fsync")
 _MAGIC = b"SGLTPUKV"
-_VERSION = 1
-_HEADER = struct.Struct("<8sI16s16sIQI")
+_VERSION = 2
+_HEADER = struct.Struct("<8sI16s16sIQ")
+_MAC_BYTES = 32
 _SUFFIX = ".kv"
+_TMP_SUFFIX = ".tmp"
+_MIN_BACKOFF_S = 1.0
+_MAX_BACKOFF_S = 64.0
+_MAX_QUEUED_BYTES = 256 * 2**20  # rows waiting for the writer; more are dropped
+_LIVE_WRITERS: set[str] = set()  # this process's writer tokens (their temporaries are not orphans)
 
 
 class DiskTier:
     def __init__(self, directory: str | os.PathLike, fingerprint: bytes, page_size: int,
-                 row_elems: int, dtype: np.dtype) -> None:
-        """OSError if the folder cannot be made or listed (the caller then runs without it)."""
+                 row_elems: int, dtype: np.dtype, *, max_bytes: int = 0,
+                 durability: str = "none", is_default_dir: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`max_bytes` 0: a quarter of the folder's free space (disk_folder.py). StorageDirError
+        if the folder is unsafe (fatal); OSError if it cannot be made or listed (the caller then
+        runs without it)."""
+        if durability not in DURABILITIES:
+            raise ValueError(f"durability must be one of {DURABILITIES}, got {durability!r}")
         self.fingerprint = fingerprint
         self.page_size = page_size
         self.dtype = np.dtype(dtype)
         self.row_bytes = row_elems * self.dtype.itemsize
         self.row_elems = row_elems
-        self.dir = Path(directory) / fingerprint.hex()
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.file_bytes = _HEADER.size + 4 * page_size + self.row_bytes + _MAC_BYTES
+        self.durability = durability
+        self.base = Path(directory)
+        self._key = open_storage_dir(self.base, is_default_dir)
+        self.dir = self.base / fingerprint.hex()
+        make_private_subdir(self.dir)
+        self._clock = clock
+        self._writer = secrets.token_hex(4)
+        _LIVE_WRITERS.add(self._writer)
         self._lock = threading.Lock()
-        self.index: set[bytes] = set()
-        for path in self.dir.iterdir():
-            if path.suffix == _SUFFIX and len(path.stem) == 2 * len(fingerprint):
-                try:
-                    self.index.add(bytes.fromhex(path.stem))
-                except ValueError:
-                    continue
-        self.writable = True
+        self._files: OrderedDict[bytes, None] = OrderedDict()  # stored pages, least recent first
         self._pending: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+        self.skipped_files = 0
+        self.evicted_pages = 0
+        self.dropped_pages = 0  # offered while writing was paused or the queue was full
+        self._scan()
+        self.max_bytes = max_bytes or default_max_bytes(self.dir, self.used_bytes())
+        self.max_pages = self.max_bytes // self.file_bytes
+        self._unlink(self._pop_lru(len(self._files) - self.max_pages))
+        self.writable = True
+        self._retry_at = 0.0
+        self._backoff_s = _MIN_BACKOFF_S
         self._queue: queue.Queue[tuple[bytes, np.ndarray, np.ndarray] | None] = queue.Queue()
+        self._queued_bytes = 0
         self.write_bytes = 0
         self.write_s = 0.0
-        self.skipped_files = 0
         self._thread = threading.Thread(target=self._write_loop, name="kv-disk-writer",
                                         daemon=True)
         self._thread.start()
 
+    def _scan(self) -> None:
+        """Index the page files (oldest first); delete orphaned temporaries and bad sizes."""
+        found: list[tuple[float, bytes]] = []
+        for entry in os.scandir(self.dir):
+            name = entry.name
+            if name.endswith(_TMP_SUFFIX):
+                if self._orphaned(name):
+                    Path(entry.path).unlink(missing_ok=True)
+                continue
+            page_hash = _hash_of(name)
+            if page_hash is None:
+                continue
+            st = entry.stat(follow_symlinks=False)
+            if st.st_size != self.file_bytes or not entry.is_file(follow_symlinks=False):
+                self.skipped_files += 1
+                logger.warning("KV disk tier: skipping and deleting %s: %d bytes, expected %d "
+                               "(truncated or foreign)", name, st.st_size, self.file_bytes)
+                Path(entry.path).unlink(missing_ok=True)
+                continue
+            found.append((st.st_mtime, page_hash))
+        for _, page_hash in sorted(found):
+            self._files[page_hash] = None
+
+    @staticmethod
+    def _orphaned(name: str) -> bool:
+        """A temporary whose writer is gone: its process died, or it is this process's and
+        none of its live writers made it (a pid reused after a restart)."""
+        try:
+            pid_text, writer = name[:-len(_TMP_SUFFIX)].rsplit(".", 1)[1].split("-", 1)
+            pid = int(pid_text)
+        except ValueError:
+            return False
+        if pid == os.getpid():
+            return writer not in _LIVE_WRITERS
+        return not pid_alive(pid)
+
     def __len__(self) -> int:
+        """Pages stored or queued."""
         with self._lock:
-            return len(self.index)
+            return len(self._files) + len(self._pending)
 
     def __contains__(self, page_hash: bytes) -> bool:
         with self._lock:
-            return page_hash in self.index
+            return page_hash in self._files or page_hash in self._pending
+
+    def used_bytes(self) -> int:
+        """Bytes of the page files this server knows on disk."""
+        with self._lock:
+            return len(self._files) * self.file_bytes
 
     def _path(self, page_hash: bytes) -> Path:
         return self.dir / (page_hash.hex() + _SUFFIX)
 
     # ---- writes ----------------------------------------------------------------------------
     def write(self, page_hash: bytes, tokens: np.ndarray, row: np.ndarray) -> None:
-        """Queue a page for writing (`row` is copied); a no-op if held or writing is off."""
+        """Queue a page for writing (`row` is copied); a no-op if held, dropped while writing
+        is paused or the queue is full."""
         with self._lock:
-            if not self.writable or page_hash in self.index:
+            if page_hash in self._files or page_hash in self._pending or self.max_pages == 0:
                 return
-            self.index.add(page_hash)
-            self._pending[page_hash] = (np.array(tokens, dtype=np.int32), np.array(row))
-        self._queue.put((page_hash, *self._pending[page_hash]))
+            if not self._may_write() or self._queued_bytes + self.row_bytes > _MAX_QUEUED_BYTES:
+                self.dropped_pages += 1
+                return
+            item = (np.array(tokens, dtype=np.int32), np.array(row))
+            self._pending[page_hash] = item
+            self._queued_bytes += self.row_bytes
+        self._queue.put((page_hash, *item))
+
+    def _may_write(self) -> bool:
+        return self.writable or self._clock() >= self._retry_at
 
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            page_hash, tokens, row = item
-            written = False
-            if self.writable:
-                t0 = time.perf_counter()
-                try:
-                    self._write_file(page_hash, tokens, row)
-                    written = True
-                except OSError as e:
-                    self.writable = False
-                    logger.warning("KV disk tier: writing in %s failed (%s); going on with the "
-                                   "host tier only", self.dir, e)
-                self.write_s += time.perf_counter() - t0
-                self.write_bytes += self.row_bytes if written else 0
-            with self._lock:
-                self._pending.pop(page_hash, None)
-                if not written:
-                    self.index.discard(page_hash)
-            self._queue.task_done()
+            try:
+                self._store(*item)
+            finally:
+                self._queue.task_done()
+
+    def _store(self, page_hash: bytes, tokens: np.ndarray, row: np.ndarray) -> None:
+        stored = False
+        if self._may_write():
+            t0 = time.perf_counter()
+            try:
+                self._unlink(self._pop_lru(len(self._files) + 1 - self.max_pages))
+                stored = self._write_or_make_room(page_hash, tokens, row)
+            except OSError as e:
+                self._pause(e)
+            self.write_s += time.perf_counter() - t0
+        with self._lock:
+            self._pending.pop(page_hash, None)
+            self._queued_bytes -= self.row_bytes
+            if stored:
+                self._files[page_hash] = None
+                self.write_bytes += self.row_bytes
+            else:
+                self.dropped_pages += 1
+        if stored and not self.writable:
+            self._resume("a write succeeded")
+
+    def _write_or_make_room(self, page_hash: bytes, tokens: np.ndarray, row: np.ndarray
+                            ) -> bool:
+        try:
+            self._write_file(page_hash, tokens, row)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._files:
+                raise
+            # a full disk: free an eighth of this tier's pages and try once more
+            self._unlink(self._pop_lru(max(1, len(self._files) // 8)))
+            self._write_file(page_hash, tokens, row)
+        return True
 
     def _write_file(self, page_hash: bytes, tokens: np.ndarray, row: np.ndarray) -> None:
         data = np.ascontiguousarray(row).tobytes()
+        token_bytes = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
         header = _HEADER.pack(_MAGIC, _VERSION, self.fingerprint, page_hash, self.page_size,
-                              len(data), zlib.crc32(data))
+                              len(data))
+        mac = hmac.new(self._key, header, hashlib.sha256)
+        mac.update(token_bytes)
+        mac.update(data)
         path = self._path(page_hash)
-        tmp = path.with_suffix(f".tmp{threading.get_ident()}")
+        tmp = self.dir / f"{page_hash.hex()}.{os.getpid()}-{self._writer}{_TMP_SUFFIX}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
         try:
-            with open(tmp, "wb") as f:
-                f.write(header)
-                f.write(np.ascontiguousarray(tokens, dtype="<i4").tobytes())
-                f.write(data)
+            fd = os.open(tmp, flags, 0o600)
+        except FileNotFoundError:  # the folder vanished under this server: make it again
+            restore_storage_dir(self.base, self._key)
+            make_private_subdir(self.dir)
+            fd = os.open(tmp, flags, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                for part in (header, token_bytes, data, mac.digest()):
+                    f.write(part)
+                if self.durability == "fsync":
+                    f.flush()
+                    os.fsync(f.fileno())
             os.replace(tmp, path)
-        except OSError:
+        except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+        if self.durability == "fsync":
+            fsync_dir(self.dir)
+
+    def _pop_lru(self, num_pages: int) -> list[bytes]:
+        """Take the `num_pages` least recently used pages out of the index (to delete)."""
+        with self._lock:
+            victims = [self._files.popitem(last=False)[0]
+                       for _ in range(min(max(0, num_pages), len(self._files)))]
+        self.evicted_pages += len(victims)
+        return victims
+
+    def _unlink(self, hashes: list[bytes]) -> None:
+        for page_hash in hashes:
+            try:
+                self._path(page_hash).unlink(missing_ok=True)
+            except OSError as e:
+                logger.warning("KV disk tier: cannot delete %s: %s", page_hash.hex(), e)
+
+    def _pause(self, e: OSError) -> None:
+        if self.writable:
+            logger.warning("KV disk tier: writing in %s failed (%s); host tier only, retrying "
+                           "in %.0f s", self.dir, e, self._backoff_s)
+        else:
+            logger.debug("KV disk tier: retry failed (%s)", e)
+        self.writable = False
+        self._retry_at = self._clock() + self._backoff_s
+        self._backoff_s = min(2 * self._backoff_s, _MAX_BACKOFF_S)
+
+    def _resume(self, why: str) -> None:
+        if not self.writable:
+            logger.info("KV disk tier: writing in %s resumed (%s)", self.dir, why)
+        self.writable = True
+        self._backoff_s = _MIN_BACKOFF_S
 
     def queued(self) -> int:
         """Pages waiting to be written."""
@@ -136,38 +301,56 @@ class DiskTier:
 
     # ---- reads -----------------------------------------------------------------------------
     def read(self, page_hash: bytes, tokens: np.ndarray) -> np.ndarray | None:
-        """The page's row if a valid file for exactly these tokens exists, else None."""
+        """The page's row if a valid file for exactly these tokens exists (one this server
+        indexes, or one another server sharing the folder wrote), else None."""
         with self._lock:
-            if page_hash not in self.index:
-                return None
             pending = self._pending.get(page_hash)
+            indexed = page_hash in self._files
+            if indexed:
+                self._files.move_to_end(page_hash)
         if pending is not None:
             return pending[1] if np.array_equal(pending[0], tokens) else None
         path = self._path(page_hash)
         problem = None
         try:
             blob = path.read_bytes()
+        except (FileNotFoundError, NotADirectoryError):  # never written, or deleted by
+            # another server (its eviction or `/flush_cache`): a miss
+            if indexed:
+                self._forget(page_hash)
+            return None
         except OSError as e:
             blob, problem = b"", f"unreadable ({e})"
         if problem is None:
             problem = self._check(blob, page_hash, tokens)
         if problem is not None:
             self.skipped_files += 1
-            logger.warning("KV disk tier: skipping %s: %s", path.name, problem)
-            with self._lock:
-                self.index.discard(page_hash)
+            logger.warning("KV disk tier: skipping and deleting %s: %s", path.name, problem)
+            self._forget(page_hash)
+            self._unlink([page_hash])
             return None
+        if indexed:
+            try:
+                os.utime(path)  # recency survives a restart
+            except OSError:
+                pass
         start = _HEADER.size + 4 * self.page_size
-        return np.frombuffer(blob, dtype=self.dtype, offset=start).copy()
+        return np.frombuffer(blob, dtype=self.dtype, offset=start,
+                             count=self.row_elems).copy()
+
+    def _forget(self, page_hash: bytes) -> None:
+        with self._lock:
+            self._files.pop(page_hash, None)
 
     def _check(self, blob: bytes, page_hash: bytes, tokens: np.ndarray) -> str | None:
-        expected = _HEADER.size + 4 * self.page_size + self.row_bytes
-        if len(blob) != expected:
-            return f"{len(blob)} bytes, expected {expected} (truncated or foreign)"
-        magic, version, fingerprint, file_hash, page_size, row_bytes, crc = \
-            _HEADER.unpack_from(blob)
+        if len(blob) != self.file_bytes:
+            return f"{len(blob)} bytes, expected {self.file_bytes} (truncated or foreign)"
+        magic, version, fingerprint, file_hash, page_size, row_bytes = _HEADER.unpack_from(blob)
         if magic != _MAGIC or version != _VERSION:
             return "not a KV page file of this format"
+        mac = hmac.new(self._key, memoryview(blob)[:-_MAC_BYTES], hashlib.sha256).digest()
+        if not hmac.compare_digest(mac, blob[-_MAC_BYTES:]):
+            return "its mac does not match this folder's secret (corrupt or planted)"
         if fingerprint != self.fingerprint or page_size != self.page_size \
                 or row_bytes != self.row_bytes:
             return "written for another model, dtype, page size or KV layout"
@@ -177,27 +360,59 @@ class DiskTier:
                                     offset=_HEADER.size)
         if not np.array_equal(file_tokens, tokens):
             return "it holds other tokens"
-        if zlib.crc32(memoryview(blob)[_HEADER.size + 4 * self.page_size:]) != crc:
-            return "checksum mismatch (corrupt)"
         return None
 
     # ---- lifetime --------------------------------------------------------------------------
     def clear(self) -> None:
-        """Delete every page of this fingerprint (`/flush_cache`)."""
+        """Delete every page file of this fingerprint, one by one (`/flush_cache`): never the
+        folders or the secret, which other servers may be using. Writing resumes."""
         self.flush()
         with self._lock:
-            self.index.clear()
-        shutil.rmtree(self.dir, ignore_errors=True)
+            self._files.clear()
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            self.writable = False
-            logger.warning("KV disk tier: cannot recreate %s (%s); host tier only", self.dir, e)
+            entries = list(os.scandir(self.dir))
+        except OSError:  # the folder vanished: nothing to delete
+            entries = []
+        for entry in entries:
+            if _hash_of(entry.name) is not None:
+                Path(entry.path).unlink(missing_ok=True)
+        self._resume("the cache was flushed")
 
     def close(self) -> None:
         """Write what is queued, then end the writer thread."""
         self._queue.put(None)
         self._thread.join()
+        _LIVE_WRITERS.discard(self._writer)
 
-    def bytes_on_disk(self) -> int:
-        return len(self) * (_HEADER.size + 4 * self.page_size + self.row_bytes)
+    def stats(self) -> dict[str, Any]:
+        """What `/server_info` reports under tiers.disk."""
+        return {"dir": str(self.dir), "writable": self.writable, "durability": self.durability,
+                "max_bytes": self.max_bytes, "used_bytes": self.used_bytes(),
+                "used_pages": len(self), "queued_pages": self.queued(),
+                "evicted_pages": self.evicted_pages, "dropped_pages": self.dropped_pages,
+                "skipped_files": self.skipped_files}
+
+    def check(self, scan: bool = False) -> str | None:
+        """A broken invariant, or None. `scan` (tests; no other server on the folder, writes
+        flushed): every indexed page has its file."""
+        with self._lock:
+            if len(self._files) > self.max_pages:
+                return f"{len(self._files)} pages on disk, above the cap of {self.max_pages}"
+            if both := self._pending.keys() & self._files.keys():
+                return f"{len(both)} pages both queued and stored"
+            indexed = set(self._files)
+        if scan:
+            on_disk = {h for name in os.listdir(self.dir) if (h := _hash_of(name)) is not None}
+            if missing := indexed - on_disk:
+                return f"{len(missing)} indexed pages have no file"
+        return None
+
+
+def _hash_of(name: str) -> bytes | None:
+    """The chain hash a page file's name gives, or None for any other name."""
+    if not name.endswith(_SUFFIX) or len(name) != 32 + len(_SUFFIX):
+        return None
+    try:
+        return bytes.fromhex(name[:32])
+    except ValueError:
+        return None

@@ -194,16 +194,15 @@ class TieredCache(TreeListener):
             disk_counters = dict(vars(self.disk_counters))
             disk_counters["demote_bytes"] = self.disk.write_bytes
             disk_counters["demote_s"] = self.disk.write_s
-            out["disk"] = {"dir": str(self.disk.dir), "writable": self.disk.writable,
-                           "used_pages": len(self.disk), "used_bytes": self.disk.bytes_on_disk(),
-                           "queued_pages": self.disk.queued(),
-                           "skipped_files": self.disk.skipped_files, **disk_counters}
+            out["disk"] = {**self.disk.stats(), **disk_counters}
         return out
 
     def check(self, deep: bool = False) -> None:
         """RuntimeError on a broken tier invariant. `deep` (tests): every tree page the host
         tier also holds has the same content in both."""
         if (problem := self.host.check()) is not None:
+            raise RuntimeError(problem)
+        if self.disk is not None and (problem := self.disk.check()) is not None:
             raise RuntimeError(problem)
         if not deep:
             return

@@ -21,6 +21,7 @@ from sgl_tpu.bench.agent_loop.__main__ import (
     parse_latency,
     parse_workload,
     ratios,
+    spec_counters,
     warmup_config,
 )
 from sgl_tpu.bench.agent_loop.client import Client
@@ -427,6 +428,17 @@ def test_metrics_without_cache_reports_and_roundtrip():
     assert table.count("react") == 2
     r = ratios({"x": {"react": s}, "y": {"react": {**s, "programs_per_s": 0.25}}})
     assert r["react"]["x_vs_y"]["throughput_x"] == pytest.approx(2.0)
+
+
+def test_spec_counters_are_the_runs_delta():
+    before = {"stats": {"num_decode_steps": 10, "spec_verify_reqs": 2, "spec_draft_tokens": 5,
+                        "spec_accepted_tokens": 4, "generated_tokens": 99}}
+    after = {"stats": {"num_decode_steps": 30, "spec_verify_reqs": 7, "spec_draft_tokens": 25,
+                       "spec_accepted_tokens": 20, "generated_tokens": 150}}
+    assert spec_counters(before, after) == {"server_stats": {
+        "num_decode_steps": 20, "spec_verify_reqs": 5, "spec_draft_tokens": 20,
+        "spec_accepted_tokens": 16}}
+    assert spec_counters(None, after) == {} and spec_counters({"memory": {}}, after) == {}
 
 
 # ---- target specs -------------------------------------------------------------------------------

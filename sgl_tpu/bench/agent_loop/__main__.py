@@ -261,6 +261,19 @@ def server_side(info: dict[str, Any] | None, summary: dict[str, Any]) -> dict[st
     return out
 
 
+SPEC_COUNTERS = ("num_decode_steps", "spec_verify_reqs", "spec_draft_tokens",
+                 "spec_accepted_tokens")
+
+
+def spec_counters(before: dict[str, Any] | None, after: dict[str, Any] | None
+                  ) -> dict[str, Any]:
+    """The run's decode steps and speculative counters: sgl-tpu's `/server_info` `stats`
+    after the run minus before (acceptance rate = spec_accepted_tokens / spec_draft_tokens)."""
+    b, a = (before or {}).get("stats") or {}, (after or {}).get("stats") or {}
+    deltas = {k: a[k] - b[k] for k in SPEC_COUNTERS if k in a and k in b}
+    return {"server_stats": deltas} if deltas else {}
+
+
 def replica_split(before: list[int] | None, after: list[int] | None) -> dict[str, Any]:
     """Behind the router: how many of the run's requests each replica served."""
     if before is None or after is None or len(before) != len(after):
@@ -335,11 +348,13 @@ def main(argv: list[str] | None = None) -> None:
                         runs.update(runs_rows(name, mixed))
                         continue
                     target.flush_cache()
-                    before = target.replica_requests()
+                    before, info = target.replica_requests(), target.server_info()
                     trace = asyncio.run(run_workload(target.base_url, spec, programs, tokenizer,
                                                      args, f"{spec.name}/{name}"))
                     runs[name] = summarize(trace)
-                    runs[name].update(server_side(target.server_info(), runs[name]))
+                    info_after = target.server_info()
+                    runs[name].update(server_side(info_after, runs[name]))
+                    runs[name].update(spec_counters(info, info_after))
                     runs[name].update(replica_split(before, target.replica_requests()))
                     if args.save_traces:
                         traces.setdefault(spec.name, {})[name] = trace.to_dict(with_text=True)

@@ -2,8 +2,8 @@
 
 `extend_attention` and `decode_attention` take exactly the arguments of their counterparts in
 `paged_attention_ref` (plus `interpret`), so the model switches implementation by name only
-(see `kernels/backends.py`). Both run one kernel, `_attention_kernel`, over a flat list of work
-items, each a (query block, KV tile) pair:
+(see sgl_tpu/executor/attention_registry.py). Both run one kernel, `_attention_kernel`, over a
+flat list of work items, each a (query block, KV tile) pair:
 
     grid = (num_kv_heads, num_items)        num_items is dynamic: no empty grid steps
 

@@ -4,7 +4,7 @@ list them (the CLI offers exactly these), and one check run before a model loads
     schedule_policy    scheduler/policy.py     POLICIES
     radix_eviction_policy  mem_cache/eviction.py  EVICTION_POLICIES
     backend            executor/registry.py    EXECUTOR_BACKENDS (+ auto)
-    attention_backend  kernels/backends.py     ATTENTION_BACKENDS (+ auto; per executor)
+    attention_backend  executor/attention_registry.py  ATTENTION_BACKENDS (+ auto; per executor)
     grammar_backend    constrained/__init__.py GRAMMAR_BACKENDS (+ none)
     tool_call_parser   function_call/          TOOL_CALL_PARSERS (None: from the template)
     reasoning_parser   reasoning_parser.py     REASONING_PARSERS (None: off)
@@ -21,9 +21,9 @@ from sgl_tpu.config import ServerArgs
 
 def registry_choices() -> dict[str, tuple[str, ...]]:
     from sgl_tpu.constrained import GRAMMAR_BACKENDS
+    from sgl_tpu.executor.attention_registry import ATTENTION_BACKENDS
     from sgl_tpu.executor.registry import BACKEND_CHOICES
     from sgl_tpu.function_call import TOOL_CALL_PARSERS
-    from sgl_tpu.kernels.backends import ATTENTION_BACKENDS
     from sgl_tpu.mem_cache.eviction import EVICTION_POLICIES
     from sgl_tpu.quantization import QUANTIZATION_CHOICES
     from sgl_tpu.reasoning_parser import REASONING_PARSERS
@@ -67,8 +67,8 @@ def check_registry_names(args: ServerArgs) -> None:
         if value not in allowed:
             raise ValueError(f"{field} must be one of {allowed}, got {value!r}")
     check_chat_template_choice(args)
+    from sgl_tpu.executor.attention_registry import resolve_attention_backend
     from sgl_tpu.executor.registry import resolve_backend
-    from sgl_tpu.kernels.backends import resolve_attention_backend
 
     if args.attention_backend != "auto":
         resolve_attention_backend(args.attention_backend, resolve_backend(args.backend))

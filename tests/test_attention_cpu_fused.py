@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
+from sgl_tpu.backends.torch import paged_attention as sdpa
 from sgl_tpu.backends.torch.kernels import cpu_extension
 from sgl_tpu.backends.torch.runner import TorchModelRunner
 from sgl_tpu.config import ServerArgs
+from sgl_tpu.executor.attention_registry import get_attention_backend, resolve_attention_backend
 from sgl_tpu.executor.registry import create_model_runner, runner_config
 from sgl_tpu.executor.step import ForwardMode, SeqStep, build_host_batch
-from sgl_tpu.kernels import backends
-from sgl_tpu.kernels import paged_attention_torch as sdpa
 from sgl_tpu.loader import load_model
 from sgl_tpu.sampling_params import SamplingParams
 
@@ -41,9 +41,7 @@ DTYPE_IDS = ["float32", "bfloat16", "f32q-bf16kv", "f32q-fp8kv", "bf16q-fp8kv"]
 
 
 def fused():
-    from sgl_tpu.backends.torch.kernels import paged_attention_cpu
-
-    return paged_attention_cpu
+    return get_attention_backend("torch-cpu-fused")
 
 
 class Pool:
@@ -300,16 +298,16 @@ def test_refuses_mixed_dtypes_other_than_float32_over_bfloat16():
 
 
 def test_auto_picks_fused_on_cpu_and_falls_back_when_missing(monkeypatch, caplog):
-    assert backends.resolve_attention_backend("auto", "torch", "cpu") == "torch-cpu-fused"
-    assert backends.resolve_attention_backend("auto", "torch", "cuda") == "torch-sdpa"
+    assert resolve_attention_backend("auto", "torch", "cpu") == "torch-cpu-fused"
+    assert resolve_attention_backend("auto", "torch", "cuda") == "torch-sdpa"
     monkeypatch.setattr(cpu_extension, "_load", lambda: (None, "not built (test)"))
     with caplog.at_level(logging.WARNING):
-        assert backends.resolve_attention_backend("auto", "torch", "cpu") == "torch-sdpa"
+        assert resolve_attention_backend("auto", "torch", "cpu") == "torch-sdpa"
     assert "not built (test)" in caplog.text
     with pytest.raises(ValueError, match="torch-cpu-fused.*not built"):
-        backends.resolve_attention_backend("torch-cpu-fused", "torch", "cpu")
+        resolve_attention_backend("torch-cpu-fused", "torch", "cpu")
     with pytest.raises(ValueError, match="CPU"):
-        backends.resolve_attention_backend("torch-cpu-fused", "torch", "cuda")
+        resolve_attention_backend("torch-cpu-fused", "torch", "cuda")
 
 
 def test_runner_greedy_parity_with_sdpa(tmp_path):

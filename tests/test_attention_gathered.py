@@ -23,7 +23,7 @@ from attention_helpers import paged_batch, random_pools
 from sgl_tpu import Engine
 from sgl_tpu.backends.jax.forward_batch import ShapeBuckets, page_buckets
 from sgl_tpu.executor.step import ForwardMode, SeqStep
-from sgl_tpu.kernels import paged_attention_gathered as gathered
+from sgl_tpu.backends.jax import paged_attention_gathered as gathered
 from sgl_tpu.kernels import paged_attention_ref as ref
 from sgl_tpu.sampling_params import SamplingParams
 
@@ -156,7 +156,7 @@ def test_engine_greedy_equals_reference(tiny_llama):
 
 
 def test_auto_picks_gathered_on_gpu_only():
-    from sgl_tpu.kernels.backends import get_attention_backend, resolve_attention_backend
+    from sgl_tpu.executor.attention_registry import get_attention_backend, resolve_attention_backend
 
     assert resolve_attention_backend("auto", platform="gpu") == "gathered"
     assert resolve_attention_backend("auto", platform="cpu") == "ref"

@@ -139,7 +139,7 @@ def test_one_token_write_keeps_donated_pools_in_place(backend):
 
     import jax
 
-    from sgl_tpu.kernels.backends import get_attention_backend
+    from sgl_tpu.executor.attention_registry import get_attention_backend
 
     impl = get_attention_backend(backend)
     kvh, num_pages, ps, d = 2, 33, 4, 16

@@ -17,8 +17,8 @@ import pytest
 from sgl_tpu import Engine
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.executor import batch_invariant
+from sgl_tpu.executor.attention_registry import resolve_attention_backend
 from sgl_tpu.executor.registry import runner_config
-from sgl_tpu.kernels.backends import resolve_attention_backend
 from sgl_tpu.scheduler.scheduler import Scheduler
 
 MAX_NEW = 8
@@ -196,7 +196,7 @@ def test_torch_invariant_attention_same_row_every_way():
     """One sequence's last row: prefilled whole, as the tail of a chunk after a cached prefix,
     and as a DECODE in a batch with other sequences (multi-tile contexts): bit-identical."""
     torch = pytest.importorskip("torch")
-    from sgl_tpu.kernels import batch_invariant_torch as inv
+    from sgl_tpu.backends.torch import paged_attention as pa
 
     torch.manual_seed(0)
     kvh, group, d, tile = 2, 3, 16, 32
@@ -205,21 +205,21 @@ def test_torch_invariant_attention_same_row_every_way():
     length = 75
     slots = torch.randperm(511)[:length] + 1  # the sequence's slots, any order in the pool
     q = torch.randn(length, kvh * group, d).to(torch.bfloat16)
-    whole = inv.extend_attention(q, pool_k, pool_v, [inv.ExtendSeq(0, length, 0, slots)],
-                                 0.25, kv_tile=tile)
+    whole = pa.invariant_extend_attention(q, pool_k, pool_v, [pa.ExtendSeq(0, length, 0, slots)],
+                                           0.25, kv_tile=tile)
     for prefix in (1, 40, 74):
-        part = inv.extend_attention(q[prefix:], pool_k, pool_v,
-                                    [inv.ExtendSeq(0, length - prefix, prefix, slots)], 0.25,
-                                    kv_tile=tile)
+        part = pa.invariant_extend_attention(
+            q[prefix:], pool_k, pool_v, [pa.ExtendSeq(0, length - prefix, prefix, slots)], 0.25,
+            kv_tile=tile)
         assert torch.equal(part[-1], whole[-1]), prefix
     other = torch.randperm(511)[:30] + 1
     own = torch.zeros(2, length, dtype=torch.int64)
     own[0], own[1, :30] = slots, other
     bias = torch.full((2, 1, length), float("-inf")).to(torch.bfloat16)
     bias[0, 0, :], bias[1, 0, :30] = 0, 0
-    batch = inv.DecodeBatch(shared_slots=torch.zeros(0, dtype=torch.int64), slots=own, bias=bias)
+    batch = pa.DecodeBatch(shared_slots=torch.zeros(0, dtype=torch.int64), slots=own, bias=bias)
     qd = torch.stack([q[-1], torch.randn(kvh * group, d).to(torch.bfloat16)])
-    dec = inv.decode_attention(qd, pool_k, pool_v, batch, 0.25, kv_tile=tile)
+    dec = pa.invariant_decode_attention(qd, pool_k, pool_v, batch, 0.25, kv_tile=tile)
     assert torch.equal(dec[0], whole[-1])
 
 

@@ -94,7 +94,7 @@ def test_bundle_installs_offline_and_serves_imports(tmp_path):
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
                     "--target", str(site), *map(str, wheels)], check=True)
-    probe = ("import msgspec, orjson, sgl_tpu, sgl_tpu.kernels.backends, "
+    probe = ("import msgspec, orjson, sgl_tpu, sgl_tpu.kernels, "
              "sgl_tpu.server.http_common as h; "
              "print(sgl_tpu.__file__, orjson.__file__, msgspec.__file__, h.sse({'a': 1}))")
     env = {**os.environ, "PYTHONPATH": str(site)}

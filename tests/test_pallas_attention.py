@@ -21,11 +21,11 @@ from attention_helpers import random_pools as _pools
 from sgl_tpu.backends.jax.forward_batch import ShapeBuckets, build_forward_batch
 from sgl_tpu.choices import check_registry_names
 from sgl_tpu.config import ServerArgs
+from sgl_tpu.executor.attention_registry import get_attention_backend, resolve_attention_backend
 from sgl_tpu.executor.registry import runner_config
 from sgl_tpu.executor.step import ForwardMode, SeqStep
 from sgl_tpu.kernels import paged_attention_ref as ref
 from sgl_tpu.kernels import ragged_paged_attention as rpa
-from sgl_tpu.kernels.backends import get_attention_backend, resolve_attention_backend
 from sgl_tpu.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -29,9 +29,9 @@ from sgl_tpu.backends.jax.mesh import HEADS_SPEC, KV_POOL_SPEC, TP_AXIS
 from sgl_tpu.backends.jax.runner import sample_inputs
 from sgl_tpu.backends.jax.shard_ops import replicated, shard_attention
 from sgl_tpu.engine import Engine
+from sgl_tpu.executor.attention_registry import get_attention_backend
 from sgl_tpu.executor.step import ForwardMode, warmup_step
 from sgl_tpu.kernels import paged_attention_ref as ref
-from sgl_tpu.kernels.backends import get_attention_backend
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
 SMALL = dict(backend="jax", dtype="float32", page_size=4, max_total_tokens=1024,

@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model-path", default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--attention-backends", default="ref,gathered",
-                   help="comma list of JAX attention backends (kernels/backends.py)")
+                   help="comma list of JAX attention backends (executor/attention_registry.py)")
     p.add_argument("--batches", default="1,64")
     p.add_argument("--context", type=int, default=1024, help="KV tokens per sequence")
     p.add_argument("--steps", type=int, default=20, help="decode steps timed and traced")

@@ -9,5 +9,5 @@
 
 The neutral core (scheduler, cache, `sgl_tpu.executor.step` contract, registries) reaches a
 home only by module name, through `sgl_tpu.executor.registry`, `sgl_tpu.models.registry` and
-`sgl_tpu.kernels.backends`; the homes never import each other (tests/test_layering.py).
+`sgl_tpu.executor.attention_registry`; the homes never import each other (tests/test_layering.py).
 """

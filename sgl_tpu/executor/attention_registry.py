@@ -1,9 +1,16 @@
-"""Registry of attention implementations (`--attention-backend`), per executor framework.
+"""Registry of attention implementations (`--attention-backend`), per executor backend.
 
-Import-light: names and lazy loaders only, so the CLI and a torch process can read it without
-loading JAX. `get_attention_backend(name)` imports the implementation on first use.
+Import-light: names and loader names only, so the CLI and a torch process can read it without
+loading JAX. Each name belongs to one executor backend and is reached through that backend's
+attention module (sgl_tpu/backends/<b>/attention.py, import-light too), by module name: nothing
+here imports a framework or a home (tests/test_layering.py).
 
-JAX backends offer the same three functions with the reference's signatures:
+    --attention-backend NAME ─resolve_attention_backend─► <b>/attention.py default_attention
+                                                          (auto), check_attention (a given name)
+    resolved NAME ───────────get_attention_backend──────► <b>/attention.py <loader>()
+                                                          -> the AttentionBackend the runner calls
+
+JAX implementations offer the same three functions with the reference's signatures:
 
     write_kv(k_pool, v_pool, k, v, slots)              -> (k_pool, v_pool)  in place if donated
     extend_attention(q, k_pool, v_pool, page_table, block_rows, block_seq, block_q_start,
@@ -20,9 +27,6 @@ by `make install`). `ref-invariant` and `torch-invariant` are the batch-invarian
 `--enable-deterministic-inference` (one tiled path for EXTEND and DECODE;
 sgl_tpu/executor/batch_invariant.py). `auto` is each backend's choice for the platform
 (`default_attention` of sgl_tpu/backends/{jax,torch}/attention.py).
-
-Each name maps to a loader in its backend's home, by module name: nothing here imports a
-framework or a home (tests/test_layering.py).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from typing import Any
 @dataclass(frozen=True)
 class AttentionSpec:
     framework: str  # "jax" or "torch": the executor backend that can run it
-    loader: str  # the function in the framework's attention module that returns it
+    loader: str  # the function of the framework's attention module that returns it
 
 
 ATTENTION_BACKENDS: dict[str, AttentionSpec] = {
@@ -79,8 +83,7 @@ def resolve_attention_backend(name: str, framework: str = "jax", platform: str |
 
 @functools.cache
 def get_attention_backend(name: str) -> Any:
-    """The implementation of a resolved name (the JAX home's AttentionBackend for JAX names,
-    the implementing module for torch ones)."""
+    """The implementation of a resolved name (its home's `AttentionBackend`)."""
     spec = ATTENTION_BACKENDS.get(name)
     if spec is None:
         raise ValueError(f"unknown attention_backend {name!r}")

@@ -50,7 +50,7 @@ from sgl_tpu.executor.step import ForwardMode, SeqStep, StepResult, warmup_step
 
 MIN_ROWS = 2  # token rows and sampled rows of every step under the flag
 
-# The attention implementation (kernels/backends.py) the flag selects on each executor.
+# The attention implementation (executor/attention_registry.py) the flag selects on each executor.
 INVARIANT_ATTENTION = {"jax": "ref-invariant", "torch": "torch-invariant"}
 
 

@@ -26,8 +26,8 @@ from types import ModuleType
 
 from sgl_tpu.config import KV_POOL_DTYPES, RunnerConfig, ServerArgs, pow2_buckets
 from sgl_tpu.executor import batch_invariant
+from sgl_tpu.executor.attention_registry import resolve_attention_backend
 from sgl_tpu.executor.step import ModelRunner
-from sgl_tpu.kernels.backends import resolve_attention_backend
 from sgl_tpu.models.config import ModelConfig
 from sgl_tpu.quantization import resolve_quantization
 

@@ -1,5 +1,13 @@
-"""The JAX backend's attention implementations (the names of `sgl_tpu.kernels.backends`): each
-loader returns an `AttentionBackend` over a kernel source of `sgl_tpu.kernels`.
+"""The JAX backend's attention (its names in sgl_tpu/executor/attention_registry.py): each loader
+returns an `AttentionBackend` over one implementation.
+
+    ref               kernels/paged_attention_ref.py: pure jax.numpy (any platform; the oracle)
+    gathered          paged_attention_gathered.py (this home): a dense gathered view (GPUs)
+    pallas            kernels/ragged_paged_attention.py: the Pallas TPU kernel (Mosaic, TPU only)
+    pallas-interpret  the same kernel in TPU interpret mode (CPU; slow, for tests)
+    ref-invariant     kernels/batch_invariant_ref.py: `--enable-deterministic-inference`
+
+All share the reference's signatures and head-major pool:
 
     write_kv(k_pool, v_pool, k, v, slots)              -> (k_pool, v_pool)  in place if donated
     extend_attention(q, k_pool, v_pool, page_table, block_rows, block_seq, block_q_start,
@@ -32,7 +40,7 @@ def ref() -> AttentionBackend:
 
 
 def gathered() -> AttentionBackend:
-    from sgl_tpu.kernels import paged_attention_gathered as gathered
+    from sgl_tpu.backends.jax import paged_attention_gathered as gathered
 
     return AttentionBackend("gathered", gathered.write_kv, gathered.extend_attention,
                             gathered.decode_attention, bucket_page_table=True)

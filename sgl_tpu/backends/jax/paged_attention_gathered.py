@@ -1,8 +1,8 @@
 """Paged attention over a gathered dense view (`--attention-backend gathered`; `auto` on GPUs).
 
-The reference (paged_attention_ref.py) walks KV tiles in a loop, which on a GPU becomes a long
-chain of small kernels per layer. Here each query block instead gathers its sequence's whole
-page-table row into one padded dense K/V view and attends in a few large ops:
+The reference (kernels/paged_attention_ref.py) walks KV tiles in a loop, which on a GPU becomes
+a long chain of small kernels per layer. Here each query block instead gathers its sequence's
+whole page-table row into one padded dense K/V view and attends in a few large ops:
 
     page_table [N, P] ──gather──► K, V [kvh, N, L, d]        L = P * page_size (the view)
     queries    [N, M, H, d]  (decode: M = 1 per sequence; extend: M = block_q rows per block)

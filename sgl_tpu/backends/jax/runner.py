@@ -58,6 +58,7 @@ from sgl_tpu.backends.jax.forward_batch import (
 from sgl_tpu.backends.jax.sampler import sample
 from sgl_tpu.backends.jax.shard_ops import gather_logits, replicated
 from sgl_tpu.config import RunnerConfig
+from sgl_tpu.executor.attention_registry import get_attention_backend
 from sgl_tpu.executor.step import (
     ForwardMode,
     SeqStep,
@@ -66,7 +67,6 @@ from sgl_tpu.executor.step import (
     pack_bitmask,
     warmup_step,
 )
-from sgl_tpu.kernels.backends import get_attention_backend
 from sgl_tpu.models.config import ModelConfig
 from sgl_tpu.models.registry import jax_model
 from sgl_tpu.parallel.head_split import check_tp_size
@@ -270,7 +270,7 @@ class JaxModelRunner:
         self.token_counts = self._zeros((config.max_running_requests + 1, self.vocab_size),
                                         jnp.int32, replicated=True)
         # Page-table widths the steps are cut to: one (the full width) unless the attention
-        # backend's cost grows with the width (kernels/backends.py `bucket_page_table`).
+        # backend's cost grows with the width (attention.py `bucket_page_table`).
         pages_per_tile = config.kv_tile // config.page_size
         self.page_widths = (page_buckets(config.max_pages_per_seq, pages_per_tile)
                             if get_attention_backend(config.attention_backend).bucket_page_table

@@ -1,41 +1,69 @@
-"""The torch backend's attention implementations (the names of `sgl_tpu.kernels.backends`):
-each loader returns the module that implements `write_kv`, `extend_attention` and
-`decode_attention` over the token-major pool.
+"""The torch backend's attention (its names in sgl_tpu/executor/attention_registry.py): each
+loader bundles one implementation of paged_attention.py into the `AttentionBackend` the runner
+calls, over the token-major pool.
 
-    torch-sdpa        kernels/paged_attention_torch.py: gathered pages into
-                      `scaled_dot_product_attention` / batched GEMMs (any device)
-    torch-cpu-fused   backends/torch/kernels/paged_attention_cpu.py: a compiled kernel walking
-                      the page table (CPU; built by `make install`)
-    torch-invariant   kernels/batch_invariant_torch.py: `--enable-deterministic-inference`
+    torch-sdpa        gathered pages into `scaled_dot_product_attention` / batched GEMMs (any
+                      device)
+    torch-cpu-fused   a compiled kernel walking the page table (CPU; the C++ source in
+                      kernels/csrc, built by `make install`)
+    torch-invariant   `--enable-deterministic-inference`: one tiled path for EXTEND and DECODE
+
+Import-light (no torch until a loader runs), so the registry can resolve names in any process.
 """
 
 from __future__ import annotations
 
 import logging
-from types import ModuleType
+from collections.abc import Callable
+from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
 
-def sdpa() -> ModuleType:
-    from sgl_tpu.kernels import paged_attention_torch
+@dataclass(frozen=True)
+class AttentionBackend:
+    """What the runner calls: the step description it builds (an `ExtendSeq` per sequence over
+    `context_slots`, one `DecodeBatch`) and the KV write and the two attention functions."""
 
-    return paged_attention_torch
+    name: str
+    write_kv: Callable
+    extend_attention: Callable
+    decode_attention: Callable
+    ExtendSeq: type
+    DecodeBatch: type
+    context_slots: Callable
 
 
-def cpu_fused() -> ModuleType:
-    from sgl_tpu.backends.torch.kernels import cpu_extension, paged_attention_cpu
+def _backend(name: str, extend_attention: Callable, decode_attention: Callable,
+             decode_batch: type) -> AttentionBackend:
+    from sgl_tpu.backends.torch import paged_attention as pa
+
+    return AttentionBackend(name, pa.write_kv, extend_attention, decode_attention, pa.ExtendSeq,
+                            decode_batch, pa.context_slots)
+
+
+def sdpa() -> AttentionBackend:
+    from sgl_tpu.backends.torch import paged_attention as pa
+
+    return _backend("torch-sdpa", pa.extend_attention, pa.decode_attention, pa.DecodeBatch)
+
+
+def cpu_fused() -> AttentionBackend:
+    from sgl_tpu.backends.torch import paged_attention as pa
+    from sgl_tpu.backends.torch.kernels import cpu_extension
 
     if cpu_extension.load() is None:
         raise RuntimeError(f"attention_backend 'torch-cpu-fused': "
                            f"{cpu_extension.why_unavailable()}")
-    return paged_attention_cpu
+    return _backend("torch-cpu-fused", pa.fused_extend_attention, pa.fused_decode_attention,
+                    pa.FusedDecodeBatch)
 
 
-def invariant() -> ModuleType:
-    from sgl_tpu.kernels import batch_invariant_torch
+def invariant() -> AttentionBackend:
+    from sgl_tpu.backends.torch import paged_attention as pa
 
-    return batch_invariant_torch
+    return _backend("torch-invariant", pa.invariant_extend_attention,
+                    pa.invariant_decode_attention, pa.DecodeBatch)
 
 
 def default_attention(device_type: str | None) -> str:

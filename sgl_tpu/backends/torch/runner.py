@@ -55,8 +55,8 @@ from sgl_tpu.backends.torch.static_decode import StaticDecode
 from sgl_tpu.config import RunnerConfig
 from sgl_tpu.executor import batch_invariant
 from sgl_tpu.executor import step as step_contract
+from sgl_tpu.executor.attention_registry import get_attention_backend
 from sgl_tpu.executor.step import ForwardMode, PendingStep, SeqStep, StepResult
-from sgl_tpu.kernels.backends import get_attention_backend
 from sgl_tpu.models.config import ModelConfig
 from sgl_tpu.models.registry import torch_model
 

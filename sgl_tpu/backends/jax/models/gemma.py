@@ -20,8 +20,8 @@ import jax.numpy as jnp
 
 from sgl_tpu.backends.jax.forward_batch import ForwardBatch
 from sgl_tpu.backends.jax.models.llama import KVPools, Params, apply_rope, matmul, rms_norm
+from sgl_tpu.executor.attention_registry import get_attention_backend
 from sgl_tpu.executor.step import ForwardMode
-from sgl_tpu.kernels.backends import get_attention_backend
 from sgl_tpu.models.config import ModelConfig
 from sgl_tpu.models.rope import gemma_inv_freqs
 

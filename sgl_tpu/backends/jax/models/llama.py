@@ -29,8 +29,8 @@ from jax.sharding import Mesh
 from sgl_tpu.backends.jax.attention import AttentionBackend
 from sgl_tpu.backends.jax.forward_batch import ForwardBatch
 from sgl_tpu.backends.jax.shard_ops import embed_lookup, shard_attention
+from sgl_tpu.executor.attention_registry import get_attention_backend
 from sgl_tpu.executor.step import ForwardMode
-from sgl_tpu.kernels.backends import get_attention_backend
 from sgl_tpu.models.config import LongRope, ModelConfig
 from sgl_tpu.models.rope import long_inv_freq, rope_inv_freq
 
@@ -113,10 +113,11 @@ def forward(
 ) -> tuple[jax.Array, KVPools]:
     """Run the decoder; returns final-normed hidden states [T, D] and the updated pools.
 
-    `attention_backend` names the KV-write and attention implementation (kernels/backends.py);
-    nothing else depends on it. With a tensor-parallel `mesh` (sgl_tpu/parallel) the params and
-    pools are sharded on it and `cfg` carries the padded sizes: attention runs per device on its
-    heads, the embedding is vocab-parallel, and GSPMD partitions the matmuls.
+    `attention_backend` names the KV-write and attention implementation
+    (executor/attention_registry.py); nothing else depends on it. With a tensor-parallel `mesh`
+    (sgl_tpu/parallel) the params and pools are sharded on it and `cfg` carries the padded
+    sizes: attention runs per device on its heads, the embedding is vocab-parallel, and GSPMD
+    partitions the matmuls.
     `mlp(x [T, D], layer, cfg) -> [T, D]` replaces the dense SwiGLU MLP (backends/jax/models/moe.py
     passes its mixture of experts).
     """

@@ -176,8 +176,8 @@ def load_extension(ext: CpuExtension) -> tuple[ModuleType | None, str]:
     return None, f"the {ext.title} is not built for this source and machine; {INSTALL_HINT}"
 
 
-# The attention extension's interface (backends/torch/kernels/paged_attention_cpu.py,
-# kernels/backends.py).
+# The attention extension's interface (backends/torch/paged_attention.py `fused_*`,
+# backends/torch/attention.py).
 def module_name(flavour: str) -> str:
     return ATTENTION.module_name(flavour)
 

@@ -220,9 +220,9 @@ class LlamaTorch:
         (backends/torch/kernels/layer_ops_cpu.py) if these layers can: this class's own (not a
         subclass's), the pool written by the standard token-major `write_kv` (the fused op writes
         it). Whether it took them."""
-        from sgl_tpu.kernels import paged_attention_torch
+        from sgl_tpu.backends.torch import paged_attention
 
-        if not self.fused_layers or self.write_kv is not paged_attention_torch.write_kv:
+        if not self.fused_layers or self.write_kv is not paged_attention.write_kv:
             return False
         self.layer_ops = ops
         return True

@@ -1,5 +1,5 @@
-"""Random-weight checkpoints of a model's shape (sgl_tpu/bench/random_checkpoint.py, and its
-command line tools/random_checkpoint.py): the shape files load back as the same model config and
+"""Random-weight checkpoints of a model's shape (tools/random_checkpoint.py, and its command
+line): the shape files load back as the same model config and
 tokenizer, the random weights fill every tensor the loader expects, an Engine serves the result,
 and shapes it cannot write are refused. The accelerator bench, which times such checkpoints."""
 
@@ -12,11 +12,12 @@ import sys
 import checkpoints as ck
 import gemma_checkpoints as gck
 import pytest
-from tool_scripts import TOOLS_DIR
+from tool_scripts import TOOLS_DIR, load_tool
 
 from sgl_tpu import Engine
-from sgl_tpu.bench import random_checkpoint as rc
 from sgl_tpu.loader import load_model
+
+rc = load_tool("random_checkpoint")
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.python_version or platform.python_version()}")
     copy_tools(out / "tools")
     if not args.no_model:
-        from sgl_tpu.bench.random_checkpoint import write_shape
+        from random_checkpoint import write_shape  # this folder's script (first on sys.path)
 
         print(write_shape(out / "model"))
 

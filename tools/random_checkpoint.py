@@ -1,5 +1,6 @@
 """A random-weight Hugging Face checkpoint of a model's shape: for timing a machine that lacks
-the model's weights (an accelerator host without network gets a few MB instead of the model).
+the model's weights (an accelerator host without network gets a few MB instead of the model;
+the accelerator bench's `host` part runs this script for its minimal model).
 
     python tools/random_checkpoint.py shape DIR [--model-path M] [--minimal]
         M (default: the default model) ──load──► config.json, generation_config.json,
@@ -18,6 +19,7 @@ sampling over the real vocabulary): the ceiling of the real model's server on th
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -114,3 +116,26 @@ def write_weights(model_dir: str | Path, seed: int = 0, std: float = 0.02) -> Pa
     save_file(tensors, str(tmp))
     tmp.rename(path)  # a killed write leaves no half file behind that `weights` would keep
     return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    shape = sub.add_parser("shape", help="config + tokenizer files of a model, no weights")
+    shape.add_argument("out_dir")
+    shape.add_argument("--model-path", default=None)
+    shape.add_argument("--minimal", action="store_true",
+                       help="one layer of width 64 (same vocabulary and tokenizer)")
+    weights = sub.add_parser("weights", help="random weights for DIR/config.json")
+    weights.add_argument("model_dir")
+    weights.add_argument("--seed", type=int, default=0)
+    weights.add_argument("--std", type=float, default=0.02)
+    args = p.parse_args(argv)
+    if args.command == "shape":
+        print(write_shape(args.out_dir, args.model_path, args.minimal))
+    else:
+        print(write_weights(args.model_dir, args.seed, args.std))
+
+
+if __name__ == "__main__":
+    main()

@@ -17,9 +17,9 @@ Each part runs as its own process, so one backend's device memory is free before
               host and device ms, kernel launches and top operators per step)
     servers   sgl_tpu.bench.serving --compare overlap
                                         two servers (overlap on / off) with 1 and N streams
-    host      the same servers on a `random_checkpoint --minimal` model of the same vocabulary
-              (one layer of width 64, written to --out-dir/host_model): what the server costs
-              around the model, i.e. the most the servers part can reach on this host
+    host      the same servers on a `tools/random_checkpoint.py --minimal` model of the same
+              vocabulary (one layer of width 64, written to --out-dir/host_model): what the
+              server costs around the model, i.e. the most the servers part can reach here
 
 The parts run in the order --parts names them, each for every backend before the next part
 (the table's first columns first). `--budget` bounds the whole run (an accelerator lent for a
@@ -39,10 +39,10 @@ JAX is told not to preallocate (XLA_PYTHON_CLIENT_PREALLOCATE=false), so the two
 part can share one chip. Use a random-weight checkpoint of the model's shape
 (`tools/random_checkpoint.py`) where the weights are not at hand.
 
-The profilers are scripts of the repository's `tools/` folder, not of the package: the profile
-part runs them from --tools-dir (default: the `tools/` beside the checkout's `sgl_tpu/`; an
-offline bundle carries a copy, see `tools/offline_bundle.py`), and is recorded as skipped where
-there is none.
+The profilers and the random checkpoint are scripts of the repository's `tools/` folder, not of
+the package: the profile and host parts run them from --tools-dir (default: the `tools/` beside
+the checkout's `sgl_tpu/`; an offline bundle carries a copy, see `tools/offline_bundle.py`),
+and are recorded as skipped where there is none.
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sgl_tpu.bench.random_checkpoint import write_shape, write_weights
 from sgl_tpu.bench.report import emit, model_label
 from sgl_tpu.bench.serving import OVERLAP_CONFIGS
 from sgl_tpu.bench.serving import summarize as summarize_streams
@@ -73,7 +72,7 @@ CHECKOUT_TOOLS = Path(__file__).resolve().parents[2] / "tools"  # in a checkout,
 
 def part_commands(args: argparse.Namespace, backend: str, out: Path) -> dict[str, list[str]]:
     """The command of each part for `backend`, writing its JSON to `out / <part>_<backend>`
-    (the profile part only where --tools-dir holds its script)."""
+    (the profile and host parts only where --tools-dir holds their scripts)."""
     py = [sys.executable, "-m"]
     model = ["--model-path", args.model_path] if args.model_path else []
     executor = ["--backends", backend, "--dtypes", args.dtype, "--decode-batches", args.batches,
@@ -86,10 +85,11 @@ def part_commands(args: argparse.Namespace, backend: str, out: Path) -> dict[str
                "--client-procs", str(args.client_procs), "--server-flags", flags]
     cmds = {"executor": py + ["sgl_tpu.bench.executor", *model, *executor, "--prefill",
                               args.prefill, "--repeats", "3", "--sampling", args.sampling],
-            "servers": py + ["sgl_tpu.bench.serving", *model, *servers],
-            "host": py + ["sgl_tpu.bench.serving", "--model-path", str(out / HOST_MODEL),
-                          *servers]}
+            "servers": py + ["sgl_tpu.bench.serving", *model, *servers]}
     tools = Path(args.tools_dir)
+    if (tools / "random_checkpoint.py").exists():
+        cmds["host"] = py + ["sgl_tpu.bench.serving", "--model-path", str(out / HOST_MODEL),
+                             *servers]
     if backend == "jax" and (tools / "jax_step_profile.py").exists():
         cmds["profile"] = [sys.executable, str(tools / "jax_step_profile.py"), *model,
                            "--dtype", args.dtype, "--batches", args.batches,
@@ -100,6 +100,15 @@ def part_commands(args: argparse.Namespace, backend: str, out: Path) -> dict[str
                            "--sampling", "greedy,temperature,top-k"]
     return {part: cmd + ["--output", str(out / f"{part}_{backend}.json")]
             for part, cmd in cmds.items() if part in args.parts.split(",")}
+
+
+def write_host_model(args: argparse.Namespace, out: Path) -> None:
+    """The host part's model: --model-path's shape, minimal, with random weights."""
+    script = [sys.executable, str(Path(args.tools_dir) / "random_checkpoint.py")]
+    model = ["--model-path", args.model_path] if args.model_path else []
+    for cmd in (["shape", str(out / HOST_MODEL), "--minimal", *model],
+                ["weights", str(out / HOST_MODEL)]):
+        subprocess.run(script + cmd, check=True, stdout=subprocess.DEVNULL)
 
 
 def part_timeout(cap: float, left_s: float | None, parts_left: int) -> float | None:
@@ -231,10 +240,10 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     summary = Path(args.summary) if args.summary else out / "summary.json"
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    if "host" in args.parts.split(","):
-        write_weights(write_shape(out / HOST_MODEL, args.model_path, minimal=True))
     backends = args.backends.split(",")
     commands = {backend: part_commands(args, backend, out) for backend in backends}
+    if any("host" in cmds for cmds in commands.values()):
+        write_host_model(args, out)
     jobs = [(part, backend) for part in args.parts.split(",") for backend in backends]
     results: dict[str, Any] = {"model": model_label(args.model_path), "args": vars(args),
                                "backends": {}, "parts": {}}
@@ -244,7 +253,8 @@ def main(argv: list[str] | None = None) -> None:
         timeout = part_timeout(args.timeout, left, len(jobs) - i)
         name = f"{part}_{backend}"
         if part not in commands[backend]:
-            result: dict[str, Any] = {"status": f"skipped: no {backend} profiler in "
+            script = f"{backend} profiler" if part == "profile" else "random_checkpoint.py"
+            result: dict[str, Any] = {"status": f"skipped: no {script} in "
                                                 f"--tools-dir {args.tools_dir}", "seconds": 0}
         elif timeout is None:
             result = {"status": "skipped: the budget is spent", "seconds": 0}

@@ -4,13 +4,15 @@ function, of every module):
     sgl_tpu/backends/jax/     the JAX home: the only code that imports jax / jaxlib / flax
     sgl_tpu/backends/torch/   the torch home: the only code that imports torch
     kernels/ (sgl_tpu.kernels) kernel sources, each written for one framework (it imports that
-                              one only); a home imports only its own framework's kernels
+                              one only) and never importing a home, not even by module name;
+                              a home imports only its own framework's kernels
     everything else           the neutral core (scheduler, cache, step contract, registries,
                               server, loaders, benchmarks): imports neither framework nor a home,
                               and reaches a backend only through a registry, by module name
 
-and the import graph of sgl_tpu has no cycles. `python -m pytest tests/test_layering.py -s`
-prints what it found.
+The import graph of sgl_tpu has no cycles, and each backend's attention path (registry ->
+kernel) runs through at most two Python files (`test_each_backend_attention_path`).
+`python -m pytest tests/test_layering.py -s` prints what it found.
 """
 
 from __future__ import annotations
@@ -169,3 +171,81 @@ def test_the_import_graph_has_no_cycles():
     for c in cycles:
         print("cycle:", " <-> ".join(c))
     assert not cycles
+
+
+def test_kernels_never_import_a_home():
+    """kernels/ is imported by the homes, never the other way: no import statement and no
+    module-name string (an importlib target) of sgl_tpu.backends."""
+    found = []
+    for name in sorted(MODULES):
+        if not name.startswith("sgl_tpu.kernels"):
+            continue
+        found += [f"{name} imports {i}" for i in sorted(IMPORTS[name]) if _home_of(i)]
+        for node in ast.walk(ast.parse(MODULES[name].read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                    "sgl_tpu.backends" in node.value:
+                found.append(f"{name} names {node.value!r} (line {node.lineno})")
+    assert not found, "kernels/ reaches into a home:\n" + "\n".join(found)
+
+
+# The attention interface: a module defining one of these (at top level) holds attention code.
+ATTENTION_FUNCTIONS = ("write_kv", "extend_attention", "decode_attention")
+# Where a backend's kernels are Python modules, the path ends there: the JAX backend's are in
+# kernels/ (the jax.numpy references, the Pallas kernel). The torch backend's kernels are
+# compiled (C++ in kernels/csrc), so every Python module on its path lies before the kernel.
+PYTHON_KERNELS = {"jax": "sgl_tpu.kernels", "torch": None}
+MAX_ATTENTION_FILES = 2
+
+
+def _defines_attention(name: str) -> bool:
+    tree = ast.parse(MODULES[name].read_text())
+    return any(isinstance(node, ast.FunctionDef) and node.name.endswith(ATTENTION_FUNCTIONS)
+               for node in tree.body)
+
+
+def _attention_path(framework: str) -> tuple[str, list[str], list[str]]:
+    """The backend's attention entry (the module the registry loads its names from), the
+    Python files between the registry and the kernel (the entry, then every module it reaches
+    through imports, inside the home or kernels/, that holds attention code, kernel modules
+    excepted), and the Python kernel modules reached."""
+    entry = f"{HOMES[framework]}.attention"
+    kernels = PYTHON_KERNELS[framework]
+    seen, todo, path, reached = {entry}, [entry], [entry], []
+    while todo:
+        for imported in sorted(IMPORTS[todo.pop(0)]):
+            if imported in seen or imported not in MODULES:
+                continue
+            seen.add(imported)
+            if kernels and imported.startswith(kernels):
+                reached.append(imported)
+            elif _home_of(imported) == framework or imported.startswith("sgl_tpu.kernels"):
+                todo.append(imported)
+                if _defines_attention(imported):
+                    path.append(imported)
+    return entry, path, reached
+
+
+def test_each_backend_attention_path():
+    """For every executor backend of the attention registry: its attention lives in its home,
+    the entry defines every loader the registry names, and between the registry and the kernel
+    lie at most MAX_ATTENTION_FILES Python files."""
+    from sgl_tpu.executor.attention_registry import ATTENTION_BACKENDS
+
+    found = []
+    for framework in sorted({spec.framework for spec in ATTENTION_BACKENDS.values()}):
+        entry, path, reached = _attention_path(framework)
+        assert entry in MODULES, f"{framework}: no attention module {entry}"
+        defined = {node.name for node in ast.parse(MODULES[entry].read_text()).body
+                   if isinstance(node, ast.FunctionDef)}
+        for name, spec in ATTENTION_BACKENDS.items():
+            if spec.framework == framework and spec.loader not in defined:
+                found.append(f"{name}: {entry} has no loader {spec.loader}")
+        kernel = ", ".join(reached) if reached else "compiled (kernels/csrc)"
+        print(f"{framework}: registry -> {' -> '.join(path)} -> kernel: {kernel}")
+        outside = [m for m in path if _home_of(m) != framework]
+        if outside:
+            found.append(f"{framework}: attention code outside its home: {', '.join(outside)}")
+        if len(path) > MAX_ATTENTION_FILES:
+            found.append(f"{framework}: {len(path)} files between the registry and the kernel "
+                         f"(at most {MAX_ATTENTION_FILES}): {', '.join(path)}")
+    assert not found, "\n".join(found)

@@ -1,10 +1,18 @@
-"""`python -m sgl_tpu.bench.reliability`: the long reliability campaign (see the package).
+"""The long reliability campaign: load, disconnects and aborts, KV exhaustion, prompts of
+hundreds of thousands of characters, property-based fuzzing of every route's body and a killed
+child process, each followed by the invariants of `reliability_invariants.py`. The tests
+(`tests/test_reliability*.py`) run its phases at CI size; this runs them at full size:
+
+    .venv/bin/python tests/reliability_campaign.py [--clients 128] [--requests-per-client 4]
+        [--exhaustion-clients 32] [--fuzz-examples 100] [--big-prompts 8]
+        [--big-prompt-chars 500000] [--max-total-tokens 1024] [--seed 0] [--output FILE]
 
 Starts a server on loopback (a small KV pool, so load also exhausts it), runs the phases load,
-disconnect, exhaustion and fuzz with a latency probe alongside, checks the invariants after
-each, then starts a second server and kills one of its children. Prints the figures as JSON:
-clients and requests held, disconnects and aborts survived, bad inputs tried per class, faults
-injected, 5xx count, leaked KV pages, p50/p99 latency of a small request during the campaign.
+disconnect, exhaustion, big_prompt and fuzz with a latency probe alongside
+(`reliability_phases.py`, `reliability_fuzz.py`), checks the invariants after each, then starts
+a second server and kills one of its children. Prints the figures as JSON: clients and requests
+held, disconnects and aborts survived, bad inputs tried per class, faults injected, 5xx count,
+leaked KV pages, p50/p99 latency of a small request during the campaign.
 """
 
 from __future__ import annotations
@@ -18,11 +26,9 @@ from collections import Counter
 from typing import Any
 
 import requests
-
-from sgl_tpu.bench.http_load import Server
-from sgl_tpu.bench.reliability.fuzz import CLASSES, ROUTES, URL_ROUTES, run_fuzz, run_url_fuzz
-from sgl_tpu.bench.reliability.invariants import check_invariants
-from sgl_tpu.bench.reliability.phases import (
+from reliability_fuzz import CLASSES, ROUTES, URL_ROUTES, run_fuzz, run_url_fuzz
+from reliability_invariants import check_invariants
+from reliability_phases import (
     LatencyProbe,
     big_prompt_phase,
     disconnect_phase,
@@ -31,6 +37,8 @@ from sgl_tpu.bench.reliability.phases import (
     load_phase,
     percentile,
 )
+
+from sgl_tpu.bench.http_load import Server
 from sgl_tpu.bench.report import emit
 
 API_KEY = "campaign-key"

@@ -1,8 +1,8 @@
 """The supported bench entry points that drive servers, each run in a tiny mode on a tiny random
-checkpoint: `bench.serving` (its four comparisons), `bench.structured`, `bench.reliability` and
-`bench.agent_loop --mixed-batch`. (`bench.executor`: tests/test_bench_executor.py; the rest of
-`bench.agent_loop`: tests/test_agent_loop.py; `bench.accelerator`:
-tests/test_random_checkpoint.py.)"""
+checkpoint: `bench.serving` (its four comparisons), `bench.structured`, the reliability
+campaign (tests/reliability_campaign.py) and `bench.agent_loop --mixed-batch`.
+(`bench.executor`: tests/test_bench_executor.py; the rest of `bench.agent_loop`:
+tests/test_agent_loop.py; `bench.accelerator`: tests/test_random_checkpoint.py.)"""
 
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def test_structured_times_masks_and_jump_forward(model, tmp_path):
 
 @pytest.mark.slow
 def test_reliability_campaign_in_a_tiny_size(model, tmp_path):
-    from sgl_tpu.bench.reliability.__main__ import main
+    from reliability_campaign import main
 
     out = tmp_path / "reliability.json"
     main(["--model-path", model, "--clients", "2", "--requests-per-client", "1",

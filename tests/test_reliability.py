@@ -2,7 +2,8 @@
 of the reliability issue as a regression (a clear 4xx, and the server still serves with all
 processes alive), the security defaults, a seeded `hypothesis` fuzz of every route's body with
 zero 5xx, and the load / disconnect / KV-exhaustion / killed-child phases of the campaign at CI
-size, each followed by the invariants (`sgl_tpu/bench/reliability/invariants.py`)."""
+size, each followed by the invariants (`reliability_invariants.py`; the long campaign:
+`reliability_campaign.py`)."""
 
 from __future__ import annotations
 
@@ -16,18 +17,17 @@ import numpy as np
 import pytest
 import requests
 from checkpoints import make_tiny_hf_checkpoint
-from safetensors.numpy import save_file
-from server_harness import REPO_ROOT, launch_server
-
-from sgl_tpu.bench.reliability.fuzz import CLASSES, ROUTES, URL_ROUTES, run_fuzz, run_url_fuzz
-from sgl_tpu.bench.reliability.invariants import check_invariants
-from sgl_tpu.bench.reliability.phases import (
+from reliability_fuzz import CLASSES, ROUTES, URL_ROUTES, run_fuzz, run_url_fuzz
+from reliability_invariants import check_invariants
+from reliability_phases import (
     child_pids,
     disconnect_phase,
     exhaustion_phase,
     kill_child_phase,
     load_phase,
 )
+from safetensors.numpy import save_file
+from server_harness import REPO_ROOT, launch_server
 
 pytestmark = pytest.mark.slow
 

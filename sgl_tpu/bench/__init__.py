@@ -1,4 +1,4 @@
-"""Benchmarks of sgl-tpu: six supported entry points, each printing one JSON object (and writing
+"""Benchmarks of sgl-tpu: five supported entry points, each printing one JSON object (and writing
 it with `--output`), each comparing its arms inside one run (the machines are shared, so ratios
 within a run are what hold).
 
@@ -11,17 +11,16 @@ Entry points (`python -m sgl_tpu.bench.<name> --help`):
     executor     the model runners' prefill and decode steps per backend, dtype, weight format
                  and oneDNN ISA; `--deterministic`: the cost of --enable-deterministic-inference
     structured   grammar masks' cost per token and what jump-forward saves on forced JSON
-    reliability  the long reliability campaign: load, disconnects, KV exhaustion, fuzzing, a
-                 killed child process, with the invariants checked after each
     accelerator  one command for an accelerator's table: the executor, a step profile and
                  servers with one and many streams, per backend, each part in its own process
 
 Library modules (no command of their own): `http_load` (a server as a child process, token-id
 workloads, streaming clients), `step_inputs` (the executor benches' `SeqStep`s), `determinism`
-(executor --deterministic), `random_checkpoint` (random weights of a model's shape),
-`timing` (interleaved timing loops), `report` (the JSON output).
+(executor --deterministic), `timing` (interleaved timing loops), `report` (the JSON output).
 
-Profilers, the offline bundler and quality checks live outside the package, in the repository's
-`tools/` folder (`python tools/<name>.py`); their results and the benchmarks' are in
-`benchmarks/results/` (its README lists each file's command and commit).
+Profilers, random checkpoints of a model's shape, the offline bundler and quality checks live
+outside the package, in the repository's `tools/` folder (`python tools/<name>.py`), and the
+reliability campaign (load, faults, fuzzing) beside its tests (`tests/reliability_campaign.py`);
+their results and the benchmarks' are in `benchmarks/results/` (its README lists each file's
+command and commit).
 """

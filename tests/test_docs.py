@@ -1,17 +1,27 @@
 """The docs against the code (fast, no server): every flag of the server's `--help` is documented
 in docs/ or the README, every relative link of README.md, docs/*.md and benchmarks/results/
 README.md resolves to a file of the checkout (and an anchor to a heading of that file), every
-result file a doc names exists, and the README stays short."""
+result file a doc names exists (by path, bare name or glob), every `python -m sgl_tpu...` of a
+doc runs a module of the checkout, and the README stays short."""
 
 from __future__ import annotations
 
+import fnmatch
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from server_harness import REPO_ROOT
 
 from sgl_tpu.cli import build_parser
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 DOCS = sorted((REPO_ROOT / "docs").glob("*.md"))
 PAGES = [REPO_ROOT / "README.md", *DOCS, REPO_ROOT / "benchmarks" / "results" / "README.md"]
@@ -73,18 +83,113 @@ def test_relative_links_resolve(page: Path):
     assert not broken, f"{page.name}: links that do not resolve: {broken}"
 
 
+RESULTS = REPO_ROOT / "benchmarks" / "results"
+# a result name: word characters and `-`, globs `*` and `{a,b}`, an optional extension
+RESULT_NAME = re.compile(r"([\w*{},-]+?)(\.json|\.png|\.\{json,png\})?")
+CITATION = re.compile(r"`([^`\s]+)`|benchmarks/results/([\w.*{},-]*[\w*}])")
+
+
+def _expand(pattern: str) -> list[str]:
+    """`a_{b,c}` -> [a_b, a_c]."""
+    m = re.search(r"\{([^{}]*)\}", pattern)
+    if not m:
+        return [pattern]
+    return [out for alt in m.group(1).split(",")
+            for out in _expand(pattern[: m.start()] + alt + pattern[m.end():])]
+
+
+def cited_results(text: str, stems: set[str]) -> list[str]:
+    """The result names a page cites: every `benchmarks/results/NAME`, and every backticked
+    NAME whose first two `_` words are those of a result file (`agent_loop_...`, `speed2_amx_...`,
+    globs included) and that has an extension or at least three words (so `omp_wait`, a
+    /server_info key, is not one)."""
+    families = {"_".join(stem.split("_")[:2]) for stem in stems}
+    names = []
+    for ticked, path in CITATION.findall(text):
+        m = RESULT_NAME.fullmatch(ticked.removeprefix("benchmarks/results/") or path)
+        if m is None:
+            continue
+        stem, ext = m.groups()
+        family = "_".join(stem.split("_")[:2])
+        if path or ticked.startswith("benchmarks/results/") or (
+                any(fnmatch.fnmatchcase(f, family) for f in families)
+                and (ext or stem.count("_") >= 2)):
+            names.append(m.group(0))
+    return names
+
+
 def test_cited_results_exist():
-    """A `benchmarks/results/NAME.json` (or `.png`) a page names is in the checkout (names with
-    a `{a,b}` or `*` pattern, and results a command would write anew, are skipped)."""
+    """Every result name a page cites (cited_results: with or without `benchmarks/results/`
+    and an extension; a glob matches at least one file) is a file of benchmarks/results/, or
+    one a command of the page writes anew (`--output benchmarks/results/NAME`)."""
+    files = sorted(p.name for p in RESULTS.iterdir() if p.suffix in (".json", ".png"))
+    stems = {name.rsplit(".", 1)[0] for name in files}
     missing = []
     for page in PAGES:
         text = page.read_text(encoding="utf-8")
-        for name in re.findall(r"benchmarks/results/([\w.-]+\.(?:json|png))", text):
-            path = REPO_ROOT / "benchmarks" / "results" / name
-            written = re.search(r"--output\s+benchmarks/results/" + re.escape(name), text)
-            if not path.exists() and not written:
-                missing.append(f"{page.name}: {name}")
-    assert not missing, missing
+        for name in cited_results(text, stems):
+            stem = RESULT_NAME.fullmatch(name).group(1)
+            if any(fnmatch.fnmatchcase(f, pattern) or fnmatch.fnmatchcase(f, pattern + ".*")
+                   for pattern in _expand(name) + _expand(stem) for f in files):
+                continue
+            if re.search(r"--output\s+benchmarks/results/" + re.escape(name), text):
+                continue
+            missing.append(f"{page.relative_to(REPO_ROOT)}: {name}")
+    assert not missing, f"result files the docs cite that are not in benchmarks/results/: {missing}"
+
+
+# (not a placeholder such as `python -m sgl_tpu.bench.<name>`)
+def test_cited_results_rule():
+    stems = {"agent_loop_peer_avx2_bf16kv", "omp_wait_b1", "speed2_amx_acceptance_c8_react"}
+    text = ("`agent_loop_peer_avx512_gemm_r1` `omp_wait` `speed2_amx_acceptance_*.json` "
+            "`tokenizer_config.json` `memory.kv_cache_dtype` `agent_loop_x.{json,png}` "
+            "(benchmarks/results/tp_cpu.json)")
+    assert cited_results(text, stems) == [
+        "agent_loop_peer_avx512_gemm_r1", "speed2_amx_acceptance_*.json",
+        "agent_loop_x.{json,png}", "tp_cpu.json"]
+
+
+MODULE = re.compile(r"python[\d.]*\s+-m\s+(sgl_tpu(?:\.\w+)*)(?!\w|\.[<\w.])")
+ROW_COMMIT = re.compile(r"\|\s*([0-9a-f]{7,40})\s*\|\s*$")
+
+
+def module_file(module: str) -> Path | None:
+    """The file `python -m module` runs in this checkout (pyproject.toml's package-dir maps
+    `sgl_tpu.kernels` to kernels/ and `sgl_tpu.server` to server/), or None."""
+    dirs = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8"))[
+        "tool"]["setuptools"]["package-dir"]
+    package = max((p for p in dirs if module == p or module.startswith(p + ".")), key=len)
+    base, rest = REPO_ROOT / dirs[package], module[len(package):].split(".")[1:]
+    candidates = [base.joinpath(*rest).with_suffix(".py")] if rest else []
+    candidates.append(base.joinpath(*rest, "__main__.py"))
+    return next((path for path in candidates if path.is_file()), None)
+
+
+def _existed_at(commit: str, module: str) -> bool:
+    """Whether `module` was a bench file at `commit` (a results README row's commit)."""
+    path = "/".join(module.split("."))
+    return any(subprocess.run(["git", "cat-file", "-e", f"{commit}:{path}{tail}"],
+                              cwd=REPO_ROOT, capture_output=True).returncode == 0
+               for tail in (".py", "/__main__.py"))
+
+
+def test_doc_commands_name_modules_of_the_checkout():
+    """Every `python -m sgl_tpu...` of README.md and docs/*.md (fenced blocks included) runs a
+    module file of this checkout. A benchmarks/results/README.md row records the command at
+    its commit: its module is in the checkout, or was at that commit (git)."""
+    has_git = shutil.which("git") is not None and (REPO_ROOT / ".git").exists()
+    stale = []
+    for page in PAGES:
+        for line in page.read_text(encoding="utf-8").replace("-m\n", "-m ").splitlines():
+            for module in MODULE.findall(line):
+                if module_file(module) is not None:
+                    continue
+                row = ROW_COMMIT.search(line) if page.name == "README.md" \
+                    and page.parent == RESULTS else None
+                if row and (not has_git or _existed_at(row.group(1), module)):
+                    continue
+                stale.append(f"{page.relative_to(REPO_ROOT)}: {module}")
+    assert not stale, f"doc commands whose module is not in the checkout: {sorted(set(stale))}"
 
 
 def test_readme_is_short():

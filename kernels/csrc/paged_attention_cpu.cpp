@@ -1,7 +1,8 @@
 // Fused paged attention for CPUs: the `torch-cpu-fused` attention backend's compiled half
-// (kernels/paged_attention_cpu.py is the Python half; kernels/cpu_extension.py builds it).
+// (`fused_*` of sgl_tpu/backends/torch/paged_attention.py are the Python half;
+// sgl_tpu/backends/torch/kernels/cpu_extension.py builds it).
 //
-// Pool layout (token-major, as kernels/paged_attention_torch.py):
+// Pool layout (token-major, as sgl_tpu/backends/torch/paged_attention.py):
 //
 //     pool [num_slots, kvh, d]      slot = page * page_size + offset
 //

@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-path", default=None)
     p.add_argument("--backends", default="torch,jax")
     p.add_argument("--attention-backend", default="auto",
-                   help="--attention-backend of the runners (kernels/backends.py)")
+                   help="--attention-backend of the runners (executor/attention_registry.py)")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--torch-compile", default="auto", choices=("auto", "on", "off"))
     p.add_argument("--torch-threads", type=int, default=0,

@@ -73,21 +73,25 @@ class Server:
         self.log.close()
 
 
-def make_workload(kind: str, args, vocab: int, seed: int) -> list[list[list[int]]]:
-    """Per client, a list of prompts (token ids). Ids avoid the special tokens 0..16."""
+def make_workload(kind: str, vocab: int, clients: int, seed: int, prefix_tokens: int,
+                  question_tokens: int = 0, requests_per_client: int = 1
+                  ) -> list[list[list[int]]]:
+    """Per client, a list of prompts (token ids): `prefix_tokens` then `question_tokens`, the
+    prefix the same in every prompt when `kind` is "shared", else random too. Ids avoid the
+    special tokens 0..16."""
     rng = np.random.default_rng(seed)
-    prefix = rng.integers(17, vocab, args.prefix_tokens).tolist()
-    clients = []
-    for _ in range(args.clients):
+    prefix = rng.integers(17, vocab, prefix_tokens).tolist()
+    out = []
+    for _ in range(clients):
         prompts = []
-        for _ in range(args.requests_per_client):
-            question = rng.integers(17, vocab, args.question_tokens).tolist()
+        for _ in range(requests_per_client):
+            question = rng.integers(17, vocab, question_tokens).tolist()
             if kind == "shared":
                 prompts.append(prefix + question)
             else:
-                prompts.append(rng.integers(17, vocab, args.prefix_tokens).tolist() + question)
-        clients.append(prompts)
-    return clients
+                prompts.append(rng.integers(17, vocab, prefix_tokens).tolist() + question)
+        out.append(prompts)
+    return out
 
 
 async def one_request(session, url: str, ids: list[int], out_tokens: int) -> dict:

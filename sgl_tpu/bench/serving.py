@@ -73,11 +73,15 @@ def compare_cache(args: argparse.Namespace, base: list[str], vocab: int) -> dict
         server = Server(flags, str(logs / f"{name}.log"))
         try:
             server.wait_ready()
-            warm = make_workload("random", argparse.Namespace(**{**vars(args), "clients": 1,
-                                 "requests_per_client": 1}), vocab, seed=99)
+            warm = make_workload("random", vocab, seed=99, clients=1,
+                                 prefix_tokens=args.prefix_tokens,
+                                 question_tokens=args.question_tokens)
             asyncio.run(run_workload(server.url, warm, args.output_tokens))
             for w, kind in enumerate(args.workloads.split(",")):
-                clients = make_workload(kind, args, vocab, seed=w)
+                clients = make_workload(kind, vocab, seed=w, clients=args.clients,
+                                        prefix_tokens=args.prefix_tokens,
+                                        question_tokens=args.question_tokens,
+                                        requests_per_client=args.requests_per_client)
                 r = asyncio.run(run_workload(server.url, clients, args.output_tokens,
                                              args.client_procs))
                 runs[f"{name}/{kind}"] = r
@@ -97,13 +101,7 @@ def compare_cache(args: argparse.Namespace, base: list[str], vocab: int) -> dict
 
 def _random_streams(args: argparse.Namespace, vocab: int) -> Workload:
     """(clients, seed) -> one random prompt of --prompt-tokens per client."""
-
-    def workload(clients: int, seed: int) -> list[list[list[int]]]:
-        shape = argparse.Namespace(clients=clients, requests_per_client=1, question_tokens=0,
-                                   prefix_tokens=args.prompt_tokens)
-        return make_workload("random", shape, vocab, seed)
-
-    return workload
+    return partial(make_workload, "random", vocab, prefix_tokens=args.prompt_tokens)
 
 
 def compare_overlap(args: argparse.Namespace, base: list[str], vocab: int) -> dict:
@@ -126,8 +124,7 @@ def compare_gap(args: argparse.Namespace, base: list[str], vocab: int) -> dict:
         for c in args.concurrency:  # every decode batch shape once, on both
             asyncio.run(run_workload(server.url, workload(c, 10_000 + c), 4))
             _engine_run(engine, workload(c, 10_000 + c), 4)
-        sides = {"server": lambda clients: asyncio.run(run_workload(
-                     server.url, clients, args.output_tokens, args.client_procs)),
+        sides = {"server": partial(_stream, server.url, args),
                  "engine": lambda clients: _engine_run(engine, clients, args.output_tokens)}
         runs = _rounds(args, workload, sides)
     finally:
@@ -143,11 +140,8 @@ def compare_restart(args: argparse.Namespace, base: list[str], vocab: int) -> di
     logs = Path(tempfile.mkdtemp(prefix="sgl_tpu_bench_restart_"))
     flags = base + ["--enable-hierarchical-cache", "--hicache-storage-backend", "file",
                     "--hicache-storage-dir", str(logs / "kv")]
-    shape = argparse.Namespace(clients=1, requests_per_client=1, question_tokens=0,
-                               prefix_tokens=args.prefix_tokens)
-    prompt = make_workload("random", shape, vocab, seed=0)
-    warmup = make_workload("random", argparse.Namespace(**{**vars(shape), "prefix_tokens": 64}),
-                           vocab, seed=1)
+    prompt = make_workload("random", vocab, seed=0, clients=1, prefix_tokens=args.prefix_tokens)
+    warmup = make_workload("random", vocab, seed=1, clients=1, prefix_tokens=64)
     runs: dict[str, dict] = {}
     for name in ("cold", "warm_restart"):
         server = Server(flags, str(logs / f"{name}.log"))

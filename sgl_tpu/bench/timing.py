@@ -40,20 +40,6 @@ def interleaved(fns: dict[str, Callable[[], Any]], repeats: int,
     return times
 
 
-def ratio_rows(times: dict[str, list[float]], reference: str,
-               label: str) -> dict[str, dict[str, float]]:
-    """Per function of `interleaved`'s result: its min and median in ms and both as ratios to
-    `reference`'s (keys `ms_min`, `ms_median`, `min_vs_<label>`, `median_vs_<label>`)."""
-    ref_min, ref_med = min(times[reference]), statistics.median(times[reference])
-    rows = {}
-    for name, t in times.items():
-        best_s, med = min(t), statistics.median(t)
-        rows[name] = {"ms_min": round(1e3 * best_s, 2), "ms_median": round(1e3 * med, 2),
-                      f"min_vs_{label}": round(best_s / ref_min, 3),
-                      f"median_vs_{label}": round(med / ref_med, 3)}
-    return rows
-
-
 def interleaved_median(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
     """Median seconds of each of `fns` under `interleaved`."""
     return {name: statistics.median(t) for name, t in interleaved(fns, repeats).items()}

@@ -56,7 +56,7 @@ from packaging.version import Version
 PROJECT = "sgl-tpu"
 SOURCES = ("pyproject.toml", "README.md", "sgl_tpu", "kernels", "server")  # what a build reads
 ROOT = Path(__file__).resolve().parents[1]  # the checkout this script belongs to
-# run there: random weights for DIR/model, and the accelerator bench's profile part
+# run there: random weights for DIR/model, and the accelerator bench's profile and host parts
 TOOLS = ("random_checkpoint.py", "jax_step_profile.py", "torch_profile.py")
 
 

@@ -20,7 +20,7 @@ from functools import partial
 import numpy as np
 
 from sgl_tpu.bench.report import model_label
-from sgl_tpu.bench.step_inputs import make_steps
+from sgl_tpu.bench.step_inputs import make_steps, step_sizes
 from sgl_tpu.bench.timing import interleaved_median
 
 
@@ -32,10 +32,7 @@ def run(args: argparse.Namespace) -> dict:
 
     loaded = load_model(args.model_path)
     cfg = loaded.config
-    prefills = [int(x) for x in args.prefill.split(",") if x]
-    batches = [int(x) for x in args.decode_batches.split(",") if x]
-    max_tokens = max(prefills + [1])
-    pool_tokens = max(max_tokens, max(batches + [1]) * (args.context + 16)) + 64
+    prefills, batches, sizes = step_sizes(args)
     results: dict = {"model": model_label(loaded.model_path), "cpu_count": os.cpu_count(),
                      "threads": args.torch_threads, "prefill_tokens": prefills,
                      "decode_context": args.context, "runs": [], "settings": {}}
@@ -43,9 +40,7 @@ def run(args: argparse.Namespace) -> dict:
         for dtype in args.dtypes.split(","):
             runners = {}
             for flag in (False, True):
-                sargs = ServerArgs(model_path=args.model_path, dtype=dtype, skip_warmup=True,
-                                   max_total_tokens=pool_tokens, chunked_prefill_size=max_tokens,
-                                   max_running_requests=max(batches + [1]), max_extend_seqs=1,
+                sargs = ServerArgs(model_path=args.model_path, dtype=dtype, **sizes,
                                    backend=backend, torch_threads=args.torch_threads,
                                    enable_deterministic_inference=flag)
                 rcfg = runner_config(sargs, cfg.context_len)

@@ -61,11 +61,12 @@ import numpy as np
 
 from sgl_tpu.bench import determinism
 from sgl_tpu.bench.report import emit, model_label
-from sgl_tpu.bench.step_inputs import SAMPLING, make_steps
+from sgl_tpu.bench.step_inputs import SAMPLING, make_steps, step_sizes
 from sgl_tpu.bench.timing import best, interleaved
 
 # A measurement taken on each decode row's step: fn (one step) -> the row's value under its name.
 StepProbe = Callable[[Callable[[], Any]], Any]
+
 
 def run(args: argparse.Namespace, step_probes: dict[str, StepProbe] | None = None) -> dict:
     """Prefill and decode rows of every backend and dtype; each decode row also gets
@@ -77,18 +78,13 @@ def run(args: argparse.Namespace, step_probes: dict[str, StepProbe] | None = Non
 
     loaded = load_model(args.model_path)
     cfg = loaded.config
-    prefills = [int(x) for x in args.prefill.split(",") if x]
-    batches = [int(x) for x in args.decode_batches.split(",") if x]
-    max_tokens = max(prefills + [1])
-    pool_tokens = max(max_tokens, max(batches + [1]) * (args.context + 16)) + 64
+    prefills, batches, sizes = step_sizes(args)
     rng = np.random.default_rng(0)
     results: dict = {"model": model_label(loaded.model_path), "context_for_decode": args.context,
                      "cpu_count": os.cpu_count(), "runs": [], "compute": {}}
     for backend in args.backends.split(","):
         for dtype in args.dtypes.split(","):
-            sargs = ServerArgs(model_path=args.model_path, dtype=dtype, skip_warmup=True,
-                               max_total_tokens=pool_tokens, chunked_prefill_size=max_tokens,
-                               max_running_requests=max(batches + [1]), max_extend_seqs=1,
+            sargs = ServerArgs(model_path=args.model_path, dtype=dtype, **sizes,
                                backend=backend, torch_compile=args.torch_compile,
                                torch_threads=args.torch_threads,
                                quantization=args.quantization,

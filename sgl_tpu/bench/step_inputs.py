@@ -9,6 +9,9 @@ named sampling settings of their decode rows.
 
 from __future__ import annotations
 
+import argparse
+from typing import Any
+
 import numpy as np
 
 from sgl_tpu.executor.step import SeqStep
@@ -20,6 +23,18 @@ from sgl_tpu.sampling_params import SamplingParams
 SAMPLING = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.7, top_p=0.9),
             "top-k": dict(temperature=0.7, top_k=40, top_p=0.9),
             "temperature": dict(temperature=1.0)}
+
+
+def step_sizes(args: argparse.Namespace) -> tuple[list[int], list[int], dict[str, Any]]:
+    """--prefill and --decode-batches as ints, and the runner settings that fit them (a KV pool
+    for the largest batch at --context tokens each, a chunk for the longest prefill)."""
+    prefills = [int(x) for x in args.prefill.split(",") if x]
+    batches = [int(x) for x in args.decode_batches.split(",") if x]
+    max_tokens = max(prefills + [1])
+    pool_tokens = max(max_tokens, max(batches + [1]) * (args.context + 16)) + 64
+    return prefills, batches, {
+        "max_total_tokens": pool_tokens, "chunked_prefill_size": max_tokens,
+        "max_running_requests": max(batches + [1]), "max_extend_seqs": 1, "skip_warmup": True}
 
 
 def make_steps(n_seqs: int, n_new: int, prefix: int, page_size: int, rng: np.random.Generator,

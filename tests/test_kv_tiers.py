@@ -1,14 +1,21 @@
 """KV cache tiers below the pool (mem_cache/tiers.py, host_tier.py, disk_tier.py): content kept
-exactly through demotion, loading and restarts; integrity of every tier; bad files skipped; a
-failing disk degrades to the host tier; the runners' page copies; and a real server that
-serves an evicted prefix from host memory, then from disk after a restart."""
+exactly through demotion, loading and restarts, and through the disk's faults (a full disk, a
+foreign owner, planted files, a crash mid-write); integrity of every tier; bad files skipped; a
+failing disk degrades to the host tier; the runners' page copies; a real server that serves an
+evicted prefix from host memory, then from disk after a restart; and two servers sharing one
+disk folder while one flushes. tests/test_disk_tier.py tests each disk fault on its own."""
 
 from __future__ import annotations
 
+import errno
+import functools
 import hashlib
 import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import urllib.request
 from pathlib import Path
@@ -18,10 +25,17 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from sgl_tpu.backends.torch import kv_pages as torch_kv_pages
 from sgl_tpu.mem_cache.allocator import PageAllocator
+from sgl_tpu.mem_cache.disk_folder import StorageDirError
 from sgl_tpu.mem_cache.disk_tier import DiskTier
 from sgl_tpu.mem_cache.host_tier import HostTier
 from sgl_tpu.mem_cache.page_hash import ROOT_HASH, chain_hashes
@@ -64,13 +78,15 @@ def expected_rows(key: list[int], num_tokens: int, page_size: int) -> np.ndarray
 class Server:
     """One life of a server: a pool, a tree and its tiers (the disk folder outlives it)."""
 
-    def __init__(self, page_size: int, host_pages: int, policy: str, disk_dir: Path | None):
+    def __init__(self, page_size: int, host_pages: int, policy: str, disk_dir: Path | None,
+                 **disk_kw):
         self.ps = page_size
         self.allocator = PageAllocator(num_pages=10, page_size=page_size)
         self.pool = NumpyPool(10)
         self.tree = RadixCache(self.allocator)
         disk = None if disk_dir is None else DiskTier(disk_dir, FINGERPRINT, page_size,
-                                                      ROW_ELEMS, np.int16)
+                                                      ROW_ELEMS, np.int16,
+                                                      **{"max_bytes": 1 << 30, **disk_kw})
         self.tiers = TieredCache(self.pool, self.tree, HostTier(host_pages, ROW_ELEMS, np.int16),
                                  disk, policy)
         self.tree.add_listener(self.tiers)
@@ -106,23 +122,58 @@ class Server:
 
 
 BASES = ([1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 6, 6, 7, 7, 8, 8])
+FOREIGN_UID = 12345
+
+
+@functools.cache
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
 
 
 class TierMachine(RuleBasedStateMachine):
-    """Random requests, evictions, flushes and restarts; every cached page's content must be
-    what computing it would write, and every tier's bookkeeping must hold."""
+    """Random requests, evictions, flushes and restarts, and the disk's faults: full, owned by
+    another user, a planted page, a crash mid-write. Every cached page's content must be what
+    computing it would write (nothing planted is served), every tier's bookkeeping must hold,
+    and the disk holds no more than its cap, every page it indexes in a file."""
 
     @initialize(page_size=st.sampled_from([1, 2]), host_pages=st.sampled_from([2, 5, 20]),
                 policy=st.sampled_from(["write_through", "write_back"]),
-                with_disk=st.booleans())
-    def setup(self, page_size, host_pages, policy, with_disk):
+                with_disk=st.booleans(), cap_pages=st.sampled_from([2, 5, 1000]))
+    def setup(self, page_size, host_pages, policy, with_disk, cap_pages):
         self.dir = Path(tempfile.mkdtemp(prefix="kv_tiers_")) if with_disk else None
+        self.now = 0.0  # the disk tier's clock (its back-off)
+        self.full = False
+        self.planted: set[str] = set()
+        self.probes = 0
+        file_bytes = 56 + 4 * page_size + 2 * ROW_ELEMS + 32
+        self.disk_kw = {"max_bytes": cap_pages * file_bytes, "clock": lambda: self.now}
         self.args = (page_size, host_pages, policy, self.dir)
-        self.server = Server(*self.args)
+        self.start()
+        self.attacker = None
+        if with_disk:  # a tier of its own secret, writing forged pages to plant
+            self.attacker = DiskTier(self.dir / "attacker", FINGERPRINT, page_size, ROW_ELEMS,
+                                     np.int16, max_bytes=1 << 20)
+
+    def start(self) -> None:
+        self.server = Server(*self.args, **self.disk_kw)
+        disk = self.server.tiers.disk
+        if disk is not None:  # a disk that is full while `self.full`
+            real = disk._write_file
+
+            def write_file(*args):
+                if self.full:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return real(*args)
+
+            disk._write_file = write_file
 
     def teardown(self):
         if getattr(self, "server", None) is not None and self.server.tiers.disk is not None:
             self.server.tiers.close()
+        if getattr(self, "attacker", None) is not None:
+            self.attacker.close()
         if getattr(self, "dir", None) is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -146,18 +197,98 @@ class TierMachine(RuleBasedStateMachine):
         assert len(self.server.tiers.host) == 0
         if self.server.tiers.disk is not None:
             assert len(self.server.tiers.disk) == 0
+            assert self.server.tiers.disk.writable  # a flush turns writing back on
 
     @rule()
     def restart(self):
         """A new process: empty pool and host tier; the disk folder stays."""
         if self.server.tiers.disk is not None:
             self.server.tiers.close()  # (a stop writes what is queued)
-        self.server = Server(*self.args)
+        self.start()
+
+    def _probe(self) -> bytes:
+        """Offer the disk a page no request looks up; its hash."""
+        self.probes += 1
+        page_hash = (10**6 + self.probes).to_bytes(16, "little")
+        ps = self.server.ps
+        self.server.tiers.disk.write(page_hash, np.zeros(ps, np.int32),
+                                     np.zeros(ROW_ELEMS, np.int16))
+        self.server.tiers.disk.flush()
+        return page_hash
+
+    @precondition(lambda self: self.dir is not None)
+    @rule()
+    def disk_full(self):
+        self.full = True
+        self._probe()
+        assert not self.server.tiers.disk.writable
+
+    @precondition(lambda self: self.dir is not None and self.full)
+    @rule()
+    def space_freed(self):
+        self.full = False
+        self.now += 100.0  # past any back-off
+        assert self._probe() in self.server.tiers.disk
+        assert self.server.tiers.disk.writable
+
+    @precondition(lambda self: self.dir is not None and os.geteuid() == 0)
+    @rule()
+    def foreign_owner(self):
+        os.chown(self.dir, FOREIGN_UID, -1)
+        try:
+            with pytest.raises(StorageDirError, match=f"{self.dir} is owned by uid"):
+                Server(*self.args, **self.disk_kw)
+        finally:
+            os.chown(self.dir, os.geteuid(), -1)
+
+    @precondition(lambda self: self.dir is not None)
+    @rule(base=st.integers(0, len(BASES) - 1), num_pages=st.integers(1, 4))
+    def plant(self, base, num_pages):
+        """Another user's page (signed with another secret, its row forged) under the name of a
+        page that requests look up."""
+        ps = self.server.ps
+        key = np.asarray(BASES[base][:num_pages * ps], np.int32)
+        page_hash = chain_hashes(ROOT_HASH, key, ps)[-1].tobytes()
+        forged = content(page_hash) + 1
+        self.attacker.write(page_hash, key[-ps:], forged)
+        self.attacker.flush()
+        name = page_hash.hex() + ".kv"
+        shutil.copy(self.attacker.dir / name, self.server.tiers.disk.dir / name)
+        self.planted.add(name)
+
+    @precondition(lambda self: self.dir is not None)
+    @rule()
+    def crash_mid_write(self):
+        """The process dies while writing: its temporary is left, and a page file renamed
+        without fsync is torn by a power loss. The next start deletes both."""
+        disk = self.server.tiers.disk
+        disk.flush()
+        orphan = disk.dir / f"{'ab' * 16}.{dead_pid()}-0badcafe.tmp"
+        orphan.write_bytes(b"half a page")
+        torn = next(iter(sorted(disk.dir.glob("*.kv"))), None)
+        if torn is not None:
+            torn.write_bytes(torn.read_bytes()[:disk.file_bytes // 2])
+        self.server.tiers.close()
+        self.start()
+        assert not orphan.exists()
+        assert torn is None or not torn.exists()
 
     @invariant()
     def consistent(self):
         if hasattr(self, "server"):
             self.server.check()
+
+    @invariant()
+    def disk_within_cap(self):
+        if not hasattr(self, "server") or self.server.tiers.disk is None:
+            return
+        disk = self.server.tiers.disk
+        disk.flush()
+        assert disk.check(scan=True) is None  # at most the cap; every indexed page a file
+        on_disk = {p.name for p in disk.dir.glob("*.kv")}
+        indexed = {h.hex() + ".kv" for h in disk._files}
+        assert on_disk - indexed <= self.planted  # any other file is the tier's own
+        assert len(on_disk & indexed) * disk.file_bytes <= disk.max_bytes
 
 
 TestTierMachine = TierMachine.TestCase
@@ -356,3 +487,53 @@ def test_server_serves_evicted_prefixes_from_host_then_from_disk_after_a_restart
         assert _generate(server.base_url, PROMPT)["meta_info"]["cached_tokens"] == 0
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_two_servers_share_a_disk_folder_while_one_flushes(tmp_path):
+    """Both store into one folder; the first flushes; the second goes on storing and serving,
+    its files removed under it are misses, and the first reads what the second wrote after."""
+    from server_harness import launch_server
+
+    from sgl_tpu.loader import default_model_path
+    try:
+        default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    flags = ("--skip-warmup", "--max-total-tokens", "1024", "--max-running-requests", "4",
+             "--enable-deterministic-inference", "--enable-hierarchical-cache",
+             "--hicache-ratio", "4", "--hicache-storage-backend", "file",
+             "--hicache-storage-dir", str(tmp_path), "--hicache-storage-max-bytes", str(2**30))
+    prompts = [f"Agent {i} notes. " + PROMPT[: 1200 + 300 * i] for i in range(3)]
+    first = launch_server(*flags)
+    try:
+        second = launch_server(*flags)
+        try:
+            _generate(first.base_url, prompts[0])
+            answer = _generate(second.base_url, prompts[1])
+            before = _wait_written(second)["tiers"]["disk"]
+            assert before["used_pages"] > 0 and _wait_written(first)["tiers"]["disk"]["used_pages"]
+            _post(first.base_url, "/flush_cache")  # every page file of the model, both servers'
+            folder = Path(before["dir"])
+            assert not list(folder.glob("*.kv")) and (tmp_path / "hicache.key").exists()
+            again = _generate(second.base_url, prompts[1])  # served from its pool or host tier
+            assert again["text"] == answer["text"]
+            assert again["meta_info"]["cached_tokens"] >= again["meta_info"]["prompt_tokens"] - 16
+            third = _generate(second.base_url, prompts[2])
+            after = _wait_written(second)
+            disk = after["tiers"]["disk"]
+            assert disk["writable"] and disk["skipped_files"] == 0
+            assert disk["demote_bytes"] > before["demote_bytes"]  # it went on storing
+            assert after["integrity"] == "ok"
+            # the flushed server reads the page files the other one wrote since
+            read_back = _generate(first.base_url, prompts[2])
+            assert read_back["text"] == third["text"]
+            info = first.wait_idle()
+            assert info["tiers"]["disk"]["hit_tokens"] >= third["meta_info"]["prompt_tokens"] - 16
+            assert info["tiers"]["disk"]["skipped_files"] == 0 and info["integrity"] == "ok"
+            assert info["tiers"]["disk"]["max_bytes"] == 2**30
+            assert info["tiers"]["disk"]["durability"] == "none"
+        finally:
+            second.stop()
+    finally:
+        first.stop()

@@ -252,14 +252,19 @@ def test_a_folder_writable_by_others_or_a_symlinked_default_is_refused(tmp_path)
 
 
 @as_root
-def test_the_server_refuses_a_foreign_folder_at_start_with_one_line(tmp_path):
-    folder = tmp_path / "kv"
+@pytest.mark.parametrize("named", [True, False])
+def test_the_server_refuses_a_foreign_folder_at_start_with_one_line(tmp_path, named):
+    """Fatal for a folder the user named and for the default one (another user made it
+    first): running on without the tier would hide the attempt."""
+    folder = tmp_path / ("kv" if named else f"sgl-tpu-hicache-{os.geteuid()}")
     folder.mkdir(mode=0o700)
     os.chown(folder, FOREIGN_UID, -1)
     done = subprocess.run(
         [sys.executable, "-m", "sgl_tpu.launch_server", "--enable-hierarchical-cache",
-         "--hicache-storage-backend", "file", "--hicache-storage-dir", str(folder)],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+         "--hicache-storage-backend", "file",
+         *(["--hicache-storage-dir", str(folder)] if named else [])],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "TMPDIR": str(tmp_path)})
     assert done.returncode == 1
     assert f"error: KV disk tier folder {folder} is owned by uid {FOREIGN_UID}" in done.stderr
     assert "Traceback" not in done.stderr
@@ -375,3 +380,15 @@ def test_secret_made_by_a_racing_server_is_read_once_complete(tmp_path):
     tier = make(folder)
     assert tier._key == b"x" * 32
     tier.close()
+
+
+def test_disk_tier_flags_are_checked():
+    from sgl_tpu.config import ServerArgs
+
+    base = {"enable_hierarchical_cache": True, "hicache_storage_backend": "file"}
+    assert ServerArgs(**base, hicache_storage_max_bytes=2**30,
+                      hicache_storage_durability="fsync").hicache_storage_max_bytes == 2**30
+    with pytest.raises(ValueError, match="hicache_storage_max_bytes"):
+        ServerArgs(**base, hicache_storage_max_bytes=-1)
+    with pytest.raises(ValueError, match="hicache_storage_durability"):
+        ServerArgs(**base, hicache_storage_durability="sometimes")

@@ -392,3 +392,17 @@ def test_disk_tier_flags_are_checked():
         ServerArgs(**base, hicache_storage_max_bytes=-1)
     with pytest.raises(ValueError, match="hicache_storage_durability"):
         ServerArgs(**base, hicache_storage_durability="sometimes")
+
+
+@as_root
+def test_a_folder_replaced_by_another_users_pauses_writing(tmp_path, caplog):
+    folder = tmp_path / "kv"
+    tier = make(folder)
+    shutil.rmtree(folder)
+    folder.mkdir(mode=0o700)
+    os.chown(folder, FOREIGN_UID, -1)  # someone else made it again, and nothing is written there
+    with caplog.at_level(logging.WARNING, logger="sgl_tpu.mem_cache.disk_tier"):
+        put(tier, 0)  # (returns: the writer lives on)
+    assert not tier.writable and f"owned by uid {FOREIGN_UID}" in caplog.text
+    assert list(folder.iterdir()) == []
+    tier.close()

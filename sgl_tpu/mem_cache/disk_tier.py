@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from sgl_tpu.mem_cache.disk_folder import (
+    StorageDirError,
     default_max_bytes,
     fsync_dir,
     make_private_subdir,
@@ -101,7 +102,7 @@ class DiskTier:
         self._pending: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
         self.skipped_files = 0
         self.evicted_pages = 0
-        self.dropped_pages = 0  # offered while writing was paused or the queue was full
+        self.dropped_pages = 0  # offered, not stored: writing paused or failing, queue full
         self._scan()
         self.max_bytes = max_bytes or default_max_bytes(self.dir, self.used_bytes())
         self.max_pages = self.max_bytes // self.file_bytes
@@ -192,6 +193,11 @@ class DiskTier:
         while (item := self._queue.get()) is not None:
             try:
                 self._store(*item)
+            except Exception:  # a bug: keep the thread (a dead one would hang `flush`)
+                logger.exception("KV disk tier: writing a page failed")
+                with self._lock:
+                    self._pending.pop(item[0], None)
+                    self._queued_bytes -= self.row_bytes
             finally:
                 self._queue.task_done()
 
@@ -202,7 +208,7 @@ class DiskTier:
             try:
                 self._unlink(self._pop_lru(len(self._files) + 1 - self.max_pages))
                 stored = self._write_or_make_room(page_hash, tokens, row)
-            except OSError as e:
+            except (OSError, StorageDirError) as e:  # (the folder was replaced by a foreign one)
                 self._pause(e)
             self.write_s += time.perf_counter() - t0
         with self._lock:
@@ -274,7 +280,7 @@ class DiskTier:
             except OSError as e:
                 logger.warning("KV disk tier: cannot delete %s: %s", page_hash.hex(), e)
 
-    def _pause(self, e: OSError) -> None:
+    def _pause(self, e: Exception) -> None:
         if self.writable:
             logger.warning("KV disk tier: writing in %s failed (%s); host tier only, retrying "
                            "in %.0f s", self.dir, e, self._backoff_s)

@@ -66,13 +66,13 @@ def make_private_subdir(path: Path) -> None:
     check_private_dir(path, allow_symlink=False)
 
 
-def restore_storage_dir(directory: Path, key: bytes) -> None:
+def restore_storage_dir(directory: Path, key: bytes, is_default: bool) -> None:
     """Make `directory` again after it vanished under a running server, with its secret."""
     try:
         os.mkdir(directory, 0o700)
     except FileExistsError:
         pass
-    check_private_dir(directory, allow_symlink=True)
+    check_private_dir(directory, allow_symlink=not is_default)
     try:
         fd = os.open(directory / SECRET_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL
                      | os.O_NOFOLLOW, 0o600)

@@ -91,6 +91,7 @@ class DiskTier:
         self.file_bytes = _HEADER.size + 4 * page_size + self.row_bytes + _MAC_BYTES
         self.durability = durability
         self.base = Path(directory)
+        self._is_default_dir = is_default_dir
         self._key = open_storage_dir(self.base, is_default_dir)
         self.dir = self.base / fingerprint.hex()
         make_private_subdir(self.dir)
@@ -248,7 +249,7 @@ class DiskTier:
         try:
             fd = os.open(tmp, flags, 0o600)
         except FileNotFoundError:  # the folder vanished under this server: make it again
-            restore_storage_dir(self.base, self._key)
+            restore_storage_dir(self.base, self._key, self._is_default_dir)
             make_private_subdir(self.dir)
             fd = os.open(tmp, flags, 0o600)
         try:

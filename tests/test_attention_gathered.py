@@ -21,9 +21,9 @@ import pytest
 from attention_helpers import paged_batch, random_pools
 
 from sgl_tpu import Engine
+from sgl_tpu.backends.jax import paged_attention_gathered as gathered
 from sgl_tpu.backends.jax.forward_batch import ShapeBuckets, page_buckets
 from sgl_tpu.executor.step import ForwardMode, SeqStep
-from sgl_tpu.backends.jax import paged_attention_gathered as gathered
 from sgl_tpu.kernels import paged_attention_ref as ref
 from sgl_tpu.sampling_params import SamplingParams
 

@@ -15,12 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sgl_tpu.backends.torch import paged_attention as sdpa
 from sgl_tpu.backends.torch.kernels import layer_ops_cpu
 from sgl_tpu.backends.torch.models import llama as llama_torch
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.executor.registry import create_model_runner, runner_config
 from sgl_tpu.executor.step import ForwardMode, SeqStep
-from sgl_tpu.backends.torch import paged_attention as sdpa
 from sgl_tpu.loader import load_model
 from sgl_tpu.sampling_params import SamplingParams
 

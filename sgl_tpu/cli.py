@@ -53,8 +53,8 @@ _HELP = {
     "hicache_storage_durability": "none: page files are renamed into place, and the check "
                                   "on read catches what a power loss tears; fsync: each "
                                   "file and its folder are synced before the page counts as "
-                                  "stored (about 12x the write cost per page on a virtual "
-                                  "disk)",
+                                  "stored (a disk flush per page written; off by default, "
+                                  "since a torn file fails its MAC and is computed again)",
     "kv_cache_dtype": "KV cache element type: auto (the compute dtype; bfloat16 where "
                       "--dtype auto resolves to float32 on a CPU without AMX, torch "
                       "backend), bfloat16 / bf16 (a float32 model keeps K/V rows rounded to "

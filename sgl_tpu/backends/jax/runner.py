@@ -221,6 +221,48 @@ def params_to_device(params: dict, dtype, quantization: str = "none",
 
 
 @dataclasses.dataclass(frozen=True)
+class StepFunctions:
+    """The runner's jitted entry points (module docstring), built by `step_functions`; the
+    lowering checks (lowering.py) lower these same objects for TPU and CUDA."""
+
+    step: Callable
+    sample: Callable
+    token_logprobs: Callable
+    row_logits: Callable
+    state_step: Callable | None  # config.jax_decode_state only
+    scatter_rows: Callable | None
+
+
+def step_functions(shard_config: ModelConfig, vocab_size: int, config: RunnerConfig,
+                   mesh: Any) -> StepFunctions:
+    """Jit every entry point of a runner of `config` over `mesh` (a Mesh, an AbstractMesh when
+    lowering without devices, or None); `shard_config`: the model's sizes as padded for TP."""
+    num_top = config.max_top_logprobs
+    shared = dict(cfg=shard_config, vocab_size=vocab_size, mesh=mesh)
+    step_kw = dict(kv_tile=config.kv_tile, attention_backend=config.attention_backend,
+                   **shared)
+    step = jax.jit(partial(_step_impl, **step_kw), static_argnames=("mode",),
+                   donate_argnames=("kv_pools",))
+    # The sampler is its own program: it depends on (S, V) only, so the step buckets of one
+    # S share it (XLA:CPU spends ~2 s compiling it, as long as a tiny model's step).
+    sample_fn = jax.jit(partial(_sample_impl, num_top=num_top, mesh=mesh),
+                        static_argnames=("reset_rows",), donate_argnames=("token_counts",))
+    state_step = scatter_rows = None
+    if config.jax_decode_state:
+        state_step = jax.jit(
+            partial(_state_step_impl, page_size=config.page_size, num_top=num_top, **step_kw),
+            static_argnames=("num_rows", "num_pages"),
+            donate_argnames=("kv_pools", "token_counts", "state"))
+        scatter_rows = jax.jit(partial(_scatter_rows_impl, mesh=mesh), donate_argnums=0)
+    return StepFunctions(
+        step=step, sample=sample_fn,
+        token_logprobs=jax.jit(partial(_token_logprobs_impl, num_top=num_top, **shared)),
+        row_logits=jax.jit(partial(_row_logits_impl, **shared)),
+        state_step=state_step, scatter_rows=scatter_rows)
+
+
+
+@dataclasses.dataclass(frozen=True)
 class _PendingJaxStep:
     """A dispatched step's device outputs; `result()` copies them to the host."""
 
@@ -283,31 +325,13 @@ class JaxModelRunner:
         # The last step's sampled ids, padded to the widest step (placeholders read them).
         width = max(*config.seq_buckets, config.max_extend_seqs)
         self._last_token_ids = self._zeros((width,), jnp.int32, replicated=True)
-        num_top = config.max_top_logprobs
-        shared = dict(cfg=self.shard_config, vocab_size=self.vocab_size, mesh=self.mesh)
-        step_kw = dict(kv_tile=config.kv_tile, attention_backend=config.attention_backend,
-                       **shared)
-        self._step = jax.jit(partial(_step_impl, **step_kw), static_argnames=("mode",),
-                             donate_argnames=("kv_pools",))
-        # The sampler is its own program: it depends on (S, V) only, so the step buckets of one
-        # S share it (XLA:CPU spends ~2 s compiling it, as long as a tiny model's step).
-        self._sample = jax.jit(partial(_sample_impl, num_top=num_top, mesh=self.mesh),
-                               static_argnames=("reset_rows",),
-                               donate_argnames=("token_counts",))
-        self._token_logprobs = jax.jit(
-            partial(_token_logprobs_impl, num_top=num_top, **shared))
-        self._row_logits = jax.jit(partial(_row_logits_impl, **shared))
+        jits = step_functions(self.shard_config, self.vocab_size, config, self.mesh)
+        self._step, self._sample = jits.step, jits.sample
+        self._token_logprobs, self._row_logits = jits.token_logprobs, jits.row_logits
         self.h2d_bytes = 0  # batch inputs copied host -> device by the steps so far
         self.decode_state: jds.DeviceDecodeState | None = None
-        self._state_step = self._scatter_rows = None
+        self._state_step, self._scatter_rows = jits.state_step, jits.scatter_rows
         if config.jax_decode_state:
-            self._state_step = jax.jit(
-                partial(_state_step_impl, page_size=config.page_size, num_top=num_top,
-                        **step_kw),
-                static_argnames=("num_rows", "num_pages"),
-                donate_argnames=("kv_pools", "token_counts", "state"))
-            self._scatter_rows = jax.jit(partial(_scatter_rows_impl, mesh=self.mesh),
-                                         donate_argnums=0)
             self.decode_state = jds.DeviceDecodeState(
                 max(config.seq_buckets), config.max_pages_per_seq, config.page_size,
                 config.seq_buckets, partial(self._zeros, replicated=True), self._scatter_rows)

@@ -56,7 +56,7 @@ from sgl_tpu.backends.jax.forward_batch import (
     to_forward_batch,
 )
 from sgl_tpu.backends.jax.sampler import sample
-from sgl_tpu.backends.jax.shard_ops import gather_logits, replicated
+from sgl_tpu.backends.jax.shard_ops import replicated, vocab_logits
 from sgl_tpu.config import RunnerConfig
 from sgl_tpu.executor.attention_registry import get_attention_backend
 from sgl_tpu.executor.step import (
@@ -79,8 +79,9 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 def _logits(params, hidden, cfg: ModelConfig, vocab_size: int, mesh: Mesh | None):
     """hidden [N, D] -> float32 logits [N, V], gathered from the vocab shards under TP."""
-    logits = jax_model(cfg.arch).compute_logits(params, hidden, cfg)
-    return gather_logits(logits, vocab_size, mesh)
+    model = jax_model(cfg.arch)
+    return vocab_logits(lambda p, h: model.compute_logits(p, h, cfg), params, hidden,
+                        vocab_size, mesh)
 
 
 def _step_impl(params, kv_pools, prev_token_ids, fb: ForwardBatch, *, cfg: ModelConfig,

@@ -10,8 +10,12 @@ and says per device what to do, with `jax.shard_map`:
                                   so a Pallas kernel runs unchanged and no collective is needed.
     embed_lookup(embed, ids, mesh)  vocab-parallel embedding: each device looks up the ids in its
                                   vocabulary slice (zeros elsewhere), one all-reduce sums them.
-    gather_logits(logits, V, mesh)  logits [N, Vp] split on vocabulary -> replicated [N, V]
-                                  (padding rows cut) before the sampler.
+    vocab_logits(compute, params, hidden, V, mesh)
+                                  the LM head per device on its vocabulary slice, then one
+                                  all-gather of the logits [N, Vp / tp] -> replicated [N, V]
+                                  (padding columns cut) before the sampler. Left to GSPMD, the
+                                  partitioner gathered the whole LM-head weight instead (one
+                                  [V, D] all-gather per step; seen by backends/jax/lowering.py).
 
 Everything else (the column/row-parallel matmuls and their all-reduces) is left to GSPMD from
 the weights' shardings (backends/jax/mesh.py).
@@ -75,11 +79,21 @@ def embed_lookup(embed: jax.Array, ids: jax.Array, mesh: Mesh) -> jax.Array:
     return _per_device(local, mesh, (P(TP_AXIS, None), _REPLICATED), _REPLICATED)(embed, ids)
 
 
-def gather_logits(logits: jax.Array, vocab_size: int, mesh: Mesh | None) -> jax.Array:
-    """logits [N, Vp] (vocab-split under TP) -> replicated [N, vocab_size]."""
+def vocab_logits(compute, params: dict, hidden: jax.Array, vocab_size: int,
+                 mesh: Mesh | None) -> jax.Array:
+    """hidden [N, D] -> float32 logits [N, vocab_size], replicated. `compute(params, hidden)`
+    is the model's LM head; under TP it runs per device on the vocabulary slice of the
+    embedding (tied: [Vp, D] split on rows) or of the LM head ([D, Vp] split on columns)."""
     if mesh is None:
-        return logits
-    logits = lax.with_sharding_constraint(logits, NamedSharding(mesh, _REPLICATED))
+        return compute(params, hidden)
+    name = "lm_head" if "lm_head" in params else "embed"
+    spec = P(None, TP_AXIS) if name == "lm_head" else P(TP_AXIS, None)
+
+    def local(weight, hidden):  # weight: this device's vocabulary slice
+        logits = compute({name: weight}, hidden)  # [N, Vp / tp]
+        return lax.all_gather(logits, TP_AXIS, axis=1, tiled=True)  # [N, Vp]
+
+    logits = _per_device(local, mesh, (spec, _REPLICATED), _REPLICATED)(params[name], hidden)
     return logits[:, :vocab_size]
 
 

@@ -43,6 +43,13 @@ The profilers and the random checkpoint are scripts of the repository's `tools/`
 the package: the profile and host parts run them from --tools-dir (default: the `tools/` beside
 the checkout's `sgl_tpu/`; an offline bundle carries a copy, see `tools/offline_bundle.py`),
 and are recorded as skipped where there is none.
+
+    python -m sgl_tpu.bench.accelerator --lower tpu,cuda [--model-path X] [--model-config F]
+        [--tp-size 1,4,8] --output FILE
+
+lowers the JAX runner's jitted steps for those platforms on this host instead, without the
+chips (sgl_tpu/backends/jax/lowering.py, run as its own process): collectives, custom calls
+and host callbacks, shape buckets and bytes per chip, as one JSON.
 """
 
 from __future__ import annotations
@@ -203,7 +210,14 @@ def summarize(backend: str, parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
+LOWERING = "sgl_tpu.backends.jax.lowering"  # the JAX home's module, run by name
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--lower" or a.startswith("--lower=") for a in argv):
+        env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+        sys.exit(subprocess.call([sys.executable, "-m", LOWERING, *argv], env=env))
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-path", default=None)
     p.add_argument("--out-dir", required=True)

@@ -1,0 +1,66 @@
+"""The JAX runner's jitted steps lowered for a TPU on this CPU (backends/jax/lowering.py), as
+`python -m sgl_tpu.bench.accelerator --lower tpu` does: the default model at TP 1 and over
+abstract meshes. Fails on a lowering error, a host callback or a non-kernel custom call in a
+step, a step whose program would change with the requests in it, or collectives other than
+the planned ones (per layer two all-reduces; per step one more for the embedding and one
+all-gather of the logits)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+# SmolLM2's 9 query heads split 3 ways; a 4-chip mesh is refused by the head-split rule, which
+# the report must say under `error` (benchmarks/results/lowering_tpu.json lowers the 8B shape
+# over 4 and 8 chips).
+TP_SIZES = (1, 3, 4)
+STEPS = ("extend", "decode", "decode_state")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("lowering") / "report.json"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    subprocess.run([sys.executable, "-m", "sgl_tpu.bench.accelerator", "--lower", "tpu",
+                    "--tp-size", ",".join(map(str, TP_SIZES)), "--collectives", "steps",
+                    "--output", str(out)],
+                   check=True, env=env, timeout=600)
+    return json.loads(out.read_text())["models"]["default"]
+
+
+@pytest.mark.parametrize("tp", [1, 3])
+def test_steps_lower_for_tpu(report, tp):
+    setup = report[f"tpu tp={tp}"]
+    assert "error" not in setup and "partition_error" not in setup, setup
+    assert setup["attention_backend"] == "pallas"
+    assert all(setup["recompile_free"].values()), setup["recompile_free"]
+    for name, prog in setup["programs"].items():
+        assert "error" not in prog, (name, prog.get("error"))
+        assert prog["host_callbacks"] == [], (name, prog["host_callbacks"])
+        assert prog["non_kernel_custom_calls"] == [], (name, prog["non_kernel_custom_calls"])
+        if tp == 1:
+            assert not any(prog["explicit_collectives"].values()), (name, prog)
+    for name in STEPS:  # the Pallas kernel is in every step
+        assert setup["programs"][name]["custom_calls"].get("tpu_custom_call", 0) > 0, name
+
+
+@pytest.mark.parametrize("tp", [3])
+def test_planned_collectives_only(report, tp):
+    """Counted in the SPMD-partitioned programs (XLA:CPU over `tp` host devices): per layer
+    the all-reduces after wo and w_down; per step the embedding's all-reduce and the logits'
+    all-gather; nothing else (e.g. no weight all-gathered)."""
+    programs = report[f"tpu tp={tp}"]["programs"]
+    for name in STEPS:
+        want = {"all_reduce": (2, 1), "all_gather": (0, 1), "reduce_scatter": (0, 0),
+                "collective_permute": (0, 0), "all_to_all": (0, 0)}
+        got = {k: (programs[name][k]["per_layer"], programs[name][k]["outside_layers"])
+               for k in want}
+        assert got == want, (name, got)
+
+
+def test_head_rule_refusal_is_reported(report):
+    assert "query heads do not divide by 4" in report["tpu tp=4"]["error"]

@@ -15,21 +15,40 @@ import sys
 import pytest
 
 # SmolLM2's 9 query heads split 3 ways; a 4-chip mesh is refused by the head-split rule, which
-# the report must say under `error` (benchmarks/results/lowering_tpu.json lowers the 8B shape
-# over 4 and 8 chips).
+# the report must say under `error`. A small Llama of its own config (untied LM head, 8 heads)
+# is lowered over the 4-chip mesh (benchmarks/results/lowering.json: the 8B shape over 4 and 8).
 TP_SIZES = (1, 3, 4)
 STEPS = ("extend", "decode", "decode_state")
+SMALL_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+               "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 8,
+               "num_key_value_heads": 4, "vocab_size": 4096, "max_position_embeddings": 2048,
+               "tie_word_embeddings": False}
+PLANNED = {"all_reduce": (2, 1), "all_gather": (0, 1), "reduce_scatter": (0, 0),
+           "collective_permute": (0, 0), "all_to_all": (0, 0)}  # (per layer, outside layers)
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("lowering") / "report.json"
+def reports(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("lowering")
+    (tmp / "small-llama").mkdir()
+    (tmp / "small-llama" / "config.json").write_text(json.dumps(SMALL_LLAMA))
+    out = tmp / "report.json"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     subprocess.run([sys.executable, "-m", "sgl_tpu.bench.accelerator", "--lower", "tpu",
                     "--tp-size", ",".join(map(str, TP_SIZES)), "--collectives", "steps",
-                    "--output", str(out)],
+                    "--model-config", str(tmp / "small-llama"), "--output", str(out)],
                    check=True, env=env, timeout=600)
-    return json.loads(out.read_text())["models"]["default"]
+    return json.loads(out.read_text())["models"]
+
+
+@pytest.fixture(scope="module")
+def report(reports) -> dict:
+    return reports["default"]
+
+
+def collectives(programs: dict, name: str) -> dict:
+    return {k: (programs[name][k]["per_layer"], programs[name][k]["outside_layers"])
+            for k in PLANNED}
 
 
 @pytest.mark.parametrize("tp", [1, 3])
@@ -55,11 +74,19 @@ def test_planned_collectives_only(report, tp):
     all-gather; nothing else (e.g. no weight all-gathered)."""
     programs = report[f"tpu tp={tp}"]["programs"]
     for name in STEPS:
-        want = {"all_reduce": (2, 1), "all_gather": (0, 1), "reduce_scatter": (0, 0),
-                "collective_permute": (0, 0), "all_to_all": (0, 0)}
-        got = {k: (programs[name][k]["per_layer"], programs[name][k]["outside_layers"])
-               for k in want}
-        assert got == want, (name, got)
+        assert collectives(programs, name) == PLANNED, name
+
+
+def test_four_chip_mesh_untied_lm_head(reports):
+    """The LM head [D, V] split on V: only the logits are gathered, never the weight."""
+    setup = reports["small-llama"]["tpu tp=4"]
+    assert "error" not in setup and "partition_error" not in setup, setup
+    for name, prog in setup["programs"].items():
+        assert "error" not in prog and prog["host_callbacks"] == [], (name, prog)
+    for name in STEPS:
+        assert collectives(setup["programs"], name) == PLANNED, name
+        logits_bytes = 4 * SMALL_LLAMA["vocab_size"] * (64 if "decode" in name else 32)
+        assert setup["programs"][name]["all_gather"]["bytes_per_step"] <= logits_bytes, name
 
 
 def test_head_rule_refusal_is_reported(report):

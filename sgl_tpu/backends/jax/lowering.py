@@ -438,9 +438,17 @@ def hbm_plan(setups: dict[str, dict[str, Any]], contexts=(4096, 32768)) -> list[
             for c in contexts:
                 row[f"decode_batch_{c // 1024}k"] = int(tokens // c)
             kv = tokens * e["kv_bytes_per_token_per_chip"]
-            row["mem_fraction_static"] = round((e["weights_bytes_per_chip"] + kv) / hbm, 2)
+            row["mem_fraction_static"] = (round((e["weights_bytes_per_chip"] + kv) / hbm, 2)
+                                          if tokens else "does not fit")
             rows.append(row)
     return rows
+
+
+def default_mem_fraction(rows: list[dict[str, Any]]) -> float:
+    """The largest multiple of 0.05 at or under every fitting row's fraction: a default that
+    leaves each chip and TP of the plan its activations and runtime reserve."""
+    fractions = [r["mem_fraction_static"] for r in rows if r["kv_tokens"]]
+    return int(min(fractions) * 20) / 20
 
 
 def plan_markdown(rows: list[dict[str, Any]]) -> str:
@@ -471,7 +479,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.plan:
         report = json.loads(Path(args.plan).read_text())
         model = list(report["models"].values())[-1]
-        print(plan_markdown(hbm_plan({k: v for k, v in model.items() if k.startswith("tpu")})))
+        rows = hbm_plan({k: v for k, v in model.items() if k.startswith("tpu")})
+        print(plan_markdown(rows))
+        print(f"\n--mem-fraction-static default: {default_mem_fraction(rows)}")
         return
     tps = [int(t) for t in args.tp_size.split(",")]
     devices = f"--xla_force_host_platform_device_count={max(tps)}"

@@ -24,7 +24,7 @@ shard_map, so the `ref` attention of the CPU compile partitions like `pallas` do
 
 `python -m sgl_tpu.backends.jax.lowering --lower tpu,cuda --tp-size 1,4,8 --output FILE`
 (or `python -m sgl_tpu.bench.accelerator --lower ...`) writes the report; `--plan REPORT`
-prints the HBM plan table (`hbm_plan`) of a report's 8B-class entry.
+prints the HBM plan table (`hbm_plan`) of the TPU entries of a report's last model.
 """
 
 from __future__ import annotations

@@ -262,7 +262,6 @@ def step_functions(shard_config: ModelConfig, vocab_size: int, config: RunnerCon
         state_step=state_step, scatter_rows=scatter_rows)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class _PendingJaxStep:
     """A dispatched step's device outputs; `result()` copies them to the host."""

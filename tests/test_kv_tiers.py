@@ -440,19 +440,24 @@ PROMPT = " ".join(f"Step {i}: the agent read file {i * 7 % 13} and ran test {i}.
                   for i in range(40))
 
 
-def test_server_serves_evicted_prefixes_from_host_then_from_disk_after_a_restart(tmp_path):
-    from server_harness import launch_server
-
+def _tiered_server_flags(storage_dir: Path, *extra: str) -> tuple[str, ...]:
+    """A small pool over host and disk tiers, on the default model (skipped without it);
+    deterministic, so an answer does not depend on which part of its prompt was cached."""
     from sgl_tpu.loader import default_model_path
     try:
         default_model_path()
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    # deterministic: the answer does not depend on which part of the prompt was cached
-    flags = ("--skip-warmup", "--max-total-tokens", "1024", "--max-running-requests", "4",
-             "--enable-deterministic-inference", "--enable-hierarchical-cache",
-             "--hicache-ratio", "4", "--hicache-storage-backend", "file",
-             "--hicache-storage-dir", str(tmp_path))
+    return ("--skip-warmup", "--max-total-tokens", "1024", "--max-running-requests", "4",
+            "--enable-deterministic-inference", "--enable-hierarchical-cache",
+            "--hicache-ratio", "4", "--hicache-storage-backend", "file",
+            "--hicache-storage-dir", str(storage_dir), *extra)
+
+
+def test_server_serves_evicted_prefixes_from_host_then_from_disk_after_a_restart(tmp_path):
+    from server_harness import launch_server
+
+    flags = _tiered_server_flags(tmp_path)
     server = launch_server(*flags)
     try:
         cold = _generate(server.base_url, PROMPT)
@@ -495,15 +500,7 @@ def test_two_servers_share_a_disk_folder_while_one_flushes(tmp_path):
     its files removed under it are misses, and the first reads what the second wrote after."""
     from server_harness import launch_server
 
-    from sgl_tpu.loader import default_model_path
-    try:
-        default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    flags = ("--skip-warmup", "--max-total-tokens", "1024", "--max-running-requests", "4",
-             "--enable-deterministic-inference", "--enable-hierarchical-cache",
-             "--hicache-ratio", "4", "--hicache-storage-backend", "file",
-             "--hicache-storage-dir", str(tmp_path), "--hicache-storage-max-bytes", str(2**30))
+    flags = _tiered_server_flags(tmp_path, "--hicache-storage-max-bytes", str(2**30))
     prompts = [f"Agent {i} notes. " + PROMPT[: 1200 + 300 * i] for i in range(3)]
     first = launch_server(*flags)
     try:

@@ -277,29 +277,26 @@ def _score(metas: list[list[dict]]) -> tuple[float, int]:
 
 @pytest.mark.slow
 def test_cache_aware_keeps_agents_on_their_replica(tiny_model, tmp_path):
-    scores = {}
-    for policy in ("cache_aware", "round_robin"):
-        server = launch_server(*FLAGS, "--dp-size", "2", "--router-policy", policy,
-                               model_path=tiny_model)
-        try:
-            workers = _worker_urls(server.base_url)
-            assert len(workers) == 2, server.log_tail()
-            metas = _run_agents(server.base_url)
-            share = [_finished(w) / (NUM_AGENTS * NUM_TURNS) for w in workers]
-            scores[policy] = _score(metas)
-            if policy == "cache_aware":
-                harness = _run_harness(server.base_url, tiny_model, tmp_path)
-        finally:
-            server.stop()
-        if policy == "cache_aware":
-            hit, stayed = scores[policy]
-            # the launcher's balance thresholds may move an agent whose replica is the busier
-            # one (a whole batch on the other replica finishing at once leaves it idle)
-            assert stayed >= NUM_AGENTS - 2, scores
-            assert hit >= 0.85, scores
-            assert all(0.25 <= s <= 0.75 for s in share), share
-    print("policy scores (cached share after turn 1, agents kept):", scores)
-    assert scores["round_robin"][0] < scores["cache_aware"][0] - 0.2, scores
+    """Each agent's later turns hit the KV of its previous turn: it stayed on one replica.
+    (No round-robin baseline: how often round robin sends an agent's next turn back to the
+    same replica depends on how the agents' requests interleave, i.e. on timing.)"""
+    server = launch_server(*FLAGS, "--dp-size", "2", "--router-policy", "cache_aware",
+                           model_path=tiny_model)
+    try:
+        workers = _worker_urls(server.base_url)
+        assert len(workers) == 2, server.log_tail()
+        metas = _run_agents(server.base_url)
+        share = [_finished(w) / (NUM_AGENTS * NUM_TURNS) for w in workers]
+        harness = _run_harness(server.base_url, tiny_model, tmp_path)
+    finally:
+        server.stop()
+    hit, stayed = _score(metas)
+    print("cached share after turn 1, agents kept:", hit, stayed)
+    # the launcher's balance thresholds may move an agent whose replica is the busier one (a
+    # whole batch on the other replica finishing at once leaves it idle)
+    assert stayed >= NUM_AGENTS - 2, (hit, stayed)
+    assert hit >= 0.85, (hit, stayed)
+    assert all(0.25 <= s <= 0.75 for s in share), share
     # the agent harness drives the replicas like any server
     react = harness["runs"]["server"]["react"]
     assert react["requests"] == 6 and react["requests_failed"] == 0, react["errors"]

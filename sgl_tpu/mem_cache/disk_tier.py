@@ -407,7 +407,7 @@ class DiskTier:
                 return f"{len(self._files)} pages on disk, above the cap of {self.max_pages}"
             if both := self._pending.keys() & self._files.keys():
                 return f"{len(both)} pages both queued and stored"
-            indexed = set(self._files)
+            indexed = set(self._files) if scan else set()  # idle checks copy nothing
         if scan:
             on_disk = {h for name in os.listdir(self.dir) if (h := _hash_of(name)) is not None}
             if missing := indexed - on_disk:

@@ -155,7 +155,7 @@ def test_default_model_greedy_equals_dense_float32(caplog):
                       max_running_requests=2, grammar_backend="none")
 
     with caplog.at_level(logging.INFO):
-        quant = engine("auto")
+        quant = engine("gguf")
     report = quant.scheduler.runner.quantization
     assert report.method == "gguf" and report.kernels == ("q4-f32",)
     assert report.quantized == 4 * 30 and report.head == "q8-f32"
@@ -169,7 +169,8 @@ def test_default_model_greedy_equals_dense_float32(caplog):
     assert dense.scheduler.runner.quantization is None
     assert out == [dense.generate(p, params)["output_ids"] for p in prompts]
     dense.shutdown()
-    # gguf-a8 (int8 activations, opt-in) is not exact: its greedy tokens have followed gguf's
+    # gguf-a8 (int8 activations; `auto` on VNNI builds) is not exact: its greedy tokens have
+    # followed gguf's
     # for 1 to all 16 tokens on these prompts as float32-level details elsewhere changed (the
     # attention's and the SiLU's rounding); assert the first token and that the first token's
     # log-probability moved (the activations are rounded)
@@ -177,6 +178,14 @@ def test_default_model_greedy_equals_dense_float32(caplog):
     report = a8.scheduler.runner.quantization
     assert report.method == "gguf-a8" and report.kernels == ("q4-a8",)
     assert report.quantized == 4 * 30 and report.head == "q8-a8"
+    # its dense copy (steps above the kernels' rows) is bf16 where oneDNN computes bf16
+    from sgl_tpu.backends.torch import quant_linear
+
+    assert report.dense_bf16 == quant_linear.bf16_dense_available()
+    info = a8.scheduler.runner.compute_info()["quantization"]
+    assert info["dense"] == ("bfloat16" if report.dense_bf16 else "activation dtype")
+    assert info["max_kernel_rows"]["q4-a8"] == quant_linear.max_kernel_rows(
+        "q4-a8", report.dense_bf16)
     gens_a8 = [a8.generate(p, params, return_logprob=True) for p in prompts]
     a8.shutdown()
     assert [g["output_ids"][:1] for g in gens_a8] == [o[:1] for o in out]
@@ -186,6 +195,33 @@ def test_default_model_greedy_equals_dense_float32(caplog):
 
     for g, g_a8 in zip(gens, gens_a8, strict=True):
         assert first_logprob(g) < 0 and abs(first_logprob(g_a8) - first_logprob(g)) > 1e-6
+
+
+def test_auto_takes_int8_activations_on_vnni_builds():
+    """`auto` serves a GGUF with float32 activations on the int8-activation kernels exactly
+    where the build has AVX512-VNNI (llama.cpp's math, measured faster there), else on the
+    exact float32 kernels; bfloat16 activations keep torch's int4 op."""
+    from sgl_tpu.backends.torch.quantize import auto_method
+
+    assert auto_method(torch.float32) == ("gguf-a8" if quant_gemm_cpu.vnni() else "gguf")
+    assert auto_method(torch.bfloat16) == "gguf"
+
+
+def test_bf16_dense_copy_takes_the_large_steps():
+    """Above the kernels' rows a bf16 dense copy computes the step: the float32 activations are
+    cast to bf16, the result is float32, the bias is added in float32, and it is within bf16's
+    rounding of the float32 product."""
+    from sgl_tpu.backends.torch import quant_linear
+
+    if not quant_linear.bf16_dense_available():
+        pytest.skip("oneDNN does not compute bf16 natively on this CPU")
+    torch.manual_seed(0)
+    w, x, b = torch.randn(64, 96), torch.randn(40, 96), torch.randn(64)
+    y = quant_linear.bf16_dense_linear(x, quant_linear.bf16_dense(w), b)
+    assert y.dtype == torch.float32 and y.shape == (40, 64)
+    exact = x @ w.T + b
+    assert torch.allclose(y, exact, atol=0.25, rtol=0.02)
+    assert not torch.equal(y, exact)  # bf16 rounding, not a float32 GEMM
 
 
 def _quantize_a8_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -263,7 +299,7 @@ def test_gguf_a8_validation():
     with pytest.raises(ValueError, match="implemented for --backend torch"):
         resolve_quantization("gguf-a8", dtype="float32", f32_kernels=True,
                              **{**common, "backend": "jax"})
-    # auto never picks it: it is opt-in
+    # auto stays auto: the runner picks gguf or gguf-a8 (quantize.auto_method)
     assert resolve_quantization("auto", dtype="float32", f32_kernels=True, **common) == "auto"
 
 
@@ -278,6 +314,8 @@ def test_float32_kernel_row_limit_follows_the_build(monkeypatch):
         assert quant_linear.max_kernel_rows("q4-f32") == rows
         assert quant_linear.max_kernel_rows("q8-f32") == rows
         assert quant_linear.max_kernel_rows("q4-a8") == 64
+        # below a bf16 dense copy, which overtakes them sooner
+        assert quant_linear.max_kernel_rows("q4-a8", dense_bf16=True) == 12
 
 
 def test_native_build_takes_vnni_where_the_cpu_has_it():

@@ -31,6 +31,11 @@ summed (blocks.Int8Groups.split_nibbles), measured 0.76x of bf16 on the default 
 49152-row head at one row on a quiet machine but 1.33x under load, and 0.86-1.14x on layer-sized
 matrices (per-matrix timing): at most ~0.5 ms of a 25 ms batch-1 step, not taken.
 
+With int8 activations (`gguf-a8`, and `auto` where the kernels have AVX512-VNNI) on a CPU
+whose oneDNN computes bf16 natively (AVX512-BF16, AMX), the dense copy is bfloat16, oneDNN-
+prepacked: steps above the kernels' rows cast their float32 activations to bf16 and the result
+back (`bf16_dense_linear`), twice dense float32's rate and half its bytes.
+
 `max_rows` comes from `max_kernel_rows`: `MAX_KERNEL_ROWS`, the crossover measured on a 2-core
 AVX512-BF16 CPU (no AMX; the float32 kernels on a 2-core AVX2 CPU, and their AVX-512 build on a
 2-core AVX-512 Xeon), the kernels forced at every row count in the runner's decode step
@@ -62,14 +67,42 @@ MAX_KERNEL_ROWS = {"int4": 4, "int8": 2, "q4-f32": 32, "q8-f32": 32, "q4-a8": 64
 # rows, 0.88x at 20, 1.09x at 24, 1.21x at 28, 1.36x at 32
 # (benchmarks/results/quant_linear_crossover_avx512.json): the crossover comes sooner.
 AVX512_F32_MAX_ROWS = 20
+# The int8-activation kernels against a bf16 dense copy (oneDNN's AVX512-BF16 GEMM) on a 2-core
+# AMD EPYC (AVX512-VNNI + BF16, no AMX), one decoder layer's GEMMs: the kernels win at 8 rows,
+# bf16 from 16 (docs/quantization.md).
+A8_BF16_DENSE_MAX_ROWS = 12
 
 
-def max_kernel_rows(kind: str) -> int:
-    """The most rows a step sends to a `kind` kernel (more go to the dense weight)."""
+def max_kernel_rows(kind: str, dense_bf16: bool = False) -> int:
+    """The most rows a step sends to a `kind` kernel (more go to the dense weight, which is
+    bfloat16 when `dense_bf16`)."""
     rows = MAX_KERNEL_ROWS[kind]
     if kind in ("q4-f32", "q8-f32") and quant_gemm_cpu.simd() == "avx512f":
         return min(rows, AVX512_F32_MAX_ROWS)
+    if dense_bf16 and kind in ("q4-a8", "q8-a8"):
+        return min(rows, A8_BF16_DENSE_MAX_ROWS)
     return rows
+
+
+def bf16_dense_available() -> bool:
+    """Whether oneDNN runs bf16 linears natively here (AVX512-BF16 or AMX, after
+    `ONEDNN_MAX_CPU_ISA`), so a bf16 dense copy outruns a float32 one."""
+    from sgl_tpu.backends.torch.device import cpu_prepacks_bf16, onednn_info
+
+    impl = onednn_info()["bf16_linear"] or ""
+    return cpu_prepacks_bf16() and ("bf16" in impl or "amx" in impl)
+
+
+def bf16_dense(w: torch.Tensor) -> torch.Tensor:
+    """A float32 [N, K] weight -> its bf16 copy, prepacked for oneDNN."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), None)
+
+
+def bf16_dense_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """f32[M, K] @ a bf16_dense weight -> f32[M, N] (+ b, in float32)."""
+    y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), w, None, "none", [], "")
+    y = y.float()
+    return y if b is None else y.add_(b)
 
 
 class Int4Kernel:
@@ -185,11 +218,13 @@ def make_kernel(m: Int4Groups | Int8Groups | Int8Channels, dtype: torch.dtype,
 @dataclass(frozen=True)
 class QuantizedLinear:
     """One projection: the kernel for up to `max_rows` rows, `dense` (the layout the runner's
-    dense linear takes) above, or the kernel at every M when `dense` is None."""
+    dense linear takes, or a bf16_dense copy) above, or the kernel at every M when `dense` is
+    None."""
 
     kernel: Kernel
     dense: torch.Tensor | None
     max_rows: int
+    dense_bf16: bool = False  # `dense` is a bf16_dense copy under float32 activations
 
 
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -202,6 +237,8 @@ def dispatching_linear(dense_linear: Linear) -> Linear:
         if not isinstance(w, QuantizedLinear):
             return dense_linear(x, w, b)
         if w.dense is not None and x.shape[0] > w.max_rows:
+            if w.dense_bf16:
+                return bf16_dense_linear(x, w.dense, b)
             return dense_linear(x, w.dense, b)
         y = w.kernel(x)
         return y if b is None else y.add_(b)

@@ -4,7 +4,10 @@ model weights with those projections swapped for `QuantizedLinear`s.
     gguf       read_gguf_quantized(file)        the stored Q4_x blocks, exact (and the Q8_0
                                                 vocabulary head, served with float32 only)
     gguf-a8    the same blocks                  float32 only: kernels that quantize the
-                                                activations to int8 per 32 values
+                                                activations to int8 per 32 values; the dense
+                                                copy in bf16 where oneDNN computes bf16
+    auto       gguf's or gguf-a8's blocks       auto_method: gguf-a8 with float32 activations
+                                                on the kernels' AVX512-VNNI build, else gguf
     int8/int4  quantize_int8/int4(params)       from the loader's float32 params
                    ──quantize_weights(Weights)──► Weights whose wqkv / wo / w_gate_up / w_down
                                                   are QuantizedLinear(kernel, dense copy) and
@@ -25,9 +28,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from sgl_tpu.backends.torch.kernels import quant_gemm_cpu
 from sgl_tpu.backends.torch.quant_linear import (
     F32_KINDS,
     QuantizedLinear,
+    bf16_dense,
+    bf16_dense_available,
     dispatching_linear,
     make_kernel,
     max_kernel_rows,
@@ -125,6 +131,13 @@ def quantized_matrices(method: str, params: dict, cfg: ModelConfig, model_path: 
             for key in sorted(params_keys(params))}
 
 
+def auto_method(dtype: torch.dtype) -> str:
+    """What `auto` serves a GGUF's blocks with: llama.cpp's math (int8 activations, gguf-a8)
+    where the kernels have AVX512-VNNI and the activations are float32, measured 1.4-1.9x the
+    exact float32 kernels at 1-8 rows (docs/quantization.md); else the exact gguf."""
+    return "gguf-a8" if dtype == torch.float32 and quant_gemm_cpu.vnni() else "gguf"
+
+
 @dataclass(frozen=True)
 class QuantizationReport:
     method: str
@@ -133,14 +146,26 @@ class QuantizationReport:
     kernel_bytes: int  # memory the kernels add beside the dense weights
     kernels: tuple[str, ...] = ()  # the projections' kernel kinds (quant_linear.py)
     head: str | None = None  # the vocabulary head's kernel kind; None: dense
+    dense_bf16: bool = False  # steps above the kernels' rows run a bf16 dense copy
+
+    def max_rows(self) -> dict[str, int]:
+        return {k: max_kernel_rows(k, self.dense_bf16) for k in self.kernels}
+
+    def info(self) -> dict:
+        """`/server_info` `compute.quantization`."""
+        return {"method": self.method, "kernels": list(self.kernels), "head": self.head,
+                "max_kernel_rows": self.max_rows(), "simd": quant_gemm_cpu.simd(),
+                "vnni": quant_gemm_cpu.vnni(),
+                "dense": "bfloat16" if self.dense_bf16 else "activation dtype"}
 
     def log_line(self) -> str:
         desc = QUANTIZATION_METHODS[self.method].description
         kinds = "/".join(self.kernels) or "no"
-        rows = ", ".join(f"{k} <= {max_kernel_rows(k)}" for k in self.kernels)
+        rows = ", ".join(f"{k} <= {n}" for k, n in self.max_rows().items())
         head = f"vocabulary head on {self.head}" if self.head else "vocabulary head dense"
+        dense = "bf16 dense copy above" if self.dense_bf16 else "dense copy above"
         return (f"quantization {self.method} ({desc}): {self.quantized} projections on {kinds} "
-                f"kernels for steps of few rows ({rows or 'none'}), {head} "
+                f"kernels for steps of few rows ({rows or 'none'}; {dense}), {head} "
                 f"(+{self.kernel_bytes / 2**20:.0f} MiB beside the dense weights), "
                 f"{self.dense_only} dense only")
 
@@ -150,8 +175,10 @@ def quantize_weights(weights, matrices: dict[str, QuantizedMatrix], method: str,
     """llama_torch.Weights -> (the same with QuantizedLinear projections, QuantizationReport).
 
     The vocabulary head (matrices[HEAD]) is swapped only for a float32 kernel: with bfloat16
-    it has no exact kernel (quant_linear.py). gguf-a8 takes the int8-activation kernels."""
+    it has no exact kernel (quant_linear.py). gguf-a8 takes the int8-activation kernels, and
+    a bf16 dense copy where oneDNN computes bf16 natively (it replaces the float32 one)."""
     int8_activations = method == "gguf-a8"
+    dense_bf16 = int8_activations and bf16_dense_available()
     layers, done, dense_only, nbytes, kinds = [], 0, 0, 0, []
     for i, lw in enumerate(weights.layers):
         changes = {}
@@ -161,8 +188,10 @@ def quantize_weights(weights, matrices: dict[str, QuantizedMatrix], method: str,
             if kernel is None:
                 dense_only += 1
                 continue
-            changes[fused] = QuantizedLinear(kernel, getattr(lw, fused),
-                                             max_kernel_rows(kernel.kind))
+            dense = getattr(lw, fused)
+            changes[fused] = QuantizedLinear(kernel, bf16_dense(dense) if dense_bf16 else dense,
+                                             max_kernel_rows(kernel.kind, dense_bf16),
+                                             dense_bf16)
             done += 1
             nbytes += kernel.nbytes
             if kernel.kind not in kinds:
@@ -176,12 +205,10 @@ def quantize_weights(weights, matrices: dict[str, QuantizedMatrix], method: str,
                                          max_kernel_rows(head_kernel.kind))
         nbytes += head_kernel.nbytes
     if dtype == torch.float32 and "int4" in kinds:
-        from sgl_tpu.backends.torch.kernels import quant_gemm_cpu
-
         logger.warning("quantization %s: float32 activations on torch's int4 op, measured ~8x "
                        "slower than dense float32 on AVX2 (the compiled block kernels: %s)",
                        method, quant_gemm_cpu.why_unavailable())
     report = QuantizationReport(method, done, dense_only, nbytes, tuple(kinds),
-                                head_kernel.kind if "lm_head" in top else None)
+                                head_kernel.kind if "lm_head" in top else None, dense_bf16)
     logger.info(report.log_line())
     return dataclasses.replace(weights, **top), report

@@ -207,7 +207,8 @@ class TorchModelRunner:
 
         def apply(weights):
             weights, self.quantization = quantize.quantize_weights(
-                weights, matrices, "gguf" if method == "auto" else method, self.dtype)
+                weights, matrices,
+                quantize.auto_method(self.dtype) if method == "auto" else method, self.dtype)
             return weights
 
         return apply
@@ -245,6 +246,8 @@ class TorchModelRunner:
             gemm = "oneDNN prepacked" if self.prepacked else "torch"
         info: dict[str, Any] = {"backend": "torch", "device": str(self.device),
                                 "dtype": self.config.dtype, "gemm": gemm}
+        if self.quantization is not None:
+            info["quantization"] = self.quantization.info()
         if self.device.type == "cpu":
             cpu = cpu_info()
             info["cpu"] = cpu

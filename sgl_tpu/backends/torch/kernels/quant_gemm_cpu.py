@@ -45,6 +45,11 @@ def _kernel():
     return _EXT.module()
 
 
+def vnni() -> bool:
+    """Whether the loaded build holds the a8 kernels' AVX512-VNNI path (False when unbuilt)."""
+    return available() and bool(getattr(_kernel(), "vnni", False))
+
+
 @dataclass(frozen=True, eq=False)
 class Q4Blocks:
     qs: torch.Tensor  # u8[N, nb, 16]

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -173,7 +174,8 @@ def widen_gguf(src_path: str | Path, out_path: str | Path, factor: int) -> dict[
         raise ValueError(f"{src_path}: architecture {arch!r}; only {ARCH!r} GGUFs are widened")
     dims = _dims(reader.fields, src_path)
 
-    writer = gguf.GGUFWriter(out_path, arch=ARCH)
+    partial = out_path.with_name(out_path.name + ".partial")  # renamed once complete
+    writer = gguf.GGUFWriter(partial, arch=ARCH)
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key in ("general.architecture", "general.alignment"):
             continue  # the writer writes these itself
@@ -205,6 +207,7 @@ def widen_gguf(src_path: str | Path, out_path: str | Path, factor: int) -> dict[
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    os.replace(partial, out_path)
     return {kind: n * factor for kind, n in dims.items()}
 
 

@@ -31,7 +31,7 @@ Why the logits do not change:
     RoPE are), and llama.cpp's per-head Q/K row permutation keeps a head's rows in place.
   - added FFN units (any number) have zero gate and up rows: silu(0) * 0 = 0, and zero down
     columns.
-  - RMSNorm: the mean of squares over F*D values, F-1 parts zero, is mean(x^2) / F, so
+  - RMSNorm: the mean of squares over F*D values, (F-1)*D of them zero, is mean(x^2) / F, so
     x / sqrt(mean(x^2) / F + eps') = sqrt(F) * x / sqrt(mean(x^2) + F * eps'). Every norm
     weight is scaled by 1/sqrt(F) and the epsilon stored as eps / F, so eps' * F = eps: the same
     function (up to float32 rounding of w/sqrt(F) and eps/F). Without the epsilon change the

@@ -315,7 +315,7 @@ def test_float32_kernel_row_limit_follows_the_build(monkeypatch):
         assert quant_linear.max_kernel_rows("q8-f32") == rows
         assert quant_linear.max_kernel_rows("q4-a8") == 64
         # below a bf16 dense copy, which overtakes them sooner
-        assert quant_linear.max_kernel_rows("q4-a8", dense_bf16=True) == 12
+        assert quant_linear.max_kernel_rows("q4-a8", dense_bf16=True) == 8
 
 
 def test_native_build_takes_vnni_where_the_cpu_has_it():

@@ -68,9 +68,10 @@ MAX_KERNEL_ROWS = {"int4": 4, "int8": 2, "q4-f32": 32, "q8-f32": 32, "q4-a8": 64
 # (benchmarks/results/quant_linear_crossover_avx512.json): the crossover comes sooner.
 AVX512_F32_MAX_ROWS = 20
 # The int8-activation kernels against a bf16 dense copy (oneDNN's AVX512-BF16 GEMM) on a 2-core
-# AMD EPYC (AVX512-VNNI + BF16, no AMX), one decoder layer's GEMMs: the kernels win at 8 rows,
-# bf16 from 16 (docs/quantization.md).
-A8_BF16_DENSE_MAX_ROWS = 12
+# AMD EPYC (AVX512-VNNI + BF16, no AMX), one decoder layer's GEMMs of the 1.4B-class model: 1.0x
+# at 8 rows, bf16 1.3x faster at 12 and 1.5x at 16 (a8 4.1x faster at 1 row;
+# benchmarks/results/speed3_quant_linear_w3.json, tools/quant_linear_bench.py).
+A8_BF16_DENSE_MAX_ROWS = 8
 
 
 def max_kernel_rows(kind: str, dense_bf16: bool = False) -> int:

@@ -31,9 +31,9 @@ class TorchPaged:
     step's hidden states) and DECODE top-K log-probs."""
 
     def __init__(self, loaded, dtype: str = "float32", page_size: int = 4,
-                 torch_compile: str = "off"):
+                 torch_compile: str = "off", quantization: str = "auto"):
         args = ServerArgs(skip_warmup=True, backend="torch", torch_compile=torch_compile,
-                          dtype=dtype,
+                          dtype=dtype, quantization=quantization,
                           page_size=page_size, max_total_tokens=4096, kv_tile=max(8, page_size),
                           min_token_bucket=16, chunked_prefill_size=256, max_running_requests=8,
                           max_extend_seqs=8)
@@ -183,7 +183,9 @@ def test_default_model_backends_agree_on_a_mixed_batch(smol_jax_mixed_batch, dty
     """SmolLM2: the JAX and torch runners give the same logits for a ragged EXTEND batch (one
     sequence with a cached prefix ending mid-page, one fresh) and the following DECODE batch."""
     loaded, (a, b), jax_ext, nxt, jax_dec = smol_jax_mixed_batch
-    torch_m = TorchPaged(loaded, dtype, page_size=16)
+    # float32: the exact block kernels (auto takes int8 activations on AVX512-VNNI CPUs)
+    torch_m = TorchPaged(loaded, dtype, page_size=16,
+                         quantization="gguf" if dtype == "float32" else "auto")
     ta, tb = torch_m.new_pages(46), torch_m.new_pages(21)
     torch_m.extend([(a[:21], 0, ta)])
     torch_ext = torch_m.extend([(a[21:], 21, ta), (b, 0, tb)])

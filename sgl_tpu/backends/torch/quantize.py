@@ -133,7 +133,7 @@ def quantized_matrices(method: str, params: dict, cfg: ModelConfig, model_path: 
 
 def auto_method(dtype: torch.dtype) -> str:
     """What `auto` serves a GGUF's blocks with: llama.cpp's math (int8 activations, gguf-a8)
-    where the kernels have AVX512-VNNI and the activations are float32, measured 1.4-1.9x the
+    where the kernels have AVX512-VNNI and the activations are float32, measured 1.7-2.3x the
     exact float32 kernels at 1-8 rows (docs/quantization.md); else the exact gguf."""
     return "gguf-a8" if dtype == torch.float32 and quant_gemm_cpu.vnni() else "gguf"
 

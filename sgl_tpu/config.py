@@ -332,7 +332,8 @@ class ServerArgs:
     # tokens per request and step from the request's own context (its last n tokens, n from
     # the max down to the min window, matched earlier in it) and verifies them in the decode
     # step (scheduler/speculative.py); "SUFFIX" also drafts from recent requests' outputs.
-    # "auto": SUFFIX on CPUs, drafting while the measured row cost pays
+    # "auto": SUFFIX on CPUs, each batch size drafting only while its measured seconds per
+    # output token beat plain steps (scheduler/speculative.py DraftGate)
     # (executor/registry.py resolve_speculation); "none" or None: off.
     speculative_algorithm: str | None = "auto"
     speculative_num_draft_tokens: int = 4

@@ -45,8 +45,8 @@ Whether to draft is decided at two levels:
   verify's bookkeeping are inside the timed span), and keeps the cheaper arm. The other arm
   is retried in short trials whose spacing doubles while it keeps losing:
 
-      steps   incumbent x16 | trial x6 | incumbent x32 | trial x6 | incumbent x64 | ...
-      trial cheaper (drafting by GATE_MARGIN) -> it becomes the incumbent, spacing back to 16
+      steps   incumbent x24 | trial x6 | incumbent x48 | trial x6 | incumbent x96 | ...
+      trial cheaper (drafting by GATE_MARGIN) -> it becomes the incumbent, spacing back to 24
 
 * per request and step (`choose_num_draft`): a verify row costs a fraction `row_cost_at(batch)`
   of a sequence's share of the step, so a draft of k tokens pays off only while the expected
@@ -88,13 +88,15 @@ STEP_MIN = 32
 STEP_MIN_SPREAD = 3
 # DraftGate (module docstring): a trial of the other arm lasts GATE_TRIAL_STEPS steps; the first
 # comes after GATE_FIRST_INTERVAL steps of a bucket, then the spacing doubles while the
-# incumbent wins, up to GATE_MAX_INTERVAL (then a losing arm's trials cost at most
-# 6/1024 of the steps). Drafting must be cheaper than plain steps by GATE_MARGIN to be chosen
-# (equal costs: plain steps). GATE_EMA: weight of the latest step in the incumbent's cost.
+# incumbent wins, up to GATE_MAX_INTERVAL (then a losing arm's trials take 6 in 2,054 steps:
+# at a 1.5x cost per token, 0.15% of the time). Drafting must be cheaper than plain steps by
+# GATE_MARGIN to be chosen: a trial of 6 steps on a shared machine is noisy, and a wrong switch
+# to drafting costs the steps until the next trial; where drafts pay they paid 1.3x or more.
+# GATE_EMA: weight of the latest step in the incumbent's cost.
 GATE_TRIAL_STEPS = 6
-GATE_FIRST_INTERVAL = 16
-GATE_MAX_INTERVAL = 1024
-GATE_MARGIN = 0.03
+GATE_FIRST_INTERVAL = 24
+GATE_MAX_INTERVAL = 2048
+GATE_MARGIN = 0.1
 GATE_EMA = 0.1
 # A new request's assumed per-token acceptance rate: near what the agent-loop workloads
 # measured (react 71%, tool-json 83%), so that drafting is tried even in larger batches.

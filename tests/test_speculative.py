@@ -26,6 +26,7 @@ from sgl_tpu.config import SchedulerConfig, ServerArgs
 from sgl_tpu.executor.step import ForwardMode
 from sgl_tpu.scheduler.ngram import NgramIndex
 from sgl_tpu.scheduler.speculative import (
+    ACCEPT_PRIOR,
     GATE_FIRST_INTERVAL,
     GATE_MAX_INTERVAL,
     GATE_TRIAL_STEPS,
@@ -210,6 +211,13 @@ def test_draft_gate_decides_per_batch_bucket():
     assert info["buckets"]["5-8"]["draft_ms_per_token"] == pytest.approx(2.0)
     gate.record(1.0, 1)  # no step asked about: nothing recorded
     assert gate.info() == info
+    # under the gate a new request drafts in a trial at any batch size (the constants' row
+    # cost, not a fit that could price every draft out so that no trial ever drafts)
+    spec = Speculator(SchedulerConfig(page_size=4, max_running_requests=64, max_extend_seqs=8,
+                                      chunked_prefill_size=64, context_len=512,
+                                      speculative_algorithm="SUFFIX", speculative_gate=True))
+    assert spec.step_costs is None and spec.gate is not None
+    assert all(choose_num_draft(ACCEPT_PRIOR, 4, spec.row_cost_at(b)) > 0 for b in (1, 8, 64))
 
 
 def test_config_validation_and_cli():

@@ -365,10 +365,14 @@ class Speculator:
         # draft only while at most this many requests run (None: any)
         self.max_batch = config.speculative_max_batch
         self.row_cost, self.row_cost_slope = ROW_COST, ROW_COST_SLOPE
-        self.step_costs: StepCosts | None = StepCosts()  # None: the constants only
         # None: every batch size drafts (by the per-request rule); an algorithm asked for by
         # name, or tests
         self.gate = DraftGate() if config.speculative_gate else None
+        # None: the constants only. Under the gate, which measures whether drafting pays as a
+        # whole, the per-request rule keeps the constants: a fitted row cost above what the
+        # acceptance prior pays for would let no request draft, so neither the gate's trials
+        # nor the requests' acceptance rates would ever see a draft.
+        self.step_costs: StepCosts | None = None if self.gate is not None else StepCosts()
 
     def row_cost_at(self, batch: int) -> float:
         """A verify row's cost relative to a sequence's share of a `batch`-sequence step:

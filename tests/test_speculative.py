@@ -608,16 +608,17 @@ def test_jax_backend_greedy_identical(tmp_path_factory):
 # ---- the default model's server: `auto` speculation ------------------------------------------
 @pytest.mark.slow
 def test_default_server_speculates_for_a_lone_request(default_model_server_f32):
-    """The shipped server (torch, CPU, `--speculative-algorithm auto`) drafts while at most 2
-    requests decode: a lone agent-like request verifies drafts, and its greedy text equals the
-    same prompt's in a batch of 3 (float32; the batch gate itself is tested on the scheduler
-    above, since the server may admit a batch's requests a step apart)."""
+    """The shipped server (torch, CPU, `--speculative-algorithm auto`): SUFFIX behind the draft
+    gate, which starts plain and tries drafts after GATE_FIRST_INTERVAL steps, so a lone
+    agent-like request verifies drafts within its 64 tokens; /server_info says what auto
+    resolved to and the gate's live decision; the greedy text equals the same prompt's in a
+    batch of 3 (float32)."""
     import requests
 
     server = default_model_server_f32
     prompt = ("Tool result: {\"city\": \"Paris\", \"temperature_c\": 21, \"sky\": \"clear\"}\n"
               * 4 + "Summarize the tool result above, repeating it exactly:\n")
-    params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    params = {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}
 
     def generate(text):
         r = requests.post(server.base_url + "/generate",
@@ -627,11 +628,17 @@ def test_default_server_speculates_for_a_lone_request(default_model_server_f32):
 
     before = server.wait_idle()["stats"]
     lone = generate(prompt)
-    after_lone = server.wait_idle()["stats"]
+    after_lone = server.wait_idle()
     batch = generate([prompt] * 3)
     info = server.wait_idle()
-    assert after_lone["spec_verify_reqs"] > before["spec_verify_reqs"]
-    assert after_lone["spec_accepted_tokens"] > before["spec_accepted_tokens"]
+    stats = after_lone["stats"]
+    assert stats["spec_verify_reqs"] > before["spec_verify_reqs"]
+    assert stats["spec_accepted_tokens"] > before["spec_accepted_tokens"]
+    spec = after_lone["speculative"]
+    assert spec["algorithm"] == "SUFFIX" and spec["resolution"].startswith("auto -> SUFFIX")
+    lone_gate = spec["gate"]["buckets"]["1"]
+    assert lone_gate["trials"] >= 1 and lone_gate["plain_ms_per_token"] > 0
+    assert (lone_gate["drafting"] is True) == ("1" in spec["gate"]["drafting_buckets"])
     assert [o["text"] for o in batch] == [lone["text"]] * 3
-    assert lone["meta_info"]["completion_tokens"] == 40
+    assert lone["meta_info"]["completion_tokens"] == 64
     assert info["memory"]["num_pages_requests"] == 0

@@ -390,8 +390,8 @@ class Speculator:
     def record_decode(self, seconds: float, tokens: int) -> None:
         """The DECODE step whose drafts `drafts` made took `seconds`, from drafting to its
         appended tokens, and emitted `tokens` (the gate's measure)."""
-        if self.gate is not None:
-            self.gate.record(seconds, tokens)
+        if self.gate is not None:  # (a grammar's cut-back can shorten an output)
+            self.gate.record(seconds, max(0, tokens))
 
     def info(self) -> dict[str, Any]:
         """What /server_info reports: the gate's live decision per batch-size bucket."""

@@ -178,9 +178,10 @@ _HELP = {
                              "repeat each other's tool calls); drafts are verified in the "
                              "decode step, exactly (greedy: the same output; sampling: the "
                              "same distribution, with a seed the same output). auto "
-                             "(default): SUFFIX on the torch backend on a CPU (each request "
-                             "drafts only while its acceptance rate pays for the extra rows, "
-                             "at the row cost measured on this host); off elsewhere. none: off",
+                             "(default): SUFFIX on the torch backend on a CPU, gated: each "
+                             "batch size drafts only while its measured seconds per output "
+                             "token with drafts beat plain steps (/server_info speculative); "
+                             "off elsewhere. none: off",
     "speculative_num_draft_tokens": "most draft tokens per request and decode step (fewer "
                                     "while its acceptance rate is low)",
     "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix of the context matched",

@@ -165,6 +165,10 @@ class SchedulerConfig:
     # (None: at any batch size)
     speculative_algorithm: str | None = None
     speculative_max_batch: int | None = None
+    # auto: each batch-size bucket drafts only while its measured seconds per output token
+    # beat plain steps (scheduler/speculative.py DraftGate); why speculation is what it is
+    speculative_gate: bool = False
+    speculative_resolution: str = ""
     speculative_num_draft_tokens: int = 4
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 8
@@ -328,7 +332,8 @@ class ServerArgs:
     # tokens per request and step from the request's own context (its last n tokens, n from
     # the max down to the min window, matched earlier in it) and verifies them in the decode
     # step (scheduler/speculative.py); "SUFFIX" also drafts from recent requests' outputs.
-    # "auto": SUFFIX on CPUs, drafting while the measured row cost pays
+    # "auto": SUFFIX on CPUs, each batch size drafting only while its measured seconds per
+    # output token beat plain steps (scheduler/speculative.py DraftGate)
     # (executor/registry.py resolve_speculation); "none" or None: off.
     speculative_algorithm: str | None = "auto"
     speculative_num_draft_tokens: int = 4
@@ -571,7 +576,9 @@ class ServerArgs:
 
     def scheduler_config(self, runner: RunnerConfig, overlap_schedule: bool = False,
                          speculative_algorithm: str | None = None,
-                         speculative_max_batch: int | None = None) -> SchedulerConfig:
+                         speculative_max_batch: int | None = None,
+                         speculative_gate: bool = False,
+                         speculative_resolution: str = "") -> SchedulerConfig:
         """The scheduler's config; overlap and speculation as executor/registry.py resolved
         them (off unless given)."""
         return SchedulerConfig(
@@ -590,6 +597,8 @@ class ServerArgs:
             tool_pause_grace_s=float(self.tool_pause_grace_s),
             speculative_algorithm=speculative_algorithm,
             speculative_max_batch=speculative_max_batch,
+            speculative_gate=speculative_gate,
+            speculative_resolution=speculative_resolution,
             speculative_num_draft_tokens=self.speculative_num_draft_tokens,
             speculative_ngram_min_match_window_size=self.speculative_ngram_min_match_window_size,
             speculative_ngram_max_match_window_size=self.speculative_ngram_max_match_window_size,

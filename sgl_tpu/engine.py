@@ -24,6 +24,7 @@ from sgl_tpu.constrained import GrammarManager, create_backend
 from sgl_tpu.detokenize import DetokenizerState
 from sgl_tpu.executor import omp_wait
 from sgl_tpu.executor.registry import (
+    explain_speculation,
     resolve_backend,
     resolve_overlap_schedule,
     resolve_speculation,
@@ -77,14 +78,13 @@ def build_scheduler(args: ServerArgs) -> tuple[Scheduler, Any]:
         grammar = GrammarManager(backend)
     overlap = resolve_overlap_schedule(args, runner_cfg.backend)
     spec_algorithm, spec_max_batch = resolve_speculation(args, runner_cfg.backend, overlap)
-    if spec_algorithm is None:
-        logger.info("speculative decoding: off")
-    else:
-        logger.info("speculative decoding: %s (drafting while at most %s requests decode)",
-                    spec_algorithm, spec_max_batch or "any number of")
+    spec_why = explain_speculation(args, runner_cfg.backend, overlap)
+    logger.info("speculative decoding: %s", spec_why)
     sched_cfg = args.scheduler_config(  # (the runner's config: what it runs, resolved)
         runner.config, overlap_schedule=overlap, speculative_algorithm=spec_algorithm,
-        speculative_max_batch=spec_max_batch)
+        speculative_max_batch=spec_max_batch,
+        speculative_gate=spec_algorithm is not None and args.speculative_algorithm == "auto",
+        speculative_resolution=spec_why)
     scheduler = Scheduler(
         sched_cfg, runner, num_pages=runner_cfg.num_pages,
         decode=loaded.tokenizer.decode, eos_token_ids=eos,

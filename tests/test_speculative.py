@@ -26,11 +26,18 @@ from sgl_tpu.config import SchedulerConfig, ServerArgs
 from sgl_tpu.executor.step import ForwardMode
 from sgl_tpu.scheduler.ngram import NgramIndex
 from sgl_tpu.scheduler.speculative import (
+    ACCEPT_PRIOR,
+    GATE_FIRST_INTERVAL,
+    GATE_MAX_INTERVAL,
+    GATE_TRIAL_STEPS,
     ROW_COST_MAX,
     STEP_MIN,
+    BucketGate,
+    DraftGate,
     Speculator,
     StepCosts,
     accept,
+    batch_bucket,
     choose_num_draft,
     expected_kept,
 )
@@ -149,6 +156,70 @@ def test_step_costs_measure_a_rows_cost():
     assert flat.row_cost(8) is None
 
 
+def _drive(gate: BucketGate, steps: int, draft_s_per_token: float, plain_s_per_token: float,
+           tokens: int = 4) -> int:
+    """Run `steps` steps of a bucket whose arms cost what is given (a step emits `tokens`);
+    returns how many of them drafted."""
+    drafted = 0
+    for _ in range(steps):
+        arm = gate.arm()
+        drafted += arm
+        gate.record((draft_s_per_token if arm else plain_s_per_token) * tokens, tokens)
+    return drafted
+
+
+def test_draft_gate_keeps_plain_steps_where_drafts_cost_more():
+    # a 2-core AVX-512 CPU without AMX: a lone stream's drafting steps cost 1.56x per token
+    gate = BucketGate()
+    drafted = _drive(gate, 4200, draft_s_per_token=0.0100, plain_s_per_token=0.0064)
+    assert not gate.drafting and gate.switches == 0
+    # only the trials drafted: 6 steps after 24, 48, ... incumbent steps, at most every 2048
+    trials = gate.trials + (gate.trial_left > 0)
+    assert drafted == GATE_TRIAL_STEPS * trials - gate.trial_left
+    assert 6 <= trials <= 8 and drafted / 4200 < 0.015
+    assert gate.interval == GATE_MAX_INTERVAL
+    assert gate.cost[True] == pytest.approx(0.0100) and gate.cost[False] == pytest.approx(0.0064)
+
+
+def test_draft_gate_drafts_where_it_pays_and_leaves_when_it_stops():
+    # an AMX CPU: rows nearly free, drafting 1.75x cheaper per token
+    gate = BucketGate()
+    first = GATE_FIRST_INTERVAL + GATE_TRIAL_STEPS
+    assert _drive(gate, first, 0.0046, 0.0081) == GATE_TRIAL_STEPS  # the first trial
+    assert gate.drafting and gate.switches == 1
+    assert _drive(gate, 2000, 0.0046, 0.0081) > 0.98 * 2000
+    # the workload changes (nothing to copy): drafting now costs more; the next trial of plain
+    # steps finds it within the longest spacing
+    _drive(gate, GATE_MAX_INTERVAL + GATE_TRIAL_STEPS + 1, 0.0100, 0.0064)
+    assert not gate.drafting and gate.switches == 2
+    # a draft that is cheaper than plain steps by less than the margin does not win back
+    _drive(gate, 3000, 0.0060, 0.0064)
+    assert not gate.drafting
+
+
+def test_draft_gate_decides_per_batch_bucket():
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == \
+        ["1", "2", "3-4", "3-4", "5-8", "5-8", "9-16", "9-16", "17-32"]
+    gate = DraftGate()
+    for _ in range(200):  # one stream: drafts cost; 8 streams: they pay
+        for batch, (draft, plain) in ((1, (0.010, 0.0064)), (7, (0.002, 0.003))):
+            arm = gate.drafting(batch)
+            gate.record(4 * (draft if arm else plain), 4)
+    info = gate.info()
+    assert info["drafting_buckets"] == ["5-8"]
+    assert info["buckets"]["1"]["plain_ms_per_token"] == pytest.approx(6.4)
+    assert info["buckets"]["5-8"]["draft_ms_per_token"] == pytest.approx(2.0)
+    gate.record(1.0, 1)  # no step asked about: nothing recorded
+    assert gate.info() == info
+    # under the gate a new request drafts in a trial at any batch size (the constants' row
+    # cost, not a fit that could price every draft out so that no trial ever drafts)
+    spec = Speculator(SchedulerConfig(page_size=4, max_running_requests=64, max_extend_seqs=8,
+                                      chunked_prefill_size=64, context_len=512,
+                                      speculative_algorithm="SUFFIX", speculative_gate=True))
+    assert spec.step_costs is None and spec.gate is not None
+    assert all(choose_num_draft(ACCEPT_PRIOR, 4, spec.row_cost_at(b)) > 0 for b in (1, 8, 64))
+
+
 def test_config_validation_and_cli():
     from sgl_tpu.choices import check_registry_names
     from sgl_tpu.cli import parse_args
@@ -192,10 +263,12 @@ def test_suffix_tree_depth_must_exceed_the_draft_length(capsys):
 
 
 def test_auto_speculation_resolves_to_suffix_on_cpus_only():
-    from sgl_tpu.executor.registry import resolve_speculation
+    from sgl_tpu.executor.registry import explain_speculation, resolve_speculation
 
     auto = ServerArgs(device="cpu")
     assert resolve_speculation(auto, "torch", False) == ("SUFFIX", None)
+    assert explain_speculation(auto, "torch", False).startswith("auto -> SUFFIX, gated")
+    assert explain_speculation(auto, "jax", False).startswith("auto -> off")
     # off where overlap scheduling runs, on the JAX runner, in deterministic mode, or asked off
     assert resolve_speculation(auto, "torch", True) == (None, None)
     assert resolve_speculation(auto, "jax", False) == (None, None)
@@ -280,6 +353,45 @@ def test_suffix_drafts_from_other_requests_outputs(algorithm):
         assert sched.stats.spec_accepted_tokens == sched.stats.spec_draft_tokens > 5
         assert len(decodes) < 29 + 8
     assert sched.memory_info()["num_pages_requests"] == 0
+
+
+@pytest.mark.parametrize("rows_cheap", [False, True])
+def test_scheduler_gate_drafts_only_where_the_clock_says_it_pays(monkeypatch, rows_cheap):
+    # A fake clock: a DECODE step of r rows takes 10 ms x r^1.5 (a row costs more than a
+    # sequence's step: drafts never pay, even all kept) or 10 ms + 0.1 ms x r (rows nearly
+    # free). Every draft is right (the prompt repeats), so only the clock decides.
+    from types import SimpleNamespace
+
+    from sgl_tpu.scheduler import scheduler as scheduler_module
+
+    clock = [0.0]
+    monkeypatch.setattr(scheduler_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    sched, runner = _spec_scheduler(num_pages=128)
+    sched.speculator.gate = DraftGate()
+    forward = runner.forward
+
+    def timed_forward(mode, steps):
+        rows = len(steps)
+        clock[0] += 0.010 + 0.0001 * rows if rows_cheap else 0.010 * rows**1.5
+        return forward(mode, steps)
+
+    runner.forward = timed_forward
+    prompt = list(range(100, 300)) + list(range(100, 105))
+    assert sched.add_request(request("a", prompt, 120)) is None
+    out = run_all(sched)
+    assert out["a"]["ids"] == expected(prompt, 120)  # the gate never changes the output
+    decodes = [c for m, c in runner.calls if m == ForwardMode.DECODE]
+    drafted = sum(len(c) > 1 for c in decodes)
+    bucket = sched.speculator.info()["gate"]["buckets"]["1"]
+    if rows_cheap:  # plain steps first, then a trial of drafts wins: drafts from then on
+        assert bucket["drafting"] and bucket["switches"] == 1
+        assert decodes[GATE_FIRST_INTERVAL - 1] == [(1, len(prompt) + GATE_FIRST_INTERVAL - 1)]
+        assert drafted == len(decodes) - GATE_FIRST_INTERVAL < 30
+    else:  # only the trials drafted (each step of 5 rows, all kept: 22.4 ms per token)
+        assert not bucket["drafting"] and bucket["switches"] == 0
+        assert 0 < drafted <= GATE_TRIAL_STEPS * (bucket["trials"] + 1)
+        assert bucket["draft_ms_per_token"] == pytest.approx(10 * 5**1.5 / 5, abs=0.01)
+        assert bucket["plain_ms_per_token"] == 10.0
 
 
 def test_scheduler_drafts_only_while_the_batch_is_small():
@@ -496,16 +608,17 @@ def test_jax_backend_greedy_identical(tmp_path_factory):
 # ---- the default model's server: `auto` speculation ------------------------------------------
 @pytest.mark.slow
 def test_default_server_speculates_for_a_lone_request(default_model_server_f32):
-    """The shipped server (torch, CPU, `--speculative-algorithm auto`) drafts while at most 2
-    requests decode: a lone agent-like request verifies drafts, and its greedy text equals the
-    same prompt's in a batch of 3 (float32; the batch gate itself is tested on the scheduler
-    above, since the server may admit a batch's requests a step apart)."""
+    """The shipped server (torch, CPU, `--speculative-algorithm auto`): SUFFIX behind the draft
+    gate, which starts plain and tries drafts after GATE_FIRST_INTERVAL steps, so a lone
+    agent-like request verifies drafts within its 64 tokens; /server_info says what auto
+    resolved to and the gate's live decision; the greedy text equals the same prompt's in a
+    batch of 3 (float32)."""
     import requests
 
     server = default_model_server_f32
     prompt = ("Tool result: {\"city\": \"Paris\", \"temperature_c\": 21, \"sky\": \"clear\"}\n"
               * 4 + "Summarize the tool result above, repeating it exactly:\n")
-    params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    params = {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}
 
     def generate(text):
         r = requests.post(server.base_url + "/generate",
@@ -515,11 +628,17 @@ def test_default_server_speculates_for_a_lone_request(default_model_server_f32):
 
     before = server.wait_idle()["stats"]
     lone = generate(prompt)
-    after_lone = server.wait_idle()["stats"]
+    after_lone = server.wait_idle()
     batch = generate([prompt] * 3)
     info = server.wait_idle()
-    assert after_lone["spec_verify_reqs"] > before["spec_verify_reqs"]
-    assert after_lone["spec_accepted_tokens"] > before["spec_accepted_tokens"]
+    stats = after_lone["stats"]
+    assert stats["spec_verify_reqs"] > before["spec_verify_reqs"]
+    assert stats["spec_accepted_tokens"] > before["spec_accepted_tokens"]
+    spec = after_lone["speculative"]
+    assert spec["algorithm"] == "SUFFIX" and spec["resolution"].startswith("auto -> SUFFIX")
+    lone_gate = spec["gate"]["buckets"]["1"]
+    assert lone_gate["trials"] >= 1 and lone_gate["plain_ms_per_token"] > 0
+    assert (lone_gate["drafting"] is True) == ("1" in spec["gate"]["drafting_buckets"])
     assert [o["text"] for o in batch] == [lone["text"]] * 3
-    assert lone["meta_info"]["completion_tokens"] == 40
+    assert lone["meta_info"]["completion_tokens"] == 64
     assert info["memory"]["num_pages_requests"] == 0

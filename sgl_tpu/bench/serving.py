@@ -8,6 +8,8 @@ reported as ratios (the machine is shared; absolute numbers drift).
         [--prompt-tokens 128] [--output-tokens 64] [--client-procs 1] [--engine]
         [--server-flags "--torch-threads 1"] [--output FILE]
     python -m sgl_tpu.bench.serving --compare restart [--prefix-tokens 4096] [--output FILE]
+    python -m sgl_tpu.bench.serving --compare speculation [--concurrency 1 8] [--rounds 3]
+        [--prompt-tokens 128] [--output-tokens 256] [--server-flags "..."] [--output FILE]
     python -m sgl_tpu.bench.serving --compare gap [--concurrency 1 8 32] [--rounds 3]
         [--prompt-tokens 128] [--output-tokens 64] [--server-flags "..."] [--output FILE]
 
@@ -40,6 +42,12 @@ processes around it). Both are up at once (only one runs at a time) and warmed w
 concurrency's batch; the rounds are those of `--compare overlap`. Summary per concurrency: each
 side's median output tok/s and server/engine (1.0: the server costs nothing).
 
+`--compare speculation`: `auto` (the default `--speculative-algorithm auto`) against `none`
+(`--speculative-algorithm none`), both servers up at once, the streams and rounds of
+`--compare overlap`; the result also holds each server's `/server_info` `speculative` section
+at the end (what auto resolved to, its live decision per batch-size bucket). Summary per
+concurrency: each side's median output tok/s and auto/none.
+
 `--client-procs N` spreads the streams over N client processes (where one would cap what it
 measures; each run reports the clients' CPU per token and `client_busy`).
 """
@@ -61,6 +69,7 @@ from sgl_tpu.bench.report import emit
 
 OVERLAP_CONFIGS = {"overlap": ["--overlap-schedule", "on"],
                    "serial": ["--disable-overlap-schedule"]}
+SPECULATION_CONFIGS = {"auto": [], "none": ["--speculative-algorithm", "none"]}
 Workload = Callable[[int, int], list[list[list[int]]]]  # (clients, seed) -> prompts per client
 
 
@@ -109,6 +118,15 @@ def compare_overlap(args: argparse.Namespace, base: list[str], vocab: int) -> di
     run = _overlap_engine if args.engine else _overlap_servers
     runs = run(args, base, _random_streams(args, vocab))
     return {"runs": runs, "summary": summarize(runs, tuple(OVERLAP_CONFIGS))}
+
+
+def compare_speculation(args: argparse.Namespace, base: list[str], vocab: int) -> dict:
+    """Speculation auto against none: every run, each server's speculative state at the end,
+    and the summary per concurrency."""
+    spec: dict[str, dict] = {}
+    runs = _servers(args, base, _random_streams(args, vocab), SPECULATION_CONFIGS, spec)
+    return {"runs": runs, "speculative": spec,
+            "summary": summarize(runs, tuple(SPECULATION_CONFIGS))}
 
 
 def compare_gap(args: argparse.Namespace, base: list[str], vocab: int) -> dict:
@@ -216,16 +234,31 @@ def _rounds(args: argparse.Namespace, workload: Workload,
 
 def _overlap_servers(args: argparse.Namespace, base: list[str], workload: Workload
                      ) -> list[dict]:
-    logs = Path(tempfile.mkdtemp(prefix="sgl_tpu_bench_overlap_"))
+    return _servers(args, base, workload, OVERLAP_CONFIGS)
+
+
+def _servers(args: argparse.Namespace, base: list[str], workload: Workload,
+             configs: dict[str, list[str]], speculative: dict[str, dict] | None = None
+             ) -> list[dict]:
+    """A server per config, all up at once, warmed, then `_rounds` over them;
+    `speculative[name]`: each server's /server_info `speculative` section at the end."""
+    import urllib.request
+
+    logs = Path(tempfile.mkdtemp(prefix="sgl_tpu_bench_servers_"))
     servers = {name: Server(base + flags, str(logs / f"{name}.log"))
-               for name, flags in OVERLAP_CONFIGS.items()}
+               for name, flags in configs.items()}
     try:
         for server in servers.values():
             server.wait_ready()
             for c in args.concurrency:  # every decode batch shape once
                 asyncio.run(run_workload(server.url, workload(c, 10_000 + c), 4))
-        return _rounds(args, workload, {name: partial(_stream, servers[name].url, args)
+        runs = _rounds(args, workload, {name: partial(_stream, servers[name].url, args)
                                         for name in servers})
+        for name, server in servers.items():
+            if speculative is not None:
+                with urllib.request.urlopen(server.url + "/server_info", timeout=60) as resp:
+                    speculative[name] = json.loads(resp.read()).get("speculative", {})
+        return runs
     finally:
         for server in servers.values():
             server.stop()
@@ -290,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--prefix-tokens", type=int, default=1000)
     cache.add_argument("--question-tokens", type=int, default=50)
     cache.add_argument("--workloads", default="shared,random")
-    overlap = p.add_argument_group("--compare overlap and gap")
+    overlap = p.add_argument_group("--compare overlap, speculation and gap")
     overlap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     overlap.add_argument("--rounds", type=int, default=3)
     overlap.add_argument("--prompt-tokens", type=int, default=128)
@@ -313,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 COMPARES = {"cache": compare_cache, "overlap": compare_overlap, "restart": compare_restart,
-            "gap": compare_gap}
+            "gap": compare_gap, "speculation": compare_speculation}
 
 if __name__ == "__main__":
     main()

@@ -102,23 +102,39 @@ def resolve_overlap_schedule(args: ServerArgs, backend: str) -> bool:
 def resolve_speculation(args: ServerArgs, backend: str, overlap_schedule: bool
                         ) -> tuple[str | None, int | None]:
     """--speculative-algorithm -> (drafter name or None, the largest decode batch that drafts or
-    None for any). auto: SUFFIX on the torch backend on a CPU, at any batch size: each request
-    drafts only while its acceptance rate pays for the rows, at the row cost the scheduler
-    measures (speculative.py StepCosts; 8 agents: 1.31x the programs/s of no drafts on a 2-core
-    AMX CPU, where rows are cheap, and neutral on a 2-core AVX2 CPU, where a row costs about a
-    sequence's share: docs/speculative-decoding.md). Off elsewhere: accelerators run overlap
-    scheduling, which speculation excludes (a draft needs the previous step's token), the JAX
-    runner pads a verify's rows to its compiled buckets, and --enable-deterministic-inference
-    keeps plain steps."""
+    None for any); `explain_speculation` says why."""
+    return _speculation(args, backend, overlap_schedule)[0], None
+
+
+def explain_speculation(args: ServerArgs, backend: str, overlap_schedule: bool) -> str:
+    """Why speculation resolved as it did (the start-up log and /server_info)."""
+    return _speculation(args, backend, overlap_schedule)[1]
+
+
+def _speculation(args: ServerArgs, backend: str, overlap_schedule: bool
+                 ) -> tuple[str | None, str]:
+    """auto: SUFFIX on the torch backend on a CPU, where each batch-size bucket drafts only while
+    its measured seconds per output token with drafts beat plain steps (speculative.py
+    DraftGate): drafts paid 1.3-1.75x on a 2-core AMX CPU, where rows are cheap, and nothing
+    on AVX-512/AVX2 CPUs without AMX, where the gate keeps plain steps
+    (docs/speculative-decoding.md). Off elsewhere: accelerators run overlap scheduling, which
+    speculation excludes (a draft needs the previous step's token), the JAX runner pads a
+    verify's rows to its compiled buckets, and --enable-deterministic-inference keeps plain
+    steps."""
     algorithm = args.speculative_algorithm
     if algorithm in (None, "none"):
-        return None, None
+        return None, "off: --speculative-algorithm none"
     if algorithm != "auto":
-        return algorithm, None
-    if backend != "torch" or overlap_schedule or args.enable_deterministic_inference \
-            or _torch_device_type(args) != "cpu":
-        return None, None
-    return "SUFFIX", None
+        return algorithm, (f"{algorithm}: asked for by name; every batch size drafts while a "
+                           f"request's acceptance rate pays for its rows")
+    if args.enable_deterministic_inference:
+        return None, "auto -> off: --enable-deterministic-inference keeps plain steps"
+    if backend != "torch":
+        return None, f"auto -> off: the {backend} runner pads a verify's rows to its buckets"
+    if overlap_schedule or _torch_device_type(args) != "cpu":
+        return None, "auto -> off: overlap scheduling runs, and a draft needs the last token"
+    return "SUFFIX", ("auto -> SUFFIX, gated: each batch-size bucket drafts only while its "
+                      "measured seconds per output token with drafts beat plain steps")
 
 
 def _is_gguf_checkpoint(model_path: str | None) -> bool:

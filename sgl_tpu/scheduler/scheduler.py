@@ -257,6 +257,7 @@ class Scheduler:
         outputs = [] if ended is None else [self._finish(ended, [])]
         if not self.running:
             return outputs
+        spec_started = time.perf_counter()  # the draft gate times drafting too
         drafts = {} if self.speculator is None else self.memory.fit_drafts(
             self.speculator.drafts(self.running))
         self._step_reqs = reqs = []
@@ -280,8 +281,13 @@ class Scheduler:
             self._pending = PendingDecode(batch, self.runner.dispatch(ForwardMode.DECODE, steps))
             return outputs  # processed in the next step(), while the device runs the one after
         started = time.perf_counter()
-        return outputs + self._process_decode(PendingDecode(
+        num_outputs = sum(len(req.output_ids) for req in reqs)
+        outputs += self._process_decode(PendingDecode(
             batch, DoneStep(self.runner.forward(ForwardMode.DECODE, steps)), started))
+        if self.speculator is not None:
+            self.speculator.record_decode(time.perf_counter() - spec_started,
+                                          sum(len(req.output_ids) for req in reqs) - num_outputs)
+        return outputs
 
     def _process_decode(self, decode: PendingDecode) -> list[ReqOutput]:
         """Wait for `decode`'s tokens and append them; rows of requests that ended while it

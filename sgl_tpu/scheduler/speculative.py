@@ -37,10 +37,20 @@ repetition penalties (the penalty counts of position o + j would have to include
 and drafts that do not fit the step (rows <= the largest decode batch), the free pages (a
 draft never evicts cached KV) or max_new_tokens.
 
-Whether to draft at all is decided per request and step (`choose_num_draft`): a verify row
-costs a fraction `row_cost_at(batch)` of a sequence's share of the step, so a draft of k tokens
-pays off only while the expected number of kept tokens, from the request's running acceptance
-rate, beats k * row_cost.
+Whether to draft is decided at two levels:
+
+* per batch size (`DraftGate`, with `--speculative-algorithm auto`): each bucket of running
+  requests (1, 2, 3-4, 5-8, ...) compares what it measured, seconds per emitted token of whole
+  DECODE steps with drafting on against steps with it off (drafting, grammar masks and the
+  verify's bookkeeping are inside the timed span), and keeps the cheaper arm. The other arm
+  is retried in short trials whose spacing doubles while it keeps losing:
+
+      steps   incumbent x24 | trial x6 | incumbent x48 | trial x6 | incumbent x96 | ...
+      trial cheaper (drafting by GATE_MARGIN) -> it becomes the incumbent, spacing back to 24
+
+* per request and step (`choose_num_draft`): a verify row costs a fraction `row_cost_at(batch)`
+  of a sequence's share of the step, so a draft of k tokens pays off only while the expected
+  number of kept tokens, from the request's running acceptance rate, beats k * row_cost.
 """
 
 from __future__ import annotations
@@ -76,6 +86,18 @@ ROW_COST_MAX = 0.5
 STEP_WINDOW = 256
 STEP_MIN = 32
 STEP_MIN_SPREAD = 3
+# DraftGate (module docstring): a trial of the other arm lasts GATE_TRIAL_STEPS steps; the first
+# comes after GATE_FIRST_INTERVAL steps of a bucket, then the spacing doubles while the
+# incumbent wins, up to GATE_MAX_INTERVAL (then a losing arm's trials take 6 in 2,054 steps:
+# at a 1.5x cost per token, 0.15% of the time). Drafting must be cheaper than plain steps by
+# GATE_MARGIN to be chosen: a trial of 6 steps on a shared machine is noisy, and a wrong switch
+# to drafting costs the steps until the next trial; where drafts pay they paid 1.3x or more.
+# GATE_EMA: weight of the latest step in the incumbent's cost.
+GATE_TRIAL_STEPS = 6
+GATE_FIRST_INTERVAL = 24
+GATE_MAX_INTERVAL = 2048
+GATE_MARGIN = 0.1
+GATE_EMA = 0.1
 # A new request's assumed per-token acceptance rate: near what the agent-loop workloads
 # measured (react 71%, tool-json 83%), so that drafting is tried even in larger batches.
 ACCEPT_PRIOR = 0.7
@@ -121,6 +143,98 @@ class StepCosts:
         fixed, per_row = self.line
         step = fixed + per_row * batch
         return per_row * batch / step if step > 0 else None
+
+
+def batch_bucket(batch: int) -> str:
+    """The gate's bucket of a batch of `batch` running requests: "1", "2", "3-4", "5-8", ..."""
+    hi = 1 << (batch - 1).bit_length()
+    lo = hi // 2 + 1
+    return str(hi) if lo >= hi else f"{lo}-{hi}"
+
+
+class BucketGate:
+    """One batch-size bucket's choice between steps with drafts and plain steps, from their
+    measured seconds per emitted token (the incumbent's as a running average, the challenger's
+    from its last trial)."""
+
+    def __init__(self) -> None:
+        self.drafting = False  # the incumbent arm; plain first, drafting must earn its place
+        self.cost: dict[bool, float | None] = {True: None, False: None}  # s per token, by arm
+        self.interval = GATE_FIRST_INTERVAL
+        self.until_trial = GATE_FIRST_INTERVAL
+        self.trial_left = 0
+        self._trial = [0.0, 0]  # the trial's seconds, tokens
+        self.trials = 0
+        self.switches = 0
+
+    def arm(self) -> bool:
+        """This step's arm: True = drafting."""
+        return self.drafting != (self.trial_left > 0)
+
+    def record(self, seconds: float, tokens: int) -> None:
+        """The step this gate chose `arm()` for took `seconds` and emitted `tokens`."""
+        if self.trial_left > 0:
+            self._trial[0] += seconds
+            self._trial[1] += tokens
+            self.trial_left -= 1
+            if self.trial_left == 0:
+                self._conclude()
+            return
+        if tokens > 0:
+            sample = seconds / tokens
+            old = self.cost[self.drafting]
+            self.cost[self.drafting] = sample if old is None else old + GATE_EMA * (sample - old)
+        self.until_trial -= 1
+        if self.until_trial <= 0:
+            self.trial_left = GATE_TRIAL_STEPS
+            self._trial = [0.0, 0]
+
+    def _conclude(self) -> None:
+        seconds, tokens = self._trial
+        self.trials += 1
+        challenger = not self.drafting
+        self.cost[challenger] = seconds / max(tokens, 1)
+        draft, plain = self.cost[True], self.cost[False]
+        prefer = draft is not None and plain is not None and draft < plain * (1 - GATE_MARGIN)
+        if prefer != self.drafting:
+            self.drafting = prefer
+            self.switches += 1
+            self.interval = GATE_FIRST_INTERVAL
+        else:
+            self.interval = min(2 * self.interval, GATE_MAX_INTERVAL)
+        self.until_trial = self.interval
+
+    def info(self) -> dict[str, Any]:
+        ms = {arm: None if c is None else round(1e3 * c, 3) for arm, c in self.cost.items()}
+        return {"drafting": self.drafting, "draft_ms_per_token": ms[True],
+                "plain_ms_per_token": ms[False], "trials": self.trials,
+                "switches": self.switches, "next_trial_in_steps": self.until_trial}
+
+
+class DraftGate:
+    """Per batch-size bucket (`batch_bucket`), whether this DECODE step drafts: `BucketGate`."""
+
+    def __init__(self) -> None:
+        self.buckets: dict[str, BucketGate] = {}
+        self._step: BucketGate | None = None  # the gate of the step in progress
+
+    def drafting(self, batch: int) -> bool:
+        """The arm of the coming step of `batch` running requests (recorded by `record`)."""
+        self._step = self.buckets.setdefault(batch_bucket(batch), BucketGate())
+        return self._step.arm()
+
+    def record(self, seconds: float, tokens: int) -> None:
+        """The step `drafting` was last asked about took `seconds` (drafting to appended
+        tokens) and emitted `tokens`."""
+        if self._step is not None:
+            self._step.record(seconds, tokens)
+            self._step = None
+
+    def info(self) -> dict[str, Any]:
+        buckets = {name: gate.info() for name, gate in sorted(
+            self.buckets.items(), key=lambda item: int(item[0].split("-")[-1]))}
+        return {"drafting_buckets": [n for n, g in buckets.items() if g["drafting"]],
+                "buckets": buckets}
 
 
 class NgramDrafter:
@@ -251,7 +365,14 @@ class Speculator:
         # draft only while at most this many requests run (None: any)
         self.max_batch = config.speculative_max_batch
         self.row_cost, self.row_cost_slope = ROW_COST, ROW_COST_SLOPE
-        self.step_costs: StepCosts | None = StepCosts()  # None: the constants only
+        # None: every batch size drafts (by the per-request rule); an algorithm asked for by
+        # name, or tests
+        self.gate = DraftGate() if config.speculative_gate else None
+        # None: the constants only. Under the gate, which measures whether drafting pays as a
+        # whole, the per-request rule keeps the constants: a fitted row cost above what the
+        # acceptance prior pays for would let no request draft, so neither the gate's trials
+        # nor the requests' acceptance rates would ever see a draft.
+        self.step_costs: StepCosts | None = None if self.gate is not None else StepCosts()
 
     def row_cost_at(self, batch: int) -> float:
         """A verify row's cost relative to a sequence's share of a `batch`-sequence step:
@@ -265,6 +386,19 @@ class Speculator:
         """A DECODE step of `rows` rows took `seconds` (dispatch to tokens on the host)."""
         if self.step_costs is not None:
             self.step_costs.record(rows, seconds)
+
+    def record_decode(self, seconds: float, tokens: int) -> None:
+        """The DECODE step whose drafts `drafts` made took `seconds`, from drafting to its
+        appended tokens, and emitted `tokens` (the gate's measure)."""
+        if self.gate is not None:  # (a grammar's cut-back can shorten an output)
+            self.gate.record(seconds, max(0, tokens))
+
+    def info(self) -> dict[str, Any]:
+        """What /server_info reports: the gate's live decision per batch-size bucket."""
+        fit = None if self.step_costs is None else self.step_costs.line
+        return {"measured_row_line_ms": None if fit is None else
+                [round(1e3 * fit[0], 3), round(1e3 * fit[1], 3)],
+                "gate": None if self.gate is None else self.gate.info()}
 
     def finished(self, req: Req) -> None:
         self.drafter.finished(req)
@@ -281,8 +415,10 @@ class Speculator:
     def drafts(self, running: Sequence[Req]) -> dict[int, list[int]]:
         """Drafts (by id(req)) for this step's requests, within the step's row budget; none
         while more than max_batch requests run."""
-        self.drafter.observe(running)
+        self.drafter.observe(running)  # every step: the suffix tree stays current
         if self.max_batch is not None and len(running) > self.max_batch:
+            return {}
+        if self.gate is not None and not self.gate.drafting(len(running)):
             return {}
         spare = self.max_rows - len(running)
         row_cost = self.row_cost_at(len(running))

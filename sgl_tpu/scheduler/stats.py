@@ -32,6 +32,12 @@ def server_info(scheduler: Scheduler) -> dict[str, Any]:
         "compute": scheduler.runner.compute_info(),
         "stats": stats,
     }
+    # speculative decoding: what --speculative-algorithm resolved to and why, and with auto the
+    # live decision per batch-size bucket (scheduler/speculative.py DraftGate)
+    spec = scheduler.speculator
+    data["speculative"] = {"algorithm": scheduler.config.speculative_algorithm or "none",
+                           "resolution": scheduler.config.speculative_resolution,
+                           **({} if spec is None else spec.info())}
     # cache control: open sessions (scheduler/sessions.py), the eviction policy, tool pauses
     data["sessions"] = scheduler.sessions.info()
     data["cache_control"] = {

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 MIN_PAUSE_S = 1.0
 MAX_PROGRAMS = 65_536  # beyond this many, the least recently seen idle programs are forgotten
 EXPIRE_EVERY_S = 1.0
+RECENT_PROGRAMS = 16  # programs listed one by one in /server_info
 PAUSE_EWMA = 0.1  # weight of the newest pause in the mean over all programs
 
 
@@ -234,6 +235,9 @@ class Programs:
             "num_programs_held": self.num_held,
             "program_held_s": self.held_s + held_now_s,
             "ttl_s": self.ttl_s,
+            # the most recently seen programs, newest first, with their service
+            "recent": {p.key: self.program_info(p.key) for p in sorted(
+                self.table.values(), key=lambda p: -p.last_seen_s)[:RECENT_PROGRAMS]},
         }
 
     def program_info(self, key: str) -> dict[str, Any] | None:

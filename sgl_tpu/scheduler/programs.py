@@ -19,7 +19,8 @@ the mean pause of all programs), at least MIN_PAUSE_S: silent longer, it is take
 
 Admission control (`Programs.admissible`, with `--schedule-policy program`): a new program's
 first turn is held while the working sets of the admitted active and paused programs plus its
-own exceed the capacity (the KV pool plus the host tier), instead of evicting the KV of
+expected one (its first turn, or the mean peak of the programs done before it, whichever is
+larger) exceed the capacity (the KV pool plus the host tier), instead of evicting the KV of
 programs that will come back for it. The hold is a queue: held programs are released in
 arrival order as working sets end, and the oldest one runs whenever nothing else can (no
 request running or admissible), so a held program is delayed, never starved. Continuations
@@ -44,6 +45,7 @@ MAX_PROGRAMS = 65_536  # beyond this many, the least recently seen idle programs
 EXPIRE_EVERY_S = 1.0
 RECENT_PROGRAMS = 16  # programs listed one by one in /server_info
 PAUSE_EWMA = 0.1  # weight of the newest pause in the mean over all programs
+PEAK_EWMA = 0.2  # weight of the newest done program's peak working set
 
 
 @dataclass(eq=False)
@@ -62,6 +64,7 @@ class Program:
     admitted: bool = False  # a turn of it has run (admission control no longer holds it)
     held_since: float | None = None  # its first turn is held by admission control
     max_pause_s: float = 0.0  # longest gap between one request's end and the next's arrival
+    peak_recorded: bool = False  # its working set, once done, fed `Programs.expected_tokens`
 
     @property
     def attained_tokens(self) -> int:
@@ -80,6 +83,8 @@ class Programs:
         self.table: dict[str, Program] = {}
         # a moving average of the tool pauses of all programs (the pause window's fallback)
         self.mean_pause_s = 0.0
+        # a moving average of the peak working sets of the programs found done
+        self.expected_tokens = 0.0
         self.num_seen = 0
         self.num_held = 0  # programs ever held
         self.held_s = 0.0  # seconds held, summed over released programs
@@ -106,6 +111,7 @@ class Programs:
             self.num_seen += 1
         elif not prog.in_flight:
             pause = now - prog.last_seen_s
+            prog.peak_recorded = False  # it came back: not done after all
             prog.max_pause_s = max(prog.max_pause_s, pause)
             self.mean_pause_s += PAUSE_EWMA * (pause - self.mean_pause_s)
         if not prog.in_flight:
@@ -171,9 +177,24 @@ class Programs:
 
     # ---- admission control ---------------------------------------------------------------
     def resident_tokens(self, now: float) -> int:
-        """The KV working sets of the admitted programs that are active or paused."""
-        return sum(p.working_set_tokens for p in self.table.values()
-                   if p.admitted and self.state(p, now) != "idle")
+        """The KV working sets of the admitted programs that are active or paused; the
+        peaks of those found done feed the expected working set of a new program."""
+        total = 0
+        for prog in self.table.values():
+            if not prog.admitted:
+                continue
+            if self.state(prog, now) != "idle":
+                total += prog.working_set_tokens
+            elif not prog.peak_recorded:
+                prog.peak_recorded = True
+                self.expected_tokens += PEAK_EWMA * (prog.working_set_tokens
+                                                     - self.expected_tokens)
+        return total
+
+    def expected_working_set(self, prog: Program) -> int:
+        """What a new program will hold: its first turn's size, or more if the programs
+        before it grew more over their turns (an agent's context grows each turn)."""
+        return max(prog.working_set_tokens, int(self.expected_tokens))
 
     def admissible(self, ready: list[Req], nothing_else_runs: bool) -> list[Req]:
         """The requests of `ready` that admission control lets run now (all of them when off).
@@ -190,8 +211,8 @@ class Programs:
             prog = req.program
             if prog is None or prog.admitted or id(prog) in passed:
                 out.append(req)
-            elif not held and prog.working_set_tokens <= budget:
-                budget -= prog.working_set_tokens
+            elif not held and self.expected_working_set(prog) <= budget:
+                budget -= self.expected_working_set(prog)
                 passed.add(id(prog))
                 out.append(req)
             else:
@@ -231,6 +252,7 @@ class Programs:
             "admission_control": self.admission,
             "capacity_tokens": self.capacity_tokens,
             "resident_working_set_tokens": self.resident_tokens(now),
+            "expected_working_set_tokens": int(self.expected_tokens),
             "num_programs_seen": self.num_seen,
             "num_programs_held": self.num_held,
             "program_held_s": self.held_s + held_now_s,

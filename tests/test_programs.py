@@ -84,36 +84,49 @@ def test_program_policy_orders_by_program_then_priority() -> None:
 
 def test_admission_holds_new_programs_in_arrival_order() -> None:
     clock = Clock()
-    progs = Programs(ttl_s=60.0, capacity_tokens=100, admission=True, clock=clock)
-    a = make_req("a", prompt_len=56, max_new=4)  # working set 60
+    progs = Programs(ttl_s=60.0, capacity_tokens=200, admission=True, clock=clock)
+    a = make_req("a", prompt_len=56, max_new=4)  # first turn 60: expected to grow to 120
     progs.arrive(a, "a")
+    assert progs.expected_working_set(a.program) == 120
     assert progs.admissible([a], nothing_else_runs=False) == [a]
     progs.count_extend(a, 56)
-    b = make_req("b", prompt_len=50, max_new=10)  # 60 more: over the 100-token capacity
-    c = make_req("c", prompt_len=20, max_new=10)  # would fit, but may not overtake b
+    b = make_req("b", prompt_len=50, max_new=10)  # expects 120 more: over the capacity
+    c = make_req("c", prompt_len=20, max_new=10)  # expects 60: would fit, may not overtake b
     progs.arrive(b, "b")
     progs.arrive(c, "c")
     loose = make_req("loose")
     progs.arrive(loose, None)  # no program: never held
     assert progs.admissible([c, b, loose], nothing_else_runs=False) == [loose]
-    assert progs.info()["num_held"] == 2 and progs.num_held == 2
+    info = progs.info()
+    assert info["num_held"] == 2 and info["num_active"] == 1  # a (loose is no program)
     a_next = make_req("a-next", prompt_len=70, max_new=4)  # a continuation: never held
     clock.now += 1.0
     progs.finish(a)
+    # a is paused (resident): even with nothing running, the held programs wait
+    assert progs.admissible([c, b], nothing_else_runs=True) == []
     progs.arrive(a_next, "a")
     assert progs.admissible([b, a_next], nothing_else_runs=False) == [a_next]
-    # nothing runs and nothing else is admissible: the oldest held program runs (no starving)
-    assert progs.admissible([c, b], nothing_else_runs=True) == [b]
-    progs.count_extend(b, 50)
     clock.now += 1.0
     progs.finish(a_next)
+    assert progs.resident_tokens(clock.now) == 120  # a: twice its first turn (74 held now)
     clock.now += 10.0  # program a is done (idle): its working set no longer counts
-    assert progs.resident_tokens(clock.now) == 60  # b's
-    assert progs.admissible([c], nothing_else_runs=False) == [c]
+    assert progs.resident_tokens(clock.now) == 0
+    assert progs.expected_tokens == 0.2 * 74  # a's peak, the first done
+    assert progs.admissible([c, b], nothing_else_runs=False) == [b, c]  # 60 + 30 fit
+    progs.count_extend(b, 50)
     progs.count_extend(c, 20)
     info = progs.info()
     assert info["num_held"] == 0 and info["num_programs_held"] == 2
-    assert info["program_held_s"] == 1.0 + 12.0  # b held 1 s, c 12 s
+    assert info["program_held_s"] == 2 * 12.0  # b and c, each held 12 s
+    # one program larger than the capacity runs once nothing else runs or is resident
+    big = make_req("big", prompt_len=300, max_new=4)
+    progs.arrive(big, "big")
+    assert progs.admissible([big], nothing_else_runs=True) == []  # b and c are resident
+    progs.finish(b)
+    progs.finish(c)
+    clock.now += 10.0  # b and c go idle (they never came back)
+    assert progs.admissible([big], nothing_else_runs=False) == []
+    assert progs.admissible([big], nothing_else_runs=True) == [big]
 
 
 def make_program_scheduler(num_pages: int, admission: bool):
@@ -128,21 +141,27 @@ def make_program_scheduler(num_pages: int, admission: bool):
 
 def test_scheduler_holds_second_program_until_the_first_is_done() -> None:
     """Two agents whose working sets do not fit the pool together: the second one's first
-    turn waits while the first one is active (or paused), then runs; every request ends."""
+    turn waits while the first one runs and while it is paused on a tool, then runs."""
     sched = make_program_scheduler(num_pages=12, admission=True)  # 48 tokens
+    clock = sched.programs.clock = Clock()
     first = request("a1", list(range(1, 25)), 8)
     first.session_id = "agent-a"
     second = request("b1", list(range(100, 124)), 8)
     second.program_id = "agent-b"  # Anthropic's metadata.user_id arrives here
     assert sched.add_request(first) is None and sched.add_request(second) is None
-    sched.step()  # the first EXTEND: only agent-a's turn is admitted
+    sched.step()  # the first EXTEND: only agent-a's turn (larger than the pool, alone)
     assert [r.rid for r in sched.waiting] == ["b1"]
     assert sched.programs.info()["num_held"] == 1
-    out = run_steps(sched, {})
-    assert {rid: o["reason"]["type"] for rid, o in out.items()} == {"a1": "length",
-                                                                      "b1": "length"}
+    out = run_steps(sched, {}, max_steps=100)
+    assert out["a1"]["reason"]["type"] == "length" and "b1" not in out
+    assert sched.programs.info()["num_paused"] == 1  # agent-a on a tool: b1 still held
+    clock.now += 10.0  # agent-a never came back: done
+    run_steps(sched, out)
+    assert out["b1"]["reason"]["type"] == "length"
     info = sched.programs.info()
-    assert info["num_programs_held"] == 1 and info["num_held"] == 0
+    # agent-a was held too (twice its first turn is over the pool) and ran at once, alone
+    assert info["num_programs_held"] == 2 and info["num_held"] == 0
+    assert info["program_held_s"] == 10.0
     a = sched.programs.program_info("agent-a")
     assert (a["prefill_tokens"], a["decode_tokens"], a["num_requests"]) == (24, 8, 1)
     assert sched.programs.program_info("agent-b")["admitted"]

@@ -5,11 +5,13 @@ A program is what a request names as its session (`session_id`, `session_params.
 conversation) or else its `program_id` (Anthropic's `metadata.user_id`). A request naming
 none is a program of its own and is not tracked.
 
-    first request ──► active (a request in the server) ──last one ends──► paused (on a tool)
-                        ▲                                                   │
-                        └───────────── its next request ◄───────────────────┤
-                                                                            ▼ pause window over
-                                                          idle ──ttl_s──► forgotten
+    first request ──► (held) ──► active (a request in the server) ──last one ends──► paused
+                                   ▲                                                   │
+                                   └───────────── its next request ◄───────────────────┤
+                                                                                       ▼ pause
+                                                             idle ◄────────── window over
+                                                               │
+                                                               └──ttl_s──► forgotten
 
 Per program the table keeps the service it attained (prompt tokens computed, not the cached
 ones; tokens decoded; seconds with a request in the server) and its KV working set: the
@@ -18,12 +20,13 @@ window of a program is twice the longest tool pause it took (before its first pa
 the mean pause of all programs), at least MIN_PAUSE_S: silent longer, it is taken as done.
 
 Admission control (`Programs.admissible`, with `--schedule-policy program`): a new program's
-first turn is held while the working sets of the admitted active and paused programs plus its
-expected one (its first turn, or the mean peak of the programs done before it, whichever is
-larger) exceed the capacity (the KV pool plus the host tier), instead of evicting the KV of
-programs that will come back for it. The hold is a queue: held programs are released in
-arrival order as working sets end, and the oldest one runs whenever nothing else can (no
-request running or admissible), so a held program is delayed, never starved. Continuations
+first turn is held while the expected working sets of the admitted active and paused programs
+plus its own (the mean peak of the programs done before, before any is done twice the first
+turn; at least what the program holds) exceed the capacity (the KV pool plus the host tier),
+instead of evicting the KV of programs that will come back for it. The hold is a queue: held
+programs are released in arrival order as working sets end (admitted programs go idle after
+their pause window), and the oldest one runs whenever nothing else is running, resident or
+admissible, so a held program is delayed, never starved. Continuations
 of admitted programs and requests without a program are never held.
 """
 
@@ -46,6 +49,7 @@ EXPIRE_EVERY_S = 1.0
 RECENT_PROGRAMS = 16  # programs listed one by one in /server_info
 PAUSE_EWMA = 0.1  # weight of the newest pause in the mean over all programs
 PEAK_EWMA = 0.2  # weight of the newest done program's peak working set
+FIRST_TURN_GROWTH = 2  # a program's expected peak over its first turn, before any is done
 
 
 @dataclass(eq=False)
@@ -61,6 +65,7 @@ class Program:
     server_s: float = 0.0  # seconds with at least one request in the server (closed spans)
     busy_since: float | None = None
     working_set_tokens: int = 0
+    first_turn_tokens: int = 0  # its first request's prompt + max_new_tokens
     admitted: bool = False  # a turn of it has run (admission control no longer holds it)
     held_since: float | None = None  # its first turn is held by admission control
     max_pause_s: float = 0.0  # longest gap between one request's end and the next's arrival
@@ -121,6 +126,7 @@ class Programs:
         prog.last_seen_s = now
         prog.working_set_tokens = max(prog.working_set_tokens,
                                       req.prompt_len + req.sampling.max_new_tokens)
+        prog.first_turn_tokens = prog.first_turn_tokens or prog.working_set_tokens
         req.program = prog
         return prog
 
@@ -155,7 +161,10 @@ class Programs:
         return max(MIN_PAUSE_S, 2 * (prog.max_pause_s or self.mean_pause_s))
 
     def state(self, prog: Program, now: float) -> str:
-        """"active", "paused" (on a tool) or "idle"."""
+        """"held" (its first turn, by admission control), "active", "paused" (on a tool) or
+        "idle"."""
+        if prog.held_since is not None and not prog.admitted:
+            return "held"
         if prog.in_flight:
             return "active"
         return "paused" if now - prog.last_seen_s <= self.pause_window_s(prog) else "idle"
@@ -177,14 +186,14 @@ class Programs:
 
     # ---- admission control ---------------------------------------------------------------
     def resident_tokens(self, now: float) -> int:
-        """The KV working sets of the admitted programs that are active or paused; the
-        peaks of those found done feed the expected working set of a new program."""
+        """The expected KV working sets of the admitted programs that are active or paused;
+        the peaks of those found done feed `expected_tokens`."""
         total = 0
         for prog in self.table.values():
             if not prog.admitted:
                 continue
-            if self.state(prog, now) != "idle":
-                total += prog.working_set_tokens
+            if self.state(prog, now) in ("active", "paused"):
+                total += self.expected_working_set(prog)
             elif not prog.peak_recorded:
                 prog.peak_recorded = True
                 self.expected_tokens += PEAK_EWMA * (prog.working_set_tokens
@@ -192,14 +201,17 @@ class Programs:
         return total
 
     def expected_working_set(self, prog: Program) -> int:
-        """What a new program will hold: its first turn's size, or more if the programs
-        before it grew more over their turns (an agent's context grows each turn)."""
-        return max(prog.working_set_tokens, int(self.expected_tokens))
+        """What a program will hold at its peak: the mean peak of the programs done before
+        it (an agent's context grows each turn), before any is done FIRST_TURN_GROWTH times
+        its first turn; at least what it holds now."""
+        peak = self.expected_tokens or FIRST_TURN_GROWTH * prog.first_turn_tokens
+        return max(prog.working_set_tokens, int(peak))
 
     def admissible(self, ready: list[Req], nothing_else_runs: bool) -> list[Req]:
         """The requests of `ready` that admission control lets run now (all of them when off).
-        `nothing_else_runs`: no request holds a row, so if none is admissible the oldest held
-        program's turn is (never starved)."""
+        `nothing_else_runs`: no request holds a row; then if no admitted program is resident
+        either and none is admissible, the oldest held program's turn is (one larger than the
+        capacity is not starved)."""
         if not self.admission:
             return ready
         now = self.clock()
@@ -226,8 +238,8 @@ class Programs:
             if prog.held_since is None:
                 prog.held_since = now
                 self.num_held += 1
-        if not out and held and nothing_else_runs:
-            out.append(held[0])
+        if not out and held and nothing_else_runs and budget == self.capacity_tokens:
+            out.append(held[0])  # nothing runs or is resident: held, it would wait forever
         return out
 
     # ---- reports -------------------------------------------------------------------------
@@ -235,20 +247,18 @@ class Programs:
         """`/server_info` "programs"."""
         now = self.clock()
         self.expire(now)
-        states = {"active": 0, "paused": 0, "idle": 0}
-        held = 0
+        states = {"held": 0, "active": 0, "paused": 0, "idle": 0}
         held_now_s = 0.0
         for prog in self.table.values():
             states[self.state(prog, now)] += 1
             if prog.held_since is not None and not prog.admitted:
-                held += 1
                 held_now_s += now - prog.held_since
         return {
             "num_programs": len(self.table),
             "num_active": states["active"],
             "num_paused": states["paused"],
             "num_idle": states["idle"],
-            "num_held": held,
+            "num_held": states["held"],
             "admission_control": self.admission,
             "capacity_tokens": self.capacity_tokens,
             "resident_working_set_tokens": self.resident_tokens(now),

@@ -112,7 +112,7 @@ def test_admission_holds_new_programs_in_arrival_order() -> None:
     clock.now += 10.0  # program a is done (idle): its working set no longer counts
     assert progs.resident_tokens(clock.now) == 0
     assert progs.expected_tokens == 0.2 * 74  # a's peak, the first done
-    assert progs.admissible([c, b], nothing_else_runs=False) == [b, c]  # 60 + 30 fit
+    assert progs.admissible([c, b], nothing_else_runs=False) == [b, c]  # 120 + 60 fit
     progs.count_extend(b, 50)
     progs.count_extend(c, 20)
     info = progs.info()

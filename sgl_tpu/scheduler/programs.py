@@ -21,8 +21,8 @@ the mean pause of all programs), at least MIN_PAUSE_S: silent longer, it is take
 
 Admission control (`Programs.admissible`, with `--schedule-policy program`): a new program's
 first turn is held while the expected working sets of the admitted active and paused programs
-plus its own (the mean peak of the programs done before, before any is done twice the first
-turn; at least what the program holds) exceed the capacity (the KV pool plus the host tier),
+plus its own (the mean peak of the programs done before, at least twice its first turn and
+what it holds) exceed the capacity (the KV pool plus the host tier),
 instead of evicting the KV of programs that will come back for it. The hold is a queue: held
 programs are released in arrival order as working sets end (admitted programs go idle after
 their pause window), and the oldest one runs whenever nothing else is running, resident or
@@ -49,7 +49,7 @@ EXPIRE_EVERY_S = 1.0
 RECENT_PROGRAMS = 16  # programs listed one by one in /server_info
 PAUSE_EWMA = 0.1  # weight of the newest pause in the mean over all programs
 PEAK_EWMA = 0.2  # weight of the newest done program's peak working set
-FIRST_TURN_GROWTH = 2  # a program's expected peak over its first turn, before any is done
+FIRST_TURN_GROWTH = 2  # a program's expected peak over its first turn, at least
 
 
 @dataclass(eq=False)
@@ -202,10 +202,10 @@ class Programs:
 
     def expected_working_set(self, prog: Program) -> int:
         """What a program will hold at its peak: the mean peak of the programs done before
-        it (an agent's context grows each turn), before any is done FIRST_TURN_GROWTH times
-        its first turn; at least what it holds now."""
-        peak = self.expected_tokens or FIRST_TURN_GROWTH * prog.first_turn_tokens
-        return max(prog.working_set_tokens, int(peak))
+        it, at least FIRST_TURN_GROWTH times its first turn (an agent's context grows each
+        turn) and what it holds now."""
+        return max(prog.working_set_tokens, FIRST_TURN_GROWTH * prog.first_turn_tokens,
+                   int(self.expected_tokens))
 
     def admissible(self, ready: list[Req], nothing_else_runs: bool) -> list[Req]:
         """The requests of `ready` that admission control lets run now (all of them when off).

@@ -165,3 +165,6 @@ def test_scheduler_holds_second_program_until_the_first_is_done() -> None:
     a = sched.programs.program_info("agent-a")
     assert (a["prefill_tokens"], a["decode_tokens"], a["num_requests"]) == (24, 8, 1)
     assert sched.programs.program_info("agent-b")["admitted"]
+    assert sched.flush_cache()  # the cache is gone, and with it what the programs held
+    assert sched.programs.info()["num_programs"] == 0
+    assert sched.programs.info()["num_programs_held"] == 2

@@ -184,6 +184,12 @@ class Programs:
             for prog in idle[: len(self.table) - MAX_PROGRAMS]:
                 del self.table[prog.key]
 
+    def clear(self) -> None:
+        """Forget every program (none has a request in the server: `/flush_cache`); the
+        counters since start-up stay."""
+        self.table.clear()
+        self.expected_tokens = 0.0
+
     # ---- admission control ---------------------------------------------------------------
     def resident_tokens(self, now: float) -> int:
         """The expected KV working sets of the admitted programs that are active or paused;

@@ -386,11 +386,12 @@ class Scheduler:
         return outputs
 
     def flush_cache(self) -> bool:
-        """Empty the radix tree and the tiers below it; refused (False) while requests hold
-        KV."""
+        """Empty the radix tree and the tiers below it, forget the programs; refused (False)
+        while requests hold KV."""
         if not self.queues.is_empty():
             return False
         self.kv.flush()
+        self.programs.clear()  # their KV is gone: a program that comes back starts over
         return True
 
     def check_integrity(self) -> None:

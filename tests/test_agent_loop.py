@@ -119,6 +119,30 @@ def test_private_agents_and_the_agent_sweep():
     assert program_counters(None, {}) == {}
 
 
+def test_merge_keeps_runs_per_target_and_label(tmp_path):
+    from sgl_tpu.bench.agent_loop.merge import main as merge_main
+
+    def result(target: str, label: str, pps: float) -> dict:
+        run = summarize(Trace(wall_s=2.0, num_programs=1,
+                              records=[RequestRecord("a", 0, -1, 0.0, 2.0)]))
+        return {"args": {"seed": 0}, "targets": {target: {}}, "workloads": {label: {}},
+                "runs": {target: {label: {**run, "programs_per_s": pps}}},
+                "target_errors": {}}
+
+    paths = []
+    for i, (target, label, pps) in enumerate([("p", "w@8", 1.0), ("p", "w@16", 2.0),
+                                              ("l", "w@8", 0.5)]):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(result(target, label, pps)))
+    out = tmp_path / "merged.json"
+    merge_main([str(out), *map(str, paths), "--note", "side by side"])
+    merged = json.loads(out.read_text())
+    assert {t: sorted(r) for t, r in merged["runs"].items()} == {"p": ["w@16", "w@8"],
+                                                                 "l": ["w@8"]}
+    assert merged["ratios"]["w@8"]["p_vs_l"]["throughput_x"] == 2.0
+    assert merged["note"] == "side by side" and "l/w@8" in merged["args"]
+
+
 def test_program_completion_times():
     records = [RequestRecord("a", 0, -1, 0.0, 2.0), RequestRecord("a", 1, -1, 3.0, 5.0),
                RequestRecord("b", 0, -1, 1.0, 2.0),

@@ -44,6 +44,17 @@ TIER_GAUGES = (
     ("demote_s", "demote_seconds", "Seconds spent writing into this tier"),
     ("used_pages", "used_pages", "KV pages this tier holds"),
 )
+# (/server_info "programs" key, metric name after "sglang:", help)
+PROGRAM_GAUGES = (
+    ("num_programs", "num_programs", "Programs (agents) the scheduler remembers"),
+    ("num_active", "num_programs_active", "Programs with a request in the server"),
+    ("num_paused", "num_programs_paused", "Programs paused on a tool (no request in flight)"),
+    ("num_held", "num_programs_held", "Programs whose first turn admission control holds"),
+    ("num_programs_held", "programs_held_total", "Programs admission control ever held"),
+    ("program_held_s", "program_held_seconds_total", "Seconds programs were held, summed"),
+    ("resident_working_set_tokens", "program_working_set_tokens",
+     "KV working sets of the admitted active and paused programs, in tokens"),
+)
 E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
 
@@ -86,6 +97,9 @@ class Metrics:
         # KV cache tiers (`/server_info` "tiers"), per tier; totals since start-up, set from
         # the scheduler's snapshot on each scrape
         self._model_name = model_name
+        # programs (`/server_info` "programs", scheduler/programs.py)
+        self.program_gauges = {
+            key: gauge(name, doc) for key, name, doc in PROGRAM_GAUGES}
         self.tier_gauges = {
             key: Gauge(PREFIX + "hicache_" + name, doc, ["model_name", "tier"],
                        registry=self.registry)
@@ -126,6 +140,10 @@ class Metrics:
         stats = info["stats"]
         prompt = stats["prompt_tokens"]
         self.cache_hit_rate.set(stats["cached_tokens"] / prompt if prompt else 0.0)
+        programs = info.get("programs", {})
+        for key, gauge in self.program_gauges.items():
+            if key in programs:
+                gauge.set(programs[key])
         for tier in ("host", "disk"):
             values = info.get("tiers", {}).get(tier)
             if values is not None:

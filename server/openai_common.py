@@ -46,7 +46,7 @@ def expand_items(prompts: list[list[int]], sampling: dict[str, Any], n: int, rid
 def cache_control(req: Any) -> dict[str, Any]:
     """A request's cache-control fields as GenItem arguments (checked by `tm.validate`)."""
     return {"priority": req.priority, "retention_seconds": req.retention_seconds or 0.0,
-            "tool_pause": bool(req.tool_pause)}
+            "tool_pause": bool(req.tool_pause), "program_id": req.program_id}
 
 
 def finish_reason(result: dict[str, Any]) -> str | None:

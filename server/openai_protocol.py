@@ -57,6 +57,10 @@ class SamplingRequest(BaseModel):
     priority: StrictInt | None = None
     retention_seconds: StrictInt | StrictFloat | None = None
     tool_pause: bool | None = None
+    # the program (agent) this request is a turn of, when no session names one: scheduling
+    # (--schedule-policy program) and reports only, no KV retention; Anthropic's
+    # metadata.user_id arrives here
+    program_id: str | None = None
 
 
 class CompletionRequest(SamplingRequest):

@@ -42,7 +42,12 @@ from sgl_tpu.messages import (
 from sgl_tpu.response import ResponseAccumulator, error_status
 from sgl_tpu.sampling_params import SamplingParams
 from sgl_tpu.server.ipc import PortArgs
-from sgl_tpu.validation import check_cache_control, check_request, check_token_ids
+from sgl_tpu.validation import (
+    check_cache_control,
+    check_request,
+    check_session_id,
+    check_token_ids,
+)
 
 logger = logging.getLogger("sgl_tpu.tokenizer_manager")
 # Texts longer than this (characters) are tokenized on a worker thread (the tokenizer releases
@@ -81,6 +86,7 @@ class GenItem:
     retention_seconds: float = 0.0
     tool_pause: bool = False
     may_call_tools: bool = False
+    program_id: str | None = None  # the agent, when no session names it (scheduling only)
     # `sampling` parsed, once its request passed `TokenizerManager.validate` (None before)
     parsed: SamplingParams | None = None
 
@@ -241,7 +247,8 @@ class TokenizerManager:
             raise RequestError(f"top_logprobs_num must be in [0, {self.args.max_top_logprobs}]")
         if (error := check_cache_control(item.session_id, item.priority,
                                          item.retention_seconds,
-                                         self.args.max_retention_s)) is not None:
+                                         self.args.max_retention_s)) is not None \
+                or (error := check_session_id(item.program_id, "program_id")) is not None:
             raise RequestError(error)
         item.parsed = sampling
         return sampling
@@ -271,7 +278,8 @@ class TokenizerManager:
                 return_logprob=item.return_logprob, logprob_start_len=item.logprob_start_len,
                 top_logprobs_num=item.top_logprobs_num, session_id=item.session_id,
                 priority=item.priority, retention_seconds=item.retention_seconds,
-                tool_pause=item.tool_pause, may_call_tools=item.may_call_tools))
+                tool_pause=item.tool_pause, may_call_tools=item.may_call_tools,
+                program_id=item.program_id))
         except (TypeError, ValueError, OverflowError, UnicodeEncodeError) as e:
             # What the HTTP layer's checks let through (the Engine-like callers) ends here.
             raise RequestError(f"request cannot be encoded: {type(e).__name__}: {e}") from None

@@ -32,6 +32,10 @@ _HELP = {
                             "previous_response_id (least recently used dropped first)",
     "responses_ttl_s": "Responses API: seconds a stored response is kept after its last use",
     "max_total_tokens": "KV cache capacity in tokens",
+    "schedule_policy": "order of the waiting queue: lpm (longest cached prefix first), fcfs, "
+                       "dfs-weight, or program (by agent: the turns of the program that "
+                       "arrived first go first, and new programs' first turns are held while "
+                       "the admitted programs' KV fills the pool and host tier)",
     "enable_hierarchical_cache": "KV cache tiers below the pool: pages evicted from it demote "
                                  "to host memory (and with --hicache-storage-backend file to "
                                  "disk), and load back when a prompt reuses them",
@@ -117,6 +121,12 @@ _HELP = {
                           "or tool_pause on the request) keeps its KV pinned on the device; "
                           "then it is evicted, or demoted to the host tier, the normal way "
                           "(0 disables)",
+    "program_ttl_s": "seconds a program (an agent: the requests of one session_id, "
+                     "prompt_cache_key, X-SMG-Routing-Key or Anthropic metadata.user_id) is "
+                     "remembered after its last request",
+    "disable_program_admission": "with --schedule-policy program: never hold a new program's "
+                                 "first turn, even when the admitted programs' KV working "
+                                 "sets fill the KV pool and host tier",
     "backend": "executor: jax (XLA), torch (PyTorch), or auto (torch on CPU when installed, "
                "jax on TPU/GPU)",
     "disable_compile": "torch backend: run eagerly instead of torch.compile (debugging; same as "

@@ -191,6 +191,9 @@ class SchedulerConfig:
     default_priority_value: int | None = None
     retraction_policy: str = "length"
     priority_aging_rate: float = PRIORITY_AGING_RATE
+    # Programs (scheduler/programs.py): see ServerArgs.
+    program_admission: bool = False
+    program_ttl_s: float = 600.0
 
     def __post_init__(self) -> None:
         check_priority_scheduling(self)
@@ -303,6 +306,13 @@ class ServerArgs:
     default_priority_value: int | None = None
     retraction_policy: str = "length"
     priority_aging_rate: float = PRIORITY_AGING_RATE
+    # Programs (scheduler/programs.py): the agents behind requests, named by their session
+    # (or Anthropic's metadata.user_id), are forgotten program_ttl_s after their last request.
+    # With schedule_policy "program", admission control holds new programs' first turns while
+    # the admitted programs' KV working sets fill the pool and host tier, unless
+    # disable_program_admission.
+    program_ttl_s: float = 600.0
+    disable_program_admission: bool = False
     # KV cache tiers below the pool (SGLang's HiCache flags, mem_cache/tiers.py): pages evicted
     # from the pool demote to host memory, then to disk; the pages that follow a request's
     # device match load back at admission. The disk tier, in a folder per model fingerprint,
@@ -400,7 +410,7 @@ class ServerArgs:
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         for name in ("session_retention_s", "max_retention_s", "session_ttl_s",
-                     "tool_pause_grace_s"):
+                     "tool_pause_grace_s", "program_ttl_s"):
             value = getattr(self, name)
             if (isinstance(value, bool) or not isinstance(value, int | float)
                     or not 0 <= value < float("inf")):
@@ -617,4 +627,7 @@ class ServerArgs:
             default_priority_value=self.default_priority_value,
             retraction_policy=self.retraction_policy,
             priority_aging_rate=float(self.priority_aging_rate),
+            program_admission=(self.schedule_policy == "program"
+                               and not self.disable_program_admission),
+            program_ttl_s=float(self.program_ttl_s),
         )

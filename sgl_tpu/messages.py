@@ -36,6 +36,9 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
     retention_seconds: float = 0.0
     tool_pause: bool = False  # the client's hint: this turn ends in a tool call
     may_call_tools: bool = False  # tools offered: a ToolPauseReq may follow its finish
+    # the program (agent) it is a turn of when no session names one (Anthropic's
+    # metadata.user_id): scheduling and reports only, no KV retention (scheduler/programs.py)
+    program_id: str | None = None
 
 
 class AbortReq(msgspec.Struct, tag=True):

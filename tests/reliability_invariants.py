@@ -4,6 +4,8 @@
 * idle: no request waiting or running (polled for at most `timeout_s`: nothing hangs),
 * `check_integrity()` ok (page accounting and radix tree, run by `/server_info` when idle),
 * no KV page held by a request (`memory.num_pages_requests == 0`),
+* no program active or held by admission control (`programs`: every request's end reached its
+  program),
 * and a small request is still answered correctly.
 """
 
@@ -43,6 +45,9 @@ def check_invariants(base_url: str, headers: dict[str, str], timeout_s: float = 
     held = info["memory"]["num_pages_requests"]
     if held != 0:
         raise InvariantError(f"{held} KV pages still held by requests")
+    programs = info.get("programs", {})
+    if programs.get("num_active") or programs.get("num_held"):
+        raise InvariantError(f"programs still active or held when idle: {programs}")
     r = requests.post(base_url + "/generate", headers=headers, timeout=60, json={
         "text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0,
                                              "ignore_eos": True}})

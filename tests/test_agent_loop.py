@@ -20,8 +20,10 @@ from sgl_tpu.bench.agent_loop.__main__ import (
     main,
     parse_latency,
     parse_workload,
+    program_counters,
     ratios,
     spec_counters,
+    sweep,
     warmup_config,
 )
 from sgl_tpu.bench.agent_loop.client import Client
@@ -98,6 +100,56 @@ def test_workload_shapes():
         WorkloadConfig(turns=0)
     with pytest.raises(ValueError):
         make_workload("nope", SMALL, 0)
+
+
+def test_private_agents_and_the_agent_sweep():
+    private = make_workload("private-react", SMALL, 0)
+    assert len({p.system for p in private}) == SMALL.num_programs  # nothing shared
+    assert all(len(p.steps) == SMALL.turns for p in private)
+    runs = sweep([("private-react", SMALL)], [2, 5])
+    assert [(label, cfg.num_programs) for label, _, cfg in runs] == [
+        ("private-react@2", 2), ("private-react@5", 5)]
+    assert sweep([("react", SMALL)], None) == [("react", "react", SMALL)]
+    with pytest.raises(SystemExit):
+        sweep([("react", SMALL)], [0])
+    before = {"programs": {"num_programs_held": 2, "program_held_s": 1.5}}
+    after = {"programs": {"num_programs_held": 5, "program_held_s": 4.0}}
+    assert program_counters(before, after) == {
+        "server_programs": {"num_programs_held": 3, "program_held_s": 2.5}}
+    assert program_counters(None, {}) == {}
+
+
+def test_merge_keeps_runs_per_target_and_label(tmp_path):
+    from sgl_tpu.bench.agent_loop.merge import main as merge_main
+
+    def result(target: str, label: str, pps: float) -> dict:
+        run = summarize(Trace(wall_s=2.0, num_programs=1,
+                              records=[RequestRecord("a", 0, -1, 0.0, 2.0)]))
+        return {"args": {"seed": 0}, "targets": {target: {}}, "workloads": {label: {}},
+                "runs": {target: {label: {**run, "programs_per_s": pps}}},
+                "target_errors": {}}
+
+    paths = []
+    for i, (target, label, pps) in enumerate([("p", "w@8", 1.0), ("p", "w@16", 2.0),
+                                              ("l", "w@8", 0.5)]):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(result(target, label, pps)))
+    out = tmp_path / "merged.json"
+    merge_main([str(out), *map(str, paths), "--note", "side by side"])
+    merged = json.loads(out.read_text())
+    assert {t: sorted(r) for t, r in merged["runs"].items()} == {"p": ["w@16", "w@8"],
+                                                                 "l": ["w@8"]}
+    assert merged["ratios"]["w@8"]["p_vs_l"]["throughput_x"] == 2.0
+    assert merged["note"] == "side by side" and "l/w@8" in merged["args"]
+
+
+def test_program_completion_times():
+    records = [RequestRecord("a", 0, -1, 0.0, 2.0), RequestRecord("a", 1, -1, 3.0, 5.0),
+               RequestRecord("b", 0, -1, 1.0, 2.0),
+               RequestRecord("c", 0, -1, 0.0, 9.0, error="boom")]
+    s = summarize(Trace(wall_s=9.0, num_programs=3, records=records))
+    assert s["program_s"]["mean"] == (5.0 + 1.0) / 2  # the failed program is left out
+    assert s["program_s"]["p99"] <= 5.0
 
 
 def test_workload_overrides():

@@ -26,6 +26,7 @@ MESSAGES = [
                            return_logprob=True, logprob_start_len=0, top_logprobs_num=3,
                            session_id="agent-7", priority=-3, retention_seconds=12.5,
                            tool_pause=True, may_call_tools=True),
+    M.TokenizedGenerateReq(rid="r2", input_ids=[4], sampling={}, program_id="user-9"),
     M.AbortReq(rid="r1"),
     M.OpenSessionReq(call_id=8, session_id="agent-7", ttl_s=60.0),
     M.OpenSessionReq(call_id=9),

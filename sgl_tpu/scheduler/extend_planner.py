@@ -6,6 +6,8 @@ Within the token budget (`chunked_prefill_size`) and `max_extend_seqs`, in this 
     2. jump-forward re-admissions           running requests whose forced tokens need an EXTEND
     3. waiting requests, in policy order    prefix matched and locked, then pages allocated
 
+Admission control (programs.py, with `--schedule-policy program`) first holds back new
+programs' first turns while the admitted programs' KV working sets fill the pool and host tier.
 A chunked prompt that cannot get its pages admits nothing new (it is not starved). A waiting
 request is admitted only with a page per running request kept in reserve, so admission does
 not starve decode, and not when it shares a long uncached prefix with a request already in
@@ -27,6 +29,7 @@ from sgl_tpu.scheduler.counters import SchedulerStats
 from sgl_tpu.scheduler.kv_manager import KVManager
 from sgl_tpu.scheduler.policy import InBatchPrefixes, order_waiting
 from sgl_tpu.scheduler.priority import Priorities, pages_freed
+from sgl_tpu.scheduler.programs import Programs
 from sgl_tpu.scheduler.queues import ReqQueues
 from sgl_tpu.scheduler.req import Req
 
@@ -36,7 +39,8 @@ ExtendBatch = list[tuple[Req, int]]  # (request, number of its tokens to run)
 class ExtendPlanner:
     def __init__(self, config: SchedulerConfig, kv: KVManager, queues: ReqQueues,
                  stats: SchedulerStats, retract: Callable[[Req], None],
-                 priorities: Priorities | None = None) -> None:
+                 priorities: Priorities | None = None, programs: Programs | None = None
+                 ) -> None:
         self.config = config
         self.kv = kv
         self.queues = queues
@@ -44,6 +48,7 @@ class ExtendPlanner:
         self.retract = retract
         self.priorities = priorities  # None: priority scheduling off
         self.can_preempt = priorities is not None and priorities.preemption
+        self.programs = programs  # admission control (None: none)
 
     def next_batch(self) -> ExtendBatch:
         """Pick the next EXTEND batch; admitted requests leave their queues and hold pages."""
@@ -89,6 +94,9 @@ class ExtendPlanner:
     def _admit_waiting(self, batch: ExtendBatch, budget: int) -> None:
         cfg, q = self.config, self.queues
         ready = [r for r in q.waiting if r.grammar_future is None or r.matcher is not None]
+        if self.programs is not None and ready:
+            ready = self.programs.admissible(ready, not self._held(batch)
+                                             and q.chunked_req is None)
         preempt = self.can_preempt
         if not ready or budget <= 0 or len(batch) >= cfg.max_extend_seqs \
                 or (self._held(batch) >= cfg.max_running_requests and not preempt):

@@ -31,6 +31,7 @@ it the same way. This class only schedules; the rest of a step's host work lives
     queues.py          where requests sit between steps (waiting, running, ...), their rows
     extend_planner.py  the next EXTEND batch: chunks, jump-forward re-admissions, admissions
     policy.py          waiting-queue order; in-batch prefix sharing
+    programs.py        the agents behind requests: service, states, admission control
     priority.py        priority scheduling: admission by priority with aging, preemption
     decode_memory.py   a page for each running request's next token; retraction; draft pages
     append.py          appending sampled tokens: stop conditions, grammar, jump-forward
@@ -71,6 +72,7 @@ from sgl_tpu.scheduler.logprobs import collect_input_logprobs
 from sgl_tpu.scheduler.output import error_output, make_output
 from sgl_tpu.scheduler.overlap import PendingDecode, can_overlap, lagged_rows, overlappable
 from sgl_tpu.scheduler.priority import Priorities
+from sgl_tpu.scheduler.programs import Programs
 from sgl_tpu.scheduler.queues import ReqQueues
 from sgl_tpu.scheduler.req import Req
 from sgl_tpu.scheduler.speculative import Speculator, verify_steps
@@ -109,8 +111,10 @@ class Scheduler:
         self.speculator = None if config.speculative_algorithm is None else Speculator(config)
         priorities = Priorities.from_config(config)  # None: no --enable-priority-scheduling
         self.memory = DecodeMemory(self.kv, self.queues, self.stats, priorities)
+        self.programs = Programs.for_scheduler(config, self.kv)
         self.extend_planner = ExtendPlanner(config, self.kv, self.queues, self.stats,
-                                            retract=self.memory.retract, priorities=priorities)
+                                            retract=self.memory.retract, priorities=priorities,
+                                            programs=self.programs)
         self.appender = TokenAppender(self.stats, self.grammar_steps, self.speculator,
                                       self.eos_token_ids, vocab_size)
         # A DECODE step in flight whose results are not processed yet (overlap scheduling).
@@ -136,6 +140,7 @@ class Scheduler:
         req = self.intake.new_req(msg, sampling)
         if isinstance(req, ReqOutput):
             return req
+        self.programs.arrive(req, msg.session_id or msg.program_id)
         self.kv.load_ahead(req)
         self.kv.retain_prefix(req)
         self.waiting.append(req)
@@ -190,6 +195,7 @@ class Scheduler:
         self.kv.discard_req(req)
         self.queues.free_row(req)
         req.finish_reason = fault_reason(req.rid, exc)
+        self.programs.finish(req)
         self.stats.num_requests_failed += 1
         return make_output(req, [])
 
@@ -225,6 +231,7 @@ class Scheduler:
         draft_logits = self.grammar_steps.draft_logits(kept, result, self.runner)
         for i, (req, n) in enumerate(kept):
             req.counts_fresh = False
+            self.programs.count_extend(req, n)
             req.kv_len += n
             try:
                 out = self._post_extend(req, result, i, draft_logits.get(req.rid))
@@ -348,6 +355,7 @@ class Scheduler:
                 continue
             if isinstance(state, str):
                 self.waiting.remove(req)
+                self.programs.finish(req)
                 outputs.append(error_output(req.rid, req.prompt_len, state))
         return outputs
 
@@ -361,6 +369,7 @@ class Scheduler:
         # A turn of an agent session that ended normally: its next turn will resend it.
         self.kv.release_req(req, retain=req.finish_reason["type"] != "abort")
         self.queues.free_row(req)
+        self.programs.finish(req)
         if self.speculator is not None:
             self.speculator.finished(req)
         self.stats.num_requests_finished += 1
@@ -376,17 +385,19 @@ class Scheduler:
                 self.queues.remove(queue, req)
                 req.finish_reason = finish.abort("request aborted")
                 # A waiting request holds no KV and no row: nothing to release.
+                self.programs.finish(req)
                 outputs.append(make_output(req, []) if queue is self.waiting
                                else self._finish(req, []))
         self._aborts.clear()
         return outputs
 
     def flush_cache(self) -> bool:
-        """Empty the radix tree and the tiers below it; refused (False) while requests hold
-        KV."""
+        """Empty the radix tree and the tiers below it, forget the programs; refused (False)
+        while requests hold KV."""
         if not self.queues.is_empty():
             return False
         self.kv.flush()
+        self.programs.clear()  # their KV is gone: a program that comes back starts over
         return True
 
     def check_integrity(self) -> None:

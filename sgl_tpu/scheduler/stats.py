@@ -40,6 +40,8 @@ def server_info(scheduler: Scheduler) -> dict[str, Any]:
                            **({} if spec is None else spec.info())}
     # cache control: open sessions (scheduler/sessions.py), the eviction policy, tool pauses
     data["sessions"] = scheduler.sessions.info()
+    # programs (agents): how many, active / paused on a tool / held by admission control
+    data["programs"] = scheduler.programs.info()
     data["cache_control"] = {
         "radix_eviction_policy": scheduler.config.radix_eviction_policy,
         "max_retention_s": scheduler.config.max_retention_s,

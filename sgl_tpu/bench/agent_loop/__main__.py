@@ -88,6 +88,18 @@ def parse_latency(text: str) -> tuple[float, float]:
     return bounds
 
 
+def sweep(workloads: list[tuple[str, WorkloadConfig]], counts: list[int] | None
+          ) -> list[tuple[str, str, WorkloadConfig]]:
+    """(label, workload name, config) per run: one per workload, or with `--sweep-agents` one
+    per workload and agent count, labelled `name@N`."""
+    if not counts:
+        return [(name, name, cfg) for name, cfg in workloads]
+    if min(counts) < 1:
+        raise SystemExit("--sweep-agents counts must be >= 1")
+    return [(f"{name}@{n}", name, dataclasses.replace(cfg, num_programs=n))
+            for name, cfg in workloads for n in counts]
+
+
 def warmup_config(cfg: WorkloadConfig, num_programs: int | None) -> WorkloadConfig | None:
     """The warm-up run's sizes: the same concurrency (batch shapes), fewer turns."""
     if num_programs == 0:
@@ -128,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--branches", type=int, default=defaults.branches)
     w.add_argument("--groups", type=int, default=defaults.groups)
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--sweep-agents", type=int, nargs="+", default=None, metavar="N",
+                   help="run each workload once per agent count (its runs are named "
+                        "WORKLOAD@N), e.g. 8 16 32 64: throughput and program completion "
+                        "time as agents outnumber the KV pool")
     r = p.add_argument_group("running")
     r.add_argument("--concurrency", type=int, default=0, help="programs in flight; 0: all")
     r.add_argument("--request-rate", type=float, default=float("inf"),
@@ -274,6 +290,18 @@ def spec_counters(before: dict[str, Any] | None, after: dict[str, Any] | None
     return {"server_stats": deltas} if deltas else {}
 
 
+PROGRAM_COUNTERS = ("num_programs_held", "program_held_s", "num_programs_seen")
+
+
+def program_counters(before: dict[str, Any] | None, after: dict[str, Any] | None
+                     ) -> dict[str, Any]:
+    """The run's program-level admission counters (`/server_info` `programs`, after minus
+    before): how many programs admission control held, for how long in all."""
+    b, a = (before or {}).get("programs") or {}, (after or {}).get("programs") or {}
+    deltas = {k: a[k] - b[k] for k in PROGRAM_COUNTERS if k in a and k in b}
+    return {"server_programs": deltas} if deltas else {}
+
+
 def replica_split(before: list[int] | None, after: list[int] | None) -> dict[str, Any]:
     """Behind the router: how many of the run's requests each replica served."""
     if before is None or after is None or len(before) != len(after):
@@ -311,7 +339,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("target names must be distinct")
     base = WorkloadConfig(args.num_programs, args.turns, args.output_tokens, args.system_tokens,
                           args.observation_tokens, args.branches, args.groups)
-    workloads = [parse_workload(item, base) for item in args.workloads]
+    workloads = sweep([parse_workload(item, base) for item in args.workloads],
+                      args.sweep_agents)
     from sgl_tpu.loader import load_tokenizer
 
     tokenizer = load_tokenizer(args.model_path)
@@ -322,8 +351,9 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, Any] = {
         "args": {k: (v if v != float("inf") else "inf") for k, v in vars(args).items()},
         "targets": {s.name: dataclasses.asdict(s) for s in specs},
-        "workloads": {name: {"config": dataclasses.asdict(cfg), "tokens": describe(
-            make_workload(name, cfg, args.seed), count_tokens)} for name, cfg in workloads},
+        "workloads": {label: {"config": dataclasses.asdict(cfg), "tokens": describe(
+            make_workload(name, cfg, args.seed), count_tokens)}
+            for label, name, cfg in workloads},
         "runs": {}, "target_errors": {},
     }
     if args.mixed_batch:
@@ -334,30 +364,31 @@ def main(argv: list[str] | None = None) -> None:
         runs = results["runs"].setdefault(spec.name, {})
         try:
             with RunningTarget(spec, args.model_path, log_dir) as target:
-                for name, cfg in workloads:
+                for label, name, cfg in workloads:
                     warm_cfg = warmup_config(cfg, args.warmup_programs)
                     if warm_cfg is not None:
                         warm = make_workload(name, warm_cfg, args.seed + WARMUP_SEED_OFFSET)
                         asyncio.run(run_workload(target.base_url, spec, warm, tokenizer, args,
-                                                 f"{spec.name}/{name} warm-up"))
+                                                 f"{spec.name}/{label} warm-up"))
                     programs = make_workload(name, cfg, args.seed)
                     if args.mixed_batch:
                         mixed = run_mixed(target, spec, programs, tokenizer, args,
-                                          f"{spec.name}/{name}")
-                        results["mixed"].setdefault(spec.name, {})[name] = mixed
-                        runs.update(runs_rows(name, mixed))
+                                          f"{spec.name}/{label}")
+                        results["mixed"].setdefault(spec.name, {})[label] = mixed
+                        runs.update(runs_rows(label, mixed))
                         continue
                     target.flush_cache()
                     before, info = target.replica_requests(), target.server_info()
                     trace = asyncio.run(run_workload(target.base_url, spec, programs, tokenizer,
-                                                     args, f"{spec.name}/{name}"))
-                    runs[name] = summarize(trace)
+                                                     args, f"{spec.name}/{label}"))
+                    runs[label] = run = summarize(trace)
                     info_after = target.server_info()
-                    runs[name].update(server_side(info_after, runs[name]))
-                    runs[name].update(spec_counters(info, info_after))
-                    runs[name].update(replica_split(before, target.replica_requests()))
+                    run.update(server_side(info_after, run))
+                    run.update(spec_counters(info, info_after))
+                    run.update(program_counters(info, info_after))
+                    run.update(replica_split(before, target.replica_requests()))
                     if args.save_traces:
-                        traces.setdefault(spec.name, {})[name] = trace.to_dict(with_text=True)
+                        traces.setdefault(spec.name, {})[label] = trace.to_dict(with_text=True)
         except (RuntimeError, TimeoutError, OSError, ValueError) as e:
             results["target_errors"][spec.name] = f"{type(e).__name__}: {e}"
             print(f"target {spec.name} failed: {e}", file=sys.stderr)
@@ -372,7 +403,7 @@ def main(argv: list[str] | None = None) -> None:
         from sgl_tpu.bench.agent_loop.plot import plot_compare
 
         plot_compare(results["runs"], plot_path,
-                     f"agent loop: {', '.join(n for n, _ in workloads)}")
+                     f"agent loop: {', '.join(label for label, _, _ in workloads)}")
         print(f"plot: {plot_path}", file=sys.stderr)
 
 

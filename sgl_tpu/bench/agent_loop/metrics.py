@@ -9,6 +9,8 @@ Definitions:
                     by the tokens the later chunk carried (one sample per token, so a chunk of
                     n tokens after a gap g gives n samples of g / n)
   latency_s         per request: last byte - request sent
+  program_s         per program whose every request succeeded: its last answer done - its
+                    first request sent (program completion time, tool pauses included)
   trajectory_tokens sum over programs of their longest request (prompt + output): what the
                     KV pool would hold to keep every agent's trajectory at once
   cache_hit_rate    sum(cached_tokens) / sum(prompt_tokens) over requests whose server reported
@@ -61,6 +63,14 @@ def trajectory_tokens(records: list[RequestRecord]) -> int:
     return sum(longest.values())
 
 
+def program_times(records: list[RequestRecord], failed: set[str]) -> list[float]:
+    spans: dict[str, tuple[float, float]] = {}
+    for r in records:
+        lo, hi = spans.get(r.program_id, (r.start_s, r.end_s))
+        spans[r.program_id] = (min(lo, r.start_s), max(hi, r.end_s))
+    return [hi - lo for p, (lo, hi) in spans.items() if p not in failed]
+
+
 def summarize(trace: Trace) -> dict[str, Any]:
     ok = [r for r in trace.records if r.ok]
     failed_programs = {r.program_id for r in trace.records if not r.ok}
@@ -97,6 +107,7 @@ def summarize(trace: Trace) -> dict[str, Any]:
         "ttft_s": distribution([r.ttft_s for r in ok if r.ttft_s is not None]),
         "itl_s": distribution([x for r in ok for x in itl_samples(r)]),
         "latency_s": distribution([r.end_s - r.start_s for r in ok]),
+        "program_s": distribution(program_times(trace.records, failed_programs)),
         "trajectory_tokens": trajectory_tokens(ok),
         "cached_tokens": cached if reported else None,
         "cache_hit_rate": cached / reported_prompt if reported and reported_prompt else None,

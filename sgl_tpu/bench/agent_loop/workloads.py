@@ -13,6 +13,8 @@ later prompts, can still differ: token counts are reported per server).
 Workloads (modelled on the agentic programs of the SGLang paper):
   react            N agents x T turns: long shared tool prompt; Thought/Action, then Observation
   tool-json        react with a JSON tool call constrained by a JSON schema each turn
+  private-react    react where every agent has its own system prompt (nothing shared): the
+                   agents-at-scale workload, whose KV working sets add up past the pool
   tree-of-thought  per tree, D levels: fork K branches from the state, judge, keep one
   tool-calls       react through OpenAI function tools: each turn is a `tools` request (tool
                    choice "required", the last turn "auto"), results go back as `tool` messages
@@ -154,7 +156,8 @@ def tool_call_schema() -> dict[str, Any]:
     }
 
 
-def _agents(cfg: WorkloadConfig, seed: int, name: str, json_calls: bool) -> list[Program]:
+def _agents(cfg: WorkloadConfig, seed: int, name: str, json_calls: bool,
+            private: bool = False) -> list[Program]:
     rng = random.Random(f"{name}/{seed}")
     system = _agent_system(rng, cfg.system_tokens, json_calls)
     schema = tool_call_schema() if json_calls else None
@@ -168,12 +171,18 @@ def _agents(cfg: WorkloadConfig, seed: int, name: str, json_calls: bool) -> list
             obs = text.observation(rng, cfg.observation_tokens)
             label = "Tool result" if json_calls else "Observation"
             steps.append(Gen(f"{label}:\n{obs}", max_tokens, stop, schema))
-        programs.append(Program(f"{name}-{a}", f"{name}-{seed}-agent-{a}", system, tuple(steps)))
+        own = f"Agent {a}. {_agent_system(rng, cfg.system_tokens, json_calls)}" if private \
+            else system
+        programs.append(Program(f"{name}-{a}", f"{name}-{seed}-agent-{a}", own, tuple(steps)))
     return programs
 
 
 def react(cfg: WorkloadConfig, seed: int) -> list[Program]:
     return _agents(cfg, seed, "react", json_calls=False)
+
+
+def private_react(cfg: WorkloadConfig, seed: int) -> list[Program]:
+    return _agents(cfg, seed, "private-react", json_calls=False, private=True)
 
 
 def tool_json(cfg: WorkloadConfig, seed: int) -> list[Program]:
@@ -272,6 +281,7 @@ def shared_prefix(cfg: WorkloadConfig, seed: int) -> list[Program]:
 
 WORKLOADS: dict[str, Callable[[WorkloadConfig, int], list[Program]]] = {
     "react": react,
+    "private-react": private_react,
     "tool-json": tool_json,
     "tool-calls": tool_calls,
     "tool-calls-named": tool_calls_named,

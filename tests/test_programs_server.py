@@ -1,0 +1,79 @@
+"""Programs through a real server (the default model, `--schedule-policy program`): each API's
+way of naming an agent becomes one program in `/server_info`, a Responses chain stays one
+program, and `/metrics` exports the program gauges. Unit tests: tests/test_programs.py."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+FLAGS = ("--skip-warmup", "--max-total-tokens", "2048", "--schedule-policy", "program")
+
+
+@pytest.fixture(scope="module")
+def server():
+    from server_harness import launch_server
+
+    handle = launch_server(*FLAGS)
+    yield handle
+    handle.stop()
+
+
+def _post(server, path: str, body: dict, headers: dict | None = None) -> dict:
+    r = requests.post(server.base_url + path, json=body, headers=headers or {}, timeout=180)
+    assert r.status_code == 200, (path, r.text, server.log_tail())
+    return r.json()
+
+
+def _programs(server) -> dict:
+    info = requests.get(server.base_url + "/server_info", timeout=60).json()
+    return info["programs"]
+
+
+@pytest.mark.slow
+def test_each_api_names_its_program(server):
+    chat = {"model": "default", "max_tokens": 2, "temperature": 0}
+    msg = [{"role": "user", "content": "Say hi."}]
+    sp = {"max_new_tokens": 2, "temperature": 0}
+    _post(server, "/generate", {"text": "One", "sampling_params": sp, "session_id": "p-native"})
+    _post(server, "/generate", {"text": "Two", "sampling_params": sp,
+                                "session_params": {"id": "p-params"}})
+    _post(server, "/v1/chat/completions", {**chat, "messages": msg,
+                                           "prompt_cache_key": "p-cache-key"})
+    _post(server, "/v1/completions", {**chat, "prompt": "Three"},
+          headers={"X-SMG-Routing-Key": "p-header"})
+    _post(server, "/v1/messages", {**chat, "messages": msg, "metadata": {"user_id": "p-user"}})
+    first = _post(server, "/v1/responses", {**chat, "input": "Hello", "max_output_tokens": 2})
+    _post(server, "/v1/responses", {**chat, "input": "Again", "max_output_tokens": 2,
+                                    "previous_response_id": first["id"]})
+    _post(server, "/generate", {"text": "Four", "sampling_params": sp})  # names no program
+    programs = _programs(server)
+    recent = programs["recent"]
+    for key in ("p-native", "p-params", "p-cache-key", "p-header", "p-user"):
+        assert recent[key]["num_requests"] == 1, (key, recent)
+        assert recent[key]["decode_tokens"] >= 1 and recent[key]["admitted"]
+        assert recent[key]["state"] in ("paused", "idle")
+    assert recent[first["id"]]["num_requests"] == 2  # the chain: one program
+    assert programs["num_programs"] == 6 and programs["num_active"] == 0
+    assert programs["admission_control"] and programs["num_held"] == 0
+
+
+@pytest.mark.slow
+def test_a_bad_program_id_is_a_400_and_metrics_export_programs(server):
+    r = requests.post(server.base_url + "/v1/completions",
+                      json={"model": "default", "prompt": "x", "max_tokens": 1,
+                            "program_id": "p" * 300}, timeout=60)
+    assert r.status_code == 400 and "program_id" in r.text
+    # an Anthropic user_id that names no valid program is ignored, not refused
+    r = requests.post(server.base_url + "/v1/messages",
+                      json={"model": "default", "max_tokens": 1, "metadata": {"user_id": 7},
+                            "messages": [{"role": "user", "content": "x"}]}, timeout=60)
+    assert r.status_code == 200, r.text
+    text = requests.get(server.base_url + "/metrics", timeout=60).text
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("sglang:") and "program" in line.split("{")[0]}
+    assert values["sglang:num_programs"] == _programs(server)["num_programs"] >= 1
+    for name in ("num_programs_active", "num_programs_paused", "num_programs_held",
+                 "programs_held_total", "program_held_seconds_total",
+                 "program_working_set_tokens"):
+        assert "sglang:" + name in values, sorted(values)

@@ -146,7 +146,7 @@ def test_cli_choices_come_from_the_registries():
     assert set(actions["backend"].choices) == {"auto", "jax", "torch"}
     assert "torch-sdpa" in actions["attention_backend"].choices
     assert "pallas" in actions["attention_backend"].choices
-    assert set(actions["schedule_policy"].choices) == {"lpm", "fcfs", "dfs-weight"}
+    assert set(actions["schedule_policy"].choices) == {"lpm", "fcfs", "dfs-weight", "program"}
     assert "llguidance" in actions["grammar_backend"].choices
     assert set(MODELS) >= {"llama", "qwen2", "qwen3"}
     with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):

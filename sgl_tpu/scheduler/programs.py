@@ -35,13 +35,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sgl_tpu.config import SchedulerConfig
 from sgl_tpu.scheduler.req import Req
-
-if TYPE_CHECKING:
-    from sgl_tpu.scheduler.kv_manager import KVManager
 
 MIN_PAUSE_S = 1.0
 MAX_PROGRAMS = 65_536  # beyond this many, the least recently seen idle programs are forgotten
@@ -96,12 +93,9 @@ class Programs:
         self._next_expire = 0.0
 
     @classmethod
-    def for_scheduler(cls, config: SchedulerConfig, kv: KVManager) -> Programs:
-        """Capacity: the KV pool plus the host tier, in tokens."""
-        capacity = kv.capacity_tokens
-        if kv.tiers is not None:
-            capacity += kv.tiers.host.capacity * kv.page_size
-        return cls(config.program_ttl_s, capacity, config.program_admission)
+    def for_scheduler(cls, config: SchedulerConfig, capacity_tokens: int) -> Programs:
+        """`capacity_tokens`: the KV pool plus the host tier (the scheduler's KVManager)."""
+        return cls(config.program_ttl_s, capacity_tokens, config.program_admission)
 
     # ---- a request's life ----------------------------------------------------------------
     def arrive(self, req: Req, key: str | None) -> Program | None:

@@ -16,7 +16,7 @@ import itertools
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -26,9 +26,6 @@ from sgl_tpu.executor.step import SeqStep, placeholder_id
 from sgl_tpu.mem_cache.radix_cache import PrefixPeek
 from sgl_tpu.mem_cache.tree_node import TreeNode
 from sgl_tpu.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from sgl_tpu.scheduler.programs import Program
 
 _arrival = itertools.count()
 
@@ -53,7 +50,9 @@ class Req:
     may_call_tools: bool = False
     arrival: int = field(default_factory=lambda: next(_arrival))  # arrival order
     arrival_s: float = field(default_factory=time.monotonic)  # arrival time (priority aging)
-    program: Program | None = None  # the agent it is a turn of (scheduler/programs.py)
+    # the agent it is a turn of: a scheduler/programs.py Program (not imported: programs.py
+    # imports this module)
+    program: Any = None
 
     output_ids: list[int] = field(default_factory=list)
     # KV state (see module docstring)

@@ -111,7 +111,9 @@ class Scheduler:
         self.speculator = None if config.speculative_algorithm is None else Speculator(config)
         priorities = Priorities.from_config(config)  # None: no --enable-priority-scheduling
         self.memory = DecodeMemory(self.kv, self.queues, self.stats, priorities)
-        self.programs = Programs.for_scheduler(config, self.kv)
+        tiers = self.kv.tiers  # admission counts the pool and the host tier, in tokens
+        host_tokens = 0 if tiers is None else tiers.host.capacity * self.kv.page_size
+        self.programs = Programs.for_scheduler(config, self.kv.capacity_tokens + host_tokens)
         self.extend_planner = ExtendPlanner(config, self.kv, self.queues, self.stats,
                                             retract=self.memory.retract, priorities=priorities,
                                             programs=self.programs)

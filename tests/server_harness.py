@@ -41,12 +41,15 @@ SERVED_F32 = "smol"  # the float32 one's --served-model-name
 _DEFAULT_MODEL_COMMON = ("--skip-warmup", "--chunked-prefill-size", "512")
 DEFAULT_MODEL_FLAGS = (*_DEFAULT_MODEL_COMMON, "--max-total-tokens", "8192",
                        "--max-running-requests", "8")
-# The float32 server computes exactly what the file holds (the exact block kernels; `auto`
-# takes int8 activations on AVX512-VNNI CPUs), for the tests that compare tokens across cache
-# hits, batches and streams.
+# The float32 server computes exactly what the file holds, for the tests that compare tokens
+# across cache hits, batches and streams: on the torch backend the exact block kernels (`auto`
+# takes int8 activations on AVX512-VNNI CPUs); the JAX backend (SGL_TPU_TEST_BACKEND=jax) has
+# dense weights only.
+_EXACT_WEIGHTS = (() if os.environ.get("SGL_TPU_TEST_BACKEND") == "jax"
+                  else ("--quantization", "gguf"))
 DEFAULT_MODEL_F32_FLAGS = (*_DEFAULT_MODEL_COMMON, "--max-total-tokens", "16384",
                            "--max-running-requests", "16", "--dtype", "float32",
-                           "--quantization", "gguf", "--served-model-name", SERVED_F32)
+                           *_EXACT_WEIGHTS, "--served-model-name", SERVED_F32)
 
 
 def _ephemeral_low() -> int:

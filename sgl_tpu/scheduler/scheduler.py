@@ -290,7 +290,8 @@ class Scheduler:
             self._pending = PendingDecode(batch, self.runner.dispatch(ForwardMode.DECODE, steps))
             return outputs  # processed in the next step(), while the device runs the one after
         started = time.perf_counter()
-        num_outputs = sum(len(req.output_ids) for req in reqs)
+        # tokens emitted by this step, for the draft gate (only counted when it runs)
+        num_outputs = 0 if self.speculator is None else sum(len(r.output_ids) for r in reqs)
         outputs += self._process_decode(PendingDecode(
             batch, DoneStep(self.runner.forward(ForwardMode.DECODE, steps)), started))
         if self.speculator is not None:

@@ -117,9 +117,12 @@ def test_kernel_rejects_bad_input(fmt, int8_activations):
     m = _int4(16, 64, rng) if fmt == "q4" else _int8(16, 64, rng)
     kernel = make_kernel(m, torch.float32, int8_activations=int8_activations)
     block = 16 if fmt == "q4" else 32
+    layout = rf"codes must be contiguous \[N, K/32, {block}\]"
+    if int8_activations and quant_gemm_cpu.tiles_for(16):  # 16 features: one tile
+        layout = rf"tiles must be contiguous uint8 \[N/16, K/32, {16 * block}\]"
     with pytest.raises(RuntimeError, match="K = 80 is not a multiple of 32"):
         kernel(torch.zeros(1, 80))
-    with pytest.raises(RuntimeError, match=rf"codes must be contiguous \[N, K/32, {block}\]"):
+    with pytest.raises(RuntimeError, match=layout):
         kernel(torch.zeros(1, 96))
     for dtype in (torch.float64, torch.bfloat16):
         with pytest.raises(RuntimeError, match="float32"):
@@ -176,16 +179,20 @@ def test_default_model_greedy_equals_dense_float32(caplog):
     # log-probability moved (the activations are rounded)
     a8 = engine("gguf-a8")
     report = a8.scheduler.runner.quantization
-    assert report.method == "gguf-a8" and report.kernels == ("q4-a8",)
-    assert report.quantized == 4 * 30 and report.head == "q8-a8"
-    # its dense copy (steps above the kernels' rows) is bf16 where oneDNN computes bf16
+    # AVX512-VNNI builds take 16-feature tiles at every row count and keep no dense copy;
+    # others keep one for steps above the kernels' rows, bf16 where oneDNN computes bf16
     from sgl_tpu.backends.torch import quant_linear
 
-    assert report.dense_bf16 == quant_linear.bf16_dense_available()
+    tiled = quant_gemm_cpu.tiles_for(576)
+    suffix = "-t16" if tiled else ""
+    assert report.method == "gguf-a8" and report.kernels == ("q4-a8" + suffix,)
+    assert report.quantized == 4 * 30 and report.head == "q8-a8" + suffix
+    assert report.dense == ("none" if tiled else "bfloat16"
+                            if quant_linear.bf16_dense_available() else "activation dtype")
     info = a8.scheduler.runner.compute_info()["quantization"]
-    assert info["dense"] == ("bfloat16" if report.dense_bf16 else "activation dtype")
-    assert info["max_kernel_rows"]["q4-a8"] == quant_linear.max_kernel_rows(
-        "q4-a8", report.dense_bf16)
+    assert info["dense"] == report.dense
+    assert info["max_kernel_rows"]["q4-a8" + suffix] == (
+        None if tiled else quant_linear.max_kernel_rows("q4-a8", report.dense == "bfloat16"))
     gens_a8 = [a8.generate(p, params, return_logprob=True) for p in prompts]
     a8.shutdown()
     assert [g["output_ids"][:1] for g in gens_a8] == [o[:1] for o in out]
@@ -245,16 +252,32 @@ def test_a8_activations_quantized_like_reference():
     assert d[1, 1] == 0 and not xq[1, 32:64].any() and xq.abs().max() == 127
 
 
+def _half_scales(m: Int4Groups | Int8Groups) -> Int4Groups | Int8Groups:
+    """m with float16 scales (and Q4 mins, zero - 8 scale), as a GGUF stores them."""
+    scale = m.scale.astype(np.float16).astype(np.float32)
+    if isinstance(m, Int8Groups):
+        return Int8Groups(m.q, scale)
+    mins = (m.zero - 8 * m.scale).astype(np.float16).astype(np.float32)
+    return Int4Groups(m.q, scale, mins + 8 * scale)
+
+
+@pytest.mark.parametrize("scales", ("float32", "float16"))
 @pytest.mark.parametrize("fmt", ("q4", "q8"))
 @pytest.mark.parametrize("shape", SHAPES)
-def test_a8_kernel_matches_integer_reference(fmt, shape, build):
+def test_a8_kernel_matches_integer_reference(fmt, shape, scales, build):
     """y = sum_b scale d (integer dot of codes and quantized activations) [+ Q4 zero terms on
-    the exact block sums], in float64 from the reference quantization."""
+    the exact block sums], in float64 from the reference quantization. Where the weights take
+    16-feature tiles, their scales are float16 exactly when every value is one."""
     rng = np.random.default_rng(sum(shape) + 1)
     n, k = shape
     m = _int4(n, k, rng) if fmt == "q4" else _int8(n, k, rng)
+    if scales == "float16":
+        m = _half_scales(m)
     kernel = make_kernel(m, torch.float32, int8_activations=True)
     assert isinstance(kernel, Q4A8Kernel if fmt == "q4" else Q8A8Kernel)
+    if quant_gemm_cpu.tiles_for(n):
+        assert kernel.kind.endswith("-t16")
+        assert kernel.blocks.st.dtype == getattr(torch, scales)
     x = torch.randn(8, k, generator=torch.Generator().manual_seed(n))
     xq, d = _quantize_a8_reference(x.numpy())
     codes = m.q.astype(np.int64).reshape(n, -1, 32)  # [N, nb, 32]

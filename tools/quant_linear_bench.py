@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from sgl_tpu.backends.torch.kernels import quant_gemm_cpu
-from sgl_tpu.backends.torch.quant_linear import bf16_dense, bf16_dense_linear
+from sgl_tpu.backends.torch.quant_linear import Q4A8Kernel, bf16_dense, bf16_dense_linear
 from sgl_tpu.quantization.blocks import quantize_int4
 
 FORMS = ("q4-a8", "q4-f32", "dense-f32", "dense-bf16")
@@ -42,10 +42,11 @@ def forms_of(w: np.ndarray, copies: int) -> dict[str, list]:
     """Each form's callables x f32[M, K] -> f32[M, N], one per copy of the weight."""
     g = quantize_int4(w)
     blocks = [quant_gemm_cpu.pack_q4(g.q, g.scale, g.zero) for _ in range(copies)]
+    a8 = [Q4A8Kernel(g) for _ in range(copies)]  # 16-feature tiles where the build takes them
     dense = [torch.from_numpy(g.dequantize()) for _ in range(copies)]
     packed = [bf16_dense(d) for d in dense]
     return {
-        "q4-a8": [lambda x, b=b: quant_gemm_cpu.q4_gemm_a8(x, b) for b in blocks],
+        "q4-a8": a8,
         "q4-f32": [lambda x, b=b: quant_gemm_cpu.q4_gemm(x, b) for b in blocks],
         "dense-f32": [lambda x, d=d: torch.nn.functional.linear(x, d) for d in dense],
         "dense-bf16": [lambda x, p=p: bf16_dense_linear(x, p, None) for p in packed],

@@ -41,6 +41,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <tuple>
 #include <vector>
 
@@ -847,6 +848,179 @@ at::Tensor q8_gemm_a8(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
   return y;
 }
 
+#if SGL_QGEMM_VNNI
+// ---- int8 activations, 16 output features per vector (AVX512-VNNI, N % 16 == 0) ------------
+//
+// The same math as q4_gemm_a8 / q8_gemm_a8, on weights stored in tiles of 16 output features
+// (quant_gemm_cpu.py `pack_q4_tiles` / `pack_q8_tiles`): a vector's 32-bit lane f holds 4
+// consecutive codes of feature f, so one `vpdpbusd` multiplies them by 4 activations broadcast
+// to every lane and adds 16 features' dots at once. No horizontal sums: a block's int32 dots of
+// 16 features come out as one vector, converted and added with one FMA of their 16 scales times
+// the row's d. Each code vector is unpacked once per block and used by every row of the tile.
+//
+//     Q4 tile  qt u8[nb, 4, 16, 4]   vector i of block b, lane f, byte c: code(k = 4i + c) in
+//                                    the low nibble, code(k = 16 + 4i + c) in the high one
+//              st, mt [nb, 16]       scale and min (zero - 8 scale: w = q scale + min) of the
+//                                    tile's 16 features
+//     Q8 tile  qt u8[nb, 8, 16, 4]   vector i, lane f, byte c: code(k = 4i + c) + 128 (the
+//              st [nb, 16]           sign bit flipped: vpdpbusd takes unsigned codes); the dots
+//                                    start from -128 x the block's activation sum, exactly
+//
+// Scales (and mins) are float16 where every value is one (a GGUF's are: Q4_1 stores d and m,
+// Q4_0 and Q8_0 d, all float16), else float32: 20 bytes per Q4 block of 32 weights instead of
+// 24, what a batch-1 step streams from memory. The Q4 term is sum_b min[b] xsum[m, b] on the
+// exact block sums, as above.
+//
+// The activations stay in natural order (dword j of a block = its values 4j .. 4j + 3). Every
+// row runs the same operations whatever M is; a row's result does not depend on M.
+constexpr int64_t kTile = 16;
+
+// 16 scales of a tile block, float16 or float32.
+template <typename S>
+inline __m512 load_scales(const S* p) {
+  if constexpr (sizeof(S) == 2) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  } else {
+    return _mm512_loadu_ps(p);
+  }
+}
+
+template <int R, typename S>
+void q4a8_tile(const int8_t* xq, const float* xd, const float* xsum, int64_t K,
+               const uint8_t* qt, const S* st, const S* mt, float* y, int64_t N) {
+  const int64_t nb = K / kGroup;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i w[8];
+    for (int i = 0; i < 4; ++i) {
+      const __m512i raw = _mm512_loadu_si512(qt + (b * 4 + i) * 64);
+      w[i] = _mm512_and_si512(raw, low);
+      w[4 + i] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    }
+    const __m512 s = load_scales(st + b * kTile);
+    const __m512 mins = load_scales(mt + b * kTile);
+    for (int r = 0; r < R; ++r) {
+      const int32_t* a = reinterpret_cast<const int32_t*>(xq + r * K + b * kGroup);
+      __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+      for (int i = 0; i < 8; i += 2) {  // two chains: half the dependent vpdpbusd latency
+        d0 = _mm512_dpbusd_epi32(d0, w[i], _mm512_set1_epi32(a[i]));
+        d1 = _mm512_dpbusd_epi32(d1, w[i + 1], _mm512_set1_epi32(a[i + 1]));
+      }
+      const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(xd[r * nb + b]));
+      acc[r] = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)), acc[r]);
+      acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(xsum[r * nb + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * N, acc[r]);
+}
+
+template <int R, typename S>
+void q8a8_tile(const int8_t* xq, const float* xd, const int32_t* bias, int64_t K,
+               const uint8_t* qt, const S* st, float* y, int64_t N) {
+  const int64_t nb = K / kGroup;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i w[8];
+    for (int i = 0; i < 8; ++i) w[i] = _mm512_loadu_si512(qt + (b * 8 + i) * 64);
+    const __m512 s = load_scales(st + b * kTile);
+    for (int r = 0; r < R; ++r) {
+      const int32_t* a = reinterpret_cast<const int32_t*>(xq + r * K + b * kGroup);
+      __m512i d0 = _mm512_set1_epi32(bias[r * nb + b]), d1 = _mm512_setzero_si512();
+      for (int i = 0; i < 8; i += 2) {
+        d0 = _mm512_dpbusd_epi32(d0, w[i], _mm512_set1_epi32(a[i]));
+        d1 = _mm512_dpbusd_epi32(d1, w[i + 1], _mm512_set1_epi32(a[i + 1]));
+      }
+      const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(xd[r * nb + b]));
+      acc[r] = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * N, acc[r]);
+}
+
+// x f32[M, K], tiles u8[N / 16, K / 32, tile_bytes] and [N / 16, K / 32, 16] per scale tensor,
+// all float16 or all float32; returns K.
+int64_t check_tiles(const at::Tensor& x, const at::Tensor& qt, int64_t tile_bytes,
+                    std::initializer_list<const at::Tensor*> scales, const char* op) {
+  const int64_t K = check_x(x, op);
+  TORCH_CHECK(qt.dim() == 3 && qt.scalar_type() == at::kByte && qt.is_contiguous() &&
+                  qt.size(1) == K / kGroup && qt.size(2) == tile_bytes,
+              op, ": tiles must be contiguous uint8 [N/16, K/32, ", tile_bytes, "]");
+  const at::ScalarType type = (*scales.begin())->scalar_type();
+  for (const at::Tensor* s : scales)
+    TORCH_CHECK((type == at::kHalf || type == at::kFloat) && s->scalar_type() == type &&
+                    s->is_contiguous() && s->numel() == qt.size(0) * qt.size(1) * kTile,
+                op, ": tile scales must be contiguous float16 or float32 [N/16, K/32, 16], "
+                "all of one dtype");
+  return K;
+}
+
+// fn(S*) with the scales' data as uint16_t (float16 bits) or float.
+template <typename F>
+inline void with_scales(const at::Tensor& s, F&& fn) {
+  if (s.scalar_type() == at::kHalf) {
+    fn(static_cast<const uint16_t*>(s.data_ptr()));
+  } else {
+    fn(s.data_ptr<float>());
+  }
+}
+
+constexpr int64_t kTileGrain = 2;  // tiles (32 output features) per parallel task, at least
+
+at::Tensor q4_gemm_a8_tiles(const at::Tensor& x, const at::Tensor& qt, const at::Tensor& st,
+                            const at::Tensor& mt) {
+  const int64_t K = check_tiles(x, qt, 4 * 64, {&st, &mt}, "q4_gemm_a8_tiles");
+  const int64_t M = x.size(0), tiles = qt.size(0), N = tiles * kTile, nb = K / kGroup;
+  at::Tensor y = at::empty({M, N}, x.options());
+  const ActQ8 a = quantize_rows(x.data_ptr<float>(), M, K, /*split=*/false, /*sums=*/true);
+  const uint8_t* q = qt.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  with_scales(st, [&](auto s) {
+    const auto* m = static_cast<decltype(s)>(mt.data_ptr());
+    at::parallel_for(0, tiles, kTileGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        for_row_tiles<kRowTileA8>(M, [&](int64_t m0, auto R) {
+          q4a8_tile<decltype(R)::value>(a.q.data() + m0 * K, a.d.data() + m0 * nb,
+                                        a.sum.data() + m0 * nb, K, q + t * nb * 256,
+                                        s + t * nb * kTile, m + t * nb * kTile,
+                                        yp + m0 * N + t * kTile, N);
+        });
+      }
+    });
+  });
+  return y;
+}
+
+at::Tensor q8_gemm_a8_tiles(const at::Tensor& x, const at::Tensor& qt, const at::Tensor& st) {
+  const int64_t K = check_tiles(x, qt, 8 * 64, {&st}, "q8_gemm_a8_tiles");
+  const int64_t M = x.size(0), tiles = qt.size(0), N = tiles * kTile, nb = K / kGroup;
+  at::Tensor y = at::empty({M, N}, x.options());
+  const ActQ8 a = quantize_rows(x.data_ptr<float>(), M, K, /*split=*/false, /*sums=*/false);
+  std::vector<int32_t> bias(M * nb);  // -128 x each block's activation sum (exact)
+  for (int64_t i = 0; i < M * nb; ++i) {
+    int32_t sum = 0;
+    for (int64_t j = 0; j < kGroup; ++j) sum += a.q[i * kGroup + j];
+    bias[i] = -128 * sum;
+  }
+  const uint8_t* q = qt.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  with_scales(st, [&](auto s) {
+    at::parallel_for(0, tiles, kTileGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        for_row_tiles<kRowTileA8>(M, [&](int64_t m0, auto R) {
+          q8a8_tile<decltype(R)::value>(a.q.data() + m0 * K, a.d.data() + m0 * nb,
+                                        bias.data() + m0 * nb, K, q + t * nb * 512,
+                                        s + t * nb * kTile, yp + m0 * N + t * kTile, N);
+        });
+      }
+    });
+  });
+  return y;
+}
+#endif
+
 // The activations as the a8 kernels see them (natural order): (xq i8[M, K], d f32[M, K/32]).
 std::tuple<at::Tensor, at::Tensor> quantize_a8(const at::Tensor& x) {
   const int64_t K = check_x(x, "quantize_a8"), M = x.size(0);
@@ -869,6 +1043,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_gemm_a8", &q8_gemm_a8,
         "x f32[M, K] (quantized to int8 per 32 values) @ Q8 blocks -> f32[M, N]");
   m.def("quantize_a8", &quantize_a8, "x f32[M, K] -> (xq i8[M, K], d f32[M, K/32])");
+#if SGL_QGEMM_VNNI
+  m.def("q4_gemm_a8_tiles", &q4_gemm_a8_tiles,
+        "x f32[M, K] (quantized to int8 per 32 values) @ Q4 tiles of 16 features -> f32[M, N]");
+  m.def("q8_gemm_a8_tiles", &q8_gemm_a8_tiles,
+        "x f32[M, K] (quantized to int8 per 32 values) @ Q8 tiles of 16 features -> f32[M, N]");
+#endif
   m.attr("simd") = SGL_QGEMM_AVX512 ? "avx512f" : SGL_QGEMM_AVX2 ? "avx2-fma" : "scalar";
   m.attr("vnni") = bool(SGL_QGEMM_VNNI);  // the Q4 int8-activation kernel's vpdpbusd path
 }

@@ -19,7 +19,10 @@ Kernels (N % 16 == 0 and K % 32 == 0 for the torch int4 op; K % 32 == 0 for the 
                     exact; serves the vocabulary head
     Q4A8Kernel      `--quantization gguf-a8`: the same Q4 / Q8_0 blocks, the float32
     Q8A8Kernel      activations quantized to int8 per 32 values (llama.cpp's CPU math:
-                    integer block dots, one float FMA per block); not exact
+                    integer block dots, one float FMA per block); not exact. On AVX512-VNNI
+                    builds with N % 16 == 0 the weights are stored in tiles of 16 output
+                    features (kinds `q4-a8-t16`, `q8-a8-t16`), which run every row count
+                    faster than a bf16 dense copy: no dense copy is kept
 
 `make_kernel` picks the float32 kernels (the a8 ones when asked for int8 activations) when the
 activations are float32 and the compiled module loads (torch's int4 op with float32 activations
@@ -72,11 +75,18 @@ AVX512_F32_MAX_ROWS = 20
 # at 8 rows, bf16 1.3x faster at 12 and 1.5x at 16 (a8 4.1x faster at 1 row;
 # benchmarks/results/speed3_quant_linear_w3.json, tools/quant_linear_bench.py).
 A8_BF16_DENSE_MAX_ROWS = 8
+# The tiled int8-activation kernels (16 features per vector) against the bf16 dense copy, one
+# layer's GEMMs, one thread, same CPU: 0.27x at 1 row, 0.64x at 8, 0.86x at 64, 0.92x at 512
+# (135M shapes); 0.26x, 0.64x, 0.80x, 0.82x (1.4B-class shapes; tools/quant_linear_bench.py,
+# benchmarks/results/speed3_quant_linear_tiles_*.json): they take every step.
+TILE_KINDS = ("q4-a8-t16", "q8-a8-t16")
 
 
-def max_kernel_rows(kind: str, dense_bf16: bool = False) -> int:
+def max_kernel_rows(kind: str, dense_bf16: bool = False) -> int | None:
     """The most rows a step sends to a `kind` kernel (more go to the dense weight, which is
-    bfloat16 when `dense_bf16`)."""
+    bfloat16 when `dense_bf16`); None: every step (no dense copy)."""
+    if kind in TILE_KINDS:
+        return None
     rows = MAX_KERNEL_ROWS[kind]
     if kind in ("q4-f32", "q8-f32") and quant_gemm_cpu.simd() == "avx512f":
         return min(rows, AVX512_F32_MAX_ROWS)
@@ -171,6 +181,13 @@ class Q8F32Kernel:
 class Q4A8Kernel(Q4F32Kernel):
     kind = "q4-a8"
 
+    def __init__(self, m: Int4Groups) -> None:  # tiles of 16 features where the build takes them
+        if quant_gemm_cpu.tiles_for(m.q.shape[0]):
+            self.blocks = quant_gemm_cpu.pack_q4_tiles(m.q, m.scale, m.zero)
+            self.kind = "q4-a8-t16"
+        else:
+            super().__init__(m)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # f32[M, K] -> f32[M, N]
         return quant_gemm_cpu.q4_gemm_a8(x, self.blocks)
 
@@ -178,12 +195,19 @@ class Q4A8Kernel(Q4F32Kernel):
 class Q8A8Kernel(Q8F32Kernel):
     kind = "q8-a8"
 
+    def __init__(self, m: Int8Groups) -> None:
+        if quant_gemm_cpu.tiles_for(m.q.shape[0]):
+            self.blocks = quant_gemm_cpu.pack_q8_tiles(m.q, m.scale)
+            self.kind = "q8-a8-t16"
+        else:
+            super().__init__(m)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # f32[M, K] -> f32[M, N]
         return quant_gemm_cpu.q8_gemm_a8(x, self.blocks)
 
 
 Kernel = Int4Kernel | Int8Kernel | Q4F32Kernel | Q8F32Kernel | Q4A8Kernel | Q8A8Kernel
-F32_KINDS = (Q4F32Kernel.kind, Q8F32Kernel.kind, Q4A8Kernel.kind, Q8A8Kernel.kind)
+F32_KINDS = (Q4F32Kernel.kind, Q8F32Kernel.kind, Q4A8Kernel.kind, Q8A8Kernel.kind, *TILE_KINDS)
 
 
 def f32_kernels_available() -> bool:
@@ -224,7 +248,7 @@ class QuantizedLinear:
 
     kernel: Kernel
     dense: torch.Tensor | None
-    max_rows: int
+    max_rows: int | None
     dense_bf16: bool = False  # `dense` is a bf16_dense copy under float32 activations
 
 

@@ -4,8 +4,10 @@ model weights with those projections swapped for `QuantizedLinear`s.
     gguf       read_gguf_quantized(file)        the stored Q4_x blocks, exact (and the Q8_0
                                                 vocabulary head, served with float32 only)
     gguf-a8    the same blocks                  float32 only: kernels that quantize the
-                                                activations to int8 per 32 values; the dense
-                                                copy in bf16 where oneDNN computes bf16
+                                                activations to int8 per 32 values; in tiles
+                                                of 16 features with AVX512-VNNI (no dense
+                                                copy), else a dense copy in bf16 where oneDNN
+                                                computes bf16
     auto       gguf's or gguf-a8's blocks       auto_method: gguf-a8 with float32 activations
                                                 on the kernels' AVX512-VNNI build, else gguf
     int8/int4  quantize_int8/int4(params)       from the loader's float32 params
@@ -16,7 +18,9 @@ model weights with those projections swapped for `QuantizedLinear`s.
 Memory: each quantized projection keeps its dense copy for steps above the kernel's row limit
 (the int kernels run 1.5-2.5x slower than bf16 at prefill sizes, see bench/quant_linear.py),
 so quantization adds the kernels' bytes (about a quarter of the bf16 bytes for int4, a half
-for int8) rather than saving memory; it saves memory traffic per decode step.
+for int8) rather than saving memory; it saves memory traffic per decode step. The tiled
+int8-activation kernels (AVX512-VNNI) are the exception: they outrun bf16 at every row count,
+so their projections keep no dense copy and the model takes the blocks' bytes only.
 """
 
 from __future__ import annotations
@@ -146,26 +150,29 @@ class QuantizationReport:
     kernel_bytes: int  # memory the kernels add beside the dense weights
     kernels: tuple[str, ...] = ()  # the projections' kernel kinds (quant_linear.py)
     head: str | None = None  # the vocabulary head's kernel kind; None: dense
-    dense_bf16: bool = False  # steps above the kernels' rows run a bf16 dense copy
+    # what steps above the kernels' rows run: "activation dtype" (the dense weights),
+    # "bfloat16" (a bf16 dense copy), "none" (no copy: the kernels take every step)
+    dense: str = "activation dtype"
 
-    def max_rows(self) -> dict[str, int]:
-        return {k: max_kernel_rows(k, self.dense_bf16) for k in self.kernels}
+    def max_rows(self) -> dict[str, int | None]:
+        return {k: max_kernel_rows(k, self.dense == "bfloat16") for k in self.kernels}
 
     def info(self) -> dict:
         """`/server_info` `compute.quantization`."""
         return {"method": self.method, "kernels": list(self.kernels), "head": self.head,
                 "max_kernel_rows": self.max_rows(), "simd": quant_gemm_cpu.simd(),
-                "vnni": quant_gemm_cpu.vnni(),
-                "dense": "bfloat16" if self.dense_bf16 else "activation dtype"}
+                "vnni": quant_gemm_cpu.vnni(), "dense": self.dense}
 
     def log_line(self) -> str:
         desc = QUANTIZATION_METHODS[self.method].description
         kinds = "/".join(self.kernels) or "no"
-        rows = ", ".join(f"{k} <= {n}" for k, n in self.max_rows().items())
+        rows = ", ".join(f"{k} <= {n}" if n else f"{k} every step"
+                         for k, n in self.max_rows().items())
         head = f"vocabulary head on {self.head}" if self.head else "vocabulary head dense"
-        dense = "bf16 dense copy above" if self.dense_bf16 else "dense copy above"
+        dense = {"none": "no dense copy", "bfloat16": "bf16 dense copy above"}.get(
+            self.dense, "dense copy above")
         return (f"quantization {self.method} ({desc}): {self.quantized} projections on {kinds} "
-                f"kernels for steps of few rows ({rows or 'none'}; {dense}), {head} "
+                f"kernels ({rows or 'none'}; {dense}), {head} "
                 f"(+{self.kernel_bytes / 2**20:.0f} MiB beside the dense weights), "
                 f"{self.dense_only} dense only")
 
@@ -188,10 +195,12 @@ def quantize_weights(weights, matrices: dict[str, QuantizedMatrix], method: str,
             if kernel is None:
                 dense_only += 1
                 continue
-            dense = getattr(lw, fused)
-            changes[fused] = QuantizedLinear(kernel, bf16_dense(dense) if dense_bf16 else dense,
-                                             max_kernel_rows(kernel.kind, dense_bf16),
-                                             dense_bf16)
+            rows = max_kernel_rows(kernel.kind, dense_bf16)
+            dense = None if rows is None else getattr(lw, fused)
+            if dense is not None and dense_bf16:
+                dense = bf16_dense(dense)
+            changes[fused] = QuantizedLinear(kernel, dense, rows,
+                                             dense_bf16 and dense is not None)
             done += 1
             nbytes += kernel.nbytes
             if kernel.kind not in kinds:
@@ -201,14 +210,19 @@ def quantize_weights(weights, matrices: dict[str, QuantizedMatrix], method: str,
     head = matrices.get(HEAD)
     head_kernel = None if head is None else make_kernel(head, dtype, int8_activations)
     if head_kernel is not None and head_kernel.kind in F32_KINDS:
-        top["lm_head"] = QuantizedLinear(head_kernel, weights.lm_head,
-                                         max_kernel_rows(head_kernel.kind))
+        rows = max_kernel_rows(head_kernel.kind)
+        top["lm_head"] = QuantizedLinear(head_kernel, None if rows is None else weights.lm_head,
+                                         rows)
         nbytes += head_kernel.nbytes
     if dtype == torch.float32 and "int4" in kinds:
         logger.warning("quantization %s: float32 activations on torch's int4 op, measured ~8x "
                        "slower than dense float32 on AVX2 (the compiled block kernels: %s)",
                        method, quant_gemm_cpu.why_unavailable())
+    copies = [w.dense_bf16 for lw in layers for w in vars(lw).values()
+              if isinstance(w, QuantizedLinear) and w.dense is not None]
+    dense = ("none" if done and not copies
+             else "bfloat16" if any(copies) else "activation dtype")
     report = QuantizationReport(method, done, dense_only, nbytes, tuple(kinds),
-                                head_kernel.kind if "lm_head" in top else None, dense_bf16)
+                                head_kernel.kind if "lm_head" in top else None, dense)
     logger.info(report.log_line())
     return dataclasses.replace(weights, **top), report

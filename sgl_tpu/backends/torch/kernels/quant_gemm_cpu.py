@@ -22,6 +22,21 @@ a block pair per instruction, where the build has it, else AVX2 maddubs/madd), o
 per block (pair) with scale * d; the Q4 zero term uses the exact float block sums. The module's
 `simd` ("avx512f", "avx2-fma", "scalar") and `vnni` attributes say which code it holds.
 `quantize_a8(x) -> (xq i8[M, K], d f32[M, nb])` is that quantization, for tests.
+
+With AVX512-VNNI (`tiles_for(n)`: the build has it and N % 16 == 0) the a8 kernels take the
+weights in tiles of 16 output features instead, one feature per 32-bit vector lane, so a
+`vpdpbusd` adds 16 features' dots of 4 broadcast activations and no lane sums are needed:
+
+    pack_q4_tiles(q, scale, zero) -> Q4Tiles(qt u8[N/16, nb, 256], st, mt [N/16, nb, 16])
+        256 bytes per tile block: 4 vectors x 16 features x 4 bytes; byte c of vector i,
+        feature f = code k = 4i + c (low nibble) | code k = 16 + 4i + c (high nibble);
+        mt = zero - 8 scale (w = q scale + mt: a GGUF Q4_1's m, Q4_0's -8 d)
+    pack_q8_tiles(q, scale) -> Q8Tiles(qt u8[N/16, nb, 512], st)    byte = code + 128
+
+Scales are float16 where every value is one (a GGUF's: its d and m are float16), else float32.
+The same math (integer block dots, one FMA per block, the Q4 min term on the exact block sums);
+the float32 summation order differs from the block layout's kernels, and the Q4 term is
+min * xsum, one product, where they take zero * xsum - 8 scale * xsum.
 `available()` / `why_unavailable()` say whether the compiled module loads.
 """
 
@@ -71,6 +86,45 @@ class Q8Blocks:
         return self.qs.nbytes + self.scale.nbytes
 
 
+@dataclass(frozen=True, eq=False)
+class Q4Tiles:
+    qt: torch.Tensor  # u8[N/16, nb, 256]
+    st: torch.Tensor  # f16 or f32 [N/16, nb, 16]
+    mt: torch.Tensor  # the same dtype [N/16, nb, 16]
+
+    @property
+    def nbytes(self) -> int:
+        return self.qt.nbytes + self.st.nbytes + self.mt.nbytes
+
+
+@dataclass(frozen=True, eq=False)
+class Q8Tiles:
+    qt: torch.Tensor  # u8[N/16, nb, 512]
+    st: torch.Tensor  # f16 or f32 [N/16, nb, 16]
+
+    @property
+    def nbytes(self) -> int:
+        return self.qt.nbytes + self.st.nbytes
+
+
+TILE = 16  # output features per tile
+
+
+def tiles_for(n: int) -> bool:
+    """Whether the a8 kernels take N = n output features in tiles (AVX512-VNNI builds)."""
+    return n % TILE == 0 and vnni() and hasattr(_kernel(), "q4_gemm_a8_tiles")
+
+
+def _tile_scales(*arrays: np.ndarray) -> list[torch.Tensor]:
+    """f32[N, nb] each -> [N/16, nb, 16], float16 if every value of every array is one (so the
+    kernel reads one dtype), else float32."""
+    tiled = [np.ascontiguousarray(np.asarray(a, np.float32).reshape(
+        a.shape[0] // TILE, TILE, a.shape[1]).transpose(0, 2, 1)) for a in arrays]
+    with np.errstate(over="ignore"):
+        half = all(np.array_equal(t.astype(np.float16).astype(np.float32), t) for t in tiled)
+    return [torch.from_numpy(t.astype(np.float16) if half else t) for t in tiled]
+
+
 def _f32(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
 
@@ -94,6 +148,28 @@ def pack_q8(q: np.ndarray, scale: np.ndarray) -> Q8Blocks:
     return Q8Blocks(torch.from_numpy(qs), _f32(scale))
 
 
+def pack_q4_tiles(q: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> Q4Tiles:
+    """q u8[N, K] (0..15), scale / zero f32[N, K/G], N % 16 == 0 -> Q4 tiles (module doc)."""
+    n, k = q.shape
+    if k % GROUP or n % TILE:
+        raise ValueError(f"Q4 tiles need N divisible by {TILE} and K by {GROUP}, got {n}x{k}")
+    g = q.reshape(n // TILE, TILE, k // GROUP, 2, 4, 4).astype(np.uint8)  # [T, f, b, half, i, c]
+    byte = (g[:, :, :, 0] & 0xF) | ((g[:, :, :, 1] & 0xF) << 4)  # [T, f, b, i, c]
+    qt = byte.transpose(0, 2, 3, 1, 4).reshape(n // TILE, k // GROUP, 256)  # [T, b, (i f c)]
+    mins = np.asarray(zero, np.float32) - np.float32(8) * np.asarray(scale, np.float32)
+    return Q4Tiles(torch.from_numpy(np.ascontiguousarray(qt)), *_tile_scales(scale, mins))
+
+
+def pack_q8_tiles(q: np.ndarray, scale: np.ndarray) -> Q8Tiles:
+    """q i8[N, K], scale f32[N, K/G], N % 16 == 0 -> Q8 tiles (module doc)."""
+    n, k = q.shape
+    if k % GROUP or n % TILE:
+        raise ValueError(f"Q8 tiles need N divisible by {TILE} and K by {GROUP}, got {n}x{k}")
+    g = (q.astype(np.int8).view(np.uint8) ^ 0x80).reshape(n // TILE, TILE, k // GROUP, 8, 4)
+    qt = g.transpose(0, 2, 3, 1, 4).reshape(n // TILE, k // GROUP, 512)  # [T, b, (i f c)]
+    return Q8Tiles(torch.from_numpy(np.ascontiguousarray(qt)), *_tile_scales(scale))
+
+
 def q4_gemm(x: torch.Tensor, w: Q4Blocks) -> torch.Tensor:
     """x f32[M, K] -> f32[M, N]."""
     return _kernel().q4_gemm(x.contiguous(), w.qs, w.scale, w.zero)
@@ -104,13 +180,17 @@ def q8_gemm(x: torch.Tensor, w: Q8Blocks) -> torch.Tensor:
     return _kernel().q8_gemm(x.contiguous(), w.qs, w.scale)
 
 
-def q4_gemm_a8(x: torch.Tensor, w: Q4Blocks) -> torch.Tensor:
+def q4_gemm_a8(x: torch.Tensor, w: Q4Blocks | Q4Tiles) -> torch.Tensor:
     """x f32[M, K] (quantized to int8 per 32 values inside) -> f32[M, N]."""
+    if isinstance(w, Q4Tiles):
+        return _kernel().q4_gemm_a8_tiles(x.contiguous(), w.qt, w.st, w.mt)
     return _kernel().q4_gemm_a8(x.contiguous(), w.qs, w.scale, w.zero)
 
 
-def q8_gemm_a8(x: torch.Tensor, w: Q8Blocks) -> torch.Tensor:
+def q8_gemm_a8(x: torch.Tensor, w: Q8Blocks | Q8Tiles) -> torch.Tensor:
     """x f32[M, K] (quantized to int8 per 32 values inside) -> f32[M, N]."""
+    if isinstance(w, Q8Tiles):
+        return _kernel().q8_gemm_a8_tiles(x.contiguous(), w.qt, w.st)
     return _kernel().q8_gemm_a8(x.contiguous(), w.qs, w.scale)
 
 

@@ -76,9 +76,10 @@ AVX512_F32_MAX_ROWS = 20
 # benchmarks/results/speed3_quant_linear_w3.json, tools/quant_linear_bench.py).
 A8_BF16_DENSE_MAX_ROWS = 8
 # The tiled int8-activation kernels (16 features per vector) against the bf16 dense copy, one
-# layer's GEMMs, one thread, same CPU: 0.27x at 1 row, 0.64x at 8, 0.86x at 64, 0.92x at 512
-# (135M shapes); 0.26x, 0.64x, 0.80x, 0.82x (1.4B-class shapes; tools/quant_linear_bench.py,
-# benchmarks/results/speed3_quant_linear_tiles_*.json): they take every step.
+# layer's GEMMs, one thread, same CPU: 0.24x the time at 1 row, 0.58x at 8, 0.78x at 64, 0.79x
+# at 512 (135M shapes); 0.23x, 0.61x, 0.76x, 0.77x (1.4B-class shapes;
+# tools/quant_linear_bench.py, benchmarks/results/speed3_quant_linear_tiles_w{1,3}.json): they
+# take every step.
 TILE_KINDS = ("q4-a8-t16", "q8-a8-t16")
 
 

@@ -152,7 +152,7 @@ class SchedulerConfig:
     max_extend_seqs: int
     chunked_prefill_size: int  # token budget of one EXTEND batch
     context_len: int
-    schedule_policy: str = "lpm"
+    schedule_policy: str = "program"
     disable_radix_cache: bool = False
     max_top_logprobs: int = 20
     session_retention_s: float = 30.0  # see ServerArgs
@@ -273,7 +273,7 @@ class ServerArgs:
     max_extend_seqs: int = 32
     chunked_prefill_size: int = 2048
     context_length: int | None = None  # None: the model's
-    schedule_policy: str = "lpm"
+    schedule_policy: str = "program"
     disable_radix_cache: bool = False
     # A finished request with a session_id keeps its prompt + output in the radix cache at
     # eviction priority for this long (0 = off): its agent's next turn, after a tool call,

@@ -149,11 +149,13 @@ _HELP = {
     "quantization": "weights: none (dense --dtype), gguf (a GGUF's Q4_0/Q4_1 blocks as stored, "
                     "exact; float32 also its Q8_0 head), gguf-a8 (float32 only: the same blocks "
                     "with activations quantized to int8 per 32 values, llama.cpp's CPU math; "
-                    "faster, not exact; with AVX512-VNNI in 16-feature tiles at every step size, "
-                    "else its large steps on a dense copy, bf16 where oneDNN computes bf16), int8 / int4 (quantized at load), auto (for a GGUF on the torch CPU "
+                    "faster, not exact; with AVX512-VNNI in 16-feature tiles at every step "
+                    "size, else its large steps on a dense copy, bf16 where oneDNN computes "
+                    "bf16), int8 / int4 (quantized at load), auto (for a GGUF on the torch CPU "
                     "backend with bfloat16, or float32 when the compiled kernels are built: "
                     "gguf-a8 where they have AVX512-VNNI and the activations are float32, else "
-                    "gguf; else none); quantized kernels run for decode-sized steps",
+                    "gguf; else none); quantized kernels run for decode-sized steps (every "
+                    "step for the 16-feature tiles)",
     "torch_threads": "torch backend on CPU: the executor's intra-op threads, fixed at start; 0 "
                      "= every CPU the process may use. Give fewer on a busy host (an OpenMP "
                      "step whose thread loses its core stalls at every barrier)",

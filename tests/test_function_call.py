@@ -56,6 +56,9 @@ Q1 = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter
       '<parameter=where>\n{"lat": 48.8}\n</parameter>\n</function>\n</tool_call>')
 Q2 = "<tool_call>\n<function=noop>\n</function>\n</tool_call>"
 CALL1 = ToolCall("get_weather", json.dumps(A1))
+A3 = {**A1, "city": "</tool_call>", "where": {"lat": 1, "tags": ["}}"]}}  # markup in strings
+H3 = '<tool_call>\n{"name": "get_weather", "arguments": ' + json.dumps(A3) + "}\n</tool_call>"
+CALL3 = ToolCall("get_weather", json.dumps(A3))
 CALL2 = ToolCall("noop", "{}")
 
 # (parser, model output, expected content, expected calls)
@@ -68,6 +71,8 @@ RECORDED = [
     ("hermes", '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',
      '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>', []),  # not offered
     ("hermes", "Cut off: " + H1[:40], "Cut off: ", []),  # max_tokens inside a call
+    # the closing tag inside an argument string is text, not the block's end
+    ("hermes", H3, "", [CALL3]),
     ("hermes", H2 + "\n<tool_", "\n", [CALL2]),  # the next call's marker, cut off: dropped
     ("hermes", "Compare a <", "Compare a <", []),  # no call yet: an ending like a marker's start
     ("qwen25", H2, "", [CALL2]),

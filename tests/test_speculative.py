@@ -606,16 +606,30 @@ def test_jax_backend_greedy_identical(tmp_path_factory):
 
 
 # ---- the default model's server: `auto` speculation ------------------------------------------
+@pytest.fixture
+def fresh_f32_server():
+    """A float32 default-model server of its own: the draft gate decides from the steps it has
+    timed, so on a server other tests used it may already have priced drafts out at one row
+    and spaced its next trial past a 64-token request."""
+    from server_harness import DEFAULT_MODEL_F32_FLAGS, launch_server
+
+    server = launch_server(*DEFAULT_MODEL_F32_FLAGS)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.mark.slow
-def test_default_server_speculates_for_a_lone_request(default_model_server_f32):
+def test_default_server_speculates_for_a_lone_request(fresh_f32_server):
     """The shipped server (torch, CPU, `--speculative-algorithm auto`): SUFFIX behind the draft
     gate, which starts plain and tries drafts after GATE_FIRST_INTERVAL steps, so a lone
-    agent-like request verifies drafts within its 64 tokens; /server_info says what auto
-    resolved to and the gate's live decision; the greedy text equals the same prompt's in a
-    batch of 3 (float32)."""
+    agent-like request on a fresh server verifies drafts within its 64 tokens; /server_info
+    says what auto resolved to and the gate's live decision; the greedy text equals the same
+    prompt's in a batch of 3 (float32)."""
     import requests
 
-    server = default_model_server_f32
+    server = fresh_f32_server
     prompt = ("Tool result: {\"city\": \"Paris\", \"temperature_c\": 21, \"sky\": \"clear\"}\n"
               * 4 + "Summarize the tool result above, repeating it exactly:\n")
     params = {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}

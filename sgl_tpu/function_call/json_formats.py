@@ -72,7 +72,16 @@ class HermesParser(ToolCallParser):
 
     def scan(self, buf: str, final: bool, tools: dict[str, dict[str, Any]],
              at_start: bool) -> Scan | None:
-        end = buf.find(self._end)
+        # the block ends at the first closing tag after its JSON object: a tag inside one of
+        # the object's strings is text the model wrote there, not the block's end
+        start = skip_ws(buf, len(self.starts[0]))
+        search = start
+        if buf[start:start + 1] == "{":
+            obj_end = json_value_end(buf, start)
+            if obj_end is None and not final:
+                return None
+            search = len(buf) if obj_end is None else obj_end
+        end = buf.find(self._end, search)
         if end < 0 and not final:
             return None
         body = buf[len(self.starts[0]):end if end >= 0 else len(buf)]

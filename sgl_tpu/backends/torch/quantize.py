@@ -171,9 +171,10 @@ class QuantizationReport:
         head = f"vocabulary head on {self.head}" if self.head else "vocabulary head dense"
         dense = {"none": "no dense copy", "bfloat16": "bf16 dense copy above"}.get(
             self.dense, "dense copy above")
+        where = "in place of" if self.dense == "none" else "beside"
         return (f"quantization {self.method} ({desc}): {self.quantized} projections on {kinds} "
                 f"kernels ({rows or 'none'}; {dense}), {head} "
-                f"(+{self.kernel_bytes / 2**20:.0f} MiB beside the dense weights), "
+                f"({self.kernel_bytes / 2**20:.0f} MiB of blocks {where} the dense weights), "
                 f"{self.dense_only} dense only")
 
 

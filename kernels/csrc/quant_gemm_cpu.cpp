@@ -875,6 +875,14 @@ at::Tensor q8_gemm_a8(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
 // row runs the same operations whatever M is; a row's result does not depend on M.
 constexpr int64_t kTile = 16;
 
+// The 4 activations of dword j of a block at `a`, broadcast to every lane (memcpy: the bytes
+// are int8 storage, not an int32 object).
+inline __m512i bcast_dword(const int8_t* a, int j) {
+  int32_t v;
+  std::memcpy(&v, a + 4 * j, sizeof v);
+  return _mm512_set1_epi32(v);
+}
+
 // 16 scales of a tile block, float16 or float32.
 template <typename S>
 inline __m512 load_scales(const S* p) {
@@ -902,11 +910,11 @@ void q4a8_tile(const int8_t* xq, const float* xd, const float* xsum, int64_t K,
     const __m512 s = load_scales(st + b * kTile);
     const __m512 mins = load_scales(mt + b * kTile);
     for (int r = 0; r < R; ++r) {
-      const int32_t* a = reinterpret_cast<const int32_t*>(xq + r * K + b * kGroup);
+      const int8_t* a = xq + r * K + b * kGroup;
       __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
       for (int i = 0; i < 8; i += 2) {  // two chains: half the dependent vpdpbusd latency
-        d0 = _mm512_dpbusd_epi32(d0, w[i], _mm512_set1_epi32(a[i]));
-        d1 = _mm512_dpbusd_epi32(d1, w[i + 1], _mm512_set1_epi32(a[i + 1]));
+        d0 = _mm512_dpbusd_epi32(d0, w[i], bcast_dword(a, i));
+        d1 = _mm512_dpbusd_epi32(d1, w[i + 1], bcast_dword(a, i + 1));
       }
       const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(xd[r * nb + b]));
       acc[r] = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)), acc[r]);
@@ -927,11 +935,11 @@ void q8a8_tile(const int8_t* xq, const float* xd, const int32_t* bias, int64_t K
     for (int i = 0; i < 8; ++i) w[i] = _mm512_loadu_si512(qt + (b * 8 + i) * 64);
     const __m512 s = load_scales(st + b * kTile);
     for (int r = 0; r < R; ++r) {
-      const int32_t* a = reinterpret_cast<const int32_t*>(xq + r * K + b * kGroup);
+      const int8_t* a = xq + r * K + b * kGroup;
       __m512i d0 = _mm512_set1_epi32(bias[r * nb + b]), d1 = _mm512_setzero_si512();
       for (int i = 0; i < 8; i += 2) {
-        d0 = _mm512_dpbusd_epi32(d0, w[i], _mm512_set1_epi32(a[i]));
-        d1 = _mm512_dpbusd_epi32(d1, w[i + 1], _mm512_set1_epi32(a[i + 1]));
+        d0 = _mm512_dpbusd_epi32(d0, w[i], bcast_dword(a, i));
+        d1 = _mm512_dpbusd_epi32(d1, w[i + 1], bcast_dword(a, i + 1));
       }
       const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(xd[r * nb + b]));
       acc[r] = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)), acc[r]);

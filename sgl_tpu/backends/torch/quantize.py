@@ -187,7 +187,7 @@ def quantize_weights(weights, matrices: dict[str, QuantizedMatrix], method: str,
     a bf16 dense copy where oneDNN computes bf16 natively (it replaces the float32 one)."""
     int8_activations = method == "gguf-a8"
     dense_bf16 = int8_activations and bf16_dense_available()
-    layers, done, dense_only, nbytes, kinds = [], 0, 0, 0, []
+    layers, done, dense_only, nbytes, kinds, copies = [], 0, 0, 0, [], 0
     for i, lw in enumerate(weights.layers):
         changes = {}
         for fused in _FUSED_PARAMS:
@@ -202,6 +202,7 @@ def quantize_weights(weights, matrices: dict[str, QuantizedMatrix], method: str,
                 dense = bf16_dense(dense)
             changes[fused] = QuantizedLinear(kernel, dense, rows,
                                              dense_bf16 and dense is not None)
+            copies += dense is not None
             done += 1
             nbytes += kernel.nbytes
             if kernel.kind not in kinds:
@@ -219,11 +220,9 @@ def quantize_weights(weights, matrices: dict[str, QuantizedMatrix], method: str,
         logger.warning("quantization %s: float32 activations on torch's int4 op, measured ~8x "
                        "slower than dense float32 on AVX2 (the compiled block kernels: %s)",
                        method, quant_gemm_cpu.why_unavailable())
-    copies = [w.dense_bf16 for lw in layers for w in vars(lw).values()
-              if isinstance(w, QuantizedLinear) and w.dense is not None]
-    dense = ("none" if done and not copies
-             else "bfloat16" if any(copies) else "activation dtype")
+    dense_form = ("none" if done and not copies
+                  else "bfloat16" if dense_bf16 and copies else "activation dtype")
     report = QuantizationReport(method, done, dense_only, nbytes, tuple(kinds),
-                                head_kernel.kind if "lm_head" in top else None, dense)
+                                head_kernel.kind if "lm_head" in top else None, dense_form)
     logger.info(report.log_line())
     return dataclasses.replace(weights, **top), report

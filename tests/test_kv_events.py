@@ -6,6 +6,7 @@ ZeroMQ subscriber."""
 from __future__ import annotations
 
 import random
+import time
 
 import msgspec
 import numpy as np
@@ -152,13 +153,25 @@ def test_publisher_frames_batches_and_replays_them(tmp_path):
             replayed.append((int.from_bytes(frames[1], "big"), DECODER.decode(frames[2])))
         assert replayed == [(1, batches[1]), (2, batches[2])]  # the last buffer_steps
         assert frames == [b"", (-1).to_bytes(8, "big", signed=True), b""]
-        publisher.publish(batches[0])  # the subscription is surely in place now
+        # A subscription reaches the PUB socket asynchronously (ZeroMQ's "slow joiner"), so
+        # publish until the subscriber hears something; from then on nothing may be missed.
+        deadline = time.monotonic() + RECV_TIMEOUT_MS / 1000
+        published = 3
+        while not sub.poll(100):
+            assert time.monotonic() < deadline, "the subscriber never received a batch"
+            publisher.publish(batches[0])
+            published += 1
+        publisher.publish(batches[1])
+        last_seq = published
         received = []
-        while not received or received[-1][0] != 3:
+        while not received or received[-1][0] != last_seq:
             topic, seq, payload = sub.recv_multipart()
             assert topic == b"kv"
             received.append((int.from_bytes(seq, "big"), DECODER.decode(payload)))
-        assert received[-1] == (3, batches[0])
+        # Each batch once, in order, from wherever the subscription took effect.
+        expected = [*batches, *[batches[0]] * (published - 3), batches[1]]
+        first = received[0][0]
+        assert received == list(enumerate(expected))[first:]
     finally:
         sub.close(0)
         dealer.close(0)
@@ -230,12 +243,16 @@ def test_server_publishes_prompt_pages_and_cache_flush(tmp_path):
     received: dict[int, KVEventBatch] = {}
 
     def receive_until(done) -> list:
-        """Events in order, live; a gap (the subscription not yet in place) is replayed."""
+        """Events in order, live; a gap, or silence while the subscription is not yet in
+        place, is filled from the replay socket."""
+        deadline = time.monotonic() + RECV_TIMEOUT_MS / 1000
         while True:
-            topic, seq, payload = sub.recv_multipart()
-            assert topic == b"kv"
-            received[int.from_bytes(seq, "big")] = DECODER.decode(payload)
-            if min(received) > 0 or len(received) != max(received) + 1:
+            assert time.monotonic() < deadline, f"no events that end it: {sorted(received)}"
+            if sub.poll(1000):
+                topic, seq, payload = sub.recv_multipart()
+                assert topic == b"kv"
+                received[int.from_bytes(seq, "big")] = DECODER.decode(payload)
+            if not received or min(received) > 0 or len(received) != max(received) + 1:
                 _replay_into(ctx, f"tcp://127.0.0.1:{port + 1}", received)
             events = [e for s in sorted(received) for e in received[s].events]
             if done(events):

@@ -84,7 +84,9 @@ _HELP = {
                          "gathered (pages gathered into a dense view, few large ops; GPUs), "
                          "pallas-interpret (the kernel interpreted on CPU; tests) for jax; "
                          "torch-sdpa, torch-cpu-fused (compiled CPU kernel, built by make "
-                         "install) for torch; auto (pallas on TPU, gathered on GPU, ref "
+                         "install; bfloat16 products over a bfloat16 KV cache on "
+                         "AVX512-BF16 CPUs), torch-cpu-fused-f32 (float32 products) for "
+                         "torch; auto (pallas on TPU, gathered on GPU, ref "
                          "elsewhere; torch-cpu-fused on CPU when built, else torch-sdpa); "
                          "ref-invariant / torch-invariant: the batch-invariant "
                          "kernels of --enable-deterministic-inference",

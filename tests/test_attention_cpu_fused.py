@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from sgl_tpu.backends.torch import paged_attention as sdpa
+from sgl_tpu.backends.torch.attention import products
 from sgl_tpu.backends.torch.kernels import cpu_extension
 from sgl_tpu.backends.torch.runner import TorchModelRunner
 from sgl_tpu.config import ServerArgs
@@ -40,8 +41,19 @@ DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
 DTYPE_IDS = ["float32", "bfloat16", "f32q-bf16kv", "f32q-fp8kv", "bf16q-fp8kv"]
 
 
-def fused():
-    return get_attention_backend("torch-cpu-fused")
+# torch-cpu-fused multiplies in bfloat16 pairs over a bfloat16 pool where the build has
+# AVX512-BF16 (queries and probabilities rounded); -f32 always in float32
+BACKENDS = ["torch-cpu-fused", "torch-cpu-fused-f32"]
+
+
+def fused(name: str = "torch-cpu-fused"):
+    return get_attention_backend(name)
+
+
+def tol(name: str, dtype: torch.dtype, pool_dtype: torch.dtype) -> float:
+    """The output's tolerance: the query dtype's, or bfloat16's where products are bfloat16."""
+    pool = "bfloat16" if pool_dtype == torch.bfloat16 else "other"
+    return TOL[torch.bfloat16] if products(name, pool) == "bfloat16" else TOL[dtype]
 
 
 class Pool:
@@ -79,9 +91,10 @@ VARIANTS = [dict(), dict(sliding_window=7), dict(logit_cap=3.0),
             dict(sliding_window=5, logit_cap=3.0)]
 
 
+@pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize("dtypes", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("variant", VARIANTS, ids=["plain", "window", "softcap", "both"])
-def test_extend_matches_reference_on_a_ragged_paged_batch(dtypes, variant):
+def test_extend_matches_reference_on_a_ragged_paged_batch(name, dtypes, variant):
     d, scale = 32, 32 ** -0.5
     dtype, pool_dtype = dtypes
     pool = Pool(d, pool_dtype)
@@ -95,7 +108,7 @@ def test_extend_matches_reference_on_a_ragged_paged_batch(dtypes, variant):
                                    slots=sdpa.context_slots(pages, PS, prefix + new)))
         start += new
     q = torch.randn(start + 3, KVH * G, d).to(dtype)  # 3 padding rows
-    out = fused().extend_attention(q, pool.k, pool.v, seqs, scale, **variant)
+    out = fused(name).extend_attention(q, pool.k, pool.v, seqs, scale, **variant)
     assert out.dtype == dtype and out.shape == q.shape
     assert (out[start:] == 0).all()
     for s in seqs:
@@ -103,12 +116,12 @@ def test_extend_matches_reference_on_a_ragged_paged_batch(dtypes, variant):
         want = reference(q[s.start : s.start + s.num_new], pool, s.slots, pos, scale,
                          variant.get("sliding_window"), variant.get("logit_cap"))
         got = out[s.start : s.start + s.num_new].double()
-        assert (got - want).abs().max() < TOL[dtype]
+        assert (got - want).abs().max() < tol(name, dtype, pool_dtype)
     if pool_dtype != dtype:
         return
     # and the gathered-SDPA backend agrees with both
     base = sdpa.extend_attention(q, pool.k, pool.v, seqs, scale, **variant)
-    assert (out.double() - base.double()).abs().max() < 2 * TOL[dtype]
+    assert (out.double() - base.double()).abs().max() < 2 * tol(name, dtype, pool_dtype)
 
 
 @pytest.mark.parametrize("group,d,window", [(1, 16, None), (4, 48, 40), (7, 32, 19)],
@@ -152,9 +165,10 @@ def decode_batch(steps: list[SeqStep], num_rows: int, window: int | None,
     return TorchModelRunner._decode_batch(fake, host)
 
 
+@pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize("dtypes", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("case", ["shared", "model_window", *["window", "softcap"]])
-def test_decode_matches_reference_with_a_shared_prefix(dtypes, case):
+def test_decode_matches_reference_with_a_shared_prefix(name, dtypes, case):
     """Forks of one prefix (its pages read once for the whole batch) plus an unrelated
     sequence; contexts ending mid-page and on a page boundary; one padding row."""
     d, scale = 64, 0.125
@@ -177,19 +191,19 @@ def test_decode_matches_reference_with_a_shared_prefix(dtypes, case):
     if case == "shared":
         assert batch.shared_slots.shape[0] == 300
     q = torch.randn(len(steps) + 1, KVH * G, d).to(dtype)
-    out = fused().decode_attention(q, pool.k, pool.v, batch, scale, sliding_window=window,
-                                   logit_cap=cap)
+    out = fused(name).decode_attention(q, pool.k, pool.v, batch, scale, sliding_window=window,
+                                       logit_cap=cap)
     for i, st in enumerate(steps):
         n = st.prefix_len + 1
         slots = sdpa.context_slots(st.pages, PS, n)
         want = reference(q[i : i + 1], pool, slots, torch.tensor([n - 1]), scale,
                          window or model_window, cap)
-        assert (out[i : i + 1].double() - want).abs().max() < TOL[dtype]
+        assert (out[i : i + 1].double() - want).abs().max() < tol(name, dtype, pool_dtype)
     if pool_dtype != dtype:
         return
     base = sdpa.decode_attention(q, pool.k, pool.v, batch, scale, sliding_window=window,
                                  logit_cap=cap)
-    assert (out.double() - base.double()).abs().max() < 2 * TOL[dtype]
+    assert (out.double() - base.double()).abs().max() < 2 * tol(name, dtype, pool_dtype)
 
 
 @pytest.mark.parametrize("kvh,group,d,window,cap,pool_dtype", [
@@ -252,10 +266,11 @@ def test_decode_many_rows_share_a_prefix(window):
         assert (out[i : i + 1].double() - want).abs().max() < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("dots", [True, False], ids=["dots", "f32"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("window,cap", [(None, None), (100, None), (None, 2.5)],
                          ids=["plain", "window", "softcap"])
-def test_decode_shared_prefix_on_pages_of_16(dtype, window, cap):
+def test_decode_shared_prefix_on_pages_of_16(dtype, window, cap, dots):
     """The kernel's decode call over a shared prefix on pages of 16 slots (a key tile's rows
     consecutive in the pool, as the server's default page size lays them out) ending
     mid-page; 7 forks x 3 group heads = 21 rows per shared item, own tails of 1 to 37 keys,
@@ -279,12 +294,56 @@ def test_decode_shared_prefix_on_pages_of_16(dtype, window, cap):
     q = torch.randn(len(own_lens), kvh * group, d, generator=g).to(dtype)
     out = cpu_extension.load().decode(
         q, pool.k, pool.v, shared, own, torch.zeros(len(own_lens), dtype=torch.int64),
-        torch.tensor(own_lens), scale, window or 0, cap or 0.0)
+        torch.tensor(own_lens), scale, window or 0, cap or 0.0, dots)
+    name = BACKENDS[0 if dots else 1]
     for b, n in enumerate(own_lens):
         slots = torch.cat([shared, own[b, :n]])
         want = reference(q[b : b + 1], pool, slots, torch.tensor([len(slots) - 1]), scale,
                          window, cap, group=group)
-        assert (out[b : b + 1].double() - want).abs().max() < TOL[dtype]
+        assert (out[b : b + 1].double() - want).abs().max() < tol(name, dtype, dtype)
+
+
+@pytest.mark.skipif(not getattr(cpu_extension.load(), "bf16_dots", False),
+                    reason="this build has no AVX512-BF16: torch-cpu-fused multiplies in float32")
+def test_bfloat16_products_round_only_queries_and_probabilities():
+    """Over a bfloat16 pool, torch-cpu-fused's row-tiled items (EXTEND; DECODE over a shared
+    prefix) multiply bfloat16 pairs: against the float64 reference of the queries rounded to
+    bfloat16, what remains is the probabilities' rounding, at most 2^-8 of the largest |V|;
+    and the results are not float32 products' (the path is taken)."""
+    d, scale = 64, 0.125  # a power of two: the kernel's rounded q * scale is q rounded, scaled
+    pool = Pool(d, torch.bfloat16, num_pages=160, seed=3)
+    bound = float(pool.v.abs().max()) * 2.0 ** -8
+    seqs, start = [], 0
+    for prefix, new in [(0, 70), (150, 33)]:
+        seqs.append(sdpa.ExtendSeq(start=start, num_new=new, prefix_len=prefix,
+                                   slots=sdpa.context_slots(pool.pages(prefix + new), PS,
+                                                            prefix + new)))
+        start += new
+    q = torch.randn(start, KVH * G, d)
+    out = fused().extend_attention(q, pool.k, pool.v, seqs, scale)
+    f32 = fused("torch-cpu-fused-f32").extend_attention(q, pool.k, pool.v, seqs, scale)
+    assert not torch.equal(out, f32)
+    for s in seqs:
+        rows = slice(s.start, s.start + s.num_new)
+        pos = torch.arange(s.prefix_len, s.prefix_len + s.num_new)
+        want = reference(q[rows].bfloat16(), pool, s.slots, pos, scale)
+        assert (out[rows].double() - want).abs().max() < bound
+        assert (f32[rows].double() - reference(q[rows], pool, s.slots, pos, scale)
+                ).abs().max() < TOL[torch.float32]
+    prefix = pool.pages(200)
+    steps = [SeqStep(token_ids=[0], prefix_len=200 + n - 1,
+                     pages=np.concatenate([prefix, pool.pages(n)]), sampling=GREEDY, seed=0,
+                     num_output_tokens=1) for n in (3, 11, 20)]
+    batch = decode_batch(steps, len(steps), None, torch.float32)
+    q = torch.randn(len(steps), KVH * G, d)
+    out = fused().decode_attention(q, pool.k, pool.v, batch, scale)
+    assert not torch.equal(out, fused("torch-cpu-fused-f32").decode_attention(
+        q, pool.k, pool.v, batch, scale))
+    for i, st in enumerate(steps):
+        n = st.prefix_len + 1
+        want = reference(q[i : i + 1].bfloat16(), pool, sdpa.context_slots(st.pages, PS, n),
+                         torch.tensor([n - 1]), scale)
+        assert (out[i : i + 1].double() - want).abs().max() < bound
 
 
 def test_refuses_mixed_dtypes_other_than_float32_over_bfloat16():
@@ -294,7 +353,7 @@ def test_refuses_mixed_dtypes_other_than_float32_over_bfloat16():
     for q, k, v in [(q32.bfloat16(), pool32, pool32), (q32, pool32.bfloat16(), pool32),
                     (q32.half(), pool32.half(), pool32.half())]:
         with pytest.raises(RuntimeError, match="paged_attention_cpu: (the pools|q must)"):
-            ext.extend(q, k, v, slots, [0], [1], [0], 1.0, 0, 0.0)
+            ext.extend(q, k, v, slots, [0], [1], [0], 1.0, 0, 0.0, True)
 
 
 def test_auto_picks_fused_on_cpu_and_falls_back_when_missing(monkeypatch, caplog):
@@ -325,6 +384,8 @@ def test_runner_greedy_parity_with_sdpa(tmp_path):
                           max_running_requests=8)
         runner = create_model_runner(loaded.config, loaded.params, runner_config(args, 1024))
         assert runner.config.attention_backend == attn
+        info = runner.compute_info()  # float32 pools: float32 products on either
+        assert info["attention"] == attn and info["attention_products"] == "float32"
         # prompt 0's first 40 tokens are cached (10 pages), then forked three ways: every
         # decode row shares those pages
         shared = np.arange(1, 11)

@@ -4,13 +4,15 @@ float32 reference and perplexity on a fixed text, on the torch backend.
     python tools/quant_quality.py [--model-path M] [--modes none:bfloat16,gguf:bfloat16,
         int8:bfloat16,int4:bfloat16] [--reference none:float32] [--max-new-tokens 64]
 
-Each mode is `quantization:dtype[:kv_cache_dtype]` (e.g. `auto:float32:bfloat16`, the default
-model's float32 serving with a bfloat16 KV cache). Greedy agreement: for each reference prompt,
-the number of generated tokens identical to the reference's before the first difference (the
-full length when none differs). Perplexity: exp of the mean negative log-likelihood of `TEXT`
-(written for this bench), fed one token per step so that every projection runs where decode
-runs it (for the quantized modes: the int kernel; prefill-sized steps use the dense copy, see
-backends/torch/quant_linear.py). Prints one JSON object.
+Each mode is `quantization:dtype[:kv_cache_dtype[:attention_backend]]` (e.g.
+`auto:float32:bfloat16`, the default model's float32 serving with a bfloat16 KV cache;
+`auto:float32:bfloat16:torch-cpu-fused-f32`, the same with float32 attention products).
+Greedy agreement: for each reference prompt, the number of generated tokens identical to the
+reference's before the first difference (the full length when none differs). Perplexity: exp of
+the mean negative log-likelihood of `TEXT` (written for this bench), fed one token per step so
+that every projection runs where decode runs it (for the quantized modes: the int kernel;
+prefill-sized steps use the dense copy, see backends/torch/quant_linear.py). Prints one JSON
+object.
 """
 
 from __future__ import annotations
@@ -51,18 +53,21 @@ TEXT = (
 )
 
 
-def _mode(spec: str) -> tuple[str, str, str]:
+def _mode(spec: str) -> tuple[str, str, str, str]:
     quant, _, rest = spec.partition(":")
-    dtype, _, kv = rest.partition(":")
-    return quant, dtype or "bfloat16", kv or "auto"
+    dtype, _, rest = rest.partition(":")
+    kv, _, attention = rest.partition(":")
+    return quant, dtype or "bfloat16", kv or "auto", attention or "auto"
 
 
-def _engine(model_path: str | None, quant: str, dtype: str, kv_cache_dtype: str = "auto"):
+def _engine(model_path: str | None, quant: str, dtype: str, kv_cache_dtype: str = "auto",
+            attention_backend: str = "auto"):
     from sgl_tpu import Engine
 
     return Engine(model_path, backend="torch", quantization=quant, dtype=dtype,
-                  kv_cache_dtype=kv_cache_dtype, skip_warmup=True, max_total_tokens=4096,
-                  max_running_requests=4, grammar_backend="none")
+                  kv_cache_dtype=kv_cache_dtype, attention_backend=attention_backend,
+                  skip_warmup=True, max_total_tokens=4096, max_running_requests=4,
+                  grammar_backend="none")
 
 
 def _greedy(engine, max_new_tokens: int) -> list[list[int]]:
@@ -116,17 +121,20 @@ def run(args: argparse.Namespace) -> dict:
                      "modes": {}}
     ref_tokens = None
     for spec in specs:
-        quant, dtype, kv = _mode(spec)
+        quant, dtype, kv, attention = _mode(spec)
         t0 = time.perf_counter()
-        engine = _engine(args.model_path, quant, dtype, kv)
+        engine = _engine(args.model_path, quant, dtype, kv, attention)
         tokens = _greedy(engine, args.max_new_tokens)
         ppl, n = _perplexity(engine)
         if ref_tokens is None:
             ref_tokens = tokens
         agree = _agreement(ref_tokens, tokens)
+        compute = engine.scheduler.runner.compute_info()
         results["modes"][spec] = {
             "quantization": _effective(engine.scheduler.runner), "dtype": dtype,
             "kv_cache_dtype": engine.scheduler.runner.config.kv_dtype,
+            "attention": {k: compute[k] for k in ("attention", "attention_products")
+                          if k in compute},
             "perplexity": round(ppl, 4), "perplexity_tokens": n,
             "greedy_agree_tokens": agree, "greedy_identical_prompts": sum(
                 a == args.max_new_tokens for a in agree),

@@ -188,6 +188,10 @@ struct Scratch {
   float* kf;     // [kTile][d]  the tile's K rows in float32
   float* vfl;    // [kTile][d]  the tile's V rows in float32
   float* scores;  // [L][kScoreStride]  a decode item's scores, then probabilities (own keys)
+  // bfloat16 pairs, one per 32-bit lane (the bf16-dot path; kDots below):
+  uint32_t* qtb;    // [d/2][L]      (Qt[2t][r], Qt[2t+1][r])
+  uint32_t* pb;     // [kTile/2][L]  (P[2t][r], P[2t+1][r])
+  uint32_t* vpair;  // [kTile/2][d]  (V[2t][c], V[2t+1][c])
   int32_t qpos[kMaxRows];  // position of each row's query; -1 for padding rows
   std::vector<float> keys8;  // [8][width]  8 keys' K rows of all heads in float32
 
@@ -198,7 +202,8 @@ struct Scratch {
 
   void setup(int d) {
     const size_t L = kMaxRows;
-    const size_t need = 2 * d * L + L * d + 3 * L + kTile * L + 2 * kTile * d + L * kScoreStride;
+    const size_t need = 2 * d * L + L * d + 3 * L + kTile * L + 2 * kTile * d +
+                        L * kScoreStride + d / 2 * L + kTile / 2 * L + kTile / 2 * d;
     if (buf.size() < need) buf.resize(need);
     float* p = buf.data();
     qt = p; p += d * L;
@@ -210,7 +215,10 @@ struct Scratch {
     sp = p; p += kTile * L;
     kf = p; p += kTile * d;
     vfl = p; p += kTile * d;
-    scores = p;
+    scores = p; p += L * kScoreStride;
+    qtb = reinterpret_cast<uint32_t*>(p); p += d / 2 * L;
+    pb = reinterpret_cast<uint32_t*>(p); p += kTile / 2 * L;
+    vpair = reinterpret_cast<uint32_t*>(p);
   }
 };
 
@@ -367,6 +375,112 @@ inline void pv_tile(float* acc, const float* alpha, const float* sp, int L,
     for (int u = 0; u < NV; ++u) storef(acc + k * L + u * kLanes, o[k][u]);
 }
 
+// ---- bfloat16 dot products (AVX512-BF16: a bfloat16 pool with bf16_dots) ----
+// The same register tiles with `vdpbf16ps`, which adds two products per 32-bit lane: scores
+// pair query dims (Qt's pairs against a broadcast pair of K's bfloat16 row, read from the pool
+// as it is: no widening), P @ V pairs keys (P rounded to bfloat16 pairs against a broadcast
+// pair of two keys' V). Half the instructions of float32 FMAs; queries and probabilities are
+// rounded to bfloat16 (accumulation stays float32).
+#if defined(__AVX512BF16__)
+constexpr bool kDots = true;
+
+inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
+inline void in_register(__m512bh& v) { asm("" : "+v"(v)); }
+inline uint32_t load_u32(const void* p) { uint32_t v; std::memcpy(&v, p, sizeof v); return v; }
+
+// 16 float pairs (lo[i], hi[i]) rounded to bfloat16 pairs, lo in the low half of each lane
+inline __m512i pack_pairs(vf lo, vf hi) {
+  __m512 a, b;
+  std::memcpy(&a, &lo, sizeof a);
+  std::memcpy(&b, &hi, sizeof b);
+  const __m256bh ha = _mm512_cvtneps_pbh(a), hb = _mm512_cvtneps_pbh(b);
+  return _mm512_or_si512(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(ha)),
+                         _mm512_slli_epi32(
+                             _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(hb)), 16));
+}
+
+// S[k][rows] = sum_t pair(K[k], t) . Qtb[t][rows]: krows are the pool's bfloat16 rows
+template <int NV, int NK>
+inline void qk_tile_dots(const uint32_t* qtb, int L, const at::BFloat16* const* krows, int d,
+                         float* sp) {
+  __m512 acc[NK][NV];
+  for (int k = 0; k < NK; ++k)
+    for (int u = 0; u < NV; ++u) acc[k][u] = _mm512_setzero_ps();
+  for (int t = 0; t < d / 2; ++t) {
+    __m512bh q[NV];
+    for (int u = 0; u < NV; ++u) {
+      q[u] = as_bh(_mm512_loadu_si512(qtb + t * L + u * kLanes));
+      in_register(q[u]);
+    }
+    for (int k = 0; k < NK; ++k) {
+      const __m512bh b = as_bh(_mm512_set1_epi32(static_cast<int>(load_u32(krows[k] + 2 * t))));
+      for (int u = 0; u < NV; ++u) acc[k][u] = _mm512_dpbf16_ps(acc[k][u], b, q[u]);
+    }
+  }
+  for (int k = 0; k < NK; ++k)
+    for (int u = 0; u < NV; ++u) _mm512_storeu_ps(sp + k * L + u * kLanes, acc[k][u]);
+}
+
+// accT[c..c+NC)[rows] = accT * alpha + sum_t pair(V, t)[c] . Pb[t][rows] over n2 key pairs
+template <int NV, int NC>
+inline void pv_tile_dots(float* acc, const float* alpha, const uint32_t* pb, int L,
+                         const uint32_t* vpair, int d, int n2, int c) {
+  __m512 o[NC][NV], al[NV];
+  for (int u = 0; u < NV; ++u) al[u] = _mm512_loadu_ps(alpha + u * kLanes);
+  for (int k = 0; k < NC; ++k)
+    for (int u = 0; u < NV; ++u)
+      o[k][u] = _mm512_mul_ps(_mm512_loadu_ps(acc + k * L + u * kLanes), al[u]);
+  for (int t = 0; t < n2; ++t) {
+    __m512bh p[NV];
+    for (int u = 0; u < NV; ++u) {
+      p[u] = as_bh(_mm512_loadu_si512(pb + t * L + u * kLanes));
+      in_register(p[u]);
+    }
+    for (int k = 0; k < NC; ++k) {
+      const __m512bh b = as_bh(_mm512_set1_epi32(static_cast<int>(vpair[t * d + c + k])));
+      for (int u = 0; u < NV; ++u) o[k][u] = _mm512_dpbf16_ps(o[k][u], b, p[u]);
+    }
+  }
+  for (int k = 0; k < NC; ++k)
+    for (int u = 0; u < NV; ++u) _mm512_storeu_ps(acc + k * L + u * kLanes, o[k][u]);
+}
+
+// Qt [d][L] -> Qtb [d/2][L]
+inline void pack_queries(uint32_t* qtb, const float* qt, int L, int d) {
+  for (int t = 0; t < d / 2; ++t)
+    for (int r = 0; r < L; r += kLanes)
+      _mm512_storeu_si512(qtb + t * L + r, pack_pairs(loadf(qt + 2 * t * L + r),
+                                                      loadf(qt + (2 * t + 1) * L + r)));
+}
+
+// The tile's n V rows (bfloat16, pool slots) -> vpair [n2][d], a zero row past an odd n
+inline void pack_values(uint32_t* vpair, const at::BFloat16* head, const int64_t* slots, int n,
+                        int d, int64_t slot_stride) {
+  for (int t = 0; 2 * t < n; ++t) {
+    const at::BFloat16* v0 = head + slots[2 * t] * slot_stride;
+    const at::BFloat16* v1 = 2 * t + 1 < n ? head + slots[2 * t + 1] * slot_stride : nullptr;
+    for (int c = 0; c < d; c += kLanes) {
+      const __m512i lo = _mm512_cvtepu16_epi32(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + c)));
+      const __m512i hi = v1 == nullptr ? _mm512_setzero_si512() : _mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + c))),
+          16);
+      _mm512_storeu_si512(vpair + t * d + c, _mm512_or_si512(lo, hi));
+    }
+  }
+}
+
+// Row vector v's n probabilities (sp[j][v]) -> Pb [n2][L] (a zero past an odd n)
+inline void pack_probs(uint32_t* pb, const float* sp, int L, int v, int n) {
+  for (int t = 0; 2 * t < n; ++t) {
+    const vf hi = 2 * t + 1 < n ? loadf(sp + (2 * t + 1) * L + v * kLanes) : splat(0.0f);
+    _mm512_storeu_si512(pb + t * L + v * kLanes, pack_pairs(loadf(sp + 2 * t * L + v * kLanes), hi));
+  }
+}
+#else
+constexpr bool kDots = false;
+#endif
+
 constexpr int kTileRows = 3;  // row vectors per register tile
 constexpr int kTileCols = 4;  // keys (scores) or output dims (P @ V) per register tile
 
@@ -423,11 +537,34 @@ void row_tile(Scratch& s, int v0, const float* const* krows, const float* const*
                            s.sp + v0 * kLanes, L, vrows, n, c);
 }
 
+#if defined(__AVX512BF16__)
+// row_tile with bfloat16 dot products: krows are the pool's rows, V and queries in s as pairs
+template <int NV, int RV>
+void row_tile_dots(Scratch& s, int v0, const at::BFloat16* const* krows, int n, int d,
+                   int64_t pos0, const vi* qp, const vi* ql, float cap, bool masked) {
+  constexpr int L = RV * kLanes;
+  for (int j = 0; j < n; j += kTileCols)
+    qk_tile_dots<NV, kTileCols>(s.qtb + v0 * kLanes, L, krows + j, d, s.sp + j * L + v0 * kLanes);
+  for (int v = v0; v < v0 + NV; ++v) {
+    softmax_rows(s, v, L, n, pos0, qp[v], ql[v], cap, masked);
+    pack_probs(s.pb, s.sp, L, v, n);
+  }
+  for (int c = 0; c < d; c += kTileCols)
+    pv_tile_dots<NV, kTileCols>(s.acc + c * L + v0 * kLanes, s.alpha + v0 * kLanes,
+                                s.pb + v0 * kLanes, L, s.vpair, d, (n + 1) / 2, c);
+}
+#endif
+
 // Walk the item's keys (rows R of s already loaded): online softmax into s.m / s.l / s.acc.
-template <typename T, int RV>
+// Dots: bfloat16 dot products (a bfloat16 pool on an AVX512-BF16 build; see kDots).
+template <typename T, int RV, bool Dots>
 void attend(Scratch& s, int R, int d, const T* k_head, const T* v_head, int64_t slot_stride,
             Keys keys, int32_t window, float cap) {
   constexpr int L = RV * kLanes;
+  static_assert(!Dots || (kDots && std::is_same_v<T, at::BFloat16>));
+#if defined(__AVX512BF16__)
+  if constexpr (Dots) pack_queries(s.qtb, s.qt, L, d);
+#endif
   // the key positions any row can see: skip the rest without reading them
   int64_t lo = std::numeric_limits<int64_t>::max(), hi = -1;
   // per row vector, its valid rows' positions: which key tiles it sees whole or not at all
@@ -464,11 +601,20 @@ void attend(Scratch& s, int R, int d, const T* k_head, const T* v_head, int64_t 
     }
     const float* krows[kTile + kTileCols];
     const float* vrows[kTile];
-    head_rows_f32(krows, s.kf, k_head, keys.slots + kb, n, d, slot_stride);
-    head_rows_f32(vrows, s.vfl, v_head, keys.slots + kb, n, d, slot_stride);
-    // whole register tiles of keys: the padding keys repeat the last row (their scores are
-    // computed, never read)
-    for (int j = n; j % kTileCols; ++j) krows[j] = krows[n - 1];
+    [[maybe_unused]] const T* kpool[kTile + kTileCols];
+    if constexpr (Dots) {
+      for (int j = 0; j < n; ++j) kpool[j] = k_head + keys.slots[kb + j] * slot_stride;
+      for (int j = n; j % kTileCols; ++j) kpool[j] = kpool[n - 1];
+#if defined(__AVX512BF16__)
+      pack_values(s.vpair, v_head, keys.slots + kb, n, d, slot_stride);
+#endif
+    } else {
+      head_rows_f32(krows, s.kf, k_head, keys.slots + kb, n, d, slot_stride);
+      head_rows_f32(vrows, s.vfl, v_head, keys.slots + kb, n, d, slot_stride);
+      // whole register tiles of keys: the padding keys repeat the last row (their scores are
+      // computed, never read)
+      for (int j = n; j % kTileCols; ++j) krows[j] = krows[n - 1];
+    }
     Seen seen[RV];
     for (int v = 0; v < RV; ++v) {
       if (vmax_[v] < 0 || pos0 > vmax_[v] || pos1 < vmin[v] - window + 1)
@@ -486,7 +632,14 @@ void attend(Scratch& s, int R, int d, const T* k_head, const T* v_head, int64_t 
         any |= seen[v] != Seen::kNone;
         all &= seen[v] == Seen::kAll;
       }
-      if (any) row_tile<NV, RV>(s, v0, krows, vrows, n, d, pos0, qp, ql, cap, !all);
+      if (!any) return;
+#if defined(__AVX512BF16__)
+      if constexpr (Dots) {
+        row_tile_dots<NV, RV>(s, v0, kpool, n, d, pos0, qp, ql, cap, !all);
+        return;
+      }
+#endif
+      row_tile<NV, RV>(s, v0, krows, vrows, n, d, pos0, qp, ql, cap, !all);
     };
     constexpr int full = RV / kTileRows * kTileRows;
     for (int v0 = 0; v0 < full; v0 += kTileRows)
@@ -500,12 +653,25 @@ void attend(Scratch& s, int R, int d, const T* k_head, const T* v_head, int64_t 
   std::memcpy(s.acc, s.qr, sizeof(float) * R * d);
 }
 
+// attend for R rows; dots: bfloat16 dot products where the build and the pool allow them
 template <typename T>
 void attend_rows(Scratch& s, int R, int d, const T* k_head, const T* v_head,
-                 int64_t slot_stride, Keys keys, int32_t window, float cap) {
+                 int64_t slot_stride, Keys keys, int32_t window, float cap, bool dots) {
+  if constexpr (kDots && std::is_same_v<T, at::BFloat16>) {
+    if (dots) {
+      switch (row_vectors(R)) {
+#define SGL_CASE(RV) \
+  case RV: return attend<T, RV, true>(s, R, d, k_head, v_head, slot_stride, keys, window, cap);
+        SGL_CASE(1) SGL_CASE(2) SGL_CASE(3) SGL_CASE(4) SGL_CASE(5) SGL_CASE(6) SGL_CASE(7)
+        SGL_CASE(8)
+#undef SGL_CASE
+        default: TORCH_CHECK(false, "paged_attention_cpu: too many rows per item: ", R);
+      }
+    }
+  }
   switch (row_vectors(R)) {
 #define SGL_CASE(RV) \
-  case RV: return attend<T, RV>(s, R, d, k_head, v_head, slot_stride, keys, window, cap);
+  case RV: return attend<T, RV, false>(s, R, d, k_head, v_head, slot_stride, keys, window, cap);
     SGL_CASE(1) SGL_CASE(2) SGL_CASE(3) SGL_CASE(4) SGL_CASE(5) SGL_CASE(6) SGL_CASE(7)
     SGL_CASE(8) SGL_CASE(9) SGL_CASE(10) SGL_CASE(11) SGL_CASE(12) SGL_CASE(13) SGL_CASE(14)
     SGL_CASE(15) SGL_CASE(16)
@@ -756,7 +922,7 @@ template <typename TQ, typename TKV>
 void extend_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                  const std::vector<at::Tensor>& slots, const std::vector<int64_t>& starts,
                  const std::vector<int64_t>& num_new, const std::vector<int64_t>& prefix_lens,
-                 double scale, int64_t window, double cap, at::Tensor& out) {
+                 double scale, int64_t window, double cap, bool dots, at::Tensor& out) {
   const int64_t H = q.size(1), d = q.size(2), kvh = k_pool.size(1), G = H / kvh;
   // query tokens per item: rows in whole register tiles when that keeps more than 3/4 of
   // kMaxRows (120 of 128 with AVX2, where a last tile of one row vector would run its loads at
@@ -794,7 +960,7 @@ void extend_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
     });
     Keys keys{slots[it.seq].template data_ptr<int64_t>(), 0, prefix + it.t1, 0};
     attend_rows<TKV>(s, R, d, kp + it.head * d, vp + it.head * d, kvh * d, keys,
-                   static_cast<int32_t>(window), static_cast<float>(cap));
+                     static_cast<int32_t>(window), static_cast<float>(cap), dots);
     for (int r = 0; r < R; ++r) {
       const float inv = s.l[r] > 0.0f ? 1.0f / s.l[r] : 0.0f;
       TQ* o = op + ((start + it.t0 + r / G) * H + it.head * G + r % G) * d;
@@ -806,7 +972,7 @@ void extend_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
 at::Tensor extend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                   const std::vector<at::Tensor>& slots, const std::vector<int64_t>& starts,
                   const std::vector<int64_t>& num_new, const std::vector<int64_t>& prefix_lens,
-                  double scale, int64_t window, double cap) {
+                  double scale, int64_t window, double cap, bool bf16_dots) {
   check_inputs(q, k_pool, v_pool);
   TORCH_CHECK(slots.size() == starts.size() && starts.size() == num_new.size() &&
                   num_new.size() == prefix_lens.size(),
@@ -815,7 +981,7 @@ at::Tensor extend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
   const int64_t w = window > 0 ? window : kNoWindow;
   dispatch_types(q, k_pool, [&](auto tq, auto tkv) {
     extend_impl<decltype(tq), decltype(tkv)>(q, k_pool, v_pool, slots, starts, num_new,
-                                             prefix_lens, scale, w, cap, out);
+                                             prefix_lens, scale, w, cap, bf16_dots, out);
   });
   return out;
 }
@@ -824,7 +990,7 @@ template <typename TQ, typename TKV>
 void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                  const at::Tensor& shared_slots, const at::Tensor& own_slots,
                  const at::Tensor& own_lo, const at::Tensor& own_hi, double scale,
-                 int64_t window, double cap, at::Tensor& out) {
+                 int64_t window, double cap, bool dots, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), d = q.size(2), kvh = k_pool.size(1);
   const int64_t G = H / kvh, Ls = shared_slots.numel();
   const int64_t* lo = own_lo.data_ptr<int64_t>();
@@ -904,7 +1070,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
       Keys keys = it.shared ? Keys{shared, it.k0, it.k1, 0}
                             : Keys{own + it.row0 * own_len, it.k0, it.k1, Ls};
       attend_rows<TKV>(s, R, d, kp + it.head * d, vp + it.head * d, kvh * d, keys,
-                     static_cast<int32_t>(window), static_cast<float>(cap));
+                       static_cast<int32_t>(window), static_cast<float>(cap), dots);
     }
     float* part = pp + it.part;
     for (int r = 0; r < R; ++r) {
@@ -955,7 +1121,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
 at::Tensor decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                   const at::Tensor& shared_slots, const at::Tensor& own_slots,
                   const at::Tensor& own_lo, const at::Tensor& own_hi, double scale,
-                  int64_t window, double cap) {
+                  int64_t window, double cap, bool bf16_dots) {
   check_inputs(q, k_pool, v_pool);
   const int64_t B = q.size(0);
   for (const at::Tensor* t : {&shared_slots, &own_slots, &own_lo, &own_hi})
@@ -968,7 +1134,7 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
   const int64_t w = window > 0 ? window : kNoWindow;
   dispatch_types(q, k_pool, [&](auto tq, auto tkv) {
     decode_impl<decltype(tq), decltype(tkv)>(q, k_pool, v_pool, shared_slots, own_slots,
-                                             own_lo, own_hi, scale, w, cap, out);
+                                             own_lo, own_hi, scale, w, cap, bf16_dots, out);
   });
   return out;
 }
@@ -979,4 +1145,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Fused paged attention for CPUs (sgl_tpu torch-cpu-fused backend)";
   m.def("extend", &extend, "EXTEND: packed new tokens of ragged sequences over the paged pool");
   m.def("decode", &decode, "DECODE: one query per sequence; shared prefix read once");
+  // whether bf16_dots can take effect (AVX512-BF16 build; a bfloat16 pool)
+  m.attr("bf16_dots") = kDots;
 }

@@ -5,7 +5,9 @@ calls, over the token-major pool.
     torch-sdpa        gathered pages into `scaled_dot_product_attention` / batched GEMMs (any
                       device)
     torch-cpu-fused   a compiled kernel walking the page table (CPU; the C++ source in
-                      kernels/csrc, built by `make install`)
+                      kernels/csrc, built by `make install`); over a bfloat16 KV cache on a
+                      CPU with AVX512-BF16 its products are bfloat16 pairs (`vdpbf16ps`)
+    torch-cpu-fused-f32  the same kernel with float32 products everywhere
     torch-invariant   `--enable-deterministic-inference`: one tiled path for EXTEND and DECODE
 
 Import-light (no torch until a loader runs), so the registry can resolve names in any process.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 logger = logging.getLogger(__name__)
 
@@ -48,15 +51,31 @@ def sdpa() -> AttentionBackend:
     return _backend("torch-sdpa", pa.extend_attention, pa.decode_attention, pa.DecodeBatch)
 
 
-def cpu_fused() -> AttentionBackend:
+def cpu_fused(name: str = "torch-cpu-fused", bf16_dots: bool = True) -> AttentionBackend:
     from sgl_tpu.backends.torch import paged_attention as pa
     from sgl_tpu.backends.torch.kernels import cpu_extension
 
     if cpu_extension.load() is None:
-        raise RuntimeError(f"attention_backend 'torch-cpu-fused': "
-                           f"{cpu_extension.why_unavailable()}")
-    return _backend("torch-cpu-fused", pa.fused_extend_attention, pa.fused_decode_attention,
+        raise RuntimeError(f"attention_backend {name!r}: {cpu_extension.why_unavailable()}")
+    return _backend(name, partial(pa.fused_extend_attention, bf16_dots=bf16_dots),
+                    partial(pa.fused_decode_attention, bf16_dots=bf16_dots),
                     pa.FusedDecodeBatch)
+
+
+def cpu_fused_f32() -> AttentionBackend:
+    return cpu_fused("torch-cpu-fused-f32", bf16_dots=False)
+
+
+def products(name: str, kv_dtype: str) -> str:
+    """The dtype attention `name` multiplies in over a KV cache of `kv_dtype` (/server_info):
+    "bfloat16" where torch-cpu-fused takes bfloat16 pairs, else "float32" (bfloat16 pools
+    are widened)."""
+    if name != "torch-cpu-fused" or kv_dtype != "bfloat16":
+        return "float32"
+    from sgl_tpu.backends.torch.kernels import cpu_extension
+
+    ext = cpu_extension.load()
+    return "bfloat16" if ext is not None and ext.bf16_dots else "float32"
 
 
 def invariant() -> AttentionBackend:
@@ -82,13 +101,12 @@ def default_attention(device_type: str | None) -> str:
 
 def check_attention(name: str, device_type: str | None) -> None:
     """ValueError when `name` cannot run here: `torch-cpu-fused` off a CPU, or not built."""
-    if name != "torch-cpu-fused":
+    if name not in ("torch-cpu-fused", "torch-cpu-fused-f32"):
         return
     if device_type not in (None, "cpu"):
-        raise ValueError(f"attention_backend 'torch-cpu-fused' runs on a CPU only, not "
+        raise ValueError(f"attention_backend {name!r} runs on a CPU only, not "
                          f"{device_type}; choose auto or torch-sdpa")
     from sgl_tpu.backends.torch.kernels import cpu_extension
 
     if cpu_extension.load() is None:
-        raise ValueError(f"attention_backend 'torch-cpu-fused': "
-                         f"{cpu_extension.why_unavailable()}")
+        raise ValueError(f"attention_backend {name!r}: {cpu_extension.why_unavailable()}")

@@ -286,26 +286,30 @@ def _fused_kernel():
 def fused_extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            seqs: list[ExtendSeq], scale: float,
                            sliding_window: int | None = None,
-                           logit_cap: float | None = None) -> torch.Tensor:
-    """q [T, H, d] packed new tokens -> attention output [T, H, d] (padding rows zero)."""
+                           logit_cap: float | None = None, bf16_dots: bool = True
+                           ) -> torch.Tensor:
+    """q [T, H, d] packed new tokens -> attention output [T, H, d] (padding rows zero).
+    `bf16_dots`: over a bfloat16 pool, on a CPU with AVX512-BF16, the row-tiled items take
+    their products in bfloat16 pairs (queries and probabilities rounded; sums in float32)."""
     if not _fused_takes(q, k_pool):
         return extend_attention(q, k_pool, v_pool, seqs, scale, sliding_window, logit_cap)
     return _fused_kernel().extend(
         q, k_pool, v_pool, [s.slots for s in seqs], [s.start for s in seqs],
         [s.num_new for s in seqs], [s.prefix_len for s in seqs], float(scale),
-        int(sliding_window or 0), float(logit_cap or 0.0))
+        int(sliding_window or 0), float(logit_cap or 0.0), bf16_dots)
 
 
 def fused_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            batch: FusedDecodeBatch, scale: float,
                            sliding_window: int | None = None,
-                           logit_cap: float | None = None) -> torch.Tensor:
-    """q [B, H, d], one token per sequence -> [B, H, d]."""
+                           logit_cap: float | None = None, bf16_dots: bool = True
+                           ) -> torch.Tensor:
+    """q [B, H, d], one token per sequence -> [B, H, d] (`bf16_dots` as for EXTEND)."""
     if not _fused_takes(q, k_pool):
         return decode_attention(q, k_pool, v_pool, batch, scale, sliding_window, logit_cap)
     return _fused_kernel().decode(q, k_pool, v_pool, batch.shared_slots, batch.slots,
                                   batch.own_lo, batch.own_hi, float(scale),
-                                  int(sliding_window or 0), float(logit_cap or 0.0))
+                                  int(sliding_window or 0), float(logit_cap or 0.0), bf16_dots)
 
 
 # torch-invariant: batch-invariant attention (`--enable-deterministic-inference`; see

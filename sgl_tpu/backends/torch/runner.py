@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from sgl_tpu.backends.torch import invariant_linear, kv_pages, sampler
+from sgl_tpu.backends.torch.attention import products as attention_products
 from sgl_tpu.backends.torch.compute_thread import ComputeThread
 from sgl_tpu.backends.torch.decode_state import row_uniforms
 from sgl_tpu.backends.torch.device import (
@@ -245,7 +246,10 @@ class TorchModelRunner:
         else:
             gemm = "oneDNN prepacked" if self.prepacked else "torch"
         info: dict[str, Any] = {"backend": "torch", "device": str(self.device),
-                                "dtype": self.config.dtype, "gemm": gemm}
+                                "dtype": self.config.dtype, "gemm": gemm,
+                                "attention": self.attn.name,
+                                "attention_products": attention_products(
+                                    self.attn.name, self.config.kv_dtype)}
         if self.quantization is not None:
             info["quantization"] = self.quantization.info()
         if self.device.type == "cpu":

@@ -84,12 +84,11 @@ _HELP = {
                          "gathered (pages gathered into a dense view, few large ops; GPUs), "
                          "pallas-interpret (the kernel interpreted on CPU; tests) for jax; "
                          "torch-sdpa, torch-cpu-fused (compiled CPU kernel, built by make "
-                         "install; bfloat16 products over a bfloat16 KV cache on "
-                         "AVX512-BF16 CPUs), torch-cpu-fused-f32 (float32 products) for "
-                         "torch; auto (pallas on TPU, gathered on GPU, ref "
-                         "elsewhere; torch-cpu-fused on CPU when built, else torch-sdpa); "
-                         "ref-invariant / torch-invariant: the batch-invariant "
-                         "kernels of --enable-deterministic-inference",
+                         "install), torch-cpu-fused-bf16 (the same, bfloat16 products over "
+                         "a bfloat16 KV cache on AVX512-BF16 CPUs) for torch; auto (pallas "
+                         "on TPU, gathered on GPU, ref elsewhere; torch-cpu-fused on CPU "
+                         "when built, else torch-sdpa); ref-invariant / torch-invariant: the "
+                         "batch-invariant kernels of --enable-deterministic-inference",
     "session_retention_s": "seconds a finished request with a session_id keeps its KV at "
                            "eviction priority for the agent's next turn (0 disables)",
     "radix_eviction_policy": "which unlocked KV the radix cache evicts first: lru, or priority "

@@ -41,9 +41,9 @@ DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
 DTYPE_IDS = ["float32", "bfloat16", "f32q-bf16kv", "f32q-fp8kv", "bf16q-fp8kv"]
 
 
-# torch-cpu-fused multiplies in bfloat16 pairs over a bfloat16 pool where the build has
-# AVX512-BF16 (queries and probabilities rounded); -f32 always in float32
-BACKENDS = ["torch-cpu-fused", "torch-cpu-fused-f32"]
+# torch-cpu-fused multiplies in float32; -bf16 in bfloat16 pairs over a bfloat16 pool where
+# the build has AVX512-BF16 (queries and probabilities rounded)
+BACKENDS = ["torch-cpu-fused", "torch-cpu-fused-bf16"]
 
 
 def fused(name: str = "torch-cpu-fused"):
@@ -295,7 +295,7 @@ def test_decode_shared_prefix_on_pages_of_16(dtype, window, cap, dots):
     out = cpu_extension.load().decode(
         q, pool.k, pool.v, shared, own, torch.zeros(len(own_lens), dtype=torch.int64),
         torch.tensor(own_lens), scale, window or 0, cap or 0.0, dots)
-    name = BACKENDS[0 if dots else 1]
+    name = BACKENDS[1 if dots else 0]
     for b, n in enumerate(own_lens):
         slots = torch.cat([shared, own[b, :n]])
         want = reference(q[b : b + 1], pool, slots, torch.tensor([len(slots) - 1]), scale,
@@ -304,9 +304,9 @@ def test_decode_shared_prefix_on_pages_of_16(dtype, window, cap, dots):
 
 
 @pytest.mark.skipif(not getattr(cpu_extension.load(), "bf16_dots", False),
-                    reason="this build has no AVX512-BF16: torch-cpu-fused multiplies in float32")
+                    reason="this build has no AVX512-BF16: bfloat16 products are not built")
 def test_bfloat16_products_round_only_queries_and_probabilities():
-    """Over a bfloat16 pool, torch-cpu-fused's row-tiled items (EXTEND; DECODE over a shared
+    """Over a bfloat16 pool, torch-cpu-fused-bf16's row-tiled items (EXTEND; DECODE over a shared
     prefix) multiply bfloat16 pairs: against the float64 reference of the queries rounded to
     bfloat16, what remains is the probabilities' rounding, at most 2^-8 of the largest |V|;
     and the results are not float32 products' (the path is taken)."""
@@ -320,8 +320,8 @@ def test_bfloat16_products_round_only_queries_and_probabilities():
                                                             prefix + new)))
         start += new
     q = torch.randn(start, KVH * G, d)
-    out = fused().extend_attention(q, pool.k, pool.v, seqs, scale)
-    f32 = fused("torch-cpu-fused-f32").extend_attention(q, pool.k, pool.v, seqs, scale)
+    out = fused("torch-cpu-fused-bf16").extend_attention(q, pool.k, pool.v, seqs, scale)
+    f32 = fused().extend_attention(q, pool.k, pool.v, seqs, scale)
     assert not torch.equal(out, f32)
     for s in seqs:
         rows = slice(s.start, s.start + s.num_new)
@@ -336,9 +336,8 @@ def test_bfloat16_products_round_only_queries_and_probabilities():
                      num_output_tokens=1) for n in (3, 11, 20)]
     batch = decode_batch(steps, len(steps), None, torch.float32)
     q = torch.randn(len(steps), KVH * G, d)
-    out = fused().decode_attention(q, pool.k, pool.v, batch, scale)
-    assert not torch.equal(out, fused("torch-cpu-fused-f32").decode_attention(
-        q, pool.k, pool.v, batch, scale))
+    out = fused("torch-cpu-fused-bf16").decode_attention(q, pool.k, pool.v, batch, scale)
+    assert not torch.equal(out, fused().decode_attention(q, pool.k, pool.v, batch, scale))
     for i, st in enumerate(steps):
         n = st.prefix_len + 1
         want = reference(q[i : i + 1].bfloat16(), pool, sdpa.context_slots(st.pages, PS, n),

@@ -139,9 +139,9 @@ def test_narrower_pool_of_a_float32_model(tmp_path, kv):
     write_kv, and the static decode step) over a bfloat16 or fp8 e5m2 pool: EXTEND logits
     within REL_TOL of the float32 pool's, and the backends with float32 products agree with
     each other to float32 rounding (they read the same rounded K/V), as do their greedy decode
-    tokens; the pool costs a half (a quarter) of float32's bytes per token. (torch-cpu-fused's
-    bfloat16 products, on AVX512-BF16 CPUs, round queries and probabilities too: only the
-    first bound holds for them.)"""
+    tokens; the pool costs a half (a quarter) of float32's bytes per token. (The bfloat16
+    products of torch-cpu-fused-bf16, on AVX512-BF16 CPUs, round queries and probabilities
+    too: only the first bound holds for them.)"""
     loaded = load_model(ck.make_tiny_hf_checkpoint(tmp_path / "m", "llama"))
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, loaded.config.vocab_size, n).tolist() for n in (30, 19, 26)]
@@ -152,9 +152,9 @@ def test_narrower_pool_of_a_float32_model(tmp_path, kv):
     runs = [("torch-sdpa", False, False), ("torch-invariant", False, False),
             ("torch-sdpa", False, True)]
     if FUSED:
-        runs += [("torch-cpu-fused-f32", False, False), ("torch-cpu-fused", False, False)]
+        runs += [("torch-cpu-fused", False, False), ("torch-cpu-fused-bf16", False, False)]
     if FUSED and LAYER_OPS:
-        runs.append(("torch-cpu-fused-f32", True, False))
+        runs.append(("torch-cpu-fused", True, False))
     first = None
     for attn, layer_ops, static in runs:
         runner = _runner(loaded, attn, kv, layer_ops, static)

@@ -32,9 +32,12 @@
 //             (sequence, kv head, chunk of its own keys): rows = the GQA group. Items write
 //             (max, sum, acc) partials, merged per (sequence, head) afterwards.
 //
-// Accumulation is float32 (scores, softmax, P @ V). q and out (TQ) float32 or bfloat16, the
-// pools (TKV) of q's dtype, or bfloat16 under float32 q (a bfloat16 KV cache of a float32
-// model), or fp8 e5m2 under either (`--kv-cache-dtype fp8_e5m2`: a quarter of float32's bytes).
+// Accumulation is float32 (scores, softmax, P @ V); products are float32 too, except over a
+// bfloat16 pool in an AVX512-BF16 build when the caller asks for bf16_dots: the row-tiled items
+// then multiply bfloat16 pairs (`vdpbf16ps`; see "bfloat16 dot products" below). q and out (TQ)
+// float32 or bfloat16, the pools (TKV) of q's dtype, or bfloat16 under float32 q (a bfloat16 KV
+// cache of a float32 model), or fp8 e5m2 under either (`--kv-cache-dtype fp8_e5m2`: a quarter
+// of float32's bytes).
 // Written with GCC/Clang vector extensions, one register wide (16 floats with AVX-512, else
 // 8): -march=native picks the widest, a portable build gets the baseline ISA's.
 
@@ -437,7 +440,8 @@ inline void pv_tile_dots(float* acc, const float* alpha, const uint32_t* pb, int
       in_register(p[u]);
     }
     for (int k = 0; k < NC; ++k) {
-      const __m512bh b = as_bh(_mm512_set1_epi32(static_cast<int>(vpair[t * d + c + k])));
+      const uint32_t pair = load_u32(vpair + t * d + c + k);
+      const __m512bh b = as_bh(_mm512_set1_epi32(static_cast<int>(pair)));
       for (int u = 0; u < NV; ++u) o[k][u] = _mm512_dpbf16_ps(o[k][u], b, p[u]);
     }
   }
@@ -474,7 +478,8 @@ inline void pack_values(uint32_t* vpair, const at::BFloat16* head, const int64_t
 inline void pack_probs(uint32_t* pb, const float* sp, int L, int v, int n) {
   for (int t = 0; 2 * t < n; ++t) {
     const vf hi = 2 * t + 1 < n ? loadf(sp + (2 * t + 1) * L + v * kLanes) : splat(0.0f);
-    _mm512_storeu_si512(pb + t * L + v * kLanes, pack_pairs(loadf(sp + 2 * t * L + v * kLanes), hi));
+    const vf lo = loadf(sp + 2 * t * L + v * kLanes);
+    _mm512_storeu_si512(pb + t * L + v * kLanes, pack_pairs(lo, hi));
   }
 }
 #else

@@ -23,8 +23,8 @@ loop is a long chain of small kernels); `pallas` is the Pallas TPU kernel (compi
 TPU only); `pallas-interpret` is the same kernel run in TPU interpret mode (CPU; slow, for
 tests). The torch backend's `torch-sdpa` gathers pages into `scaled_dot_product_attention` /
 batched GEMMs; `torch-cpu-fused` is a compiled kernel walking the page table (CPU only; built
-by `make install`; bfloat16 products over a bfloat16 KV cache where the CPU has AVX512-BF16),
-`torch-cpu-fused-f32` the same kernel with float32 products. `ref-invariant` and
+by `make install`), `torch-cpu-fused-bf16` the same kernel with bfloat16 products over a
+bfloat16 KV cache where the CPU has AVX512-BF16. `ref-invariant` and
 `torch-invariant` are the batch-invariant kernels of `--enable-deterministic-inference` (one
 tiled path for EXTEND and DECODE; sgl_tpu/executor/batch_invariant.py). `auto` is each
 backend's choice for the platform (`default_attention` of sgl_tpu/backends/{jax,torch}/
@@ -53,7 +53,7 @@ ATTENTION_BACKENDS: dict[str, AttentionSpec] = {
     "pallas-interpret": AttentionSpec("jax", "pallas_interpret"),
     "torch-sdpa": AttentionSpec("torch", "sdpa"),
     "torch-cpu-fused": AttentionSpec("torch", "cpu_fused"),
-    "torch-cpu-fused-f32": AttentionSpec("torch", "cpu_fused_f32"),
+    "torch-cpu-fused-bf16": AttentionSpec("torch", "cpu_fused_bf16"),
     # --enable-deterministic-inference: one tiled path for EXTEND and DECODE, per query row
     "ref-invariant": AttentionSpec("jax", "ref_invariant"),
     "torch-invariant": AttentionSpec("torch", "invariant"),

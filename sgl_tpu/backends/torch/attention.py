@@ -5,9 +5,9 @@ calls, over the token-major pool.
     torch-sdpa        gathered pages into `scaled_dot_product_attention` / batched GEMMs (any
                       device)
     torch-cpu-fused   a compiled kernel walking the page table (CPU; the C++ source in
-                      kernels/csrc, built by `make install`); over a bfloat16 KV cache on a
-                      CPU with AVX512-BF16 its products are bfloat16 pairs (`vdpbf16ps`)
-    torch-cpu-fused-f32  the same kernel with float32 products everywhere
+                      kernels/csrc, built by `make install`)
+    torch-cpu-fused-bf16  the same kernel, over a bfloat16 KV cache on a CPU with AVX512-BF16
+                      multiplying bfloat16 pairs (`vdpbf16ps`) in its row-tiled items
     torch-invariant   `--enable-deterministic-inference`: one tiled path for EXTEND and DECODE
 
 Import-light (no torch until a loader runs), so the registry can resolve names in any process.
@@ -51,7 +51,7 @@ def sdpa() -> AttentionBackend:
     return _backend("torch-sdpa", pa.extend_attention, pa.decode_attention, pa.DecodeBatch)
 
 
-def cpu_fused(name: str = "torch-cpu-fused", bf16_dots: bool = True) -> AttentionBackend:
+def cpu_fused(name: str = "torch-cpu-fused", bf16_dots: bool = False) -> AttentionBackend:
     from sgl_tpu.backends.torch import paged_attention as pa
     from sgl_tpu.backends.torch.kernels import cpu_extension
 
@@ -62,15 +62,15 @@ def cpu_fused(name: str = "torch-cpu-fused", bf16_dots: bool = True) -> Attentio
                     pa.FusedDecodeBatch)
 
 
-def cpu_fused_f32() -> AttentionBackend:
-    return cpu_fused("torch-cpu-fused-f32", bf16_dots=False)
+def cpu_fused_bf16() -> AttentionBackend:
+    return cpu_fused("torch-cpu-fused-bf16", bf16_dots=True)
 
 
 def products(name: str, kv_dtype: str) -> str:
     """The dtype attention `name` multiplies in over a KV cache of `kv_dtype` (/server_info):
-    "bfloat16" where torch-cpu-fused takes bfloat16 pairs, else "float32" (bfloat16 pools
-    are widened)."""
-    if name != "torch-cpu-fused" or kv_dtype != "bfloat16":
+    "bfloat16" where torch-cpu-fused-bf16 takes bfloat16 pairs, else "float32" (bfloat16
+    pools are widened)."""
+    if name != "torch-cpu-fused-bf16" or kv_dtype != "bfloat16":
         return "float32"
     from sgl_tpu.backends.torch.kernels import cpu_extension
 
@@ -101,7 +101,7 @@ def default_attention(device_type: str | None) -> str:
 
 def check_attention(name: str, device_type: str | None) -> None:
     """ValueError when `name` cannot run here: `torch-cpu-fused` off a CPU, or not built."""
-    if name not in ("torch-cpu-fused", "torch-cpu-fused-f32"):
+    if name not in ("torch-cpu-fused", "torch-cpu-fused-bf16"):
         return
     if device_type not in (None, "cpu"):
         raise ValueError(f"attention_backend {name!r} runs on a CPU only, not "

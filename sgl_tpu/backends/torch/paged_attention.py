@@ -286,7 +286,7 @@ def _fused_kernel():
 def fused_extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            seqs: list[ExtendSeq], scale: float,
                            sliding_window: int | None = None,
-                           logit_cap: float | None = None, bf16_dots: bool = True
+                           logit_cap: float | None = None, bf16_dots: bool = False
                            ) -> torch.Tensor:
     """q [T, H, d] packed new tokens -> attention output [T, H, d] (padding rows zero).
     `bf16_dots`: over a bfloat16 pool, on a CPU with AVX512-BF16, the row-tiled items take
@@ -302,7 +302,7 @@ def fused_extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
 def fused_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            batch: FusedDecodeBatch, scale: float,
                            sliding_window: int | None = None,
-                           logit_cap: float | None = None, bf16_dots: bool = True
+                           logit_cap: float | None = None, bf16_dots: bool = False
                            ) -> torch.Tensor:
     """q [B, H, d], one token per sequence -> [B, H, d] (`bf16_dots` as for EXTEND)."""
     if not _fused_takes(q, k_pool):

@@ -4,8 +4,8 @@
 * idle: no request waiting or running (polled for at most `timeout_s`: nothing hangs),
 * `check_integrity()` ok (page accounting and radix tree, run by `/server_info` when idle),
 * no KV page held by a request (`memory.num_pages_requests == 0`),
-* no program active or held by admission control (`programs`: every request's end reached its
-  program),
+* no program active or held by admission control (`programs` and `/metrics`: every request's
+  end reached its program),
 * and a small request is still answered correctly.
 """
 
@@ -48,9 +48,25 @@ def check_invariants(base_url: str, headers: dict[str, str], timeout_s: float = 
     programs = info.get("programs", {})
     if programs.get("num_active") or programs.get("num_held"):
         raise InvariantError(f"programs still active or held when idle: {programs}")
+    metrics = requests.get(base_url + "/metrics", headers=headers, timeout=10)
+    gauges = _gauges(metrics.text) if metrics.status_code == 200 else {}
+    if gauges.get("sglang:num_programs") != programs.get("num_programs") or any(
+            gauges.get(f"sglang:num_programs_{state}") for state in ("active", "held")):
+        raise InvariantError(f"/metrics ({metrics.status_code}) disagrees with /server_info "
+                             f"on programs: {gauges} against {programs}")
     r = requests.post(base_url + "/generate", headers=headers, timeout=60, json={
         "text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0,
                                              "ignore_eos": True}})
     if r.status_code != 200 or r.json()["meta_info"]["completion_tokens"] != 2:
         raise InvariantError(f"a small request failed: {r.status_code} {r.text[:200]}")
     return info
+
+
+def _gauges(text: str) -> dict[str, float]:
+    """`/metrics` samples named sglang:num_programs*, without labels (Prometheus text)."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("sglang:num_programs"):
+            name, _, value = line.rpartition(" ")
+            out[name.split("{")[0]] = float(value)
+    return out

@@ -3,8 +3,10 @@
 Every phase is bounded (a number of clients and requests, timeouts on every call) and returns
 counters; `check_invariants` then proves the server is back to a clean state:
 
-    load        C concurrent clients x R requests, mixing native / OpenAI completions / chat,
-                streaming / not, batches and n > 1; every answer must be a 200
+    load        C concurrent clients x R requests, mixing native / OpenAI completions / chat /
+                Anthropic messages, streaming / not, batches and n > 1, half of them turns of
+                a few agents (programs named by session_id, prompt_cache_key, program_id,
+                metadata.user_id or the X-SMG-Routing-Key header); every answer must be a 200
     disconnect  streams dropped after their first chunk, non-streaming calls cancelled, and
                 `/abort_request` for running requests; no 5xx, nothing left running
     exhaustion  (a server with a tiny KV pool) more concurrent long generations than the pool
@@ -74,12 +76,25 @@ async def _read_sse(resp: aiohttp.ClientResponse) -> list[Any]:
     return events
 
 
-def _mixed_request(rng: random.Random, max_tokens: int) -> tuple[str, dict[str, Any]]:
-    """One request of the load mix: (route, body)."""
+AGENTS = 6  # the programs the load mix's agent turns belong to
+ROUTING_HEADER = "X-SMG-Routing-Key"
+
+
+def _mixed_request(rng: random.Random, max_tokens: int
+                   ) -> tuple[str, dict[str, Any], dict[str, str]]:
+    """One request of the load mix: (route, body, extra headers). Half are an agent's turn,
+    naming its program the ways the request's API offers (docs/agents-at-scale.md)."""
     kind = rng.choice(["native", "native_stream", "native_batch", "native_n", "completion",
-                       "completion_stream", "chat", "chat_stream"])
+                       "completion_stream", "chat", "chat_stream", "messages",
+                       "messages_stream"])
     text = rng.choice(["Hello", "The capital of France is", "List three colours:",
                        "Write a haiku about rain."])
+    agent = f"agent-{rng.randrange(AGENTS)}" if rng.random() < 0.5 else None
+    headers: dict[str, str] = {}
+    if agent is not None and rng.random() < 0.25:
+        headers[ROUTING_HEADER] = agent
+        agent = None  # named by the header alone
+    stream = kind.endswith("_stream")
     greedy = {"temperature": 0, "max_new_tokens": max_tokens}
     if kind.startswith("native"):
         body: dict[str, Any] = {"text": text, "sampling_params": greedy}
@@ -89,16 +104,29 @@ def _mixed_request(rng: random.Random, max_tokens: int) -> tuple[str, dict[str, 
             body["text"] = [text, text + " Answer:"]
         elif kind == "native_n":
             body["sampling_params"] = {**greedy, "n": 2, "temperature": 0.7}
-        return "/generate", body
-    stream = kind.endswith("_stream")
+        if agent is not None:
+            body["session_id"] = agent
+        return "/generate", body, headers
+    if kind.startswith("messages"):
+        body = {"model": "m", "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+                "messages": [{"role": "user", "content": text}]}
+        if agent is not None:
+            body["metadata"] = {"user_id": agent}
+        return "/v1/messages", body, headers
     if kind.startswith("completion"):
-        return "/v1/completions", {"prompt": text, "max_tokens": max_tokens, "stream": stream}
-    return "/v1/chat/completions", {"messages": [{"role": "user", "content": text}],
-                                    "max_tokens": max_tokens, "stream": stream}
+        body = {"prompt": text, "max_tokens": max_tokens, "stream": stream}
+    else:
+        body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+                "stream": stream}
+    if agent is not None:
+        body[rng.choice(["prompt_cache_key", "program_id", "session_id"])] = agent
+    route = "/v1/completions" if kind.startswith("completion") else "/v1/chat/completions"
+    return route, body, headers
 
 
-async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> int:
-    async with session.post(url, json=body) as resp:
+async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
+                headers: dict[str, str] | None = None) -> int:
+    async with session.post(url, json=body, headers=headers) as resp:
         if body.get("stream") and resp.status == 200:
             events = await _read_sse(resp)
             if any("error" in e for e in events):
@@ -158,8 +186,8 @@ async def load_phase(base_url: str, headers: dict[str, str], *, clients: int,
     async def client(i: int, session: aiohttp.ClientSession) -> None:
         rng = random.Random(seed * 100_003 + i)
         for _ in range(requests_per_client):
-            route, body = _mixed_request(rng, max_tokens)
-            result.statuses[await _post(session, base_url + route, body)] += 1
+            route, body, extra = _mixed_request(rng, max_tokens)
+            result.statuses[await _post(session, base_url + route, body, extra)] += 1
             result.requests += 1
 
     async with _session(headers) as session:

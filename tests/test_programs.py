@@ -60,6 +60,37 @@ def test_service_states_and_ttl() -> None:
     assert progs.pause_window_s(prog) >= MIN_PAUSE_S
 
 
+def test_programs_found_done_after_a_pause_are_reported_once() -> None:
+    """`on_done` (the scheduler releases the program's session-hint pins): a program silent
+    past its pause window after at least one tool pause, once until it comes back; never one
+    that has not paused yet (its tool may simply be slow)."""
+    clock = Clock()
+    progs = Programs(ttl_s=600.0, capacity_tokens=1000, admission=False, clock=clock)
+    done: list[str] = []
+    progs.on_done = done.append
+
+    def turn(rid: str, key: str, then_s: float) -> None:
+        req = make_req(rid)
+        progs.arrive(req, key)
+        clock.now += 0.5
+        progs.finish(req)
+        clock.now += then_s
+
+    turn("a1", "agent-a", 2.0)  # a 2 s tool pause, then its last turn
+    turn("a2", "agent-a", 0.0)
+    turn("b1", "agent-b", 0.0)  # one turn, no pause yet
+    clock.now += 2 * 2.0 + 0.1  # agent-a silent for longer than twice its longest pause
+    progs.info()
+    assert done == ["agent-a"]
+    clock.now += 60.0
+    progs.info()
+    assert done == ["agent-a"]  # agent-b never paused: it keeps its pins' full time
+    turn("a3", "agent-a", 0.0)  # it came back (a long pause), then went silent again
+    clock.now += progs.pause_window_s(progs.table["agent-a"]) + 0.1
+    progs.info()
+    assert done == ["agent-a", "agent-a"]
+
+
 def test_program_policy_orders_by_program_then_priority() -> None:
     tree = RadixCache(PageAllocator(num_pages=16, page_size=PAGE))
     progs = Programs(ttl_s=60.0, capacity_tokens=10_000, admission=False)

@@ -226,6 +226,25 @@ def test_kv_manager_retains_finished_session_turns(disable):
         assert allocator.num_free_pages == allocator.num_usable_pages
 
 
+def test_a_done_program_releases_its_session_hint_pins():
+    """`release_hint` (a program found done): its hint pins end at once, another agent's stay,
+    and a shared prefix keeps the pin of the agent still pausing."""
+    clock, allocator, tree = make(page_size=4)
+    kv = KVManager(allocator, tree, session_retention_s=30)
+    shared = list(range(100, 108))  # 2 pages both agents' prompts start with
+    _run_and_release(kv, _req(shared + list(range(10, 22)), "agent-1"), retain=True)
+    _run_and_release(kv, _req(shared + list(range(30, 42)), "agent-2"), retain=True)
+    assert tree.retained_size() == 8 + 12 + 12
+    kv.retention.release_hint("agent-1")
+    assert tree.retained_size() == 8 + 12  # agent-2's path, the shared pages included
+    kv.retention.release_hint("agent-9")  # never seen: nothing to release
+    kv.retention.release_hint("agent-2")
+    assert tree.retained_size() == 0
+    kv.check([])
+    _run_and_release(kv, _req(shared + list(range(10, 22)), "agent-1"), retain=True)
+    assert tree.retained_size() == 8 + 12  # it came back: pinned again
+
+
 # ---- end to end: a real server with a KV pool too small for everyone ------------------------
 POOL_FLAGS = ("--skip-warmup", "--page-size", "16", "--max-total-tokens", "512",
               "--session-retention-s", "600")  # long: first calls compile (no warm-up)

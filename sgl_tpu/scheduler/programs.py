@@ -18,6 +18,9 @@ ones; tokens decoded; seconds with a request in the server) and its KV working s
 longest context of its requests (prompt + max_new_tokens), what keeps it resident. The pause
 window of a program is twice the longest tool pause it took (before its first pause, twice
 the mean pause of all programs), at least MIN_PAUSE_S: silent longer, it is taken as done.
+A program found done after at least one tool pause is reported to `on_done` (the scheduler
+releases its session-hint KV pins then, retention.py); one that never came back after a pause
+keeps its pins for `--session-retention-s`, since nothing tells how long its tool takes.
 
 Admission control (`Programs.admissible`, with `--schedule-policy program`): a new program's
 first turn is held while the expected working sets of the admitted active and paused programs
@@ -67,6 +70,7 @@ class Program:
     held_since: float | None = None  # its first turn is held by admission control
     max_pause_s: float = 0.0  # longest gap between one request's end and the next's arrival
     peak_recorded: bool = False  # its working set, once done, fed `Programs.expected_tokens`
+    done_reported: bool = False  # found done and reported to `Programs.on_done`
 
     @property
     def attained_tokens(self) -> int:
@@ -91,6 +95,9 @@ class Programs:
         self.num_held = 0  # programs ever held
         self.held_s = 0.0  # seconds held, summed over released programs
         self._next_expire = 0.0
+        # called with the key of each program found done after a tool pause (see the module
+        # docstring); at most once per program until it comes back
+        self.on_done: Callable[[str], None] | None = None
 
     @classmethod
     def for_scheduler(cls, config: SchedulerConfig, capacity_tokens: int) -> Programs:
@@ -110,7 +117,7 @@ class Programs:
             self.num_seen += 1
         elif not prog.in_flight:
             pause = now - prog.last_seen_s
-            prog.peak_recorded = False  # it came back: not done after all
+            prog.peak_recorded = prog.done_reported = False  # it came back: not done
             prog.max_pause_s = max(prog.max_pause_s, pause)
             self.mean_pause_s += PAUSE_EWMA * (pause - self.mean_pause_s)
         if not prog.in_flight:
@@ -164,11 +171,18 @@ class Programs:
         return "paused" if now - prog.last_seen_s <= self.pause_window_s(prog) else "idle"
 
     def expire(self, now: float) -> None:
-        """Forget programs idle for longer than the TTL (and the least recently seen idle ones
-        beyond MAX_PROGRAMS), so the table stays bounded."""
+        """Report programs found done to `on_done`; forget programs idle for longer than the
+        TTL (and the least recently seen idle ones beyond MAX_PROGRAMS), so the table stays
+        bounded."""
         if now < self._next_expire and len(self.table) <= MAX_PROGRAMS:
             return
         self._next_expire = now + EXPIRE_EVERY_S
+        if self.on_done is not None:
+            for prog in self.table.values():
+                if (not prog.done_reported and prog.max_pause_s > 0 and not prog.in_flight
+                        and self.state(prog, now) == "idle"):
+                    prog.done_reported = True
+                    self.on_done(prog.key)
         for key in [k for k, p in self.table.items()
                     if not p.in_flight and now - p.last_seen_s > self.ttl_s]:
             del self.table[key]

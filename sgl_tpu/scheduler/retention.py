@@ -8,7 +8,11 @@ traffic evict it before admission) and at the end of its turn on its whole store
                      session's id until the session closes or its TTL runs out (renewed by each
                      of its requests; `sessions.py`).
   session hint       it names a session that is not open (`session_id`, `session_params.id`,
-                     the routing header): a time-only pin of `--session-retention-s`.
+                     the routing header): a pin of `--session-retention-s`, owned by its
+                     program (`hint_owner`) and released early when the program table finds
+                     the program done (`release_hint`: silent for longer than twice the
+                     longest tool pause it took; programs.py), so finished agents' KV does
+                     not crowd out the agents still pausing on tools.
   retention_seconds  its own time-only pin, at most `--max-retention-s`.
   tool pause         (end of turn only) a turn that ends in tool calls: a time-only pin of
                      `--tool-pause-grace-s`, after which the KV is evicted the normal way
@@ -35,6 +39,11 @@ from sgl_tpu.scheduler.req import Req
 from sgl_tpu.scheduler.sessions import SessionTable
 
 MAX_REMEMBERED_TURNS = 4096  # finished tool-capable turns awaiting a possible ToolPauseReq
+
+
+def hint_owner(session_id: str) -> str:
+    """The pin owner of a session hint's KV (an open session's pins are owned by its id)."""
+    return f"hint\x00{session_id}"
 
 
 class Retention:
@@ -79,14 +88,20 @@ class Retention:
         self.num_tool_pauses += 1
         return True
 
+    def release_hint(self, session_id: str) -> None:
+        """The program `session_id` names is done: its session-hint pins end now (its KV is
+        evicted the normal way; other pins on the same nodes stay)."""
+        self.tree.unpin(hint_owner(session_id))
+
     def _pin(self, req: Req, node: TreeNode, retain_s: float) -> None:
         if node is self.tree.root:
             return
         deadline = None if self.sessions is None else self.sessions.renew(req.session_id)
         if deadline is not None:
             self.tree.pin(node, req.session_id, deadline)
-        elif req.session_id is not None:
-            retain_s = max(retain_s, self.session_retention_s)
+        elif req.session_id is not None and self.session_retention_s > 0:
+            self.tree.pin(node, hint_owner(req.session_id),
+                          self.tree.clock() + self.session_retention_s)
         retain_s = max(retain_s, min(req.retention_seconds, self.max_retention_s))
         if retain_s > 0:
             self.tree.retain(node, retain_s)

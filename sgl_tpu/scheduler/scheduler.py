@@ -114,6 +114,7 @@ class Scheduler:
         tiers = self.kv.tiers  # admission counts the pool and the host tier, in tokens
         host_tokens = 0 if tiers is None else tiers.host.capacity * self.kv.page_size
         self.programs = Programs.for_scheduler(config, self.kv.capacity_tokens + host_tokens)
+        self.programs.on_done = self.kv.retention.release_hint
         self.extend_planner = ExtendPlanner(config, self.kv, self.queues, self.stats,
                                             retract=self.memory.retract, priorities=priorities,
                                             programs=self.programs)

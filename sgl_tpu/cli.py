@@ -90,7 +90,9 @@ _HELP = {
                          "when built, else torch-sdpa); ref-invariant / torch-invariant: the "
                          "batch-invariant kernels of --enable-deterministic-inference",
     "session_retention_s": "seconds a finished request with a session_id keeps its KV at "
-                           "eviction priority for the agent's next turn (0 disables)",
+                           "eviction priority for the agent's next turn (0 disables); "
+                           "less once the scheduler finds its program done (silent for "
+                           "twice its longest tool pause)",
     "radix_eviction_policy": "which unlocked KV the radix cache evicts first: lru, or priority "
                              "(the requests' priority, lowest first, LRU within one); pinned "
                              "KV (sessions, retention_seconds, tool pauses) always goes last",

@@ -177,14 +177,17 @@ class Programs:
         if now < self._next_expire and len(self.table) <= MAX_PROGRAMS:
             return
         self._next_expire = now + EXPIRE_EVERY_S
-        if self.on_done is not None:
-            for prog in self.table.values():
-                if (not prog.done_reported and prog.max_pause_s > 0 and not prog.in_flight
-                        and self.state(prog, now) == "idle"):
-                    prog.done_reported = True
-                    self.on_done(prog.key)
-        for key in [k for k, p in self.table.items()
-                    if not p.in_flight and now - p.last_seen_s > self.ttl_s]:
+        forget = []
+        for key, prog in self.table.items():
+            if prog.in_flight:
+                continue
+            if (self.on_done is not None and not prog.done_reported and prog.max_pause_s > 0
+                    and self.state(prog, now) == "idle"):
+                prog.done_reported = True
+                self.on_done(key)
+            if now - prog.last_seen_s > self.ttl_s:
+                forget.append(key)
+        for key in forget:
             del self.table[key]
         if len(self.table) > MAX_PROGRAMS:
             idle = sorted((p for p in self.table.values() if not p.in_flight),

@@ -100,7 +100,8 @@ def default_attention(device_type: str | None) -> str:
 
 
 def check_attention(name: str, device_type: str | None) -> None:
-    """ValueError when `name` cannot run here: `torch-cpu-fused` off a CPU, or not built."""
+    """ValueError when `name` cannot run here: `torch-cpu-fused` (or -bf16) off a CPU, or not
+    built."""
     if name not in ("torch-cpu-fused", "torch-cpu-fused-bf16"):
         return
     if device_type not in (None, "cpu"):

@@ -10,7 +10,10 @@ slow.
     float32 and undo llama.cpp's +1 on the norms);
   * our SentencePiece tokenizer gives transformers' ids on a few hundred strings (whitespace
     runs, digits, Unicode, byte fallback, special tokens) and decodes them back;
-  * greedy decoding of 32 tokens equals transformers' `generate`, float32, on both backends.
+  * greedy decoding of 32 tokens equals transformers' `generate`, float32, on both backends;
+  * the file's Q5_0, Q4_K and Q8_0 projections and its Q8_0 head, served as stored
+    (`--quantization gguf`), dequantize to the loader's weights bit for bit, and greedy
+    decoding on them still equals transformers'.
 """
 
 from __future__ import annotations
@@ -110,13 +113,13 @@ def test_tokenizer_matches_transformers(ours, gguf_path):
     assert tok.eos_token_ids == (1,) and tok.chat_template is None
 
 
-def _runner(loaded, backend: str):
+def _runner(loaded, backend: str, **kwargs):
     from sgl_tpu.config import ServerArgs
     from sgl_tpu.executor.registry import create_model_runner, runner_config
 
     args = ServerArgs(backend=backend, dtype="float32", torch_compile="off", skip_warmup=True,
                       page_size=16, max_total_tokens=1024, max_running_requests=4,
-                      chunked_prefill_size=256)
+                      chunked_prefill_size=256, **kwargs)
     return create_model_runner(loaded.config, loaded.params, runner_config(args, 1024))
 
 
@@ -162,4 +165,36 @@ def test_greedy_output_matches_transformers(ours, hf_greedy, backend):
         got = _greedy_ours(runner, ours.tokenizer.encode(prompt))
         if len(want) < NEW_TOKENS:  # transformers stopped at an eos; we do not stop here
             got = got[: len(want)]
+        assert got == want, (prompt, ours.tokenizer.decode(got), ours.tokenizer.decode(want))
+
+
+def test_block_projections_equal_the_loaded_weights(ours, gguf_path):
+    """Every projection but the Q6_K ffn_down of half the layers (no exact form) is served as
+    stored: Q5_0 q/k/v/gate/up and Q8_0 v as int8 codes, Q4_K o/down as int4 groups of 32."""
+    from sgl_tpu.backends.torch.quantize import _fused_param
+    from sgl_tpu.quantization.blocks import Int4Groups, Int8Groups
+    from sgl_tpu.quantization.gguf_weights import HEAD, read_gguf_quantized
+
+    mats = read_gguf_quantized(gguf_path, ours.config)
+    head = mats.pop(HEAD)
+    assert isinstance(head, Int8Groups)
+    np.testing.assert_array_equal(head.dequantize(), ours.params["embed"])
+    layers = ours.config.num_layers
+    assert sum(k.endswith(".w_down") for k in mats) == layers // 2
+    assert len(mats) == 3 * layers + layers // 2
+    for key, m in mats.items():
+        fused = key.split(".")[-1]
+        assert isinstance(m, Int4Groups if fused in ("wo", "w_down") else Int8Groups), key
+        np.testing.assert_array_equal(m.dequantize(), _fused_param(ours.params, key), key)
+
+
+def test_greedy_on_the_stored_blocks_matches_transformers(ours, hf_greedy):
+    """--quantization gguf (float32 block kernels: only the summation order differs from the
+    dense path) decodes transformers' greedy tokens, and reports what it serves."""
+    runner = _runner(ours, "torch", model_path=NAME, quantization="gguf")
+    report = runner.quantization
+    assert report.method == "gguf" and report.quantized == 3 * 18 + 9 and report.head
+    for prompt in PROMPTS:
+        want = hf_greedy[prompt]
+        got = _greedy_ours(runner, ours.tokenizer.encode(prompt))[: len(want)]
         assert got == want, (prompt, ours.tokenizer.decode(got), ours.tokenizer.decode(want))

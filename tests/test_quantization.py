@@ -41,7 +41,7 @@ from sgl_tpu.backends.torch.quant_linear import (  # noqa: E402
 from sgl_tpu.quantization.gguf_tensors import read_gguf_tensors  # noqa: E402
 from sgl_tpu.quantization.gguf_weights import read_gguf_quantized  # noqa: E402
 
-BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")
 
 
 def _weights(n: int = 48, k: int = 96, seed: int = 0) -> np.ndarray:
@@ -59,6 +59,36 @@ def test_gguf_blocks_decode_bit_exact(type_name):
     np.testing.assert_array_equal(m.dequantize(), gguf.quants.dequantize(raw, qtype))
     if isinstance(m, Int4Groups):
         assert m.q.max() <= 15
+
+
+def _q4_k_blocks(rng: np.random.Generator, n: int, k: int, d: float, dmin: float) -> np.ndarray:
+    """Random Q4_K super-blocks u8[n, k/256 * 144]: every scale, minimum and code byte random,
+    d and dmin float16 around the given sizes (gguf-py cannot quantize K-quants)."""
+    nb = k // 256
+    blocks = rng.integers(0, 256, size=(n, nb, 144), dtype=np.uint8)
+    for at, size in ((0, d), (2, dmin)):
+        halves = (size * rng.uniform(0.5, 1.0, (n, nb))).astype(np.float16)
+        blocks[..., at:at + 2] = halves[..., None].view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def test_q4_k_decodes_bit_exact_or_refuses():
+    """Q4_K as int4 groups of 32: bit for bit ggml's (gguf-py's) dequantization for blocks whose
+    step and minimum are of one size; a block whose zero point would round is refused."""
+    rng = np.random.default_rng(0)
+    q4_k = gguf.GGMLQuantizationType.Q4_K
+    raw = _q4_k_blocks(rng, 16, 512, d=0.01, dmin=0.02)
+    m = decode_gguf_blocks("Q4_K", raw, 512)
+    assert isinstance(m, Int4Groups) and m.scale.shape == (16, 16) and m.q.max() <= 15
+    np.testing.assert_array_equal(m.dequantize(),
+                                  gguf.quants.dequantize(raw, q4_k).reshape(16, 512))
+    # d = 1 against dmin = 3 * 2^-24 (a float16 subnormal): 8 d sc - dmin mn does not fit
+    # float32's 24 bits
+    skewed = _q4_k_blocks(rng, 16, 256, d=1.0, dmin=0.0)
+    skewed[:, 0:2] = np.array([1.0], np.float16).view(np.uint8)
+    skewed[:, 2:4] = np.array([3 * 2.0**-24], np.float16).view(np.uint8)
+    with pytest.raises(ValueError, match="no exact int4 form"):
+        decode_gguf_blocks("Q4_K", skewed, 256)
 
 
 @pytest.mark.parametrize("type_name", ("Q4_0", "Q4_1"))

@@ -140,11 +140,13 @@ def _speculation(args: ServerArgs, backend: str, overlap_schedule: bool
 def _is_gguf_checkpoint(model_path: str | None) -> bool:
     if model_path is None:
         return True  # the default model (loader/default_model.py)
-    from pathlib import Path
-
+    from sgl_tpu.loader import resolve_model_path
     from sgl_tpu.loader.gguf_loader import is_gguf_file
 
-    path = Path(model_path).expanduser()
+    try:
+        path = resolve_model_path(model_path)  # a packaged model's name: its file
+    except FileNotFoundError:  # its wheel is missing: loading the model says so
+        return False
     return path.is_file() and is_gguf_file(path)
 
 

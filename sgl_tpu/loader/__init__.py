@@ -20,14 +20,21 @@ from sgl_tpu.loader.packaged_models import PACKAGED_MODELS, packaged_model_path
 from sgl_tpu.loader.tokenizer import Tokenizer
 
 __all__ = ["LoadedModel", "Params", "Tokenizer", "default_model_path", "load_model",
-           "load_tokenizer"]
+           "load_tokenizer", "resolve_model_path"]
+
+
+def resolve_model_path(model_path: str | None) -> Path:
+    """The file or directory `model_path` names: None is the default model, a packaged model's
+    name (not an existing path) its assembled file."""
+    path = Path(model_path if model_path is not None else default_model_path()).expanduser()
+    if not path.exists() and model_path in PACKAGED_MODELS:
+        path = Path(packaged_model_path(model_path))
+    return path
 
 
 def load_model(model_path: str | None) -> LoadedModel:
     """Load weights, config and tokenizer from `model_path` (None: the default model)."""
-    path = Path(model_path if model_path is not None else default_model_path()).expanduser()
-    if not path.exists() and model_path in PACKAGED_MODELS:
-        path = Path(packaged_model_path(model_path))
+    path = resolve_model_path(model_path)
     if not path.exists():
         raise FileNotFoundError(f"model path does not exist: {path}")
     if path.is_dir():

@@ -2,10 +2,11 @@
 of `auto`. Import-light: numpy-free, no torch, no JAX.
 
     none  every weight dequantized to --dtype at load (GGUF blocks included): today's path
-    gguf  a GGUF's Q4_0 / Q4_1 projection blocks served as stored by an int4 group-32 kernel,
-          an exact re-encoding (quantization/blocks.py). With float32 activations the compiled
-          block kernels (backends/torch/kernels/quant_gemm_cpu.py) also serve a Q8_0 vocabulary
-          head; with bfloat16 (torch's int4 op) Q8_0 and float tensors are dequantized
+    gguf  a GGUF's Q4_0 / Q4_1 / Q4_K projection blocks served as stored by an int4 group-32
+          kernel, an exact re-encoding (quantization/blocks.py). With float32 activations the
+          compiled block kernels (backends/torch/kernels/quant_gemm_cpu.py) also serve Q5_0 and
+          Q8_0 blocks (as int8 codes) and a Q8_0 vocabulary head; with bfloat16 (torch's int4
+          op) the 8-bit formats and float tensors are dequantized
     gguf-a8  float32 activations only (CPUs without AMX): the same GGUF blocks as stored,
           the activations quantized to int8 per 32 values (llama.cpp's CPU math: integer block
           dots), opt-in: faster than gguf, not exact (a new activation rounding error)
@@ -15,7 +16,7 @@ of `auto`. Import-light: numpy-free, no torch, no JAX.
           quantization error)
     auto  gguf where the method runs (torch backend, CPU, eager), wins (bfloat16 activations, or
           float32 with the compiled block kernels built) and the loaded weights are a GGUF's
-          Q4_x blocks (the runner checks the file against the weights it was given), else
+          blocks (the runner checks the file against the weights it was given), else
           none; the start-up log names the choice
 
 Projections (q/k/v, o, gate/up, down) and, with float32 activations, a block-format vocabulary
@@ -37,7 +38,8 @@ class QuantizationMethod:
 
 QUANTIZATION_METHODS: dict[str, QuantizationMethod] = {
     "none": QuantizationMethod("dense weights in --dtype", ("jax", "torch")),
-    "gguf": QuantizationMethod("the GGUF's Q4_0/Q4_1 (and, float32, Q8_0 head) blocks as stored",
+    "gguf": QuantizationMethod("the GGUF's Q4_0/Q4_1/Q4_K (and, float32, Q5_0/Q8_0 and a Q8_0 "
+                               "head) blocks as stored",
                                ("torch",), needs_gguf=True),
     "gguf-a8": QuantizationMethod("the GGUF's blocks as stored, activations quantized to int8 "
                                   "per 32 values (llama.cpp's CPU math), float32 only",

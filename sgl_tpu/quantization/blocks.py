@@ -10,15 +10,25 @@ G = 32 (the group / block length along K).
     Int8Groups   q i8[N, K], scale f32[N, K/G]           w = q * scale[n, k // G]
     Int8Channels q i8[N, K], scale f32[N]                w = q * scale[n]
 
-GGUF blocks (ggml's layouts; each block holds G = 32 weights of one row, d and m are float16,
-weight j of a block is the low nibble of qs[j] for j < 16 and the high nibble of qs[j - 16]):
+GGUF blocks (ggml's layouts; a block holds 32 weights of one row, or 256 for the K-quant
+Q4_K; d and m are float16; weight j of a 32-weight block is the low nibble of qs[j] for j < 16
+and the high nibble of qs[j - 16]):
 
     Q4_0  [d | qs 16 B]          w = d * (q - 8)   -> Int4Groups(scale d, zero 0)
     Q4_1  [d | m | qs 16 B]      w = d * q + m     -> Int4Groups(scale d, zero m + 8 d)
+    Q5_0  [d | qh 4 B | qs 16 B] w = d * (q - 16)  -> Int8Groups(scale d), codes q - 16
+          q = the nibble of qs plus bit j of qh (little-endian u32) as its fifth bit
     Q8_0  [d | qs i8 x 32]       w = d * q         -> Int8Groups(scale d)
+    Q4_K  [d | dmin | scales 12 B | qs 128 B], 8 groups of 32: 6-bit sc[g] and mn[g] packed
+          in `scales`, group 2c the low nibbles of qs[32 c : 32 c + 32], group 2c + 1 the high
+          w = (d sc[g]) * q - dmin mn[g] -> Int4Groups(scale d sc, zero 8 d sc - dmin mn)
 
 The mappings are exact: d and m are float16 values, so scale, zero (m + 8 d, whose terms lie
 within 2^13 of each other for any real block) and every (q - 8) * d are exact in float32.
+Q4_K's scale d sc (17 significant bits) and every (q - 8) * scale are exact too; its zero is
+exact where d sc and dmin mn lie within 2^7 of each other, which real blocks do (a group's
+minimum and step are of one size). A block where it is not has no exact form: decoding checks
+the whole matrix against ggml's formula and raises ValueError (the projection stays dense).
 """
 
 from __future__ import annotations
@@ -29,8 +39,10 @@ import numpy as np
 
 GROUP = 32
 
-# GGML type name -> (bytes per block of GROUP weights)
-GGUF_BLOCK_BYTES = {"Q4_0": 2 + 16, "Q4_1": 2 + 2 + 16, "Q8_0": 2 + 32}
+# GGML type name -> (weights per block, bytes per block), for the types with a quantized form
+GGUF_BLOCKS = {"Q4_0": (GROUP, 2 + 16), "Q4_1": (GROUP, 2 + 2 + 16),
+               "Q5_0": (GROUP, 2 + 4 + 16), "Q8_0": (GROUP, 2 + 32),
+               "Q4_K": (8 * GROUP, 2 + 2 + 12 + 128)}
 
 
 @dataclass(frozen=True, eq=False)
@@ -109,23 +121,61 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0xF, qs >> 4], axis=-1)
 
 
+def _half(b: np.ndarray) -> np.ndarray:
+    """u8[..., 2] float16 fields -> f32[...]."""
+    return b.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _q5_0_codes(blocks: np.ndarray) -> np.ndarray:
+    """Q5_0 blocks u8[N, nb, 22] -> int8 codes q - 16, [N, nb, 32]."""
+    qh = blocks[..., 2:6].copy().view("<u4")  # [N, nb, 1]
+    high = ((qh >> np.arange(GROUP, dtype=np.uint32)) & 1).astype(np.uint8)  # fifth bits
+    return (_nibbles(blocks[..., 6:]) | (high << 4)).astype(np.int8) - 16
+
+
+def _q4_k(blocks: np.ndarray, n: int, num_cols: int) -> Int4Groups:
+    """Q4_K super-blocks u8[N, nb, 144] -> Int4Groups of 32 (module doc)."""
+    d, dmin = _half(blocks[..., 0:2]), _half(blocks[..., 2:4])  # [N, nb]
+    s = blocks[..., 4:16]
+    # ggml's get_scale_min_k4: groups 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7
+    # (mins); groups 4-7 from the nibbles of bytes 8-11 plus those bytes' top 2 bits
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)], -1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    scale = (d[..., None] * sc).reshape(n, -1)  # [N, K/G]
+    minimum = (dmin[..., None] * mn).reshape(n, -1)
+    qs = blocks[..., 16:].reshape(n, -1, 4, GROUP)  # [N, nb, chunk, 32]
+    q = np.stack([qs & 0xF, qs >> 4], axis=-2).reshape(n, num_cols)
+    out = Int4Groups(q, scale, 8 * scale - minimum)
+    ggml = q.astype(np.float32) * np.repeat(scale, GROUP, axis=1) - np.repeat(minimum, GROUP, 1)
+    if not np.array_equal(out.dequantize(), ggml):
+        raise ValueError("Q4_K blocks whose scale and minimum differ too much in size have no "
+                         "exact int4 form")
+    return out
+
+
 def decode_gguf_blocks(type_name: str, data: np.ndarray, num_cols: int) -> QuantizedMatrix:
-    """Raw GGUF tensor bytes u8[N, K/G * block bytes] of `type_name` -> its exact quantized
-    form. ValueError for a type without one."""
-    if type_name not in GGUF_BLOCK_BYTES:
+    """Raw GGUF tensor bytes u8[N, K / block weights * block bytes] of `type_name` -> its exact
+    quantized form. ValueError for a type or a block without one."""
+    if type_name not in GGUF_BLOCKS:
         raise ValueError(f"no quantized form for GGUF type {type_name}")
-    if num_cols % GROUP:
-        raise ValueError(f"{type_name} row length {num_cols} is not a multiple of {GROUP}")
+    block_weights, block_bytes = GGUF_BLOCKS[type_name]
+    if num_cols % block_weights:
+        raise ValueError(f"{type_name} row length {num_cols} is not a multiple of "
+                         f"{block_weights}")
     n = data.shape[0]
-    blocks = np.ascontiguousarray(data).reshape(n, num_cols // GROUP, GGUF_BLOCK_BYTES[type_name])
-    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/G]
+    blocks = np.ascontiguousarray(data).reshape(n, num_cols // block_weights, block_bytes)
+    if type_name == "Q4_K":
+        return _q4_k(blocks, n, num_cols)
+    d = _half(blocks[..., :2])  # [N, K/G]
     if type_name == "Q8_0":
         q = blocks[..., 2:].copy().view(np.int8).reshape(n, num_cols)
         return Int8Groups(q, d)
+    if type_name == "Q5_0":
+        return Int8Groups(_q5_0_codes(blocks).reshape(n, num_cols), d)
     if type_name == "Q4_0":
         q = _nibbles(blocks[..., 2:]).reshape(n, num_cols)
         return Int4Groups(q, d, np.zeros_like(d))
-    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = _half(blocks[..., 2:4])
     q = _nibbles(blocks[..., 4:]).reshape(n, num_cols)
     return Int4Groups(q, d, m + 8 * d)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 # GGML type id -> name, for the types this package has an exact quantized form of
-GGML_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+GGML_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K"}
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
 _ALIGNMENT_KEY = "general.alignment"
@@ -78,7 +78,7 @@ class _Cursor:
 
 
 def _tensor_bytes(type_id: int, dims: tuple[int, ...]) -> int:
-    from sgl_tpu.quantization.blocks import GGUF_BLOCK_BYTES, GROUP
+    from sgl_tpu.quantization.blocks import GGUF_BLOCKS
 
     count = int(np.prod(dims))
     name = GGML_TYPE_NAMES.get(type_id)
@@ -86,8 +86,9 @@ def _tensor_bytes(type_id: int, dims: tuple[int, ...]) -> int:
         return 4 * count
     if name == "F16":
         return 2 * count
-    if name in GGUF_BLOCK_BYTES:
-        return count // GROUP * GGUF_BLOCK_BYTES[name]
+    if name in GGUF_BLOCKS:
+        block_weights, block_bytes = GGUF_BLOCKS[name]
+        return count // block_weights * block_bytes
     return 0  # a type without a quantized form here: its bytes are not needed
 
 

@@ -9,7 +9,8 @@ of the fused torch weights (the dense loader dequantizes the same tensors; see l
      "layers.{i}.w_down", "lm_head": output (or token_embd when the head is tied) [V, D]}
 
 A projection whose parts are not all in a block format with an exact quantized form (float
-tensors, K-quants, or Q8_0 next to Q4_x in one fused matrix) is left out: it stays dense.
+tensors, K-quants but Q4_K, or an 8-bit format (Q8_0, Q5_0) next to a 4-bit one in one fused
+matrix) is left out: it stays dense.
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ from sgl_tpu.loader.gguf_loader import unpermute_qk
 from sgl_tpu.models.config import ModelConfig
 from sgl_tpu.models.registry import get_model_spec
 from sgl_tpu.quantization.blocks import (
-    GGUF_BLOCK_BYTES,
+    GGUF_BLOCKS,
     QuantizedMatrix,
     concat_rows,
     decode_gguf_blocks,
     rows,
 )
-from sgl_tpu.quantization.gguf_tensors import read_gguf_tensors
+from sgl_tpu.quantization.gguf_tensors import GGUFTensor, read_gguf_tensors
 
 HEAD = "lm_head"  # the vocabulary head's key (a [V, D] matrix like the torch weight)
 
@@ -52,9 +53,9 @@ def read_gguf_quantized(path: str | Path, cfg: ModelConfig) -> dict[str, Quantiz
             mats = []
             for part in parts:
                 t = tensors.get(f"blk.{i}.{part}.weight")
-                if t is None or t.type_name not in GGUF_BLOCK_BYTES:
+                m = _decoded(t)
+                if m is None:
                     break
-                m = decode_gguf_blocks(t.type_name, t.rows(), t.dims[0])
                 if permuted and part in heads:
                     m = rows(m, unpermute_qk(np.arange(t.dims[1]), heads[part]))
                 mats.append(m)
@@ -63,6 +64,17 @@ def read_gguf_quantized(path: str | Path, cfg: ModelConfig) -> dict[str, Quantiz
                 if stacked is not None:
                     out[f"layers.{i}.{fused}"] = stacked
     head = tensors.get("output.weight", tensors.get("token_embd.weight"))
-    if head is not None and head.type_name in GGUF_BLOCK_BYTES:
-        out[HEAD] = decode_gguf_blocks(head.type_name, head.rows(), head.dims[0])
+    if (m := _decoded(head)) is not None:
+        out[HEAD] = m
     return out
+
+
+def _decoded(t: GGUFTensor | None) -> QuantizedMatrix | None:
+    """A tensor's exact quantized form; None for a float tensor, another type, or blocks
+    without one (blocks.py)."""
+    if t is None or t.type_name not in GGUF_BLOCKS:
+        return None
+    try:
+        return decode_gguf_blocks(t.type_name, t.rows(), t.dims[0])
+    except ValueError:
+        return None

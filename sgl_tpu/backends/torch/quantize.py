@@ -81,7 +81,7 @@ def _gguf_mismatch(matrices: dict[str, QuantizedMatrix], params: dict) -> str | 
     """Why the file's blocks are not the runner's weights (None if they are): every shape, and
     the values of the first and last projection (decoding is bit-exact, see blocks.py)."""
     if not matrices:
-        return "the file has no Q4_0/Q4_1 projections"
+        return "the file has no projections in a block format with an exact quantized form"
     keys, expected = sorted(matrices), params_keys(params)
     for key in keys:
         if key not in expected or matrices[key].q.shape != _fused_shape(params, key):
@@ -111,10 +111,10 @@ def quantized_matrices(method: str, params: dict, cfg: ModelConfig, model_path: 
     (else the head stays dense; the check dequantizes the whole head, so it runs only when
     asked)."""
     if method in ("gguf", "gguf-a8", "auto"):
-        from sgl_tpu.loader import default_model_path
+        from sgl_tpu.loader import resolve_model_path
         from sgl_tpu.quantization.gguf_weights import read_gguf_quantized
 
-        path = model_path or default_model_path()
+        path = resolve_model_path(model_path)
         head = None
         try:
             matrices = read_gguf_quantized(path, cfg)

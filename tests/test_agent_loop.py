@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import time
@@ -100,6 +101,19 @@ def test_workload_shapes():
         WorkloadConfig(turns=0)
     with pytest.raises(ValueError):
         make_workload("nope", SMALL, 0)
+
+
+def test_long_react_observations_grow_the_context():
+    """Observations of observation_tokens to twice that, drawn per turn: the context of turn t
+    holds t of them."""
+    cfg = dataclasses.replace(SMALL, turns=6, observation_tokens=200)
+    long = make_workload("long-react", cfg, 0)
+    short = make_workload("react", cfg, 0)
+    assert len({p.system for p in long}) == 1 and all(len(p.steps) == 6 for p in long)
+    sizes = [len(s.user) for p in long for s in p.steps[1:]]
+    base = [len(s.user) for p in short for s in p.steps[1:]]
+    assert min(sizes) >= min(base) * 0.8 and max(sizes) > 1.4 * max(base)
+    assert len(set(sizes)) > 1
 
 
 def test_private_agents_and_the_agent_sweep():
@@ -465,6 +479,14 @@ def test_metrics_from_recorded_trace():
     assert s["latency_s"]["mean"] == pytest.approx(0.9)
     assert s["cached_tokens"] == 200 and s["cache_hit_rate"] == pytest.approx(0.8)
     assert s["errors"] == ["HTTP 503: down"]
+    # per turn: program a's two turns (b's failed request counts nowhere)
+    first, second = s["by_turn"]
+    assert (first["turn"], first["requests"], first["prompt_tokens_mean"]) == (0, 1, 100)
+    assert first["cache_hit_rate"] == pytest.approx(0.6)
+    assert second["cache_hit_rate"] == pytest.approx(140 / 150)
+    assert first["ttft_s_p50"] == pytest.approx(0.5) and second["ttft_s_p50"] == pytest.approx(0.3)
+    assert first["itl_s_p50"] == pytest.approx(0.3)  # [0.2, 0.3, 0.3]
+    assert second["itl_s_p50"] == pytest.approx(0.1)
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
 
 

@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None)
     p.add_argument("--model-path", default=None,
                    help="model for launched servers and the tokenizer (default: default model)")
+    p.add_argument("--chat-template", default=None,
+                   help="as the server's flag, for a base model: renders the prompts of "
+                        "--api native/openai-completions and is passed to launched servers")
     w = p.add_argument_group("workloads")
     w.add_argument("--workloads", nargs="+", default=["react"], metavar="NAME[:k=v,...]",
                    help=f"from {', '.join(WORKLOADS)}; overrides per workload, "
@@ -342,8 +345,9 @@ def main(argv: list[str] | None = None) -> None:
     workloads = sweep([parse_workload(item, base) for item in args.workloads],
                       args.sweep_agents)
     from sgl_tpu.loader import load_tokenizer
+    from sgl_tpu.loader.chat_templates import with_chat_template
 
-    tokenizer = load_tokenizer(args.model_path)
+    tokenizer = with_chat_template(load_tokenizer(args.model_path), args.chat_template)
 
     def count_tokens(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
@@ -363,7 +367,7 @@ def main(argv: list[str] | None = None) -> None:
     for spec in specs:
         runs = results["runs"].setdefault(spec.name, {})
         try:
-            with RunningTarget(spec, args.model_path, log_dir) as target:
+            with RunningTarget(spec, args.model_path, log_dir, args.chat_template) as target:
                 for label, name, cfg in workloads:
                     warm_cfg = warmup_config(cfg, args.warmup_programs)
                     if warm_cfg is not None:

@@ -17,6 +17,10 @@ Definitions:
                     cached_tokens (None when none did)
   valid_tool_call_share  calls whose name is offered and whose arguments validate against its
                     schema, over all calls made (None when no request offered tools)
+  by_turn           per program step (an agent's turn), over its successful one-answer requests:
+                    requests, mean prompt tokens, cache_hit_rate, ttft_s and itl_s p50 (how a
+                    growing context's turns fare: the later turns' cached share, ITL at 20k
+                    tokens against 1k)
 Percentiles interpolate linearly between order statistics (numpy's default method).
 """
 
@@ -71,6 +75,30 @@ def program_times(records: list[RequestRecord], failed: set[str]) -> list[float]
     return [hi - lo for p, (lo, hi) in spans.items() if p not in failed]
 
 
+def _hit_rate(records: list[RequestRecord]) -> float | None:
+    """sum(cached_tokens) / sum(prompt_tokens) over the records whose server reported it."""
+    reported = [r for r in records if r.cached_tokens is not None]
+    prompt = sum(r.prompt_tokens for r in reported)
+    return sum(r.cached_tokens or 0 for r in reported) / prompt if prompt else None
+
+
+def by_turn(records: list[RequestRecord]) -> list[dict[str, Any]]:
+    """The `by_turn` rows (module doc), in step order."""
+    steps: dict[int, list[RequestRecord]] = {}
+    for r in records:
+        if r.ok and r.branch == -1:
+            steps.setdefault(r.step, []).append(r)
+    rows = []
+    for step, rs in sorted(steps.items()):
+        ttft = [r.ttft_s for r in rs if r.ttft_s is not None]
+        rows.append({"turn": step, "requests": len(rs),
+                     "prompt_tokens_mean": sum(r.prompt_tokens for r in rs) / len(rs),
+                     "cache_hit_rate": _hit_rate(rs),
+                     "ttft_s_p50": distribution(ttft)["p50"],
+                     "itl_s_p50": distribution([x for r in rs for x in itl_samples(r)])["p50"]})
+    return rows
+
+
 def summarize(trace: Trace) -> dict[str, Any]:
     ok = [r for r in trace.records if r.ok]
     failed_programs = {r.program_id for r in trace.records if not r.ok}
@@ -79,7 +107,6 @@ def summarize(trace: Trace) -> dict[str, Any]:
     prompt = sum(r.prompt_tokens for r in ok)
     generated = sum(r.completion_tokens for r in ok)
     reported = [r for r in ok if r.cached_tokens is not None]
-    reported_prompt = sum(r.prompt_tokens for r in reported)
     cached = sum(r.cached_tokens or 0 for r in reported)
     constrained = [r for r in ok if r.constrained]
     tool_requests = [r for r in ok if r.tool_request]
@@ -110,7 +137,7 @@ def summarize(trace: Trace) -> dict[str, Any]:
         "program_s": distribution(program_times(trace.records, failed_programs)),
         "trajectory_tokens": trajectory_tokens(ok),
         "cached_tokens": cached if reported else None,
-        "cache_hit_rate": cached / reported_prompt if reported and reported_prompt else None,
+        "cache_hit_rate": _hit_rate(ok),
         "cache_reported_requests": len(reported),
         "constrained_requests": len(constrained),
         "invalid_json": sum(1 for r in constrained if r.valid_json is False),
@@ -122,4 +149,5 @@ def summarize(trace: Trace) -> dict[str, Any]:
                                   else None),
         "token_counts_from": sorted({r.prompt_tokens_source for r in ok}
                                     | {r.completion_tokens_source for r in ok}),
+        "by_turn": by_turn(ok),
     }

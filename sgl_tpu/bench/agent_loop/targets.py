@@ -124,9 +124,11 @@ def _wait_http_ok(url: str, proc: subprocess.Popen, timeout: float) -> None:
 class RunningTarget:
     """Context manager: starts the target's server if it launches one; yields its base URL."""
 
-    def __init__(self, spec: TargetSpec, model_path: str | None, log_dir: Path) -> None:
+    def __init__(self, spec: TargetSpec, model_path: str | None, log_dir: Path,
+                 chat_template: str | None = None) -> None:
         self.spec = spec
         self.model_path = model_path
+        self.chat_template = chat_template
         self.log_path = log_dir / f"agent_loop_{re.sub(r'[^A-Za-z0-9_.-]', '_', spec.name)}.log"
         self.base_url = spec.value.rstrip("/") if spec.kind == "url" else ""
         self._server: Server | None = None
@@ -138,6 +140,8 @@ class RunningTarget:
             flags = shlex.split(self.spec.value)
             if self.model_path and "--model-path" not in flags:
                 flags += ["--model-path", self.model_path]
+            if self.chat_template and "--chat-template" not in flags:
+                flags += ["--chat-template", self.chat_template]
             self._server = Server(flags, str(self.log_path))
             self.base_url = self._server.url
             try:
@@ -150,9 +154,9 @@ class RunningTarget:
         return self
 
     def _start_peer(self) -> None:
-        from sgl_tpu.loader.default_model import default_model_path
+        from sgl_tpu.loader import resolve_model_path
 
-        gguf = self.model_path or default_model_path()
+        gguf = str(resolve_model_path(self.model_path))  # a packaged model's name: its file
         port = free_port()
         if self.spec.kind == "llama-server":
             cmd = [self.spec.value, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),

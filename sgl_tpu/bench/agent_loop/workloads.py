@@ -15,6 +15,9 @@ Workloads (modelled on the agentic programs of the SGLang paper):
   tool-json        react with a JSON tool call constrained by a JSON schema each turn
   private-react    react where every agent has its own system prompt (nothing shared): the
                    agents-at-scale workload, whose KV working sets add up past the pool
+  long-react       react whose observations are long tool outputs (observation_tokens to twice
+                   that, drawn per turn): with turns=20, observation_tokens=700 the contexts
+                   grow past 20k tokens (a long-context model such as Gemma 3)
   tree-of-thought  per tree, D levels: fork K branches from the state, judge, keep one
   tool-calls       react through OpenAI function tools: each turn is a `tools` request (tool
                    choice "required", the last turn "auto"), results go back as `tool` messages
@@ -157,7 +160,7 @@ def tool_call_schema() -> dict[str, Any]:
 
 
 def _agents(cfg: WorkloadConfig, seed: int, name: str, json_calls: bool,
-            private: bool = False) -> list[Program]:
+            private: bool = False, long_observations: bool = False) -> list[Program]:
     rng = random.Random(f"{name}/{seed}")
     system = _agent_system(rng, cfg.system_tokens, json_calls)
     schema = tool_call_schema() if json_calls else None
@@ -168,7 +171,10 @@ def _agents(cfg: WorkloadConfig, seed: int, name: str, json_calls: bool,
     for a in range(cfg.num_programs):
         steps = [Gen(f"Question: {text.question(rng)}", max_tokens, stop, schema)]
         for _ in range(cfg.turns - 1):
-            obs = text.observation(rng, cfg.observation_tokens)
+            size = cfg.observation_tokens
+            if long_observations:
+                size = rng.randint(size, 2 * size)
+            obs = text.observation(rng, size)
             label = "Tool result" if json_calls else "Observation"
             steps.append(Gen(f"{label}:\n{obs}", max_tokens, stop, schema))
         own = f"Agent {a}. {_agent_system(rng, cfg.system_tokens, json_calls)}" if private \
@@ -183,6 +189,10 @@ def react(cfg: WorkloadConfig, seed: int) -> list[Program]:
 
 def private_react(cfg: WorkloadConfig, seed: int) -> list[Program]:
     return _agents(cfg, seed, "private-react", json_calls=False, private=True)
+
+
+def long_react(cfg: WorkloadConfig, seed: int) -> list[Program]:
+    return _agents(cfg, seed, "long-react", json_calls=False, long_observations=True)
 
 
 def tool_json(cfg: WorkloadConfig, seed: int) -> list[Program]:
@@ -282,6 +292,7 @@ def shared_prefix(cfg: WorkloadConfig, seed: int) -> list[Program]:
 WORKLOADS: dict[str, Callable[[WorkloadConfig, int], list[Program]]] = {
     "react": react,
     "private-react": private_react,
+    "long-react": long_react,
     "tool-json": tool_json,
     "tool-calls": tool_calls,
     "tool-calls-named": tool_calls_named,

@@ -150,8 +150,9 @@ _HELP = {
                         "the chat template, hermes-style <tool_call> blocks when it has none",
     "reasoning_parser": "split <think>...</think> into reasoning_content (qwen3, deepseek-r1)",
     "quantization": "weights: none (dense --dtype), gguf (a GGUF's Q4_0/Q4_1/Q4_K blocks as "
-                    "stored, exact; float32 also its Q5_0/Q8_0 blocks and Q8_0 head), gguf-a8 (float32 only: the same blocks "
-                    "with activations quantized to int8 per 32 values, llama.cpp's CPU math; "
+                    "stored, exact; float32 also its Q5_0/Q8_0 blocks and Q8_0 head), gguf-a8 "
+                    "(float32 only: the same blocks with activations quantized to int8 per 32 "
+                    "values, llama.cpp's CPU math; "
                     "faster, not exact; with AVX512-VNNI in 16-feature tiles at every step "
                     "size, else its large steps on a dense copy, bf16 where oneDNN computes "
                     "bf16), int8 / int4 (quantized at load), auto (for a GGUF on the torch CPU "

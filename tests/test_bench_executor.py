@@ -74,3 +74,26 @@ def test_isa_twins_pair_whatever_their_timings():
     pairs = pair_by_isa(runs, "default")
     assert [(p["batch"], p["other_isa"], p["tok_per_s_ratio"]) for p in pairs] == \
         [(2, "AVX2", 2.0)]
+
+
+def test_kv_bytes_read_counts_windows():
+    """Full-attention layers read the shared prefix once and each sequence's rest; a Gemma
+    local layer (or a Mistral layer) each sequence's last `window` tokens only."""
+    import dataclasses
+
+    from sgl_tpu.bench.executor import kv_bytes_read
+    from sgl_tpu.models.config import GemmaConfig, ModelConfig
+
+    base = ModelConfig(arch="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
+                       num_layers=3, num_heads=2, num_kv_heads=1, head_dim=32,
+                       rope_theta=1e4, rms_norm_eps=1e-6, context_len=512,
+                       tie_word_embeddings=True)
+    per_token = 2 * 1 * 32 * 2  # K and V, one KV head of 32, bfloat16
+    assert kv_bytes_read(base, "bfloat16", 4, 100, 60) == 3 * per_token * (60 + 4 * 40)
+    mistral = dataclasses.replace(base, sliding_window=16)
+    assert kv_bytes_read(mistral, "bfloat16", 4, 100, 60) == 3 * per_token * 4 * 16
+    gemma = dataclasses.replace(base, arch="gemma3", gemma=GemmaConfig(
+        sliding_window=16, sliding_layers=(True, False, True), rope_local_theta=1e4,
+        query_pre_attn_scalar=32))
+    assert kv_bytes_read(gemma, "bfloat16", 4, 100, 60) == per_token * (
+        2 * 4 * 16 + 60 + 4 * 40)

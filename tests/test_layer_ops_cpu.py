@@ -10,6 +10,7 @@ import dataclasses
 import platform
 
 import checkpoints as ck
+import gemma_checkpoints as gc
 import numpy as np
 import pytest
 import torch
@@ -209,11 +210,13 @@ class Runner:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3"])
 def test_runner_with_layer_ops_equals_torch_ops(tmp_path, arch, dtype):
     """A ragged EXTEND batch (a cached prefix ending mid-page, a fresh sequence), then two
-    DECODE steps: the same logits and greedy tokens with the fused ops as with torch's."""
-    loaded = load_model(ck.make_tiny_hf_checkpoint(tmp_path / "m", arch))
+    DECODE steps: the same logits and greedy tokens with the fused ops as with torch's (Gemma:
+    sliding-window layers, its four norms, Gemma 2's soft-caps, Gemma 3's q/k norms)."""
+    make = gc.make_tiny_gemma if arch.startswith("gemma") else ck.make_tiny_hf_checkpoint
+    loaded = load_model(make(tmp_path / "m", arch))
     rng = np.random.default_rng(3)
     a, b = (rng.integers(3, loaded.config.vocab_size, n).tolist() for n in (19, 10))
     results = []

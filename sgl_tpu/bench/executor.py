@@ -9,17 +9,18 @@ and dtype.
         [--attention-backend auto|ref|gathered|torch-sdpa|torch-cpu-fused|...]
         [--onednn-isas default,AVX512_CORE_BF16] [--deterministic] [--output FILE]
 
-Runs the real step (paged KV, bucketed shapes, sampler) of each backend on the default model
-(or `--model-path`), compiles each shape once before timing, reports the best of `--repeats`
-runs, and prints one JSON object. Decode rows have `--context` tokens of context each, of which
-the first `--shared-prefix` are the same pages in every sequence (an agent batch), and report
-the KV bytes a step must read at least (`kv_mb_per_step`: the shared pages once) over the
-median step time (`kv_gb_per_s_over_step`: against the host's memory bandwidth, how near the
-step is to attention's floor). Compare backends/dtypes/sizes as ratios within one run: the
-machine is shared. `--sampling` lists the decode modes: `greedy` (temperature 0), `sampled`
-(temperature 0.7, top-p 0.9, a seed per sequence; no log-probs asked), `top-k` (the same
-with top-k 40) and `temperature` (1.0, no truncation); with several, their decode steps
-alternate (ABAB...) and each row reports its median step time over the first mode's.
+Runs the real step (paged KV, bucketed shapes, sampler) of each backend on the default model (or
+`--model-path`), compiles each shape once before timing, reports the best of `--repeats` runs,
+and prints one JSON object. Decode rows have `--context` tokens of context each, of which the
+first `--shared-prefix` are the same pages in every sequence (an agent batch), and report the KV
+bytes a step must read at least (`kv_mb_per_step`: the shared pages once, a sliding-window layer
+its window only) over the median step time (`kv_gb_per_s_over_step`: against the host's memory
+bandwidth, how near the step is to attention's floor). Compare backends/dtypes/sizes as ratios
+within one run: the machine is shared. `--sampling` lists the decode modes: `greedy`
+(temperature 0), `sampled` (temperature 0.7, top-p 0.9, a seed per sequence; no log-probs
+asked), `top-k` (the same with top-k 40) and `temperature` (1.0, no truncation); with several,
+their decode steps alternate (ABAB...) and each row reports its median step time over the first
+mode's.
 Static-step rows name the tail their steps took (`static_tail`: greedy, sample or masked).
 `--torch-decode-paths packing,static` (torch) times the
 decode steps of the packing path and of the static-shape step over device-resident state
@@ -157,9 +158,18 @@ KV_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float8_e5m2": 1}
 
 def kv_bytes_read(cfg, kv_dtype: str, batch: int, context: int, shared: int) -> int:
     """The KV bytes a decode step must read at least: every layer's K and V of each
-    sequence's `context` tokens, the `shared` prefix once for the whole batch."""
-    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * KV_ELEMENT_BYTES[kv_dtype]
-    return per_token * (shared + batch * (context - shared))
+    sequence's `context` tokens, the `shared` prefix once for the whole batch; a sliding-window
+    layer (Gemma's local layers, Mistral's every layer) only each sequence's last `window`
+    (the runner splits no shared part off under a window)."""
+    per_token = 2 * cfg.num_kv_heads * cfg.head_dim * KV_ELEMENT_BYTES[kv_dtype]  # one layer
+    if cfg.gemma is not None:
+        windows = [cfg.gemma.sliding_window if local else None
+                   for local in cfg.gemma.sliding_layers]
+    else:
+        windows = [cfg.sliding_window] * cfg.num_layers
+    tokens = sum(shared + batch * (context - shared) if w is None else batch * min(context, w)
+                 for w in windows)
+    return per_token * tokens
 
 
 def _decode_path(rcfg, path: str):

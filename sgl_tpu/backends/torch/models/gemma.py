@@ -10,13 +10,15 @@ A Gemma layer differs from a Llama layer (llama_torch.py) in its norms, MLP and 
 Every norm is RMSNorm with (1 + w), applied here as an ordinary RMSNorm whose weight is 1 + w
 (added once when the weights are converted). Embeddings are scaled by sqrt(hidden) rounded to
 the weights' dtype, as transformers does. The parts with fixed shapes (`pre`, `post`) are the
-ones the runner may compile; attention stays eager.
+ones the runner may compile; attention stays eager. On an eager CPU runner the layers run on the
+compiled element-wise ops (`use_layer_ops`, as llama.py's), the GeGLU on torch's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -155,6 +157,17 @@ class GemmaTorch:
         self.pre = wrap(pre)
         self.post = wrap(post)
         self.final_norm = wrap(rms_norm)
+        self.layer_ops: Any = None  # the compiled kernels/layer_ops_cpu module, when in use
+
+    def use_layer_ops(self, ops: Any) -> bool:
+        """Run `forward_fused` with the compiled module `ops` when the pool is written by the
+        standard token-major `write_kv` (the fused op writes it); whether it took them."""
+        from sgl_tpu.backends.torch import paged_attention
+
+        if self.write_kv is not paged_attention.write_kv:
+            return False
+        self.layer_ops = ops
+        return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor,
                 kv_pools: list[tuple[torch.Tensor, torch.Tensor]],
@@ -164,6 +177,8 @@ class GemmaTorch:
         `attention(q, k_pool, v_pool, sliding_window=, logit_cap=)` is the step's attention
         with its batch bound in; local layers pass the window, Gemma 2 the score cap.
         """
+        if self.layer_ops is not None:
+            return self.forward_fused(input_ids, positions, out_slots, kv_pools, attention)
         cfg, g = self.cfg, self.cfg.gemma
         tables = {False: rope_tables(positions, self.w.inv_freq_global),
                   True: rope_tables(positions, self.w.inv_freq_local)}
@@ -176,6 +191,42 @@ class GemmaTorch:
                           logit_cap=g.attn_logit_softcap)
             h = self.post(h, o, w)
         return self.final_norm(h, self.w.final_norm, cfg.rms_norm_eps)
+
+    def forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      out_slots: torch.Tensor, kv_pools: list[tuple[torch.Tensor, torch.Tensor]],
+                      attention: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """`forward` with the compiled layer ops. Each residual add is deferred into the next
+        pre-norm, which adds in place (`h` is this step's own embedding rows):
+
+            x = norm(h += delta)   qkv = x Wqkv   rope_write_kv(qkv) (q/k norms: Gemma 3)
+            o = attn(q)            x = norm(h += norm_post(o Wo))
+            delta = norm_post(geglu(x Wgu) Wd)                  ... final norm(h += delta)
+        """
+        cfg, g, ops, eps = self.cfg, self.cfg.gemma, self.layer_ops, self.cfg.rms_norm_eps
+        linear = self.w.linear
+        t, h_q, h_kv, d = input_ids.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        tables = {False: rope_tables(positions, self.w.inv_freq_global),
+                  True: rope_tables(positions, self.w.inv_freq_local)}
+        h = self.w.embed.index_select(0, input_ids) * self.w.embed_scale  # [T, D]
+        delta = None  # [T, D] the last MLP's normed output, not yet added to h
+        for w, (k_pool, v_pool) in zip(self.w.layers, kv_pools, strict=True):
+            x = (ops.rms_norm(h, w.attn_norm, eps) if delta is None
+                 else ops.add_rms_norm(h, delta, w.attn_norm, eps))
+            qkv = linear(x, w.wqkv, None)  # [T, (H + 2 kvh) d]
+            ops.rope_write_kv(qkv, *tables[w.sliding], k_pool, v_pool, out_slots, h_q, h_kv,
+                              w.q_norm, w.k_norm, eps)
+            o = attention(qkv[:, : cfg.q_size].view(t, h_q, d), k_pool, v_pool,
+                          sliding_window=g.sliding_window if w.sliding else None,
+                          logit_cap=g.attn_logit_softcap)
+            a = ops.rms_norm(linear(o.reshape(t, cfg.q_size), w.wo, None), w.post_attn_norm,
+                             eps)
+            x = ops.add_rms_norm(h, a, w.mlp_norm, eps)
+            gate, up = linear(x, w.w_gate_up, None).chunk(2, dim=-1)
+            m = linear(F.gelu(gate, approximate="tanh") * up, w.w_down, None)
+            delta = ops.rms_norm(m, w.post_mlp_norm, eps)
+        if delta is None:
+            return ops.rms_norm(h, self.w.final_norm, eps)
+        return ops.add_rms_norm(h, delta, self.w.final_norm, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> float32 logits [N, V] (bf16 top candidates refined in float32, as

@@ -368,6 +368,9 @@ def main(argv: list[str] | None = None) -> None:
         runs = results["runs"].setdefault(spec.name, {})
         try:
             with RunningTarget(spec, args.model_path, log_dir, args.chat_template) as target:
+                compute = (target.server_info() or {}).get("compute")
+                if compute:  # sgl-tpu's kernels, quantization and CPU flags, as it serves
+                    results.setdefault("server_compute", {})[spec.name] = compute
                 for label, name, cfg in workloads:
                     warm_cfg = warmup_config(cfg, args.warmup_programs)
                     if warm_cfg is not None:

@@ -160,6 +160,42 @@ def test_admission_holds_new_programs_in_arrival_order() -> None:
     assert progs.admissible([big], nothing_else_runs=True) == [big]
 
 
+def test_a_program_past_the_usual_turn_count_stops_holding_a_slot() -> None:
+    """Once 4 programs were found done after 3 requests each, a paused program that has made
+    3 requests is expected done: its working set no longer counts, one that made 2 still does;
+    it stays paused, and its next turn is admitted as a continuation."""
+    clock = Clock()
+    progs = Programs(ttl_s=600.0, capacity_tokens=10_000, admission=True, clock=clock)
+
+    def turn(key: str, i: int) -> None:  # request i of program `key`, then a 1 s tool pause
+        req = make_req(f"{key}-{i}", prompt_len=40 + 20 * i, max_new=4)
+        progs.arrive(req, key)
+        progs.count_extend(req, 20)
+        clock.now += 0.5
+        progs.finish(req)
+        clock.now += 1.0
+
+    for k in range(4):
+        assert progs.expected_turns() is None
+        for i in range(3):
+            turn(f"done-{k}", i)
+        clock.now += 10.0  # silent past its pause window: found done
+        progs.resident_tokens(clock.now)
+    assert progs.expected_turns() == 3 and progs.info()["expected_turns"] == 3
+    for i in range(3):
+        turn("long", i)
+        if i < 2:
+            turn("short", i)
+    short, long = progs.table["short"], progs.table["long"]
+    assert progs.state(short, clock.now) == progs.state(long, clock.now) == "paused"
+    assert progs.resident_tokens(clock.now) == progs.expected_working_set(short)
+    more = make_req("long-3", prompt_len=200)
+    progs.arrive(more, "long")  # it was not done: its turn runs, and it counts again
+    assert progs.admissible([more], nothing_else_runs=False) == [more]
+    assert progs.resident_tokens(clock.now) == (progs.expected_working_set(short)
+                                                + progs.expected_working_set(long))
+
+
 def make_program_scheduler(num_pages: int, admission: bool):
     from sgl_tpu.scheduler.scheduler import Scheduler
 

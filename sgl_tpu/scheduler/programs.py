@@ -31,11 +31,18 @@ programs are released in arrival order as working sets end (admitted programs go
 their pause window), and the oldest one runs whenever nothing else is running, resident or
 admissible, so a held program is delayed, never starved. Continuations
 of admitted programs and requests without a program are never held.
+
+A paused program stops counting as soon as it has run as many turns (requests) as most
+programs before it did: once TURN_SAMPLES_MIN programs were found done, one paused after
+`expected_turns` requests (the TURN_QUANTILE of the done programs' request counts) is expected
+done, and its pause window no longer keeps a slot empty. Expected done is not done: it stays
+paused (its KV pins too), and its next request, if one comes, is never held.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +57,9 @@ RECENT_PROGRAMS = 16  # programs listed one by one in /server_info
 PAUSE_EWMA = 0.1  # weight of the newest pause in the mean over all programs
 PEAK_EWMA = 0.2  # weight of the newest done program's peak working set
 FIRST_TURN_GROWTH = 2  # a program's expected peak over its first turn, at least
+TURN_SAMPLES = 64  # request counts of the programs found done last, kept for expected_turns
+TURN_SAMPLES_MIN = 4  # done programs before a turn count is expected
+TURN_QUANTILE = 0.9  # of the done programs' request counts: a paused program past it is done
 
 
 @dataclass(eq=False)
@@ -91,6 +101,8 @@ class Programs:
         self.mean_pause_s = 0.0
         # a moving average of the peak working sets of the programs found done
         self.expected_tokens = 0.0
+        # the request counts of the programs found done last (`expected_turns`)
+        self.done_turns: deque[int] = deque(maxlen=TURN_SAMPLES)
         self.num_seen = 0
         self.num_held = 0  # programs ever held
         self.held_s = 0.0  # seconds held, summed over released programs
@@ -200,22 +212,36 @@ class Programs:
         counters since start-up stay."""
         self.table.clear()
         self.expected_tokens = 0.0
+        self.done_turns.clear()
 
     # ---- admission control ---------------------------------------------------------------
     def resident_tokens(self, now: float) -> int:
-        """The expected KV working sets of the admitted programs that are active or paused;
-        the peaks of those found done feed `expected_tokens`."""
+        """The expected KV working sets of the admitted programs that are active, or paused
+        and not expected done; the peaks and request counts of those found done feed
+        `expected_tokens` and `expected_turns`."""
         total = 0
+        turns = self.expected_turns()
         for prog in self.table.values():
             if not prog.admitted:
                 continue
-            if self.state(prog, now) in ("active", "paused"):
+            state = self.state(prog, now)
+            if state == "active" or (state == "paused" and (
+                    turns is None or prog.num_requests < turns)):
                 total += self.expected_working_set(prog)
-            elif not prog.peak_recorded:
+            elif state == "idle" and not prog.peak_recorded:
                 prog.peak_recorded = True
                 self.expected_tokens += PEAK_EWMA * (prog.working_set_tokens
                                                      - self.expected_tokens)
+                self.done_turns.append(prog.num_requests)
         return total
+
+    def expected_turns(self) -> int | None:
+        """The request count past which a paused program is expected done (module doc); None
+        before TURN_SAMPLES_MIN programs were found done."""
+        if len(self.done_turns) < TURN_SAMPLES_MIN:
+            return None
+        counts = sorted(self.done_turns)
+        return counts[int(TURN_QUANTILE * (len(counts) - 1))]
 
     def expected_working_set(self, prog: Program) -> int:
         """What a program will hold at its peak: the mean peak of the programs done before
@@ -280,6 +306,7 @@ class Programs:
             "capacity_tokens": self.capacity_tokens,
             "resident_working_set_tokens": self.resident_tokens(now),
             "expected_working_set_tokens": int(self.expected_tokens),
+            "expected_turns": self.expected_turns(),
             "num_programs_seen": self.num_seen,
             "num_programs_held": self.num_held,
             "program_held_s": self.held_s + held_now_s,

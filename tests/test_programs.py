@@ -162,10 +162,13 @@ def test_admission_holds_new_programs_in_arrival_order() -> None:
 
 def test_a_program_past_the_usual_turn_count_stops_holding_a_slot() -> None:
     """Once 4 programs were found done after 3 requests each, a paused program that has made
-    3 requests is expected done: its working set no longer counts, one that made 2 still does;
-    it stays paused, and its next turn is admitted as a continuation."""
+    3 requests is expected done: its working set no longer counts and its pins are released
+    (`on_done`), one that made 2 still counts; it stays paused, and its next turn is admitted
+    as a continuation."""
     clock = Clock()
     progs = Programs(ttl_s=600.0, capacity_tokens=10_000, admission=True, clock=clock)
+    reported: list[str] = []
+    progs.on_done = reported.append
 
     def turn(key: str, i: int) -> None:  # request i of program `key`, then a 1 s tool pause
         req = make_req(f"{key}-{i}", prompt_len=40 + 20 * i, max_new=4)
@@ -189,6 +192,10 @@ def test_a_program_past_the_usual_turn_count_stops_holding_a_slot() -> None:
     short, long = progs.table["short"], progs.table["long"]
     assert progs.state(short, clock.now) == progs.state(long, clock.now) == "paused"
     assert progs.resident_tokens(clock.now) == progs.expected_working_set(short)
+    reported.clear()
+    clock.now += 0.2  # a moment later, both still paused: only the expected done one reported
+    progs.expire(clock.now + 1.0)
+    assert reported == ["long"]
     more = make_req("long-3", prompt_len=200)
     progs.arrive(more, "long")  # it was not done: its turn runs, and it counts again
     assert progs.admissible([more], nothing_else_runs=False) == [more]

@@ -18,9 +18,10 @@ ones; tokens decoded; seconds with a request in the server) and its KV working s
 longest context of its requests (prompt + max_new_tokens), what keeps it resident. The pause
 window of a program is twice the longest tool pause it took (before its first pause, twice
 the mean pause of all programs), at least MIN_PAUSE_S: silent longer, it is taken as done.
-A program found done after at least one tool pause is reported to `on_done` (the scheduler
-releases its session-hint KV pins then, retention.py); one that never came back after a pause
-keeps its pins for `--session-retention-s`, since nothing tells how long its tool takes.
+A program found done, or expected done (below), after at least one tool pause is reported to
+`on_done` (the scheduler releases its session-hint KV pins then, retention.py); one that never
+came back after a pause keeps its pins for `--session-retention-s`, since nothing tells how
+long its tool takes.
 
 Admission control (`Programs.admissible`, with `--schedule-policy program`): a new program's
 first turn is held while the expected working sets of the admitted active and paused programs
@@ -35,8 +36,9 @@ of admitted programs and requests without a program are never held.
 A paused program stops counting as soon as it has run as many turns (requests) as most
 programs before it did: once TURN_SAMPLES_MIN programs were found done, one paused after
 `expected_turns` requests (the TURN_QUANTILE of the done programs' request counts) is expected
-done, and its pause window no longer keeps a slot empty. Expected done is not done: it stays
-paused (its KV pins too), and its next request, if one comes, is never held.
+done: its pause window no longer keeps a slot empty, and its session-hint pins are released.
+Expected done is not done: it stays paused, and its next request, if one comes, is never held
+(it computes what was evicted meanwhile).
 """
 
 from __future__ import annotations
@@ -190,11 +192,12 @@ class Programs:
             return
         self._next_expire = now + EXPIRE_EVERY_S
         forget = []
+        turns = self.expected_turns()
         for key, prog in self.table.items():
             if prog.in_flight:
                 continue
             if (self.on_done is not None and not prog.done_reported and prog.max_pause_s > 0
-                    and self.state(prog, now) == "idle"):
+                    and (self.state(prog, now) == "idle" or self.expected_done(prog, turns))):
                 prog.done_reported = True
                 self.on_done(key)
             if now - prog.last_seen_s > self.ttl_s:
@@ -225,8 +228,7 @@ class Programs:
             if not prog.admitted:
                 continue
             state = self.state(prog, now)
-            if state == "active" or (state == "paused" and (
-                    turns is None or prog.num_requests < turns)):
+            if state == "active" or (state == "paused" and not self.expected_done(prog, turns)):
                 total += self.expected_working_set(prog)
             elif state == "idle" and not prog.peak_recorded:
                 prog.peak_recorded = True
@@ -234,6 +236,11 @@ class Programs:
                                                      - self.expected_tokens)
                 self.done_turns.append(prog.num_requests)
         return total
+
+    @staticmethod
+    def expected_done(prog: Program, turns: int | None) -> bool:
+        """Whether `prog`, paused, has made `turns` (expected_turns) requests."""
+        return turns is not None and not prog.in_flight and prog.num_requests >= turns
 
     def expected_turns(self) -> int | None:
         """The request count past which a paused program is expected done (module doc); None

@@ -16,7 +16,7 @@ all one after the other (leave the machine idle):
 `auto` is the server's defaults, `none` the same with `--speculative-algorithm none`. The
 1.4B-class model is the default one widened 3x (`tools/widen_gguf.py --factor 3 --ffn-size
 6912`), written to DIR once. On an AMX host (`amx_bf16` in /proc/cpuinfo) llama-server gets
-`--no-repack`, without which it dies on its first request there (shared peers notes).
+`--no-repack`, without which its AMX weight repacking crashes it on the first request.
 
 DIR/summary.json then holds the host (CPU model and SIMD flags), `/server_info` `compute` of
 the `auto` server at each size, and per size and run:

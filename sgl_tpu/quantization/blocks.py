@@ -26,9 +26,10 @@ and the high nibble of qs[j - 16]):
 The mappings are exact: d and m are float16 values, so scale, zero (m + 8 d, whose terms lie
 within 2^13 of each other for any real block) and every (q - 8) * d are exact in float32.
 Q4_K's scale d sc (17 significant bits) and every (q - 8) * scale are exact too; its zero is
-exact where d sc and dmin mn lie within 2^7 of each other, which real blocks do (a group's
-minimum and step are of one size). A block where it is not has no exact form: decoding checks
-the whole matrix against ggml's formula and raises ValueError (the projection stays dense).
+exact where d sc and dmin mn lie within 2^7 of each other (17 + 7 bits fit float32's 24), as
+a group's step and minimum do in real files (every Q4_K block of Gemma 3 270M's, tested). A
+block where it is not has no exact form: decoding checks the whole matrix against ggml's
+formula and raises ValueError (the projection stays dense).
 """
 
 from __future__ import annotations

@@ -549,10 +549,10 @@ def test_cli_against_real_server(tmp_path):
     try:
         out = tmp_path / "result.json"
         main(["--base-url", server.base_url, "--model-path", model, "--workloads",
-              "multi-turn-chat", "shared-prefix", "--num-programs", "2", "--turns", "2",
-              "--output-tokens", "4", "--system-tokens", "30", "--observation-tokens", "10",
-              "--warmup-programs", "0", "--no-progress", "--session-hint",
-              "--output", str(out)])
+              "multi-turn-chat", "shared-prefix", "--num-programs", "2",
+              "--turns", "2", "--output-tokens", "4", "--system-tokens", "30",
+              "--observation-tokens", "10", "--warmup-programs", "0", "--no-progress",
+              "--session-hint", "--chat-template", "chatml", "--output", str(out)])
         result = json.loads(out.read_text())
     finally:
         server.stop()
@@ -564,3 +564,9 @@ def test_cli_against_real_server(tmp_path):
     assert chat["cache_hit_rate"] > 0  # turn 2 reuses turn 1's prefix
     assert chat["ttft_s"]["p50"] is not None
     assert result["runs"]["server"]["shared-prefix"]["programs_ok"] == 2
+    # per turn (rendered with the chatml template): each user's second turn resends the first
+    first, second = chat["by_turn"]
+    assert (first["requests"], second["requests"]) == (2, 2)
+    assert second["prompt_tokens_mean"] > first["prompt_tokens_mean"]
+    assert second["cache_hit_rate"] > 0
+    assert result["server_compute"]["server"]["backend"] in ("jax", "torch")

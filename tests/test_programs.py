@@ -196,6 +196,13 @@ def test_a_program_past_the_usual_turn_count_stops_holding_a_slot() -> None:
     clock.now += 0.2  # a moment later, both still paused: only the expected done one reported
     progs.expire(clock.now + 1.0)
     assert reported == ["long"]
+    # a program that looked done (a long tool pause) and came back withdraws its count
+    turn("slow", 0)
+    clock.now += 10.0
+    progs.resident_tokens(clock.now)
+    assert progs.done_turns["slow"] == 1 and progs.expected_turns() == 3
+    turn("slow", 1)
+    assert "slow" not in progs.done_turns
     more = make_req("long-3", prompt_len=200)
     progs.arrive(more, "long")  # it was not done: its turn runs, and it counts again
     assert progs.admissible([more], nothing_else_runs=False) == [more]

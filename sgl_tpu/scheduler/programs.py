@@ -35,16 +35,17 @@ of admitted programs and requests without a program are never held.
 
 A paused program stops counting as soon as it has run as many turns (requests) as most
 programs before it did: once TURN_SAMPLES_MIN programs were found done, one paused after
-`expected_turns` requests (the TURN_QUANTILE of the done programs' request counts) is expected
-done: its pause window no longer keeps a slot empty, and its session-hint pins are released.
-Expected done is not done: it stays paused, and its next request, if one comes, is never held
-(it computes what was evicted meanwhile).
+`expected_turns` requests (the TURN_QUANTILE of the done programs' request counts; a program
+found done that comes back withdraws its count) is expected done: its pause window no longer
+keeps a slot empty, and its session-hint pins are released. Expected done is not done: it
+stays paused, and its next request, if one comes, is never held (it computes what was evicted
+meanwhile).
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,8 +104,10 @@ class Programs:
         self.mean_pause_s = 0.0
         # a moving average of the peak working sets of the programs found done
         self.expected_tokens = 0.0
-        # the request counts of the programs found done last (`expected_turns`)
-        self.done_turns: deque[int] = deque(maxlen=TURN_SAMPLES)
+        # program key -> its request count, for the programs found done last
+        # (`expected_turns`); a program that comes back withdraws its count (a long tool pause
+        # made it look done)
+        self.done_turns: OrderedDict[str, int] = OrderedDict()
         self.num_seen = 0
         self.num_held = 0  # programs ever held
         self.held_s = 0.0  # seconds held, summed over released programs
@@ -132,6 +135,7 @@ class Programs:
         elif not prog.in_flight:
             pause = now - prog.last_seen_s
             prog.peak_recorded = prog.done_reported = False  # it came back: not done
+            self.done_turns.pop(key, None)
             prog.max_pause_s = max(prog.max_pause_s, pause)
             self.mean_pause_s += PAUSE_EWMA * (pause - self.mean_pause_s)
         if not prog.in_flight:
@@ -234,7 +238,10 @@ class Programs:
                 prog.peak_recorded = True
                 self.expected_tokens += PEAK_EWMA * (prog.working_set_tokens
                                                      - self.expected_tokens)
-                self.done_turns.append(prog.num_requests)
+                self.done_turns[prog.key] = prog.num_requests
+                self.done_turns.move_to_end(prog.key)
+                if len(self.done_turns) > TURN_SAMPLES:
+                    self.done_turns.popitem(last=False)
         return total
 
     @staticmethod
@@ -247,7 +254,7 @@ class Programs:
         before TURN_SAMPLES_MIN programs were found done."""
         if len(self.done_turns) < TURN_SAMPLES_MIN:
             return None
-        counts = sorted(self.done_turns)
+        counts = sorted(self.done_turns.values())
         return counts[int(TURN_QUANTILE * (len(counts) - 1))]
 
     def expected_working_set(self, prog: Program) -> int:

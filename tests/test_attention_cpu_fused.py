@@ -303,6 +303,53 @@ def test_decode_shared_prefix_on_pages_of_16(dtype, window, cap, dots):
         assert (out[b : b + 1].double() - want).abs().max() < tol(name, dtype, dtype)
 
 
+@pytest.mark.parametrize("dots", [True, False], ids=["dots", "f32"])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2],
+                         ids=["float32", "bf16kv", "fp8kv"])
+@pytest.mark.parametrize("kvh,group,window,cap", [(3, 3, None, None), (2, 3, 20, None),
+                                                  (3, 3, None, 2.5), (1, 8, 300, None),
+                                                  (4, 1, None, None)],
+                         ids=["g3", "g3-window", "g3-softcap", "g8-window", "mha"])
+def test_decode_verify_rows_share_their_own_keys(kvh, group, window, cap, pool_dtype, dots):
+    """Speculative verify rows (a request's rows, each reading its predecessor's own keys plus
+    one more) read their keys once per request where that is cheaper: runs of 5 and 50 rows
+    (the longer one split where an item would pass 128 rows), a lone row, a row whose keys
+    start where the run's do and reach further but lie on other pages (not a member), all
+    after a shared prefix; every row matches the float64 reference of its own context."""
+    d, scale, page = 64, 0.125, 16
+    g = torch.Generator().manual_seed(kvh * 100 + group)
+    num_pages = 160
+    pool = SimpleNamespace(k=torch.randn(num_pages * page, kvh, d, generator=g).to(pool_dtype),
+                           v=torch.randn(num_pages * page, kvh, d, generator=g).to(pool_dtype))
+    free = (1 + torch.randperm(num_pages - 1, generator=g)).tolist()
+
+    def slots_on_new_pages(n: int) -> torch.Tensor:
+        pages = [free.pop() for _ in range(-(-n // page))]
+        return torch.cat([torch.arange(p * page, (p + 1) * page) for p in pages])[:n]
+
+    shared = slots_on_new_pages(40)
+    rows = []  # own slots of each row
+    for base, n in [(300, 5), (5, 1), (12, 50), (70, 1)]:
+        keys = slots_on_new_pages(base + n - 1)
+        rows += [keys[: base + j] for j in range(n)]
+    own = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.int64)
+    for b, r in enumerate(rows):
+        own[b, : len(r)] = r
+    # queries bfloat16 can hold (the scale is a power of two): rounded products differ from
+    # float32 ones by the probabilities' rounding only
+    q = torch.randn(len(rows), kvh * group, d, generator=g).bfloat16().float()
+    out = cpu_extension.load().decode(
+        q, pool.k, pool.v, shared, own, torch.zeros(len(rows), dtype=torch.int64),
+        torch.tensor([len(r) for r in rows]), scale, window or 0, cap or 0.0, dots)
+    dots_taken = dots and pool_dtype == torch.bfloat16 and cpu_extension.load().bf16_dots
+    bound = float(pool.v.abs().max().float()) * 2.0 ** -8 if dots_taken else TOL[torch.float32]
+    for b, r in enumerate(rows):
+        slots = torch.cat([shared, r])
+        want = reference(q[b : b + 1], pool, slots, torch.tensor([len(slots) - 1]), scale,
+                         window, cap, group=group)
+        assert (out[b : b + 1].double() - want).abs().max() < bound, b
+
+
 @pytest.mark.skipif(not getattr(cpu_extension.load(), "bf16_dots", False),
                     reason="this build has no AVX512-BF16: bfloat16 products are not built")
 def test_bfloat16_products_round_only_queries_and_probabilities():

@@ -1000,20 +1000,57 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
   const int64_t G = H / kvh, Ls = shared_slots.numel();
   const int64_t* lo = own_lo.data_ptr<int64_t>();
   const int64_t* hi = own_hi.data_ptr<int64_t>();
-  // A sequence's own keys: one item per chunk for all its H rows (every KV head, rows in
+  const int64_t* own = own_slots.data_ptr<int64_t>();
+  const int64_t own_len = own_slots.size(1);
+  // A single row's own keys: one item per chunk for all its H rows (every KV head, rows in
   // lanes of keys: attend_heads) when its GQA groups are small, else per KV head (attend).
-  const bool all_heads = G <= 4 && H <= kMaxRows;
-  // own chunks of all heads are 2x smaller than a head's: a single sequence still splits
-  // into several items per thread
-  const int64_t own_chunk = all_heads ? kChunk / 2 : kChunk;
+  const bool small_groups = G <= 4 && H <= kMaxRows;
+  // Verify groups: consecutive rows b0 .. b0 + n - 1 whose own keys are one run read further
+  // by each row (a speculative verify's rows of one request: row j holds the keys of row j -
+  // 1 plus its own input's). Row b joins its predecessor's run when both start at the same
+  // own key, b's keys run at least as far, and the slots the predecessor reads are b's too.
+  // A group of n >= 2 rows reads its keys once per KV head for all n * G rows (attend, rows
+  // masked by their positions), not once per row. Under small GQA groups the all-heads
+  // items of single rows stay cheaper unless the run has more than 4 rows per row vector of
+  // its items: one row vector costs about as much as 4 rows' all-heads items, whatever its
+  // lanes hold (AVX-512, G = 3, 336 own keys: runs of 5 and 16 rows 1.2x and 1.6x faster
+  // grouped, of 6 rows 1.1x slower).
+  const int64_t max_group = std::max<int64_t>(1, kMaxRows / G);
+  std::vector<int64_t> group_first;
+  auto close_run = [&](int64_t r0, int64_t r1) {  // rows [r0, r1): one group, or singles
+    if (small_groups && r1 - r0 <= 4 * row_vectors(static_cast<int>((r1 - r0) * G)))
+      for (int64_t b = r0; b < r1; ++b) group_first.push_back(b);
+    else
+      group_first.push_back(r0);
+  };
+  int64_t run0 = 0;
+  for (int64_t b = 1; b <= B; ++b) {
+    const bool joins =
+        b < B && lo[b] == lo[b - 1] && hi[b] >= hi[b - 1] && b - run0 < max_group &&
+        std::equal(own + (b - 1) * own_len + lo[b], own + (b - 1) * own_len + hi[b - 1],
+                   own + b * own_len + lo[b]);
+    if (!joins) {
+      close_run(run0, b);
+      run0 = b;
+    }
+  }
+  const int64_t num_groups = static_cast<int64_t>(group_first.size());
+  group_first.push_back(B);
+  std::vector<int64_t> group_of(B);
+  for (int64_t grp = 0; grp < num_groups; ++grp)
+    for (int64_t b = group_first[grp]; b < group_first[grp + 1]; ++b) group_of[b] = grp;
+  auto all_heads = [&](int64_t grp) {
+    return small_groups && group_first[grp + 1] - group_first[grp] == 1;
+  };
   // Items; each owns R partial rows [m, l, acc[d]] at `part` in the partials buffer. head
-  // is -1 for an all-heads item.
+  // is -1 for an all-heads item; row0 is the first flat row (sequence x group head) of a
+  // shared item, the group of an own item.
   struct Item { int64_t head, row0, rows, k0, k1, part; bool shared; };
   std::vector<Item> items;
-  // shared_first[h] .. shared_first[h + 1]: head h's shared-prefix items; own_first[b * kvh
-  // + h] .. [+ 1]: sequence b's own items holding head h's rows (all-heads items: head 0's
-  // range holds them, the other heads' are empty)
-  std::vector<int64_t> shared_first(kvh + 1), own_first(B * kvh + 1);
+  // shared_first[h] .. shared_first[h + 1]: head h's shared-prefix items; own_first[grp * kvh
+  // + h] .. [+ 1]: verify group grp's own items holding head h's rows (all-heads items: head
+  // 0's range holds them, the other heads' are empty)
+  std::vector<int64_t> shared_first(kvh + 1), own_first(num_groups * kvh + 1);
   const int64_t row_floats = d + 2;
   int64_t parts = 0;
   for (int64_t h = 0; h < kvh; ++h) {
@@ -1026,20 +1063,27 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
       }
   }
   shared_first[kvh] = static_cast<int64_t>(items.size());
-  for (int64_t b = 0; b < B; ++b)
+  for (int64_t grp = 0; grp < num_groups; ++grp) {
+    const int64_t b0 = group_first[grp], last = group_first[grp + 1] - 1;
+    const bool heads = all_heads(grp);
+    // own chunks of all heads are 2x smaller than a head's: a single sequence still splits
+    // into several items per thread
+    const int64_t chunk = heads ? kChunk / 2 : kChunk;
     for (int64_t h = 0; h < kvh; ++h) {
-      own_first[b * kvh + h] = static_cast<int64_t>(items.size());
-      if (all_heads && h > 0) continue;
-      // a window hides the keys before hi - window (the query sits at own key hi - 1)
-      const int64_t first = all_heads ? std::max(lo[b], hi[b] - window) : lo[b];
-      for (int64_t k0 = first; k0 < hi[b]; k0 += own_chunk) {
-        const int64_t rows = all_heads ? H : G;
-        items.push_back({all_heads ? -1 : h, b, rows, k0, std::min(hi[b], k0 + own_chunk),
-                         parts, false});
+      own_first[grp * kvh + h] = static_cast<int64_t>(items.size());
+      if (heads && h > 0) continue;
+      // a window hides the keys before hi - window (the query sits at own key hi - 1);
+      // attend clips a group's items to what its rows see
+      const int64_t first = heads ? std::max(lo[b0], hi[b0] - window) : lo[b0];
+      for (int64_t k0 = first; k0 < hi[last]; k0 += chunk) {
+        const int64_t rows = heads ? H : (last - b0 + 1) * G;
+        items.push_back({heads ? -1 : h, grp, rows, k0, std::min(hi[last], k0 + chunk), parts,
+                         false});
         parts += rows * row_floats;
       }
     }
-  own_first[B * kvh] = static_cast<int64_t>(items.size());
+  }
+  own_first[num_groups * kvh] = static_cast<int64_t>(items.size());
   at::Tensor partials = at::empty({std::max<int64_t>(parts, 1)}, q.options().dtype(at::kFloat));
   float* pp = partials.data_ptr<float>();
   const TQ* qp = q.data_ptr<TQ>();
@@ -1047,14 +1091,12 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
   const TKV* vp = v_pool.data_ptr<TKV>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const int64_t* shared = Ls ? shared_slots.data_ptr<int64_t>() : nullptr;
-  const int64_t* own = own_slots.data_ptr<int64_t>();
-  const int64_t own_len = own_slots.size(1);
   for_each_item(static_cast<int64_t>(items.size()), [&](int64_t idx) {
     const Item it = items[idx];
     const int R = static_cast<int>(it.rows);
     Scratch& s = scratch(static_cast<int>(d));
-    if (it.head < 0) {  // all heads of sequence it.row0, its own keys
-      const int64_t b = it.row0;
+    if (it.head < 0) {  // all heads of the one sequence of group it.row0, its own keys
+      const int64_t b = group_first[it.row0];
       load_rows<TQ>(s, R, d, static_cast<float>(scale),
                    [&](int r) { return qp + b * qs0 + r * qs1; });
       attend_heads<TKV>(s, static_cast<int>(kvh), static_cast<int>(G), static_cast<int>(d), kp,
@@ -1062,8 +1104,8 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
                       static_cast<float>(cap));
     } else {
       // row r of the item: shared items' flat row it.row0 + r = sequence b, group head g;
-      // own items' row r = group head r of sequence it.row0
-      const int64_t row0 = it.shared ? it.row0 : it.row0 * G;
+      // own items' row r = group head r % G of the group's sequence r / G
+      const int64_t row0 = it.shared ? it.row0 : group_first[it.row0] * G;
       for (int r = 0; r < R; ++r) {
         const int64_t b = (row0 + r) / G;
         s.qpos[r] = static_cast<int32_t>(Ls + hi[b] - 1);
@@ -1072,8 +1114,10 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
         const int64_t b = (row0 + r) / G, g = (row0 + r) % G;
         return qp + b * qs0 + (it.head * G + g) * qs1;
       });
+      // a group's keys: its last row's, the longest run
       Keys keys = it.shared ? Keys{shared, it.k0, it.k1, 0}
-                            : Keys{own + it.row0 * own_len, it.k0, it.k1, Ls};
+                            : Keys{own + (group_first[it.row0 + 1] - 1) * own_len, it.k0,
+                                   it.k1, Ls};
       attend_rows<TKV>(s, R, d, kp + it.head * d, vp + it.head * d, kvh * d, keys,
                        static_cast<int32_t>(window), static_cast<float>(cap), dots);
     }
@@ -1092,9 +1136,10 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
     std::vector<const float*> rows;
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / kvh, h = bh % kvh;
-      // this head's rows within its sequence's own items
-      const int64_t own_at = all_heads ? b * kvh : bh;
-      const int64_t own_row0 = all_heads ? h * G : 0;
+      // this head's rows within its verify group's own items
+      const int64_t grp = group_of[b];
+      const int64_t own_at = all_heads(grp) ? grp * kvh : grp * kvh + h;
+      const int64_t own_row0 = all_heads(grp) ? h * G : (b - group_first[grp]) * G;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t row = b * G + g;
         rows.clear();

@@ -312,10 +312,11 @@ def test_decode_shared_prefix_on_pages_of_16(dtype, window, cap, dots):
                          ids=["g3", "g3-window", "g3-softcap", "g8-window", "mha"])
 def test_decode_verify_rows_share_their_own_keys(kvh, group, window, cap, pool_dtype, dots):
     """Speculative verify rows (a request's rows, each reading its predecessor's own keys plus
-    one more) read their keys once per request where that is cheaper: runs of 5 and 50 rows
-    (the longer one split where an item would pass 128 rows), a lone row, a row whose keys
-    start where the run's do and reach further but lie on other pages (not a member), all
-    after a shared prefix; every row matches the float64 reference of its own context."""
+    one more) read their keys once per request: runs of 5 and 50 rows (all-heads items, or
+    per-head row tiles for the long run, split where an item would pass 128 rows), a lone
+    row, a row whose keys start where the run's do and reach further but lie on other pages
+    (not a member), all after a shared prefix; every row matches the float64 reference of
+    its own context."""
     d, scale, page = 64, 0.125, 16
     g = torch.Generator().manual_seed(kvh * 100 + group)
     num_pages = 160

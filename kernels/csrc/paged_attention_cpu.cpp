@@ -28,8 +28,10 @@
 //             keys = positions 0 .. last query (causal, sliding window); writes the output.
 //     DECODE  item = (kv head, row group, chunk of the shared prefix): rows = every
 //             (sequence, group head) of the batch, so shared pages are read once per step;
-//             and (sequence, chunk of its own keys): rows = its H query heads (G <= 4), or
-//             (sequence, kv head, chunk of its own keys): rows = the GQA group. Items write
+//             and (verify group, chunk of its own keys): rows = its rows' H query heads
+//             (G <= 4), or (verify group, kv head, chunk of its own keys): rows = its rows'
+//             GQA groups. A verify group is one row, or a request's speculative verify rows,
+//             which read the same own keys one further each (decode_impl). Items write
 //             (max, sum, acc) partials, merged per (sequence, head) afterwards.
 //
 // Accumulation is float32 (scores, softmax, P @ V); products are float32 too, except over a
@@ -781,14 +783,15 @@ void heads_scores(Scratch& s, int kvh, int G, int d, const T* kp, const T* vp,
 }
 
 // Row r's n scores (padded to whole vectors) soft-capped and turned into probabilities in
-// place; the row's m and l into s.
-inline void row_softmax(Scratch& s, int r, int n, float cap, float* sc) {
+// place, keys outside [a, b) masked (a zero probability); the row's m and l into s.
+inline void row_softmax(Scratch& s, int r, int n, int a, int b, float cap, float* sc) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int nv = (n + kLanes - 1) / kLanes;
   float* row = sc + r * kScoreStride;
   if (cap > 0.0f)
     for (int v = 0; v < nv; ++v) storef(row + v * kLanes, vsoftcap(loadf(row + v * kLanes), cap));
-  for (int j = n; j < nv * kLanes; ++j) row[j] = neg_inf;  // padding: no probability
+  for (int j = 0; j < std::min(a, n); ++j) row[j] = neg_inf;
+  for (int j = std::max(b, 0); j < nv * kLanes; ++j) row[j] = neg_inf;  // and the padding
   vf mx = splat(neg_inf);
   for (int v = 0; v < nv; ++v) mx = vmax(mx, loadf(row + v * kLanes));
   const float m = hmax(mx);
@@ -837,11 +840,12 @@ inline void pv_rows(float* acc, int d, const float* p, const T* const* vr, int64
 }
 
 // The kvh * G rows loaded in s (queries in s.qr; row r reads KV head r / G) against keys
-// slots[0 .. n), n <= kChunk, all of which every row sees: s.m, s.l and s.acc [R][d] as
-// `attend` leaves them.
+// slots[0 .. n), n <= kChunk: s.m, s.l and s.acc [R][d] as `attend` leaves them. G counts a
+// head's rows of all the item's query positions; row r sees keys [seen[2p], seen[2p + 1]) of
+// the chunk, p = (r % G) / group its position (seen null: one position seeing every key).
 template <typename T>
-void attend_heads(Scratch& s, int kvh, int G, int d, const T* kp, const T* vp,
-                  const int64_t* slots, int n, float cap) {
+void attend_heads(Scratch& s, int kvh, int G, int group, int d, const T* kp, const T* vp,
+                  const int64_t* slots, int n, const int32_t* seen, float cap) {
   const int R = kvh * G;
   float* sc = s.scores;  // [R][kScoreStride]
   std::memset(s.acc, 0, sizeof(float) * R * d);
@@ -853,7 +857,10 @@ void attend_heads(Scratch& s, int kvh, int G, int d, const T* kp, const T* vp,
     return;
   }
   heads_scores<T>(s, kvh, G, d, kp, vp, slots, n, sc);
-  for (int r = 0; r < R; ++r) row_softmax(s, r, n, cap, sc);
+  for (int r = 0; r < R; ++r) {
+    const int p = (r % G) / group;
+    row_softmax(s, r, n, seen ? seen[2 * p] : 0, seen ? seen[2 * p + 1] : n, cap, sc);
+  }
   const int64_t width = int64_t(kvh) * d;
   for (int j0 = 0; j0 < n; j0 += kTile) {
     const int nb = std::min(kTile, n - j0);
@@ -862,13 +869,11 @@ void attend_heads(Scratch& s, int kvh, int G, int d, const T* kp, const T* vp,
     const float* p = sc + j0;
     for (int h = 0; h < kvh; ++h) {
       const int64_t voff = int64_t(h) * d;
-      switch (G) {  // NR x NC accumulators: at most 8 of AVX2's 16 registers
-        case 1: pv_rows<T, 1, 4>(s.acc, d, p, vr, voff, nb, h); break;
-        case 2: pv_rows<T, 2, 4>(s.acc, d, p, vr, voff, nb, 2 * h); break;
-        case 3: pv_rows<T, 3, 2>(s.acc, d, p, vr, voff, nb, 3 * h); break;
-        default: pv_rows<T, 2, 4>(s.acc, d, p, vr, voff, nb, 4 * h);
-                 pv_rows<T, 2, 4>(s.acc, d, p, vr, voff, nb, 4 * h + 2); break;
-      }
+      // NR x NC accumulators: at most 8 of AVX2's 16 registers
+      int r = h * G;
+      for (; r + 3 <= (h + 1) * G; r += 3) pv_rows<T, 3, 2>(s.acc, d, p, vr, voff, nb, r);
+      for (; r + 2 <= (h + 1) * G; r += 2) pv_rows<T, 2, 4>(s.acc, d, p, vr, voff, nb, r);
+      if (r < (h + 1) * G) pv_rows<T, 1, 4>(s.acc, d, p, vr, voff, nb, r);
     }
   }
 }
@@ -1002,27 +1007,22 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
   const int64_t* hi = own_hi.data_ptr<int64_t>();
   const int64_t* own = own_slots.data_ptr<int64_t>();
   const int64_t own_len = own_slots.size(1);
-  // A single row's own keys: one item per chunk for all its H rows (every KV head, rows in
-  // lanes of keys: attend_heads) when its GQA groups are small, else per KV head (attend).
-  const bool small_groups = G <= 4 && H <= kMaxRows;
   // Verify groups: consecutive rows b0 .. b0 + n - 1 whose own keys are one run read further
   // by each row (a speculative verify's rows of one request: row j holds the keys of row j -
   // 1 plus its own input's). Row b joins its predecessor's run when both start at the same
   // own key, b's keys run at least as far, and the slots the predecessor reads are b's too.
-  // A group of n >= 2 rows reads its keys once per KV head for all n * G rows (attend, rows
-  // masked by their positions), not once per row. Under small GQA groups the all-heads
-  // items of single rows stay cheaper unless the run has more than 4 rows per row vector of
-  // its items: one row vector costs about as much as 4 rows' all-heads items, whatever its
-  // lanes hold (AVX-512, G = 3, 336 own keys: runs of 5 and 16 rows 1.2x and 1.6x faster
-  // grouped, of 6 rows 1.1x slower).
+  // A group's items read its keys once for all its rows, each row masked at its own
+  // position, instead of once per row.
+  //
+  // A group's own keys: one item per chunk for all its rows of every KV head (keys in vector
+  // lanes: attend_heads) when the GQA groups are small and its rows' heads fit one item,
+  // else per KV head (attend, rows in vector lanes). Long runs (more than kMaxRows / H rows)
+  // are per head: there the row tiles are the faster form (AVX-512, G = 3, 336 own keys: 16
+  // rows 1.3x faster than as all-heads items).
+  const bool small_groups = G <= 4 && H <= kMaxRows;
+  const int64_t max_heads_group = small_groups ? kMaxRows / H : 0;
   const int64_t max_group = std::max<int64_t>(1, kMaxRows / G);
   std::vector<int64_t> group_first;
-  auto close_run = [&](int64_t r0, int64_t r1) {  // rows [r0, r1): one group, or singles
-    if (small_groups && r1 - r0 <= 4 * row_vectors(static_cast<int>((r1 - r0) * G)))
-      for (int64_t b = r0; b < r1; ++b) group_first.push_back(b);
-    else
-      group_first.push_back(r0);
-  };
   int64_t run0 = 0;
   for (int64_t b = 1; b <= B; ++b) {
     const bool joins =
@@ -1030,7 +1030,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
         std::equal(own + (b - 1) * own_len + lo[b], own + (b - 1) * own_len + hi[b - 1],
                    own + b * own_len + lo[b]);
     if (!joins) {
-      close_run(run0, b);
+      group_first.push_back(run0);
       run0 = b;
     }
   }
@@ -1040,11 +1040,13 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
   for (int64_t grp = 0; grp < num_groups; ++grp)
     for (int64_t b = group_first[grp]; b < group_first[grp + 1]; ++b) group_of[b] = grp;
   auto all_heads = [&](int64_t grp) {
-    return small_groups && group_first[grp + 1] - group_first[grp] == 1;
+    return group_first[grp + 1] - group_first[grp] <= max_heads_group;
   };
   // Items; each owns R partial rows [m, l, acc[d]] at `part` in the partials buffer. head
   // is -1 for an all-heads item; row0 is the first flat row (sequence x group head) of a
-  // shared item, the group of an own item.
+  // shared item, the group of an own item. An all-heads item of a group of M rows holds
+  // its query heads head-major: row (h * M + m) * G + g is group head g of KV head h of the
+  // group's row m.
   struct Item { int64_t head, row0, rows, k0, k1, part; bool shared; };
   std::vector<Item> items;
   // shared_first[h] .. shared_first[h + 1]: head h's shared-prefix items; own_first[grp * kvh
@@ -1069,14 +1071,14 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
     // own chunks of all heads are 2x smaller than a head's: a single sequence still splits
     // into several items per thread
     const int64_t chunk = heads ? kChunk / 2 : kChunk;
+    // a window hides the keys before hi - window (the query sits at own key hi - 1), for
+    // every row of the group from its first row's on; items mask the rest per row
+    const int64_t first = std::max(lo[b0], hi[b0] - window);
     for (int64_t h = 0; h < kvh; ++h) {
       own_first[grp * kvh + h] = static_cast<int64_t>(items.size());
       if (heads && h > 0) continue;
-      // a window hides the keys before hi - window (the query sits at own key hi - 1);
-      // attend clips a group's items to what its rows see
-      const int64_t first = heads ? std::max(lo[b0], hi[b0] - window) : lo[b0];
       for (int64_t k0 = first; k0 < hi[last]; k0 += chunk) {
-        const int64_t rows = heads ? H : (last - b0 + 1) * G;
+        const int64_t rows = (last - b0 + 1) * (heads ? H : G);
         items.push_back({heads ? -1 : h, grp, rows, k0, std::min(hi[last], k0 + chunk), parts,
                          false});
         parts += rows * row_floats;
@@ -1095,13 +1097,22 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
     const Item it = items[idx];
     const int R = static_cast<int>(it.rows);
     Scratch& s = scratch(static_cast<int>(d));
-    if (it.head < 0) {  // all heads of the one sequence of group it.row0, its own keys
-      const int64_t b = group_first[it.row0];
-      load_rows<TQ>(s, R, d, static_cast<float>(scale),
-                   [&](int r) { return qp + b * qs0 + r * qs1; });
-      attend_heads<TKV>(s, static_cast<int>(kvh), static_cast<int>(G), static_cast<int>(d), kp,
-                      vp, own + b * own_len + it.k0, static_cast<int>(it.k1 - it.k0),
-                      static_cast<float>(cap));
+    if (it.head < 0) {  // all heads of group it.row0's rows, its own keys
+      const int64_t b0 = group_first[it.row0], M = group_first[it.row0 + 1] - b0;
+      int32_t seen[2 * kMaxRows];  // per row m of the group: the chunk keys it sees
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t first = std::max(lo[b0 + m], hi[b0 + m] - window);
+        seen[2 * m] = static_cast<int32_t>(std::max<int64_t>(first - it.k0, 0));
+        seen[2 * m + 1] = static_cast<int32_t>(std::min(hi[b0 + m], it.k1) - it.k0);
+      }
+      load_rows<TQ>(s, R, d, static_cast<float>(scale), [&](int r) {
+        const int64_t h = r / (M * G), m = r / G % M, g = r % G;
+        return qp + (b0 + m) * qs0 + (h * G + g) * qs1;
+      });
+      attend_heads<TKV>(s, static_cast<int>(kvh), static_cast<int>(M * G), static_cast<int>(G),
+                        static_cast<int>(d), kp, vp, own + (b0 + M - 1) * own_len + it.k0,
+                        static_cast<int>(it.k1 - it.k0), M > 1 ? seen : nullptr,
+                        static_cast<float>(cap));
     } else {
       // row r of the item: shared items' flat row it.row0 + r = sequence b, group head g;
       // own items' row r = group head r % G of the group's sequence r / G
@@ -1137,9 +1148,10 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / kvh, h = bh % kvh;
       // this head's rows within its verify group's own items
-      const int64_t grp = group_of[b];
+      const int64_t grp = group_of[b], m = b - group_first[grp];
+      const int64_t M = group_first[grp + 1] - group_first[grp];
       const int64_t own_at = all_heads(grp) ? grp * kvh : grp * kvh + h;
-      const int64_t own_row0 = all_heads(grp) ? h * G : (b - group_first[grp]) * G;
+      const int64_t own_row0 = all_heads(grp) ? (h * M + m) * G : m * G;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t row = b * G + g;
         rows.clear();

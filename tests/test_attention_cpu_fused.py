@@ -266,6 +266,22 @@ def test_decode_many_rows_share_a_prefix(window):
         assert (out[i : i + 1].double() - want).abs().max() < TOL[torch.float32]
 
 
+def pool_of_16_slot_pages(num_pages: int, kvh: int, d: int, dtype: torch.dtype,
+                          g: torch.Generator):
+    """Random K/V pools on pages of 16 slots (the server's default page size), and a function
+    that returns the slots of n new keys on pages taken in a scattered order (page 0 kept)."""
+    page = 16
+    pool = SimpleNamespace(k=torch.randn(num_pages * page, kvh, d, generator=g).to(dtype),
+                           v=torch.randn(num_pages * page, kvh, d, generator=g).to(dtype))
+    free = (1 + torch.randperm(num_pages - 1, generator=g)).tolist()
+
+    def slots_on_new_pages(n: int) -> torch.Tensor:
+        pages = [free.pop() for _ in range(-(-n // page))]
+        return torch.cat([torch.arange(p * page, (p + 1) * page) for p in pages])[:n]
+
+    return pool, slots_on_new_pages
+
+
 @pytest.mark.parametrize("dots", [True, False], ids=["dots", "f32"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("window,cap", [(None, None), (100, None), (None, 2.5)],
@@ -275,17 +291,9 @@ def test_decode_shared_prefix_on_pages_of_16(dtype, window, cap, dots):
     consecutive in the pool, as the server's default page size lays them out) ending
     mid-page; 7 forks x 3 group heads = 21 rows per shared item, own tails of 1 to 37 keys,
     a window that hides part of the prefix, soft-cap."""
-    d, scale, kvh, group, page = 64, 0.125, 2, 3, 16
+    d, scale, kvh, group = 64, 0.125, 2, 3
     g = torch.Generator().manual_seed(5)
-    num_pages = 64
-    pool = SimpleNamespace(k=torch.randn(num_pages * page, kvh, d, generator=g).to(dtype),
-                           v=torch.randn(num_pages * page, kvh, d, generator=g).to(dtype))
-    free = (1 + torch.randperm(num_pages - 1, generator=g)).tolist()
-
-    def slots_on_new_pages(n: int) -> torch.Tensor:
-        pages = [free.pop() for _ in range(-(-n // page))]
-        return torch.cat([torch.arange(p * page, (p + 1) * page) for p in pages])[:n]
-
+    pool, slots_on_new_pages = pool_of_16_slot_pages(64, kvh, d, dtype, g)
     shared = slots_on_new_pages(327)
     own_lens = [1, 6, 11, 16, 17, 30, 37]
     own = torch.zeros(len(own_lens), max(own_lens), dtype=torch.int64)
@@ -317,17 +325,9 @@ def test_decode_verify_rows_share_their_own_keys(kvh, group, window, cap, pool_d
     row, a row whose keys start where the run's do and reach further but lie on other pages
     (not a member), all after a shared prefix; every row matches the float64 reference of
     its own context."""
-    d, scale, page = 64, 0.125, 16
+    d, scale = 64, 0.125
     g = torch.Generator().manual_seed(kvh * 100 + group)
-    num_pages = 160
-    pool = SimpleNamespace(k=torch.randn(num_pages * page, kvh, d, generator=g).to(pool_dtype),
-                           v=torch.randn(num_pages * page, kvh, d, generator=g).to(pool_dtype))
-    free = (1 + torch.randperm(num_pages - 1, generator=g)).tolist()
-
-    def slots_on_new_pages(n: int) -> torch.Tensor:
-        pages = [free.pop() for _ in range(-(-n // page))]
-        return torch.cat([torch.arange(p * page, (p + 1) * page) for p in pages])[:n]
-
+    pool, slots_on_new_pages = pool_of_16_slot_pages(160, kvh, d, pool_dtype, g)
     shared = slots_on_new_pages(40)
     rows = []  # own slots of each row
     for base, n in [(300, 5), (5, 1), (12, 50), (70, 1)]:

@@ -120,9 +120,10 @@ def test_private_agents_and_the_agent_sweep():
     private = make_workload("private-react", SMALL, 0)
     assert len({p.system for p in private}) == SMALL.num_programs  # nothing shared
     assert all(len(p.steps) == SMALL.turns for p in private)
-    runs = sweep([("private-react", SMALL)], [2, 5])
+    runs = sweep([("private-react", SMALL)], [2, 5, 2, 2])
     assert [(label, cfg.num_programs) for label, _, cfg in runs] == [
-        ("private-react@2", 2), ("private-react@5", 5)]
+        ("private-react@2", 2), ("private-react@5", 5), ("private-react@2#2", 2),
+        ("private-react@2#3", 2)]
     assert sweep([("react", SMALL)], None) == [("react", "react", SMALL)]
     with pytest.raises(SystemExit):
         sweep([("react", SMALL)], [0])

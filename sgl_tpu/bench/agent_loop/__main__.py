@@ -91,13 +91,20 @@ def parse_latency(text: str) -> tuple[float, float]:
 def sweep(workloads: list[tuple[str, WorkloadConfig]], counts: list[int] | None
           ) -> list[tuple[str, str, WorkloadConfig]]:
     """(label, workload name, config) per run: one per workload, or with `--sweep-agents` one
-    per workload and agent count, labelled `name@N`."""
+    per workload and agent count, labelled `name@N`; a count given again runs again, labelled
+    `name@N#2`, `name@N#3`, ... (repeats of a short, noisy point)."""
     if not counts:
         return [(name, name, cfg) for name, cfg in workloads]
     if min(counts) < 1:
         raise SystemExit("--sweep-agents counts must be >= 1")
-    return [(f"{name}@{n}", name, dataclasses.replace(cfg, num_programs=n))
-            for name, cfg in workloads for n in counts]
+    runs = []
+    for name, cfg in workloads:
+        seen: dict[int, int] = {}
+        for n in counts:
+            seen[n] = seen.get(n, 0) + 1
+            label = f"{name}@{n}" + (f"#{seen[n]}" if seen[n] > 1 else "")
+            runs.append((label, name, dataclasses.replace(cfg, num_programs=n)))
+    return runs
 
 
 def warmup_config(cfg: WorkloadConfig, num_programs: int | None) -> WorkloadConfig | None:
@@ -145,8 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--sweep-agents", type=int, nargs="+", default=None, metavar="N",
                    help="run each workload once per agent count (its runs are named "
-                        "WORKLOAD@N), e.g. 8 16 32 64: throughput and program completion "
-                        "time as agents outnumber the KV pool")
+                        "WORKLOAD@N; a count given again runs again as WORKLOAD@N#2, ...), "
+                        "e.g. 8 8 8 16 32 64: throughput and program completion time as "
+                        "agents outnumber the KV pool")
     r = p.add_argument_group("running")
     r.add_argument("--concurrency", type=int, default=0, help="programs in flight; 0: all")
     r.add_argument("--request-rate", type=float, default=float("inf"),

@@ -40,6 +40,12 @@ _HELP = {
     "enable_hierarchical_cache": "KV cache tiers below the pool: pages evicted from it demote "
                                  "to host memory (and with --hicache-storage-backend file to "
                                  "disk), and load back when a prompt reuses them",
+    "disable_hybrid_swa_memory": "keep every layer's K/V of a hybrid model (Gemma 2, Gemma 3) "
+                                 "in one pool; by default its sliding-window layers keep only "
+                                 "what their windows read, in a pool of their own (torch "
+                                 "backend, one device, no --enable-hierarchical-cache)",
+    "swa_full_tokens_ratio": "size of the sliding-window pool, in tokens per token of the "
+                             "main pool (at least a window plus a prefill chunk)",
     "hicache_ratio": "host tier size as a multiple of the KV pool's (unless --hicache-size)",
     "hicache_size": "host tier size in GB (0: from --hicache-ratio)",
     "hicache_write_policy": "write_through: pages copied to the host tier (and disk) when "

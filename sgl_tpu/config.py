@@ -124,6 +124,11 @@ class RunnerConfig:
     # the KV pool's element type: "auto" (= dtype), "bfloat16" (under a float32 model) or
     # "float8_e5m2": K/V rounded to it as written, widened as attention reads them
     kv_cache_dtype: str = "auto"
+    # a hybrid model's sliding-window pool (torch backend, mem_cache/swa_pool.py): local layers
+    # keep their K/V on `swa_num_pages` window pages (page 0 included), global layers on
+    # `num_pages`; 0: every layer on `num_pages`. `swa_window`: the local layers' window.
+    swa_num_pages: int = 0
+    swa_window: int = 0
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float8_e5m2"):
@@ -318,6 +323,13 @@ class ServerArgs:
     # device match load back at admission. The disk tier, in a folder per model fingerprint,
     # survives restarts. Off by default.
     enable_hierarchical_cache: bool = False
+    # A hybrid model's local (sliding-window) layers, Gemma 2 and 3's, keep their K/V in a pool
+    # of their own that holds what running requests' windows and the radix cache's recent
+    # prefixes need (SGLang's SWA memory pool, mem_cache/swa_pool.py; torch backend), so the
+    # memory of --max-total-tokens holds more tokens. swa_full_tokens_ratio: the window pool's
+    # tokens per main-pool token (at least a window plus a prefill chunk).
+    disable_hybrid_swa_memory: bool = False
+    swa_full_tokens_ratio: float = 0.125
     hicache_ratio: float = 2.0  # host tier size as a multiple of the pool's (unless size)
     hicache_size: float = 0.0  # host tier size in GB; 0: from hicache_ratio
     hicache_write_policy: str = "write_through"  # or "write_back"
@@ -532,6 +544,9 @@ class ServerArgs:
                              f"kernels are chosen by row count); drop --quantization "
                              f"{self.quantization}")
         self._check_hicache()
+        ratio = self.swa_full_tokens_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 < ratio <= 1:
+            raise ValueError(f"swa_full_tokens_ratio must be in (0, 1], got {ratio!r}")
         check_priority_scheduling(self)
         if self.kv_events_config is not None:
             KVEventsConfig.from_json(self.kv_events_config)

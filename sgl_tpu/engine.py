@@ -62,7 +62,7 @@ def build_scheduler(args: ServerArgs) -> tuple[Scheduler, Any]:
     group = join_group(args, backend)  # multi-host JAX: before the model loads
     loaded = load_model(args.model_path)
     runner_cfg = runner_config(args, loaded.config.context_len,
-                               num_experts=loaded.config.num_experts)
+                               num_experts=loaded.config.num_experts, gemma=loaded.config.gemma)
     runner = create_runner(args, loaded, runner_cfg, group)  # tp_size > 1: rank 0 of a group
     logger.info("executor backend: %s (%s)", runner_cfg.backend, runner_cfg.dtype)
     if runner_cfg.warmup:

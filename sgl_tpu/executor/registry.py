@@ -28,7 +28,8 @@ from sgl_tpu.config import KV_POOL_DTYPES, RunnerConfig, ServerArgs, pow2_bucket
 from sgl_tpu.executor import batch_invariant
 from sgl_tpu.executor.attention_registry import resolve_attention_backend
 from sgl_tpu.executor.step import ModelRunner
-from sgl_tpu.models.config import ModelConfig
+from sgl_tpu.mem_cache.swa_pool import pool_split
+from sgl_tpu.models.config import GemmaConfig, ModelConfig
 from sgl_tpu.quantization import resolve_quantization
 
 
@@ -171,11 +172,12 @@ def _torch_device_type(args: ServerArgs) -> str:
     return platform("torch").device_type(args)
 
 
-def runner_config(args: ServerArgs, model_context_len: int, *, num_experts: int = 0
-                  ) -> RunnerConfig:
+def runner_config(args: ServerArgs, model_context_len: int, *, num_experts: int = 0,
+                  gemma: GemmaConfig | None = None) -> RunnerConfig:
     """The runner's frozen config with backend, dtype, compile, attention and quantization
     resolved; final (runners never rewrite it). `num_experts`: the model's (a mixture of
-    experts keeps the packing decode path)."""
+    experts keeps the packing decode path); `gemma`: a hybrid model's layer kinds (for its
+    sliding-window pool)."""
     context_len = min(args.context_length or model_context_len, model_context_len)
     chunk = max(args.chunked_prefill_size, args.min_token_bucket)
     backend = resolve_backend(args.backend)
@@ -189,11 +191,12 @@ def runner_config(args: ServerArgs, model_context_len: int, *, num_experts: int 
         seq_buckets = batch_invariant.row_buckets(seq_buckets)
         attention = batch_invariant.resolve_attention(args.attention_backend, backend)
     dtype = _resolve_dtype(args, backend)
+    static = _resolve_cuda_graph(args, backend, deterministic or num_experts > 0)
+    pools = _resolve_pools(args, backend, gemma, chunk, bool(static))
     return RunnerConfig(
         model_path=args.model_path,
         dtype=dtype,
         page_size=args.page_size,
-        num_pages=-(-args.max_total_tokens // args.page_size) + 1,
         max_running_requests=args.max_running_requests,
         max_extend_seqs=min(args.max_extend_seqs, args.max_running_requests),
         context_len=context_len,
@@ -215,8 +218,39 @@ def runner_config(args: ServerArgs, model_context_len: int, *, num_experts: int 
         deterministic=deterministic,
         jax_decode_state=_resolve_jax_decode_state(args, backend),
         kv_cache_dtype=_resolve_kv_cache_dtype(args, backend, dtype),
-        **_resolve_cuda_graph(args, backend, deterministic or num_experts > 0),
+        **static,
+        **pools,
     )
+
+
+def swa_pool_blocker(args: ServerArgs, backend: str, gemma: GemmaConfig | None,
+                     static_decode: bool) -> str | None:
+    """Why a model gets no sliding-window pool (None: it does)."""
+    if gemma is None or all(gemma.sliding_layers) or not any(gemma.sliding_layers):
+        return "the model has no mix of sliding-window and global layers"
+    return ("--disable-hybrid-swa-memory" if args.disable_hybrid_swa_memory
+            else "it needs the torch backend" if backend != "torch"
+            else "it needs one device (--tp-size 1, --nnodes 1)"
+            if args.tp_size > 1 or args.nnodes > 1
+            else "the lower cache tiers copy whole pages of every layer"
+            if args.enable_hierarchical_cache
+            else "the static decode step (CUDA graphs) reads one pool" if static_decode
+            else None)
+
+
+def _resolve_pools(args: ServerArgs, backend: str, gemma: GemmaConfig | None, chunk: int,
+                   static_decode: bool) -> dict:
+    """RunnerConfig's pool sizes: --max-total-tokens of every layer's K/V, or, for a hybrid
+    model, that memory split between the main pool and the sliding-window pool
+    (mem_cache/swa_pool.py)."""
+    ps = args.page_size
+    if swa_pool_blocker(args, backend, gemma, static_decode) is not None:
+        return {"num_pages": -(-args.max_total_tokens // ps) + 1}
+    main, window = pool_split(args.max_total_tokens, len(gemma.sliding_layers),
+                              sum(gemma.sliding_layers), args.swa_full_tokens_ratio,
+                              gemma.sliding_window + chunk + 2 * ps, ps)
+    return {"num_pages": main // ps + 1, "swa_num_pages": window // ps + 1,
+            "swa_window": gemma.sliding_window}
 
 
 def _resolve_cpu_compute_thread(args: ServerArgs, backend: str) -> bool:

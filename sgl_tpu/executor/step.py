@@ -90,6 +90,9 @@ class SeqStep:
     sample_valid: bool = True  # False for a non-final prefill chunk
     bitmask: np.ndarray | None = None  # i32[W]
     return_logprob: bool = True  # False: the runner may skip this row's log-prob work
+    # a hybrid model's sliding-window pool (mem_cache/swa_pool.py): the window page of each of
+    # `pages` (0: dropped, outside the sequence's window); None without that pool
+    swa_pages: Sequence[int] | np.ndarray | None = None
 
 
 @dataclass(frozen=True)

@@ -476,6 +476,10 @@ class RadixCache:
         if node is not self.root and node.parent is None:
             raise RuntimeError(f"{node!r} is no longer in the tree (evicted or reset)")
 
+    def nodes(self) -> list[TreeNode]:
+        """Every node of the tree but the root (a snapshot)."""
+        return [node for node in self._walk() if node is not self.root]
+
     def _walk(self) -> list[TreeNode]:
         nodes, stack = [], [self.root]
         while stack:

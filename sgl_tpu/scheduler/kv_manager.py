@@ -18,6 +18,12 @@ finishes, `release_req(req, retain=True)` pins its whole inserted path, and when
 request is admitted (admission locks it; a long queue must not let other traffic evict it
 first). Every insert carries the request's `priority` (the `priority` eviction policy). Without
 any of these, or with a disabled cache, nothing changes.
+
+A hybrid model's sliding-window pool (`mem_cache/swa_pool.py`, `SwaPageAllocator`): every page
+a request is given comes with a window page for the local layers. The manager knows which
+requests hold KV, so it knows which pages lie in some request's window (`_window_pages`); when
+window pages run short it drops those of the other pages (`_reclaim_windows`), and at admission
+it uses a cached prefix only as far as its window survived.
 """
 
 from __future__ import annotations
@@ -27,8 +33,10 @@ from collections.abc import Callable
 import numpy as np
 
 from sgl_tpu.config import SchedulerConfig
+from sgl_tpu.executor.step import SeqStep
 from sgl_tpu.mem_cache.allocator import PageAllocator
 from sgl_tpu.mem_cache.radix_cache import RadixCache, check_page_accounting
+from sgl_tpu.mem_cache.swa_pool import SwaPageAllocator
 from sgl_tpu.mem_cache.tiers import TieredCache
 from sgl_tpu.scheduler.req import Req
 from sgl_tpu.scheduler.retention import Retention
@@ -42,6 +50,12 @@ class KVManager:
                  tool_pause_grace_s: float = 0.0) -> None:
         self.allocator = allocator
         self.tree = tree
+        # the requests holding KV (admitted, not yet released), by id: their windows
+        self._holders: dict[int, Req] = {}
+        self.swa = allocator if isinstance(allocator, SwaPageAllocator) else None
+        self.num_window_cut_tokens = 0  # cached tokens computed again: their window was dropped
+        if self.swa is not None:
+            self.swa.reclaim = self._reclaim_windows
         self.tiers = tiers  # host/disk tiers below the pool (mem_cache/tiers.py), or None
         self.page_size = allocator.page_size
         self.session_retention_s = session_retention_s
@@ -52,10 +66,13 @@ class KVManager:
 
     @classmethod
     def for_config(cls, config: SchedulerConfig, num_pages: int,
-                   tiers: Callable[[RadixCache], TieredCache] | None = None) -> KVManager:
+                   tiers: Callable[[RadixCache], TieredCache] | None = None,
+                   swa: tuple[int, int] | None = None) -> KVManager:
         """The pool of `num_pages` pages, its tree, open sessions and, where `tiers` builds
-        them over the tree, the host/disk tiers below it."""
-        allocator = PageAllocator(num_pages, config.page_size)
+        them over the tree, the host/disk tiers below it. `swa`: (sliding window, window
+        pages) of a hybrid model's window pool, or None."""
+        allocator = (PageAllocator(num_pages, config.page_size) if swa is None
+                     else SwaPageAllocator(num_pages, config.page_size, *swa))
         tree = RadixCache(allocator, disable=config.disable_radix_cache,
                           eviction_policy=config.radix_eviction_policy)
         tiered = None if tiers is None else tiers(tree)
@@ -79,8 +96,13 @@ class KVManager:
         return self.allocator.num_usable_pages * self.page_size
 
     def available_pages(self) -> int:
-        """Free pages plus what eviction could free right now."""
-        return self.allocator.num_free_pages + self.tree.evictable_size() // self.page_size
+        """Free pages plus what eviction could free right now (and as many window pages:
+        all but the ones in some request's window)."""
+        main = self.allocator.num_free_pages + self.tree.evictable_size() // self.page_size
+        if self.swa is None:
+            return main
+        needed = np.count_nonzero(self.swa.window_of[self._window_pages()])
+        return min(main, self.swa.windows.num_usable_pages - needed)
 
     def pages_needed(self, req: Req, num_tokens: int) -> int:
         """More pages `req` needs to hold `num_tokens` tokens of KV."""
@@ -102,6 +124,8 @@ class KVManager:
             "evicted_retained_tokens": tree.num_evicted_retained_tokens,
             "page_size": self.page_size,
             "max_total_tokens": self.capacity_tokens,
+            **({} if self.swa is None else {"swa": {
+                **self.swa.info(), "num_window_cut_tokens": self.num_window_cut_tokens}}),
         }
 
     # ---- admission -----------------------------------------------------------------------
@@ -115,10 +139,18 @@ class KVManager:
         if self.tiers is not None:  # what follows the match in the host or disk tier
             match = self.tiers.load(np.asarray(key, dtype=np.int32), match)
         prefix_len = match.prefix_len // ps * ps
+        if self.swa is not None:  # only as far as the window before it survived
+            usable = self.swa.usable_prefix(self.allocator.slots_to_pages(match.slots),
+                                            prefix_len)
+            if usable < prefix_len:
+                match = self.tree.match_prefix(key[:usable])
+                self.num_window_cut_tokens += prefix_len - usable
+                prefix_len = usable
         self.tree.inc_lock_ref(match.last_node)
         req.last_node = match.last_node
         req.pages = self.allocator.slots_to_pages(match.slots).tolist()
         req.kv_len = req.tree_len = prefix_len
+        self._holders[id(req)] = req
 
     def load_ahead(self, req: Req) -> None:
         """A request of a session arrived: load its prefix from the lower tiers now, not when
@@ -196,6 +228,7 @@ class KVManager:
         req.pages = []
         req.last_node = None
         req.kv_len = req.tree_len = 0
+        self._holders.pop(id(req), None)
 
     def _insert(self, req: Req) -> tuple[int, int]:
         """Insert req's computed tokens; free its duplicate pages. Returns (aligned, prefix)."""
@@ -206,6 +239,9 @@ class KVManager:
         aligned = req.kv_len // ps * ps
         dup = req.pages[req.tree_len // ps : prefix_len // ps]
         if dup:
+            if self.swa is not None:  # the tree's copies may have lost their window pages
+                kept = self.tree.match_prefix(key[:prefix_len]).slots[req.tree_len :: ps] // ps
+                self.swa.adopt(kept, dup)
             self.allocator.free(np.asarray(dup, np.int32))
         return aligned, prefix_len
 
@@ -221,3 +257,41 @@ class KVManager:
         self.tree.check_integrity()
         if self.tiers is not None:
             self.tiers.check()
+        if self.swa is not None:
+            self.swa.check()
+            if not self.swa.window_of[self._window_pages()].all():
+                raise RuntimeError("a page in a running request's window lost its window page")
+
+    # ---- the sliding-window pool -------------------------------------------------------------
+    def with_windows(self, steps: list[SeqStep]) -> list[SeqStep]:
+        """`steps` with the window page of each of their pages (`SeqStep.swa_pages`), as the
+        pool maps them now."""
+        if self.swa is not None:
+            for st in steps:
+                st.swa_pages = self.swa.window_of[np.asarray(st.pages, np.int64)]
+        return steps
+
+    def _window_pages(self) -> np.ndarray:
+        """The pages the requests holding KV read in their local layers from now on."""
+        parts = [req.pages[self.swa.first_window_page(req.kv_len):]
+                 for req in self._holders.values()]
+        return np.fromiter((p for part in parts for p in part), np.int64)
+
+    def _reclaim_windows(self, short: int) -> None:
+        """Drop the window pages of at least `short` pages no request's window covers (a
+        sixteenth of the window pool at a time, so this runs rarely): first pages no tree node
+        holds, then the tree's by node age, keeping each node's last window (where a later
+        prompt's match most likely ends) until the rest is gone."""
+        swa = self.swa
+        held = np.flatnonzero(swa.window_of)
+        candidates = np.setdiff1d(held, self._window_pages())
+        if not candidates.size:
+            return
+        tail_pages = -(-swa.window // self.page_size) + 1
+        rank = np.zeros(self.allocator.num_pages, np.int64)  # pages no node holds: 0
+        for node in self.tree.nodes():
+            pages = node.value[:: self.page_size] // self.page_size
+            rank[pages] = 2 * node.last_access_time + 1
+            rank[pages[-tail_pages:]] += 2**40  # a node's last window after every other page
+        order = candidates[np.argsort(rank[candidates], kind="stable")]
+        swa.drop_windows(order[: max(short, swa.windows.num_usable_pages // 16)])

@@ -97,7 +97,10 @@ class Scheduler:
         self.runner = runner
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
-        self.kv = KVManager.for_config(config, num_pages, tiers)
+        pools = getattr(runner, "config", None)  # a hybrid model's sliding-window pool
+        swa_pages = getattr(pools, "swa_num_pages", 0)
+        self.kv = KVManager.for_config(
+            config, num_pages, tiers, swa=(pools.swa_window, swa_pages) if swa_pages else None)
         self.tiers, self.sessions = self.kv.tiers, self.kv.sessions
         self.queues = ReqQueues(config.max_running_requests)
         self.stats = SchedulerStats()
@@ -227,7 +230,7 @@ class Scheduler:
         if not kept:
             return outputs
         started = time.perf_counter()
-        result = self.runner.forward(ForwardMode.EXTEND, steps)
+        result = self.runner.forward(ForwardMode.EXTEND, self.kv.with_windows(steps))
         self.stats.count_extend(sum(n for _, n in kept), time.perf_counter() - started)
         if any(req.wants_input_logprobs for req, _ in kept):
             collect_input_logprobs(kept, result, self.runner)
@@ -287,6 +290,7 @@ class Scheduler:
             steps += req_steps
         if not batch:
             return outputs
+        steps = self.kv.with_windows(steps)
         if self.overlap and all(overlappable(req) for req in reqs):
             self._pending = PendingDecode(batch, self.runner.dispatch(ForwardMode.DECODE, steps))
             return outputs  # processed in the next step(), while the device runs the one after
@@ -337,8 +341,8 @@ class Scheduler:
         self._step_reqs = [r for r, _ in lagged]
         self.stats.num_overlapped_steps += 1
         # no grammar here (overlappable), but a min_new_tokens ban, one token ahead
-        steps = [r.decode_step(self.grammar_steps.step_mask(r, 1), prev_row=row)
-                 for r, row in lagged]
+        steps = self.kv.with_windows([r.decode_step(self.grammar_steps.step_mask(r, 1),
+                                                    prev_row=row) for r, row in lagged])
         batch = [(r, [], i) for i, (r, _) in enumerate(lagged)]
         return PendingDecode(batch, self.runner.dispatch(ForwardMode.DECODE, steps))
 

@@ -21,7 +21,10 @@ of the runner from its construction on, not only the dispatched steps (compute_t
 
 Device state: weights (`llama_torch.Weights`), a token-major KV pool per layer
 ([num_pages * page_size, kvh, d]; page 0 takes padding writes) and the penalty-count rows
-([max_running + 1, V] int32, row 0 scratch), all updated in place.
+([max_running + 1, V] int32, row 0 scratch), all updated in place. With a sliding-window pool
+(`config.swa_num_pages`, hybrid models) the local layers' pools hold [swa_num_pages *
+page_size, kvh, d] instead, and each step reaches them through the window pages the scheduler
+gives each sequence (`SeqStep.swa_pages`, mem_cache/swa_pool.py).
 
 With `config.static_decode` (on for CUDA, where its buckets become CUDA graphs), DECODE steps
 of one token per sequence take the static-shape step over device-resident batch state instead
@@ -77,6 +80,15 @@ class _Dispatched:
 
     def result(self) -> StepResult:
         return self.future.result().result()
+
+
+def _by_layer_kind(full: Callable[..., torch.Tensor], local: Callable[..., torch.Tensor],
+                   q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                   sliding_window: int | None = None, **kwargs: Any) -> torch.Tensor:
+    """A hybrid model's attention over a sliding-window pool: local layers (those passing a
+    window) read their pool through the window pages, global layers through the main pages."""
+    attention = full if sliding_window is None else local
+    return attention(q, k_pool, v_pool, sliding_window=sliding_window, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -144,16 +156,11 @@ class TorchModelRunner:
         self.prepacked = prepack
         self.model = self._build_model(params, model_config, prepack, compile_fn)
         self.layer_ops = self._use_layer_ops()
-        num_slots = config.num_pages * config.page_size
-        # The model's own head count: a tensor-parallel rank stores only its KV heads.
-        shape = (num_slots, self.model.cfg.num_kv_heads, model_config.head_dim)
         # --kv-cache-dtype bfloat16 under a float32 model, or fp8_e5m2: K/V rounded to it as
         # they are written (write_kv / rope_write_kv), widened to the query's dtype as
         # attention reads
         self.kv_dtype = _KV_DTYPES[config.kv_dtype]
-        self.kv_pools = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                          torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-                         for _ in range(model_config.num_layers)]
+        self.kv_pools = [self._kv_pool(local) for local in self._local_layers()]
         self.token_counts = torch.zeros((config.max_running_requests + 1, self.vocab_size),
                                         dtype=torch.int32, device=self.device)
         self.static_decode = None
@@ -168,6 +175,24 @@ class TorchModelRunner:
                     prepack, self.invariant_gemm,
                     self.quantization.method if self.quantization else "none",
                     self.layer_ops, config.static_decode, config.cuda_graph)
+
+    def _local_layers(self) -> list[bool]:
+        """Per layer, whether its K/V lives in the sliding-window pool."""
+        gemma = self.model_config.gemma
+        if not self.config.swa_num_pages:
+            return [False] * self.model_config.num_layers
+        if gemma is None:
+            raise ValueError("a sliding-window pool needs a model with local and global layers")
+        return list(gemma.sliding_layers)
+
+    def _kv_pool(self, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V pools (the model's own KV head count: a tensor-parallel rank
+        stores only its heads)."""
+        pages = self.config.swa_num_pages if local else self.config.num_pages
+        shape = (pages * self.config.page_size, self.model.cfg.num_kv_heads,
+                 self.model_config.head_dim)
+        return (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
 
     def _build_model(self, params: dict, model_config: ModelConfig, prepack: bool, compile_fn):
         """The registry's torch model for the architecture (backends/torch/tp.py overrides)."""
@@ -261,8 +286,7 @@ class TorchModelRunner:
 
     @property
     def kv_bytes(self) -> int:
-        k, _ = self.kv_pools[0]
-        return 2 * k.numel() * k.element_size() * len(self.kv_pools)
+        return sum(2 * k.numel() * k.element_size() for k, _ in self.kv_pools)
 
     # ---- KV pages to and from host memory (the lower cache tiers) ------------------------
     def kv_page_layout(self) -> str:
@@ -301,20 +325,9 @@ class TorchModelRunner:
 
     def _torch_batch(self, host: step_contract.HostBatch) -> TorchBatch:
         """The HostBatch as this runner's tensors, plus the attention backend's description."""
-        ps, dev = self.config.page_size, self.device
-        extend_seqs = decode = None
-        if host.mode == ForwardMode.EXTEND:
-            n = host.num_seqs
-            seq_lens = host.seq_lens[:n].tolist()
-            extend_seqs = [self.attn.ExtendSeq(
-                start=start, num_new=num_new, prefix_len=prefix_len,
-                slots=self.attn.context_slots(
-                    host.page_table[i, : -(-end // ps)].astype(np.int64), ps, end).to(dev))
-                for i, (start, num_new, prefix_len, end) in enumerate(zip(
-                    host.starts[:n].tolist(), host.extend_lens[:n].tolist(),
-                    host.prefix_lens[:n].tolist(), seq_lens, strict=True))]
-        else:
-            decode = self._decode_batch(host)
+        dev = self.device
+        extend_seqs, decode = self._attention_batch(host, host.page_table,
+                                                    self.model_config.sliding_window)
         return TorchBatch(
             input_ids=torch.from_numpy(host.input_ids).to(dev),
             positions=torch.from_numpy(host.positions).to(dev),
@@ -324,7 +337,42 @@ class TorchModelRunner:
             decode=decode,
         )
 
-    def _decode_batch(self, host: step_contract.HostBatch) -> Any:
+    def _attention_batch(self, host: step_contract.HostBatch, page_table: np.ndarray,
+                         window: int | None, share: bool = True) -> tuple[list | None, Any]:
+        """The attention backend's (extend sequences, decode batch) of the step, over
+        `page_table` (the host batch's, or its window pages'); `window`: every layer's
+        sliding window, if any; `share`: decode reads the pages all sequences share once."""
+        ps, dev = self.config.page_size, self.device
+        if host.mode != ForwardMode.EXTEND:
+            return None, self._decode_batch(host, page_table, window, share)
+        n = host.num_seqs
+        return [self.attn.ExtendSeq(
+            start=start, num_new=num_new, prefix_len=prefix_len,
+            slots=self.attn.context_slots(
+                page_table[i, : -(-end // ps)].astype(np.int64), ps, end).to(dev))
+            for i, (start, num_new, prefix_len, end) in enumerate(zip(
+                host.starts[:n].tolist(), host.extend_lens[:n].tolist(),
+                host.prefix_lens[:n].tolist(), host.seq_lens[:n].tolist(), strict=True))], None
+
+    def _window_batch(self, host: step_contract.HostBatch, steps: Sequence[SeqStep]
+                      ) -> tuple[torch.Tensor, list | None, Any]:
+        """The local layers' (K/V write slots, extend sequences, decode batch): the host
+        batch's pages mapped to the window pages the steps carry (padding and dropped pages:
+        page 0, which local layers never read: their window masks it)."""
+        ps = self.config.page_size
+        window_of = np.zeros(self.config.num_pages, np.int64)
+        for st in steps:
+            if st.swa_pages is not None:
+                window_of[np.asarray(st.pages, np.int64)] = st.swa_pages
+        out = host.out_slots.astype(np.int64)
+        out_slots = torch.from_numpy(window_of[out // ps] * ps + out % ps).to(self.device)
+        # (a window masks each sequence's own keys: no shared part)
+        extend_seqs, decode = self._attention_batch(host, window_of[host.page_table], None,
+                                                    share=False)
+        return out_slots, extend_seqs, decode
+
+    def _decode_batch(self, host: step_contract.HostBatch, page_table: np.ndarray,
+                      window: int | None, share: bool) -> Any:
         """Split each context into the whole pages all sequences share (leading page ids equal
         in every page table: a radix-cache prefix) and the rest, [T, Lown] with Lown = the
         longest rest rounded up to whole pages (attention runs eagerly: no bucketing)."""
@@ -333,13 +381,12 @@ class TorchModelRunner:
         lens = host.seq_lens[:n]
         need = -(-lens // ps)  # pages holding each context
         # [n, max(need)]; a row's columns past its need may hold pages it does not read yet
-        tables = host.page_table[:n, : need.max()].astype(np.int64)
+        tables = page_table[:n, : need.max()].astype(np.int64)
         common = int(lens.min()) // ps  # whole pages every sequence fills
         differs = (tables[:, :common] != tables[:1, :common]).any(axis=0)
         n_common = int(differs.argmax()) if differs.any() else common
         # a sliding window masks each sequence's own oldest keys: no shared part then
-        window = self.model_config.sliding_window
-        n_shared = n_common if n > 1 and window is None else 0
+        n_shared = n_common if n > 1 and window is None and share else 0
         own_pages = int(need.max()) - n_shared
         pages = np.zeros((num_rows, own_pages), np.int64)
         pages[:n] = np.where(np.arange(n_shared, n_shared + own_pages) < need[:, None],
@@ -410,15 +457,15 @@ class TorchModelRunner:
             prev = self._last_token_ids  # [n_prev]
             input_ids = torch.where(input_ids < 0, prev[(-input_ids - 1).clamp(min=0)],
                                     input_ids)
-        scale = self.model.scale
-        if mode == ForwardMode.EXTEND:
-            attention = partial(self.attn.extend_attention, seqs=batch.extend_seqs, scale=scale)
-            if self.model_config.sliding_window is not None:
-                attention = partial(attention, sliding_window=self.model_config.sliding_window)
-        else:
-            attention = partial(self.attn.decode_attention, batch=batch.decode, scale=scale)
+        attention = self._attention(mode, batch.extend_seqs, batch.decode)
+        window_args = {}
+        if self.config.swa_num_pages:  # local layers: their own slots and attention batch
+            local_out_slots, extend_seqs, decode = self._window_batch(host, steps)
+            attention = partial(_by_layer_kind, attention,
+                                self._attention(mode, extend_seqs, decode))
+            window_args = {"local_out_slots": local_out_slots}
         hidden = self.model.forward(input_ids, batch.positions, batch.out_slots,
-                                    self.kv_pools, attention)
+                                    self.kv_pools, attention, **window_args)
         logits = self.model.logits(hidden.index_select(0, batch.sample_rows))  # [n, V]
         token_ids, logprobs, top_ids, top_lp = self._sample(mode, host.sampling, logits)
         self._last_token_ids = token_ids
@@ -429,6 +476,17 @@ class TorchModelRunner:
             top_logprobs=top_lp.cpu().numpy(),
             hidden=hidden if mode == ForwardMode.EXTEND else None,
         )
+
+    def _attention(self, mode: ForwardMode, extend_seqs: list | None, decode: Any
+                   ) -> Callable[..., torch.Tensor]:
+        """The step's attention with its batch bound in."""
+        scale = self.model.scale
+        if mode != ForwardMode.EXTEND:
+            return partial(self.attn.decode_attention, batch=decode, scale=scale)
+        attention = partial(self.attn.extend_attention, seqs=extend_seqs, scale=scale)
+        if self.model_config.sliding_window is not None:
+            attention = partial(attention, sliding_window=self.model_config.sliding_window)
+        return attention
 
     def _sample(self, mode: ForwardMode, cols: step_contract.SamplingColumns,
                 logits: torch.Tensor):

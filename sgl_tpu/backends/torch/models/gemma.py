@@ -171,21 +171,26 @@ class GemmaTorch:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor,
                 kv_pools: list[tuple[torch.Tensor, torch.Tensor]],
-                attention: Callable[..., torch.Tensor]) -> torch.Tensor:
+                attention: Callable[..., torch.Tensor],
+                local_out_slots: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids/positions/out_slots i64[T] -> final-normed hidden [T, D].
 
         `attention(q, k_pool, v_pool, sliding_window=, logit_cap=)` is the step's attention
         with its batch bound in; local layers pass the window, Gemma 2 the score cap.
+        `local_out_slots`: where local layers write K/V, when their pools are a sliding-window
+        pool of their own (else `out_slots`).
         """
+        slots = {False: out_slots, True: out_slots if local_out_slots is None
+                 else local_out_slots}
         if self.layer_ops is not None:
-            return self.forward_fused(input_ids, positions, out_slots, kv_pools, attention)
+            return self.forward_fused(input_ids, positions, slots, kv_pools, attention)
         cfg, g = self.cfg, self.cfg.gemma
         tables = {False: rope_tables(positions, self.w.inv_freq_global),
                   True: rope_tables(positions, self.w.inv_freq_local)}
         h = self.w.embed.index_select(0, input_ids) * self.w.embed_scale  # [T, D]
         for w, (k_pool, v_pool) in zip(self.w.layers, kv_pools, strict=True):
             q, k, v = self.pre(h, w, *tables[w.sliding])
-            self.write_kv(k_pool, v_pool, k, v, out_slots)
+            self.write_kv(k_pool, v_pool, k, v, slots[w.sliding])
             o = attention(q, k_pool, v_pool,
                           sliding_window=g.sliding_window if w.sliding else None,
                           logit_cap=g.attn_logit_softcap)
@@ -193,9 +198,11 @@ class GemmaTorch:
         return self.final_norm(h, self.w.final_norm, cfg.rms_norm_eps)
 
     def forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      out_slots: torch.Tensor, kv_pools: list[tuple[torch.Tensor, torch.Tensor]],
+                      slots: dict[bool, torch.Tensor],
+                      kv_pools: list[tuple[torch.Tensor, torch.Tensor]],
                       attention: Callable[..., torch.Tensor]) -> torch.Tensor:
-        """`forward` with the compiled layer ops. Each residual add is deferred into the next
+        """`forward` with the compiled layer ops (`slots`: the K/V write slots of global and
+        local layers, by `sliding`). Each residual add is deferred into the next
         pre-norm, which adds in place (`h` is this step's own embedding rows):
 
             x = norm(h += delta)   qkv = x Wqkv   rope_write_kv(qkv) (q/k norms: Gemma 3)
@@ -213,8 +220,8 @@ class GemmaTorch:
             x = (ops.rms_norm(h, w.attn_norm, eps) if delta is None
                  else ops.add_rms_norm(h, delta, w.attn_norm, eps))
             qkv = linear(x, w.wqkv, None)  # [T, (H + 2 kvh) d]
-            ops.rope_write_kv(qkv, *tables[w.sliding], k_pool, v_pool, out_slots, h_q, h_kv,
-                              w.q_norm, w.k_norm, eps)
+            ops.rope_write_kv(qkv, *tables[w.sliding], k_pool, v_pool, slots[w.sliding], h_q,
+                              h_kv, w.q_norm, w.k_norm, eps)
             o = attention(qkv[:, : cfg.q_size].view(t, h_q, d), k_pool, v_pool,
                           sliding_window=g.sliding_window if w.sliding else None,
                           logit_cap=g.attn_logit_softcap)

@@ -218,6 +218,7 @@ def test_engine_gives_the_same_tokens_with_the_window_pool(tiny_gemma):
     assert "swa" not in plain and hybrid["kv_bytes"] == plain["kv_bytes"]
     # 2 of the 3 layers local: the same bytes hold 2.7x the tokens at this ratio
     assert hybrid["max_total_tokens"] >= 2.5 * plain["max_total_tokens"]
+    assert hybrid["kv_tokens_per_gb"] >= 2.5 * plain["kv_tokens_per_gb"] > 0
     swa = hybrid["swa"]
     assert swa["window"] == WINDOW
     # the small window pool dropped windows and cut a cached prefix, and lost nothing
@@ -237,3 +238,36 @@ def test_windows_never_outgrow_their_pool():
     for req in reqs:
         kv.release_req(req)
     kv.check([])
+
+
+@pytest.mark.slow
+def test_reliability_phases_on_a_window_pool(tmp_path):
+    """A real server whose window pool holds a few requests' windows: load, disconnects and
+    aborts, more requests than the pool holds; no 5xx, nothing leaked, windows dropped."""
+    import asyncio
+
+    from reliability_invariants import check_invariants
+    from reliability_phases import disconnect_phase, exhaustion_phase, load_phase
+    from server_harness import launch_server
+
+    server = launch_server("--skip-warmup", "--max-total-tokens", "1024", "--dtype", "float32",
+                           "--max-running-requests", "16", "--chunked-prefill-size", "256",
+                           "--swa-full-tokens-ratio", "0.05",
+                           model_path=make_tiny_gemma(tmp_path / "gemma3", "gemma3"))
+    try:
+        url = server.base_url
+        memory = check_invariants(url, {})["memory"]
+        assert memory["swa"]["window"] == WINDOW
+        load = asyncio.run(load_phase(url, {}, clients=16, requests_per_client=2))
+        assert load.num_5xx == 0 and load.statuses[200] > 0, load.to_dict()
+        gone = asyncio.run(disconnect_phase(url, {}, clients=4))
+        assert gone.num_5xx == 0 and gone.aborts == 4, gone.to_dict()
+        full = asyncio.run(exhaustion_phase(url, {}, capacity_tokens=memory["max_total_tokens"],
+                                            clients=16))
+        assert full.statuses == {200: 16, 400: 1}, full.to_dict()
+        assert full.extra["wrong_token_counts"] == 0
+        info = check_invariants(url, {})
+        assert info["memory"]["swa"]["num_windows_dropped"] > 0
+        assert info["stats"]["num_retractions"] > 0
+    finally:
+        server.stop()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from sgl_tpu.executor.step import ModelRunner
 from sgl_tpu.mem_cache.swa_pool import pool_split
 from sgl_tpu.models.config import GemmaConfig, ModelConfig
 from sgl_tpu.quantization import resolve_quantization
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -244,11 +247,17 @@ def _resolve_pools(args: ServerArgs, backend: str, gemma: GemmaConfig | None, ch
     model, that memory split between the main pool and the sliding-window pool
     (mem_cache/swa_pool.py)."""
     ps = args.page_size
-    if swa_pool_blocker(args, backend, gemma, static_decode) is not None:
+    why = swa_pool_blocker(args, backend, gemma, static_decode)
+    if why is not None:
+        if gemma is not None:
+            logger.info("sliding-window pool off (%s): every layer keeps every token", why)
         return {"num_pages": -(-args.max_total_tokens // ps) + 1}
     main, window = pool_split(args.max_total_tokens, len(gemma.sliding_layers),
                               sum(gemma.sliding_layers), args.swa_full_tokens_ratio,
                               gemma.sliding_window + chunk + 2 * ps, ps)
+    logger.info("sliding-window pool: %d tokens of every layer's memory hold %d tokens, "
+                "with %d window tokens for the local layers", args.max_total_tokens, main,
+                window)
     return {"num_pages": main // ps + 1, "swa_num_pages": window // ps + 1,
             "swa_window": gemma.sliding_window}
 

@@ -17,11 +17,15 @@ def server_info(scheduler: Scheduler) -> dict[str, Any]:
     """What `/server_info` reports from the scheduler (the server process and the in-process
     Engine both use this): memory, queues, counters, and when idle the KV integrity check."""
     stats = {k: v for k, v in asdict(scheduler.stats).items() if not k.startswith("last_log")}
+    memory = scheduler.memory_info()
+    kv_bytes = scheduler.runner.kv_bytes
     data: dict[str, Any] = {
-        # the KV pool: its element type and bytes (a bfloat16 pool holds twice a float32
-        # pool's tokens in the same bytes)
-        "memory": {**scheduler.memory_info(), "kv_cache_dtype": scheduler.config.kv_cache_dtype,
-                   "kv_bytes": scheduler.runner.kv_bytes},
+        # the KV pool: its element type, bytes and tokens per GB (a bfloat16 pool holds twice
+        # a float32 pool's tokens in the same bytes; a sliding-window pool more still)
+        "memory": {**memory, "kv_cache_dtype": scheduler.config.kv_cache_dtype,
+                   "kv_bytes": kv_bytes,
+                   "kv_tokens_per_gb": round(memory["max_total_tokens"] * 1e9 / kv_bytes)
+                   if kv_bytes else None},
         "num_running_reqs": scheduler.num_running,
         "num_waiting_reqs": len(scheduler.waiting),
         "num_compilations": scheduler.runner.num_compilations(),

@@ -248,13 +248,18 @@ def _resolve_pools(args: ServerArgs, backend: str, gemma: GemmaConfig | None, ch
     (mem_cache/swa_pool.py)."""
     ps = args.page_size
     why = swa_pool_blocker(args, backend, gemma, static_decode)
-    if why is not None:
+    split = None if why is not None else pool_split(
+        args.max_total_tokens, len(gemma.sliding_layers), sum(gemma.sliding_layers),
+        args.swa_full_tokens_ratio,
+        # a window and a prefill chunk (a decoding request's window pages stay as many: one
+        # page in as one drops out)
+        gemma.sliding_window + chunk + 2 * ps, ps)
+    if split is None:
         if gemma is not None:
-            logger.info("sliding-window pool off (%s): every layer keeps every token", why)
+            logger.info("sliding-window pool off (%s): every layer keeps every token",
+                        why or "its window pool would leave the global layers no more tokens")
         return {"num_pages": -(-args.max_total_tokens // ps) + 1}
-    main, window = pool_split(args.max_total_tokens, len(gemma.sliding_layers),
-                              sum(gemma.sliding_layers), args.swa_full_tokens_ratio,
-                              gemma.sliding_window + chunk + 2 * ps, ps)
+    main, window = split
     logger.info("sliding-window pool: %d tokens of every layer's memory hold %d tokens, "
                 "with %d window tokens for the local layers", args.max_total_tokens, main,
                 window)

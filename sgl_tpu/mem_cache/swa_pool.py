@@ -33,21 +33,18 @@ from sgl_tpu.mem_cache.allocator import PageAllocator
 
 
 def pool_split(total_tokens: int, num_layers: int, num_local: int, ratio: float,
-               min_window_tokens: int, page_size: int) -> tuple[int, int]:
+               min_window_tokens: int, page_size: int) -> tuple[int, int] | None:
     """(main pool tokens, window pool tokens) in the memory of `total_tokens` tokens of every
     layer: the window pool holds `ratio` of the main pool's tokens, at least
-    `min_window_tokens`; both in whole pages. ValueError when the memory holds less."""
+    `min_window_tokens`; both in whole pages. None when the main pool would hold no more than
+    `total_tokens` (the split does not pay)."""
     num_global = num_layers - num_local
     budget = total_tokens * num_layers  # tokens x layers of K/V
     main = int(budget / (num_global + ratio * num_local))
     window = max(int(ratio * main), min_window_tokens)
     window = -(-window // page_size) * page_size
     main = (budget - window * num_local) // num_global // page_size * page_size
-    if main < max(window, 2 * page_size):
-        raise ValueError(f"--max-total-tokens {total_tokens} is too small for a sliding-window "
-                         f"pool of {window} tokens (at least {min_window_tokens}: a window "
-                         f"plus a prefill chunk); raise it or --disable-hybrid-swa-memory")
-    return main, window
+    return (main, window) if main > total_tokens else None
 
 
 class SwaPageAllocator(PageAllocator):

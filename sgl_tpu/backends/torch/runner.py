@@ -326,8 +326,7 @@ class TorchModelRunner:
     def _torch_batch(self, host: step_contract.HostBatch) -> TorchBatch:
         """The HostBatch as this runner's tensors, plus the attention backend's description."""
         dev = self.device
-        extend_seqs, decode = self._attention_batch(host, host.page_table,
-                                                    self.model_config.sliding_window)
+        extend_seqs, decode = self._attention_batch(host, host.page_table)
         return TorchBatch(
             input_ids=torch.from_numpy(host.input_ids).to(dev),
             positions=torch.from_numpy(host.positions).to(dev),
@@ -338,13 +337,13 @@ class TorchModelRunner:
         )
 
     def _attention_batch(self, host: step_contract.HostBatch, page_table: np.ndarray,
-                         window: int | None, share: bool = True) -> tuple[list | None, Any]:
+                         share: bool = True) -> tuple[list | None, Any]:
         """The attention backend's (extend sequences, decode batch) of the step, over
-        `page_table` (the host batch's, or its window pages'); `window`: every layer's
-        sliding window, if any; `share`: decode reads the pages all sequences share once."""
+        `page_table` (the host batch's, or its window pages'); `share`: decode reads the
+        pages all sequences share once."""
         ps, dev = self.config.page_size, self.device
         if host.mode != ForwardMode.EXTEND:
-            return None, self._decode_batch(host, page_table, window, share)
+            return None, self._decode_batch(host, page_table, share)
         n = host.num_seqs
         return [self.attn.ExtendSeq(
             start=start, num_new=num_new, prefix_len=prefix_len,
@@ -367,16 +366,18 @@ class TorchModelRunner:
         out = host.out_slots.astype(np.int64)
         out_slots = torch.from_numpy(window_of[out // ps] * ps + out % ps).to(self.device)
         # (a window masks each sequence's own keys: no shared part)
-        extend_seqs, decode = self._attention_batch(host, window_of[host.page_table], None,
+        extend_seqs, decode = self._attention_batch(host, window_of[host.page_table],
                                                     share=False)
         return out_slots, extend_seqs, decode
 
-    def _decode_batch(self, host: step_contract.HostBatch, page_table: np.ndarray,
-                      window: int | None, share: bool) -> Any:
+    def _decode_batch(self, host: step_contract.HostBatch, page_table: np.ndarray | None = None,
+                      share: bool = True) -> Any:
         """Split each context into the whole pages all sequences share (leading page ids equal
         in every page table: a radix-cache prefix) and the rest, [T, Lown] with Lown = the
-        longest rest rounded up to whole pages (attention runs eagerly: no bucketing)."""
+        longest rest rounded up to whole pages (attention runs eagerly: no bucketing).
+        `page_table`: the host batch's unless given; `share`: False keeps every page own."""
         ps = self.config.page_size
+        page_table = host.page_table if page_table is None else page_table
         n, num_rows = host.num_seqs, len(host.input_ids)
         lens = host.seq_lens[:n]
         need = -(-lens // ps)  # pages holding each context
@@ -386,6 +387,7 @@ class TorchModelRunner:
         differs = (tables[:, :common] != tables[:1, :common]).any(axis=0)
         n_common = int(differs.argmax()) if differs.any() else common
         # a sliding window masks each sequence's own oldest keys: no shared part then
+        window = self.model_config.sliding_window
         n_shared = n_common if n > 1 and window is None and share else 0
         own_pages = int(need.max()) - n_shared
         pages = np.zeros((num_rows, own_pages), np.int64)

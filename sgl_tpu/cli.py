@@ -43,7 +43,7 @@ _HELP = {
     "disable_hybrid_swa_memory": "keep every layer's K/V of a hybrid model (Gemma 2, Gemma 3) "
                                  "in one pool; by default its sliding-window layers keep only "
                                  "what their windows read, in a pool of their own (torch "
-                                 "backend, one device, no --enable-hierarchical-cache)",
+                                 "backend, one device)",
     "swa_full_tokens_ratio": "size of the sliding-window pool, in tokens per token of the "
                              "main pool (at least a window plus a prefill chunk)",
     "hicache_ratio": "host tier size as a multiple of the KV pool's (unless --hicache-size)",

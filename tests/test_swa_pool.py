@@ -13,7 +13,9 @@ from gemma_checkpoints import WINDOW, make_tiny_gemma
 
 from sgl_tpu.config import SchedulerConfig, ServerArgs
 from sgl_tpu.executor.registry import runner_config
+from sgl_tpu.mem_cache.page_hash import ROOT_HASH, chain_hashes
 from sgl_tpu.mem_cache.swa_pool import SwaPageAllocator, pool_split
+from sgl_tpu.mem_cache.tiers import global_only_hash
 from sgl_tpu.models.config import GemmaConfig
 from sgl_tpu.sampling_params import SamplingParams
 from sgl_tpu.scheduler.kv_manager import KVManager
@@ -172,8 +174,9 @@ def test_runner_config_splits_the_memory_only_where_the_pool_can_run():
     cfg = runner_config(args, 32768, gemma=gemma)
     main, window = (cfg.num_pages - 1) * 16, (cfg.swa_num_pages - 1) * 16
     assert cfg.swa_window == 512 and main + 5 * window <= 6 * 65536 and main > 2.5 * 65536
-    for off in (dict(disable_hybrid_swa_memory=True), dict(enable_hierarchical_cache=True),
-                dict(backend="jax")):
+    assert runner_config(args.replace(enable_hierarchical_cache=True), 32768,
+                         gemma=gemma).swa_num_pages == cfg.swa_num_pages
+    for off in (dict(disable_hybrid_swa_memory=True), dict(backend="jax")):
         cfg = runner_config(args.replace(**off), 32768, gemma=gemma)
         assert (cfg.swa_num_pages, cfg.num_pages) == (0, 4097)
     with pytest.raises(ValueError, match="swa_full_tokens_ratio"):
@@ -224,6 +227,42 @@ def test_engine_gives_the_same_tokens_with_the_window_pool(tiny_gemma):
     # the small window pool dropped windows and cut a cached prefix, and lost nothing
     assert swa["num_windows_dropped"] > 0 and swa["num_window_cut_tokens"] > 0
     assert infos[True]["integrity"] == "ok"
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_host_tier_under_the_window_pool(tiny_gemma, policy):
+    """Prompts that overflow a small pool go to the host tier and come back: the same tokens as
+    one pool without tiers. Written through, their rows are whole (copied while the windows
+    were there) and the repeated prompts are served from them; written back at eviction, the
+    tiny window pool had dropped their windows: global-only rows, loaded and then cut."""
+    from sgl_tpu.engine import Engine
+
+    common = dict(backend="torch", dtype="float32", page_size=PS, chunked_prefill_size=64,
+                  max_running_requests=4, torch_compile="off", max_total_tokens=256)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(5, 200, 150).tolist() for _ in range(5)]
+    sp = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    results = {}
+    for tiers in (False, True):
+        kw = dict(enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_write_policy=policy,
+                  swa_full_tokens_ratio=0.05) if tiers else dict(disable_hybrid_swa_memory=True)
+        with Engine(tiny_gemma, **common, **kw) as engine:
+            outs = [engine.generate(input_ids=p, sampling_params=sp) for p in prompts * 2]
+            results[tiers] = [o["output_ids"] for o in outs]
+            if not tiers:
+                continue
+            info = engine.get_server_info()
+            assert info["integrity"] == "ok" and info["tiers"]["host"]["hit_tokens"] > 0
+            host = engine.scheduler.tiers.host
+            hashes = [h.tobytes() for p in prompts
+                      for h in chain_hashes(ROOT_HASH, np.asarray(p, np.int32), PS)]
+            global_only = sum(global_only_hash(h) in host for h in hashes)
+            again = [o["meta_info"]["cached_tokens"] for o in outs[len(prompts):]]
+            if policy == "write_through":
+                assert global_only == 0 and min(again) >= 140
+            else:
+                assert global_only > 0 and info["memory"]["swa"]["num_window_cut_tokens"] > 0
+    assert results[True] == results[False]
 
 
 def test_windows_never_outgrow_their_pool():

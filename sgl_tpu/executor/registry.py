@@ -235,8 +235,6 @@ def swa_pool_blocker(args: ServerArgs, backend: str, gemma: GemmaConfig | None,
             else "it needs the torch backend" if backend != "torch"
             else "it needs one device (--tp-size 1, --nnodes 1)"
             if args.tp_size > 1 or args.nnodes > 1
-            else "the lower cache tiers copy whole pages of every layer"
-            if args.enable_hierarchical_cache
             else "the static decode step (CUDA graphs) reads one pool" if static_decode
             else None)
 

@@ -147,7 +147,8 @@ class ModelRunner(Protocol):
     # Optional (the lower cache tiers, mem_cache/tiers.py), on single-device runners:
     # `read_kv_pages(pages, out=None) -> rows` copies whole KV pages to host memory as raw-bit
     # rows [len(pages), row elements] (into `out` when given), `write_kv_pages(pages, rows)`
-    # stores such rows back, and
+    # stores such rows back (both with `window_pages=`, the pages' window pages, where a
+    # sliding-window pool holds the local layers: torch), and
     # `kv_page_layout() -> str` names the rows' layout and dtype (part of a disk file's key).
 
     def token_logprobs(self, hidden: Any, target_ids: np.ndarray

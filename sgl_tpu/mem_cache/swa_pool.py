@@ -69,18 +69,19 @@ class SwaPageAllocator(PageAllocator):
         self.windows.reset()
         self.window_of[:] = 0
 
-    def alloc(self, n: int) -> np.ndarray | None:
-        """`n` main pages, each with a window page; None (taking nothing) if either is short
-        after `reclaim`."""
+    def alloc(self, n: int, windows: int | None = None) -> np.ndarray | None:
+        """`n` main pages, the last `windows` of them (all by default) with a window page;
+        None (taking nothing) if either is short after `reclaim`."""
+        k = n if windows is None else windows
         if n > self.num_free_pages:
             return None
-        short = n - self.windows.num_free_pages
+        short = k - self.windows.num_free_pages
         if short > 0:
             self.reclaim(short)
-            if n > self.windows.num_free_pages:
+            if k > self.windows.num_free_pages:
                 return None
         pages = super().alloc(n)
-        self.window_of[pages] = self.windows.alloc(n)
+        self.window_of[pages[n - k:]] = self.windows.alloc(k)
         return pages
 
     def free(self, pages: np.ndarray | Sequence[int]) -> None:

@@ -22,6 +22,13 @@ into the pool (`write_kv_pages`) and inserts them into the tree, where the reque
 locks them like any cached prefix. Tiers hold the pool's dtype as raw bits: an fp8 pool stays
 fp8. On CPU a load is a memory copy into the pool. On an accelerator the same copies cross the
 host link; see docs/kv-cache-tiers.md for the bandwidth and the overlap with compute.
+
+Under a sliding-window pool (`swa_pool.py`) a row holds the local layers' K/V from the page's
+window page. A page whose window page was dropped has only its global layers' K/V: its row is
+kept under a key of its own (`global_only_hash`), and a load brings it back without a window
+page, so the request's admission uses the prefix only as far as the windows it needs came back
+too (in an agent's next turn, the last window of its context: those pages were in the
+request's window when it ended, so their rows are whole).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from sgl_tpu.mem_cache.disk_tier import DiskTier
 from sgl_tpu.mem_cache.host_tier import HostTier
 from sgl_tpu.mem_cache.page_hash import ROOT_HASH, chain_hashes
 from sgl_tpu.mem_cache.radix_cache import MatchResult, RadixCache
+from sgl_tpu.mem_cache.swa_pool import SwaPageAllocator
 from sgl_tpu.mem_cache.tree_node import TreeListener, TreeNode
 
 logger = logging.getLogger(__name__)
@@ -46,13 +54,19 @@ logger = logging.getLogger(__name__)
 WRITE_POLICIES = ("write_through", "write_back")
 
 
+def global_only_hash(page_hash: bytes) -> bytes:
+    """The key of a page's row that lacks its local layers' K/V (its window page was
+    dropped): never a chain hash, so the two rows of one page never mix."""
+    return hashlib.blake2b(page_hash, digest_size=len(page_hash), person=b"global-only").digest()
+
+
 class KVPageIO(Protocol):
     """What the tiers need from a runner (the step contract's optional KV-page methods)."""
 
-    def read_kv_pages(self, pages: np.ndarray, out: np.ndarray | None = None
+    def read_kv_pages(self, pages: np.ndarray, out: np.ndarray | None = None, **window: Any
                       ) -> np.ndarray: ...
 
-    def write_kv_pages(self, pages: np.ndarray, rows: np.ndarray) -> None: ...
+    def write_kv_pages(self, pages: np.ndarray, rows: np.ndarray, **window: Any) -> None: ...
 
 
 @dataclass
@@ -74,6 +88,7 @@ class TieredCache(TreeListener):
         self.io = io
         self.tree = tree
         self.allocator = tree.allocator
+        self.swa = self.allocator if isinstance(self.allocator, SwaPageAllocator) else None
         self.page_size = tree.page_size
         self.host = host
         self.disk = disk
@@ -98,19 +113,26 @@ class TieredCache(TreeListener):
     def _backup(self, node: TreeNode) -> None:
         """Copy `node`'s pages that the host tier lacks into it (refreshing the others)."""
         ps = self.page_size
-        hashes = [h.tobytes() for h in node.hashes]
-        missing = [i for i, h in enumerate(hashes) if self.host.get(h) is None]
+        all_pages = self.allocator.slots_to_pages(node.value)
+        whole = (np.ones(len(all_pages), bool) if self.swa is None
+                 else self.swa.window_of[all_pages] > 0)
+        # the key of each page's row: global-only rows under keys of their own
+        keys = [h.tobytes() if w else global_only_hash(h.tobytes())
+                for h, w in zip(node.hashes, whole, strict=True)]
+        missing = [i for i, (h, k) in enumerate(zip(node.hashes, keys, strict=True))
+                   if self.host.get(h.tobytes()) is None and self.host.get(k) is None]
         if not missing:
             return
         t0 = time.perf_counter()
-        pages = self.allocator.slots_to_pages(node.value)[missing]
-        rows = self.io.read_kv_pages(pages, self._demote_buf.get(len(pages)))
+        pages = all_pages[missing]
+        rows = self.io.read_kv_pages(pages, self._demote_buf.get(len(pages)),
+                                     **self._windows(pages))
         for row, i in zip(rows, missing, strict=True):
             tokens = node.key[i * ps:(i + 1) * ps]
-            dropped = self.host.put(hashes[i], tokens, row)
+            dropped = self.host.put(keys[i], tokens, row)
             if self.disk is not None:
                 if self.write_through:
-                    self.disk.write(hashes[i], tokens, row)
+                    self.disk.write(keys[i], tokens, row)
                 elif dropped is not None:
                     self.disk.write(*dropped)
         self.host_counters.demote_bytes += len(missing) * self.host.row_bytes
@@ -123,7 +145,7 @@ class TieredCache(TreeListener):
         return the new match (`match` itself when nothing was loaded)."""
         ps = self.page_size
         t0 = time.perf_counter()
-        found = self._find(key, match.prefix_len, match.last_node.last_hash())
+        found, whole = self._find(key, match.prefix_len, match.last_node.last_hash())
         if not found:
             return match
         self.tree.inc_lock_ref(match.last_node)  # eviction below must not take the match
@@ -133,12 +155,13 @@ class TieredCache(TreeListener):
             short = n - self.allocator.num_free_pages
             if short > 0:
                 self.tree.evict(short * ps)
-            pages = self.allocator.alloc(n) if n else None
+            pages = (None if not n else self.allocator.alloc(n) if self.swa is None
+                     else self.swa.alloc(n, windows=self._windowed(match.prefix_len, whole[:n])))
         finally:
             self.tree.dec_lock_ref(match.last_node)
         if pages is None:
             return match
-        self.io.write_kv_pages(pages, self._load_buf.get(n))
+        self.io.write_kv_pages(pages, self._load_buf.get(n), **self._windows(pages))
         end = match.prefix_len + n * ps
         slots = np.concatenate([match.slots, self.allocator.pages_to_slots(pages, n * ps)])
         self.tree.insert(key[:end], slots)
@@ -153,25 +176,51 @@ class TieredCache(TreeListener):
             raise RuntimeError(f"tree lost loaded pages ({new.prefix_len} != {end})")
         return new
 
-    def _find(self, key: np.ndarray, start: int, parent_hash: bytes | None) -> list[str]:
-        """The tier of each page of `key` from token `start` on, while found; their rows are
-        copied, in order, into the load buffer."""
+    def _windowed(self, start: int, whole: list[bool]) -> int:
+        """How many of the pages loaded after token `start` get window pages: the last ones,
+        as far as their rows are whole and they lie in the window before the loaded end (the
+        rest load with their global layers' K/V only; their rows' local part goes to window
+        page 0, the padding page)."""
+        trailing = next((i for i, w in enumerate(reversed(whole)) if not w), len(whole))
+        first = self.swa.first_window_page(start + len(whole) * self.page_size)
+        return min(trailing, len(whole) - max(first - start // self.page_size, 0))
+
+    def _windows(self, pages: np.ndarray) -> dict[str, np.ndarray]:
+        """The runner's `window_pages` argument for `pages` (their window pages), under a
+        sliding-window pool."""
+        return {} if self.swa is None else {"window_pages": self.swa.window_of[pages]}
+
+    def _find(self, key: np.ndarray, start: int, parent_hash: bytes | None
+              ) -> tuple[list[str], list[bool]]:
+        """The tier of each page of `key` from token `start` on, while found, and whether its
+        row is whole (else global-only); their rows are copied, in order, into the load
+        buffer."""
         ps = self.page_size
         prev = parent_hash or ROOT_HASH
         tiers: list[str] = []
+        whole: list[bool] = []
         for p in range(start // ps, len(key) // ps):
             tokens = np.asarray(key[p * ps:(p + 1) * ps], dtype=np.int32)
             page_hash = chain_hashes(prev, tokens, ps)[0].tobytes()
-            row = self.host.get(page_hash)
-            tier = "host"
-            if row is None and self.disk is not None:
-                row, tier = self.disk.read(page_hash, tokens), "disk"
+            keys = [page_hash] if self.swa is None else [page_hash, global_only_hash(page_hash)]
+            for k in keys:
+                row, tier = self._lookup(k, tokens)
+                if row is not None:
+                    break
             if row is None:
                 break
             self._load_buf.get(len(tiers) + 1, keep=True)[-1] = row
             tiers.append(tier)
+            whole.append(k == page_hash)
             prev = page_hash
-        return tiers
+        return tiers, whole
+
+    def _lookup(self, page_key: bytes, tokens: np.ndarray) -> tuple[np.ndarray | None, str]:
+        """The row under `page_key` in the host tier, else on disk, and where it was."""
+        row = self.host.get(page_key)
+        if row is None and self.disk is not None:
+            return self.disk.read(page_key, tokens), "disk"
+        return row, "host"
 
     # ---- lifetime, reports -----------------------------------------------------------------
     def clear(self) -> None:
@@ -212,8 +261,11 @@ class TieredCache(TreeListener):
             pages = self.allocator.slots_to_pages(node.value)
             for i, h in enumerate(node.hashes):
                 row = self.host.get(h.tobytes())
+                if self.swa is not None and not self.swa.window_of[pages[i]]:
+                    continue  # (its local layers' K/V is no longer in the pool)
                 if row is not None and not np.array_equal(
-                        row, self.io.read_kv_pages(pages[i:i + 1])[0]):
+                        row, self.io.read_kv_pages(pages[i:i + 1],
+                                                   **self._windows(pages[i:i + 1]))[0]):
                     raise RuntimeError(f"tiers disagree on page {i} of {node!r}")
 
 

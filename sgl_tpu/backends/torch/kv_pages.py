@@ -7,12 +7,16 @@
 
 A read gathers the pages of every K and V tensor with one `index_select` each, into the rows'
 strided view of a buffer the caller passes (reused: fresh memory costs a page fault per 4 KiB,
-more than the copy); a write is one `index_copy_` per tensor. The page rows are this backend's
+more than the copy); a write is one `index_copy_` per tensor. With a sliding-window pool the
+local layers' tensors are indexed by the pages' window pages (`window_pages`; `local` says
+which layers are local); the rows are the same. The page rows are this backend's
 own layout (`page_layout` names it, and disk files are keyed by it): a JAX server does not read
 a torch server's files.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -35,6 +39,18 @@ def _page_index(pages: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.asarray(pages, dtype=np.int64)).to(device)
 
 
+def _tensor_indices(kv_pools: KVPools, pages: np.ndarray, window_pages: np.ndarray | None,
+                    local: Sequence[bool]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(tensor, the page index it is read or written at) for every K and V tensor in row
+    order: local layers at `window_pages` when given, every other at `pages`."""
+    k, _ = kv_pools[0]
+    idx = _page_index(pages, k.device)
+    window = idx if window_pages is None else _page_index(window_pages, k.device)
+    local = local or [False] * len(kv_pools)
+    return [(t, window if is_local else idx)
+            for layer, is_local in zip(kv_pools, local, strict=True) for t in layer]
+
+
 def _row_view(rows: np.ndarray, kv_pools: KVPools, page_size: int) -> torch.Tensor:
     """Host rows as a raw-bit [pages, 2 * layers, page_size, H, D] tensor (no copy)."""
     k, _ = kv_pools[0]
@@ -50,7 +66,8 @@ def _pages_of(t: torch.Tensor, page_size: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def read_pages(kv_pools: KVPools, pages: np.ndarray, page_size: int,
-               out: np.ndarray | None = None) -> np.ndarray:
+               out: np.ndarray | None = None, window_pages: np.ndarray | None = None,
+               local: Sequence[bool] = ()) -> np.ndarray:
     """[len(pages), row elements] raw-bit host rows of `pages` (see the module docstring),
     written into `out` when given (a C-contiguous array of that shape and the raw dtype: a
     buffer the caller reuses, so no fresh memory is faulted in per call)."""
@@ -59,19 +76,15 @@ def read_pages(kv_pools: KVPools, pages: np.ndarray, page_size: int,
     if out is None:
         out = np.empty((len(pages), row_elems), dtype=_RAW[k.element_size()])
     dst = _row_view(out, kv_pools, page_size)
-    idx = _page_index(pages, k.device)
-    tensors = [t for layer in kv_pools for t in layer]
-    for i, t in enumerate(tensors):
+    for i, (t, idx) in enumerate(_tensor_indices(kv_pools, pages, window_pages, local)):
         dst[:, i].copy_(_pages_of(t, page_size).index_select(0, idx))
     return out
 
 
 @torch.inference_mode()
-def write_pages(kv_pools: KVPools, pages: np.ndarray, rows: np.ndarray, page_size: int) -> None:
+def write_pages(kv_pools: KVPools, pages: np.ndarray, rows: np.ndarray, page_size: int,
+                window_pages: np.ndarray | None = None, local: Sequence[bool] = ()) -> None:
     """Store host rows made by `read_pages` (any pool of the same layout) into `pages`."""
-    k, _ = kv_pools[0]
     src = _row_view(np.ascontiguousarray(rows), kv_pools, page_size)
-    idx = _page_index(pages, k.device)
-    tensors = [t for layer in kv_pools for t in layer]
-    for i, t in enumerate(tensors):
+    for i, (t, idx) in enumerate(_tensor_indices(kv_pools, pages, window_pages, local)):
         _pages_of(t, page_size).index_copy_(0, idx, src[:, i].to(t.device))

@@ -292,13 +292,17 @@ class TorchModelRunner:
     def kv_page_layout(self) -> str:
         return kv_pages.page_layout(self.kv_pools, self.config.page_size)
 
-    def read_kv_pages(self, pages: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    def read_kv_pages(self, pages: np.ndarray, out: np.ndarray | None = None,
+                      window_pages: np.ndarray | None = None) -> np.ndarray:
         self._wait_in_flight()
-        return self._call(kv_pages.read_pages, self.kv_pools, pages, self.config.page_size, out)
+        return self._call(kv_pages.read_pages, self.kv_pools, pages, self.config.page_size, out,
+                          window_pages, self._local_layers())
 
-    def write_kv_pages(self, pages: np.ndarray, rows: np.ndarray) -> None:
+    def write_kv_pages(self, pages: np.ndarray, rows: np.ndarray,
+                       window_pages: np.ndarray | None = None) -> None:
         self._wait_in_flight()
-        self._call(kv_pages.write_pages, self.kv_pools, pages, rows, self.config.page_size)
+        self._call(kv_pages.write_pages, self.kv_pools, pages, rows, self.config.page_size,
+                   window_pages, self._local_layers())
 
     def _wait_in_flight(self) -> None:
         """Let a step dispatched to the worker thread finish (its pages are never the ones a

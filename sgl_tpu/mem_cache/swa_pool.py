@@ -112,10 +112,12 @@ class SwaPageAllocator(PageAllocator):
         self.window_of[keep[move]] = self.window_of[dup[move]]
         self.window_of[dup[move]] = 0
 
-    def first_window_page(self, kv_len: int) -> int:
-        """Index of the first page a sequence computing from position `kv_len` reads in its
-        local layers (one page early: a decode step may lag a token behind)."""
-        return max(0, (kv_len - self.window + 1) // self.page_size - 1)
+    def first_window_page(self, kv_len: int | np.ndarray) -> int | np.ndarray:
+        """Index of the first page a sequence computing from position `kv_len` (an int, or an
+        array of them) reads in its local layers (one page early: a decode step may lag a
+        token behind)."""
+        first = np.maximum(0, (np.asarray(kv_len) - self.window + 1) // self.page_size - 1)
+        return int(first) if first.ndim == 0 else first
 
     def usable_prefix(self, pages: Sequence[int], prefix_len: int) -> int:
         """The longest page-aligned length <= `prefix_len` of a cached prefix on `pages` whose
@@ -129,8 +131,7 @@ class SwaPageAllocator(PageAllocator):
         # lies before its first window page
         ends = np.arange(1, n + 1)
         lacking = np.maximum.accumulate(np.where(has, -1, ends - 1))
-        first = np.maximum(0, (ends * ps - self.window + 1) // ps - 1)
-        ok = np.flatnonzero(lacking < first)
+        ok = np.flatnonzero(lacking < self.first_window_page(ends * ps))
         return int(ends[ok[-1]]) * ps if ok.size else 0
 
     def info(self) -> dict[str, int]:

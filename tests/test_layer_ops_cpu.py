@@ -266,3 +266,77 @@ def test_default_model_greedy_tokens_unchanged():
                 t.append(int(new))
         outs.append(toks)
     assert outs[0] == outs[1]
+
+
+class CountingOps:
+    """The layer ops module, counting the calls made through it from Python."""
+
+    def __init__(self, module) -> None:
+        self.module, self.calls = module, 0
+
+    def __getattr__(self, name):
+        fn = getattr(self.module, name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+@pytest.mark.slow
+def test_compiled_decode_layers_equal_the_python_loop():
+    """The default model on the int8-activation tile kernels (gguf-a8 on an AVX512-VNNI build)
+    over a bfloat16 KV cache: decode steps of two sequences of different lengths, then of one,
+    give the same tokens and top log-probabilities, bit for bit, with the layer loop compiled
+    (`DecodeLayers`: one call a step, no layer op called from Python) as with it in Python,
+    the same kernels in the same order."""
+    from sgl_tpu.backends.torch.kernels import quant_gemm_cpu
+
+    if not quant_gemm_cpu.tiles_for(576):
+        pytest.skip("the tile kernels need an AVX512-VNNI build")
+    loaded = load_model(None)
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, loaded.config.vocab_size, n).tolist() for n in (45, 18)]
+    runs = []
+    for compiled in (True, False):
+        m = Runner(loaded, "float32", True, page_size=16, quantization="gguf-a8",
+                   kv_cache_dtype="bfloat16")
+        assert m.runner.decode_layers and m.runner.compute_info()["decode_layers"] == "compiled"
+        m.runner.decode_layers = compiled
+        counting = m.runner.model.layer_ops = CountingOps(m.runner.model.layer_ops)
+        pages = [m.pages(len(p) + 8) for p in prompts]
+        ext = m.step(ForwardMode.EXTEND, [(p, 0, pg) for p, pg in zip(prompts, pages,
+                                                                      strict=True)])
+        toks, decs = [int(t) for t in ext.token_ids], []
+        counting.calls = 0
+        for i in range(6):
+            live = 2 if i < 4 else 1  # the shorter sequence stops after 4 steps
+            dec = m.step(ForwardMode.DECODE, [([toks[j]], len(prompts[j]) + i, pages[j])
+                                              for j in range(live)])
+            decs.append(dec)
+            toks[:live] = [int(t) for t in dec.token_ids]
+        assert (counting.calls == 0) == compiled
+        runs.append(decs)
+    for got, want in zip(*runs, strict=True):
+        np.testing.assert_array_equal(got.token_ids, want.token_ids)
+        np.testing.assert_array_equal(got.top_ids, want.top_ids)
+        np.testing.assert_array_equal(got.top_logprobs, want.top_logprobs)
+
+
+def test_decode_layers_only_where_every_kernel_is_compiled(tmp_path):
+    """Dense projections (a tiny checkpoint) keep the Python loop; the loop refuses kernels
+    whose capsules do not carry the signatures it calls."""
+    loaded = load_model(ck.make_tiny_hf_checkpoint(tmp_path / "m", "llama"))
+    m = Runner(loaded, "float32", True)
+    assert not m.runner.decode_layers
+    assert m.runner.compute_info()["decode_layers"] == "python"
+    from sgl_tpu.backends.torch.kernels import cpu_extension, quant_gemm_cpu
+
+    gemm = quant_gemm_cpu.kernel_module() if quant_gemm_cpu.available() else None
+    if gemm is None or not hasattr(gemm, "q8_gemm_a8_tiles_fn"):
+        pytest.skip("the tile kernels need an AVX512-VNNI build")
+    swapped = (gemm.q8_gemm_a8_tiles_fn, gemm.q4_gemm_a8_tiles_fn,
+               cpu_extension.load().decode_fn)
+    with pytest.raises(RuntimeError, match=r"expected the capsule sgl_tpu\.q4_gemm_a8_tiles"):
+        ops().DecodeLayers([], [], [], torch.ones(4), swapped, 1, 1, 1e-5, 1.0, False)

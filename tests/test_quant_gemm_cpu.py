@@ -58,10 +58,10 @@ def build(request, monkeypatch):
     """The kernels of the native build, and on an AVX-512 machine (whose native build runs the
     16-lane code) also those of the AVX2 build, so both vector paths are tested there."""
     if request.param == "avx2":
-        if quant_gemm_cpu._kernel().simd != "avx512f":
+        if quant_gemm_cpu.kernel_module().simd != "avx512f":
             pytest.skip("the native build is the AVX2 (or scalar) one")
         module = request.getfixturevalue("avx2_module")
-        monkeypatch.setattr(quant_gemm_cpu, "_kernel", lambda: module)
+        monkeypatch.setattr(quant_gemm_cpu, "kernel_module", lambda: module)
     return request.param
 
 
@@ -353,5 +353,5 @@ def test_native_build_takes_vnni_where_the_cpu_has_it():
                 break
     if not flags:
         pytest.skip("no /proc/cpuinfo flags")
-    native = quant_gemm_cpu._kernel()
+    native = quant_gemm_cpu.kernel_module()
     assert native.vnni == (native.simd == "avx512f" and {"avx512_vnni", "avx512bw"} <= flags)

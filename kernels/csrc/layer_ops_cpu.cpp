@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__SSE2__)
@@ -327,6 +328,117 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// ---- one decode step's layers in one call -------------------------------------------------
+//
+// `LlamaTorch.forward_fused`'s layer loop for decode steps whose projections are all the tile
+// kernels of quant_gemm_cpu.cpp (`q4-a8-t16` / `q8-a8-t16`, no bias) and whose attention is
+// paged_attention_cpu.cpp's `decode`: the same calls in the same order, so the same results,
+// with no Python between them (a batch-1 step of the default model makes ~270 kernel calls;
+// their Python glue was ~1 ms of a ~7 ms step on a 2-core CPU). The other two modules export
+// those kernels as function pointers in capsules named by their signatures (below), and the
+// GIL is released while the layers run.
+//
+//     DecodeLayers(layers, k_pools, v_pools, final_norm, kernels, H, kvh, eps, scale, bf16_dots)
+//         layers[l] = [attn_norm, mlp_norm, q_norm, k_norm, (qt, st, mt) x 4 projections:
+//                      wqkv, wo, w_gate_up, w_down]; empty q_norm / k_norm: none (not Qwen3),
+//                      an empty mt: Q8 tiles
+//         kernels = (q4 tiles capsule, q8 tiles capsule, attention decode capsule)
+//     run(h [T, D], cos, sin f32[T, 1, d], out_slots i64[T], shared_slots, own_slots, own_lo,
+//         own_hi)  (the FusedDecodeBatch's)  -> the final-normed hidden [T, D]; h is updated in
+//         place as forward_fused updates it
+
+using Q4TilesFn = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const at::Tensor&);
+using Q8TilesFn = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using DecodeFn = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, double, int64_t, double, bool);
+// the capsule names, which the exporting modules give them (quant_gemm_cpu.cpp,
+// paged_attention_cpu.cpp): a changed signature is a changed name, refused here
+constexpr const char* kQ4TilesFn = "sgl_tpu.q4_gemm_a8_tiles(x, qt, st, mt)";
+constexpr const char* kQ8TilesFn = "sgl_tpu.q8_gemm_a8_tiles(x, qt, st)";
+constexpr const char* kDecodeFn =
+    "sgl_tpu.attention_decode(q, k_pool, v_pool, shared_slots, own_slots, own_lo, own_hi, "
+    "scale, window, cap, bf16_dots)";
+
+void* capsule_fn(const py::handle& obj, const char* name) {
+  const auto cap = py::reinterpret_borrow<py::capsule>(obj);
+  TORCH_CHECK(cap.name() != nullptr && std::strcmp(cap.name(), name) == 0,
+              "layer_ops_cpu.DecodeLayers: expected the capsule ", name, ", got ",
+              cap.name() ? cap.name() : "an unnamed one");
+  return cap.get_pointer();
+}
+
+constexpr int kLayerTensors = 4 + 3 * 4;
+
+class DecodeLayers {
+ public:
+  DecodeLayers(std::vector<std::vector<at::Tensor>> layers, std::vector<at::Tensor> k_pools,
+               std::vector<at::Tensor> v_pools, at::Tensor final_norm, const py::tuple& kernels,
+               int64_t num_q_heads, int64_t num_kv_heads, double eps, double scale,
+               bool bf16_dots)
+      : layers_(std::move(layers)), k_pools_(std::move(k_pools)), v_pools_(std::move(v_pools)),
+        final_norm_(std::move(final_norm)), H_(num_q_heads), kvh_(num_kv_heads), eps_(eps),
+        scale_(scale), bf16_dots_(bf16_dots) {
+    TORCH_CHECK(kernels.size() == 3, "layer_ops_cpu.DecodeLayers: kernels = (q4, q8, decode)");
+    q4_ = reinterpret_cast<Q4TilesFn>(capsule_fn(kernels[0], kQ4TilesFn));
+    q8_ = reinterpret_cast<Q8TilesFn>(capsule_fn(kernels[1], kQ8TilesFn));
+    decode_ = reinterpret_cast<DecodeFn>(capsule_fn(kernels[2], kDecodeFn));
+    TORCH_CHECK(layers_.size() == k_pools_.size() && layers_.size() == v_pools_.size(),
+                "layer_ops_cpu.DecodeLayers: one K and one V pool per layer");
+    for (const auto& w : layers_)
+      TORCH_CHECK(w.size() == kLayerTensors, "layer_ops_cpu.DecodeLayers: ", kLayerTensors,
+                  " tensors per layer");
+  }
+
+  at::Tensor run(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
+                 const at::Tensor& slots, const at::Tensor& shared_slots,
+                 const at::Tensor& own_slots, const at::Tensor& own_lo,
+                 const at::Tensor& own_hi) const {
+    const int64_t t = h.size(0);
+    at::Tensor delta;  // the last MLP's output, not yet added to h
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const std::vector<at::Tensor>& w = layers_[l];
+      const at::Tensor& k_pool = k_pools_[l];
+      const at::Tensor& v_pool = v_pools_[l];
+      at::Tensor x = add_rms_norm_any(h, delta.defined() ? &delta : nullptr, w[0], eps_,
+                                      "layer_ops_cpu.DecodeLayers");
+      at::Tensor qkv = linear(x, w, 4);
+      c10::optional<at::Tensor> q_norm, k_norm;
+      if (w[2].numel()) {
+        q_norm = w[2];
+        k_norm = w[3];
+      }
+      rope_write_kv(qkv, cos, sin, k_pool, v_pool, slots, H_, kvh_, q_norm, k_norm, eps_);
+      const int64_t d = k_pool.size(2), q_size = H_ * d;
+      const at::Tensor o = decode_(qkv.narrow(1, 0, q_size).view({t, H_, d}), k_pool, v_pool,
+                                   shared_slots, own_slots, own_lo, own_hi, scale_, 0, 0.0,
+                                   bf16_dots_);
+      const at::Tensor attn = linear(o.view({t, q_size}), w, 7);
+      x = add_rms_norm_any(h, &attn, w[1], eps_, "layer_ops_cpu.DecodeLayers");
+      delta = linear(silu_mul(linear(x, w, 10)), w, 13);
+    }
+    return add_rms_norm_any(h, delta.defined() ? &delta : nullptr, final_norm_, eps_,
+                            "layer_ops_cpu.DecodeLayers");
+  }
+
+ private:
+  // x @ the projection whose tiles are w[i .. i + 3)
+  at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& w, int i) const {
+    return w[i + 2].numel() ? q4_(x, w[i], w[i + 1], w[i + 2]) : q8_(x, w[i], w[i + 1]);
+  }
+
+  std::vector<std::vector<at::Tensor>> layers_;
+  std::vector<at::Tensor> k_pools_, v_pools_;
+  at::Tensor final_norm_;
+  int64_t H_, kvh_;
+  double eps_, scale_;
+  bool bf16_dots_;
+  Q4TilesFn q4_ = nullptr;
+  Q8TilesFn q8_ = nullptr;
+  DecodeFn decode_ = nullptr;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -339,4 +451,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slots"), py::arg("num_q_heads"), py::arg("num_kv_heads"),
         py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(), py::arg("eps") = 1e-6);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2F] -> [T, F]");
+  py::class_<DecodeLayers>(m, "DecodeLayers")
+      .def(py::init<std::vector<std::vector<at::Tensor>>, std::vector<at::Tensor>,
+                    std::vector<at::Tensor>, at::Tensor, const py::tuple&, int64_t, int64_t,
+                    double, double, bool>())
+      .def("run", &DecodeLayers::run, "one decode step's layers -> final-normed hidden",
+           py::call_guard<py::gil_scoped_release>());
 }

@@ -1207,6 +1207,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Fused paged attention for CPUs (sgl_tpu torch-cpu-fused backend)";
   m.def("extend", &extend, "EXTEND: packed new tokens of ragged sequences over the paged pool");
   m.def("decode", &decode, "DECODE: one query per sequence; shared prefix read once");
+  // `decode` as a pointer, for layer_ops_cpu.cpp's decode layer loop (another module); the
+  // capsule name carries the signature it checks
+  m.attr("decode_fn") = py::capsule(
+      reinterpret_cast<void*>(&decode),
+      "sgl_tpu.attention_decode(q, k_pool, v_pool, shared_slots, own_slots, own_lo, own_hi, "
+      "scale, window, cap, bf16_dots)");
   // whether bf16_dots can take effect (AVX512-BF16 build; a bfloat16 pool)
   m.attr("bf16_dots") = kDots;
 }

@@ -1056,6 +1056,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x f32[M, K] (quantized to int8 per 32 values) @ Q4 tiles of 16 features -> f32[M, N]");
   m.def("q8_gemm_a8_tiles", &q8_gemm_a8_tiles,
         "x f32[M, K] (quantized to int8 per 32 values) @ Q8 tiles of 16 features -> f32[M, N]");
+  // the same functions as pointers, for layer_ops_cpu.cpp's decode layer loop (another
+  // module); the capsule names carry the signatures it checks
+  m.attr("q4_gemm_a8_tiles_fn") = py::capsule(reinterpret_cast<void*>(&q4_gemm_a8_tiles),
+                                              "sgl_tpu.q4_gemm_a8_tiles(x, qt, st, mt)");
+  m.attr("q8_gemm_a8_tiles_fn") = py::capsule(reinterpret_cast<void*>(&q8_gemm_a8_tiles),
+                                              "sgl_tpu.q8_gemm_a8_tiles(x, qt, st)");
 #endif
   m.attr("simd") = SGL_QGEMM_AVX512 ? "avx512f" : SGL_QGEMM_AVX2 ? "avx2-fma" : "scalar";
   m.attr("vnni") = bool(SGL_QGEMM_VNNI);  // the Q4 int8-activation kernel's vpdpbusd path

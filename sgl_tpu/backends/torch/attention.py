@@ -35,14 +35,18 @@ class AttentionBackend:
     ExtendSeq: type
     DecodeBatch: type
     context_slots: Callable
+    # decode_attention is the compiled kernel's (paged_attention_cpu.cpp `decode`), with these
+    # bf16_dots: a decode layer loop may call the kernel itself (layer_ops_cpu.DecodeLayers)
+    compiled_decode: bool = False
+    bf16_dots: bool = False
 
 
 def _backend(name: str, extend_attention: Callable, decode_attention: Callable,
-             decode_batch: type) -> AttentionBackend:
+             decode_batch: type, **compiled: bool) -> AttentionBackend:
     from sgl_tpu.backends.torch import paged_attention as pa
 
     return AttentionBackend(name, pa.write_kv, extend_attention, decode_attention, pa.ExtendSeq,
-                            decode_batch, pa.context_slots)
+                            decode_batch, pa.context_slots, **compiled)
 
 
 def sdpa() -> AttentionBackend:
@@ -59,7 +63,7 @@ def cpu_fused(name: str = "torch-cpu-fused", bf16_dots: bool = False) -> Attenti
         raise RuntimeError(f"attention_backend {name!r}: {cpu_extension.why_unavailable()}")
     return _backend(name, partial(pa.fused_extend_attention, bf16_dots=bf16_dots),
                     partial(pa.fused_decode_attention, bf16_dots=bf16_dots),
-                    pa.FusedDecodeBatch)
+                    pa.FusedDecodeBatch, compiled_decode=True, bf16_dots=bf16_dots)
 
 
 def cpu_fused_bf16() -> AttentionBackend:

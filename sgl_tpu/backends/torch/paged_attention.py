@@ -267,7 +267,7 @@ class FusedDecodeBatch(DecodeBatch):
         object.__setattr__(self, "own_hi", hi.to(torch.int64).contiguous())
 
 
-def _fused_takes(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
+def fused_takes(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
     """Whether the compiled kernel takes these shapes (else torch-sdpa runs)."""
     d, kvh = k_pool.shape[2], k_pool.shape[1]
     return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
@@ -291,7 +291,7 @@ def fused_extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     """q [T, H, d] packed new tokens -> attention output [T, H, d] (padding rows zero).
     `bf16_dots`: over a bfloat16 pool, on a CPU with AVX512-BF16, the row-tiled items take
     their products in bfloat16 pairs (queries and probabilities rounded; sums in float32)."""
-    if not _fused_takes(q, k_pool):
+    if not fused_takes(q, k_pool):
         return extend_attention(q, k_pool, v_pool, seqs, scale, sliding_window, logit_cap)
     return _fused_kernel().extend(
         q, k_pool, v_pool, [s.slots for s in seqs], [s.start for s in seqs],
@@ -305,7 +305,7 @@ def fused_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                            logit_cap: float | None = None, bf16_dots: bool = False
                            ) -> torch.Tensor:
     """q [B, H, d], one token per sequence -> [B, H, d] (`bf16_dots` as for EXTEND)."""
-    if not _fused_takes(q, k_pool):
+    if not fused_takes(q, k_pool):
         return decode_attention(q, k_pool, v_pool, batch, scale, sliding_window, logit_cap)
     return _fused_kernel().decode(q, k_pool, v_pool, batch.shared_slots, batch.slots,
                                   batch.own_lo, batch.own_hi, float(scale),

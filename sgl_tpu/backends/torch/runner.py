@@ -161,6 +161,7 @@ class TorchModelRunner:
         # attention reads
         self.kv_dtype = _KV_DTYPES[config.kv_dtype]
         self.kv_pools = [self._kv_pool(local) for local in self._local_layers()]
+        self.decode_layers = self._use_decode_layers()
         self.token_counts = torch.zeros((config.max_running_requests + 1, self.vocab_size),
                                         dtype=torch.int32, device=self.device)
         self.static_decode = None
@@ -170,11 +171,11 @@ class TorchModelRunner:
                 self.dtype, model_config.sliding_window)
         self._last_token_ids: torch.Tensor | None = None  # i64[n] of the last step run
         logger.info("torch backend on %s, %s (KV cache %s), compile=%s, prepacked weights=%s, "
-                    "fixed-order GEMM=%s, quantization=%s, fused layer ops=%s, static decode=%s, "
-                    "CUDA graphs=%s", self.device, config.dtype, config.kv_dtype, config.compile,
-                    prepack, self.invariant_gemm,
+                    "fixed-order GEMM=%s, quantization=%s, fused layer ops=%s, compiled decode "
+                    "layers=%s, static decode=%s, CUDA graphs=%s", self.device, config.dtype,
+                    config.kv_dtype, config.compile, prepack, self.invariant_gemm,
                     self.quantization.method if self.quantization else "none",
-                    self.layer_ops, config.static_decode, config.cuda_graph)
+                    self.layer_ops, self.decode_layers, config.static_decode, config.cuda_graph)
 
     def _local_layers(self) -> list[bool]:
         """Per layer, whether its K/V lives in the sliding-window pool."""
@@ -217,6 +218,14 @@ class TorchModelRunner:
                         or f"{self.dtype} is not one of theirs")
             return False
         return use(layer_ops_cpu.load())
+
+    def _use_decode_layers(self) -> bool:
+        """Run decode steps' layers in one compiled call (layer_ops_cpu.decode_layers) when the
+        layer ops are in use, attention is the compiled kernel (one pool) and the model can;
+        whether it does."""
+        use = getattr(self.model, "use_decode_layers", None)
+        return bool(self.layer_ops and self.attn.compiled_decode and use is not None
+                    and not self.config.swa_num_pages and use(self.kv_pools, self.attn.bf16_dots))
 
     def _quantizer(self, params: dict, model_config: ModelConfig):
         """Weights -> Weights with quantized projections (`config.quantization`), or None."""
@@ -282,6 +291,8 @@ class TorchModelRunner:
             info["cpu"] = cpu
             info["amx_in_use"] = (cpu["onednn"]["amx"] and self.dtype == torch.bfloat16
                                   and not self.invariant_gemm)
+            # a decode step's layer loop: one compiled call, or Python between the kernels
+            info["decode_layers"] = "compiled" if self.decode_layers else "python"
         return info
 
     @property
@@ -465,6 +476,8 @@ class TorchModelRunner:
                                     input_ids)
         attention = self._attention(mode, batch.extend_seqs, batch.decode)
         window_args = {}
+        if mode != ForwardMode.EXTEND and self.decode_layers:
+            window_args = {"decode_batch": batch.decode}
         if self.config.swa_num_pages:  # local layers: their own slots and attention batch
             local_out_slots, extend_seqs, decode = self._window_batch(host, steps)
             attention = partial(_by_layer_kind, attention,

@@ -56,13 +56,14 @@ _EXT = cpu_extension.QUANT_GEMM
 available, why_unavailable, simd = _EXT.available, _EXT.why_unavailable, _EXT.simd
 
 
-def _kernel():
+def kernel_module():
+    """The compiled module (after `available()`)."""
     return _EXT.module()
 
 
 def vnni() -> bool:
     """Whether the loaded build holds the a8 kernels' AVX512-VNNI path (False when unbuilt)."""
-    return available() and bool(getattr(_kernel(), "vnni", False))
+    return available() and bool(getattr(kernel_module(), "vnni", False))
 
 
 @dataclass(frozen=True, eq=False)
@@ -112,7 +113,7 @@ TILE = 16  # output features per tile
 
 def tiles_for(n: int) -> bool:
     """Whether the a8 kernels take N = n output features in tiles (AVX512-VNNI builds)."""
-    return n % TILE == 0 and vnni() and hasattr(_kernel(), "q4_gemm_a8_tiles")
+    return n % TILE == 0 and vnni() and hasattr(kernel_module(), "q4_gemm_a8_tiles")
 
 
 def _tile_scales(*arrays: np.ndarray) -> list[torch.Tensor]:
@@ -172,28 +173,28 @@ def pack_q8_tiles(q: np.ndarray, scale: np.ndarray) -> Q8Tiles:
 
 def q4_gemm(x: torch.Tensor, w: Q4Blocks) -> torch.Tensor:
     """x f32[M, K] -> f32[M, N]."""
-    return _kernel().q4_gemm(x.contiguous(), w.qs, w.scale, w.zero)
+    return kernel_module().q4_gemm(x.contiguous(), w.qs, w.scale, w.zero)
 
 
 def q8_gemm(x: torch.Tensor, w: Q8Blocks) -> torch.Tensor:
     """x f32[M, K] -> f32[M, N]."""
-    return _kernel().q8_gemm(x.contiguous(), w.qs, w.scale)
+    return kernel_module().q8_gemm(x.contiguous(), w.qs, w.scale)
 
 
 def q4_gemm_a8(x: torch.Tensor, w: Q4Blocks | Q4Tiles) -> torch.Tensor:
     """x f32[M, K] (quantized to int8 per 32 values inside) -> f32[M, N]."""
     if isinstance(w, Q4Tiles):
-        return _kernel().q4_gemm_a8_tiles(x.contiguous(), w.qt, w.st, w.mt)
-    return _kernel().q4_gemm_a8(x.contiguous(), w.qs, w.scale, w.zero)
+        return kernel_module().q4_gemm_a8_tiles(x.contiguous(), w.qt, w.st, w.mt)
+    return kernel_module().q4_gemm_a8(x.contiguous(), w.qs, w.scale, w.zero)
 
 
 def q8_gemm_a8(x: torch.Tensor, w: Q8Blocks | Q8Tiles) -> torch.Tensor:
     """x f32[M, K] (quantized to int8 per 32 values inside) -> f32[M, N]."""
     if isinstance(w, Q8Tiles):
-        return _kernel().q8_gemm_a8_tiles(x.contiguous(), w.qt, w.st)
-    return _kernel().q8_gemm_a8(x.contiguous(), w.qs, w.scale)
+        return kernel_module().q8_gemm_a8_tiles(x.contiguous(), w.qt, w.st)
+    return kernel_module().q8_gemm_a8(x.contiguous(), w.qs, w.scale)
 
 
 def quantize_a8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x f32[M, K] -> (xq i8[M, K], d f32[M, K/G]): the activations the a8 kernels multiply."""
-    return _kernel().quantize_a8(x.contiguous())
+    return kernel_module().quantize_a8(x.contiguous())

@@ -214,6 +214,7 @@ class LlamaTorch:
         self.post = wrap(post)
         self.final_norm = wrap(rms_norm)
         self.layer_ops: Any = None  # the compiled kernels/layer_ops_cpu module, when in use
+        self.decode_layers: Any = None  # its DecodeLayers over these weights, when in use
 
     def use_layer_ops(self, ops: Any) -> bool:
         """Run `forward_fused` with the compiled module `ops`
@@ -227,17 +228,41 @@ class LlamaTorch:
         self.layer_ops = ops
         return True
 
+    def use_decode_layers(self, kv_pools: list[tuple[torch.Tensor, torch.Tensor]],
+                          bf16_dots: bool) -> bool:
+        """Run decode steps' layers as one compiled call (layer_ops_cpu.decode_layers, with the
+        compiled attention kernel's `bf16_dots`) where they can: the layer ops in use, this
+        class's own layers, no sliding window, every projection a tile kernel without bias,
+        shapes the attention kernel takes. Whether it did."""
+        from sgl_tpu.backends.torch import paged_attention
+        from sgl_tpu.backends.torch.kernels import layer_ops_cpu
+
+        cfg = self.cfg
+        if (self.layer_ops is None or type(self).forward_fused is not LlamaTorch.forward_fused
+                or cfg.sliding_window is not None):
+            return False
+        q = torch.empty(1, cfg.num_heads, cfg.head_dim, dtype=self.w.embed.dtype)
+        if not paged_attention.fused_takes(q, kv_pools[0][0]):
+            return False
+        self.decode_layers = layer_ops_cpu.decode_layers(
+            self.w.layers, kv_pools, self.w.final_norm, cfg.num_heads, cfg.num_kv_heads,
+            cfg.rms_norm_eps, self.scale, bf16_dots)
+        return self.decode_layers is not None
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor,
                 kv_pools: list[tuple[torch.Tensor, torch.Tensor]],
-                attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-                ) -> torch.Tensor:
+                attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                decode_batch: Any = None) -> torch.Tensor:
         """input_ids/positions/out_slots i64[T] -> final-normed hidden [T, D].
 
         `attention(q, k_pool, v_pool)` is the step's attention (extend or decode) with its
-        batch description bound in; the K/V write happens here, before it.
+        batch description bound in; the K/V write happens here, before it. A decode step's
+        `decode_batch` (the compiled kernel's FusedDecodeBatch, which `attention` has bound in)
+        lets `decode_layers` run the layers when in use.
         """
         if self.layer_ops is not None:
-            return self.forward_fused(input_ids, positions, out_slots, kv_pools, attention)
+            return self.forward_fused(input_ids, positions, out_slots, kv_pools, attention,
+                                      decode_batch)
         cfg = self.cfg
         cos, sin = rope_tables(positions, self.w.inv_freq, cfg.long_rope,
                                self.w.long_inv_freq)
@@ -252,7 +277,8 @@ class LlamaTorch:
     def forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       out_slots: torch.Tensor, kv_pools: list[tuple[torch.Tensor, torch.Tensor]],
                       attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
-                                          torch.Tensor]) -> torch.Tensor:
+                                          torch.Tensor],
+                      decode_batch: Any = None) -> torch.Tensor:
         """`forward` with the compiled layer ops: per layer 4 projections, attention and 4
         element-wise calls (~20 aten calls with views, against ~100 with the torch ops). Each
         residual add is deferred into the next norm, which adds in place (`h` is this step's
@@ -260,12 +286,18 @@ class LlamaTorch:
 
             x = norm(h += delta)  qkv = x Wqkv  rope_write_kv(qkv)  o = attn(q)
             x = norm(h += o Wo)   delta = silu_mul(x Wgu) Wd            ... final norm(h += delta)
+
+        With `decode_layers` and a `decode_batch`, the loop below runs compiled, in one call.
         """
         cfg, ops, linear, eps = self.cfg, self.layer_ops, self.w.linear, self.cfg.rms_norm_eps
         t, h_q, h_kv, d = input_ids.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         cos, sin = rope_tables(positions, self.w.inv_freq, cfg.long_rope,
                                self.w.long_inv_freq)  # f32[T, 1, d]
         h = self.embed(input_ids)  # [T, D]
+        if self.decode_layers is not None and decode_batch is not None:
+            b = decode_batch
+            return self.decode_layers.run(h, cos, sin, out_slots, b.shared_slots, b.slots,
+                                          b.own_lo, b.own_hi)
         delta = None  # [T, D] the last MLP's output, not yet added to h
         for w, (k_pool, v_pool) in zip(self.w.layers, kv_pools, strict=True):
             x = (ops.rms_norm(h, w.attn_norm, eps) if delta is None

@@ -57,6 +57,31 @@ def test_executor_bench_deterministic_mode_times_the_flag_on_over_off(tmp_path):
     assert on["gemm"] == "fixed-order" and on["cpu"]["onednn"]["isa"]
 
 
+@pytest.mark.slow
+def test_executor_bench_times_the_compiled_decode_layers_against_python(tmp_path):
+    """`--torch-decode-paths packing,python-layers` on the default model's tile kernels: each
+    decode row twice, the compiled layer loop (`packing`) and the Python one, which reports
+    its median over the compiled loop's."""
+    from sgl_tpu.backends.torch.kernels import quant_gemm_cpu
+
+    if not quant_gemm_cpu.tiles_for(576):
+        pytest.skip("the compiled decode layers take the tile kernels of AVX512-VNNI builds")
+    out = tmp_path / "result.json"
+    subprocess.run([sys.executable, "-m", "sgl_tpu.bench.executor", "--backends", "torch",
+                    "--dtypes", "float32", "--quantization", "gguf-a8", "--kv-cache-dtype",
+                    "bfloat16", "--prefill", "", "--decode-batches", "1,2", "--context", "64",
+                    "--repeats", "2", "--torch-decode-paths", "packing,python-layers",
+                    "--output", str(out)], check=True, capture_output=True, timeout=600)
+    result = json.loads(out.read_text())
+    rows = {(r["batch"], r["decode_path"]): r for r in result["runs"]}
+    assert set(rows) == {(b, p) for b in (1, 2) for p in ("packing", "python-layers")}
+    for b in (1, 2):
+        python = rows[b, "python-layers"]
+        assert python["median_over_packing"] == pytest.approx(
+            python["median_ms"] / rows[b, "packing"]["median_ms"], rel=0.05)
+    assert result["compute"]["torch-float32"]["decode_layers"] == "compiled"
+
+
 def test_isa_twins_pair_whatever_their_timings():
     """Twins under two caps differ in every timing and in what is derived from one (the KV
     bytes over the step time): a loaded machine must not unpair them."""

@@ -5,7 +5,8 @@ and dtype.
         [--prefill 128,512,2048] [--decode-batches 1,8,32,64] [--context 256] [--repeats 3]
         [--shared-prefix 0] [--kv-cache-dtype auto]
         [--torch-compile auto|on|off] [--torch-threads N] [--sampling greedy,sampled]
-        [--torch-decode-paths packing,static] [--count-calls] [--quantization auto]
+        [--torch-decode-paths packing,static,python-layers] [--count-calls]
+        [--quantization auto]
         [--attention-backend auto|ref|gathered|torch-sdpa|torch-cpu-fused|...]
         [--onednn-isas default,AVX512_CORE_BF16] [--deterministic] [--output FILE]
 
@@ -22,6 +23,9 @@ asked), `top-k` (the same with top-k 40) and `temperature` (1.0, no truncation);
 their decode steps alternate (ABAB...) and each row reports its median step time over the first
 mode's.
 Static-step rows name the tail their steps took (`static_tail`: greedy, sample or masked).
+`python-layers` in `--torch-decode-paths` times the packing path's steps once more with their
+layer loop in Python where it runs compiled (layer_ops_cpu.DecodeLayers; rows `decode_path`
+`python-layers`, with their median over the compiled loop's as `median_over_packing`).
 `--torch-decode-paths packing,static` (torch) times the
 decode steps of the packing path and of the static-shape step over device-resident state
 (backends/torch/static_decode.py; CUDA graphs on CUDA) in the same alternation, each row with
@@ -99,6 +103,9 @@ def run(args: argparse.Namespace, step_probes: dict[str, StepProbe] | None = Non
                 paths["static-"] = create_model_runner(cfg, loaded.params,
                                                        _decode_path(rcfg, "static"))
             runner = paths[""]
+            # the same runner with its decode layers in Python (layer_ops_cpu.DecodeLayers off)
+            python_layers = ("python-layers" in args.torch_decode_paths.split(",")
+                             and getattr(runner, "decode_layers", False))
             # device, ISA and kernels behind the rows (/server_info's "compute")
             results["compute"][f"{backend}-{dtype}"] = runner.compute_info()
             tag = {"backend": rcfg.backend, "dtype": dtype, "attention": rcfg.attention_backend}
@@ -123,8 +130,11 @@ def run(args: argparse.Namespace, step_probes: dict[str, StepProbe] | None = Non
                     for path, path_runner in paths.items():
                         fns[path + mode] = partial(path_runner.forward, ForwardMode.DECODE,
                                                    steps)
+                    if python_layers:
+                        fns["python-layers-" + mode] = partial(_python_layers, runner,
+                                                               fns[mode])
                 times = interleaved(fns, args.repeats)
-                for path in paths:
+                for path in [*paths, *(["python-layers-"] if python_layers else [])]:
                     for mode in modes:
                         key = path + mode
                         t, med = min(times[key]), statistics.median(times[key])
@@ -143,6 +153,7 @@ def run(args: argparse.Namespace, step_probes: dict[str, StepProbe] | None = Non
                         if path:
                             row["median_over_packing"] = round(
                                 med / statistics.median(times[mode]), 3)
+                        if path in paths and path:
                             row["static_tail"] = _static_tail(paths[path], fns[key])
                         if args.count_calls:
                             row["python_calls_per_step"] = _count_calls(fns[key])
@@ -181,6 +192,16 @@ def _decode_path(rcfg, path: str):
         max_bs = rcfg.static_decode_max_bs or rcfg.max_running_requests
         return dataclasses.replace(rcfg, static_decode=True, static_decode_max_bs=max_bs)
     return dataclasses.replace(rcfg, static_decode=False, cuda_graph=False)
+
+
+def _python_layers(runner, step: Callable[[], Any]) -> Any:
+    """One decode step of `runner` with its layer loop in Python (the compiled DecodeLayers
+    off for this step only)."""
+    runner.decode_layers = False
+    try:
+        return step()
+    finally:
+        runner.decode_layers = True
 
 
 def _static_tail(runner, fn) -> str:
@@ -226,8 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode modes, comma list of " + "/".join(SAMPLING))
     p.add_argument("--quantization", default="auto", help="weights, as the server's flag")
     p.add_argument("--torch-decode-paths", default="packing",
-                   help="torch decode paths timed in one alternation: packing, static "
-                        "(comma list; static = the CUDA-graph step, run eagerly off CUDA)")
+                   help="torch decode paths timed in one alternation: packing, static, "
+                        "python-layers (comma list; static = the CUDA-graph step, run eagerly "
+                        "off CUDA; python-layers = packing with the layer loop in Python)")
     p.add_argument("--count-calls", action="store_true",
                    help="report Python function calls per decode step (cProfile)")
     p.add_argument("--onednn-isas", default=None,

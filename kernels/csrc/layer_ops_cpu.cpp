@@ -334,7 +334,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // kernels of quant_gemm_cpu.cpp (`q4-a8-t16` / `q8-a8-t16`, no bias) and whose attention is
 // paged_attention_cpu.cpp's `decode`: the same calls in the same order, so the same results,
 // with no Python between them (a batch-1 step of the default model makes ~270 kernel calls;
-// their Python glue was ~1 ms of a ~7 ms step on a 2-core CPU). The other two modules export
+// their Python glue was ~0.6 ms of a ~6 ms step on a 2-core CPU). The other two modules export
 // those kernels as function pointers in capsules named by their signatures (below), and the
 // GIL is released while the layers run.
 //

@@ -153,7 +153,7 @@ def run(args: argparse.Namespace, step_probes: dict[str, StepProbe] | None = Non
                         if path:
                             row["median_over_packing"] = round(
                                 med / statistics.median(times[mode]), 3)
-                        if path in paths and path:
+                        if path and path in paths:  # the static step's tail only
                             row["static_tail"] = _static_tail(paths[path], fns[key])
                         if args.count_calls:
                             row["python_calls_per_step"] = _count_calls(fns[key])

@@ -50,6 +50,9 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in DTYPES and load() is not None
 
 
+_EMPTY = torch.empty(0)
+
+
 def _tiles(w: Any) -> list[torch.Tensor] | None:
     """A projection's tiles as DecodeLayers takes them, (qt, st, mt) with an empty mt for Q8
     tiles; None unless it is a tile kernel at every row count."""
@@ -59,9 +62,6 @@ def _tiles(w: Any) -> list[torch.Tensor] | None:
         return None
     tiles = w.kernel.blocks
     return [tiles.qt, tiles.st, getattr(tiles, "mt", _EMPTY)]
-
-
-_EMPTY = torch.empty(0)
 
 
 def decode_layers(layers: list[Any], kv_pools: list[tuple[torch.Tensor, torch.Tensor]],

@@ -448,33 +448,107 @@ struct ActQ8 {
   std::vector<int8_t> q;    // [M, K]
   std::vector<float> d;     // [M, nb]
   std::vector<float> sum;   // [M, nb] (Q4 only)
+  std::vector<int32_t> code_sum;  // [M, nb] each block's sum of codes (Q8 tiles only)
   std::vector<float> dpair;  // [M, ceil(nb / 2), 16] (with VNNI: pair_scales)
   std::vector<float> dgroup;  // [M, nb / 16, 16] (Q4 with VNNI: group_scales)
   std::vector<int32_t> bias;  // [M, ceil(nb / 2), 16] (Q8 with VNNI: q8_pair_bias)
 };
 
-// Row-by-row (each row's values depend on that row only); `split`: the Q4 order above.
-ActQ8 quantize_rows(const float* x, int64_t M, int64_t K, bool split, bool sums) {
+// One block of kGroup values at `xb` -> its codes at `qb` (`split`: the Q4 order above), its d,
+// and its value and code sums where asked (null: not). Every loop below gives the same codes
+// and d: the vector conversions round half to even, as nearbyint does in the default mode;
+// only the float sum's order differs between them.
+inline void quantize_block(const float* xb, int8_t* qb, float* d, float* sum, int32_t* code_sum,
+                           bool split) {
+#if SGL_QGEMM_AVX512
+  const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  const float dv = amax / 127.0f;
+  const __m512 id = _mm512_set1_ps(dv != 0.0f ? 1.0f / dv : 0.0f);
+  __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id));
+  __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+  if (split) {  // [x0 x2 .. x30 | x1 x3 .. x31]
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                           28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    const __m512i e = _mm512_permutex2var_epi32(q0, even, q1);
+    q1 = _mm512_permutex2var_epi32(q0, odd, q1);
+    q0 = e;
+  }
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(q1));
+  if (sum) *sum = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+  if (code_sum) *code_sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#elif SGL_QGEMM_AVX2
+  __m256 v[4];
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
+  const __m256 m = _mm256_max_ps(
+      _mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
+      _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+  const float dv = _mm_cvtss_f32(h) / 127.0f;
+  const __m256 id = _mm256_set1_ps(dv != 0.0f ? 1.0f / dv : 0.0f);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
+  // int32 -> int8 (|code| <= 127: the packs never saturate); they interleave 128-bit lanes,
+  // and the dword permutation restores the natural order
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                            _mm256_packs_epi32(q[2], q[3]));
+  __m256i codes = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  if (split) {  // per 128-bit lane the even bytes, then the odd ones; then the halves regrouped
+    const __m256i evens_odds = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11,
+                                                13, 15, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7,
+                                                9, 11, 13, 15);
+    codes = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(codes, evens_odds), 0xD8);
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), codes);
+  if (sum) {
+    const __m256 t = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    *sum = _mm_cvtss_f32(_mm_add_ss(s4, _mm_shuffle_ps(s4, s4, 1)));
+  }
+  if (code_sum) {
+    const __m256i t = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]),
+                                       _mm256_add_epi32(q[2], q[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    s4 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+    *code_sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 1)));
+  }
+#else
+  float amax = 0.0f, s = 0.0f;
+  for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(xb[j]));
+  for (int64_t j = 0; j < kGroup; ++j) s += xb[j];
+  const float dv = amax / 127.0f;
+  const float id = dv != 0.0f ? 1.0f / dv : 0.0f;
+  int32_t codes = 0;
+  for (int64_t j = 0; j < kGroup; ++j) {
+    const int64_t to = split ? (j & 1) * (kGroup / 2) + j / 2 : j;
+    qb[to] = static_cast<int8_t>(std::nearbyint(xb[j] * id));
+    codes += qb[to];
+  }
+  if (sum) *sum = s;
+  if (code_sum) *code_sum = codes;
+#endif
+  *d = dv;
+}
+
+// Row-by-row (each row's values depend on that row only); `split`: the Q4 order above; `sums`:
+// the value sums (Q4), `code_sums`: the code sums (the Q8 tiles).
+ActQ8 quantize_rows(const float* x, int64_t M, int64_t K, bool split, bool sums,
+                    bool code_sums = false) {
   const int64_t nb = K / kGroup;
   ActQ8 a{std::vector<int8_t>(M * K), std::vector<float>(M * nb),
-          std::vector<float>(sums ? M * nb : 0)};
+          std::vector<float>(sums ? M * nb : 0), std::vector<int32_t>(code_sums ? M * nb : 0)};
   at::parallel_for(0, M * nb, std::max<int64_t>(1, 4096 / kGroup), [&](int64_t begin,
                                                                           int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {  // i = m * nb + b
-      const float* xb = x + i * kGroup;
-      int8_t* qb = a.q.data() + i * kGroup;
-      float amax = 0.0f, s = 0.0f;
-      for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(xb[j]));
-      for (int64_t j = 0; j < kGroup; ++j) s += xb[j];
-      const float d = amax / 127.0f;
-      const float id = d != 0.0f ? 1.0f / d : 0.0f;
-      for (int64_t j = 0; j < kGroup; ++j) {
-        const int64_t to = split ? (j & 1) * (kGroup / 2) + j / 2 : j;
-        qb[to] = static_cast<int8_t>(std::nearbyint(xb[j] * id));
-      }
-      a.d[i] = d;
-      if (sums) a.sum[i] = s;
-    }
+    for (int64_t i = begin; i < end; ++i)  // i = m * nb + b
+      quantize_block(x + i * kGroup, a.q.data() + i * kGroup, a.d.data() + i,
+                     sums ? a.sum.data() + i : nullptr,
+                     code_sums ? a.code_sum.data() + i : nullptr, split);
   });
   return a;
 }
@@ -925,7 +999,7 @@ void q4a8_tile(const int8_t* xq, const float* xd, const float* xsum, int64_t K,
 }
 
 template <int R, typename S>
-void q8a8_tile(const int8_t* xq, const float* xd, const int32_t* bias, int64_t K,
+void q8a8_tile(const int8_t* xq, const float* xd, const int32_t* code_sum, int64_t K,
                const uint8_t* qt, const S* st, float* y, int64_t N) {
   const int64_t nb = K / kGroup;
   __m512 acc[R];
@@ -936,7 +1010,8 @@ void q8a8_tile(const int8_t* xq, const float* xd, const int32_t* bias, int64_t K
     const __m512 s = load_scales(st + b * kTile);
     for (int r = 0; r < R; ++r) {
       const int8_t* a = xq + r * K + b * kGroup;
-      __m512i d0 = _mm512_set1_epi32(bias[r * nb + b]), d1 = _mm512_setzero_si512();
+      __m512i d0 = _mm512_set1_epi32(-128 * code_sum[r * nb + b]);
+      __m512i d1 = _mm512_setzero_si512();
       for (int i = 0; i < 8; i += 2) {
         d0 = _mm512_dpbusd_epi32(d0, w[i], bcast_dword(a, i));
         d1 = _mm512_dpbusd_epi32(d1, w[i + 1], bcast_dword(a, i + 1));
@@ -1005,13 +1080,8 @@ at::Tensor q8_gemm_a8_tiles(const at::Tensor& x, const at::Tensor& qt, const at:
   const int64_t K = check_tiles(x, qt, 8 * 64, {&st}, "q8_gemm_a8_tiles");
   const int64_t M = x.size(0), tiles = qt.size(0), N = tiles * kTile, nb = K / kGroup;
   at::Tensor y = at::empty({M, N}, x.options());
-  const ActQ8 a = quantize_rows(x.data_ptr<float>(), M, K, /*split=*/false, /*sums=*/false);
-  std::vector<int32_t> bias(M * nb);  // -128 x each block's activation sum (exact)
-  for (int64_t i = 0; i < M * nb; ++i) {
-    int32_t sum = 0;
-    for (int64_t j = 0; j < kGroup; ++j) sum += a.q[i * kGroup + j];
-    bias[i] = -128 * sum;
-  }
+  const ActQ8 a = quantize_rows(x.data_ptr<float>(), M, K, /*split=*/false, /*sums=*/false,
+                                /*code_sums=*/true);
   const uint8_t* q = qt.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   with_scales(st, [&](auto s) {
@@ -1019,7 +1089,7 @@ at::Tensor q8_gemm_a8_tiles(const at::Tensor& x, const at::Tensor& qt, const at:
       for (int64_t t = begin; t < end; ++t) {
         for_row_tiles<kRowTileA8>(M, [&](int64_t m0, auto R) {
           q8a8_tile<decltype(R)::value>(a.q.data() + m0 * K, a.d.data() + m0 * nb,
-                                        bias.data() + m0 * nb, K, q + t * nb * 512,
+                                        a.code_sum.data() + m0 * nb, K, q + t * nb * 512,
                                         s + t * nb * kTile, yp + m0 * N + t * kTile, N);
         });
       }

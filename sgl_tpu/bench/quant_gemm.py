@@ -1,0 +1,107 @@
+"""Quantized GEMM micro-benchmark: the int8-activation tile kernels of `quant_gemm_cpu`
+(`q4-a8-t16`, `q8-a8-t16`; AVX512-VNNI builds) on a model's projection shapes at several row
+counts, optionally against another version of the kernel source compiled beside it
+(`--baseline-source`), the two timed in one alternation.
+
+    python -m sgl_tpu.bench.quant_gemm --rows 1,8,32,200,800 --baseline-source old.cpp
+
+One JSON row per shape and row count: ms (the minimum over the repeats: the kernels' time does
+not depend on the values, so the minimum is the least disturbed call), GOP/s (2 M N K per
+call), and with a baseline its ms and new / baseline. The default shapes are the default
+model's (SmolLM2-135M: the fused QKV, O, fused gate/up and down projections in Q4 blocks, the
+vocab head in Q8 blocks, as its GGUF stores them); the codes are random and the scales float16,
+as a GGUF's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from sgl_tpu.backends.torch.device import set_cpu_threads
+from sgl_tpu.backends.torch.kernels import cpu_extension, quant_gemm_cpu
+from sgl_tpu.bench.timing import interleaved
+
+DEFAULT_SHAPES = "qkv=960x576:q4,o=576x576:q4,gate_up=3072x576:q4,down=576x1536:q4," \
+                 "head=49152x576:q8"
+
+
+def parse_shapes(text: str) -> list[tuple[str, int, int, str]]:
+    """"name=NxK:kind,..." -> [(name, N, K, kind)], kind q4 or q8."""
+    shapes = []
+    for item in text.split(","):
+        name, rest = item.split("=")
+        dims, kind = rest.split(":")
+        n, k = (int(v) for v in dims.split("x"))
+        if kind not in ("q4", "q8"):
+            raise ValueError(f"shape {name}: kind must be q4 or q8, got {kind!r}")
+        shapes.append((name, n, k, kind))
+    return shapes
+
+
+def random_tiles(n: int, k: int, kind: str, rng: np.random.Generator) -> Any:
+    scale = rng.random((n, k // 32)).astype(np.float16).astype(np.float32)
+    if kind == "q4":
+        zero = rng.random((n, k // 32)).astype(np.float16).astype(np.float32)
+        return quant_gemm_cpu.pack_q4_tiles(rng.integers(0, 16, (n, k)), scale, zero)
+    return quant_gemm_cpu.pack_q8_tiles(rng.integers(-128, 128, (n, k)), scale)
+
+
+def tile_call(module: Any, x: torch.Tensor, w: Any) -> Any:
+    if isinstance(w, quant_gemm_cpu.Q4Tiles):
+        return lambda: module.q4_gemm_a8_tiles(x, w.qt, w.st, w.mt)
+    return lambda: module.q8_gemm_a8_tiles(x, w.qt, w.st)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="name=NxK:q4|q8, comma list")
+    p.add_argument("--rows", default="1,8,32,200,800", help="activation row counts M")
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads (0: the CPUs this process may run on)")
+    p.add_argument("--baseline-source", default=None,
+                   help="another quant_gemm_cpu.cpp, compiled and timed beside the built one")
+    p.add_argument("--output", default=None, help="also write the JSON here")
+    args = p.parse_args(argv)
+    if not quant_gemm_cpu.vnni():
+        raise SystemExit("the tile kernels need an AVX512-VNNI build of quant_gemm_cpu")
+    set_cpu_threads(args.threads)
+    modules = {"new": quant_gemm_cpu.kernel_module()}
+    if args.baseline_source:
+        build_dir = tempfile.mkdtemp(prefix="sgl_tpu_qgemm_baseline_")
+        modules["baseline"] = cpu_extension.build_copy(Path(args.baseline_source),
+                                                       "sgl_tpu_qgemm_baseline", build_dir)
+    rng = np.random.default_rng(0)
+    rows = []
+    for name, n, k, kind in parse_shapes(args.shapes):
+        w = random_tiles(n, k, kind, rng)
+        for m in (int(v) for v in args.rows.split(",")):
+            x = torch.randn(m, k)
+            fns = {label: tile_call(mod, x, w) for label, mod in modules.items()}
+            if "baseline" in fns and not torch.allclose(fns["new"](), fns["baseline"](),
+                                                        rtol=1e-4, atol=1e-3):
+                raise SystemExit(f"{name} at {m} rows: the baseline's results differ")
+            times = {label: min(ts) for label, ts in interleaved(fns, args.repeats).items()}
+            row = {"shape": name, "n": n, "k": k, "kind": kind, "rows": m,
+                   "ms": round(1e3 * times["new"], 4),
+                   "gop_per_s": round(2 * m * n * k / times["new"] / 1e9, 1)}
+            if "baseline" in times:
+                row["baseline_ms"] = round(1e3 * times["baseline"], 4)
+                row["over_baseline"] = round(times["new"] / times["baseline"], 3)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    result = {"args": vars(args), "threads": torch.get_num_threads(),
+              "simd": quant_gemm_cpu.kernel_module().simd, "rows": rows}
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

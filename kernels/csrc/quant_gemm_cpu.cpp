@@ -983,7 +983,8 @@ void q4a8_tile(const int8_t* xq, const float* xd, const float* xsum, int64_t K,
     }
     const __m512 s = load_scales(st + b * kTile);
     const __m512 mins = load_scales(mt + b * kTile);
-    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {  // unrolled: the accumulators stay in registers
       const int8_t* a = xq + r * K + b * kGroup;
       __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
       for (int i = 0; i < 8; i += 2) {  // two chains: half the dependent vpdpbusd latency
@@ -1008,6 +1009,7 @@ void q8a8_tile(const int8_t* xq, const float* xd, const int32_t* code_sum, int64
     __m512i w[8];
     for (int i = 0; i < 8; ++i) w[i] = _mm512_loadu_si512(qt + (b * 8 + i) * 64);
     const __m512 s = load_scales(st + b * kTile);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const int8_t* a = xq + r * K + b * kGroup;
       __m512i d0 = _mm512_set1_epi32(-128 * code_sum[r * nb + b]);

@@ -949,12 +949,14 @@ at::Tensor q8_gemm_a8(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
 // row runs the same operations whatever M is; a row's result does not depend on M.
 constexpr int64_t kTile = 16;
 
-// The 4 activations of dword j of a block at `a`, broadcast to every lane (memcpy: the bytes
-// are int8 storage, not an int32 object).
-inline __m512i bcast_dword(const int8_t* a, int j) {
-  int32_t v;
-  std::memcpy(&v, a + 4 * j, sizeof v);
-  return _mm512_set1_epi32(v);
+// acc + the dots of the 16 lanes' codes `w` with the 4 activations of dword j of a block at
+// `a`, broadcast to every lane by the load itself (an embedded-broadcast memory operand: GCC
+// emits a separate broadcast instruction for _mm512_set1_epi32 of a loaded word).
+inline __m512i dot_bcast(__m512i acc, __m512i w, const int8_t* a, int j) {
+  struct Dword { int8_t b[4]; };  // the operand's 4 bytes, for the compiler's dependences
+  asm("vpdpbusd %2%{1to16%}, %1, %0"
+      : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const Dword*>(a + 4 * j)));
+  return acc;
 }
 
 // 16 scales of a tile block, float16 or float32.
@@ -988,8 +990,8 @@ void q4a8_tile(const int8_t* xq, const float* xd, const float* xsum, int64_t K,
       const int8_t* a = xq + r * K + b * kGroup;
       __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
       for (int i = 0; i < 8; i += 2) {  // two chains: half the dependent vpdpbusd latency
-        d0 = _mm512_dpbusd_epi32(d0, w[i], bcast_dword(a, i));
-        d1 = _mm512_dpbusd_epi32(d1, w[i + 1], bcast_dword(a, i + 1));
+        d0 = dot_bcast(d0, w[i], a, i);
+        d1 = dot_bcast(d1, w[i + 1], a, i + 1);
       }
       const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(xd[r * nb + b]));
       acc[r] = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)), acc[r]);
@@ -1015,8 +1017,8 @@ void q8a8_tile(const int8_t* xq, const float* xd, const int32_t* code_sum, int64
       __m512i d0 = _mm512_set1_epi32(-128 * code_sum[r * nb + b]);
       __m512i d1 = _mm512_setzero_si512();
       for (int i = 0; i < 8; i += 2) {
-        d0 = _mm512_dpbusd_epi32(d0, w[i], bcast_dword(a, i));
-        d1 = _mm512_dpbusd_epi32(d1, w[i + 1], bcast_dword(a, i + 1));
+        d0 = dot_bcast(d0, w[i], a, i);
+        d1 = dot_bcast(d1, w[i + 1], a, i + 1);
       }
       const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(xd[r * nb + b]));
       acc[r] = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)), acc[r]);

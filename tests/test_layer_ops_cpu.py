@@ -285,38 +285,55 @@ class CountingOps:
 
 
 @pytest.mark.slow
-def test_compiled_decode_layers_equal_the_python_loop():
-    """The default model on the int8-activation tile kernels (gguf-a8 on an AVX512-VNNI build)
-    over a bfloat16 KV cache: decode steps of two sequences of different lengths, then of one,
-    give the same tokens and top log-probabilities, bit for bit, with the layer loop compiled
+@pytest.mark.parametrize("family", ["tiles", "a8", "f32"])
+def test_compiled_decode_layers_equal_the_python_loop(family, monkeypatch):
+    """The default model on each family of block kernels over a bfloat16 KV cache (gguf-a8:
+    the int8-activation tiles of an AVX512-VNNI build, or its blocks on any build; gguf: the
+    float32 blocks): decode steps of two sequences of different lengths, then of one, give
+    the same tokens and top log-probabilities, bit for bit, with the layer loop compiled
     (`DecodeLayers`: one call a step, no layer op called from Python) as with it in Python,
-    the same kernels in the same order."""
+    the same kernels in the same order. A step of more rows than the block kernels take runs
+    the Python loop."""
     from sgl_tpu.backends.torch.kernels import quant_gemm_cpu
 
-    if not quant_gemm_cpu.tiles_for(576):
+    if family == "tiles" and not quant_gemm_cpu.tiles_for(576):
         pytest.skip("the tile kernels need an AVX512-VNNI build")
+    if family == "a8":
+        monkeypatch.setattr(quant_gemm_cpu, "tiles_for", lambda n: False)
+    kinds = {"tiles": {"q4-a8-t16", "q8-a8-t16"}, "a8": {"q4-a8", "q8-a8"},
+             "f32": {"q4-f32", "q8-f32"}}[family]
     loaded = load_model(None)
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, loaded.config.vocab_size, n).tolist() for n in (45, 18)]
     runs = []
     for compiled in (True, False):
-        m = Runner(loaded, "float32", True, page_size=16, quantization="gguf-a8",
+        m = Runner(loaded, "float32", True, page_size=16,
+                   quantization="gguf" if family == "f32" else "gguf-a8",
                    kv_cache_dtype="bfloat16")
+        model = m.runner.model
         assert m.runner.decode_layers and m.runner.compute_info()["decode_layers"] == "compiled"
+        assert {p.kernel.kind for p in (model.w.layers[0].wqkv, model.w.lm_head)} == kinds
+        limit = m.runner.compute_info()["decode_layers_max_rows"]
+        assert limit == model.decode_layers_max_rows and (limit is None) == (family == "tiles")
         m.runner.decode_layers = compiled
-        counting = m.runner.model.layer_ops = CountingOps(m.runner.model.layer_ops)
+        counting = model.layer_ops = CountingOps(model.layer_ops)
         pages = [m.pages(len(p) + 8) for p in prompts]
         ext = m.step(ForwardMode.EXTEND, [(p, 0, pg) for p, pg in zip(prompts, pages,
                                                                       strict=True)])
-        toks, decs = [int(t) for t in ext.token_ids], []
-        counting.calls = 0
+        toks, decs, calls = [int(t) for t in ext.token_ids], [], []
         for i in range(6):
             live = 2 if i < 4 else 1  # the shorter sequence stops after 4 steps
+            if compiled and family != "tiles":  # the first step over the rows limit
+                model.decode_layers_max_rows = 1 if i == 0 else 2
+            counting.calls = 0
             dec = m.step(ForwardMode.DECODE, [([toks[j]], len(prompts[j]) + i, pages[j])
                                               for j in range(live)])
+            calls.append(counting.calls)
             decs.append(dec)
             toks[:live] = [int(t) for t in dec.token_ids]
-        assert (counting.calls == 0) == compiled
+        over_limit = compiled and family != "tiles"
+        assert [c == 0 for c in calls] == [compiled and not (over_limit and i == 0)
+                                            for i in range(6)]
         runs.append(decs)
     for got, want in zip(*runs, strict=True):
         np.testing.assert_array_equal(got.token_ids, want.token_ids)
@@ -326,17 +343,32 @@ def test_compiled_decode_layers_equal_the_python_loop():
 
 def test_decode_layers_only_where_every_kernel_is_compiled(tmp_path):
     """Dense projections (a tiny checkpoint) keep the Python loop; the loop refuses kernels
-    whose capsules do not carry the signatures it calls."""
+    whose capsules do not carry the signatures it calls, and a q4 and a q8 kernel of different
+    families."""
     loaded = load_model(ck.make_tiny_hf_checkpoint(tmp_path / "m", "llama"))
     m = Runner(loaded, "float32", True)
     assert not m.runner.decode_layers
     assert m.runner.compute_info()["decode_layers"] == "python"
     from sgl_tpu.backends.torch.kernels import cpu_extension, quant_gemm_cpu
 
-    gemm = quant_gemm_cpu.kernel_module() if quant_gemm_cpu.available() else None
-    if gemm is None or not hasattr(gemm, "q8_gemm_a8_tiles_fn"):
+    if not quant_gemm_cpu.available() or cpu_extension.load() is None:
+        pytest.skip("the compiled CPU kernels are not built")
+    gemm, decode = quant_gemm_cpu.kernel_module(), cpu_extension.load().decode_fn
+
+    def build(q4: object, q8: object) -> None:
+        ops().DecodeLayers([], [], [], torch.ones(4), (q4, q8, decode), 1, 1, 1e-5, 1.0, False)
+
+    build(gemm.q4_gemm_a8_fn, gemm.q8_gemm_a8_fn)
+    build(gemm.q4_gemm_fn, gemm.q8_gemm_fn)
+    with pytest.raises(RuntimeError, match=r"expected the capsule sgl_tpu\.q4_gemm_a8_tiles\("
+                       r".* or sgl_tpu\.q4_gemm\(x, qs, scale, zero\), got sgl_tpu\.q8"):
+        build(gemm.q8_gemm_a8_fn, gemm.q4_gemm_a8_fn)
+    with pytest.raises(RuntimeError, match=r"expected the capsule sgl_tpu\.q8_gemm\(x, qs, "
+                       r"scale\), got sgl_tpu\.q8_gemm_a8\("):
+        build(gemm.q4_gemm_fn, gemm.q8_gemm_a8_fn)
+    if not hasattr(gemm, "q8_gemm_a8_tiles_fn"):
         pytest.skip("the tile kernels need an AVX512-VNNI build")
-    swapped = (gemm.q8_gemm_a8_tiles_fn, gemm.q4_gemm_a8_tiles_fn,
-               cpu_extension.load().decode_fn)
-    with pytest.raises(RuntimeError, match=r"expected the capsule sgl_tpu\.q4_gemm_a8_tiles"):
-        ops().DecodeLayers([], [], [], torch.ones(4), swapped, 1, 1, 1e-5, 1.0, False)
+    build(gemm.q4_gemm_a8_tiles_fn, gemm.q8_gemm_a8_tiles_fn)
+    with pytest.raises(RuntimeError, match=r"expected the capsule sgl_tpu\.q8_gemm_a8\(x, qs, "
+                       r"scale\), got sgl_tpu\.q8_gemm_a8_tiles"):
+        build(gemm.q4_gemm_a8_fn, gemm.q8_gemm_a8_tiles_fn)

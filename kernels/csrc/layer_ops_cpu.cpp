@@ -330,43 +330,65 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 
 // ---- one decode step's layers in one call -------------------------------------------------
 //
-// `LlamaTorch.forward_fused`'s layer loop for decode steps whose projections are all the tile
-// kernels of quant_gemm_cpu.cpp (`q4-a8-t16` / `q8-a8-t16`, no bias) and whose attention is
-// paged_attention_cpu.cpp's `decode`: the same calls in the same order, so the same results,
-// with no Python between them (a batch-1 step of the default model makes ~270 kernel calls;
-// their Python glue was ~0.6 ms of a ~6 ms step on a 2-core CPU). The other two modules export
-// those kernels as function pointers in capsules named by their signatures (below), and the
-// GIL is released while the layers run.
+// `LlamaTorch.forward_fused`'s layer loop for decode steps whose projections are all
+// quant_gemm_cpu.cpp's kernels of one family (the int8-activation tiles `q4-a8-t16` /
+// `q8-a8-t16` of AVX512-VNNI builds, the int8-activation blocks `q4-a8` / `q8-a8`, or the
+// float32 blocks `q4-f32` / `q8-f32`), without bias, and whose attention is paged_attention_cpu.cpp's `decode`: the same calls in the same
+// order, so the same results, with no Python between them (a batch-1 step of the default model
+// makes ~270 kernel calls; their Python glue was ~0.6 ms of a ~6 ms step on a 2-core CPU). The
+// other two modules export those kernels as function pointers in capsules named by their
+// signatures (below), and the GIL is released while the layers run.
 //
 //     DecodeLayers(layers, k_pools, v_pools, final_norm, kernels, H, kvh, eps, scale, bf16_dots)
-//         layers[l] = [attn_norm, mlp_norm, q_norm, k_norm, (qt, st, mt) x 4 projections:
-//                      wqkv, wo, w_gate_up, w_down]; empty q_norm / k_norm: none (not Qwen3),
-//                      an empty mt: Q8 tiles
-//         kernels = (q4 tiles capsule, q8 tiles capsule, attention decode capsule)
+//         layers[l] = [attn_norm, mlp_norm, q_norm, k_norm, (codes, scales, mins) x 4
+//                      projections: wqkv, wo, w_gate_up, w_down]; empty q_norm / k_norm: none
+//                      (not Qwen3); (qt, st, mt) for tiles, (qs, scale, zero) for blocks,
+//                      an empty third tensor for Q8
+//         kernels = (q4 capsule, q8 capsule, attention decode capsule), q4 and q8 of one family
 //     run(h [T, D], cos, sin f32[T, 1, d], out_slots i64[T], shared_slots, own_slots, own_lo,
 //         own_hi)  (the FusedDecodeBatch's)  -> the final-normed hidden [T, D]; h is updated in
-//         place as forward_fused updates it
+//         place as forward_fused updates it. The caller keeps T within the block kernels' row
+//         limit (above it their projections take a dense copy, which this loop does not)
 
-using Q4TilesFn = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                 const at::Tensor&);
-using Q8TilesFn = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&);
+// both families' functions have these signatures: (x, codes, scales, mins) and (x, codes,
+// scales)
+using Q4Fn = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&);
+using Q8Fn = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using DecodeFn = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const at::Tensor&, double, int64_t, double, bool);
 // the capsule names, which the exporting modules give them (quant_gemm_cpu.cpp,
-// paged_attention_cpu.cpp): a changed signature is a changed name, refused here
-constexpr const char* kQ4TilesFn = "sgl_tpu.q4_gemm_a8_tiles(x, qt, st, mt)";
-constexpr const char* kQ8TilesFn = "sgl_tpu.q8_gemm_a8_tiles(x, qt, st)";
+// paged_attention_cpu.cpp): a changed signature is a changed name, refused here. The q4 and
+// q8 kernels come in pairs of one family.
+constexpr int kGemmFamilies = 3;
+constexpr const char* kGemmFns[kGemmFamilies][2] = {
+    {"sgl_tpu.q4_gemm_a8_tiles(x, qt, st, mt)", "sgl_tpu.q8_gemm_a8_tiles(x, qt, st)"},
+    {"sgl_tpu.q4_gemm_a8(x, qs, scale, zero)", "sgl_tpu.q8_gemm_a8(x, qs, scale)"},
+    {"sgl_tpu.q4_gemm(x, qs, scale, zero)", "sgl_tpu.q8_gemm(x, qs, scale)"}};
 constexpr const char* kDecodeFn =
     "sgl_tpu.attention_decode(q, k_pool, v_pool, shared_slots, own_slots, own_lo, own_hi, "
     "scale, window, cap, bf16_dots)";
 
+const char* capsule_name(const py::handle& obj) {
+  const char* name = py::reinterpret_borrow<py::capsule>(obj).name();
+  return name ? name : "an unnamed one";
+}
+
 void* capsule_fn(const py::handle& obj, const char* name) {
-  const auto cap = py::reinterpret_borrow<py::capsule>(obj);
-  TORCH_CHECK(cap.name() != nullptr && std::strcmp(cap.name(), name) == 0,
+  TORCH_CHECK(std::strcmp(capsule_name(obj), name) == 0,
               "layer_ops_cpu.DecodeLayers: expected the capsule ", name, ", got ",
-              cap.name() ? cap.name() : "an unnamed one");
-  return cap.get_pointer();
+              capsule_name(obj));
+  return py::reinterpret_borrow<py::capsule>(obj).get_pointer();
+}
+
+// The family whose q4 capsule `q4` is (its q8 one must match), or a refusal naming them all.
+int gemm_family(const py::handle& q4) {
+  for (int f = 0; f < kGemmFamilies; ++f)
+    if (std::strcmp(capsule_name(q4), kGemmFns[f][0]) == 0) return f;
+  TORCH_CHECK(false, "layer_ops_cpu.DecodeLayers: expected the capsule ", kGemmFns[0][0], ", ",
+              kGemmFns[1][0], " or ", kGemmFns[2][0], ", got ", capsule_name(q4));
+  return -1;
 }
 
 constexpr int kLayerTensors = 4 + 3 * 4;
@@ -381,8 +403,9 @@ class DecodeLayers {
         final_norm_(std::move(final_norm)), H_(num_q_heads), kvh_(num_kv_heads), eps_(eps),
         scale_(scale), bf16_dots_(bf16_dots) {
     TORCH_CHECK(kernels.size() == 3, "layer_ops_cpu.DecodeLayers: kernels = (q4, q8, decode)");
-    q4_ = reinterpret_cast<Q4TilesFn>(capsule_fn(kernels[0], kQ4TilesFn));
-    q8_ = reinterpret_cast<Q8TilesFn>(capsule_fn(kernels[1], kQ8TilesFn));
+    const int family = gemm_family(kernels[0]);
+    q4_ = reinterpret_cast<Q4Fn>(capsule_fn(kernels[0], kGemmFns[family][0]));
+    q8_ = reinterpret_cast<Q8Fn>(capsule_fn(kernels[1], kGemmFns[family][1]));
     decode_ = reinterpret_cast<DecodeFn>(capsule_fn(kernels[2], kDecodeFn));
     TORCH_CHECK(layers_.size() == k_pools_.size() && layers_.size() == v_pools_.size(),
                 "layer_ops_cpu.DecodeLayers: one K and one V pool per layer");
@@ -423,7 +446,7 @@ class DecodeLayers {
   }
 
  private:
-  // x @ the projection whose tiles are w[i .. i + 3)
+  // x @ the projection whose tensors are w[i .. i + 3)
   at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& w, int i) const {
     return w[i + 2].numel() ? q4_(x, w[i], w[i + 1], w[i + 2]) : q8_(x, w[i], w[i + 1]);
   }
@@ -434,8 +457,8 @@ class DecodeLayers {
   int64_t H_, kvh_;
   double eps_, scale_;
   bool bf16_dots_;
-  Q4TilesFn q4_ = nullptr;
-  Q8TilesFn q8_ = nullptr;
+  Q4Fn q4_ = nullptr;
+  Q8Fn q8_ = nullptr;
   DecodeFn decode_ = nullptr;
 };
 

@@ -1125,13 +1125,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_gemm_a8", &q8_gemm_a8,
         "x f32[M, K] (quantized to int8 per 32 values) @ Q8 blocks -> f32[M, N]");
   m.def("quantize_a8", &quantize_a8, "x f32[M, K] -> (xq i8[M, K], d f32[M, K/32])");
+  // the GEMMs as pointers, for layer_ops_cpu.cpp's decode layer loop (another module); the
+  // capsule names carry the signatures it checks
+  m.attr("q4_gemm_fn") = py::capsule(reinterpret_cast<void*>(&q4_gemm),
+                                     "sgl_tpu.q4_gemm(x, qs, scale, zero)");
+  m.attr("q8_gemm_fn") = py::capsule(reinterpret_cast<void*>(&q8_gemm),
+                                     "sgl_tpu.q8_gemm(x, qs, scale)");
+  m.attr("q4_gemm_a8_fn") = py::capsule(reinterpret_cast<void*>(&q4_gemm_a8),
+                                        "sgl_tpu.q4_gemm_a8(x, qs, scale, zero)");
+  m.attr("q8_gemm_a8_fn") = py::capsule(reinterpret_cast<void*>(&q8_gemm_a8),
+                                        "sgl_tpu.q8_gemm_a8(x, qs, scale)");
 #if SGL_QGEMM_VNNI
   m.def("q4_gemm_a8_tiles", &q4_gemm_a8_tiles,
         "x f32[M, K] (quantized to int8 per 32 values) @ Q4 tiles of 16 features -> f32[M, N]");
   m.def("q8_gemm_a8_tiles", &q8_gemm_a8_tiles,
         "x f32[M, K] (quantized to int8 per 32 values) @ Q8 tiles of 16 features -> f32[M, N]");
-  // the same functions as pointers, for layer_ops_cpu.cpp's decode layer loop (another
-  // module); the capsule names carry the signatures it checks
   m.attr("q4_gemm_a8_tiles_fn") = py::capsule(reinterpret_cast<void*>(&q4_gemm_a8_tiles),
                                               "sgl_tpu.q4_gemm_a8_tiles(x, qt, st, mt)");
   m.attr("q8_gemm_a8_tiles_fn") = py::capsule(reinterpret_cast<void*>(&q8_gemm_a8_tiles),

@@ -81,6 +81,8 @@ A8_BF16_DENSE_MAX_ROWS = 8
 # tools/quant_linear_bench.py, benchmarks/results/speed3_quant_linear_tiles_w{1,3}.json): they
 # take every step.
 TILE_KINDS = ("q4-a8-t16", "q8-a8-t16")
+A8_BLOCK_KINDS = ("q4-a8", "q8-a8")  # the int8-activation kernels on the block layout
+F32_BLOCK_KINDS = ("q4-f32", "q8-f32")  # the float32-activation block kernels
 
 
 def max_kernel_rows(kind: str, dense_bf16: bool = False) -> int | None:
@@ -89,9 +91,9 @@ def max_kernel_rows(kind: str, dense_bf16: bool = False) -> int | None:
     if kind in TILE_KINDS:
         return None
     rows = MAX_KERNEL_ROWS[kind]
-    if kind in ("q4-f32", "q8-f32") and quant_gemm_cpu.simd() == "avx512f":
+    if kind in F32_BLOCK_KINDS and quant_gemm_cpu.simd() == "avx512f":
         return min(rows, AVX512_F32_MAX_ROWS)
-    if dense_bf16 and kind in ("q4-a8", "q8-a8"):
+    if dense_bf16 and kind in A8_BLOCK_KINDS:
         return min(rows, A8_BF16_DENSE_MAX_ROWS)
     return rows
 

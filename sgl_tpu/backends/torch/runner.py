@@ -291,8 +291,11 @@ class TorchModelRunner:
             info["cpu"] = cpu
             info["amx_in_use"] = (cpu["onednn"]["amx"] and self.dtype == torch.bfloat16
                                   and not self.invariant_gemm)
-            # a decode step's layer loop: one compiled call, or Python between the kernels
+            # a decode step's layer loop: one compiled call (for steps of up to max rows: None,
+            # any), or Python between the kernels
             info["decode_layers"] = "compiled" if self.decode_layers else "python"
+            if self.decode_layers:
+                info["decode_layers_max_rows"] = self.model.decode_layers_max_rows
         return info
 
     @property

@@ -215,6 +215,7 @@ class LlamaTorch:
         self.final_norm = wrap(rms_norm)
         self.layer_ops: Any = None  # the compiled kernels/layer_ops_cpu module, when in use
         self.decode_layers: Any = None  # its DecodeLayers over these weights, when in use
+        self.decode_layers_max_rows: int | None = None  # the most rows it takes (None: any)
 
     def use_layer_ops(self, ops: Any) -> bool:
         """Run `forward_fused` with the compiled module `ops`
@@ -232,8 +233,8 @@ class LlamaTorch:
                           bf16_dots: bool) -> bool:
         """Run decode steps' layers as one compiled call (layer_ops_cpu.decode_layers, with the
         compiled attention kernel's `bf16_dots`) where they can: the layer ops in use, this
-        class's own layers, no sliding window, every projection a tile kernel without bias,
-        shapes the attention kernel takes. Whether it did."""
+        class's own layers, no sliding window, every projection a block kernel of one family
+        without bias, shapes the attention kernel takes. Whether it did."""
         from sgl_tpu.backends.torch import paged_attention
         from sgl_tpu.backends.torch.kernels import layer_ops_cpu
 
@@ -244,9 +245,10 @@ class LlamaTorch:
         q = torch.empty(1, cfg.num_heads, cfg.head_dim, dtype=self.w.embed.dtype)
         if not paged_attention.fused_takes(q, kv_pools[0][0]):
             return False
-        self.decode_layers = layer_ops_cpu.decode_layers(
+        found = layer_ops_cpu.decode_layers(
             self.w.layers, kv_pools, self.w.final_norm, cfg.num_heads, cfg.num_kv_heads,
             cfg.rms_norm_eps, self.scale, bf16_dots)
+        self.decode_layers, self.decode_layers_max_rows = found or (None, None)
         return self.decode_layers is not None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor,
@@ -287,14 +289,16 @@ class LlamaTorch:
             x = norm(h += delta)  qkv = x Wqkv  rope_write_kv(qkv)  o = attn(q)
             x = norm(h += o Wo)   delta = silu_mul(x Wgu) Wd            ... final norm(h += delta)
 
-        With `decode_layers` and a `decode_batch`, the loop below runs compiled, in one call.
+        With `decode_layers` and a `decode_batch` of at most `decode_layers_max_rows` rows, the
+        loop below runs compiled, in one call.
         """
         cfg, ops, linear, eps = self.cfg, self.layer_ops, self.w.linear, self.cfg.rms_norm_eps
         t, h_q, h_kv, d = input_ids.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         cos, sin = rope_tables(positions, self.w.inv_freq, cfg.long_rope,
                                self.w.long_inv_freq)  # f32[T, 1, d]
         h = self.embed(input_ids)  # [T, D]
-        if self.decode_layers is not None and decode_batch is not None:
+        if self.decode_layers is not None and decode_batch is not None and (
+                self.decode_layers_max_rows is None or t <= self.decode_layers_max_rows):
             b = decode_batch
             return self.decode_layers.run(h, cos, sin, out_slots, b.shared_slots, b.slots,
                                           b.own_lo, b.own_hi)

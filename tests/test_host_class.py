@@ -71,3 +71,8 @@ def test_summaries_take_the_criteria_ratios():
                                                           "llama-server": {}},
                                                  "target_errors": {"llama-server": "boom"}})
     assert failed["none_over_llama"] is None and failed["errors"] == {"llama-server": "boom"}
+
+
+def test_memory_read_bandwidth_is_measured():
+    """The summary's host memory bandwidth: sums over a tensor, timed (a small one here)."""
+    assert host_class.memory_read_gb_s(gib=1 / 64, repeats=2) > 0.1

@@ -18,7 +18,9 @@ all one after the other (leave the machine idle):
 6912`), written to DIR once. On an AMX host (`amx_bf16` in /proc/cpuinfo) llama-server gets
 `--no-repack`, without which its AMX weight repacking crashes it on the first request.
 
-DIR/summary.json then holds the host (CPU model and SIMD flags), `/server_info` `compute` of
+DIR/summary.json then holds the host (CPU model, SIMD flags and memory read bandwidth: a
+one-stream decode step streams the weights, so hosts of one CPU model differ by it),
+`/server_info` `compute` of
 the `auto` server at each size, and per size and run:
 
     itl_p50_ms          {target: ITL p50}          single, c8_256, agent
@@ -36,6 +38,7 @@ import json
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +71,25 @@ def cpu_info(path: str = "/proc/cpuinfo") -> dict[str, Any]:
         elif key.strip() == "flags" and not flags:
             flags = set(value.split())
     return {"model": model, "flags": [f for f in SIMD_FLAGS if f in flags]}
+
+
+def memory_read_gb_s(gib: float = 1.0, repeats: int = 5) -> float:
+    """GB/s of the best of `repeats` torch sums over a `gib` GiB float32 tensor on the threads a
+    server would take (every CPU this process may run on): the rate at which a decode step can
+    stream weights at best."""
+    import torch
+
+    from sgl_tpu.backends.torch.device import set_cpu_threads
+
+    set_cpu_threads()
+    x = torch.ones(int(gib * 2**30) // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return round(x.numel() * 4 / best / 1e9, 1)
 
 
 def run_command(run: str, size: str, llama_server: str, model_path: str | None, out: Path,
@@ -153,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
             print(shlex.join(cmd))
         return
     out_dir.mkdir(parents=True, exist_ok=True)
+    host["memory_read_gb_s"] = memory_read_gb_s()
     summary: dict[str, Any] = {"host": host, "compute": {}, "runs": {}}
     for size, run, cmd, out in plan:
         print(f"host_class: {size} {run}: {shlex.join(cmd)}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""`python -m sgl_tpu.bench.quant_gemm`: the tile kernels timed per shape and row count, beside
+"""`tools/quant_gemm_bench.py`: the tile kernels timed per shape and row count, beside
 a baseline source compiled next to the built module (here the same source, so the two must
 agree)."""
 
@@ -12,15 +12,18 @@ import pytest
 
 pytest.importorskip("torch")
 
+from tool_scripts import TOOLS_DIR, load_tool  # noqa: E402
+
 from sgl_tpu.backends.torch.kernels import cpu_extension, quant_gemm_cpu  # noqa: E402
-from sgl_tpu.bench.quant_gemm import parse_shapes  # noqa: E402
+
+bench = load_tool("quant_gemm_bench")
 
 
 def test_shapes_parse_and_name_a_bad_kind():
-    assert parse_shapes("o=32x64:q4,head=48x32:q8") == [("o", 32, 64, "q4"),
-                                                       ("head", 48, 32, "q8")]
+    assert bench.parse_shapes("o=32x64:q4,head=48x32:q8") == [("o", 32, 64, "q4"),
+                                                             ("head", 48, 32, "q8")]
     with pytest.raises(ValueError, match="shape o: kind must be q4 or q8"):
-        parse_shapes("o=32x64:q5")
+        bench.parse_shapes("o=32x64:q5")
 
 
 @pytest.mark.slow
@@ -28,7 +31,7 @@ def test_quant_gemm_bench_times_both_kinds_against_a_baseline(tmp_path):
     if not quant_gemm_cpu.vnni():
         pytest.skip("the tile kernels need an AVX512-VNNI build")
     out = tmp_path / "gemm.json"
-    subprocess.run([sys.executable, "-m", "sgl_tpu.bench.quant_gemm",
+    subprocess.run([sys.executable, str(TOOLS_DIR / "quant_gemm_bench.py"),
                     "--shapes", "o=32x64:q4,head=48x32:q8", "--rows", "1,9", "--repeats", "2",
                     "--threads", "1", "--baseline-source", str(cpu_extension.QUANT_GEMM.source),
                     "--output", str(out)], check=True, capture_output=True, timeout=600)

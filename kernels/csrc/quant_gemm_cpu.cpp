@@ -454,10 +454,18 @@ struct ActQ8 {
   std::vector<int32_t> bias;  // [M, ceil(nb / 2), 16] (Q8 with VNNI: q8_pair_bias)
 };
 
+// The block's values summed left to right, as the scalar loop always has: a row's results stay
+// the same bits whichever loop quantized it (a new order moved near-tied greedy tokens).
+inline float block_sum(const float* xb) {
+  float s = 0.0f;
+  for (int64_t j = 0; j < kGroup; ++j) s += xb[j];
+  return s;
+}
+
 // One block of kGroup values at `xb` -> its codes at `qb` (`split`: the Q4 order above), its d,
-// and its value and code sums where asked (null: not). Every loop below gives the same codes
-// and d: the vector conversions round half to even, as nearbyint does in the default mode;
-// only the float sum's order differs between them.
+// and its value and code sums where asked (null: not). Every loop below gives the same codes,
+// d and sums: the vector conversions round half to even, as nearbyint does in the default
+// mode.
 inline void quantize_block(const float* xb, int8_t* qb, float* d, float* sum, int32_t* code_sum,
                            bool split) {
 #if SGL_QGEMM_AVX512
@@ -477,7 +485,7 @@ inline void quantize_block(const float* xb, int8_t* qb, float* d, float* sum, in
   }
   _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(q0));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(q1));
-  if (sum) *sum = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+  if (sum) *sum = block_sum(xb);
   if (code_sum) *code_sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
 #elif SGL_QGEMM_AVX2
   __m256 v[4];
@@ -505,12 +513,7 @@ inline void quantize_block(const float* xb, int8_t* qb, float* d, float* sum, in
     codes = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(codes, evens_odds), 0xD8);
   }
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), codes);
-  if (sum) {
-    const __m256 t = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
-    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    *sum = _mm_cvtss_f32(_mm_add_ss(s4, _mm_shuffle_ps(s4, s4, 1)));
-  }
+  if (sum) *sum = block_sum(xb);
   if (code_sum) {
     const __m256i t = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]),
                                        _mm256_add_epi32(q[2], q[3]));
@@ -519,9 +522,8 @@ inline void quantize_block(const float* xb, int8_t* qb, float* d, float* sum, in
     *code_sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 1)));
   }
 #else
-  float amax = 0.0f, s = 0.0f;
+  float amax = 0.0f;
   for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(xb[j]));
-  for (int64_t j = 0; j < kGroup; ++j) s += xb[j];
   const float dv = amax / 127.0f;
   const float id = dv != 0.0f ? 1.0f / dv : 0.0f;
   int32_t codes = 0;
@@ -530,7 +532,7 @@ inline void quantize_block(const float* xb, int8_t* qb, float* d, float* sum, in
     qb[to] = static_cast<int8_t>(std::nearbyint(xb[j] * id));
     codes += qb[to];
   }
-  if (sum) *sum = s;
+  if (sum) *sum = block_sum(xb);
   if (code_sum) *code_sum = codes;
 #endif
   *d = dv;

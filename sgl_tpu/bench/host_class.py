@@ -34,11 +34,11 @@ the `auto` server at each size, and per size and run:
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -71,25 +71,6 @@ def cpu_info(path: str = "/proc/cpuinfo") -> dict[str, Any]:
         elif key.strip() == "flags" and not flags:
             flags = set(value.split())
     return {"model": model, "flags": [f for f in SIMD_FLAGS if f in flags]}
-
-
-def memory_read_gb_s(gib: float = 1.0, repeats: int = 5) -> float:
-    """GB/s of the best of `repeats` torch sums over a `gib` GiB float32 tensor on the threads a
-    server would take (every CPU this process may run on): the rate at which a decode step can
-    stream weights at best."""
-    import torch
-
-    from sgl_tpu.backends.torch.device import set_cpu_threads
-
-    set_cpu_threads()
-    x = torch.ones(int(gib * 2**30) // 4)
-    x.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return round(x.numel() * 4 / best / 1e9, 1)
 
 
 def run_command(run: str, size: str, llama_server: str, model_path: str | None, out: Path,
@@ -175,7 +156,9 @@ def main(argv: list[str] | None = None) -> None:
             print(shlex.join(cmd))
         return
     out_dir.mkdir(parents=True, exist_ok=True)
-    host["memory_read_gb_s"] = memory_read_gb_s()
+    # (the torch backend's module, by name: this module imports no framework)
+    host["memory_read_gb_s"] = importlib.import_module(
+        "sgl_tpu.backends.torch.device").memory_read_gb_s()
     summary: dict[str, Any] = {"host": host, "compute": {}, "runs": {}}
     for size, run, cmd, out in plan:
         print(f"host_class: {size} {run}: {shlex.join(cmd)}", file=sys.stderr)

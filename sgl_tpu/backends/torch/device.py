@@ -18,6 +18,7 @@ import importlib.util
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -78,6 +79,21 @@ def set_cpu_threads(num_threads: int = 0) -> int:
         except RuntimeError:  # already set once in this process
             pass
     return n
+
+
+def memory_read_gb_s(gib: float = 1.0, repeats: int = 5) -> float:
+    """GB/s of the best of `repeats` torch sums over a `gib` GiB float32 tensor on the threads a
+    server would take (`set_cpu_threads`): the rate at which a decode step can stream weights
+    at best (bench.host_class records it)."""
+    set_cpu_threads()
+    x = torch.ones(int(gib * 2**30) // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return round(x.numel() * 4 / best / 1e9, 1)
 
 
 # CPU feature flags that decide which kernels run (oneDNN's and the compiled ones)

@@ -3,7 +3,7 @@
 counts, optionally against another version of the kernel source compiled beside it
 (`--baseline-source`), the two timed in one alternation.
 
-    python -m sgl_tpu.bench.quant_gemm --rows 1,8,32,200,800 --baseline-source old.cpp
+    python tools/quant_gemm_bench.py --rows 1,8,32,200,800 --baseline-source old.cpp
 
 One JSON row per shape and row count: ms (the minimum over the repeats: the kernels' time does
 not depend on the values, so the minimum is the least disturbed call), GOP/s (2 M N K per

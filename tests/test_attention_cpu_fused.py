@@ -393,6 +393,37 @@ def test_bfloat16_products_round_only_queries_and_probabilities():
         assert (out[i : i + 1].double() - want).abs().max() < bound
 
 
+@pytest.mark.parametrize("dots", [True, False], ids=["dots", "f32"])
+def test_a_query_gets_the_same_attention_on_every_path(dots):
+    """One query over one context by three paths: a DECODE row whose keys are all its own
+    (keys in vector lanes), a DECODE row whose context is a shared prefix (row-tiled items)
+    plus own keys, and the last row of an EXTEND. With bfloat16 products every path rounds the
+    same queries and the same probabilities (a base-2 softmax with whole maxima: a key's
+    probability has the same significand whatever max it was taken against), so the paths
+    differ by float32 summation order only, as float32 products do; the largest V is 4."""
+    ext = cpu_extension.load()
+    kvh, group, d, n, split = 3, 3, 64, 700, 512
+    g = torch.Generator().manual_seed(11)
+    k = torch.randn(2048, kvh, d, generator=g).bfloat16()
+    v = torch.randn(2048, kvh, d, generator=g).clamp(-4, 4).bfloat16()
+    slots = torch.randperm(2048, generator=g)[:n].contiguous()
+    q = 3 * torch.randn(1, kvh * group, d, generator=g)
+    scale, zero = d ** -0.5, torch.zeros(1, dtype=torch.int64)
+    own_only = ext.decode(q, k, v, torch.zeros(0, dtype=torch.int64), slots[None].clone(), zero,
+                          torch.tensor([n]), scale, 0, 0.0, dots)
+    own = slots[split:].repeat(2, 1)  # two rows share the prefix; the second sees one own key
+    shared = ext.decode(q.repeat(2, 1, 1), k, v, slots[:split].contiguous(), own,
+                        torch.zeros(2, dtype=torch.int64), torch.tensor([n - split, 1]), scale,
+                        0, 0.0, dots)[:1]
+    qe = torch.cat([torch.randn(4, kvh * group, d, generator=g), q])
+    extend = ext.extend(qe, k, v, [slots], [0], [5], [n - 5], scale, 0, 0.0, dots)[-1:]
+    for a, b in [(own_only, shared), (own_only, extend), (shared, extend)]:
+        assert (a - b).abs().max() < 2e-5
+    if dots and ext.bf16_dots:  # the bfloat16 path is the one taken
+        f32 = ext.extend(qe, k, v, [slots], [0], [5], [n - 5], scale, 0, 0.0, False)[-1:]
+        assert (f32 - extend).abs().max() > 1e-4
+
+
 def test_refuses_mixed_dtypes_other_than_float32_over_bfloat16():
     ext = cpu_extension.load()
     q32, pool32 = torch.zeros(1, 2, 16), torch.zeros(8, 1, 16)

@@ -169,6 +169,63 @@ inline vf vexp(vf x) {
   return p * s;
 }
 
+// Under bfloat16 products (with_dots, below), softmax in base 2 with whole-numbered maxima
+// (float32 products keep exp against the running max). Scores are taken to log2 units (times
+// log2(e), after the soft-cap; the queries carry the attention scale alone, so rounding them
+// to bfloat16 stays exact for a power-of-two scale), and a row's running max m is rounded up
+// to a whole number. A probability is then
+//
+//     2^(t - m) = 2^frac(t) * 2^(floor(t) - m)
+//
+// whose significand is a function of the score t alone, whatever m the keys before it set: it
+// rounds to bfloat16 alike on every path that reaches the key (an EXTEND item, a shared-prefix
+// or own-key DECODE item, any chunking), and rescaling a running sum by 2^(m_old - m_new), or
+// merging partials, multiplies by an exact power of two.
+constexpr float kLog2e = 1.44269504088896341f;
+
+inline vf vfloor(vf x) {  // |x| < 2^22
+  const float magic = 12582912.0f;
+  const vf r = (x + magic) - magic;  // to nearest
+  return r > x ? r - 1.0f : r;
+}
+inline vf vceil(vf x) { return -vfloor(-x); }
+
+// 2^e for whole e <= 0: 0 below -126 (no subnormals)
+inline vf vpow2(vf e) {
+  vi bits = (__builtin_convertvector(e, vi) + 127) << 23;
+  bits = e < -126.0f ? splati(0) : bits;
+  vf out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+// 2^(t - m) for a whole m >= t (module note above); a relative error of ~2e-7. Lanes of t =
+// -inf give garbage: callers zero masked lanes themselves.
+inline vf vexp2_rel(vf t, vf m) {
+  t = t < m - 127.0f ? m - 127.0f : t;  // 0 once scaled (vpow2)
+  const vf n = vfloor(t);
+  // 2^f, f = t - n in [0, 1): e^r * sqrt(2) with r = (f - 1/2) ln 2, |r| <= ln(2) / 2 (Cephes'
+  // expf polynomial)
+  const vf r = ((t - n) - 0.5f) * 0.693147180559945309f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * 1.41421356237309505f * vpow2(n - m);
+}
+
+// x rounded to the nearest bfloat16 (even on a tie), as float32; x finite
+inline vf round_bf16(vf x) {
+  vu u;
+  std::memcpy(&u, &x, sizeof u);
+  u = (u + (0x7fffu + ((u >> 16) & 1u))) & 0xffff0000u;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
 // cap * tanh(x / cap) (Gemma 2's attention soft-cap)
 inline vf vsoftcap(vf x, float cap) {
   vf y = x * (2.0f / cap);
@@ -244,16 +301,20 @@ struct Keys {
 // Vectors of rows an item of R rows uses (R <= kMaxRows: at most 8 with AVX-512, 16 with AVX2).
 inline int row_vectors(int R) { return (R + kLanes - 1) / kLanes; }
 
-// Start an item: rows' queries into Qt (scaled), running state reset. `q_row(r)` points at
-// row r's query vector [d].
+// Start an item: rows' queries into Qt (times scale), running state reset.
+// `q_row(r)` points at row r's query vector [d]. round_q (bfloat16 products): the scaled
+// queries rounded to bfloat16, as the dot products take them, on every path alike.
 template <typename T, typename QRow>
-void load_rows(Scratch& s, int R, int d, float scale, QRow q_row) {
+void load_rows(Scratch& s, int R, int d, float scale, bool round_q, QRow q_row) {
   const int L = row_vectors(R) * kLanes;
   for (int r = 0; r < L; ++r) {
     if (r < R) {
       const T* q = q_row(r);
-      for (int i = 0; i < d; ++i)
-        s.qt[i * L + r] = s.qr[r * d + i] = static_cast<float>(q[i]) * scale;
+      for (int i = 0; i < d; ++i) {
+        const float x = static_cast<float>(q[i]) * scale;
+        s.qt[i * L + r] = s.qr[r * d + i] =
+            round_q ? static_cast<float>(at::BFloat16(x)) : x;
+      }
     } else {
       for (int i = 0; i < d; ++i) s.qt[i * L + r] = s.qr[r * d + i] = 0.0f;
       s.qpos[r] = -1;
@@ -488,6 +549,12 @@ inline void pack_probs(uint32_t* pb, const float* sp, int L, int v, int n) {
 constexpr bool kDots = false;
 #endif
 
+// whether bfloat16 dot products run: asked for, an AVX512-BF16 build, a bfloat16 pool
+template <typename TKV>
+constexpr bool with_dots(bool asked) {
+  return asked && kDots && std::is_same_v<TKV, at::BFloat16>;
+}
+
 constexpr int kTileRows = 3;  // row vectors per register tile
 constexpr int kTileCols = 4;  // keys (scores) or output dims (P @ V) per register tile
 
@@ -496,7 +563,9 @@ constexpr int kTileCols = 4;  // keys (scores) or output dims (P @ V) per regist
 enum class Seen { kNone, kAll, kSome };
 
 // Online softmax of row vector v over the tile's n scores (sp[j][v], L floats per key): mask
-// (if `masked`), soft-cap, running max, exp in place, then m, l and this tile's alpha.
+// (if `masked`), soft-cap, running max (whole), 2^(t - m) in place, then m, l and this tile's
+// alpha.
+template <bool Base2>
 inline void softmax_rows(Scratch& s, int v, int L, int n, int64_t pos0, vi qp, vi ql,
                          float cap, bool masked) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -505,6 +574,7 @@ inline void softmax_rows(Scratch& s, int v, int L, int n, int64_t pos0, vi qp, v
   for (int j = 0; j < n; ++j) {
     vf sc = loadf(sp + j * L);
     if (cap > 0.0f) sc = vsoftcap(sc, cap);
+    if constexpr (Base2) sc *= kLog2e;
     if (masked) {
       const vi pos = splati(static_cast<int32_t>(pos0 + j));
       sc = (pos <= qp) & (pos >= ql) ? sc : neg_inf;
@@ -513,12 +583,14 @@ inline void softmax_rows(Scratch& s, int v, int L, int n, int64_t pos0, vi qp, v
     mx = vmax(mx, sc);
   }
   const vf m_old = loadf(s.m + v * kLanes);
-  const vf m_new = vmax(m_old, mx);
-  const vf alpha = m_old == neg_inf ? splat(0.0f) : vexp(m_old - m_new);
+  const vf m_new = vmax(m_old, Base2 ? vceil(mx) : mx);
+  const vf alpha = m_old == neg_inf ? splat(0.0f)
+                   : Base2          ? vpow2(m_old - m_new)
+                                    : vexp(m_old - m_new);
   vf sum = splat(0.0f);
   for (int j = 0; j < n; ++j) {
     const vf sc = loadf(sp + j * L);
-    vf p = vexp(sc - m_new);
+    vf p = Base2 ? vexp2_rel(sc, m_new) : vexp(sc - m_new);
     if (masked) p = sc == neg_inf ? splat(0.0f) : p;
     storef(sp + j * L, p);
     sum += p;
@@ -538,7 +610,8 @@ void row_tile(Scratch& s, int v0, const float* const* krows, const float* const*
   constexpr int L = RV * kLanes;
   for (int j = 0; j < n; j += kTileCols)
     qk_tile<NV, kTileCols>(s.qt + v0 * kLanes, L, krows + j, d, s.sp + j * L + v0 * kLanes);
-  for (int v = v0; v < v0 + NV; ++v) softmax_rows(s, v, L, n, pos0, qp[v], ql[v], cap, masked);
+  for (int v = v0; v < v0 + NV; ++v)
+    softmax_rows<false>(s, v, L, n, pos0, qp[v], ql[v], cap, masked);
   for (int c = 0; c < d; c += kTileCols)
     pv_tile<NV, kTileCols>(s.acc + c * L + v0 * kLanes, s.alpha + v0 * kLanes,
                            s.sp + v0 * kLanes, L, vrows, n, c);
@@ -553,7 +626,7 @@ void row_tile_dots(Scratch& s, int v0, const at::BFloat16* const* krows, int n, 
   for (int j = 0; j < n; j += kTileCols)
     qk_tile_dots<NV, kTileCols>(s.qtb + v0 * kLanes, L, krows + j, d, s.sp + j * L + v0 * kLanes);
   for (int v = v0; v < v0 + NV; ++v) {
-    softmax_rows(s, v, L, n, pos0, qp[v], ql[v], cap, masked);
+    softmax_rows<true>(s, v, L, n, pos0, qp[v], ql[v], cap, masked);
     pack_probs(s.pb, s.sp, L, v, n);
   }
   for (int c = 0; c < d; c += kTileCols)
@@ -787,23 +860,37 @@ void heads_scores(Scratch& s, int kvh, int G, int d, const T* kp, const T* vp,
 
 // Row r's n scores (padded to whole vectors) soft-capped and turned into probabilities in
 // place, keys outside [a, b) masked (a zero probability); the row's m and l into s.
-inline void row_softmax(Scratch& s, int r, int n, int a, int b, float cap, float* sc) {
+// dots (a call with bfloat16 products): the base-2 softmax of the row-tiled items' dot
+// products, its probabilities stored rounded to bfloat16 (P @ V then multiplies what those
+// items' bfloat16 pairs hold; l sums them unrounded, as there).
+inline void row_softmax(Scratch& s, int r, int n, int a, int b, float cap, bool dots,
+                        float* sc) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int nv = (n + kLanes - 1) / kLanes;
   float* row = sc + r * kScoreStride;
-  if (cap > 0.0f)
-    for (int v = 0; v < nv; ++v) storef(row + v * kLanes, vsoftcap(loadf(row + v * kLanes), cap));
+  if (cap > 0.0f || dots)
+    for (int v = 0; v < nv; ++v) {
+      const vf x = loadf(row + v * kLanes);
+      const vf capped = cap > 0.0f ? vsoftcap(x, cap) : x;
+      storef(row + v * kLanes, dots ? capped * kLog2e : capped);
+    }
   for (int j = 0; j < std::min(a, n); ++j) row[j] = neg_inf;
   for (int j = std::max(b, 0); j < nv * kLanes; ++j) row[j] = neg_inf;  // and the padding
   vf mx = splat(neg_inf);
   for (int v = 0; v < nv; ++v) mx = vmax(mx, loadf(row + v * kLanes));
-  const float m = hmax(mx);
+  const float m = dots ? std::ceil(hmax(mx)) : hmax(mx);
   vf sum = splat(0.0f);
   for (int v = 0; v < nv; ++v) {
     const vf x = loadf(row + v * kLanes);
-    const vf p = x == neg_inf ? splat(0.0f) : vexp(x - m);
-    storef(row + v * kLanes, p);
-    sum += p;
+    if (dots) {
+      const vf p = x == neg_inf ? splat(0.0f) : vexp2_rel(x, splat(m));
+      storef(row + v * kLanes, round_bf16(p));
+      sum += p;
+    } else {
+      const vf p = x == neg_inf ? splat(0.0f) : vexp(x - m);
+      storef(row + v * kLanes, p);
+      sum += p;
+    }
   }
   s.m[r] = m;
   s.l[r] = hsum(sum);
@@ -848,7 +935,7 @@ inline void pv_rows(float* acc, int d, const float* p, const T* const* vr, int64
 // the chunk, p = (r % G) / group its position (seen null: one position seeing every key).
 template <typename T>
 void attend_heads(Scratch& s, int kvh, int G, int group, int d, const T* kp, const T* vp,
-                  const int64_t* slots, int n, const int32_t* seen, float cap) {
+                  const int64_t* slots, int n, const int32_t* seen, float cap, bool dots) {
   const int R = kvh * G;
   float* sc = s.scores;  // [R][kScoreStride]
   std::memset(s.acc, 0, sizeof(float) * R * d);
@@ -862,7 +949,7 @@ void attend_heads(Scratch& s, int kvh, int G, int group, int d, const T* kp, con
   heads_scores<T>(s, kvh, G, d, kp, vp, slots, n, sc);
   for (int r = 0; r < R; ++r) {
     const int p = (r % G) / group;
-    row_softmax(s, r, n, seen ? seen[2 * p] : 0, seen ? seen[2 * p + 1] : n, cap, sc);
+    row_softmax(s, r, n, seen ? seen[2 * p] : 0, seen ? seen[2 * p + 1] : n, cap, dots, sc);
   }
   const int64_t width = int64_t(kvh) * d;
   for (int j0 = 0; j0 < n; j0 += kTile) {
@@ -962,18 +1049,20 @@ void extend_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
   const TKV* vp = v_pool.data_ptr<TKV>();
   TQ* op = out.data_ptr<TQ>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  const float qscale = static_cast<float>(scale), fcap = static_cast<float>(cap);
+  const bool round_q = with_dots<TKV>(dots);
   for_each_item(static_cast<int64_t>(items.size()), [&](int64_t idx) {
     const Item it = items[idx];
     const int R = static_cast<int>((it.t1 - it.t0) * G);
     const int64_t start = starts[it.seq], prefix = prefix_lens[it.seq];
     Scratch& s = scratch(static_cast<int>(d));
     for (int r = 0; r < R; ++r) s.qpos[r] = static_cast<int32_t>(prefix + it.t0 + r / G);
-    load_rows<TQ>(s, R, d, static_cast<float>(scale), [&](int r) {
+    load_rows<TQ>(s, R, d, qscale, round_q, [&](int r) {
       return qp + (start + it.t0 + r / G) * qs0 + (it.head * G + r % G) * qs1;
     });
     Keys keys{slots[it.seq].template data_ptr<int64_t>(), 0, prefix + it.t1, 0};
     attend_rows<TKV>(s, R, d, kp + it.head * d, vp + it.head * d, kvh * d, keys,
-                     static_cast<int32_t>(window), static_cast<float>(cap), dots);
+                     static_cast<int32_t>(window), fcap, dots);
     for (int r = 0; r < R; ++r) {
       const float inv = s.l[r] > 0.0f ? 1.0f / s.l[r] : 0.0f;
       TQ* o = op + ((start + it.t0 + r / G) * H + it.head * G + r % G) * d;
@@ -1096,6 +1185,11 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
   const TKV* vp = v_pool.data_ptr<TKV>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const int64_t* shared = Ls ? shared_slots.data_ptr<int64_t>() : nullptr;
+  const float qscale = static_cast<float>(scale), fcap = static_cast<float>(cap);
+  // bfloat16 products: the base-2 softmax everywhere, and the own-key items of small GQA
+  // groups (float32 FMAs, keys in lanes) take the queries and probabilities rounded as the
+  // row-tiled items' pairs hold them, so a key's products are the same on every path
+  const bool dots_on = with_dots<TKV>(dots);
   for_each_item(static_cast<int64_t>(items.size()), [&](int64_t idx) {
     const Item it = items[idx];
     const int R = static_cast<int>(it.rows);
@@ -1108,14 +1202,14 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
         seen[2 * m] = static_cast<int32_t>(std::max<int64_t>(first - it.k0, 0));
         seen[2 * m + 1] = static_cast<int32_t>(std::min(hi[b0 + m], it.k1) - it.k0);
       }
-      load_rows<TQ>(s, R, d, static_cast<float>(scale), [&](int r) {
+      load_rows<TQ>(s, R, d, qscale, dots_on, [&](int r) {
         const int64_t h = r / (M * G), m = r / G % M, g = r % G;
         return qp + (b0 + m) * qs0 + (h * G + g) * qs1;
       });
       attend_heads<TKV>(s, static_cast<int>(kvh), static_cast<int>(M * G), static_cast<int>(G),
                         static_cast<int>(d), kp, vp, own + (b0 + M - 1) * own_len + it.k0,
-                        static_cast<int>(it.k1 - it.k0), M > 1 ? seen : nullptr,
-                        static_cast<float>(cap));
+                        static_cast<int>(it.k1 - it.k0), M > 1 ? seen : nullptr, fcap,
+                        dots_on);
     } else {
       // row r of the item: shared items' flat row it.row0 + r = sequence b, group head g;
       // own items' row r = group head r % G of the group's sequence r / G
@@ -1124,7 +1218,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
         const int64_t b = (row0 + r) / G;
         s.qpos[r] = static_cast<int32_t>(Ls + hi[b] - 1);
       }
-      load_rows<TQ>(s, R, d, static_cast<float>(scale), [&](int r) {
+      load_rows<TQ>(s, R, d, qscale, dots_on, [&](int r) {
         const int64_t b = (row0 + r) / G, g = (row0 + r) % G;
         return qp + b * qs0 + (it.head * G + g) * qs1;
       });
@@ -1133,7 +1227,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
                             : Keys{own + (group_first[it.row0 + 1] - 1) * own_len, it.k0,
                                    it.k1, Ls};
       attend_rows<TKV>(s, R, d, kp + it.head * d, vp + it.head * d, kvh * d, keys,
-                       static_cast<int32_t>(window), static_cast<float>(cap), dots);
+                       static_cast<int32_t>(window), fcap, dots);
     }
     float* part = pp + it.part;
     for (int r = 0; r < R; ++r) {
@@ -1171,7 +1265,9 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
         std::fill(o.begin(), o.end(), 0.0f);
         for (const float* part : rows) {
           if (part[0] == neg_inf) continue;
-          const float w = std::exp(part[0] - M);
+          // whole maxima under bfloat16 products (the base-2 softmax)
+          const float w = dots_on ? std::ldexp(1.0f, static_cast<int>(part[0] - M))
+                                : std::exp(part[0] - M);
           Lsum += part[1] * w;
           for (int64_t c = 0; c < d; ++c) o[c] += part[2 + c] * w;
         }

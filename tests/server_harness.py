@@ -43,10 +43,20 @@ DEFAULT_MODEL_FLAGS = (*_DEFAULT_MODEL_COMMON, "--max-total-tokens", "8192",
                        "--max-running-requests", "8")
 # The float32 server computes exactly what the file holds, for the tests that compare tokens
 # across cache hits, batches and streams: on the torch backend the exact block kernels (`auto`
-# takes int8 activations on AVX512-VNNI CPUs); the JAX backend (SGL_TPU_TEST_BACKEND=jax) has
-# dense weights only.
-_EXACT_WEIGHTS = (() if os.environ.get("SGL_TPU_TEST_BACKEND") == "jax"
-                  else ("--quantization", "gguf"))
+# takes int8 activations on AVX512-VNNI CPUs) and, where the compiled attention is built,
+# float32 attention products (`auto` multiplies bfloat16 pairs on AVX512-BF16 CPUs, whose
+# rounding turns the float32 summation order of two paths into differences of 1e-3); the JAX
+# backend (SGL_TPU_TEST_BACKEND=jax) has dense weights only.
+def _exact_weights() -> tuple[str, ...]:
+    if os.environ.get("SGL_TPU_TEST_BACKEND") == "jax":
+        return ()
+    from sgl_tpu.backends.torch.kernels import cpu_extension
+
+    fused = ("--attention-backend", "torch-cpu-fused") if cpu_extension.load() else ()
+    return ("--quantization", "gguf", *fused)
+
+
+_EXACT_WEIGHTS = _exact_weights()
 DEFAULT_MODEL_F32_FLAGS = (*_DEFAULT_MODEL_COMMON, "--max-total-tokens", "16384",
                            "--max-running-requests", "16", "--dtype", "float32",
                            *_EXACT_WEIGHTS, "--served-model-name", SERVED_F32)

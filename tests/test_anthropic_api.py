@@ -33,8 +33,9 @@ GREEDY = {"extra_body": {"temperature": 0}}
 
 
 @pytest.fixture(scope="module")
-def server(default_model_server):
-    return default_model_server
+def server(default_model_server_f32):
+    # the float32 server: tests here compare tokens across cache hits and streams
+    return default_model_server_f32
 
 
 @pytest.fixture(scope="module")

@@ -395,30 +395,35 @@ def test_bfloat16_products_round_only_queries_and_probabilities():
 
 @pytest.mark.parametrize("dots", [True, False], ids=["dots", "f32"])
 def test_a_query_gets_the_same_attention_on_every_path(dots):
-    """One query over one context by three paths: a DECODE row whose keys are all its own
-    (keys in vector lanes), a DECODE row whose context is a shared prefix (row-tiled items)
-    plus own keys, and the last row of an EXTEND. With bfloat16 products every path rounds the
-    same queries and the same probabilities (a base-2 softmax with whole maxima: a key's
-    probability has the same significand whatever max it was taken against), so the paths
-    differ by float32 summation order only, as float32 products do; the largest V is 4."""
+    """Queries over one context by three paths: a DECODE row whose keys are all its own (keys
+    in vector lanes), a DECODE row whose context is a shared prefix (row-tiled items) plus own
+    keys, and the last row of an EXTEND. With bfloat16 products every path takes each score
+    as the same chain of pair products, and a base-2 softmax with whole maxima gives a key's
+    probability the same significand whatever max it was taken against, so every probability
+    rounds to bfloat16 alike and the paths differ by float32 summation order only, as float32
+    products do. (A probability rounded differently on two paths moves an output by about
+    1e-3 of |V|: over 48 queries some would.)"""
     ext = cpu_extension.load()
     kvh, group, d, n, split = 3, 3, 64, 700, 512
     g = torch.Generator().manual_seed(11)
     k = torch.randn(2048, kvh, d, generator=g).bfloat16()
-    v = torch.randn(2048, kvh, d, generator=g).clamp(-4, 4).bfloat16()
+    v = torch.randn(2048, kvh, d, generator=g).bfloat16()
     slots = torch.randperm(2048, generator=g)[:n].contiguous()
-    q = 3 * torch.randn(1, kvh * group, d, generator=g)
     scale, zero = d ** -0.5, torch.zeros(1, dtype=torch.int64)
-    own_only = ext.decode(q, k, v, torch.zeros(0, dtype=torch.int64), slots[None].clone(), zero,
-                          torch.tensor([n]), scale, 0, 0.0, dots)
     own = slots[split:].repeat(2, 1)  # two rows share the prefix; the second sees one own key
-    shared = ext.decode(q.repeat(2, 1, 1), k, v, slots[:split].contiguous(), own,
-                        torch.zeros(2, dtype=torch.int64), torch.tensor([n - split, 1]), scale,
-                        0, 0.0, dots)[:1]
-    qe = torch.cat([torch.randn(4, kvh * group, d, generator=g), q])
-    extend = ext.extend(qe, k, v, [slots], [0], [5], [n - 5], scale, 0, 0.0, dots)[-1:]
-    for a, b in [(own_only, shared), (own_only, extend), (shared, extend)]:
-        assert (a - b).abs().max() < 2e-5
+    worst = 0.0
+    for _ in range(48):
+        q = 3 * torch.randn(1, kvh * group, d, generator=g)
+        own_only = ext.decode(q, k, v, torch.zeros(0, dtype=torch.int64), slots[None].clone(),
+                              zero, torch.tensor([n]), scale, 0, 0.0, dots)
+        shared = ext.decode(q.repeat(2, 1, 1), k, v, slots[:split].contiguous(), own,
+                            torch.zeros(2, dtype=torch.int64), torch.tensor([n - split, 1]),
+                            scale, 0, 0.0, dots)[:1]
+        qe = torch.cat([torch.randn(4, kvh * group, d, generator=g), q])
+        extend = ext.extend(qe, k, v, [slots], [0], [5], [n - 5], scale, 0, 0.0, dots)[-1:]
+        for a, b in [(own_only, shared), (own_only, extend), (shared, extend)]:
+            worst = max(worst, float((a - b).abs().max()))
+    assert worst < 2e-5
     if dots and ext.bf16_dots:  # the bfloat16 path is the one taken
         f32 = ext.extend(qe, k, v, [slots], [0], [5], [n - 5], scale, 0, 0.0, False)[-1:]
         assert (f32 - extend).abs().max() > 1e-4
@@ -435,7 +440,9 @@ def test_refuses_mixed_dtypes_other_than_float32_over_bfloat16():
 
 
 def test_auto_picks_fused_on_cpu_and_falls_back_when_missing(monkeypatch, caplog):
-    assert resolve_attention_backend("auto", "torch", "cpu") == "torch-cpu-fused"
+    bf16 = cpu_extension.load().bf16_dots  # an AVX512-BF16 build: bfloat16 products
+    want = "torch-cpu-fused-bf16" if bf16 else "torch-cpu-fused"
+    assert resolve_attention_backend("auto", "torch", "cpu") == want
     assert resolve_attention_backend("auto", "torch", "cuda") == "torch-sdpa"
     monkeypatch.setattr(cpu_extension, "_load", lambda: (None, "not built (test)"))
     with caplog.at_level(logging.WARNING):

@@ -176,8 +176,10 @@ def test_narrower_pool_of_a_float32_model(tmp_path, kv):
 @pytest.mark.slow
 def test_default_model_greedy_tokens_with_a_bfloat16_pool():
     """SmolLM2 in float32 on the GGUF's blocks (the exact kernels: int8 activations, `auto` on
-    AVX512-VNNI CPUs, would round more than the pool does), fused kernels: greedy tokens of two
-    sequences decoded in one batch, float32 pool vs bfloat16 pool, identical."""
+    AVX512-VNNI CPUs, would round more than the pool does), fused kernels with float32 products
+    (`auto` takes bfloat16 products over a bfloat16 pool on AVX512-BF16 CPUs, which round
+    queries and probabilities too): greedy tokens of two sequences decoded in one batch,
+    float32 pool vs bfloat16 pool, identical."""
     loaded = load_model(None)
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, loaded.config.vocab_size, n).tolist() for n in (37, 21)]
@@ -185,7 +187,8 @@ def test_default_model_greedy_tokens_with_a_bfloat16_pool():
     for kv in ("auto", "bfloat16"):
         args = ServerArgs(skip_warmup=True, backend="torch", dtype="float32", kv_cache_dtype=kv,
                           quantization="gguf", page_size=16, max_total_tokens=2048,
-                          max_running_requests=4)
+                          max_running_requests=4,
+                          attention_backend="torch-cpu-fused" if FUSED else "auto")
         runner = create_model_runner(loaded.config, loaded.params, runner_config(args, 2048))
         pages = [np.arange(1 + 8 * i, 9 + 8 * i) for i in range(2)]
         mk = lambda ids, prefix, pg: SeqStep(  # noqa: E731

@@ -858,6 +858,93 @@ void heads_scores(Scratch& s, int kvh, int G, int d, const T* kp, const T* vp,
     for (int j = n; j < padded; ++j) sc[r * kScoreStride + j] = 0.0f;
 }
 
+#if defined(__AVX512BF16__)
+// rows r[0 .. 16) of 16 32-bit words -> r[c] = column c: 32-bit and 64-bit unpacks within
+// 128-bit lanes, then two rounds of lane shuffles
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    t[k] = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88);
+    t[4 + k] = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xdd);
+    t[8 + k] = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88);
+    t[12 + k] = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xdd);
+  }
+  for (int k = 0; k < 4; ++k) {
+    r[k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88);
+    r[8 + k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0xdd);
+    r[4 + k] = _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0x88);
+    r[12 + k] = _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0xdd);
+  }
+}
+
+// heads_scores under bfloat16 products: each score exactly as the row-tiled items take it (one
+// chain of `vdpbf16ps` over the query's dim pairs, from zero, in order: qk_tile_dots), so a
+// key's score, and with it its probability, has the same bits on every path. Keys in lanes:
+// per 16 keys and KV head, the keys' K rows (dim pairs as the pool holds them) are transposed
+// to [pair][key] once for all the head's query rows. s.qr holds the queries, already rounded
+// to bfloat16.
+inline void heads_scores_dots(Scratch& s, int kvh, int G, int d, const at::BFloat16* kp,
+                              const at::BFloat16* vp, const int64_t* slots, int n, float* sc) {
+  const int64_t width = int64_t(kvh) * d;
+  const int np = d / 2, R = kvh * G;
+  uint32_t* qpairs = s.qtb;  // [R][np]
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < np; ++t)
+      qpairs[r * np + t] = static_cast<uint32_t>(at::BFloat16(s.qr[r * d + 2 * t]).x) |
+                           static_cast<uint32_t>(at::BFloat16(s.qr[r * d + 2 * t + 1]).x) << 16;
+  uint32_t* kt = reinterpret_cast<uint32_t*>(s.key_block(width));  // [np][16], 8d words
+  auto touch = [&](int j) {
+    touch_row(kp + slots[j] * width, width);
+    touch_row(vp + slots[j] * width, width);
+  };
+  for (int j = 0; j < std::min(n, kAhead); ++j) touch(j);
+  for (int j = 0; j < n; j += 16) {
+    const int m = std::min(16, n - j);
+    for (int k = j + kAhead; k < std::min(n, j + kAhead + 16); ++k) touch(k);
+    const at::BFloat16* src[16];  // keys past n repeat the last one (their scores are padding)
+    for (int k = 0; k < 16; ++k) src[k] = kp + slots[j + std::min(k, m - 1)] * width;
+    for (int h = 0; h < kvh; ++h) {
+      for (int b = 0; b < np; b += 16) {
+        const __mmask16 words = static_cast<__mmask16>((1u << std::min(16, np - b)) - 1);
+        __m512i rows[16];
+        for (int k = 0; k < 16; ++k)
+          rows[k] = _mm512_maskz_loadu_epi32(words, src[k] + h * d + 2 * b);
+        transpose16(rows);
+        for (int t = 0; t < std::min(16, np - b); ++t)
+          _mm512_storeu_si512(kt + (b + t) * 16, rows[t]);
+      }
+      // the head's rows, 4 at a time against each loaded pair vector
+      for (int r0 = h * G; r0 < (h + 1) * G; r0 += 4) {
+        const int nr = std::min(4, (h + 1) * G - r0);
+        __m512 acc[4];
+        for (int i = 0; i < 4; ++i) acc[i] = _mm512_setzero_ps();
+        for (int t = 0; t < np; ++t) {
+          const __m512bh kv = as_bh(_mm512_loadu_si512(kt + t * 16));
+          for (int i = 0; i < nr; ++i)
+            acc[i] = _mm512_dpbf16_ps(
+                acc[i], as_bh(_mm512_set1_epi32(static_cast<int>(qpairs[(r0 + i) * np + t]))),
+                kv);
+        }
+        for (int i = 0; i < nr; ++i) _mm512_storeu_ps(sc + (r0 + i) * kScoreStride + j, acc[i]);
+      }
+    }
+  }
+  const int padded = (n + kLanes - 1) / kLanes * kLanes;
+  for (int r = 0; r < R; ++r)
+    for (int j = n; j < padded; ++j) sc[r * kScoreStride + j] = 0.0f;
+}
+#endif
+
 // Row r's n scores (padded to whole vectors) soft-capped and turned into probabilities in
 // place, keys outside [a, b) masked (a zero probability); the row's m and l into s.
 // dots (a call with bfloat16 products): the base-2 softmax of the row-tiled items' dot
@@ -946,7 +1033,16 @@ void attend_heads(Scratch& s, int kvh, int G, int group, int d, const T* kp, con
     }
     return;
   }
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (dots) heads_scores_dots(s, kvh, G, d, kp, vp, slots, n, sc);
+    else heads_scores<T>(s, kvh, G, d, kp, vp, slots, n, sc);
+  } else {
+    heads_scores<T>(s, kvh, G, d, kp, vp, slots, n, sc);
+  }
+#else
   heads_scores<T>(s, kvh, G, d, kp, vp, slots, n, sc);
+#endif
   for (int r = 0; r < R; ++r) {
     const int p = (r % G) / group;
     row_softmax(s, r, n, seen ? seen[2 * p] : 0, seen ? seen[2 * p + 1] : n, cap, dots, sc);

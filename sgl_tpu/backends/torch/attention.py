@@ -90,17 +90,20 @@ def invariant() -> AttentionBackend:
 
 
 def default_attention(device_type: str | None) -> str:
-    """`auto`: `torch-cpu-fused` on a CPU (None: a CPU) when its compiled module loads, else
-    `torch-sdpa` (with one log line saying why); `torch-sdpa` on other devices."""
+    """`auto`: on a CPU (None: a CPU) the compiled kernel when its module loads,
+    `torch-cpu-fused-bf16` where the build has AVX512-BF16 (bfloat16 products over a bfloat16
+    KV cache, float32 ones over other pools), else `torch-cpu-fused`; `torch-sdpa` when the
+    module is missing (with one log line saying why) and on other devices."""
     if device_type not in (None, "cpu"):
         return "torch-sdpa"
     from sgl_tpu.backends.torch.kernels import cpu_extension
 
-    if cpu_extension.load() is None:
+    ext = cpu_extension.load()
+    if ext is None:
         logger.warning("attention_backend auto: torch-sdpa, not torch-cpu-fused (%s)",
                        cpu_extension.why_unavailable())
         return "torch-sdpa"
-    return "torch-cpu-fused"
+    return "torch-cpu-fused-bf16" if ext.bf16_dots else "torch-cpu-fused"
 
 
 def check_attention(name: str, device_type: str | None) -> None:

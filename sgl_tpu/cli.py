@@ -92,8 +92,9 @@ _HELP = {
                          "torch-sdpa, torch-cpu-fused (compiled CPU kernel, built by make "
                          "install), torch-cpu-fused-bf16 (the same, bfloat16 products over "
                          "a bfloat16 KV cache on AVX512-BF16 CPUs) for torch; auto (pallas "
-                         "on TPU, gathered on GPU, ref elsewhere; torch-cpu-fused on CPU "
-                         "when built, else torch-sdpa); ref-invariant / torch-invariant: the "
+                         "on TPU, gathered on GPU, ref elsewhere; on CPU torch-cpu-fused-bf16 "
+                         "where the build has AVX512-BF16, else torch-cpu-fused, when built, "
+                         "else torch-sdpa); ref-invariant / torch-invariant: the "
                          "batch-invariant kernels of --enable-deterministic-inference",
     "session_retention_s": "seconds a finished request with a session_id keeps its KV at "
                            "eviction priority for the agent's next turn (0 disables); "

@@ -36,7 +36,10 @@
 //
 // Accumulation is float32 (scores, softmax, P @ V); products are float32 too, except over a
 // bfloat16 pool in an AVX512-BF16 build when the caller asks for bf16_dots: the row-tiled items
-// then multiply bfloat16 pairs (`vdpbf16ps`; see "bfloat16 dot products" below). q and out (TQ)
+// then multiply bfloat16 pairs (`vdpbf16ps`; see "bfloat16 dot products" below), the own-key
+// items take each score as the same chain of pair products (heads_scores_dots) and the
+// softmax runs in base 2 with whole maxima, so every path gives a key the same score and
+// probability bits (see vexp2_rel). q and out (TQ)
 // float32 or bfloat16, the pools (TKV) of q's dtype, or bfloat16 under float32 q (a bfloat16 KV
 // cache of a float32 model), or fp8 e5m2 under either (`--kv-cache-dtype fp8_e5m2`: a quarter
 // of float32's bytes).
@@ -1283,8 +1286,9 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
   const int64_t* shared = Ls ? shared_slots.data_ptr<int64_t>() : nullptr;
   const float qscale = static_cast<float>(scale), fcap = static_cast<float>(cap);
   // bfloat16 products: the base-2 softmax everywhere, and the own-key items of small GQA
-  // groups (float32 FMAs, keys in lanes) take the queries and probabilities rounded as the
-  // row-tiled items' pairs hold them, so a key's products are the same on every path
+  // groups (keys in lanes) take each score as the row tiles' chain of pair products and
+  // multiply V by the probabilities rounded as those tiles' pairs hold them, so a key's score
+  // and probability have the same bits on every path
   const bool dots_on = with_dots<TKV>(dots);
   for_each_item(static_cast<int64_t>(items.size()), [&](int64_t idx) {
     const Item it = items[idx];

@@ -150,15 +150,8 @@ inline void store16(at::BFloat16* p, vf v) {  // round to nearest even
 
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 
-// exp(x), Cephes' expf polynomial (relative error ~2e-7); x <= -87 gives ~1e-38, not 0:
-// callers zero masked lanes themselves.
-inline vf vexp(vf x) {
-  x = x > 88.0f ? splat(88.0f) : x;
-  x = x < -87.0f ? splat(-87.0f) : x;
-  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  vf n = (x * 1.44269504088896341f + magic) - magic;
-  vf r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
+// e^r for |r| <= ln(2) / 2: Cephes' expf polynomial (relative error ~2e-7)
+inline vf exp_poly(vf r) {
   vf p = splat(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
@@ -166,10 +159,22 @@ inline vf vexp(vf x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
+  return p;
+}
+
+// exp(x), Cephes' expf (exp_poly); x <= -87 gives ~1e-38, not 0: callers zero masked lanes
+// themselves.
+inline vf vexp(vf x) {
+  x = x > 88.0f ? splat(88.0f) : x;
+  x = x < -87.0f ? splat(-87.0f) : x;
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  vf n = (x * 1.44269504088896341f + magic) - magic;
+  vf r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
   vi e = (__builtin_convertvector(n, vi) + 127) << 23;
   vf s;
   std::memcpy(&s, &e, sizeof s);
-  return p * s;
+  return exp_poly(r) * s;
 }
 
 // Under bfloat16 products (with_dots, below), softmax in base 2 with whole-numbered maxima
@@ -207,17 +212,9 @@ inline vf vpow2(vf e) {
 inline vf vexp2_rel(vf t, vf m) {
   t = t < m - 127.0f ? m - 127.0f : t;  // 0 once scaled (vpow2)
   const vf n = vfloor(t);
-  // 2^f, f = t - n in [0, 1): e^r * sqrt(2) with r = (f - 1/2) ln 2, |r| <= ln(2) / 2 (Cephes'
-  // expf polynomial)
+  // 2^f, f = t - n in [0, 1): e^r * sqrt(2) with r = (f - 1/2) ln 2, |r| <= ln(2) / 2
   const vf r = ((t - n) - 0.5f) * 0.693147180559945309f;
-  vf p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  return p * 1.41421356237309505f * vpow2(n - m);
+  return exp_poly(r) * 1.41421356237309505f * vpow2(n - m);
 }
 
 // x rounded to the nearest bfloat16 (even on a tie), as float32; x finite
@@ -822,19 +819,37 @@ inline float hmax(vf v) {
 
 // sc[r][j] = q[r] . K[slots[j]][r / G] for j < n (queries in s.qr, scaled), then lanes up to
 // the next whole vector set to 0. A pool row holds the kvh heads: width = kvh * d.
+// The K and V pool rows (all heads: width values) of keys slots[0 .. n) touched kAhead keys
+// ahead of a walk over them in blocks: first() before the walk, block(j, len) at each block
+template <typename T>
+struct TouchAhead {
+  const T *kp, *vp;
+  const int64_t* slots;
+  int64_t width;
+  int n;
+
+  void key(int j) const {
+    touch_row(kp + slots[j] * width, width);
+    touch_row(vp + slots[j] * width, width);
+  }
+  void first() const {
+    for (int j = 0; j < std::min(n, kAhead); ++j) key(j);
+  }
+  void block(int j, int len) const {
+    for (int k = j + kAhead; k < std::min(n, j + kAhead + len); ++k) key(k);
+  }
+};
+
 template <typename T>
 void heads_scores(Scratch& s, int kvh, int G, int d, const T* kp, const T* vp,
                   const int64_t* slots, int n, float* sc) {
   const int64_t width = int64_t(kvh) * d;
   float* kbuf = std::is_same_v<T, float> ? nullptr : s.key_block(width);
-  auto touch = [&](int j) {
-    touch_row(kp + slots[j] * width, width);
-    touch_row(vp + slots[j] * width, width);
-  };
-  for (int j = 0; j < std::min(n, kAhead); ++j) touch(j);
+  const TouchAhead<T> ahead{kp, vp, slots, width, n};
+  ahead.first();
   for (int j = 0; j < n; j += 8) {
     const int m = std::min(8, n - j);
-    for (int k = j + kAhead; k < std::min(n, j + kAhead + 8); ++k) touch(k);
+    ahead.block(j, 8);
     const T* src[8];  // keys past n repeat the last one (their scores are overwritten)
     for (int k = 0; k < 8; ++k) src[k] = kp + slots[j + std::min(k, m - 1)] * width;
     // the rows as float32, widened once for the G query rows of each head that read them
@@ -906,14 +921,11 @@ inline void heads_scores_dots(Scratch& s, int kvh, int G, int d, const at::BFloa
       qpairs[r * np + t] = static_cast<uint32_t>(at::BFloat16(s.qr[r * d + 2 * t]).x) |
                            static_cast<uint32_t>(at::BFloat16(s.qr[r * d + 2 * t + 1]).x) << 16;
   uint32_t* kt = reinterpret_cast<uint32_t*>(s.key_block(width));  // [np][16], 8d words
-  auto touch = [&](int j) {
-    touch_row(kp + slots[j] * width, width);
-    touch_row(vp + slots[j] * width, width);
-  };
-  for (int j = 0; j < std::min(n, kAhead); ++j) touch(j);
+  const TouchAhead<at::BFloat16> ahead{kp, vp, slots, width, n};
+  ahead.first();
   for (int j = 0; j < n; j += 16) {
     const int m = std::min(16, n - j);
-    for (int k = j + kAhead; k < std::min(n, j + kAhead + 16); ++k) touch(k);
+    ahead.block(j, 16);
     const at::BFloat16* src[16];  // keys past n repeat the last one (their scores are padding)
     for (int k = 0; k < 16; ++k) src[k] = kp + slots[j + std::min(k, m - 1)] * width;
     for (int h = 0; h < kvh; ++h) {

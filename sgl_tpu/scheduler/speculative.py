@@ -50,7 +50,8 @@ Whether to draft is decided at two levels:
 
 * per request and step (`choose_num_draft`): a verify row costs a fraction `row_cost_at(batch)`
   of a sequence's share of the step, so a draft of k tokens pays off only while the expected
-  number of kept tokens, from the request's running acceptance rate, beats k * row_cost.
+  number of kept tokens, from the request's running acceptance rate, beats k * row_cost. A
+  new request's rate starts at the server's running rate over all verifies.
 """
 
 from __future__ import annotations
@@ -98,10 +99,14 @@ GATE_FIRST_INTERVAL = 24
 GATE_MAX_INTERVAL = 2048
 GATE_MARGIN = 0.1
 GATE_EMA = 0.1
-# A new request's assumed per-token acceptance rate: near what the agent-loop workloads
-# measured (react 71%, tool-json 83%), so that drafting is tried even in larger batches.
+# The per-token acceptance rate assumed before any verify: near what the agent-loop workloads
+# measured (react 71%, tool-json 83%), so that drafting is tried even in larger batches. A new
+# request starts from the server's running rate over all verifies (weight ACCEPT_SERVER_EMA
+# per verify), which begins here: the next turn of an agent whose drafts were all accepted
+# drafts its longest from its first step instead of ramping up from the prior again.
 ACCEPT_PRIOR = 0.7
 ACCEPT_EMA = 0.3  # weight of the latest verify in the running acceptance rate
+ACCEPT_SERVER_EMA = 0.05
 # While a request does not draft (low acceptance), its rate drifts back to the prior by this
 # fraction per step, so it is tried again later (what an agent copies changes within a turn).
 ACCEPT_RECOVERY = 0.05
@@ -373,6 +378,7 @@ class Speculator:
         # acceptance prior pays for would let no request draft, so neither the gate's trials
         # nor the requests' acceptance rates would ever see a draft.
         self.step_costs: StepCosts | None = None if self.gate is not None else StepCosts()
+        self.accept_rate = ACCEPT_PRIOR  # over all requests' verifies: a new request's start
 
     def row_cost_at(self, batch: int) -> float:
         """A verify row's cost relative to a sequence's share of a `batch`-sequence step:
@@ -398,6 +404,7 @@ class Speculator:
         fit = None if self.step_costs is None else self.step_costs.line
         return {"measured_row_line_ms": None if fit is None else
                 [round(1e3 * fit[0], 3), round(1e3 * fit[1], 3)],
+                "accept_rate": round(self.accept_rate, 4),
                 "gate": None if self.gate is None else self.gate.info()}
 
     def finished(self, req: Req) -> None:
@@ -430,7 +437,7 @@ class Speculator:
             if room == 0 or not self.eligible(req):
                 continue
             if req.spec is None:
-                req.spec = SpecState()
+                req.spec = SpecState(accept_rate=self.accept_rate)
             rate = req.spec.accept_rate
             k = choose_num_draft(rate, room, row_cost)
             if k == 0:
@@ -470,10 +477,11 @@ class Speculator:
                 matcher.rollback(kept)
         return draft, masks
 
-    @staticmethod
-    def record(req: Req, num_draft: int, num_accepted: int) -> None:
-        """Fold one verify into the request's acceptance rate: num_accepted successes out of
-        num_accepted + 1 tries (one failure) or num_draft tries (all accepted)."""
+    def record(self, req: Req, num_draft: int, num_accepted: int) -> None:
+        """Fold one verify into the request's acceptance rate and the server's:
+        num_accepted successes out of num_accepted + 1 tries (one failure) or num_draft tries
+        (all accepted)."""
         tries = num_accepted + (num_accepted < num_draft)
         rate = num_accepted / tries
         req.spec.accept_rate += ACCEPT_EMA * (rate - req.spec.accept_rate)
+        self.accept_rate += ACCEPT_SERVER_EMA * (rate - self.accept_rate)

@@ -334,6 +334,28 @@ def test_scheduler_verifies_drafts_in_decode_rows_exactly():
     assert sched.memory_info()["num_pages_requests"] == 0
 
 
+def test_a_new_request_starts_from_the_servers_acceptance_rate():
+    # Rows cost 0.35 of a sequence's share: at the 0.7 prior a request's first verify drafts
+    # 2 tokens; after a's ~40 verifies kept every draft token, b's first verify drafts the
+    # most (4)
+    sched, runner = _spec_scheduler(num_pages=256)
+    sched.speculator.row_cost = 0.35
+    assert choose_num_draft(ACCEPT_PRIOR, 4, 0.35) == 2
+    first_verify_rows = []
+    for rid, base in (("a", 100), ("b", 600)):
+        prompt = list(range(base, base + 200)) + list(range(base, base + 10))
+        assert sched.add_request(request(rid, prompt, 150)) is None
+        calls = len(runner.calls)
+        out = run_all(sched)
+        assert out[rid]["ids"] == expected(prompt, 150)
+        decodes = [c for m, c in runner.calls[calls:] if m == ForwardMode.DECODE]
+        first_verify_rows.append(len(decodes[0]))
+        if rid == "a":
+            assert sched.speculator.info()["accept_rate"] > 0.9
+    assert sched.stats.spec_accepted_tokens == sched.stats.spec_draft_tokens > 0
+    assert first_verify_rows == [1 + 2, 1 + 4]
+
+
 @pytest.mark.parametrize("algorithm", ["NGRAM", "SUFFIX"])
 def test_suffix_drafts_from_other_requests_outputs(algorithm):
     # b's prompt has nothing to match in itself, but a's output (500, 501, ...) went on

@@ -314,18 +314,19 @@ def test_decode_shared_prefix_on_pages_of_16(dtype, window, cap, dots):
 @pytest.mark.parametrize("dots", [True, False], ids=["dots", "f32"])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2],
                          ids=["float32", "bf16kv", "fp8kv"])
-@pytest.mark.parametrize("kvh,group,window,cap", [(3, 3, None, None), (2, 3, 20, None),
-                                                  (3, 3, None, 2.5), (1, 8, 300, None),
-                                                  (4, 1, None, None)],
-                         ids=["g3", "g3-window", "g3-softcap", "g8-window", "mha"])
-def test_decode_verify_rows_share_their_own_keys(kvh, group, window, cap, pool_dtype, dots):
+@pytest.mark.parametrize("kvh,group,d,window,cap", [
+    (3, 3, 64, None, None), (2, 3, 64, 20, None), (3, 3, 64, None, 2.5), (1, 8, 64, 300, None),
+    (4, 1, 64, None, None), (1, 4, 64, None, None), (2, 3, 80, None, None)],
+    ids=["g3", "g3-window", "g3-softcap", "g8-window", "mha", "g4-one-kv-head", "g3-d80"])
+def test_decode_verify_rows_share_their_own_keys(kvh, group, d, window, cap, pool_dtype, dots):
     """Speculative verify rows (a request's rows, each reading its predecessor's own keys plus
     one more) read their keys once per request: runs of 5 and 50 rows (all-heads items, or
     per-head row tiles for the long run, split where an item would pass 128 rows), a lone
     row, a row whose keys start where the run's do and reach further but lie on other pages
     (not a member), all after a shared prefix; every row matches the float64 reference of
-    its own context."""
-    d, scale = 64, 0.125
+    its own context. Head dims of 64 and 80 (a partial block of dim pairs, a single-vector
+    column tail), one KV head and several."""
+    scale = 0.125
     g = torch.Generator().manual_seed(kvh * 100 + group)
     pool, slots_on_new_pages = pool_of_16_slot_pages(160, kvh, d, pool_dtype, g)
     shared = slots_on_new_pages(40)

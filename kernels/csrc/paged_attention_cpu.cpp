@@ -236,15 +236,6 @@ inline vf vexp2_rel(vf t, vf m) {
 #endif
 }
 
-// x rounded to the nearest bfloat16 (even on a tie), as float32; x finite
-inline vf round_bf16(vf x) {
-  vu u;
-  std::memcpy(&u, &x, sizeof u);
-  u = (u + (0x7fffu + ((u >> 16) & 1u))) & 0xffff0000u;
-  std::memcpy(&x, &u, sizeof x);
-  return x;
-}
-
 // cap * tanh(x / cap) (Gemma 2's attention soft-cap)
 inline vf vsoftcap(vf x, float cap) {
   vf y = x * (2.0f / cap);
@@ -932,11 +923,14 @@ inline void transpose16(__m512i r[16]) {
 // heads_scores under bfloat16 products: each score exactly as the row-tiled items take it (one
 // chain of `vdpbf16ps` over the query's dim pairs, from zero, in order: qk_tile_dots), so a
 // key's score, and with it its probability, has the same bits on every path. Keys in lanes:
-// per 16 keys and KV head, the keys' K rows (dim pairs as the pool holds them) are transposed
-// to [pair][key] once for all the head's query rows. s.qr holds the queries, already rounded
-// to bfloat16.
+// per 32 keys and KV head, the keys' K rows (dim pairs as the pool holds them) are transposed
+// to [pair][key] once for all the head's query rows, whose chains then run two vectors of 16
+// keys side by side (a row's chain is sequential: with G = 3, one vector per row left the
+// `vdpbf16ps` units waiting on its latency). s.qr holds the queries, already rounded to
+// bfloat16.
 inline void heads_scores_dots(Scratch& s, int kvh, int G, int d, const at::BFloat16* kp,
                               const at::BFloat16* vp, const int64_t* slots, int n, float* sc) {
+  constexpr int kKeys = 32;  // keys per transposed block: two vectors
   const int64_t width = int64_t(kvh) * d;
   const int np = d / 2, R = kvh * G;
   uint32_t* qpairs = s.qtb;  // [R][np]
@@ -944,37 +938,47 @@ inline void heads_scores_dots(Scratch& s, int kvh, int G, int d, const at::BFloa
     for (int t = 0; t < np; ++t)
       qpairs[r * np + t] = static_cast<uint32_t>(at::BFloat16(s.qr[r * d + 2 * t]).x) |
                            static_cast<uint32_t>(at::BFloat16(s.qr[r * d + 2 * t + 1]).x) << 16;
-  uint32_t* kt = reinterpret_cast<uint32_t*>(s.key_block(width));  // [np][16], 8d words
+  // [np][32]: 16 d words (8 * width floats hold them from 2 KV heads up)
+  uint32_t* kt = reinterpret_cast<uint32_t*>(s.key_block(std::max<int64_t>(width, 2 * d)));
   const TouchAhead<at::BFloat16> ahead{kp, vp, slots, width, n};
   ahead.first();
-  for (int j = 0; j < n; j += 16) {
-    const int m = std::min(16, n - j);
-    ahead.block(j, 16);
-    const at::BFloat16* src[16];  // keys past n repeat the last one (their scores are padding)
-    for (int k = 0; k < 16; ++k) src[k] = kp + slots[j + std::min(k, m - 1)] * width;
+  for (int j = 0; j < n; j += kKeys) {
+    const int m = std::min(kKeys, n - j);
+    ahead.block(j, kKeys);
+    // keys past n repeat the last one (their scores are padding, or past it and never read)
+    const at::BFloat16* src[kKeys];
+    for (int k = 0; k < kKeys; ++k) src[k] = kp + slots[j + std::min(k, m - 1)] * width;
     for (int h = 0; h < kvh; ++h) {
-      for (int b = 0; b < np; b += 16) {
-        const __mmask16 words = static_cast<__mmask16>((1u << std::min(16, np - b)) - 1);
-        __m512i rows[16];
-        for (int k = 0; k < 16; ++k)
-          rows[k] = _mm512_maskz_loadu_epi32(words, src[k] + h * d + 2 * b);
-        transpose16(rows);
-        for (int t = 0; t < std::min(16, np - b); ++t)
-          _mm512_storeu_si512(kt + (b + t) * 16, rows[t]);
-      }
-      // the head's rows, 4 at a time against each loaded pair vector
+      for (int half = 0; half < 2; ++half)
+        for (int b = 0; b < np; b += 16) {
+          const __mmask16 words = static_cast<__mmask16>((1u << std::min(16, np - b)) - 1);
+          __m512i rows[16];
+          for (int k = 0; k < 16; ++k)
+            rows[k] = _mm512_maskz_loadu_epi32(words, src[16 * half + k] + h * d + 2 * b);
+          transpose16(rows);
+          for (int t = 0; t < std::min(16, np - b); ++t)
+            _mm512_storeu_si512(kt + (b + t) * kKeys + 16 * half, rows[t]);
+        }
+      // the head's rows, 4 at a time against each loaded pair of key vectors
       for (int r0 = h * G; r0 < (h + 1) * G; r0 += 4) {
         const int nr = std::min(4, (h + 1) * G - r0);
-        __m512 acc[4];
-        for (int i = 0; i < 4; ++i) acc[i] = _mm512_setzero_ps();
+        __m512 acc[4][2];
+        for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
         for (int t = 0; t < np; ++t) {
-          const __m512bh kv = as_bh(_mm512_loadu_si512(kt + t * 16));
-          for (int i = 0; i < nr; ++i)
-            acc[i] = _mm512_dpbf16_ps(
-                acc[i], as_bh(_mm512_set1_epi32(static_cast<int>(qpairs[(r0 + i) * np + t]))),
-                kv);
+          __m512bh kv[2];
+          for (int u = 0; u < 2; ++u) {
+            kv[u] = as_bh(_mm512_loadu_si512(kt + t * kKeys + 16 * u));
+            in_register(kv[u]);
+          }
+          for (int i = 0; i < nr; ++i) {
+            const __m512bh q =
+                as_bh(_mm512_set1_epi32(static_cast<int>(qpairs[(r0 + i) * np + t])));
+            for (int u = 0; u < 2; ++u) acc[i][u] = _mm512_dpbf16_ps(acc[i][u], q, kv[u]);
+          }
         }
-        for (int i = 0; i < nr; ++i) _mm512_storeu_ps(sc + (r0 + i) * kScoreStride + j, acc[i]);
+        for (int i = 0; i < nr; ++i)
+          for (int u = 0; u < 2; ++u)
+            _mm512_storeu_ps(sc + (r0 + i) * kScoreStride + j + 16 * u, acc[i][u]);
       }
     }
   }
@@ -987,8 +991,10 @@ inline void heads_scores_dots(Scratch& s, int kvh, int G, int d, const at::BFloa
 // Row r's n scores (padded to whole vectors) soft-capped and turned into probabilities in
 // place, keys outside [a, b) masked (a zero probability); the row's m and l into s.
 // dots (a call with bfloat16 products): the base-2 softmax of the row-tiled items' dot
-// products, its probabilities stored rounded to bfloat16 (P @ V then multiplies what those
-// items' bfloat16 pairs hold; l sums them unrounded, as there).
+// products, its probabilities rounded to bfloat16 as those items' pairs hold them (l sums them
+// unrounded, as there) and stored in place as bfloat16: key j's in halfword j of the row, so
+// keys 2t and 2t + 1 are the 32-bit pair t that P @ V's `vdpbf16ps` takes (each vector of
+// floats is read before its halves are written, at or below it).
 inline void row_softmax(Scratch& s, int r, int n, int a, int b, float cap, bool dots,
                         float* sc) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -1010,7 +1016,7 @@ inline void row_softmax(Scratch& s, int r, int n, int a, int b, float cap, bool 
     const vf x = loadf(row + v * kLanes);
     if (dots) {
       const vf p = x == neg_inf ? splat(0.0f) : vexp2_rel(x, splat(m));
-      storef(row + v * kLanes, round_bf16(p));
+      store16(reinterpret_cast<at::BFloat16*>(row) + v * kLanes, p);
       sum += p;
     } else {
       const vf p = x == neg_inf ? splat(0.0f) : vexp(x - m);
@@ -1044,6 +1050,42 @@ inline void pv_rows_block(float* acc, int d, const float* p, const T* const* vr,
   for (int r = 0; r < NR; ++r)
     for (int u = 0; u < NC; ++u) storef(acc + (r0 + r) * d + c0 + u * kLanes, o[r][u]);
 }
+
+#if defined(__AVX512BF16__)
+// pv_rows_block under bfloat16 products: acc[r][c0 .. c0 + NC vectors) += sum_t
+// pair(P[r], t) . pair(V, t)[c0 ..] over n2 key pairs, P the rows' bfloat16 pairs (row_softmax,
+// pair p0 + t of row r at probs + r * kScoreStride floats), V the pairs of pack_values.
+template <int NR, int NC>
+inline void pv_rows_dots_block(float* acc, int d, const float* probs, int p0,
+                               const uint32_t* vpair, int n2, int r0, int c0) {
+  __m512 o[NR][NC];
+  for (int r = 0; r < NR; ++r)
+    for (int u = 0; u < NC; ++u) o[r][u] = _mm512_loadu_ps(acc + (r0 + r) * d + c0 + u * kLanes);
+  for (int t = 0; t < n2; ++t) {
+    __m512bh v[NC];
+    for (int u = 0; u < NC; ++u) {
+      v[u] = as_bh(_mm512_loadu_si512(vpair + t * d + c0 + u * kLanes));
+      in_register(v[u]);
+    }
+    for (int r = 0; r < NR; ++r) {
+      const uint32_t pair = load_u32(probs + (r0 + r) * kScoreStride + p0 + t);
+      const __m512bh b = as_bh(_mm512_set1_epi32(static_cast<int>(pair)));
+      for (int u = 0; u < NC; ++u) o[r][u] = _mm512_dpbf16_ps(o[r][u], b, v[u]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int u = 0; u < NC; ++u) _mm512_storeu_ps(acc + (r0 + r) * d + c0 + u * kLanes, o[r][u]);
+}
+
+template <int NR>
+inline void pv_rows_dots(float* acc, int d, const float* probs, int p0, const uint32_t* vpair,
+                         int n2, int r0) {
+  int c = 0;
+  for (; c + 4 * kLanes <= d; c += 4 * kLanes)
+    pv_rows_dots_block<NR, 4>(acc, d, probs, p0, vpair, n2, r0, c);
+  for (; c < d; c += kLanes) pv_rows_dots_block<NR, 1>(acc, d, probs, p0, vpair, n2, r0, c);
+}
+#endif
 
 // Rows r0 .. r0 + NR: whole NC-vector column blocks, then single vectors for the rest of d.
 template <typename T, int NR, int NC>
@@ -1087,6 +1129,28 @@ void attend_heads(Scratch& s, int kvh, int G, int group, int d, const T* kp, con
     row_softmax(s, r, n, seen ? seen[2 * p] : 0, seen ? seen[2 * p + 1] : n, cap, dots, sc);
   }
   const int64_t width = int64_t(kvh) * d;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (dots) {  // bfloat16 pairs of keys: each head's V pairs packed once for all its rows
+      for (int j0 = 0; j0 < n; j0 += kTile) {
+        const int nb = std::min(kTile, n - j0), n2 = (nb + 1) / 2;
+        for (int h = 0; h < kvh; ++h) {
+          pack_values(s.vpair, vp + int64_t(h) * d, slots + j0, nb, d, width);
+          const int p0 = j0 / 2, end = (h + 1) * G;
+          int r = h * G;
+          for (; r + 4 <= end; r += 4) pv_rows_dots<4>(s.acc, d, sc, p0, s.vpair, n2, r);
+          switch (end - r) {
+            case 3: pv_rows_dots<3>(s.acc, d, sc, p0, s.vpair, n2, r); break;
+            case 2: pv_rows_dots<2>(s.acc, d, sc, p0, s.vpair, n2, r); break;
+            case 1: pv_rows_dots<1>(s.acc, d, sc, p0, s.vpair, n2, r); break;
+            default: break;
+          }
+        }
+      }
+      return;
+    }
+  }
+#endif
   for (int j0 = 0; j0 < n; j0 += kTile) {
     const int nb = std::min(kTile, n - j0);
     const T* vr[kTile];

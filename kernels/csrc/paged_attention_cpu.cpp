@@ -236,6 +236,15 @@ inline vf vexp2_rel(vf t, vf m) {
 #endif
 }
 
+// x rounded to the nearest bfloat16 (even on a tie), as float32; x finite
+inline vf round_bf16(vf x) {
+  vu u;
+  std::memcpy(&u, &x, sizeof u);
+  u = (u + (0x7fffu + ((u >> 16) & 1u))) & 0xffff0000u;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
 // cap * tanh(x / cap) (Gemma 2's attention soft-cap)
 inline vf vsoftcap(vf x, float cap) {
   vf y = x * (2.0f / cap);
@@ -311,6 +320,46 @@ struct Keys {
 // Vectors of rows an item of R rows uses (R <= kMaxRows: at most 8 with AVX-512, 16 with AVX2).
 inline int row_vectors(int R) { return (R + kLanes - 1) / kLanes; }
 
+#if defined(__AVX512F__)
+// rows r[0 .. 16) of 16 32-bit words -> r[c] = column c: 32-bit and 64-bit unpacks within
+// 128-bit lanes, then two rounds of lane shuffles
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    t[k] = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88);
+    t[4 + k] = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xdd);
+    t[8 + k] = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88);
+    t[12 + k] = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xdd);
+  }
+  for (int k = 0; k < 4; ++k) {
+    r[k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88);
+    r[8 + k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0xdd);
+    r[4 + k] = _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0x88);
+    r[12 + k] = _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0xdd);
+  }
+}
+
+// The 16 x 16 floats at src (row k at src + k * src_stride) transposed to dst (row c at
+// dst + c * dst_stride)
+inline void transpose16_f32(float* dst, int64_t dst_stride, const float* src,
+                            int64_t src_stride) {
+  __m512i r[16];
+  for (int k = 0; k < 16; ++k) r[k] = _mm512_loadu_si512(src + k * src_stride);
+  transpose16(r);
+  for (int c = 0; c < 16; ++c) _mm512_storeu_si512(dst + c * dst_stride, r[c]);
+}
+#endif
+
 // Start an item: rows' queries into Qt (times scale), running state reset.
 // `q_row(r)` points at row r's query vector [d]. round_q (bfloat16 products): the scaled
 // queries rounded to bfloat16, as the dot products take them, on every path alike.
@@ -318,20 +367,28 @@ template <typename T, typename QRow>
 void load_rows(Scratch& s, int R, int d, float scale, bool round_q, QRow q_row) {
   const int L = row_vectors(R) * kLanes;
   for (int r = 0; r < L; ++r) {
-    if (r < R) {
-      const T* q = q_row(r);
-      for (int i = 0; i < d; ++i) {
-        const float x = static_cast<float>(q[i]) * scale;
-        s.qt[i * L + r] = s.qr[r * d + i] =
-            round_q ? static_cast<float>(at::BFloat16(x)) : x;
-      }
-    } else {
-      for (int i = 0; i < d; ++i) s.qt[i * L + r] = s.qr[r * d + i] = 0.0f;
-      s.qpos[r] = -1;
-    }
+    if (r >= R) s.qpos[r] = -1;
     s.m[r] = -std::numeric_limits<float>::infinity();
     s.l[r] = 0.0f;
   }
+  // Qr [L][d] row by row (padding rows zero), then Qt [d][L] as its transpose
+  for (int r = 0; r < L; ++r)
+    for (int i = 0; i < d; i += kLanes) {
+      vf x = splat(0.0f);
+      if (r < R) {
+        x = load16(q_row(r) + i) * scale;
+        if (round_q) x = round_bf16(x);
+      }
+      storef(s.qr + r * d + i, x);
+    }
+#if defined(__AVX512F__)
+  for (int r0 = 0; r0 < L; r0 += 16)
+    for (int i0 = 0; i0 < d; i0 += 16)
+      transpose16_f32(s.qt + i0 * L + r0, L, s.qr + r0 * d + i0, d);
+#else
+  for (int r = 0; r < L; ++r)
+    for (int i = 0; i < d; ++i) s.qt[i * L + r] = s.qr[r * d + i];
+#endif
   std::memset(s.acc, 0, sizeof(float) * L * d);
 }
 
@@ -743,8 +800,14 @@ void attend(Scratch& s, int R, int d, const T* k_head, const T* v_head, int64_t 
       run(std::integral_constant<int, RV % kTileRows>{}, full);
   }
   // accT [d][L] -> acc [R][d], through qr (free once the scores are done)
+#if defined(__AVX512F__)
+  for (int c0 = 0; c0 < d; c0 += 16)
+    for (int r0 = 0; r0 < L; r0 += 16)
+      transpose16_f32(s.qr + r0 * d + c0, d, s.acc + c0 * L + r0, L);
+#else
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < d; ++c) s.qr[r * d + c] = s.acc[c * L + r];
+#endif
   std::memcpy(s.acc, s.qr, sizeof(float) * R * d);
 }
 
@@ -892,34 +955,6 @@ void heads_scores(Scratch& s, int kvh, int G, int d, const T* kp, const T* vp,
 }
 
 #if defined(__AVX512BF16__)
-// rows r[0 .. 16) of 16 32-bit words -> r[c] = column c: 32-bit and 64-bit unpacks within
-// 128-bit lanes, then two rounds of lane shuffles
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int k = 0; k < 4; ++k) {
-    t[k] = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88);
-    t[4 + k] = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xdd);
-    t[8 + k] = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88);
-    t[12 + k] = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xdd);
-  }
-  for (int k = 0; k < 4; ++k) {
-    r[k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88);
-    r[8 + k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0xdd);
-    r[4 + k] = _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0x88);
-    r[12 + k] = _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0xdd);
-  }
-}
-
 // heads_scores under bfloat16 products: each score exactly as the row-tiled items take it (one
 // chain of `vdpbf16ps` over the query's dim pairs, from zero, in order: qk_tile_dots), so a
 // key's score, and with it its probability, has the same bits on every path. Keys in lanes:

@@ -314,6 +314,83 @@ def test_orphaned_temporaries_are_removed_at_start_and_live_ones_kept(tmp_path):
     tier.close()
 
 
+def test_names_of_other_forms_in_the_folder_are_left_alone(tmp_path):
+    tier = make(tmp_path)
+    put(tier, 0)
+    tier.close()
+    name = page(0)[0].hex()
+    others = ["x.tmp", ".tmp", "a.b.tmp", f"{name}.9999999999-0a0b0c0d.tmp",
+              f"{name}.{dead_pid()}-nothex00.tmp", f"{name}.0-0a0b0c0d.tmp", "notes.txt",
+              "x.kv", page(10)[0].hex().upper() + ".kv", f"{name[:-2]} 0.kv"]
+    for other in others:
+        (tier.dir / other).write_bytes(b"not ours")
+    (tier.dir / "folder.tmp").mkdir()
+    again = make(tmp_path)
+    assert len(again) == 1 and again.skipped_files == 0
+    assert all((tier.dir / other).exists() for other in [*others, "folder.tmp"])
+    np.testing.assert_array_equal(get(again, 0), page(0)[2])
+    again.clear()  # a flush deletes page files only
+    assert all((tier.dir / other).exists() for other in others)
+    again.close()
+
+
+def test_files_removed_during_the_start_scan_are_skipped(tmp_path, monkeypatch):
+    """Another server evicts pages while this one lists the folder at start."""
+    tier = make(tmp_path)
+    put(tier, 0, 1, 2, 3)
+    tier.close()
+    vanishing = {page(i)[0].hex() + ".kv" for i in (1, 2)}
+    real_scandir = os.scandir
+
+    def scandir(path):
+        for entry in real_scandir(path):
+            if entry.name in vanishing:
+                os.unlink(entry.path)  # listed, then gone before its stat
+            yield entry
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    again = make(tmp_path)
+    monkeypatch.undo()
+    assert len(again) == 2 and again.skipped_files == 0 and files(again) == {0, 3}
+    assert again.check(scan=True) is None
+    np.testing.assert_array_equal(get(again, 3), page(3)[2])
+    again.close()
+
+
+def _read_in_time(tier: DiskTier, i: int) -> np.ndarray | None:
+    """`get`, failing the test instead of hanging if the read blocks."""
+    result: list[np.ndarray | None] = []
+    reader = threading.Thread(target=lambda: result.append(get(tier, i)), daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    assert result, "the read blocked"
+    return result[0]
+
+
+def test_reads_never_follow_a_symlink_or_wait_on_a_fifo(tmp_path, caplog):
+    tier = make(tmp_path / "kv")
+    put(tier, 0, 1, 2)
+    name = {i: tier.dir / (page(i)[0].hex() + ".kv") for i in range(4)}
+    outside = tmp_path / "outside.kv"
+    os.replace(name[0], outside)  # a valid page file, reached through a symlink
+    name[0].symlink_to(outside)
+    name[1].unlink()
+    os.mkfifo(name[1], 0o600)  # a reader that opened it without O_NONBLOCK would wait
+    name[2].write_bytes(name[2].read_bytes() + b"grown")
+    name[3].mkdir()  # not in the index: planted under a name a request looks up
+    with caplog.at_level(logging.WARNING, logger="sgl_tpu.mem_cache.disk_tier"):
+        for i in range(4):
+            assert _read_in_time(tier, i) is None
+    assert "a symlink" in caplog.text and "not a regular file" in caplog.text
+    assert "expected" in caplog.text
+    assert len(tier) == 0 and tier.skipped_files == 4  # each dropped from the index
+    assert not any(os.path.lexists(name[i]) for i in range(3)) and outside.exists()
+    put(tier, 0, 1)  # the pages are written again in their place
+    np.testing.assert_array_equal(_read_in_time(tier, 1), page(1)[2])
+    assert tier.check(scan=True) is None
+    tier.close()
+
+
 @pytest.mark.parametrize("durability", ["none", "fsync"])
 def test_fsync_durability_syncs_the_file_and_the_folder(tmp_path, monkeypatch, durability):
     synced: list[int] = []
@@ -364,6 +441,35 @@ def test_a_queue_past_its_bound_drops_pages(tmp_path, monkeypatch):
     tier.close()
 
 
+def test_a_folder_made_again_keeps_one_secret_for_every_server(tmp_path, caplog):
+    """Servers on a folder that is removed and made again by another server (with a secret of
+    its own) adopt the new secret: none deletes the others' pages as planted."""
+    folder = tmp_path / "kv"
+    a, b = make(folder), make(folder)
+    put(a, 0)
+    first_secret = (folder / SECRET_NAME).read_bytes()
+    shutil.rmtree(folder)
+    c = make(folder)  # a new server: the folder and a new secret
+    assert (folder / SECRET_NAME).read_bytes() != first_secret
+    with caplog.at_level(logging.WARNING, logger="sgl_tpu.mem_cache.disk_tier"):
+        put(a, 1)  # the writer sees the secret file changed and adopts it
+        np.testing.assert_array_equal(get(c, 1), page(1)[2])
+        put(c, 2)
+        np.testing.assert_array_equal(get(b, 2), page(2)[2])  # a mac mismatch re-reads it
+        np.testing.assert_array_equal(get(a, 2), page(2)[2])
+        shutil.rmtree(folder)
+        put(b, 3)  # this time a running server makes it again first, with its own secret
+        d = make(folder)
+        np.testing.assert_array_equal(get(d, 3), page(3)[2])
+        put(d, 4)
+        np.testing.assert_array_equal(get(c, 4), page(4)[2])
+    assert "skipping" not in caplog.text
+    assert {t.skipped_files for t in (a, b, c, d)} == {0}
+    assert files(d) == {3, 4}
+    for tier in (a, b, c, d):
+        tier.close()
+
+
 def test_secret_made_by_a_racing_server_is_read_once_complete(tmp_path):
     folder = tmp_path / "kv"
     folder.mkdir(mode=0o700)
@@ -378,7 +484,7 @@ def test_secret_made_by_a_racing_server_is_read_once_complete(tmp_path):
 
     threading.Thread(target=finish).start()
     tier = make(folder)
-    assert tier._key == b"x" * 32
+    assert tier._secret.key == b"x" * 32
     tier.close()
 
 

@@ -10,6 +10,10 @@ that signs every page file (disk_tier.py), shared by the servers of that user th
         ├── <chain hash hex>.kv           a page (disk_tier.py)
         └── <chain hash hex>.<pid>-<writer>.tmp   a write in flight
 
+One secret per folder: a server that finds the secret file changed (the folder was removed and
+made again, by this server or another) adopts the one there; one that finds it gone makes it again
+with its own key (O_EXCL: whoever comes first, the others read it).
+
 A folder owned by another user, writable by group or others, a symlink (the default folder), or a
 secret file that is not a private regular file of the server's user is refused with
 `StorageDirError`: whoever can write there could plant KV pages. The refusal is fatal at start-up
@@ -24,6 +28,7 @@ import secrets
 import stat
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 SECRET_NAME = "hicache.key"
@@ -35,6 +40,17 @@ class StorageDirError(Exception):
     """The disk tier's folder is not safe to use; the message names it and what is wrong."""
 
 
+FileId = tuple[int, int, int]  # (st_dev, st_ino, st_ctime_ns): a file made again differs
+
+
+@dataclass(frozen=True)
+class Secret:
+    """A folder's secret and the identity of the file it was read from."""
+
+    key: bytes
+    file_id: FileId
+
+
 def default_storage_dir() -> Path:
     """`sgl-tpu-hicache-<uid>` in the temporary folder: one per user."""
     return Path(tempfile.gettempdir()) / f"sgl-tpu-hicache-{_uid()}"
@@ -44,7 +60,7 @@ def storage_dir(directory: str | os.PathLike | None) -> Path:
     return default_storage_dir() if directory is None else Path(directory)
 
 
-def open_storage_dir(directory: Path, is_default: bool = False) -> bytes:
+def open_storage_dir(directory: Path, is_default: bool = False) -> Secret:
     """Make `directory` (mode 0700) or check it, and return its secret (made if missing).
     StorageDirError if it is unsafe; OSError if it cannot be made or read."""
     if not directory.exists() and not directory.is_symlink():
@@ -66,20 +82,25 @@ def make_private_subdir(path: Path) -> None:
     check_private_dir(path, allow_symlink=False)
 
 
-def restore_storage_dir(directory: Path, key: bytes, is_default: bool) -> None:
-    """Make `directory` again after it vanished under a running server, with its secret."""
+def restore_storage_dir(directory: Path, key: bytes, is_default: bool) -> Secret:
+    """Make `directory` again after it vanished under a running server, or check it after its
+    secret changed; return the folder's secret: `key` if it had none, else the one there
+    (another server made the folder again first)."""
     try:
         os.mkdir(directory, 0o700)
     except FileExistsError:
         pass
     check_private_dir(directory, allow_symlink=not is_default)
+    return _read_or_make_secret(directory, key)
+
+
+def secret_file_id(directory: Path) -> FileId | None:
+    """The identity of `directory`'s secret file now, None if it has none."""
     try:
-        fd = os.open(directory / SECRET_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL
-                     | os.O_NOFOLLOW, 0o600)
-    except FileExistsError:
-        return
-    with os.fdopen(fd, "wb") as f:
-        f.write(key)
+        st = os.lstat(directory / SECRET_NAME)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return _file_id(st)
 
 
 def check_private_dir(path: Path, allow_symlink: bool) -> None:
@@ -104,26 +125,28 @@ def _check_owner(path: Path, st: os.stat_result, what: str) -> None:
             f"of your own")
 
 
-def _read_or_make_secret(directory: Path) -> bytes:
+def _read_or_make_secret(directory: Path, key: bytes | None = None) -> Secret:
+    """The secret of `directory`; if it has none, `key` (a fresh one if None) becomes it."""
     path = directory / SECRET_NAME
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     except FileExistsError:
         return _read_secret(path)
-    key = secrets.token_bytes(SECRET_BYTES)
+    key = secrets.token_bytes(SECRET_BYTES) if key is None else key
     with os.fdopen(fd, "wb") as f:
         f.write(key)
         f.flush()
         os.fsync(f.fileno())
+        file_id = _file_id(os.fstat(f.fileno()))
     fsync_dir(directory)
-    return key
+    return Secret(key, file_id)
 
 
-def _read_secret(path: Path) -> bytes:
+def _read_secret(path: Path) -> Secret:
     deadline = time.monotonic() + 1.0
     while True:  # a server that made it a moment ago may still be writing its 32 bytes
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError as e:
             if e.errno == getattr(os, "ELOOP", 40):
                 raise StorageDirError(f"KV disk tier secret {path} is a symlink; remove it") \
@@ -139,13 +162,17 @@ def _read_secret(path: Path) -> bytes:
                     f"KV disk tier secret {path} is readable or writable by others (mode "
                     f"{stat.S_IMODE(st.st_mode):o}); remove it and the page files it signed, "
                     f"or run chmod 600 on it")
-            key = f.read()
+            key = f.read(SECRET_BYTES + 1)
         if len(key) == SECRET_BYTES:
-            return key
+            return Secret(key, _file_id(st))
         if time.monotonic() > deadline:
             raise StorageDirError(f"KV disk tier secret {path} holds {len(key)} bytes, not "
                                   f"{SECRET_BYTES}; remove it (and the page files it signed)")
         time.sleep(0.05)
+
+
+def _file_id(st: os.stat_result) -> FileId:
+    return (st.st_dev, st.st_ino, st.st_ctime_ns)
 
 
 def fsync_dir(path: Path) -> None:

@@ -14,16 +14,21 @@ Writes run on one background thread, in order; a page queued but not yet written
 the queue. A file is written under a temporary name unique to its process and writer
 (`<hash>.<pid>-<writer>.tmp`), optionally fsynced (`--hicache-storage-durability fsync`: the file,
 then the folder after the rename), then renamed, so a reader never sees half of one; it counts
-as stored only then. Reads check everything: a truncated, corrupt, planted (no valid mac) or
-foreign file is skipped with a warning, counted and deleted, never served. A file that vanished
-(another server's `/flush_cache` or eviction) is a plain miss.
+as stored only then. Reads open a page file without following a symlink or waiting on a FIFO
+(O_NOFOLLOW | O_NONBLOCK) and check everything: anything but a regular file of the page size, a
+corrupt, planted (no valid mac) or foreign file is skipped with a warning, counted and deleted,
+never served. A file that vanished (another server's `/flush_cache` or eviction) is a plain miss.
+Every server on a folder signs with its one secret: each write first checks that the secret file
+is the one read, a mac that does not match re-checks it, and a changed one is adopted
+(disk_folder.py).
 
 Size: the page files this server knows (found at start, written, read) stay under `max_bytes`;
 the least recently used (by write or read; at start by mtime) are deleted first. The index is
 kept in memory: the folder is listed once, at start, when temporaries whose writer process is
-gone are deleted too. A write that fails pauses writing (pages offered meanwhile are dropped):
-a full disk first evicts an eighth of this tier's pages and retries once; writing comes back
-after a back-off (1 s, doubling to 64 s) or a `/flush_cache`.
+gone are deleted too; names of any other form are left alone, and files that vanish during the
+listing (another server evicting) are skipped. A write that fails pauses writing (pages offered
+meanwhile are dropped): a full disk first evicts an eighth of this tier's pages and retries once;
+writing comes back after a back-off (1 s, doubling to 64 s) or a `/flush_cache`.
 
 Threads: `write`, `read`, `clear` run on the scheduler thread; `_lock` guards the index
 (`_files`, `_pending`) against the writer thread, which alone creates files and evicts.
@@ -37,7 +42,9 @@ import hmac
 import logging
 import os
 import queue
+import re
 import secrets
+import stat
 import struct
 import threading
 import time
@@ -49,6 +56,7 @@ from typing import Any
 import numpy as np
 
 from sgl_tpu.mem_cache.disk_folder import (
+    Secret,
     StorageDirError,
     default_max_bytes,
     fsync_dir,
@@ -56,6 +64,7 @@ from sgl_tpu.mem_cache.disk_folder import (
     open_storage_dir,
     pid_alive,
     restore_storage_dir,
+    secret_file_id,
 )
 
 logger = logging.getLogger(__name__)
@@ -67,6 +76,10 @@ _HEADER = struct.Struct("<8sI16s16sIQ")
 _MAC_BYTES = 32
 _SUFFIX = ".kv"
 _TMP_SUFFIX = ".tmp"
+_PAGE_NAME = re.compile(r"([0-9a-f]{32})\.kv")
+_TMP_NAME = re.compile(r"[0-9a-f]{32}\.([1-9][0-9]{0,9})-([0-9a-f]{8})\.tmp")  # hash.pid-writer
+_BAD_MAC = "its mac does not match this folder's secret (corrupt or planted)"
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 _MIN_BACKOFF_S = 1.0
 _MAX_BACKOFF_S = 64.0
 _MAX_QUEUED_BYTES = 256 * 2**20  # rows waiting for the writer; more are dropped
@@ -92,7 +105,8 @@ class DiskTier:
         self.durability = durability
         self.base = Path(directory)
         self._is_default_dir = is_default_dir
-        self._key = open_storage_dir(self.base, is_default_dir)
+        self._secret: Secret = open_storage_dir(self.base, is_default_dir)
+        self._secret_lock = threading.Lock()
         self.dir = self.base / fingerprint.hex()
         make_private_subdir(self.dir)
         self._clock = clock
@@ -125,35 +139,25 @@ class DiskTier:
         for entry in os.scandir(self.dir):
             name = entry.name
             if name.endswith(_TMP_SUFFIX):
-                if self._orphaned(name):
-                    Path(entry.path).unlink(missing_ok=True)
+                if _orphaned(name):
+                    _remove(entry.path)
                 continue
             page_hash = _hash_of(name)
             if page_hash is None:
                 continue
-            st = entry.stat(follow_symlinks=False)
-            if st.st_size != self.file_bytes or not entry.is_file(follow_symlinks=False):
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:  # evicted or flushed by another server meanwhile
+                continue
+            if st.st_size != self.file_bytes or not stat.S_ISREG(st.st_mode):
                 self.skipped_files += 1
                 logger.warning("KV disk tier: skipping and deleting %s: %d bytes, expected %d "
                                "(truncated or foreign)", name, st.st_size, self.file_bytes)
-                Path(entry.path).unlink(missing_ok=True)
+                _remove(entry.path)
                 continue
             found.append((st.st_mtime, page_hash))
         for _, page_hash in sorted(found):
             self._files[page_hash] = None
-
-    @staticmethod
-    def _orphaned(name: str) -> bool:
-        """A temporary whose writer is gone: its process died, or it is this process's and
-        none of its live writers made it (a pid reused after a restart)."""
-        try:
-            pid_text, writer = name[:-len(_TMP_SUFFIX)].rsplit(".", 1)[1].split("-", 1)
-            pid = int(pid_text)
-        except ValueError:
-            return False
-        if pid == os.getpid():
-            return writer not in _LIVE_WRITERS
-        return not pid_alive(pid)
 
     def __len__(self) -> int:
         """Pages stored or queued."""
@@ -236,11 +240,12 @@ class DiskTier:
         return True
 
     def _write_file(self, page_hash: bytes, tokens: np.ndarray, row: np.ndarray) -> None:
+        self._adopt_folder_secret(restore=True)
         data = np.ascontiguousarray(row).tobytes()
         token_bytes = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
         header = _HEADER.pack(_MAGIC, _VERSION, self.fingerprint, page_hash, self.page_size,
                               len(data))
-        mac = hmac.new(self._key, header, hashlib.sha256)
+        mac = hmac.new(self._secret.key, header, hashlib.sha256)
         mac.update(token_bytes)
         mac.update(data)
         path = self._path(page_hash)
@@ -249,7 +254,7 @@ class DiskTier:
         try:
             fd = os.open(tmp, flags, 0o600)
         except FileNotFoundError:  # the folder vanished under this server: make it again
-            restore_storage_dir(self.base, self._key, self._is_default_dir)
+            self._adopt_folder_secret(restore=True)
             make_private_subdir(self.dir)
             fd = os.open(tmp, flags, 0o600)
         try:
@@ -266,6 +271,22 @@ class DiskTier:
         if self.durability == "fsync":
             fsync_dir(self.dir)
 
+    def _adopt_folder_secret(self, restore: bool) -> bool:
+        """Read the folder's secret again if its file is not the one read before (the folder
+        was made again, by this server or another), so that every server on the folder signs
+        with one secret; `restore`: make the folder and the secret (this tier's key) again if
+        they are gone. True if the key changed. OSError, StorageDirError."""
+        with self._secret_lock:
+            old = self._secret
+            file_id = secret_file_id(self.base)
+            if file_id == old.file_id or (file_id is None and not restore):
+                return False
+            self._secret = restore_storage_dir(self.base, old.key, self._is_default_dir)
+        if self._secret.key != old.key:
+            logger.info("KV disk tier: %s was made again with another secret; adopted it",
+                        self.base)
+        return self._secret.key != old.key
+
     def _pop_lru(self, num_pages: int) -> list[bytes]:
         """Take the `num_pages` least recently used pages out of the index (to delete)."""
         with self._lock:
@@ -276,10 +297,7 @@ class DiskTier:
 
     def _unlink(self, hashes: list[bytes]) -> None:
         for page_hash in hashes:
-            try:
-                self._path(page_hash).unlink(missing_ok=True)
-            except OSError as e:
-                logger.warning("KV disk tier: cannot delete %s: %s", page_hash.hex(), e)
+            _remove(self._path(page_hash))
 
     def _pause(self, e: Exception) -> None:
         if self.writable:
@@ -318,17 +336,16 @@ class DiskTier:
         if pending is not None:
             return pending[1] if np.array_equal(pending[0], tokens) else None
         path = self._path(page_hash)
-        problem = None
         try:
-            blob = path.read_bytes()
+            blob, problem = self._read_file(path)
         except (FileNotFoundError, NotADirectoryError):  # never written, or deleted by
             # another server (its eviction or `/flush_cache`): a miss
             if indexed:
                 self._forget(page_hash)
             return None
-        except OSError as e:
-            blob, problem = b"", f"unreadable ({e})"
         if problem is None:
+            problem = self._check(blob, page_hash, tokens)
+        if problem == _BAD_MAC and self._may_adopt_folder_secret():
             problem = self._check(blob, page_hash, tokens)
         if problem is not None:
             self.skipped_files += 1
@@ -345,6 +362,38 @@ class DiskTier:
         return np.frombuffer(blob, dtype=self.dtype, offset=start,
                              count=self.row_elems).copy()
 
+    def _read_file(self, path: Path) -> tuple[bytes, str | None]:
+        """The file's bytes if it is a regular file of a page's size, else a problem; never
+        follows a symlink or blocks on a FIFO. FileNotFoundError if there is none."""
+        try:
+            fd = os.open(path, _READ_FLAGS)
+        except (FileNotFoundError, NotADirectoryError):
+            raise
+        except OSError as e:
+            return b"", "a symlink" if e.errno == errno.ELOOP else f"unreadable ({e})"
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return b"", "not a regular file"
+            if st.st_size != self.file_bytes:
+                return b"", f"{st.st_size} bytes, expected {self.file_bytes} (truncated or foreign)"
+            blob = bytearray(self.file_bytes)
+            view, done = memoryview(blob), 0
+            while done < len(blob) and (n := os.readv(fd, [view[done:]])) > 0:
+                done += n
+            return bytes(blob[:done]), None
+        except OSError as e:
+            return b"", f"unreadable ({e})"
+        finally:
+            os.close(fd)
+
+    def _may_adopt_folder_secret(self) -> bool:
+        """`_adopt_folder_secret` from a read: a failure is left to the writer."""
+        try:
+            return self._adopt_folder_secret(restore=False)
+        except (OSError, StorageDirError):
+            return False
+
     def _forget(self, page_hash: bytes) -> None:
         with self._lock:
             self._files.pop(page_hash, None)
@@ -355,9 +404,10 @@ class DiskTier:
         magic, version, fingerprint, file_hash, page_size, row_bytes = _HEADER.unpack_from(blob)
         if magic != _MAGIC or version != _VERSION:
             return "not a KV page file of this format"
-        mac = hmac.new(self._key, memoryview(blob)[:-_MAC_BYTES], hashlib.sha256).digest()
+        mac = hmac.new(self._secret.key, memoryview(blob)[:-_MAC_BYTES],
+                       hashlib.sha256).digest()
         if not hmac.compare_digest(mac, blob[-_MAC_BYTES:]):
-            return "its mac does not match this folder's secret (corrupt or planted)"
+            return _BAD_MAC
         if fingerprint != self.fingerprint or page_size != self.page_size \
                 or row_bytes != self.row_bytes:
             return "written for another model, dtype, page size or KV layout"
@@ -382,7 +432,7 @@ class DiskTier:
             entries = []
         for entry in entries:
             if _hash_of(entry.name) is not None:
-                Path(entry.path).unlink(missing_ok=True)
+                _remove(entry.path)
         self._resume("the cache was flushed")
 
     def close(self) -> None:
@@ -417,9 +467,27 @@ class DiskTier:
 
 def _hash_of(name: str) -> bytes | None:
     """The chain hash a page file's name gives, or None for any other name."""
-    if not name.endswith(_SUFFIX) or len(name) != 32 + len(_SUFFIX):
-        return None
+    match = _PAGE_NAME.fullmatch(name)
+    return None if match is None else bytes.fromhex(match[1])
+
+
+def _orphaned(name: str) -> bool:
+    """A temporary whose writer is gone: its process died, or it is this process's and none of
+    its live writers made it (a pid reused after a restart). Not for a name of another form."""
+    match = _TMP_NAME.fullmatch(name)
+    if match is None:
+        return False
+    pid, writer = int(match[1]), match[2]
+    if pid == os.getpid():
+        return writer not in _LIVE_WRITERS
+    return pid < 2**31 and not pid_alive(pid)
+
+
+def _remove(path: str | os.PathLike) -> None:
+    """Delete a file the tier owns; one gone already is fine, any other failure is logged."""
     try:
-        return bytes.fromhex(name[:32])
-    except ValueError:
-        return None
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        logger.warning("KV disk tier: cannot delete %s: %s", path, e)

@@ -14,9 +14,12 @@ values by `TokenizerManager.validate`.
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
 import hmac
 import json
 import logging
+import os
 from typing import Any
 
 import orjson
@@ -115,12 +118,25 @@ def checked_cache_key(prompt_cache_key: str) -> str:
 
 def log_identity(request: Request, **ids: Any) -> None:
     """Client identifiers (OpenAI's `user` / `safety_identifier`, Anthropic's
-    `metadata.user_id`) at debug level: accepted and logged, never used for routing or
-    retention."""
+    `metadata.user_id`) at debug level, as `log_digest`s: accepted and logged, never used for
+    routing or retention."""
     named = {k: v for k, v in ids.items() if v is not None}
     if named and logger.isEnabledFor(logging.DEBUG):
         logger.debug("%s %s", request.url.path,
-                     " ".join(f"{k}={printable(str(v))[:200]!r}" for k, v in named.items()))
+                     " ".join(f"{k}={log_digest(str(v))}" for k, v in named.items()))
+
+
+@functools.cache
+def _log_secret() -> bytes:
+    return os.urandom(32)
+
+
+def log_digest(value: str) -> str:
+    """A client's key or identifier as a log shows it: an HMAC-SHA256 under a random secret of
+    this process, truncated (lines of one client correlate; the string, a capability for
+    some keys such as a response id, never leaves the server)."""
+    digest = hmac.new(_log_secret(), value.encode("utf-8", "surrogatepass"), hashlib.sha256)
+    return digest.hexdigest()[:16]
 
 
 def _params_id(params: Any, name: str) -> Any:

@@ -114,7 +114,9 @@ def _items(tm: TokenizerManager, req: ChatCompletionRequest) -> tuple[list[GenIt
     items = expand_items([prompt], _chat_sampling(tm, req, len(prompt), plan), req.n, req.rid,
                          return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
                          return_text_in_logprobs=True, session_id=req.session_id,
-                         may_call_tools=plan.parser is not None, **cache_control(req))
+                         may_call_tools=plan.parser is not None, **cache_control(req),
+                         max_new_tokens_defaulted=req.max_completion_tokens is None
+                         and req.max_tokens is None)
     for item in items:
         tm.validate(item)
     return items, plan

@@ -34,6 +34,7 @@ from sgl_tpu.server.http_common import (
     ROUTING_KEY_HEADER,
     checked_cache_key,
     error_response,
+    log_digest,
     log_identity,
     parse_body,
     sse,
@@ -157,7 +158,8 @@ class _Turn:
         cut = cuts[lo]
         self.input_items = self.input_items[cut:]
         self.chat = self._chat(self.input_items)
-        logger.info("response %s: truncation dropped the %d oldest input items", self.id, cut)
+        logger.info("response %s: truncation dropped the %d oldest input items",
+                    log_digest(self.id), cut)
         return cut
 
     def save(self, store: ResponseStore, final: dict[str, Any]) -> None:

@@ -87,6 +87,7 @@ class GenItem:
     tool_pause: bool = False
     may_call_tools: bool = False
     program_id: str | None = None  # the agent, when no session names it (scheduling only)
+    max_new_tokens_defaulted: bool = False  # the server set max_new_tokens (messages.py)
     # `sampling` parsed, once its request passed `TokenizerManager.validate` (None before)
     parsed: SamplingParams | None = None
 
@@ -279,7 +280,8 @@ class TokenizerManager:
                 top_logprobs_num=item.top_logprobs_num, session_id=item.session_id,
                 priority=item.priority, retention_seconds=item.retention_seconds,
                 tool_pause=item.tool_pause, may_call_tools=item.may_call_tools,
-                program_id=item.program_id))
+                program_id=item.program_id,
+                max_new_tokens_defaulted=item.max_new_tokens_defaulted))
         except (TypeError, ValueError, OverflowError, UnicodeEncodeError) as e:
             # What the HTTP layer's checks let through (the Engine-like callers) ends here.
             raise RequestError(f"request cannot be encoded: {type(e).__name__}: {e}") from None

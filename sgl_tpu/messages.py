@@ -39,6 +39,9 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
     # the program (agent) it is a turn of when no session names one (Anthropic's
     # metadata.user_id): scheduling and reports only, no KV retention (scheduler/programs.py)
     program_id: str | None = None
+    # the client named no max_tokens: `sampling` holds the rest of the context, which
+    # admission control does not count as the request's working set (scheduler/programs.py)
+    max_new_tokens_defaulted: bool = False
 
 
 class AbortReq(msgspec.Struct, tag=True):

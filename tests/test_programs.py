@@ -4,6 +4,8 @@ order (and with priorities), admission control's hold queue, and the scheduler r
 
 from __future__ import annotations
 
+import json
+
 from test_scheduler import PAGE, PlusOneRunner, V, request, run_steps
 
 from sgl_tpu.config import SchedulerConfig
@@ -11,7 +13,14 @@ from sgl_tpu.mem_cache import PageAllocator, RadixCache
 from sgl_tpu.sampling_params import SamplingParams
 from sgl_tpu.scheduler import policy
 from sgl_tpu.scheduler.priority import Priorities
-from sgl_tpu.scheduler.programs import MIN_PAUSE_S, Programs
+from sgl_tpu.scheduler.programs import (
+    HOLD_BOUND_MIN_S,
+    MIN_PAUSE_S,
+    SHARE_AGING_S,
+    UNSEEN_OUTPUT_TOKENS,
+    Programs,
+    program_ranks,
+)
 from sgl_tpu.scheduler.req import Req
 
 
@@ -91,7 +100,10 @@ def test_programs_found_done_after_a_pause_are_reported_once() -> None:
     assert done == ["agent-a", "agent-a"]
 
 
-def test_program_policy_orders_by_program_then_priority() -> None:
+def test_program_policy_orders_by_share_then_program_then_priority() -> None:
+    """Each program's first request in the server ranks before any program's second one,
+    then by the program's first arrival; a request of no program ranks as a program that
+    arrived with it; priorities order first."""
     tree = RadixCache(PageAllocator(num_pages=16, page_size=PAGE))
     progs = Programs(ttl_s=60.0, capacity_tokens=10_000, admission=False)
     old = make_req("old-1")
@@ -100,64 +112,252 @@ def test_program_policy_orders_by_program_then_priority() -> None:
     progs.arrive(single, None)
     new = make_req("new-1")
     progs.arrive(new, "new")
-    later_old = make_req("old-2")  # a later turn of the first program
+    later_old = make_req("old-2")  # a parallel request of the first program
     progs.arrive(later_old, "old")
     order = policy.order_waiting("program", [new, later_old, single, old], tree)
-    assert [r.rid for r in order] == ["old-1", "old-2", "single", "new-1"]
+    assert [r.rid for r in order] == ["old-1", "single", "new-1", "old-2"]
     # priority first, then the program order within one level
     urgent = make_req("urgent", priority=5)
     progs.arrive(urgent, "new")
     prios = Priorities(threshold=10, aging_rate=0.0, preemption=False,
                        retract_by_priority=False)
     ordered = prios.order(policy.order_waiting("program", [new, urgent, later_old, old], tree))
-    assert [r.rid for r in ordered] == ["urgent", "old-1", "old-2", "new-1"]
+    assert [r.rid for r in ordered] == ["urgent", "old-1", "new-1", "old-2"]
 
 
-def test_admission_holds_new_programs_in_arrival_order() -> None:
+def test_one_key_with_parallel_requests_gets_one_programs_share() -> None:
+    """A constant key with many parallel requests (one running) does not rank ahead of a newer
+    agent: its k-th request in the server ranks at level k, less one per SHARE_AGING_S
+    waited, so it is not starved either."""
+    tree = RadixCache(PageAllocator(num_pages=16, page_size=PAGE))
+    progs = Programs(ttl_s=60.0, capacity_tokens=10_000, admission=False)
+    bulk = [make_req(f"bulk-{i}") for i in range(6)]
+    for req in bulk:
+        progs.arrive(req, "constant-key")
+    agent = make_req("agent")
+    progs.arrive(agent, "agent")
+    waiting = [agent, *bulk[1:]]  # bulk-0 runs
+    order = policy.order_waiting("program", waiting, tree)
+    assert [r.rid for r in order] == ["agent", *[r.rid for r in bulk[1:]]]
+    now = bulk[1].arrival_s + 2.5 * SHARE_AGING_S
+    ranks = program_ranks(waiting, now)
+    assert [ranks[id(r)][0] for r in bulk[1:]] == [0, 0, 1, 2, 3]  # 1..5 less 2: aged
+    assert ranks[id(agent)] == (0, agent.program.first_arrival)
+
+
+def test_admission_holds_new_programs_and_lets_smaller_ones_pass() -> None:
     clock = Clock()
     progs = Programs(ttl_s=60.0, capacity_tokens=200, admission=True, clock=clock)
     a = make_req("a", prompt_len=56, max_new=4)  # first turn 60: expected to grow to 120
     progs.arrive(a, "a")
     assert progs.expected_working_set(a.program) == 120
-    assert progs.admissible([a], nothing_else_runs=False) == [a]
+    assert progs.admissible([a]) == [a]
     progs.count_extend(a, 56)
     b = make_req("b", prompt_len=50, max_new=10)  # expects 120 more: over the capacity
-    c = make_req("c", prompt_len=20, max_new=10)  # expects 60: would fit, may not overtake b
+    c = make_req("c", prompt_len=20, max_new=10)  # expects 60: fits, passes the held b
     progs.arrive(b, "b")
     progs.arrive(c, "c")
     loose = make_req("loose")
     progs.arrive(loose, None)  # no program: never held
-    assert progs.admissible([c, b, loose], nothing_else_runs=False) == [loose]
+    assert progs.admissible([c, b, loose]) == [c, loose]
+    progs.count_extend(c, 20)
     info = progs.info()
-    assert info["num_held"] == 2 and info["num_active"] == 1  # a (loose is no program)
+    assert info["num_held"] == 1 and info["num_active"] == 2  # a and c (loose is no program)
     a_next = make_req("a-next", prompt_len=70, max_new=4)  # a continuation: never held
     clock.now += 1.0
     progs.finish(a)
-    # a is paused (resident): even with nothing running, the held programs wait
-    assert progs.admissible([c, b], nothing_else_runs=True) == []
+    assert progs.admissible([b]) == []  # a is paused (resident): b waits
     progs.arrive(a_next, "a")
-    assert progs.admissible([b, a_next], nothing_else_runs=False) == [a_next]
+    assert progs.admissible([b, a_next]) == [a_next]
     clock.now += 1.0
     progs.finish(a_next)
-    assert progs.resident_tokens(clock.now) == 120  # a: twice its first turn (74 held now)
-    clock.now += 10.0  # program a is done (idle): its working set no longer counts
+    progs.finish(c)
+    assert progs.resident_tokens(clock.now) == 120 + 60  # a: twice its first turn
+    clock.now += 10.0  # a and c are done (idle): their working sets no longer count
     assert progs.resident_tokens(clock.now) == 0
-    assert progs.expected_tokens == 0.2 * 74  # a's peak, the first done
-    assert progs.admissible([c, b], nothing_else_runs=False) == [b, c]  # 120 + 60 fit
+    assert progs.admissible([b]) == [b]
     progs.count_extend(b, 50)
-    progs.count_extend(c, 20)
     info = progs.info()
-    assert info["num_held"] == 0 and info["num_programs_held"] == 2
-    assert info["program_held_s"] == 2 * 12.0  # b and c, each held 12 s
-    # one program larger than the capacity runs once nothing else runs or is resident
+    assert info["num_held"] == 0 and info["num_programs_held"] == 1
+    assert info["program_held_s"] == 12.0
+    # one program larger than the capacity runs once no admitted program is resident,
+    # even while requests of no program run
     big = make_req("big", prompt_len=300, max_new=4)
     progs.arrive(big, "big")
-    assert progs.admissible([big], nothing_else_runs=True) == []  # b and c are resident
+    assert progs.admissible([big, loose]) == [loose]  # b is resident
     progs.finish(b)
-    progs.finish(c)
-    clock.now += 10.0  # b and c go idle (they never came back)
-    assert progs.admissible([big], nothing_else_runs=False) == []
-    assert progs.admissible([big], nothing_else_runs=True) == [big]
+    clock.now += 3.0  # b goes idle (it never came back)
+    assert progs.admissible([big, loose]) == [big, loose]
+
+
+def test_a_held_program_starts_within_the_bound_beside_a_busy_agent() -> None:
+    """One agent takes 1 s turns with 0.5 s tool pauses, so its working set stays resident; a
+    newcomer a little larger than what is left is held, a smaller one behind it is not, and
+    the newcomer is released after at most hold_bound_s() (10 s here), then ranks first."""
+    clock = Clock()
+    progs = Programs(ttl_s=600.0, capacity_tokens=4096, admission=True, clock=clock)
+    tree = RadixCache(PageAllocator(num_pages=16, page_size=PAGE))
+    turn = 0
+    agent = make_req("agent-0", prompt_len=900, max_new=100)  # expected 2,000
+    progs.arrive(agent, "agent")
+    assert progs.admissible([agent]) == [agent]
+    progs.count_extend(agent, 900)
+    turn_end, next_turn = clock.now + 1.0, None
+    newcomer = make_req("newcomer", prompt_len=1000, max_new=100)  # expects 2,200 > 2,096
+    progs.arrive(newcomer, "newcomer")
+    small = make_req("small", prompt_len=400, max_new=100)  # expects 1,000: fits
+    progs.arrive(small, "small")
+    loose = make_req("loose")
+    progs.arrive(loose, None)
+    assert progs.admissible([newcomer, small, loose]) == [small, loose]
+    progs.count_extend(small, 400)
+    held_since = newcomer.program.held_since
+    assert held_since == clock.now
+    started = None
+    while started is None and clock.now < held_since + 60.0:
+        clock.now = round(clock.now + 0.1, 6)
+        if agent is not None and clock.now >= turn_end:  # its turn ends: a 0.5 s tool pause
+            agent.output_ids = [1] * 100
+            progs.finish(agent)
+            agent, next_turn = None, clock.now + 0.5
+        if agent is None and clock.now >= next_turn:  # its next turn, its context grown
+            turn += 1
+            agent = make_req(f"agent-{turn}", prompt_len=900 + 150 * turn, max_new=100)
+            progs.arrive(agent, "agent")
+            turn_end = clock.now + 1.0
+        ready = [newcomer] + ([agent] if agent is not None and not agent.kv_len else [])
+        out = progs.admissible(ready)
+        if agent in out:
+            agent.kv_len = agent.prompt_len
+            progs.count_extend(agent, agent.prompt_len)
+        if newcomer in out:
+            order = policy.order_waiting("program", ready, tree)
+            assert order[0] is newcomer  # released by the bound: its first turn goes first
+            progs.count_extend(newcomer, 1000)
+            started = clock.now
+    assert progs.hold_bound_s() == HOLD_BOUND_MIN_S  # the agent's turns are 1 s
+    assert started is not None and HOLD_BOUND_MIN_S - 0.1 <= started - held_since
+    assert started - held_since <= progs.hold_bound_s() + 0.1
+    assert progs.info()["program_held_s"] == started - held_since
+
+
+def test_chats_without_max_tokens_are_not_held() -> None:
+    """A request whose max_new_tokens the server defaulted to the rest of the context counts
+    its prompt plus the outputs seen (its program's, else the server's mean, else
+    UNSEEN_OUTPUT_TOKENS), not the rest of the context: six such chats fit together."""
+    clock = Clock()
+    progs = Programs(ttl_s=600.0, capacity_tokens=4096, admission=True, clock=clock)
+    chats = [make_req(f"chat-{i}", prompt_len=60, max_new=4096 - 60) for i in range(6)]
+    for i, req in enumerate(chats):
+        progs.arrive(req, f"cache-key-{i}", max_new_tokens_defaulted=True)
+        assert req.program.working_set_tokens == 60 + UNSEEN_OUTPUT_TOKENS
+    assert progs.admissible(chats) == chats
+    for req in chats:
+        progs.count_extend(req, 60)
+    clock.now += 1.0
+    chats[0].output_ids = [1] * 40
+    progs.finish(chats[0])
+    again = make_req("chat-0-again", prompt_len=150, max_new=4096 - 150)
+    progs.arrive(again, "cache-key-0", max_new_tokens_defaulted=True)
+    assert again.program.in_flight["chat-0-again"] == 150 + 40  # its program's longest output
+    other = make_req("other", prompt_len=50, max_new=4096 - 50)
+    progs.arrive(other, "other", max_new_tokens_defaulted=True)
+    assert other.program.in_flight["other"] == 50 + 40  # the server's mean output
+    # the same chats naming max_new_tokens themselves: each expects twice the context
+    strict = Programs(ttl_s=600.0, capacity_tokens=4096, admission=True, clock=clock)
+    named = [make_req(f"named-{i}", prompt_len=60, max_new=4096 - 60) for i in range(6)]
+    for i, req in enumerate(named):
+        strict.arrive(req, f"cache-key-{i}")
+    assert strict.admissible(named) == named[:1]  # alone, larger than the capacity
+
+
+def test_admission_counts_a_programs_concurrent_contexts() -> None:
+    """One key with ten parallel 100-token requests holds ten contexts, not one."""
+    clock = Clock()
+    progs = Programs(ttl_s=600.0, capacity_tokens=1500, admission=True, clock=clock)
+    bulk = [make_req(f"bulk-{i}", prompt_len=90, max_new=10) for i in range(10)]
+    for req in bulk:
+        progs.arrive(req, "constant-key")
+    assert bulk[0].program.working_set_tokens == 1000
+    assert progs.admissible(bulk) == bulk  # alone: larger than what is left, not resident
+    for req in bulk:
+        progs.count_extend(req, 90)
+    assert progs.resident_tokens(clock.now) == 1000
+    agent = make_req("agent", prompt_len=290, max_new=10)  # expects 600 > 500
+    progs.arrive(agent, "agent")
+    assert progs.admissible([agent]) == []
+    for req in bulk[:5]:
+        progs.finish(req)
+    assert bulk[0].program.in_flight_tokens == 500
+    assert bulk[0].program.working_set_tokens == 1000  # its peak stays its working set
+
+
+def test_admission_cost_does_not_grow_with_the_table() -> None:
+    """Admission and reports walk the live programs only: the same work beside 10 or 20,000
+    idle programs (counted in Programs.num_visits, not timed)."""
+    def work(num_idle: int) -> int:
+        clock = Clock()
+        progs = Programs(ttl_s=600.0, capacity_tokens=10_000, admission=True, clock=clock)
+        for i in range(num_idle):
+            req = make_req(f"idle-{i}")
+            progs.arrive(req, f"idle-{i}")
+            progs.count_extend(req, 8)
+            progs.finish(req)
+        clock.now += 10.0  # all idle
+        progs.info()  # found idle once: they leave the live set
+        active = [make_req(f"active-{i}") for i in range(3)]
+        for i, req in enumerate(active):
+            progs.arrive(req, f"active-{i}")
+        visits = progs.num_visits
+        for _ in range(100):
+            progs.admissible(active)
+            clock.now += 0.01
+        info = progs.info()
+        assert info["num_programs"] == num_idle + 3 and info["num_idle"] == num_idle
+        assert len(info["recent"]) == min(num_idle + 3, 16)
+        return progs.num_visits - visits
+
+    assert work(10) == work(20_000) <= 102 * 3  # 3 live programs, 102 sweeps
+
+
+def test_held_seconds_never_decrease() -> None:
+    """A program that leaves while held (its request aborted) ends its hold: the held seconds
+    stay counted, and forgetting it changes nothing."""
+    clock = Clock()
+    progs = Programs(ttl_s=60.0, capacity_tokens=100, admission=True, clock=clock)
+    a = make_req("a", prompt_len=40, max_new=10)
+    progs.arrive(a, "a")
+    progs.count_extend(a, 40)
+    b = make_req("b", prompt_len=40, max_new=10)
+    progs.arrive(b, "b")
+    assert progs.admissible([b]) == []
+    seen = []
+    for _ in range(4):
+        clock.now += 1.0
+        seen.append(progs.info()["program_held_s"])
+    progs.finish(b)  # aborted while held
+    progs.finish(a)
+    for _ in range(3):
+        clock.now += 40.0  # past the TTL: forgotten
+        seen.append(progs.info()["program_held_s"])
+    assert seen == sorted(seen) and seen[-1] == 4.0
+    assert progs.info()["num_held"] == 0 and progs.info()["num_programs"] == 0
+
+
+def test_reports_name_programs_by_a_keyed_hash() -> None:
+    """`info()` never holds a client's key; the public id is a keyed hash, per server."""
+    clock = Clock()
+    reports = []
+    for _ in range(2):
+        progs = Programs(ttl_s=60.0, capacity_tokens=1000, admission=True, clock=clock)
+        for key in ("sess-secret-1", "resp_0123456789abcdef"):
+            progs.arrive(make_req(key), key)
+        info = progs.info()
+        assert "secret" not in json.dumps(info) and "resp_" not in json.dumps(info)
+        assert sorted(info["recent"]) == sorted(progs.public_id(k) for k in
+                                                ("sess-secret-1", "resp_0123456789abcdef"))
+        reports.append(info["recent"])
+    assert set(reports[0]).isdisjoint(reports[1])  # another server, another secret
 
 
 def test_a_program_past_the_usual_turn_count_stops_holding_a_slot() -> None:
@@ -185,6 +385,7 @@ def test_a_program_past_the_usual_turn_count_stops_holding_a_slot() -> None:
         clock.now += 10.0  # silent past its pause window: found done
         progs.resident_tokens(clock.now)
     assert progs.expected_turns() == 3 and progs.info()["expected_turns"] == 3
+    reported.clear()
     for i in range(3):
         turn("long", i)
         if i < 2:
@@ -192,10 +393,10 @@ def test_a_program_past_the_usual_turn_count_stops_holding_a_slot() -> None:
     short, long = progs.table["short"], progs.table["long"]
     assert progs.state(short, clock.now) == progs.state(long, clock.now) == "paused"
     assert progs.resident_tokens(clock.now) == progs.expected_working_set(short)
-    reported.clear()
-    clock.now += 0.2  # a moment later, both still paused: only the expected done one reported
+    assert reported == ["long"]  # both paused: only the expected done one reported
+    clock.now += 0.2
     progs.expire(clock.now + 1.0)
-    assert reported == ["long"]
+    assert reported == ["long"]  # once
     # a program that looked done (a long tool pause) and came back withdraws its count
     turn("slow", 0)
     clock.now += 10.0
@@ -205,7 +406,7 @@ def test_a_program_past_the_usual_turn_count_stops_holding_a_slot() -> None:
     assert "slow" not in progs.done_turns
     more = make_req("long-3", prompt_len=200)
     progs.arrive(more, "long")  # it was not done: its turn runs, and it counts again
-    assert progs.admissible([more], nothing_else_runs=False) == [more]
+    assert progs.admissible([more]) == [more]
     assert progs.resident_tokens(clock.now) == (progs.expected_working_set(short)
                                                 + progs.expected_working_set(long))
 

@@ -1,13 +1,16 @@
 """Programs through a real server (the default model, `--schedule-policy program`): each API's
 way of naming an agent becomes one program in `/server_info`, a Responses chain stays one
-program, and `/metrics` exports the program gauges. Unit tests: tests/test_programs.py."""
+program, `/metrics` exports the program gauges, and no client's key appears in `/server_info`,
+`/metrics` or the server's log. Unit tests: tests/test_programs.py."""
 
 from __future__ import annotations
 
 import pytest
 import requests
 
-FLAGS = ("--skip-warmup", "--max-total-tokens", "2048", "--schedule-policy", "program")
+# debug: the client identifiers' log line (http_common.log_identity) is written, as a digest
+FLAGS = ("--skip-warmup", "--max-total-tokens", "2048", "--schedule-policy", "program",
+         "--log-level", "debug")
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +51,11 @@ def test_each_api_names_its_program(server):
                                     "previous_response_id": first["id"]})
     _post(server, "/generate", {"text": "Four", "sampling_params": sp})  # names no program
     programs = _programs(server)
-    recent = programs["recent"]
-    for key in ("p-native", "p-params", "p-cache-key", "p-header", "p-user"):
-        assert recent[key]["num_requests"] == 1, (key, recent)
-        assert recent[key]["decode_tokens"] >= 1 and recent[key]["admitted"]
-        assert recent[key]["state"] in ("paused", "idle")
-    assert recent[first["id"]]["num_requests"] == 2  # the chain: one program
+    recent = programs["recent"]  # by public id (a keyed hash), never the client's key
+    assert sorted(p["num_requests"] for p in recent.values()) == [1, 1, 1, 1, 1, 2], recent
+    for listed in recent.values():  # the Responses chain is the one with 2 requests
+        assert listed["decode_tokens"] >= 1 and listed["admitted"]
+        assert listed["state"] in ("paused", "idle")
     assert programs["num_programs"] == 6 and programs["num_active"] == 0
     assert programs["admission_control"] and programs["num_held"] == 0
 
@@ -77,3 +79,36 @@ def test_a_bad_program_id_is_a_400_and_metrics_export_programs(server):
                  "programs_held_total", "program_held_seconds_total",
                  "program_working_set_tokens"):
         assert "sglang:" + name in values, sorted(values)
+
+
+@pytest.mark.slow
+def test_no_client_key_leaves_the_server(server):
+    """Each way of naming a program, with keys no other output could contain: none appears in
+    `/server_info`, `/metrics` or the server's log (programs are listed by keyed hash)."""
+    chat = {"model": "default", "max_tokens": 2, "temperature": 0}
+    msg = [{"role": "user", "content": "Say hi."}]
+    sp = {"max_new_tokens": 2, "temperature": 0}
+    keys = {name: f"zq{name}9x4k7" for name in ("session", "params", "cachekey", "header",
+                                                 "userid", "programid")}
+    _post(server, "/generate", {"text": "One", "sampling_params": sp,
+                                "session_id": keys["session"]})
+    _post(server, "/generate", {"text": "Two", "sampling_params": sp,
+                                "session_params": {"id": keys["params"]}})
+    _post(server, "/v1/chat/completions", {**chat, "messages": msg,
+                                           "prompt_cache_key": keys["cachekey"]})
+    _post(server, "/v1/completions", {**chat, "prompt": "Three"},
+          headers={"X-SMG-Routing-Key": keys["header"]})
+    _post(server, "/v1/completions", {**chat, "prompt": "Four", "program_id": keys["programid"]})
+    _post(server, "/v1/messages", {**chat, "messages": msg,
+                                   "metadata": {"user_id": keys["userid"]}})
+    first = _post(server, "/v1/responses", {**chat, "input": "Hello", "max_output_tokens": 2})
+    second = _post(server, "/v1/responses", {**chat, "input": "Again", "max_output_tokens": 2,
+                                             "previous_response_id": first["id"]})
+    keys["conversation"], keys["response"] = first["id"], second["id"]
+    info = requests.get(server.base_url + "/server_info", timeout=60).text
+    metrics = requests.get(server.base_url + "/metrics", timeout=60).text
+    log = server.log_tail(num_chars=10**8)
+    assert "/v1/messages user_id=" in log  # the identifier's debug line, as a digest
+    for name, key in keys.items():
+        for where, text in (("/server_info", info), ("/metrics", metrics), ("log", log)):
+            assert key not in text, (name, where)

@@ -95,8 +95,7 @@ class ExtendPlanner:
         cfg, q = self.config, self.queues
         ready = [r for r in q.waiting if r.grammar_future is None or r.matcher is not None]
         if self.programs is not None and ready:
-            ready = self.programs.admissible(ready, not self._held(batch)
-                                             and q.chunked_req is None)
+            ready = self.programs.admissible(ready)
         preempt = self.can_preempt
         if not ready or budget <= 0 or len(batch) >= cfg.max_extend_seqs \
                 or (self._held(batch) >= cfg.max_running_requests and not preempt):

@@ -9,12 +9,15 @@
                 where their last match ended, after the tree's content changed.
 * `dfs-weight`  depth-first over the radix tree, heavier subtrees (more waiting requests) first,
                 so requests sharing a prefix run back to back.
-* `program`     by program (scheduler/programs.py): the turns of the program that arrived
-                first go first, so started agents finish while their KV is resident instead
-                of new agents' first turns pushing it out; a request of no program ranks as a
-                program that arrived with it. Within one program, the longest cached prefix
-                first (lpm). With it, admission control holds new programs while the admitted
-                ones' working sets fill the pool and host tier (programs.py).
+* `program`     by program (scheduler/programs.py `program_ranks`): each program's first
+                request in the server before any program's second one (one key's parallel
+                requests get one program's share; aged), then the program that arrived first,
+                so started agents finish while their KV is resident instead of new agents'
+                first turns pushing it out; a request of no program ranks as a program that
+                arrived with it; a held program released by the hold bound goes first. Within
+                one program, the longest cached prefix first (lpm). With it, admission control
+                holds new programs while the admitted ones' working sets fill the pool and host
+                tier, for a bounded time (programs.py).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import Callable
 
 from sgl_tpu.mem_cache.radix_cache import RadixCache
 from sgl_tpu.mem_cache.tree_node import TreeNode
+from sgl_tpu.scheduler.programs import program_ranks
 from sgl_tpu.scheduler.req import Req
 
 PolicyFn = Callable[[list[Req], RadixCache], list[Req]]
@@ -53,14 +57,12 @@ def lpm(waiting: list[Req], tree: RadixCache) -> list[Req]:
 
 @register("program")
 def program(waiting: list[Req], tree: RadixCache) -> list[Req]:
-    def first_arrival(r: Req) -> int:
-        return r.arrival if r.program is None else r.program.first_arrival
-
+    rank = program_ranks(waiting)
     programs = [id(r.program) for r in waiting if r.program is not None]
     if tree.disable or len(waiting) > LPM_MAX_QUEUE or len(set(programs)) == len(programs):
-        return sorted(waiting, key=lambda r: (first_arrival(r), r.arrival))
+        return sorted(waiting, key=lambda r: (rank[id(r)], r.arrival))
     prefix = {id(r): cached_prefix_len(r, tree) for r in waiting}
-    return sorted(waiting, key=lambda r: (first_arrival(r), -prefix[id(r)], r.arrival))
+    return sorted(waiting, key=lambda r: (rank[id(r)], -prefix[id(r)], r.arrival))
 
 
 def cached_prefix_len(req: Req, tree: RadixCache) -> int:

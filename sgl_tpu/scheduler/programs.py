@@ -1,49 +1,46 @@
 """Programs: the agents behind the requests, and admission control over them (host side).
 
 A program is what a request names as its session (`session_id`, `session_params.id`, OpenAI's
-`prompt_cache_key`, the `X-SMG-Routing-Key` header, a Responses `previous_response_id` chain's
-conversation) or else its `program_id` (Anthropic's `metadata.user_id`). A request naming
-none is a program of its own and is not tracked.
+`prompt_cache_key`, the `X-SMG-Routing-Key` header, a Responses chain's conversation) or else
+its `program_id` (Anthropic's `metadata.user_id`); a request naming none is not tracked. The
+client's key never leaves this module: reports name a program by `Program.public_id`, an
+HMAC-SHA256 of the key under a random secret of this server, truncated.
 
-    first request ──► (held) ──► active (a request in the server) ──last one ends──► paused
-                                   ▲                                                   │
-                                   └───────────── its next request ◄───────────────────┤
-                                                                                       ▼ pause
-                                                             idle ◄────────── window over
-                                                               │
-                                                               └──ttl_s──► forgotten
+    first request ──► (held) ──► active ──its last request ends──► paused ──window over──► idle
+                                   ▲                                  │                     │
+                                   └──────────── its next request ◄───┘          ttl_s ──► forgotten
 
-Per program the table keeps the service it attained (prompt tokens computed, not the cached
-ones; tokens decoded; seconds with a request in the server) and its KV working set: the
-longest context of its requests (prompt + max_new_tokens), what keeps it resident. The pause
-window of a program is twice the longest tool pause it took (before its first pause, twice
-the mean pause of all programs), at least MIN_PAUSE_S: silent longer, it is taken as done.
-A program found done, or expected done (below), after at least one tool pause is reported to
-`on_done` (the scheduler releases its session-hint KV pins then, retention.py); one that never
-came back after a pause keeps its pins for `--session-retention-s`, since nothing tells how
-long its tool takes.
+Per program: the service it attained; its KV working set, the peak sum of its in-flight
+requests' contexts (prompt + max_new_tokens, or for a request whose max_new_tokens the server
+defaulted to the rest of the context, prompt + the longest output its program, else the mean
+output the server, has seen); its state. Paused for longer than its pause window (twice its
+longest tool pause, else twice the mean pause, at least MIN_PAUSE_S) it is found idle, and
+after a tool pause reported to `on_done` (retention.py releases its session-hint pins).
 
-Admission control (`Programs.admissible`, with `--schedule-policy program`): a new program's
-first turn is held while the expected working sets of the admitted active and paused programs
-plus its own (the mean peak of the programs done before, at least twice its first turn and
-what it holds) exceed the capacity (the KV pool plus the host tier),
-instead of evicting the KV of programs that will come back for it. The hold is a queue: held
-programs are released in arrival order as working sets end (admitted programs go idle after
-their pause window), and the oldest one runs whenever nothing else is running, resident or
-admissible, so a held program is delayed, never starved. Continuations
-of admitted programs and requests without a program are never held.
+Who is walked, so no call costs the size of the table:
 
-A paused program stops counting as soon as it has run as many turns (requests) as most
-programs before it did: once TURN_SAMPLES_MIN programs were found done, one paused after
-`expected_turns` requests (the TURN_QUANTILE of the done programs' request counts; a program
-found done that comes back withdraws its count) is expected done: its pause window no longer
-keeps a slot empty, and its session-hint pins are released. Expected done is not done: it
-stays paused, and its next request, if one comes, is never held (it computes what was evicted
-meanwhile).
+    live    programs not found idle (held, active, paused)    walked by `admissible`, `info`
+    held    programs whose first turn admission control holds  in hold order
+    table   every program, in last-seen order                  `expire` forgets from its front
+
+Admission control (`admissible`, with `--schedule-policy program`): a new program's first turn
+is held while the expected working sets of the admitted live programs plus its own exceed the
+capacity (KV pool + host tier). Held programs are looked at in hold order and each one that
+fits the budget left goes (a smaller one passes a larger one). A held program goes regardless
+of the budget once it was held `hold_bound_s()` = max(HOLD_BOUND_MIN_S, the mean turn time),
+and then ranks first in the `program` policy (`program_ranks`), or when no admitted program is
+resident (it is larger than the capacity). Continuations of admitted programs and requests of
+no program are never held and never delay a release. Expected done: a paused program that made
+`expected_turns` requests (the TURN_QUANTILE of those found done) stops counting. The reasoning
+and the measurements: docs/agents-at-scale.md.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import itertools
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -56,31 +53,41 @@ from sgl_tpu.scheduler.req import Req
 MIN_PAUSE_S = 1.0
 MAX_PROGRAMS = 65_536  # beyond this many, the least recently seen idle programs are forgotten
 EXPIRE_EVERY_S = 1.0
-RECENT_PROGRAMS = 16  # programs listed one by one in /server_info
+RECENT_PROGRAMS = 16  # programs listed one by one (by public id) in /server_info
 PAUSE_EWMA = 0.1  # weight of the newest pause in the mean over all programs
 PEAK_EWMA = 0.2  # weight of the newest done program's peak working set
+TURN_EWMA = 0.1  # weight of the newest turn in the mean turn time
+OUTPUT_EWMA = 0.1  # weight of the newest output length in the server's mean
+UNSEEN_OUTPUT_TOKENS = 128  # a defaulted request's output before any was seen (the native default)
 FIRST_TURN_GROWTH = 2  # a program's expected peak over its first turn, at least
 TURN_SAMPLES = 64  # request counts of the programs found done last, kept for expected_turns
 TURN_SAMPLES_MIN = 4  # done programs before a turn count is expected
 TURN_QUANTILE = 0.9  # of the done programs' request counts: a paused program past it is done
+HOLD_BOUND_MIN_S = 10.0  # a held program goes after at most max(this, the mean turn time)
+SHARE_AGING_S = 10.0  # a waiting request's share level drops by one per this many seconds
+PUBLIC_ID_HEX = 16  # hex digits of a program's public id (64 bits of the HMAC)
 
 
 @dataclass(eq=False)
 class Program:
-    key: str
-    first_arrival: int  # `Req.arrival` of its first request: the `program` policy's order
+    key: str  # the client's string: never reported (public_id is)
+    public_id: str
+    first_arrival: int  # `Req.arrival` of its first request
     first_seen_s: float
     last_seen_s: float  # its last request's arrival or end
-    in_flight: set[str] = field(default_factory=set)  # rids of its requests in the server
+    in_flight: dict[str, int] = field(default_factory=dict)  # rid -> context tokens counted
+    in_flight_tokens: int = 0  # their sum
     num_requests: int = 0
     prefill_tokens: int = 0  # prompt tokens computed for it (cache hits excluded)
     decode_tokens: int = 0
     server_s: float = 0.0  # seconds with at least one request in the server (closed spans)
     busy_since: float | None = None
-    working_set_tokens: int = 0
-    first_turn_tokens: int = 0  # its first request's prompt + max_new_tokens
+    working_set_tokens: int = 0  # peak of in_flight_tokens
+    first_turn_tokens: int = 0  # its first request's context
+    max_output_tokens: int = 0  # longest output of its finished requests
     admitted: bool = False  # a turn of it has run (admission control no longer holds it)
     held_since: float | None = None  # its first turn is held by admission control
+    release_due: bool = False  # released by the hold bound: its first turn ranks first
     max_pause_s: float = 0.0  # longest gap between one request's end and the next's arrival
     peak_recorded: bool = False  # its working set, once done, fed `Programs.expected_tokens`
     done_reported: bool = False  # found done and reported to `Programs.on_done`
@@ -99,21 +106,24 @@ class Programs:
         self.capacity_tokens = capacity_tokens  # pool + host tier, in tokens
         self.admission = admission
         self.clock = clock
-        self.table: dict[str, Program] = {}
-        # a moving average of the tool pauses of all programs (the pause window's fallback)
-        self.mean_pause_s = 0.0
-        # a moving average of the peak working sets of the programs found done
-        self.expected_tokens = 0.0
+        self._secret = os.urandom(32)  # keys `public_id`; never leaves the process
+        self.table: OrderedDict[str, Program] = OrderedDict()  # least recently seen first
+        self.live: dict[str, Program] = {}
+        self.held: dict[str, Program] = {}
+        self.mean_pause_s = 0.0  # of all programs' tool pauses (the pause window's fallback)
+        self.mean_turn_s = 0.0  # of the admitted programs' turns (the hold bound)
+        self.mean_output_tokens: float | None = None  # of finished requests' outputs
+        self.expected_tokens = 0.0  # mean peak working set of the programs found done
         # program key -> its request count, for the programs found done last
-        # (`expected_turns`); a program that comes back withdraws its count (a long tool pause
-        # made it look done)
+        # (`expected_turns`); a program that comes back withdraws its count
         self.done_turns: OrderedDict[str, int] = OrderedDict()
         self.num_seen = 0
         self.num_held = 0  # programs ever held
-        self.held_s = 0.0  # seconds held, summed over released programs
+        self.held_s = 0.0  # seconds held, summed over programs no longer held
+        self.num_visits = 0  # programs looked at by sweeps (what admission costs)
         self._next_expire = 0.0
-        # called with the key of each program found done after a tool pause (see the module
-        # docstring); at most once per program until it comes back
+        # called with the key of each program found done after a tool pause, at most once
+        # per program until it comes back
         self.on_done: Callable[[str], None] | None = None
 
     @classmethod
@@ -121,33 +131,53 @@ class Programs:
         """`capacity_tokens`: the KV pool plus the host tier (the scheduler's KVManager)."""
         return cls(config.program_ttl_s, capacity_tokens, config.program_admission)
 
+    def public_id(self, key: str) -> str:
+        """What reports name program `key` by: a keyed hash, stable for this server's life."""
+        digest = hmac.new(self._secret, key.encode("utf-8", "surrogatepass"), hashlib.sha256)
+        return digest.hexdigest()[:PUBLIC_ID_HEX]
+
     # ---- a request's life ----------------------------------------------------------------
-    def arrive(self, req: Req, key: str | None) -> Program | None:
-        """`req` entered the server as a turn of program `key` (None: of none)."""
+    def arrive(self, req: Req, key: str | None, max_new_tokens_defaulted: bool = False
+               ) -> Program | None:
+        """`req` entered the server as a turn of program `key` (None: of none).
+        `max_new_tokens_defaulted`: the server set its max_new_tokens to the rest of the
+        context (the client named none): it counts the outputs seen instead."""
         now = self.clock()
         self.expire(now)
         if key is None:
             return None
         prog = self.table.get(key)
         if prog is None:
-            prog = self.table[key] = Program(key, req.arrival, now, now)
+            prog = self.table[key] = Program(key, self.public_id(key), req.arrival, now, now)
             self.num_seen += 1
-        elif not prog.in_flight:
-            pause = now - prog.last_seen_s
-            prog.peak_recorded = prog.done_reported = False  # it came back: not done
-            self.done_turns.pop(key, None)
-            prog.max_pause_s = max(prog.max_pause_s, pause)
-            self.mean_pause_s += PAUSE_EWMA * (pause - self.mean_pause_s)
+        else:
+            self.table.move_to_end(key)
+            if not prog.in_flight:
+                pause = now - prog.last_seen_s
+                prog.peak_recorded = prog.done_reported = False  # it came back: not done
+                self.done_turns.pop(key, None)
+                prog.max_pause_s = max(prog.max_pause_s, pause)
+                self.mean_pause_s += PAUSE_EWMA * (pause - self.mean_pause_s)
         if not prog.in_flight:
             prog.busy_since = now
-        prog.in_flight.add(req.rid)
+        tokens = self.context_tokens(req, prog, max_new_tokens_defaulted)
+        prog.in_flight_tokens += tokens - prog.in_flight.get(req.rid, 0)
+        prog.in_flight[req.rid] = tokens
+        prog.working_set_tokens = max(prog.working_set_tokens, prog.in_flight_tokens)
+        prog.first_turn_tokens = prog.first_turn_tokens or tokens
         prog.num_requests += 1
         prog.last_seen_s = now
-        prog.working_set_tokens = max(prog.working_set_tokens,
-                                      req.prompt_len + req.sampling.max_new_tokens)
-        prog.first_turn_tokens = prog.first_turn_tokens or prog.working_set_tokens
+        self.live[key] = prog
         req.program = prog
         return prog
+
+    def context_tokens(self, req: Req, prog: Program, max_new_tokens_defaulted: bool) -> int:
+        """The KV a request of `prog` is expected to reach."""
+        out = req.sampling.max_new_tokens
+        if max_new_tokens_defaulted:
+            seen = prog.max_output_tokens or self.mean_output_tokens or UNSEEN_OUTPUT_TOKENS
+            out = min(out, int(seen))
+        return req.prompt_len + out
 
     def count_extend(self, req: Req, num_computed: int) -> None:
         """`num_computed` of `req`'s tokens ran in an EXTEND: its program has run."""
@@ -158,9 +188,7 @@ class Programs:
             prog.prefill_tokens += min(num_computed, req.prompt_len - req.kv_len)
         if not prog.admitted:
             prog.admitted = True
-            if prog.held_since is not None:
-                self.held_s += self.clock() - prog.held_since
-                prog.held_since = None
+            self._end_hold(prog, self.clock())
 
     def finish(self, req: Req) -> None:
         """`req` left the server (finished, aborted or failed); idempotent."""
@@ -168,12 +196,32 @@ class Programs:
         if prog is None or req.rid not in prog.in_flight:
             return
         now = self.clock()
-        prog.in_flight.discard(req.rid)
-        prog.decode_tokens += len(req.output_ids)
+        prog.in_flight_tokens -= prog.in_flight.pop(req.rid)
+        num_output = len(req.output_ids)
+        prog.decode_tokens += num_output
+        prog.max_output_tokens = max(prog.max_output_tokens, num_output)
+        self.mean_output_tokens = num_output if self.mean_output_tokens is None else (
+            self.mean_output_tokens + OUTPUT_EWMA * (num_output - self.mean_output_tokens))
         prog.last_seen_s = now
-        if not prog.in_flight and prog.busy_since is not None:
-            prog.server_s += now - prog.busy_since
+        if self.table.get(prog.key) is prog:
+            self.table.move_to_end(prog.key)
+        if prog.in_flight:
+            return
+        if prog.busy_since is not None:
+            span = now - prog.busy_since
+            prog.server_s += span
             prog.busy_since = None
+            if prog.admitted:
+                self.mean_turn_s += TURN_EWMA * (span - self.mean_turn_s)
+        if not prog.admitted:
+            self._end_hold(prog, now)  # it left while held (aborted)
+
+    def _end_hold(self, prog: Program, now: float) -> None:
+        if prog.held_since is not None:
+            self.held_s += now - prog.held_since
+            prog.held_since = None
+        prog.release_due = False
+        self.held.pop(prog.key, None)
 
     # ---- states --------------------------------------------------------------------------
     def pause_window_s(self, prog: Program) -> float:
@@ -181,68 +229,81 @@ class Programs:
 
     def state(self, prog: Program, now: float) -> str:
         """"held" (its first turn, by admission control), "active", "paused" (on a tool) or
-        "idle"."""
-        if prog.held_since is not None and not prog.admitted:
+        "idle" (found idle stays idle until its next request)."""
+        if prog.held_since is not None:
             return "held"
         if prog.in_flight:
             return "active"
+        if self.live.get(prog.key) is not prog:
+            return "idle"
         return "paused" if now - prog.last_seen_s <= self.pause_window_s(prog) else "idle"
 
+    def _sweep(self, now: float) -> int:
+        """Walk the live programs: those found idle leave `live` (their peak and request count
+        feed `expected_tokens` and `expected_turns`), those found done after a tool pause are
+        reported to `on_done`. Returns the expected working sets of the admitted ones that
+        are active, or paused and not expected done."""
+        total = 0
+        turns = self.expected_turns()
+        gone = []
+        for key, prog in self.live.items():
+            self.num_visits += 1
+            state = self.state(prog, now)
+            if state == "held":
+                continue
+            expected_done = self.expected_done(prog, turns)
+            if state == "active" or (state == "paused" and not expected_done):
+                total += self.expected_working_set(prog) if prog.admitted else 0
+                continue
+            if state == "idle":
+                gone.append(key)
+                if prog.admitted and not prog.peak_recorded:
+                    prog.peak_recorded = True
+                    self.expected_tokens += PEAK_EWMA * (prog.working_set_tokens
+                                                         - self.expected_tokens)
+                    self.done_turns[key] = prog.num_requests
+                    self.done_turns.move_to_end(key)
+                    if len(self.done_turns) > TURN_SAMPLES:
+                        self.done_turns.popitem(last=False)
+            if self.on_done is not None and not prog.done_reported and prog.max_pause_s > 0:
+                prog.done_reported = True
+                self.on_done(key)
+        for key in gone:
+            del self.live[key]
+        return total
+
     def expire(self, now: float) -> None:
-        """Report programs found done to `on_done`; forget programs idle for longer than the
-        TTL (and the least recently seen idle ones beyond MAX_PROGRAMS), so the table stays
-        bounded."""
+        """At most once per EXPIRE_EVERY_S (or when over MAX_PROGRAMS): sweep the live
+        programs, and forget those silent for longer than the TTL, and the least recently seen
+        beyond MAX_PROGRAMS, from the table's front (never one with a request in flight)."""
         if now < self._next_expire and len(self.table) <= MAX_PROGRAMS:
             return
         self._next_expire = now + EXPIRE_EVERY_S
-        forget = []
-        turns = self.expected_turns()
-        for key, prog in self.table.items():
-            if prog.in_flight:
+        self._sweep(now)
+        for _ in range(len(self.table)):
+            key, prog = next(iter(self.table.items()))
+            if now - prog.last_seen_s <= self.ttl_s and len(self.table) <= MAX_PROGRAMS:
+                break
+            if prog.in_flight:  # seen now, in effect
+                self.table.move_to_end(key)
                 continue
-            if (self.on_done is not None and not prog.done_reported and prog.max_pause_s > 0
-                    and (self.state(prog, now) == "idle" or self.expected_done(prog, turns))):
-                prog.done_reported = True
-                self.on_done(key)
-            if now - prog.last_seen_s > self.ttl_s:
-                forget.append(key)
-        for key in forget:
             del self.table[key]
-        if len(self.table) > MAX_PROGRAMS:
-            idle = sorted((p for p in self.table.values() if not p.in_flight),
-                          key=lambda p: p.last_seen_s)
-            for prog in idle[: len(self.table) - MAX_PROGRAMS]:
-                del self.table[prog.key]
+            self.live.pop(key, None)
 
     def clear(self) -> None:
         """Forget every program (none has a request in the server: `/flush_cache`); the
         counters since start-up stay."""
         self.table.clear()
+        self.live.clear()
+        self.held.clear()
         self.expected_tokens = 0.0
         self.done_turns.clear()
 
     # ---- admission control ---------------------------------------------------------------
     def resident_tokens(self, now: float) -> int:
         """The expected KV working sets of the admitted programs that are active, or paused
-        and not expected done; the peaks and request counts of those found done feed
-        `expected_tokens` and `expected_turns`."""
-        total = 0
-        turns = self.expected_turns()
-        for prog in self.table.values():
-            if not prog.admitted:
-                continue
-            state = self.state(prog, now)
-            if state == "active" or (state == "paused" and not self.expected_done(prog, turns)):
-                total += self.expected_working_set(prog)
-            elif state == "idle" and not prog.peak_recorded:
-                prog.peak_recorded = True
-                self.expected_tokens += PEAK_EWMA * (prog.working_set_tokens
-                                                     - self.expected_tokens)
-                self.done_turns[prog.key] = prog.num_requests
-                self.done_turns.move_to_end(prog.key)
-                if len(self.done_turns) > TURN_SAMPLES:
-                    self.done_turns.popitem(last=False)
-        return total
+        and not expected done."""
+        return self._sweep(now)
 
     @staticmethod
     def expected_done(prog: Program, turns: int | None) -> bool:
@@ -250,8 +311,8 @@ class Programs:
         return turns is not None and not prog.in_flight and prog.num_requests >= turns
 
     def expected_turns(self) -> int | None:
-        """The request count past which a paused program is expected done (module doc); None
-        before TURN_SAMPLES_MIN programs were found done."""
+        """The request count past which a paused program is expected done; None before
+        TURN_SAMPLES_MIN programs were found done."""
         if len(self.done_turns) < TURN_SAMPLES_MIN:
             return None
         counts = sorted(self.done_turns.values())
@@ -264,52 +325,51 @@ class Programs:
         return max(prog.working_set_tokens, FIRST_TURN_GROWTH * prog.first_turn_tokens,
                    int(self.expected_tokens))
 
-    def admissible(self, ready: list[Req], nothing_else_runs: bool) -> list[Req]:
-        """The requests of `ready` that admission control lets run now (all of them when off).
-        `nothing_else_runs`: no request holds a row; then if no admitted program is resident
-        either and none is admissible, the oldest held program's turn is (one larger than the
-        capacity is not starved)."""
+    def hold_bound_s(self) -> float:
+        """The longest a held program waits: then its first turn goes, whatever runs."""
+        return max(HOLD_BOUND_MIN_S, self.mean_turn_s)
+
+    def admissible(self, ready: list[Req]) -> list[Req]:
+        """The requests of `ready` that admission control lets run now (all of them when off):
+        those of no program or of admitted programs; of new programs, in hold order, those
+        that fit the budget left, that were held `hold_bound_s()`, or the first one when no
+        admitted program is resident. Costs O(len(ready) + live programs)."""
         if not self.admission:
             return ready
         now = self.clock()
         budget = self.capacity_tokens - self.resident_tokens(now)
-        out: list[Req] = []
-        held: list[Req] = []
-        passed: set[int] = set()  # new programs let through (their working set counted once)
-        for req in sorted(ready, key=lambda r: r.arrival):
-            prog = req.program
-            if prog is None or prog.admitted or id(prog) in passed:
-                out.append(req)
-            elif not held and self.expected_working_set(prog) <= budget:
-                budget -= self.expected_working_set(prog)
-                passed.add(id(prog))
-                out.append(req)
-            else:
-                held.append(req)  # FIFO: no new program overtakes a held one
-        seen: set[int] = set()
-        for req in held:
-            prog = req.program
-            if id(prog) in seen:
-                continue
-            seen.add(id(prog))
-            if prog.held_since is None:
+        new = {r.program for r in ready if r.program is not None and not r.program.admitted}
+        bound_s = self.hold_bound_s()
+        held: set[Program] = set()
+        for prog in sorted(new, key=lambda p: (p.held_since is None, p.held_since or 0.0,
+                                               p.first_arrival)):
+            need = self.expected_working_set(prog)
+            if need > budget and prog.held_since is None:
                 prog.held_since = now
+                self.held[prog.key] = prog
                 self.num_held += 1
-        if not out and held and nothing_else_runs and budget == self.capacity_tokens:
-            out.append(held[0])  # nothing runs or is resident: held, it would wait forever
-        return out
+            due = prog.held_since is not None and now - prog.held_since >= bound_s
+            # budget == capacity: no admitted program is resident and none passed
+            if need <= budget or due or budget == self.capacity_tokens:
+                prog.release_due = due
+                budget -= need
+            else:
+                held.add(prog)
+        return [r for r in ready if r.program not in held]
 
     # ---- reports -------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
-        """`/server_info` "programs"."""
+        """`/server_info` "programs": counts, and programs by public id only."""
         now = self.clock()
         self.expire(now)
+        resident = self._sweep(now)
         states = {"held": 0, "active": 0, "paused": 0, "idle": 0}
-        held_now_s = 0.0
-        for prog in self.table.values():
+        for prog in self.live.values():
             states[self.state(prog, now)] += 1
-            if prog.held_since is not None and not prog.admitted:
-                held_now_s += now - prog.held_since
+        states["idle"] += len(self.table) - len(self.live)
+        held_now_s = sum(now - p.held_since for p in self.held.values()
+                         if p.held_since is not None)
+        recent = itertools.islice(reversed(self.table.values()), RECENT_PROGRAMS)
         return {
             "num_programs": len(self.table),
             "num_active": states["active"],
@@ -318,26 +378,54 @@ class Programs:
             "num_held": states["held"],
             "admission_control": self.admission,
             "capacity_tokens": self.capacity_tokens,
-            "resident_working_set_tokens": self.resident_tokens(now),
+            "resident_working_set_tokens": resident,
             "expected_working_set_tokens": int(self.expected_tokens),
             "expected_turns": self.expected_turns(),
+            "hold_bound_s": self.hold_bound_s(),
             "num_programs_seen": self.num_seen,
             "num_programs_held": self.num_held,
-            "program_held_s": self.held_s + held_now_s,
+            "program_held_s": self.held_s + held_now_s,  # never decreases
             "ttl_s": self.ttl_s,
-            # the most recently seen programs, newest first, with their service
-            "recent": {p.key: self.program_info(p.key) for p in sorted(
-                self.table.values(), key=lambda p: -p.last_seen_s)[:RECENT_PROGRAMS]},
+            # the most recently seen programs, newest first, by public id
+            "recent": {p.public_id: self._describe(p, now) for p in recent},
         }
 
     def program_info(self, key: str) -> dict[str, Any] | None:
-        """One program's service and state (None: not in the table)."""
+        """One program's service and state (None: not in the table); in-process only."""
         prog = self.table.get(key)
-        if prog is None:
-            return None
-        now = self.clock()
+        return None if prog is None else self._describe(prog, self.clock())
+
+    def _describe(self, prog: Program, now: float) -> dict[str, Any]:
         busy = 0.0 if prog.busy_since is None else now - prog.busy_since
         return {"state": self.state(prog, now), "num_requests": prog.num_requests,
                 "prefill_tokens": prog.prefill_tokens, "decode_tokens": prog.decode_tokens,
                 "server_s": prog.server_s + busy, "working_set_tokens": prog.working_set_tokens,
                 "admitted": prog.admitted}
+
+
+def program_ranks(waiting: list[Req], now: float | None = None) -> dict[int, tuple[int, int]]:
+    """The `program` policy's key per request (by `id`): (share level, program's first
+    arrival). Level -1: a program released by the hold bound (its first turn goes first).
+    Level k: k requests of its program are in the server ahead of it (running, or waiting and
+    arrived earlier), less one per SHARE_AGING_S it has waited; so each program gets one
+    request's share per level, and one key with many parallel requests does not rank ahead of
+    every newer program. A request of no program ranks as a program that arrived with it."""
+    now = time.monotonic() if now is None else now
+    queued: dict[int, int] = {}
+    for r in waiting:
+        if r.program is not None:
+            queued[id(r.program)] = queued.get(id(r.program), 0) + 1
+    ahead: dict[int, int] = {}
+    ranks: dict[int, tuple[int, int]] = {}
+    for r in sorted(waiting, key=lambda r: r.arrival):
+        prog = r.program
+        if prog is None:
+            ranks[id(r)] = (0, r.arrival)
+        elif prog.release_due:
+            ranks[id(r)] = (-1, prog.first_arrival)
+        else:
+            before = ahead.get(id(prog), max(len(prog.in_flight) - queued[id(prog)], 0))
+            ahead[id(prog)] = before + 1
+            level = max(before - int((now - r.arrival_s) / SHARE_AGING_S), 0)
+            ranks[id(r)] = (level, prog.first_arrival)
+    return ranks

@@ -146,7 +146,7 @@ class Scheduler:
         req = self.intake.new_req(msg, sampling)
         if isinstance(req, ReqOutput):
             return req
-        self.programs.arrive(req, msg.session_id or msg.program_id)
+        self.programs.arrive(req, msg.session_id or msg.program_id, msg.max_new_tokens_defaulted)
         self.kv.load_ahead(req)
         self.kv.retain_prefix(req)
         self.waiting.append(req)

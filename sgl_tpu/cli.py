@@ -32,11 +32,12 @@ _HELP = {
                             "previous_response_id (least recently used dropped first)",
     "responses_ttl_s": "Responses API: seconds a stored response is kept after its last use",
     "max_total_tokens": "KV cache capacity in tokens",
-    "schedule_policy": "order of the waiting queue: program (by agent: the turns of the program "
-                       "that arrived first go first, and new programs' first turns are held "
-                       "while the admitted programs' KV fills the pool and host tier; requests "
-                       "of no program in arrival order), lpm (longest cached prefix first), "
-                       "fcfs, or dfs-weight",
+    "schedule_policy": "order of the waiting queue: program (by agent: each program's first "
+                       "request before any program's second, then the program that arrived "
+                       "first; new programs' first turns are held while the admitted programs' "
+                       "KV fills the pool and host tier, at most max(10 s, the mean turn time); "
+                       "requests of no program in arrival order), lpm (longest cached prefix "
+                       "first), fcfs, or dfs-weight",
     "enable_hierarchical_cache": "KV cache tiers below the pool: pages evicted from it demote "
                                  "to host memory (and with --hicache-storage-backend file to "
                                  "disk), and load back when a prompt reuses them",

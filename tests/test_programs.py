@@ -450,3 +450,42 @@ def test_scheduler_holds_second_program_until_the_first_is_done() -> None:
     assert sched.flush_cache()  # the cache is gone, and with it what the programs held
     assert sched.programs.info()["num_programs"] == 0
     assert sched.programs.info()["num_programs_held"] == 2
+
+
+def test_scheduler_starts_a_held_program_within_the_bound_beside_a_busy_agent() -> None:
+    """Through the scheduler: an agent whose turns and 0.5 s tool pauses keep its working set
+    resident, a newcomer that does not fit beside it; the newcomer's first EXTEND runs within
+    hold_bound_s() of its hold (a step of 0.1 s on the fake clock)."""
+    sched = make_program_scheduler(num_pages=40, admission=True)  # 160 tokens
+    clock = sched.programs.clock = Clock()
+    turn, current, resume_at = 0, "a0", None
+
+    def agent_turn() -> None:
+        req = request(f"a{turn}", list(range(1, 41 + 4 * turn)), 8)  # expects 2 x 48 at first
+        req.session_id = "agent-a"
+        assert sched.add_request(req) is None
+
+    agent_turn()
+    sched.step()
+    newcomer = request("n0", list(range(200, 260)), 8)  # expects 2 x 68: over what is left
+    newcomer.session_id = "newcomer"
+    assert sched.add_request(newcomer) is None
+    out: dict[str, dict] = {}
+    started = None
+    while started is None and clock.now < 200.0:
+        clock.now = round(clock.now + 0.1, 6)
+        run_steps(sched, out, max_steps=1)
+        if current is not None and out.get(current, {}).get("reason") is not None:
+            current, resume_at = None, clock.now + 0.5  # a tool pause
+        if current is None and clock.now >= resume_at:
+            turn += 1
+            current = f"a{turn}"
+            agent_turn()
+        prog = sched.programs.table["newcomer"]
+        if prog.held_since is not None:
+            held_since = prog.held_since
+        if prog.admitted:
+            started = clock.now
+    assert turn >= 5  # the agent kept working meanwhile
+    assert started is not None
+    assert HOLD_BOUND_MIN_S <= started - held_since <= sched.programs.hold_bound_s() + 0.2

@@ -79,7 +79,7 @@ class Server:
     """One life of a server: a pool, a tree and its tiers (the disk folder outlives it)."""
 
     def __init__(self, page_size: int, host_pages: int, policy: str, disk_dir: Path | None,
-                 **disk_kw):
+                 chunk_pages: int = 0, **disk_kw):
         self.ps = page_size
         self.allocator = PageAllocator(num_pages=10, page_size=page_size)
         self.pool = NumpyPool(10)
@@ -88,7 +88,7 @@ class Server:
                                                       ROW_ELEMS, np.int16,
                                                       **{"max_bytes": 1 << 30, **disk_kw})
         self.tiers = TieredCache(self.pool, self.tree, HostTier(host_pages, ROW_ELEMS, np.int16),
-                                 disk, policy)
+                                 disk, policy, chunk_pages=chunk_pages)
         self.tree.add_listener(self.tiers)
 
     def run(self, key: list[int]) -> int:
@@ -140,8 +140,9 @@ class TierMachine(RuleBasedStateMachine):
 
     @initialize(page_size=st.sampled_from([1, 2]), host_pages=st.sampled_from([2, 5, 20]),
                 policy=st.sampled_from(["write_through", "write_back"]),
-                with_disk=st.booleans(), cap_pages=st.sampled_from([2, 5, 1000]))
-    def setup(self, page_size, host_pages, policy, with_disk, cap_pages):
+                with_disk=st.booleans(), cap_pages=st.sampled_from([2, 5, 1000]),
+                chunk_pages=st.sampled_from([0, 1, 3]))
+    def setup(self, page_size, host_pages, policy, with_disk, cap_pages, chunk_pages):
         self.dir = Path(tempfile.mkdtemp(prefix="kv_tiers_")) if with_disk else None
         self.now = 0.0  # the disk tier's clock (its back-off)
         self.full = False
@@ -149,7 +150,7 @@ class TierMachine(RuleBasedStateMachine):
         self.probes = 0
         file_bytes = 56 + 4 * page_size + 2 * ROW_ELEMS + 32
         self.disk_kw = {"max_bytes": cap_pages * file_bytes, "clock": lambda: self.now}
-        self.args = (page_size, host_pages, policy, self.dir)
+        self.args = (page_size, host_pages, policy, self.dir, chunk_pages)
         self.start()
         self.attacker = None
         if with_disk:  # a tier of its own secret, writing forged pages to plant
@@ -315,6 +316,47 @@ def test_evicted_prefix_is_loaded_from_host_then_disk(tmp_path):
     assert server.run(key) == 8
     info = server.tiers.info()
     assert info["host"]["hit_tokens"] == 6 and info["disk"]["hit_tokens"] == 2
+    server.check()
+
+
+@pytest.mark.parametrize("chunk_pages", [1, 3, 4])
+def test_a_long_prefix_loads_in_chunks_through_a_bounded_buffer(tmp_path, chunk_pages):
+    """8 pages from the host tier, then from disk after a restart, at most `chunk_pages` rows
+    copied at once; the pool (9 pages) takes the loaded chunks and the request's own page."""
+    first = Server(page_size=2, host_pages=20, policy="write_through", disk_dir=tmp_path,
+                   chunk_pages=chunk_pages)
+    key = list(range(1, 18))
+    assert first.run(key) == 0
+    first.tree.evict(100)
+    assert first.run(key) == 16 and first.tiers.info()["host"]["hit_tokens"] == 16
+    first.check()
+    first.tiers.close()
+    second = Server(page_size=2, host_pages=20, policy="write_through", disk_dir=tmp_path,
+                    chunk_pages=chunk_pages)
+    assert second.run(key) == 16 and second.tiers.info()["disk"]["hit_tokens"] == 16
+    second.check()
+    for tiers in (first.tiers, second.tiers):
+        assert len(tiers._load_buf) <= chunk_pages and len(tiers._demote_buf) <= chunk_pages
+    second.tiers.close()
+
+
+def test_a_load_stops_where_the_pool_is_full():
+    """The chunks load while pages can be freed, the loaded ones stay (locked while the next
+    chunk evicts), and the load ends where the pool is full."""
+    server = Server(page_size=1, host_pages=20, policy="write_through", disk_dir=None,
+                    chunk_pages=2)
+    key = np.arange(1, 9, dtype=np.int32)
+    server.run(key.tolist())
+    server.tree.evict(100)  # 8 pages in the host tier
+    other = np.asarray([50, 51, 52, 53], np.int32)
+    server.run(other.tolist())
+    held = server.tree.match_prefix(other).last_node
+    server.tree.inc_lock_ref(held)  # a running request's 4 pages: 5 left
+    match = server.tiers.load(key, server.tree.match_prefix(key))
+    assert match.prefix_len == 5 and server.allocator.num_free_pages == 0
+    np.testing.assert_array_equal(server.pool.rows[server.allocator.slots_to_pages(match.slots)],
+                                  expected_rows(key.tolist(), 5, 1))
+    server.tree.dec_lock_ref(held)
     server.check()
 
 

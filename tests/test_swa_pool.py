@@ -13,6 +13,7 @@ from gemma_checkpoints import WINDOW, make_tiny_gemma
 
 from sgl_tpu.config import SchedulerConfig, ServerArgs
 from sgl_tpu.executor.registry import runner_config
+from sgl_tpu.mem_cache import tiers as tiers_module
 from sgl_tpu.mem_cache.page_hash import ROOT_HASH, chain_hashes
 from sgl_tpu.mem_cache.swa_pool import SwaPageAllocator, pool_split
 from sgl_tpu.mem_cache.tiers import global_only_hash
@@ -229,13 +230,19 @@ def test_engine_gives_the_same_tokens_with_the_window_pool(tiny_gemma):
     assert infos[True]["integrity"] == "ok"
 
 
+@pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
-def test_host_tier_under_the_window_pool(tiny_gemma, policy):
+def test_host_tier_under_the_window_pool(tiny_gemma, policy, chunked, monkeypatch):
     """Prompts that overflow a small pool go to the host tier and come back: the same tokens as
     one pool without tiers. Written through, their rows are whole (copied while the windows
     were there) and the repeated prompts are served from them; written back at eviction, the
-    tiny window pool had dropped their windows: global-only rows, loaded and then cut."""
+    tiny window pool had dropped their windows: global-only rows, loaded and then cut.
+    `chunked`: loads a page at a time, which keep only the window pages of a load in one
+    piece (the small window pool would not hold one per page)."""
     from sgl_tpu.engine import Engine
+
+    if chunked:
+        monkeypatch.setattr(tiers_module, "CHUNK_BYTES", 1)  # one page per chunk
 
     common = dict(backend="torch", dtype="float32", page_size=PS, chunked_prefill_size=64,
                   max_running_requests=4, torch_compile="off", max_total_tokens=256)

@@ -359,10 +359,9 @@ class DiskTier:
             except OSError:
                 pass
         start = _HEADER.size + 4 * self.page_size
-        return np.frombuffer(blob, dtype=self.dtype, offset=start,
-                             count=self.row_elems).copy()
+        return np.frombuffer(blob, dtype=self.dtype, offset=start, count=self.row_elems)
 
-    def _read_file(self, path: Path) -> tuple[bytes, str | None]:
+    def _read_file(self, path: Path) -> tuple[bytearray, str | None]:
         """The file's bytes if it is a regular file of a page's size, else a problem; never
         follows a symlink or blocks on a FIFO. FileNotFoundError if there is none."""
         try:
@@ -370,20 +369,22 @@ class DiskTier:
         except (FileNotFoundError, NotADirectoryError):
             raise
         except OSError as e:
-            return b"", "a symlink" if e.errno == errno.ELOOP else f"unreadable ({e})"
+            return bytearray(), "a symlink" if e.errno == errno.ELOOP else f"unreadable ({e})"
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                return b"", "not a regular file"
+                return bytearray(), "not a regular file"
             if st.st_size != self.file_bytes:
-                return b"", f"{st.st_size} bytes, expected {self.file_bytes} (truncated or foreign)"
+                return bytearray(), (f"{st.st_size} bytes, expected {self.file_bytes} "
+                                     f"(truncated or foreign)")
             blob = bytearray(self.file_bytes)
-            view, done = memoryview(blob), 0
-            while done < len(blob) and (n := os.readv(fd, [view[done:]])) > 0:
-                done += n
-            return bytes(blob[:done]), None
+            done = 0
+            with memoryview(blob) as view:
+                while done < len(blob) and (n := os.readv(fd, [view[done:]])) > 0:
+                    done += n
+            return (blob if done == len(blob) else blob[:done]), None
         except OSError as e:
-            return b"", f"unreadable ({e})"
+            return bytearray(), f"unreadable ({e})"
         finally:
             os.close(fd)
 
@@ -398,7 +399,7 @@ class DiskTier:
         with self._lock:
             self._files.pop(page_hash, None)
 
-    def _check(self, blob: bytes, page_hash: bytes, tokens: np.ndarray) -> str | None:
+    def _check(self, blob: bytearray, page_hash: bytes, tokens: np.ndarray) -> str | None:
         if len(blob) != self.file_bytes:
             return f"{len(blob)} bytes, expected {self.file_bytes} (truncated or foreign)"
         magic, version, fingerprint, file_hash, page_size, row_bytes = _HEADER.unpack_from(blob)

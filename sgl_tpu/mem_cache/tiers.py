@@ -16,12 +16,15 @@ Write policies (`--hicache-write-policy`, SGLang's names):
   write_back     a page is copied to the host tier only when it is evicted from the pool, and
                  to disk only when the host tier drops it: less copying, a cold disk.
 
-A load copies the found pages' rows out of the tiers first, then frees pool pages (an eviction
-may demote other pages and push host entries out, never the rows already copied), writes them
-into the pool (`write_kv_pages`) and inserts them into the tree, where the request's admission
-locks them like any cached prefix. Tiers hold the pool's dtype as raw bits: an fp8 pool stays
-fp8. On CPU a load is a memory copy into the pool. On an accelerator the same copies cross the
-host link; see docs/kv-cache-tiers.md for the bandwidth and the overlap with compute.
+A load runs in chunks of at most `chunk_pages` pages (64 MiB of rows), so its row buffer stays
+that small however long the prefix: per chunk, it copies the found pages' rows out of the tiers
+first, then frees pool pages (an eviction may demote other pages and push host entries out,
+never the rows already copied; the chunks loaded before stay locked), writes them into the pool
+(`write_kv_pages`) and inserts them into the tree, where the request's admission locks them like
+any cached prefix. A demotion copies at most a chunk at a time too. Tiers hold the pool's dtype
+as raw bits: an fp8 pool stays fp8. On CPU a load is a memory copy into the pool. On an
+accelerator the same copies cross the host link; see docs/kv-cache-tiers.md for the bandwidth
+and the overlap with compute.
 
 Under a sliding-window pool (`swa_pool.py`) a row holds the local layers' K/V from the page's
 window page. A page whose window page was dropped has only its global layers' K/V: its row is
@@ -52,6 +55,7 @@ from sgl_tpu.mem_cache.tree_node import TreeListener, TreeNode
 logger = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_through", "write_back")
+CHUNK_BYTES = 64 * 2**20  # rows a load or a demotion copies at once
 
 
 def global_only_hash(page_hash: bytes) -> bytes:
@@ -82,9 +86,13 @@ class TierCounters:
 
 class TieredCache(TreeListener):
     def __init__(self, io: KVPageIO, tree: RadixCache, host: HostTier,
-                 disk: DiskTier | None = None, write_policy: str = "write_through") -> None:
+                 disk: DiskTier | None = None, write_policy: str = "write_through", *,
+                 chunk_pages: int = 0) -> None:
+        """`chunk_pages`: pages a load or a demotion copies at once (0: `CHUNK_BYTES` of rows)."""
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+        if chunk_pages < 0:
+            raise ValueError(f"chunk_pages must be >= 0, got {chunk_pages}")
         self.io = io
         self.tree = tree
         self.allocator = tree.allocator
@@ -96,11 +104,12 @@ class TieredCache(TreeListener):
         self.write_policy = write_policy
         self.host_counters = TierCounters()
         self.disk_counters = TierCounters()
+        self.chunk_pages = chunk_pages or max(1, CHUNK_BYTES // host.row_bytes)
         # Row buffers reused by every copy (fresh memory is faulted in page by page, which
-        # costs more than the copy): one for demotions, one for loads, since a load's
-        # eviction demotes while the load's rows wait.
-        self._demote_buf = _RowBuffer(host.rows.shape[1], host.rows.dtype)
-        self._load_buf = _RowBuffer(host.rows.shape[1], host.rows.dtype)
+        # costs more than the copy), of at most a chunk: one for demotions, one for loads,
+        # since a load's eviction demotes while the load's rows wait.
+        self._demote_buf = _RowBuffer(host.rows.shape[1], host.rows.dtype, self.chunk_pages)
+        self._load_buf = _RowBuffer(host.rows.shape[1], host.rows.dtype, self.chunk_pages)
 
     # ---- the tree's events (TreeListener) --------------------------------------------------
     def stored(self, node: TreeNode) -> None:
@@ -124,17 +133,19 @@ class TieredCache(TreeListener):
         if not missing:
             return
         t0 = time.perf_counter()
-        pages = all_pages[missing]
-        rows = self.io.read_kv_pages(pages, self._demote_buf.get(len(pages)),
-                                     **self._windows(pages))
-        for row, i in zip(rows, missing, strict=True):
-            tokens = node.key[i * ps:(i + 1) * ps]
-            dropped = self.host.put(keys[i], tokens, row)
-            if self.disk is not None:
-                if self.write_through:
-                    self.disk.write(keys[i], tokens, row)
-                elif dropped is not None:
-                    self.disk.write(*dropped)
+        for lo in range(0, len(missing), self.chunk_pages):
+            chunk = missing[lo:lo + self.chunk_pages]
+            pages = all_pages[chunk]
+            rows = self.io.read_kv_pages(pages, self._demote_buf.get(len(pages)),
+                                         **self._windows(pages))
+            for row, i in zip(rows, chunk, strict=True):
+                tokens = node.key[i * ps:(i + 1) * ps]
+                dropped = self.host.put(keys[i], tokens, row)
+                if self.disk is not None:
+                    if self.write_through:
+                        self.disk.write(keys[i], tokens, row)
+                    elif dropped is not None:
+                        self.disk.write(*dropped)
         self.host_counters.demote_bytes += len(missing) * self.host.row_bytes
         self.host_counters.demote_s += time.perf_counter() - t0
 
@@ -143,11 +154,24 @@ class TieredCache(TreeListener):
         """Load the pages of `key` that follow `match` (the device tree's match of `key`) from
         the lower tiers into the pool and the tree, as many as are found in a row and fit;
         return the new match (`match` itself when nothing was loaded)."""
+        loaded: list[int] = []  # this load's pool pages, in order
+        while True:
+            new, pages = self._load_chunk(key, match, loaded)
+            loaded.extend(pages)
+            if len(pages) < self.chunk_pages:
+                return new
+            match = new
+
+    def _load_chunk(self, key: np.ndarray, match: MatchResult, loaded: list[int]
+                    ) -> tuple[MatchResult, list[int]]:
+        """`load` of at most a chunk of pages after the `loaded` ones: the new match and the
+        pages loaded."""
         ps = self.page_size
         t0 = time.perf_counter()
-        found, whole = self._find(key, match.prefix_len, match.last_node.last_hash())
+        found, whole = self._find(key, match.prefix_len, match.last_node.last_hash(),
+                                  self.chunk_pages)
         if not found:
-            return match
+            return match, []
         self.tree.inc_lock_ref(match.last_node)  # eviction below must not take the match
         try:
             n = min(len(found), self.allocator.num_free_pages
@@ -155,12 +179,14 @@ class TieredCache(TreeListener):
             short = n - self.allocator.num_free_pages
             if short > 0:
                 self.tree.evict(short * ps)
+            if self.swa is not None and loaded and n:
+                self._drop_stale_windows(loaded, match.prefix_len + n * ps, whole[:n])
             pages = (None if not n else self.allocator.alloc(n) if self.swa is None
                      else self.swa.alloc(n, windows=self._windowed(match.prefix_len, whole[:n])))
         finally:
             self.tree.dec_lock_ref(match.last_node)
         if pages is None:
-            return match
+            return match, []
         self.io.write_kv_pages(pages, self._load_buf.get(n), **self._windows(pages))
         end = match.prefix_len + n * ps
         slots = np.concatenate([match.slots, self.allocator.pages_to_slots(pages, n * ps)])
@@ -174,7 +200,22 @@ class TieredCache(TreeListener):
         new = self.tree.match_prefix(key[:end])
         if new.prefix_len != end:
             raise RuntimeError(f"tree lost loaded pages ({new.prefix_len} != {end})")
-        return new
+        return new, pages.tolist()
+
+    def _drop_stale_windows(self, loaded: list[int], end: int, whole: list[bool]) -> None:
+        """Before the next chunk (ending at token `end`, its rows whole or not) is loaded:
+        drop the window pages the chunks before got (`_windowed` of their own end) that a
+        load ending at `end` would not have given, so a chunked load keeps those of a load in
+        one piece."""
+        if all(whole):  # (else the window before `end` starts in this chunk)
+            first = self.swa.first_window_page(end) - (end // self.page_size - len(whole))
+            stale = loaded[:max(0, len(loaded) + first)]
+        else:
+            stale = loaded
+        stale_pages = np.asarray(stale, np.int64)
+        stale_pages = stale_pages[self.swa.window_of[stale_pages] > 0]
+        if stale_pages.size:
+            self.swa.drop_windows(stale_pages)
 
     def _windowed(self, start: int, whole: list[bool]) -> int:
         """How many of the pages loaded after token `start` get window pages: the last ones,
@@ -190,16 +231,17 @@ class TieredCache(TreeListener):
         sliding-window pool."""
         return {} if self.swa is None else {"window_pages": self.swa.window_of[pages]}
 
-    def _find(self, key: np.ndarray, start: int, parent_hash: bytes | None
+    def _find(self, key: np.ndarray, start: int, parent_hash: bytes | None, max_pages: int
               ) -> tuple[list[str], list[bool]]:
-        """The tier of each page of `key` from token `start` on, while found, and whether its
-        row is whole (else global-only); their rows are copied, in order, into the load
-        buffer."""
+        """The tier of each page of `key` from token `start` on, while found (at most
+        `max_pages`), and whether its row is whole (else global-only); their rows are copied,
+        in order, into the load buffer."""
         ps = self.page_size
         prev = parent_hash or ROOT_HASH
         tiers: list[str] = []
         whole: list[bool] = []
-        for p in range(start // ps, len(key) // ps):
+        first = start // ps
+        for p in range(first, min(len(key) // ps, first + max_pages)):
             tokens = np.asarray(key[p * ps:(p + 1) * ps], dtype=np.int32)
             page_hash = chain_hashes(prev, tokens, ps)[0].tobytes()
             keys = [page_hash] if self.swa is None else [page_hash, global_only_hash(page_hash)]
@@ -270,16 +312,23 @@ class TieredCache(TreeListener):
 
 
 class _RowBuffer:
-    """A growing array of page rows, reused from call to call."""
+    """An array of page rows reused from call to call, grown as needed up to `max_rows`."""
 
-    def __init__(self, row_elems: int, dtype: np.dtype) -> None:
+    def __init__(self, row_elems: int, dtype: np.dtype, max_rows: int) -> None:
         self._rows = np.empty((0, row_elems), dtype=dtype)
+        self.max_rows = max_rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
 
     def get(self, n: int, keep: bool = False) -> np.ndarray:
-        """The first `n` rows; `keep`: rows already there survive a growth."""
+        """The first `n` rows (`n` <= `max_rows`); `keep`: rows already there survive a
+        growth."""
+        if n > self.max_rows:
+            raise ValueError(f"{n} rows asked of a buffer of at most {self.max_rows}")
         if n > len(self._rows):
-            grown = np.empty((max(n, 2 * len(self._rows)), self._rows.shape[1]),
-                             dtype=self._rows.dtype)
+            grown = np.empty((min(max(n, 2 * len(self._rows)), self.max_rows),
+                              self._rows.shape[1]), dtype=self._rows.dtype)
             if keep:
                 grown[:len(self._rows)] = self._rows
             self._rows = grown

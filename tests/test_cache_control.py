@@ -51,16 +51,20 @@ def _info(server) -> dict:
 
 @pytest.mark.slow
 def test_open_session_survives_traffic_until_closed(server):
+    before = {s["id"] for s in _info(server)["sessions"]["open"]}
     r = _post(server, "/open_session", {"capacity_of_str_len": 1000, "timeout": 300})
     assert r.status_code == 200, r.text
     sid = r.json()
+    # listed by public id (a keyed hash), never by the id: the one not listed before
+    (public_id,) = {s["id"] for s in _info(server)["sessions"]["open"]} - before
+    assert public_id != sid
     assert isinstance(sid, str) and sid
     turn = _ids(160, 1)
     _cached(server, turn, session_params={"id": sid})
     _traffic(server, 10)
     info = _info(server)
     assert info["memory"]["evicted_tokens"] > 0  # the pool overflowed
-    (listed,) = [s for s in info["sessions"]["open"] if s["session_id"] == sid]
+    (listed,) = [s for s in info["sessions"]["open"] if s["id"] == public_id]
     assert listed["pinned_tokens"] >= 160
     assert _cached(server, turn + _ids(8, 2), session_params={"id": sid}) >= 160
     assert _post(server, "/close_session", {"session_id": sid}).status_code == 200

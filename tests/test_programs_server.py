@@ -89,7 +89,12 @@ def test_no_client_key_leaves_the_server(server):
     msg = [{"role": "user", "content": "Say hi."}]
     sp = {"max_new_tokens": 2, "temperature": 0}
     keys = {name: f"zq{name}9x4k7" for name in ("session", "params", "cachekey", "header",
-                                                 "userid", "programid")}
+                                                 "userid", "programid", "opened")}
+    r = requests.post(server.base_url + "/open_session", json={"session_id": keys["opened"]},
+                      timeout=60)
+    assert r.status_code == 200, r.text
+    _post(server, "/generate", {"text": "Open", "sampling_params": sp,
+                                "session_id": keys["opened"]})
     _post(server, "/generate", {"text": "One", "sampling_params": sp,
                                 "session_id": keys["session"]})
     _post(server, "/generate", {"text": "Two", "sampling_params": sp,
@@ -112,3 +117,5 @@ def test_no_client_key_leaves_the_server(server):
     for name, key in keys.items():
         for where, text in (("/server_info", info), ("/metrics", metrics), ("log", log)):
             assert key not in text, (name, where)
+    assert requests.post(server.base_url + "/close_session", json={"session_id": keys["opened"]},
+                         timeout=60).status_code == 200

@@ -120,18 +120,19 @@ def test_truncation_auto_drops_the_oldest_turn_and_disabled_is_400(client, serve
 def test_prompt_cache_key_names_the_session(client, server):
     """An open session pins the KV of every request that names it by `prompt_cache_key`;
     `user`, `safety_identifier` and `priority` are accepted on every route."""
-    def pinned(sid: str) -> int:
+    def listed() -> dict[str, int]:  # by public id (a keyed hash): never the session's id
         info = requests.get(server.base_url + "/server_info", timeout=30).json()
-        return next(s["pinned_tokens"] for s in info["sessions"]["open"]
-                    if s["session_id"] == sid)
+        return {s["id"]: s["pinned_tokens"] for s in info["sessions"]["open"]}
 
     ids = {"user": "u-1", "safety_identifier": "sid-hash"}
     for route in ("chat", "completions", "responses", "responses-header"):
         sid = f"pck-{route}"
+        before = listed()
         r = requests.post(server.base_url + "/open_session", json={"session_id": sid},
                           timeout=30)
         assert r.json() == sid, r.text
-        assert pinned(sid) == 0
+        (public_id,) = set(listed()) - set(before)
+        assert listed()[public_id] == 0 and sid not in str(listed())
         if route == "chat":
             client.chat.completions.create(
                 model="default", max_tokens=2, prompt_cache_key=sid, **ids,
@@ -147,7 +148,7 @@ def test_prompt_cache_key_names_the_session(client, server):
         else:  # the router's routing header names the session too
             client.responses.create(model="default", input=QUESTION, max_output_tokens=2,
                                     extra_headers={"X-SMG-Routing-Key": sid})
-        assert pinned(sid) > 0, route
+        assert listed()[public_id] > 0, route
         assert requests.post(server.base_url + "/close_session", json={"session_id": sid},
                              timeout=30).status_code == 200
     r = requests.post(server.base_url + "/v1/responses", timeout=30,

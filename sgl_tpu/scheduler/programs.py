@@ -4,7 +4,7 @@ A program is what a request names as its session (`session_id`, `session_params.
 `prompt_cache_key`, the `X-SMG-Routing-Key` header, a Responses chain's conversation) or else
 its `program_id` (Anthropic's `metadata.user_id`); a request naming none is not tracked. The
 client's key never leaves this module: reports name a program by `Program.public_id`, an
-HMAC-SHA256 of the key under a random secret of this server, truncated.
+HMAC-SHA256 of the key under a random secret of this server, truncated (`PublicIds`).
 
     first request ──► (held) ──► active ──its last request ends──► paused ──window over──► idle
                                    ▲                                  │                     │
@@ -68,6 +68,19 @@ SHARE_AGING_S = 10.0  # a waiting request's share level drops by one per this ma
 PUBLIC_ID_HEX = 16  # hex digits of a program's public id (64 bits of the HMAC)
 
 
+class PublicIds:
+    """Client keys as reports name them: an HMAC-SHA256 under a random secret of this
+    instance, truncated to PUBLIC_ID_HEX hex digits (stable for the server's life, meaningless
+    to anyone else)."""
+
+    def __init__(self) -> None:
+        self._secret = os.urandom(32)  # never leaves the process
+
+    def __call__(self, key: str) -> str:
+        digest = hmac.new(self._secret, key.encode("utf-8", "surrogatepass"), hashlib.sha256)
+        return digest.hexdigest()[:PUBLIC_ID_HEX]
+
+
 @dataclass(eq=False)
 class Program:
     key: str  # the client's string: never reported (public_id is)
@@ -106,7 +119,7 @@ class Programs:
         self.capacity_tokens = capacity_tokens  # pool + host tier, in tokens
         self.admission = admission
         self.clock = clock
-        self._secret = os.urandom(32)  # keys `public_id`; never leaves the process
+        self.public_id = PublicIds()  # what reports name a program by (sessions.py too)
         self.table: OrderedDict[str, Program] = OrderedDict()  # least recently seen first
         self.live: dict[str, Program] = {}
         self.held: dict[str, Program] = {}
@@ -130,11 +143,6 @@ class Programs:
     def for_scheduler(cls, config: SchedulerConfig, capacity_tokens: int) -> Programs:
         """`capacity_tokens`: the KV pool plus the host tier (the scheduler's KVManager)."""
         return cls(config.program_ttl_s, capacity_tokens, config.program_admission)
-
-    def public_id(self, key: str) -> str:
-        """What reports name program `key` by: a keyed hash, stable for this server's life."""
-        digest = hmac.new(self._secret, key.encode("utf-8", "surrogatepass"), hashlib.sha256)
-        return digest.hexdigest()[:PUBLIC_ID_HEX]
 
     # ---- a request's life ----------------------------------------------------------------
     def arrive(self, req: Req, key: str | None, max_new_tokens_defaulted: bool = False

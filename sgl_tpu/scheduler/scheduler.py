@@ -118,6 +118,8 @@ class Scheduler:
         host_tokens = 0 if tiers is None else tiers.host.capacity * self.kv.page_size
         self.programs = Programs.for_scheduler(config, self.kv.capacity_tokens + host_tokens)
         self.programs.on_done = self.kv.retention.release_hint
+        if self.sessions is not None:  # one public id per key in /server_info
+            self.sessions.public_id = self.programs.public_id
         self.extend_planner = ExtendPlanner(config, self.kv, self.queues, self.stats,
                                             retract=self.memory.retract, priorities=priorities,
                                             programs=self.programs)

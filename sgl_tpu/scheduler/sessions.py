@@ -12,7 +12,9 @@ passed is unpinned and forgotten the next time the table is swept (its pins had 
 stopped counting when the deadline passed: the tree compares deadlines with the clock).
 
 Owned by the scheduler (one table per replica: behind a router, a session lives on the replica
-its requests are routed to). The clock is the tree's.
+its requests are routed to). The clock is the tree's. `/server_info` lists sessions by public
+id (a keyed hash, the program table's: programs.py), never by the id, which is a capability:
+whoever knows it can renew, use or close the session.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sgl_tpu.mem_cache.radix_cache import RadixCache
+from sgl_tpu.scheduler.programs import PublicIds
 from sgl_tpu.validation import check_session_id
 
 SWEEP_INTERVAL_S = 1.0  # expired sessions are forgotten at most this long after expiry
@@ -52,6 +55,7 @@ class SessionTable:
         self.max_ttl_s = max_ttl_s
         self._sessions: dict[str, Session] = {}
         self._next_sweep = 0.0
+        self.public_id = PublicIds()  # the scheduler shares its program table's
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -109,7 +113,7 @@ class SessionTable:
         listed = list(self._sessions.values())[:_MAX_LISTED]
         return {"num_open": len(self._sessions),
                 "default_ttl_s": self.default_ttl_s, "max_ttl_s": self.max_ttl_s,
-                "open": [{"session_id": s.session_id, "ttl_s": s.ttl_s,
+                "open": [{"id": self.public_id(s.session_id), "ttl_s": s.ttl_s,
                           "expires_in_s": round(s.expires_at - now, 3),
                           "pinned_tokens": self.tree.pinned_size(s.session_id)}
                          for s in listed]}

@@ -84,13 +84,14 @@ class ResponseAccumulator:
             "finish_reason": _public_reason(o.finish_reason) if o.finished else None,
             "e2e_latency": time.perf_counter() - self.start_time,
         }
+        # Copies of the growing lists: a streamed dict may wait (in a queue, or while the
+        # response starts) while more tokens arrive, and its entries must match its text.
         if self.return_logprob:
             meta["input_token_logprobs"] = self.input_token_logprobs or []
-            meta["output_token_logprobs"] = self.output_token_logprobs
+            meta["output_token_logprobs"] = list(self.output_token_logprobs)
             meta["output_token_logprobs_length"] = len(self.output_token_logprobs)
             meta["input_top_logprobs"] = self.input_top_logprobs or []
-            meta["output_top_logprobs"] = self.output_top_logprobs
-        # A copy of the ids: a caller may keep a streamed dict while more tokens arrive.
+            meta["output_top_logprobs"] = list(self.output_top_logprobs)
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
 
 

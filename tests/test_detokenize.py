@@ -12,7 +12,7 @@ from checkpoints import make_tiny_tokenizer
 
 from sgl_tpu.detokenize import DetokenizerState, stop_safe_len
 from sgl_tpu.messages import ReqOutput
-from sgl_tpu.response import ResponseAccumulator
+from sgl_tpu.response import ResponseAccumulator, incremental_logprobs
 
 TEXT = "Caf\u00e9 na\u00efve \U0001f600 r\u00e9sum\u00e9 \u2014 the quick brown fox jumps."
 
@@ -101,12 +101,32 @@ def test_final_cut_before_delivered_text(tok):
     assert texts[-1] == full[:4] and acc.to_dict()["output_ids"] == ids
 
 
+def _with_logprobs(rid: str, ids: list[int], **kw) -> ReqOutput:
+    """A scheduler output carrying one (made-up) log-prob and one top entry per token."""
+    return ReqOutput(rid=rid, new_token_ids=ids, output_token_logprobs=[[-0.5, t] for t in ids],
+                     output_top_logprobs=[[[-0.5, t]] for t in ids], **kw)
+
+
 def test_streamed_dicts_do_not_change_afterwards(tok):
+    """A streamed dict may wait (in the OpenAI routes' queue of n choices, or while a native
+    stream's response starts) while more tokens arrive: its text, ids and log-probs stay as
+    they were, so a chunk built from it later carries one log-prob per token of its text."""
     ids = tok.encode(TEXT).ids
     state = DetokenizerState(_decode_fn(tok))
-    acc = ResponseAccumulator("r")
-    acc.update(state.process([ReqOutput(rid="r", new_token_ids=ids[:3])])[0])
+    acc = ResponseAccumulator("r", return_logprob=True)
+    acc.update(state.process([_with_logprobs("r", ids[:3], completion_tokens=3)])[0])
     first = acc.to_dict()
-    kept = (first["text"], list(first["output_ids"]))
-    acc.update(state.process([ReqOutput(rid="r", new_token_ids=ids[3:], finished=True)])[0])
-    assert (first["text"], first["output_ids"]) == kept
+    meta = first["meta_info"]
+    kept = (first["text"], list(first["output_ids"]), list(meta["output_token_logprobs"]),
+            list(meta["output_top_logprobs"]), meta["output_token_logprobs_length"])
+    acc.update(state.process([_with_logprobs("r", ids[3:], finished=True,
+                                             completion_tokens=len(ids))])[0])
+    assert (first["text"], first["output_ids"], meta["output_token_logprobs"],
+            meta["output_top_logprobs"], meta["output_token_logprobs_length"]) == kept
+    assert len(meta["output_token_logprobs"]) == meta["completion_tokens"] == 3
+    # the streamed form of the first dict, built only now, still holds its own three entries
+    chunk = incremental_logprobs(first, 0)["meta_info"]
+    assert [e[1] for e in chunk["output_token_logprobs"]] == ids[:3]
+    assert len(chunk["output_top_logprobs"]) == 3
+    rest = incremental_logprobs(acc.to_dict(), 3)["meta_info"]
+    assert [e[1] for e in rest["output_token_logprobs"]] == ids[3:]

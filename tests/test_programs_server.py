@@ -119,3 +119,19 @@ def test_no_client_key_leaves_the_server(server):
             assert key not in text, (name, where)
     assert requests.post(server.base_url + "/close_session", json={"session_id": keys["opened"]},
                          timeout=60).status_code == 200
+
+
+@pytest.mark.slow
+def test_a_chat_without_max_tokens_counts_the_outputs_seen(server):
+    """The server sets such a chat's max_new_tokens to the rest of the context; its program's
+    working set counts the outputs seen instead (max_new_tokens_defaulted), so it is not held
+    as a whole context."""
+    before = _programs(server)["num_programs_held"]
+    _post(server, "/v1/chat/completions", {
+        "model": "default", "temperature": 0, "stop": [" ", ".", "\n"],
+        "messages": [{"role": "user", "content": "Say hi."}],
+        "prompt_cache_key": "p-no-max-tokens"})
+    programs = _programs(server)
+    newest = next(iter(programs["recent"].values()))
+    assert newest["num_requests"] == 1 and newest["working_set_tokens"] < 1024, newest
+    assert programs["num_programs_held"] == before

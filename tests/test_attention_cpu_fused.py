@@ -188,8 +188,8 @@ def test_decode_matches_reference_with_a_shared_prefix(name, dtypes, case):
         steps.append(SeqStep(token_ids=[0], prefix_len=22, pages=solo, sampling=GREEDY,
                              seed=0, num_output_tokens=1))
     batch = decode_batch(steps, len(steps) + 1, model_window, dtype)
-    if case == "shared":
-        assert batch.shared_slots.shape[0] == 300
+    if case == "shared":  # whole chunks of the 300-key prefix: batch-invariant rows
+        assert batch.shared_slots.shape[0] == sdpa.DECODE_CHUNK_KEYS
     q = torch.randn(len(steps) + 1, KVH * G, d).to(dtype)
     out = fused(name).decode_attention(q, pool.k, pool.v, batch, scale, sliding_window=window,
                                        logit_cap=cap)
@@ -245,18 +245,19 @@ def test_decode_own_keys_over_group_sizes(kvh, group, d, window, cap, pool_dtype
 
 @pytest.mark.parametrize("window", [None, 30])
 def test_decode_many_rows_share_a_prefix(window):
-    """13 forks of one prefix: 39 query rows per shared-prefix item (register tiles of 3
-    vectors plus a remainder), own contexts of 1 to 25 tokens, with and without a window that
-    leaves some rows' view of a shared key tile whole, partial or empty."""
+    """13 forks of one prefix: 13 sequences' rows per shared-prefix item (all-heads items:
+    one holds at most 14 sequences' 6 heads), or, under a window, 39 query rows per per-head
+    item (register tiles of 3 vectors plus a remainder); own contexts of 5 to 29 tokens, the
+    window leaving some rows' view of a shared key tile whole, partial or empty."""
     d, scale = 32, 32 ** -0.5
-    pool = Pool(d, torch.float32, num_pages=140, seed=2)
-    prefix = pool.pages(68)  # 17 whole pages
-    lens = [68 + n for n in range(1, 26, 2)]
+    pool = Pool(d, torch.float32, num_pages=200, seed=2)
+    prefix = pool.pages(260)  # 65 whole pages: 256 keys shared, whole chunks
+    lens = [260 + n for n in range(1, 26, 2)]
     steps = [SeqStep(token_ids=[0], prefix_len=n - 1,
-                     pages=np.concatenate([prefix, pool.pages(n - 68)]), sampling=GREEDY,
+                     pages=np.concatenate([prefix, pool.pages(n - 260)]), sampling=GREEDY,
                      seed=0, num_output_tokens=1) for n in lens]
     batch = decode_batch(steps, len(steps), None, torch.float32)
-    assert batch.shared_slots.shape[0] == 68
+    assert batch.shared_slots.shape[0] == sdpa.DECODE_CHUNK_KEYS
     q = torch.randn(len(steps), KVH * G, d)
     out = fused().decode_attention(q, pool.k, pool.v, batch, scale, sliding_window=window)
     for i, st in enumerate(steps):
@@ -422,7 +423,9 @@ def test_a_query_gets_the_same_attention_on_every_path(dots):
                             scale, 0, 0.0, dots)[:1]
         qe = torch.cat([torch.randn(4, kvh * group, d, generator=g), q])
         extend = ext.extend(qe, k, v, [slots], [0], [5], [n - 5], scale, 0, 0.0, dots)[-1:]
-        for a, b in [(own_only, shared), (own_only, extend), (shared, extend)]:
+        # a shared prefix of whole chunks (512 keys): the same bits as a row of own keys
+        assert torch.equal(own_only, shared)
+        for a, b in [(own_only, extend), (shared, extend)]:
             worst = max(worst, float((a - b).abs().max()))
     assert worst < 2e-5
     if dots and ext.bf16_dots:  # the bfloat16 path is the one taken
@@ -495,3 +498,46 @@ def test_runner_greedy_parity_with_sdpa(tmp_path):
     (l_sdpa, t_sdpa), (l_fused, t_fused) = runs["torch-sdpa"], runs["torch-cpu-fused"]
     np.testing.assert_allclose(l_fused, l_sdpa, atol=1e-4)
     assert t_fused == t_sdpa
+
+
+@pytest.mark.parametrize("dots", [True, False], ids=["dots", "f32"])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2],
+                         ids=["float32", "bf16kv", "fp8kv"])
+@pytest.mark.parametrize("kvh,group", [(3, 3), (1, 4), (2, 8)], ids=["g3", "g4", "g8"])
+def test_decode_rows_are_batch_invariant(kvh, group, pool_dtype, dots):
+    """A decode row's output has the same bits whatever rows share its step: alone (every key
+    its own), as one of a speculative verify's rows (5, and 20: more than one all-heads item
+    holds), beside other requests, and with a shared prefix of whole chunks
+    (`DECODE_CHUNK_KEYS`, as the runner cuts it). This is what makes drafts lossless: a
+    verify row computes the token a one-row decode computes."""
+    ext = cpu_extension.load()
+    assert ext.decode_chunk_keys == sdpa.DECODE_CHUNK_KEYS
+    d, scale = 64, 0.125
+    g = torch.Generator().manual_seed(kvh * 10 + group)
+    pool, slots_on_new_pages = pool_of_16_slot_pages(200, kvh, d, pool_dtype, g)
+    prefix = slots_on_new_pages(2 * sdpa.DECODE_CHUNK_KEYS)  # every request's system prompt
+    contexts = []  # each row's whole context
+    for tail, num_rows in [(300, 5), (7, 1), (40, 20), (150, 1)]:
+        keys = torch.cat([prefix, slots_on_new_pages(tail + num_rows - 1)])
+        contexts += [keys[: len(prefix) + tail + j] for j in range(num_rows)]
+    q = torch.randn(len(contexts), kvh * group, d, generator=g).bfloat16().float()
+    zero = torch.zeros(1, dtype=torch.int64)
+    none = torch.zeros(0, dtype=torch.int64)
+    alone = torch.cat([ext.decode(q[b : b + 1], pool.k, pool.v, none, c[None].clone(), zero,
+                                  torch.tensor([len(c)]), scale, 0, 0.0, dots)
+                       for b, c in enumerate(contexts)])
+
+    def batched(shared_len: int) -> torch.Tensor:
+        own = torch.zeros(len(contexts), max(len(c) for c in contexts) - shared_len,
+                          dtype=torch.int64)
+        for b, c in enumerate(contexts):
+            own[b, : len(c) - shared_len] = c[shared_len:]
+        return ext.decode(q, pool.k, pool.v, prefix[:shared_len].contiguous(), own,
+                          torch.zeros(len(contexts), dtype=torch.int64),
+                          torch.tensor([len(c) - shared_len for c in contexts]), scale, 0,
+                          0.0, dots)
+
+    for shared_len in (0, sdpa.DECODE_CHUNK_KEYS, 2 * sdpa.DECODE_CHUNK_KEYS):
+        out = batched(shared_len)
+        for b in range(len(contexts)):
+            assert torch.equal(out[b], alone[b]), (shared_len, b)

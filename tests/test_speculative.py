@@ -438,6 +438,23 @@ def test_scheduler_drafts_only_while_the_batch_is_small():
     assert sched.stats.spec_verify_reqs > 0 and sched.stats.spec_accepted_tokens > 0
 
 
+def test_verify_rows_stay_within_the_runners_decode_row_limit():
+    # A runner whose projections switch kernel above 5 rows (a quantized linear's dense copy):
+    # 2 requests decode in steps of at most 5 rows with drafts (3 draft rows between them),
+    # though max_running_requests would take 2 x 5.
+    sched, runner = _spec_scheduler(max_running=16)
+    sched.speculator.row_limit = 5
+    prompts = {r: list(range(base, base + 40)) + list(range(base, base + 5))
+               for r, base in (("a", 100), ("b", 200))}
+    for rid, p in prompts.items():
+        assert sched.add_request(request(rid, p, 16)) is None
+    out = run_all(sched)
+    for rid, p in prompts.items():
+        assert out[rid]["ids"] == expected(p, 16), rid
+    decodes = [len(c) for m, c in runner.calls if m == ForwardMode.DECODE]
+    assert max(decodes) == 5 and sched.stats.spec_accepted_tokens > 0, decodes
+
+
 def test_scheduler_speculation_under_kv_pressure_keeps_outputs_exact():
     # 15 usable pages of 4 tokens; each request grows to 20 + 24 tokens (11 pages)
     sched, _ = _spec_scheduler(num_pages=16, max_running=6)
@@ -678,3 +695,57 @@ def test_default_server_speculates_for_a_lone_request(fresh_f32_server):
     assert [o["text"] for o in batch] == [lone["text"]] * 3
     assert lone["meta_info"]["completion_tokens"] == 64
     assert info["memory"]["num_pages_requests"] == 0
+
+
+# ---- the default path: drafts never change a greedy token ---------------------------------------
+SYSTEM = ("You are a travel agent's assistant. Tools: search_flights(origin, destination, "
+          "date), book_hotel(city, nights), get_weather(city). Answer briefly. " * 12)
+QUESTIONS = ["Count from one to five.", "Tell a story.", "List the days of the week.",
+             "Repeat: the cat sat on the mat, the cat sat on the mat.",
+             "Write a Python function that adds two numbers.",
+             "What is the capital of France? Answer in a sentence."]
+
+
+@pytest.fixture(scope="module")
+def default_engine():
+    """The shipped model on the default path of the host that runs the tests (`auto`
+    quantization: int8 activations where the CPU has VNNI; the fused attention, bfloat16
+    products where it has AVX512-BF16), with drafts forced: every n-gram match is drafted."""
+    from sgl_tpu.loader.default_model import default_model_path
+
+    eng = Engine(default_model_path(), speculative_algorithm="SUFFIX")
+    spec = eng.scheduler.speculator
+    spec.row_cost = spec.row_cost_slope = 0.0
+    spec.step_costs = spec.gate = None
+    yield eng
+    eng.shutdown()
+
+
+@pytest.mark.parametrize("system", [False, True], ids=["short", "shared-prefix"])
+@pytest.mark.parametrize("concurrent", [False, True], ids=["one-by-one", "batch"])
+def test_default_path_greedy_identical_with_drafts(default_engine, system, concurrent):
+    """Greedy chats on the default path give the same tokens with drafts and without, one at a
+    time and as a batch of 6 (a verify's k + 1 rows and its batch mates must leave each row's
+    bits as a one-row decode computes them: row-invariant GEMMs, batch-invariant attention);
+    with a long system prompt the decode steps read a shared prefix of whole chunks. A
+    verify of the first pass's outputs drafts them (the suffix tree holds them), so drafts
+    are kept on any host."""
+    eng = default_engine
+    tok = eng.tokenizer
+    prompts = [tok.apply_chat_template(([{"role": "system", "content": SYSTEM}] if system
+                                        else []) + [{"role": "user", "content": q}])
+               for q in QUESTIONS]
+    params = {"temperature": 0, "max_new_tokens": 40}
+
+    def run(spec: bool) -> list[list[int]]:
+        if concurrent:
+            return _tokens(_generate(eng, spec, [tok.encode(p) for p in prompts],
+                                     [params] * len(prompts)))
+        return [_generate(eng, spec, [tok.encode(p)], [params])[0]["output_ids"]
+                for p in prompts]
+
+    stats = eng.scheduler.stats
+    kept = stats.spec_accepted_tokens
+    base = run(False)
+    assert run(True) == base
+    assert stats.spec_accepted_tokens > kept

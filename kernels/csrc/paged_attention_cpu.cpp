@@ -1345,9 +1345,19 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
   // else per KV head (attend, rows in vector lanes). Long runs (more than kMaxRows / H rows)
   // are per head: there the row tiles are the faster form (AVX-512, G = 3, 336 own keys: 16
   // rows 1.3x faster than as all-heads items).
+  //
+  // Batch invariance: a row's output depends on its query and its context alone, never on the
+  // rows beside it (a speculative verify's k + 1 rows give each row the bits a one-row decode
+  // gives it, so drafts never change a greedy token). Every path reads the context in chunks
+  // at the same key positions (multiples of the chunk from position 0: the caller's shared
+  // prefix is a whole number of kChunk keys, and own chunks start where it ends) and computes
+  // a chunk's (max, sum, acc) per row with the same instructions in the same order whatever
+  // rows share the item; the merge then adds the chunks in position order. With small GQA
+  // groups, shared chunks are all-heads items too and long verify groups split into groups of
+  // all-heads size, so one function (attend_heads) computes every chunk of every row.
   const bool small_groups = G <= 4 && H <= kMaxRows;
   const int64_t max_heads_group = small_groups ? kMaxRows / H : 0;
-  const int64_t max_group = std::max<int64_t>(1, kMaxRows / G);
+  const int64_t max_group = small_groups ? max_heads_group : std::max<int64_t>(1, kMaxRows / G);
   std::vector<int64_t> group_first;
   int64_t run0 = 0;
   for (int64_t b = 1; b <= B; ++b) {
@@ -1381,8 +1391,21 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
   std::vector<int64_t> shared_first(kvh + 1), own_first(num_groups * kvh + 1);
   const int64_t row_floats = d + 2;
   int64_t parts = 0;
+  // shared prefix, small groups: all-heads items of up to max_heads_group sequences (head -1,
+  // row0 the first sequence; head 0's range holds them), chunks as an own group's. Under a
+  // window (which the runner never shares: its rows see different keys) per-head items.
+  const bool heads_shared = small_groups && window >= kNoWindow;
   for (int64_t h = 0; h < kvh; ++h) {
     shared_first[h] = static_cast<int64_t>(items.size());
+    if (heads_shared) {
+      for (int64_t k0 = 0; h == 0 && k0 < Ls; k0 += kChunk / 2)
+        for (int64_t b0 = 0; b0 < B; b0 += max_heads_group) {
+          const int64_t rows = std::min<int64_t>(max_heads_group, B - b0) * H;
+          items.push_back({-1, b0, rows, k0, std::min(Ls, k0 + kChunk / 2), parts, true});
+          parts += rows * row_floats;
+        }
+      continue;
+    }
     for (int64_t k0 = 0; k0 < Ls; k0 += kChunk)  // shared prefix: all B * G rows
       for (int64_t r0 = 0; r0 < B * G; r0 += kMaxRows) {
         const int64_t rows = std::min<int64_t>(kMaxRows, B * G - r0);
@@ -1429,7 +1452,16 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
     const Item it = items[idx];
     const int R = static_cast<int>(it.rows);
     Scratch& s = scratch(static_cast<int>(d));
-    if (it.head < 0) {  // all heads of group it.row0's rows, its own keys
+    if (it.head < 0 && it.shared) {  // all heads of sequences it.row0 .., a shared chunk
+      const int64_t b0 = it.row0, M = it.rows / H;
+      load_rows<TQ>(s, R, d, qscale, dots_on, [&](int r) {
+        const int64_t h = r / (M * G), m = r / G % M, g = r % G;
+        return qp + (b0 + m) * qs0 + (h * G + g) * qs1;
+      });
+      attend_heads<TKV>(s, static_cast<int>(kvh), static_cast<int>(M * G), static_cast<int>(G),
+                        static_cast<int>(d), kp, vp, shared + it.k0,
+                        static_cast<int>(it.k1 - it.k0), nullptr, fcap, dots_on);
+    } else if (it.head < 0) {  // all heads of group it.row0's rows, its own keys
       const int64_t b0 = group_first[it.row0], M = group_first[it.row0 + 1] - b0;
       int32_t seen[2 * kMaxRows];  // per row m of the group: the chunk keys it sees
       for (int64_t m = 0; m < M; ++m) {
@@ -1487,10 +1519,16 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
       for (int64_t g = 0; g < G; ++g) {
         const int64_t row = b * G + g;
         rows.clear();
-        for (int64_t i = shared_first[h]; i < shared_first[h + 1]; ++i) {
+        const int64_t shared_at = heads_shared ? 0 : h;
+        for (int64_t i = shared_first[shared_at]; i < shared_first[shared_at + 1]; ++i) {
           const Item& it = items[i];  // shared items: the row group holding row
-          if (row >= it.row0 && row < it.row0 + it.rows)
+          if (it.head < 0) {  // sequences it.row0 .. + Ms, all heads, head-major
+            const int64_t Ms = it.rows / H;
+            if (b >= it.row0 && b < it.row0 + Ms)
+              rows.push_back(pp + it.part + ((h * Ms + b - it.row0) * G + g) * row_floats);
+          } else if (row >= it.row0 && row < it.row0 + it.rows) {
             rows.push_back(pp + it.part + (row - it.row0) * row_floats);
+          }
         }
         for (int64_t i = own_first[own_at]; i < own_first[own_at + 1]; ++i)
           rows.push_back(pp + items[i].part + (own_row0 + g) * row_floats);
@@ -1549,4 +1587,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "scale, window, cap, bf16_dots)");
   // whether bf16_dots can take effect (AVX512-BF16 build; a bfloat16 pool)
   m.attr("bf16_dots") = kDots;
+  // keys per DECODE chunk: a shared prefix of whole chunks keeps every row batch-invariant
+  m.attr("decode_chunk_keys") = kChunk;
 }

@@ -144,6 +144,9 @@ class ModelRunner(Protocol):
     # Optional (overlap scheduling): `dispatch(mode, steps) -> PendingStep` starts the step
     # and returns at once; its input ids may hold placeholders (see the module docstring).
 
+    # Optional: `decode_row_limit -> int | None`, the most rows a DECODE step runs on the
+    # kernels of a one-row step (speculative verify rows stay within it; absent or None: any).
+
     # Optional (the lower cache tiers, mem_cache/tiers.py), on single-device runners:
     # `read_kv_pages(pages, out=None) -> rows` copies whole KV pages to host memory as raw-bit
     # rows [len(pages), row elements] (into `out` when given), `write_kv_pages(pages, rows)`

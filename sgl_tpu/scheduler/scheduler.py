@@ -111,7 +111,8 @@ class Scheduler:
                              decode=decode)
         self.grammar_steps = GrammarSteps(vocab_size, self.eos_token_ids, disable_jump_forward)
         self._step_reqs: list[Req] = []  # the batch of the step in progress (for fail_all)
-        self.speculator = None if config.speculative_algorithm is None else Speculator(config)
+        self.speculator = None if config.speculative_algorithm is None else Speculator(
+            config, row_limit=getattr(runner, "decode_row_limit", None))
         priorities = Priorities.from_config(config)  # None: no --enable-priority-scheduling
         self.memory = DecodeMemory(self.kv, self.queues, self.stats, priorities)
         tiers = self.kv.tiers  # admission counts the pool and the host tier, in tokens

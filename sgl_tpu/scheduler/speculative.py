@@ -32,10 +32,18 @@ then s_j itself (the bonus token s_k when every draft token matched):
 The KV rows past the kept tokens hold rejected inputs; kv_len stops before them, so later
 steps overwrite them (pages allocated for a draft stay with the request until it ends).
 
+"The very token plain decoding would sample" holds bit for bit only where a row's logits do
+not depend on the rows beside it. On the torch CPU path they do not: the quantized GEMMs reduce
+each row alone, and the fused attention reads every row's context in the same chunks whatever
+shares the step (a decode batch's shared prefix is a whole number of chunks; kernels/csrc/
+paged_attention_cpu.cpp, decode_impl). Where projections switch to a dense copy above some
+row count (the runner's `decode_row_limit`), verify rows never push a step past it.
+
 Excluded rows (they decode one token as before): requests with frequency / presence /
 repetition penalties (the penalty counts of position o + j would have to include d0 .. d(j-1)),
-and drafts that do not fit the step (rows <= the largest decode batch), the free pages (a
-draft never evicts cached KV) or max_new_tokens.
+and drafts that do not fit the step (rows <= the largest decode batch, and <= the runner's
+`decode_row_limit` while the plain step is within it), the free pages (a draft never evicts
+cached KV) or max_new_tokens.
 
 Whether to draft is decided at two levels:
 
@@ -359,7 +367,7 @@ class Speculator:
     """Drafts for the running requests of a DECODE step and the bookkeeping of their verify.
     Holds no request state of its own (that is on `Req.spec`)."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, row_limit: int | None = None) -> None:
         algorithm = config.speculative_algorithm
         if algorithm not in DRAFTERS:
             raise ValueError(f"speculative_algorithm must be one of {tuple(DRAFTERS)}, "
@@ -367,6 +375,9 @@ class Speculator:
         self.drafter = DRAFTERS[algorithm](config)
         self.num_draft_tokens = config.speculative_num_draft_tokens
         self.max_rows = config.max_running_requests
+        # the runner's decode_row_limit: a step of at most this many rows runs the kernels a
+        # one-row step runs, so verify rows never push a step past it (lossless drafts)
+        self.row_limit = row_limit
         # draft only while at most this many requests run (None: any)
         self.max_batch = config.speculative_max_batch
         self.row_cost, self.row_cost_slope = ROW_COST, ROW_COST_SLOPE
@@ -428,6 +439,8 @@ class Speculator:
         if self.gate is not None and not self.gate.drafting(len(running)):
             return {}
         spare = self.max_rows - len(running)
+        if self.row_limit is not None and len(running) <= self.row_limit:
+            spare = min(spare, self.row_limit - len(running))
         row_cost = self.row_cost_at(len(running))
         out: dict[int, list[int]] = {}
         for req in running:

@@ -53,6 +53,7 @@ layer (see sgl_tpu/backends/torch/models/llama.py).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -83,6 +84,17 @@ class DecodeBatch:
 
 
 _E5M2_MAX = torch.finfo(torch.float8_e5m2).max  # 57344: larger values would round to inf
+
+
+# Keys per DECODE chunk of the compiled kernel (kChunk in kernels/csrc/paged_attention_cpu.cpp,
+# its `decode_chunk_keys`). A decode step's shared prefix is a whole number of them, so a row's
+# context is read in the same chunks whether or not it is shared (the kernel's batch invariance).
+DECODE_CHUNK_KEYS = 256
+
+
+def shared_align_pages(page_size: int) -> int:
+    """Pages per step of a decode batch's shared prefix: whole DECODE_CHUNK_KEYS chunks."""
+    return math.lcm(DECODE_CHUNK_KEYS, page_size) // page_size
 
 
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -157,6 +157,13 @@ class QuantizationReport:
     def max_rows(self) -> dict[str, int | None]:
         return {k: max_kernel_rows(k, self.dense == "bfloat16") for k in self.kernels}
 
+    def row_limit(self) -> int | None:
+        """The most rows a step runs on the kernels alone (more switch some projection, or the
+        head, to its dense copy: other bits); None: any."""
+        rows = [*self.max_rows().values(),
+                None if self.head is None else max_kernel_rows(self.head)]
+        return min((r for r in rows if r is not None), default=None)
+
     def info(self) -> dict:
         """`/server_info` `compute.quantization`."""
         return {"method": self.method, "kernels": list(self.kernels), "head": self.head,

@@ -55,6 +55,7 @@ from sgl_tpu.backends.torch.device import (
     resolve_device,
     set_cpu_threads,
 )
+from sgl_tpu.backends.torch.paged_attention import shared_align_pages
 from sgl_tpu.backends.torch.static_decode import StaticDecode
 from sgl_tpu.config import RunnerConfig
 from sgl_tpu.executor import batch_invariant
@@ -299,6 +300,12 @@ class TorchModelRunner:
         return info
 
     @property
+    def decode_row_limit(self) -> int | None:
+        """The most rows a DECODE step runs on the kernels a one-row step runs on (None: any):
+        the scheduler keeps speculative verify rows within it (speculative.py)."""
+        return None if self.quantization is None else self.quantization.row_limit()
+
+    @property
     def kv_bytes(self) -> int:
         return sum(2 * k.numel() * k.element_size() for k, _ in self.kv_pools)
 
@@ -393,6 +400,9 @@ class TorchModelRunner:
         """Split each context into the whole pages all sequences share (leading page ids equal
         in every page table: a radix-cache prefix) and the rest, [T, Lown] with Lown = the
         longest rest rounded up to whole pages (attention runs eagerly: no bucketing).
+        The shared part is a whole number of `DECODE_CHUNK_KEYS`, so every row's attention
+        reads its context in the same chunks whatever rows share the step (batch invariance:
+        a speculative verify's rows compute what one-row decodes compute).
         `page_table`: the host batch's unless given; `share`: False keeps every page own."""
         ps = self.config.page_size
         page_table = host.page_table if page_table is None else page_table
@@ -406,6 +416,7 @@ class TorchModelRunner:
         n_common = int(differs.argmax()) if differs.any() else common
         # a sliding window masks each sequence's own oldest keys: no shared part then
         window = self.model_config.sliding_window
+        n_common -= n_common % shared_align_pages(ps)
         n_shared = n_common if n > 1 and window is None and share else 0
         own_pages = int(need.max()) - n_shared
         pages = np.zeros((num_rows, own_pages), np.int64)

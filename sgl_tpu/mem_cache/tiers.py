@@ -7,7 +7,9 @@
 Pages are keyed by chain hash (`page_hash.py`): a page's hash names its tokens and every token
 before them, so the tiers need no tree of their own. The device tree tells this module when a
 leaf is stored and when it is about to be evicted (`TreeListener`); a request's admission asks
-it to load the pages that follow the device match (`load`).
+it to load the pages that follow the device match (`load`). Pages only the disk tier holds are
+read off the scheduler thread when the request arrives (`start_disk_load`, disk_loads.py), into
+the host tier, so that its admission finds them there.
 
 Write policies (`--hicache-write-policy`, SGLang's names):
   write_through  a page is copied to the host tier when the tree stores it (and queued for the
@@ -45,6 +47,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from sgl_tpu.mem_cache.disk_loads import DiskLoad, DiskLoads
 from sgl_tpu.mem_cache.disk_tier import DiskTier
 from sgl_tpu.mem_cache.host_tier import HostTier
 from sgl_tpu.mem_cache.page_hash import ROOT_HASH, chain_hashes
@@ -110,6 +113,8 @@ class TieredCache(TreeListener):
         # since a load's eviction demotes while the load's rows wait.
         self._demote_buf = _RowBuffer(host.rows.shape[1], host.rows.dtype, self.chunk_pages)
         self._load_buf = _RowBuffer(host.rows.shape[1], host.rows.dtype, self.chunk_pages)
+        self.disk_loads = (None if disk is None else
+                           DiskLoads(host, disk, self.chunk_pages, self.write_through))
 
     # ---- the tree's events (TreeListener) --------------------------------------------------
     def stored(self, node: TreeNode) -> None:
@@ -150,26 +155,27 @@ class TieredCache(TreeListener):
         self.host_counters.demote_s += time.perf_counter() - t0
 
     # ---- loading back ----------------------------------------------------------------------
-    def load(self, key: np.ndarray, match: MatchResult) -> MatchResult:
+    def load(self, key: np.ndarray, match: MatchResult, from_disk: bool = True) -> MatchResult:
         """Load the pages of `key` that follow `match` (the device tree's match of `key`) from
-        the lower tiers into the pool and the tree, as many as are found in a row and fit;
-        return the new match (`match` itself when nothing was loaded)."""
+        the lower tiers (`from_disk`: the disk too, read here) into the pool and the tree, as
+        many as are found in a row and fit; return the new match (`match` itself when nothing
+        was loaded)."""
         loaded: list[int] = []  # this load's pool pages, in order
         while True:
-            new, pages = self._load_chunk(key, match, loaded)
+            new, pages = self._load_chunk(key, match, loaded, from_disk)
             loaded.extend(pages)
             if len(pages) < self.chunk_pages:
                 return new
             match = new
 
-    def _load_chunk(self, key: np.ndarray, match: MatchResult, loaded: list[int]
-                    ) -> tuple[MatchResult, list[int]]:
+    def _load_chunk(self, key: np.ndarray, match: MatchResult, loaded: list[int],
+                    from_disk: bool) -> tuple[MatchResult, list[int]]:
         """`load` of at most a chunk of pages after the `loaded` ones: the new match and the
         pages loaded."""
         ps = self.page_size
         t0 = time.perf_counter()
         found, whole = self._find(key, match.prefix_len, match.last_node.last_hash(),
-                                  self.chunk_pages)
+                                  self.chunk_pages, from_disk)
         if not found:
             return match, []
         self.tree.inc_lock_ref(match.last_node)  # eviction below must not take the match
@@ -231,8 +237,8 @@ class TieredCache(TreeListener):
         sliding-window pool."""
         return {} if self.swa is None else {"window_pages": self.swa.window_of[pages]}
 
-    def _find(self, key: np.ndarray, start: int, parent_hash: bytes | None, max_pages: int
-              ) -> tuple[list[str], list[bool]]:
+    def _find(self, key: np.ndarray, start: int, parent_hash: bytes | None, max_pages: int,
+              from_disk: bool) -> tuple[list[str], list[bool]]:
         """The tier of each page of `key` from token `start` on, while found (at most
         `max_pages`), and whether its row is whole (else global-only); their rows are copied,
         in order, into the load buffer."""
@@ -244,9 +250,8 @@ class TieredCache(TreeListener):
         for p in range(first, min(len(key) // ps, first + max_pages)):
             tokens = np.asarray(key[p * ps:(p + 1) * ps], dtype=np.int32)
             page_hash = chain_hashes(prev, tokens, ps)[0].tobytes()
-            keys = [page_hash] if self.swa is None else [page_hash, global_only_hash(page_hash)]
-            for k in keys:
-                row, tier = self._lookup(k, tokens)
+            for k in self._keys(page_hash):
+                row, tier = self._lookup(k, tokens, from_disk)
                 if row is not None:
                     break
             if row is None:
@@ -257,18 +262,64 @@ class TieredCache(TreeListener):
             prev = page_hash
         return tiers, whole
 
-    def _lookup(self, page_key: bytes, tokens: np.ndarray) -> tuple[np.ndarray | None, str]:
-        """The row under `page_key` in the host tier, else on disk, and where it was."""
+    def _keys(self, page_hash: bytes) -> list[bytes]:
+        """The keys a page's row may be under, the whole row's first."""
+        return [page_hash] if self.swa is None else [page_hash, global_only_hash(page_hash)]
+
+    def _lookup(self, page_key: bytes, tokens: np.ndarray, from_disk: bool
+                ) -> tuple[np.ndarray | None, str]:
+        """The row under `page_key` in the host tier, else on disk, and where it came from
+        (a page a disk load put into the host tier counts as the disk's)."""
         row = self.host.get(page_key)
-        if row is None and self.disk is not None:
+        if row is None:
+            if self.disk is None or not from_disk:
+                return None, "host"
             return self.disk.read(page_key, tokens), "disk"
+        if self.disk_loads is not None and page_key in self.disk_loads.from_disk:
+            self.disk_loads.from_disk.discard(page_key)
+            return row, "disk"
         return row, "host"
+
+    # ---- loads from disk off the scheduler thread (disk_loads.py) ----------------------------
+    def start_disk_load(self, key: np.ndarray, match: MatchResult) -> DiskLoad | None:
+        """Start reading into the host tier, on the disk tier's thread, the pages of `key`
+        after `match` that the host tier lacks (no more than the pool and the host tier hold);
+        None if there is no disk tier or the first of them is not on it."""
+        if self.disk_loads is None:
+            return None
+        ps = self.page_size
+        prev = match.last_node.last_hash() or ROOT_HASH
+        first = match.prefix_len // ps
+        end = min(len(key) // ps,
+                  first + min(self.allocator.num_usable_pages, self.host.capacity))
+        pages: list[tuple[list[bytes], np.ndarray]] = []
+        for p in range(first, end):
+            tokens = np.asarray(key[p * ps:(p + 1) * ps], dtype=np.int32)
+            page_hash = chain_hashes(prev, tokens, ps)[0].tobytes()
+            keys = self._keys(page_hash)
+            if not any(k in self.host for k in keys):
+                if not pages and not any(self.disk.may_hold(k) for k in keys):
+                    return None
+                pages.append((keys, tokens))
+            prev = page_hash
+        return self.disk_loads.start(pages) if pages else None
+
+    def advance_disk_load(self, load: DiskLoad) -> bool:
+        """Move `load` on (a step of the scheduler's); True when it is over."""
+        return self.disk_loads.advance(load)
+
+    def cancel_disk_load(self, load: DiskLoad) -> None:
+        self.disk_loads.cancel(load)
+
+    def wait_disk_loads(self, loads: list[DiskLoad], timeout_s: float) -> None:
+        self.disk_loads.wait(loads, timeout_s)
 
     # ---- lifetime, reports -----------------------------------------------------------------
     def clear(self) -> None:
         """Empty the host and disk tiers (`/flush_cache`)."""
         self.host.clear()
         if self.disk is not None:
+            self.disk_loads.clear()
             self.disk.clear()
 
     def close(self) -> None:

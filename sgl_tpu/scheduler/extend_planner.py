@@ -5,6 +5,7 @@ Within the token budget (`chunked_prefill_size`) and `max_extend_seqs`, in this 
     1. the chunked prompt's next chunk      a prompt longer than the budget runs in pieces
     2. jump-forward re-admissions           running requests whose forced tokens need an EXTEND
     3. waiting requests, in policy order    prefix matched and locked, then pages allocated
+                                            (not while their prefix is read from disk)
 
 Admission control (programs.py, with `--schedule-policy program`) first holds back new
 programs' first turns while the admitted programs' KV working sets fill the pool and host tier.
@@ -53,6 +54,9 @@ class ExtendPlanner:
     def next_batch(self) -> ExtendBatch:
         """Pick the next EXTEND batch; admitted requests leave their queues and hold pages."""
         batch: ExtendBatch = []
+        q = self.queues
+        self.kv.poll_loads(q.waiting, busy=bool(q.running or q.jump_forward_reqs)
+                           or q.chunked_req is not None)
         budget = self.config.chunked_prefill_size
         budget, chunk_blocked = self._continue_chunk(batch, budget)
         budget = self._readmit_jump_forward(batch, budget)
@@ -93,7 +97,8 @@ class ExtendPlanner:
 
     def _admit_waiting(self, batch: ExtendBatch, budget: int) -> None:
         cfg, q = self.config, self.queues
-        ready = [r for r in q.waiting if r.grammar_future is None or r.matcher is not None]
+        ready = [r for r in q.waiting if (r.grammar_future is None or r.matcher is not None)
+                 and not self.kv.loading(r)]
         if self.programs is not None and ready:
             ready = self.programs.admissible(ready)
         preempt = self.can_preempt

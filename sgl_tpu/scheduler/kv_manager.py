@@ -3,6 +3,9 @@
 Every page is exactly one of: free (allocator), owned by the tree, or owned by a request
 (`req.pages[req.tree_len // ps:]`). The operations below keep that true:
 
+* `load_ahead`    at arrival: start reading the request's prefix pages that only the disk
+                  tier holds into the host tier, on the tier's thread (mem_cache/disk_loads.py);
+                  the request is `loading`, not admissible, until `poll_loads` finds it over.
 * `admit_prefix`  match the request's cached prefix in the tree and lock it.
 * `alloc_pages`   give a request more pages, evicting unlocked tree leaves when short.
 * `cache_req`     after a step: insert the request's computed tokens into the tree, free the
@@ -35,12 +38,15 @@ import numpy as np
 from sgl_tpu.config import SchedulerConfig
 from sgl_tpu.executor.step import SeqStep
 from sgl_tpu.mem_cache.allocator import PageAllocator
+from sgl_tpu.mem_cache.disk_loads import DiskLoad
 from sgl_tpu.mem_cache.radix_cache import RadixCache, check_page_accounting
 from sgl_tpu.mem_cache.swa_pool import SwaPageAllocator
 from sgl_tpu.mem_cache.tiers import TieredCache
 from sgl_tpu.scheduler.req import Req
 from sgl_tpu.scheduler.retention import Retention
 from sgl_tpu.scheduler.sessions import SessionTable
+
+IDLE_LOAD_WAIT_S = 0.005  # with nothing else to run, wait this long for a disk read per step
 
 
 class KVManager:
@@ -57,6 +63,8 @@ class KVManager:
         if self.swa is not None:
             self.swa.reclaim = self._reclaim_windows
         self.tiers = tiers  # host/disk tiers below the pool (mem_cache/tiers.py), or None
+        # by id(req) while the request waits (held, so that its id is not reused)
+        self._disk_loads: dict[int, tuple[Req, DiskLoad]] = {}
         self.page_size = allocator.page_size
         self.session_retention_s = session_retention_s
         self.sessions = sessions  # open sessions (/open_session), or None
@@ -153,12 +161,40 @@ class KVManager:
         self._holders[id(req)] = req
 
     def load_ahead(self, req: Req) -> None:
-        """A request of a session arrived: load its prefix from the lower tiers now, not when
-        its turn to run comes (`retain_prefix` then keeps it in the pool until admission)."""
-        if self.tiers is None or req.session_id is None:
+        """A request arrived: start reading the pages of its prefix that only the disk tier
+        holds (it is `loading` until they are in the host tier). One of a session also loads
+        its prefix from the host tier into the pool now, not when its turn to run comes
+        (`retain_prefix` then keeps it in the pool until admission)."""
+        if self.tiers is None:
             return
         key = np.asarray(req.fill_ids[: req.max_prefix_len], dtype=np.int32)
-        self.tiers.load(key, self.tree.match_prefix(key))
+        match = self.tree.match_prefix(key)
+        if req.session_id is not None:
+            match = self.tiers.load(key, match, from_disk=False)
+        load = self.tiers.start_disk_load(key, match)
+        if load is not None:
+            self._disk_loads[id(req)] = (req, load)
+
+    def loading(self, req: Req) -> bool:
+        """Whether `req`'s prefix is still being read from disk (not admissible yet)."""
+        return id(req) in self._disk_loads
+
+    def poll_loads(self, waiting: list[Req], busy: bool) -> None:
+        """Move the disk loads on: a request whose load is over may be admitted; the load of
+        one no longer waiting (aborted, failed) is cancelled. Not `busy` (nothing runs) and
+        every waiting request loading: first wait a moment for a read instead of spinning."""
+        if not self._disk_loads:
+            return
+        if not busy and all(self.loading(r) for r in waiting):
+            self.tiers.wait_disk_loads([load for _, load in self._disk_loads.values()],
+                                       IDLE_LOAD_WAIT_S)
+        waiting_ids = {id(r) for r in waiting}
+        for key, (_, load) in list(self._disk_loads.items()):
+            if key not in waiting_ids:
+                self.tiers.cancel_disk_load(load)
+                del self._disk_loads[key]
+            elif self.tiers.advance_disk_load(load):
+                del self._disk_loads[key]
 
     def retain_prefix(self, req: Req) -> None:
         """A request with retention arrived: keep its cached prefix until it is admitted."""

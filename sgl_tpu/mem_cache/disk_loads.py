@@ -1,7 +1,7 @@
 """Prompt prefixes read from the disk tier into the host tier off the scheduler thread.
 
-    arrival ── start ──► DiskLoad ── a chunk of pages ──► reader thread (disk_tier.py: open,
-       (kv_manager.py        ▲                             check the mac, copy the row into
+    arrival ── start ──► DiskLoad ── a chunk of pages ──► reader thread (DiskTier.read: open,
+       (kv_manager.py        ▲                             check the mac; the row copied into
         load_ahead)          │                             a read buffer)
                              └──── advance, every step ◄── done: rows into the host tier,
                                                            the next chunk submitted
@@ -16,20 +16,42 @@ Memory: `NUM_BUFFERS` read buffers of a chunk (tiers.py `chunk_pages`) each, sha
 load; a load whose next chunk finds none free waits for a step. A load is at most as long as
 the pool and the host tier hold.
 
-Threads: everything here runs on the scheduler thread but the reads (`DiskRead`), which only
-fill their buffer and `found`, then set `done`.
+Threads: everything here runs on the scheduler thread but `_read_loop`, one thread that reads
+the `DiskRead`s in the order submitted; it only fills a read's buffer and `found`, then sets
+`done`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from sgl_tpu.mem_cache.disk_tier import DiskRead, DiskTier
+from sgl_tpu.mem_cache.disk_tier import DiskTier
 from sgl_tpu.mem_cache.host_tier import HostTier
 
+logger = logging.getLogger(__name__)
+
 NUM_BUFFERS = 2
+
+
+@dataclass(eq=False)
+class DiskRead:
+    """Pages to read in order on the reader thread, each under the first of its keys that a
+    valid file holds, until the first page that none does.
+
+        pages  [(keys to try, tokens)]      rows  [len(pages), row elements]  (filled in order)
+        found  the key of each page read, in order: pages[len(found):] were not read
+    """
+
+    pages: list[tuple[list[bytes], np.ndarray]]
+    rows: np.ndarray
+    found: list[bytes] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+    cancelled: bool = False  # set by the scheduler thread: stop at the next page
 
 
 @dataclass(eq=False)
@@ -55,6 +77,10 @@ class DiskLoads:
         # keys this module put into the host tier that no load took into the pool yet (a
         # load from the host tier counts them as disk hits)
         self.from_disk: set[bytes] = set()
+        self._reads: queue.Queue[DiskRead | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read_loop, name="kv-disk-reader",
+                                        daemon=True)
+        self._reader.start()
 
     def start(self, pages: list[tuple[list[bytes], np.ndarray]]) -> DiskLoad:
         load = DiskLoad(pages)
@@ -82,7 +108,7 @@ class DiskLoads:
         load.next += len(chunk)
         load.buffer = buffer
         load.read = DiskRead(chunk, buffer[:len(chunk)])
-        self.disk.submit_read(load.read)
+        self._reads.put(load.read)
         return False
 
     def cancel(self, load: DiskLoad) -> None:
@@ -103,6 +129,30 @@ class DiskLoads:
 
     def clear(self) -> None:
         self.from_disk.clear()
+
+    def close(self) -> None:
+        """End the reader thread after the reads submitted."""
+        self._reads.put(None)
+        self._reader.join()
+
+    def _read_loop(self) -> None:
+        while (read := self._reads.get()) is not None:
+            try:
+                for (keys, tokens), out in zip(read.pages, read.rows, strict=True):
+                    if read.cancelled:
+                        break
+                    row = key = None
+                    for key in keys:
+                        if (row := self.disk.read(key, tokens)) is not None:
+                            break
+                    if row is None:
+                        break
+                    out[...] = row
+                    read.found.append(key)
+            except Exception:  # a bug: keep the thread (the load ends where it stopped)
+                logger.exception("KV disk tier: reading pages failed")
+            finally:
+                read.done.set()
 
     def _put_in_host(self, read: DiskRead) -> None:
         for key, (_, tokens), row in zip(read.found, read.pages, read.rows, strict=False):

@@ -30,11 +30,9 @@ listing (another server evicting) are skipped. A write that fails pauses writing
 meanwhile are dropped): a full disk first evicts an eighth of this tier's pages and retries once;
 writing comes back after a back-off (1 s, doubling to 64 s) or a `/flush_cache`.
 
-Threads: `write`, `read`, `submit_read`, `clear` run on the scheduler thread; `_lock` guards
-the index (`_files`, `_pending`) and the counters against the writer thread, which alone
-creates files and evicts, and the reader thread, which runs `read` for each `DiskRead`
-submitted (a chunk of a request's prefix, tiers.py), so that a prompt found on disk does not
-stop the scheduler while its files are read and checked.
+Threads: `write`, `read`, `clear` run on the scheduler thread, `read` also on the disk loads'
+reader thread (disk_loads.py); `_lock` guards the index (`_files`, `_pending`) and the counters
+against the writer thread, which alone creates files and evicts.
 """
 
 from __future__ import annotations
@@ -53,7 +51,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -88,22 +85,6 @@ _MIN_BACKOFF_S = 1.0
 _MAX_BACKOFF_S = 64.0
 _MAX_QUEUED_BYTES = 256 * 2**20  # rows waiting for the writer; more are dropped
 _LIVE_WRITERS: set[str] = set()  # this process's writer tokens (their temporaries are not orphans)
-
-
-@dataclass(eq=False)
-class DiskRead:
-    """Pages to read in order on the reader thread, each under the first of its keys that a
-    valid file holds, until the first page that none does.
-
-        pages  [(keys to try, tokens)]      rows  [len(pages), row elements]  (filled in order)
-        found  the key of each page read, in order: pages[len(found):] were not read
-    """
-
-    pages: list[tuple[list[bytes], np.ndarray]]
-    rows: np.ndarray
-    found: list[bytes] = field(default_factory=list)
-    done: threading.Event = field(default_factory=threading.Event)
-    cancelled: bool = False  # set by the scheduler thread: stop at the next page
 
 
 class DiskTier:
@@ -152,10 +133,6 @@ class DiskTier:
         self._thread = threading.Thread(target=self._write_loop, name="kv-disk-writer",
                                         daemon=True)
         self._thread.start()
-        self._reads: queue.Queue[DiskRead | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read_loop, name="kv-disk-reader",
-                                        daemon=True)
-        self._reader.start()
 
     def _scan(self) -> None:
         """Index the page files (oldest first); delete orphaned temporaries and bad sizes."""
@@ -425,29 +402,6 @@ class DiskTier:
         one stat at most."""
         return page_hash in self or os.path.lexists(self._path(page_hash))
 
-    def submit_read(self, read: DiskRead) -> None:
-        """Read `read`'s pages on the reader thread; `read.done` is set when it is over."""
-        self._reads.put(read)
-
-    def _read_loop(self) -> None:
-        while (read := self._reads.get()) is not None:
-            try:
-                for (keys, tokens), out in zip(read.pages, read.rows, strict=True):
-                    if read.cancelled:
-                        break
-                    row = key = None
-                    for key in keys:
-                        if (row := self.read(key, tokens)) is not None:
-                            break
-                    if row is None:
-                        break
-                    out[...] = row
-                    read.found.append(key)
-            except Exception:  # a bug: keep the thread (the load ends where it stopped)
-                logger.exception("KV disk tier: reading pages failed")
-            finally:
-                read.done.set()
-
     def _forget(self, page_hash: bytes) -> None:
         with self._lock:
             self._files.pop(page_hash, None)
@@ -490,11 +444,9 @@ class DiskTier:
         self._resume("the cache was flushed")
 
     def close(self) -> None:
-        """Write what is queued, then end the writer and reader threads."""
+        """Write what is queued, then end the writer thread."""
         self._queue.put(None)
-        self._reads.put(None)
         self._thread.join()
-        self._reader.join()
         _LIVE_WRITERS.discard(self._writer)
 
     def stats(self) -> dict[str, Any]:

@@ -324,6 +324,7 @@ class TieredCache(TreeListener):
 
     def close(self) -> None:
         if self.disk is not None:
+            self.disk_loads.close()
             self.disk.close()
 
     def info(self) -> dict[str, Any]:

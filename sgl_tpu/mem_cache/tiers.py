@@ -283,8 +283,9 @@ class TieredCache(TreeListener):
     # ---- loads from disk off the scheduler thread (disk_loads.py) ----------------------------
     def start_disk_load(self, key: np.ndarray, match: MatchResult) -> DiskLoad | None:
         """Start reading into the host tier, on the disk tier's thread, the pages of `key`
-        after `match` that the host tier lacks (no more than the pool and the host tier hold);
-        None if there is no disk tier or the first of them is not on it."""
+        after `match` that the host tier lacks (no more than the pool and the host tier hold;
+        those it has are refreshed, so that the pages read push other pages out first); None if
+        there is no disk tier or the first of them is not on it."""
         if self.disk_loads is None:
             return None
         ps = self.page_size
@@ -297,7 +298,7 @@ class TieredCache(TreeListener):
             tokens = np.asarray(key[p * ps:(p + 1) * ps], dtype=np.int32)
             page_hash = chain_hashes(prev, tokens, ps)[0].tobytes()
             keys = self._keys(page_hash)
-            if not any(k in self.host for k in keys):
+            if all(self.host.get(k) is None for k in keys):
                 if not pages and not any(self.disk.may_hold(k) for k in keys):
                     return None
                 pages.append((keys, tokens))

@@ -10,7 +10,8 @@
 The request waits, loading (`KVManager.loading`), while the scheduler runs the others; when its
 load is over (every page read, or the first page that no valid file holds) it is admitted like
 any other, its pages found in the host tier. A page that left the host tier again before the
-admission is read there on the scheduler thread, as before this module.
+admission (another load or a demotion pushed it out) is read by the admission, on the scheduler
+thread.
 
 Memory: `NUM_BUFFERS` read buffers of a chunk (tiers.py `chunk_pages`) each, shared by every
 load; a load whose next chunk finds none free waits for a step. A load is at most as long as

@@ -10,7 +10,7 @@ import time
 from functools import partial
 
 import numpy as np
-from test_kv_tiers import FINGERPRINT, Server
+from test_kv_tiers import FINGERPRINT, ROW_ELEMS, NumpyPool, Server
 from test_scheduler import PAGE, PlusOneRunner, V, expected, request, run_steps
 
 from sgl_tpu.config import SchedulerConfig
@@ -113,25 +113,12 @@ def test_a_cancelled_load_gives_its_buffer_back(tmp_path, monkeypatch):
 
 
 # ---- through the scheduler ---------------------------------------------------------------------
-ROW_ELEMS = 8
-
-
-class PagedPlusOneRunner(PlusOneRunner):
+class PagedPlusOneRunner(NumpyPool, PlusOneRunner):
     """PlusOneRunner with a KV pool of numpy rows: the step contract's page copies."""
 
     def __init__(self, num_pages: int) -> None:
-        super().__init__()
-        self.rows = np.zeros((num_pages, ROW_ELEMS), np.int16)
-
-    def read_kv_pages(self, pages, out=None):
-        rows = self.rows[np.asarray(pages)]
-        if out is None:
-            return rows
-        out[...] = rows
-        return out
-
-    def write_kv_pages(self, pages, rows) -> None:
-        self.rows[np.asarray(pages)] = rows
+        PlusOneRunner.__init__(self)
+        NumpyPool.__init__(self, num_pages)
 
 
 def tiered_scheduler(folder):

@@ -62,7 +62,7 @@ class PhaseResult:
                 **self.extra}
 
 
-def _session(headers: dict[str, str]) -> aiohttp.ClientSession:
+def client_session(headers: dict[str, str]) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(headers=headers,
                                  timeout=aiohttp.ClientTimeout(total=TIMEOUT_S))
 
@@ -160,7 +160,7 @@ class LatencyProbe:
             pass
 
     async def _run(self) -> None:
-        async with _session(self.headers) as session:
+        async with client_session(self.headers) as session:
             while True:
                 t0 = time.perf_counter()
                 status = await _post(session, self.base_url + "/generate", SMALL_REQUEST)
@@ -190,7 +190,7 @@ async def load_phase(base_url: str, headers: dict[str, str], *, clients: int,
             result.statuses[await _post(session, base_url + route, body, extra)] += 1
             result.requests += 1
 
-    async with _session(headers) as session:
+    async with client_session(headers) as session:
         await asyncio.gather(*(client(i, session) for i in range(clients)))
     result.wall_s = time.perf_counter() - t0
     result.extra["clients"] = clients
@@ -230,7 +230,7 @@ async def disconnect_phase(base_url: str, headers: dict[str, str], *, clients: i
         result.aborts += 1
 
     rng = random.Random(seed)
-    async with _session(headers) as session:
+    async with client_session(headers) as session:
         jobs = []
         for i in range(clients):
             jobs += [dropped_stream(session), cancelled_call(session, rng.uniform(0.05, 0.5)),
@@ -260,7 +260,7 @@ async def exhaustion_phase(base_url: str, headers: dict[str, str], *, capacity_t
             if resp.status == 200 and data["meta_info"]["completion_tokens"] != out_tokens:
                 wrong += 1
 
-    async with _session(headers) as session:
+    async with client_session(headers) as session:
         await asyncio.gather(*(one(session, i) for i in range(clients)))
         too_big = {"text": "x", "sampling_params": {"max_new_tokens": capacity_tokens + 1}}
         result.statuses[await _post(session, base_url + "/generate", too_big)] += 1
@@ -276,7 +276,7 @@ async def big_prompt_phase(base_url: str, headers: dict[str, str], *, num_prompt
     result = PhaseResult("big_prompt")
     t0 = time.perf_counter()
     text = ("The quick brown fox jumps over the lazy dog. " * (num_chars // 45 + 1))[:num_chars]
-    async with _session(headers) as session:
+    async with client_session(headers) as session:
         for _ in range(num_prompts):
             body = {"text": text, "sampling_params": {"max_new_tokens": 1}}
             result.statuses[await _post(session, base_url + "/generate", body)] += 1
@@ -341,7 +341,7 @@ async def kill_child_phase(base_url: str, headers: dict[str, str], server_pid: i
             outcome = "cut"
         result.statuses[outcome] += 1
 
-    async with _session(headers) as session:
+    async with client_session(headers) as session:
         calls = [asyncio.ensure_future(stream(session)) for _ in range(clients)]
         await asyncio.wait_for(started.wait(), TIMEOUT_S)
         os.kill(victim, signal.SIGKILL)

@@ -5,14 +5,21 @@ child process, each followed by the invariants of `reliability_invariants.py`. T
 
     .venv/bin/python tests/reliability_campaign.py [--clients 128] [--requests-per-client 4]
         [--exhaustion-clients 32] [--fuzz-examples 100] [--big-prompts 8]
-        [--big-prompt-chars 500000] [--max-total-tokens 1024] [--seed 0] [--output FILE]
+        [--big-prompt-chars 500000] [--max-total-tokens 1024] [--flood-programs 65536]
+        [--shared-key-parallel 48] [--programs-max-total-tokens 4096]
+        [--phases base,kill,programs] [--seed 0] [--output FILE]
 
 Starts a server on loopback (a small KV pool, so load also exhausts it), runs the phases load,
 disconnect, exhaustion, big_prompt and fuzz with a latency probe alongside
 (`reliability_phases.py`, `reliability_fuzz.py`), checks the invariants after each, then starts
-a second server and kills one of its children. Prints the figures as JSON: clients and requests
-held, disconnects and aborts survived, bad inputs tried per class, faults injected, 5xx count,
-leaked KV pages, p50/p99 latency of a small request during the campaign.
+a second server and kills one of its children, then runs the program phases
+(`reliability_programs.py`: a held newcomer beside a long-lived agent, a flood of
+`--flood-programs` session ids, one key's `--shared-key-parallel` requests beside agents) on a
+server with a `--programs-max-total-tokens` pool, and a prompt read back from the disk tier on
+one more. `--phases` picks among base (load to fuzz), kill and programs. Prints the figures as
+JSON: clients and requests held, disconnects and aborts survived, bad inputs tried per class,
+faults injected, 5xx count, leaked KV pages, p50/p99 latency of a small request during the
+campaign, and each program phase's figures.
 """
 
 from __future__ import annotations
@@ -36,6 +43,12 @@ from reliability_phases import (
     kill_child_phase,
     load_phase,
     percentile,
+)
+from reliability_programs import (
+    disk_load_phase,
+    flood_phase,
+    newcomer_phase,
+    shared_key_phase,
 )
 
 from sgl_tpu.bench.http_load import Server
@@ -126,6 +139,50 @@ async def campaign(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
             "requests_failed_by_faults": info["stats"].get("num_requests_failed")}
 
 
+def serve(flags: list[str], log_name: str):
+    """A started server (stopped by the caller)."""
+    server = Server(flags, os.path.join(tempfile.gettempdir(), log_name))
+    try:
+        server.wait_ready()
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def program_campaign(common: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """The program phases on a `--programs-max-total-tokens` pool, then the disk tier's on a
+    server with a host tier as large as its pool and the disk tier in a temporary folder."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    phases: dict[str, Any] = {}
+
+    def record(url: str, result) -> None:
+        check_invariants(url, headers)
+        phases[result.name] = {**result.to_dict(), "num_5xx": result.num_5xx,
+                               "invariants": "ok"}
+
+    server = serve(common + ["--max-total-tokens", str(args.programs_max_total_tokens)],
+                   "reliability_programs.log")
+    try:
+        for run in (lambda: newcomer_phase(server.url, headers),
+                    lambda: flood_phase(server.url, headers, num_programs=args.flood_programs),
+                    lambda: shared_key_phase(server.url, headers,
+                                             parallel=args.shared_key_parallel)):
+            record(server.url, asyncio.run(run()))
+    finally:
+        server.stop()
+    with tempfile.TemporaryDirectory(prefix="reliability-hicache-") as folder:
+        server = serve(common + ["--max-total-tokens", str(args.max_total_tokens),
+                                 "--enable-hierarchical-cache", "--hicache-ratio", "1",
+                                 "--hicache-storage-backend", "file",
+                                 "--hicache-storage-dir", folder], "reliability_disk.log")
+        try:
+            record(server.url, asyncio.run(disk_load_phase(server.url, headers)))
+        finally:
+            server.stop()
+    return phases
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default=None)
@@ -137,34 +194,49 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--big-prompts", type=int, default=8)
     p.add_argument("--big-prompt-chars", type=int, default=500_000)
     p.add_argument("--max-total-tokens", type=int, default=1024)
+    p.add_argument("--flood-programs", type=int, default=65_536,
+                   help="distinct session ids of the flood phase")
+    p.add_argument("--shared-key-parallel", type=int, default=48,
+                   help="parallel requests of one key in the shared_key phase")
+    p.add_argument("--programs-max-total-tokens", type=int, default=4096,
+                   help="the KV pool of the program phases' server")
+    p.add_argument("--phases", default="base,kill,programs",
+                   help="comma-separated: base (load to fuzz), kill, programs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
-    flags = ["--api-key", API_KEY, "--max-total-tokens", str(args.max_total_tokens),
-             "--max-running-requests", "32", "--dtype", "float32"]
+    chosen = set(args.phases.split(","))
+    if not chosen or chosen - {"base", "kill", "programs"}:
+        p.error(f"--phases: base, kill or programs, not {args.phases!r}")
+    common = ["--api-key", API_KEY, "--max-running-requests", "32", "--dtype", "float32"]
     if args.model_path:
-        flags += ["--model-path", args.model_path]
-    log_dir = tempfile.gettempdir()
-    server = Server(flags, os.path.join(log_dir, "reliability_server.log"))
-    try:
-        server.wait_ready()
-        results = asyncio.run(campaign(server.url, args))
-    finally:
-        server.stop()
-    victim_server = Server(flags, os.path.join(log_dir, "reliability_kill.log"))
-    try:
-        victim_server.wait_ready()
-        headers = {"Authorization": f"Bearer {API_KEY}"}
-        victim = requests.get(victim_server.url + "/server_info", headers=headers,
-                              timeout=30).json()["scheduler_pid"]
-        kill = asyncio.run(kill_child_phase(victim_server.url, headers, victim_server.proc.pid,
-                                            victim=victim))
-        victim_server.proc.wait(30)
-        kill.extra["server_exit_code"] = victim_server.proc.returncode
-    finally:
-        if victim_server.proc.poll() is None:
-            victim_server.stop()
-    results["phases"]["kill_child"] = kill.to_dict()
+        common += ["--model-path", args.model_path]
+    flags = common + ["--max-total-tokens", str(args.max_total_tokens)]
+    results: dict[str, Any] = {"phases": {}, "probe": {"requests": 0, "statuses": {},
+                                                        "p99_s": None}, "leaked_pages": 0}
+    if "base" in chosen:
+        server = serve(flags, "reliability_server.log")
+        try:
+            results = asyncio.run(campaign(server.url, args))
+        finally:
+            server.stop()
+    kill = None
+    if "kill" in chosen:
+        victim_server = serve(flags, "reliability_kill.log")
+        try:
+            headers = {"Authorization": f"Bearer {API_KEY}"}
+            victim = requests.get(victim_server.url + "/server_info", headers=headers,
+                                  timeout=30).json()["scheduler_pid"]
+            kill = asyncio.run(kill_child_phase(victim_server.url, headers,
+                                                victim_server.proc.pid, victim=victim))
+            victim_server.proc.wait(30)
+            kill.extra["server_exit_code"] = victim_server.proc.returncode
+        finally:
+            if victim_server.proc.poll() is None:
+                victim_server.stop()
+        results["phases"]["kill_child"] = kill.to_dict()
+    if "programs" in chosen:
+        results["phases"].update(program_campaign(common, args))
     phases = results["phases"]
     results["totals"] = {
         "clients": args.clients,
@@ -172,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
                     + results["probe"]["requests"],
         "disconnects": sum(ph.get("disconnects", 0) for ph in phases.values()),
         "aborts": sum(ph.get("aborts", 0) for ph in phases.values()),
-        "faults_injected": kill.faults_injected,
+        "faults_injected": kill.faults_injected if kill else 0,
         "num_5xx_outside_fatal_fault": sum(ph.get("num_5xx", 0) for ph in phases.values())
                                        + sum(n for s, n in results["probe"]["statuses"].items()
                                              if int(s) >= 500),

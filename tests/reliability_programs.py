@@ -37,8 +37,9 @@ KEYLESS_DELAY_S = 4.0  # after the agent's start: while the newcomer is held
 
 
 def words(tag: str, num_words: int) -> str:
-    """Distinct words (no prefix shared with another tag)."""
-    return " ".join(f"{tag}{i}" for i in range(num_words))
+    """Distinct words of one width (no prefix shared with another tag): a text's tokens grow
+    with its words at the rate `tokens_per_word` measures."""
+    return " ".join(f"{tag}{i:04d}" for i in range(num_words))
 
 
 async def tokens_per_word(session: aiohttp.ClientSession, base_url: str, tag: str) -> float:
@@ -294,45 +295,57 @@ async def _written(session: aiohttp.ClientSession, base_url: str) -> dict[str, A
     raise AssertionError("the disk tier's queue did not drain in 30 s")
 
 
+async def beside_stream(session: aiohttp.ClientSession, base_url: str, result: PhaseResult,
+                        text: str, stream_tokens: int
+                        ) -> tuple[float, dict[str, Any], list[float], list[float]]:
+    """`text` sent once a stream has 8 tokens: (its seconds, its answer, the stream's gaps
+    that overlap it, all the stream's gaps)."""
+    started = asyncio.Event()
+    stream = asyncio.ensure_future(stream_stamps(session, base_url, result, stream_tokens,
+                                                 started))
+    await started.wait()
+    sent = time.perf_counter()
+    latency_s, answer = await turn(session, base_url, result, text, None, 1)
+    stamps = await stream
+    return latency_s, answer, gaps(stamps, sent, sent + latency_s), gaps(stamps)
+
+
 async def disk_load_phase(base_url: str, headers: dict[str, str], *, stream_tokens: int = 256,
                           fill_prompts: int = 4) -> PhaseResult:
     """The long prompt takes most of the pool; `fill_prompts` others as long push it out of
-    the pool and the host tier (a server with `--hicache-ratio 1`), so the disk holds it alone."""
+    the pool and the host tier (a server with `--hicache-ratio 1`), so the disk holds it alone.
+    For reference, the stream's gaps beside a prompt as long that nothing holds (computed)."""
     result = PhaseResult("disk_load")
     t0 = time.perf_counter()
     async with client_session(headers) as session:
         await flush(session, base_url)
         info = await server_info(session, base_url)
         pool_tokens = info["memory"]["max_total_tokens"]
-        num_words = int(0.8 * pool_tokens / await tokens_per_word(session, base_url, "long"))
-        fill_words = int(0.8 * pool_tokens / await tokens_per_word(session, base_url, "fill0x"))
+        num_words = int(0.75 * pool_tokens / await tokens_per_word(session, base_url, "long"))
+        fill_words = int(0.75 * pool_tokens / await tokens_per_word(session, base_url, "fill0x"))
         idle = gaps(await stream_stamps(session, base_url, result, stream_tokens))
         long_prompt = words("long", num_words)
-        first, _ = await turn(session, base_url, result, long_prompt, None, 1)
+        await turn(session, base_url, result, long_prompt, None, 1)
         for i in range(fill_prompts):
             await turn(session, base_url, result, words(f"fill{i}x", fill_words), None, 1)
         before = (await _written(session, base_url))["tiers"]
-        started = asyncio.Event()
-        stream = asyncio.ensure_future(stream_stamps(session, base_url, result, stream_tokens,
-                                                     started))
-        await started.wait()
-        sent = time.perf_counter()
-        again_s, again = await turn(session, base_url, result, long_prompt, None, 1)
-        stamps = await stream
-        during = gaps(stamps, sent, sent + again_s)  # while the prompt loads and computes
-        loaded = gaps(stamps)
+        again_s, again, during, loaded = await beside_stream(session, base_url, result,
+                                                             long_prompt, stream_tokens)
         after = (await server_info(session, base_url))["tiers"]
+        cold_s, _, during_cold, _ = await beside_stream(
+            session, base_url, result, words("cold", num_words), stream_tokens)
     meta = again.get("meta_info", {})
     result.wall_s = time.perf_counter() - t0
     result.extra.update(
         prompt_tokens=meta.get("prompt_tokens"), cached_tokens=meta.get("cached_tokens"),
         disk_hit_tokens=after["disk"]["hit_tokens"] - before["disk"]["hit_tokens"],
         host_hit_tokens=after["host"]["hit_tokens"] - before["host"]["hit_tokens"],
-        cold_s=round(first, 3), again_s=round(again_s, 3),
+        from_disk_s=round(again_s, 3), computed_s=round(cold_s, 3),
         idle_itl_p50_s=round(percentile(idle, 50), 4),
         idle_itl_p99_s=round(percentile(idle, 99), 4),
         loaded_itl_p50_s=round(percentile(loaded, 50), 4),
         loaded_itl_p99_s=round(percentile(loaded, 99), 4),
         gaps_during_load=len(during),
-        during_load_max_gap_s=round(max(during, default=0.0), 4))
+        during_load_max_gap_s=round(max(during, default=0.0), 4),
+        during_compute_max_gap_s=round(max(during_cold, default=0.0), 4))
     return result

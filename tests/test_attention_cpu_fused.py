@@ -500,6 +500,7 @@ def test_runner_greedy_parity_with_sdpa(tmp_path):
     assert t_fused == t_sdpa
 
 
+@pytest.mark.isa_invariance
 @pytest.mark.parametrize("dots", [True, False], ids=["dots", "f32"])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2],
                          ids=["float32", "bf16kv", "fp8kv"])

@@ -721,6 +721,7 @@ def default_engine():
     eng.shutdown()
 
 
+@pytest.mark.isa_invariance
 @pytest.mark.parametrize("system", [False, True], ids=["short", "shared-prefix"])
 @pytest.mark.parametrize("concurrent", [False, True], ids=["one-by-one", "batch"])
 def test_default_path_greedy_identical_with_drafts(default_engine, system, concurrent):

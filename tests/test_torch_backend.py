@@ -139,26 +139,29 @@ def test_decode_reads_shared_prefix_pages_once_and_correctly(tmp_path):
     loaded = load_model(ck.make_tiny_hf_checkpoint(tmp_path / "m", "llama"))
     rng = np.random.default_rng(5)
     vocab = loaded.config.vocab_size
-    prefix = rng.integers(3, vocab, 22).tolist()  # 5 whole pages of 4, then 2 tokens
+    # 64 whole pages of 4 (one 256-key chunk: the shared part is whole chunks), then 2 tokens
+    prefix = rng.integers(3, vocab, 258).tolist()
     tails = [rng.integers(3, vocab, n).tolist() for n in (6, 1, 13)]
     m = TorchPaged(loaded)
-    base = m.new_pages(20)
-    m.extend([(prefix[:20], 0, base)])
+    base = m.new_pages(256)
+    m.extend([(prefix[:256], 0, base)])
     seqs = []
     for tail in tails:
         own = m.new_pages(2 + len(tail) + 1)
         pages = np.concatenate([base, own])
-        m.extend([(prefix[20:] + tail, 20, pages)])
+        m.extend([(prefix[256:] + tail, 256, pages)])
         seqs.append((prefix + tail, pages))
     nxt = [int(rng.integers(3, vocab)) for _ in seqs]
     res = m.decode([(n, len(s), p) for (s, p), n in zip(seqs, nxt, strict=True)])
     batch = m.runner._decode_batch(m.runner._host_batch(ForwardMode.DECODE, [
         SeqStep(token_ids=[n], prefix_len=len(s), pages=p, sampling=GREEDY, seed=0,
                 num_output_tokens=0) for (s, p), n in zip(seqs, nxt, strict=True)], 3))
-    assert batch.shared_slots.shape[0] == 20  # the 5 common pages, read once
+    assert batch.shared_slots.shape[0] == 256  # the 64 common pages, read once
     alone = TorchPaged(loaded)
     for i, ((s, _), n) in enumerate(zip(seqs, nxt, strict=True)):
-        (solo,) = alone.extend([(s + [n], 0, alone.new_pages(len(s) + 1))])
+        pages = alone.new_pages(len(s) + 1)
+        alone.extend([(s[:256], 0, pages)])  # (two steps: an EXTEND takes at most 256 tokens)
+        (solo,) = alone.extend([(s[256:] + [n], 256, pages)])
         lp = _log_softmax(solo[-1])
         np.testing.assert_allclose(res.top_logprobs[i], lp[res.top_ids[i]], atol=ATOL)
 

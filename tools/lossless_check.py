@@ -4,8 +4,10 @@ it (in process, the server's scheduler and runner; `ONEDNN_MAX_CPU_ISA` and
 
     python tools/lossless_check.py [--model-path M] [--prompts 50] [--repeats 4]
         [--max-new-tokens 48] [--output FILE]
+    python tools/lossless_check.py --base-url http://127.0.0.1:30000 [--repeats 4]
 
-Two checks, one JSON object:
+Two checks, one JSON object (with `--base-url`, only the first, over HTTP against a running
+server with the `openai` client: each of `HTTP_CHATS` sent `--repeats` times):
 
     repeats   one greedy chat sent `--repeats` times one after the other to an engine with
               speculation as the server runs it (`auto`: the draft gate decides) and to one
@@ -30,6 +32,7 @@ FORMS = ("Tell a short story about {}.", "Count from one to five, then name {}."
          "Repeat three times: I like {}.", "List five facts about {}.",
          "Write a Python function named after {}.")
 CHAT = "Count from one to five."
+HTTP_CHATS = ((CHAT, 24), ("Tell a story.", 32))  # (message, max_tokens)
 
 
 def prompts(tokenizer, n: int) -> list[str]:
@@ -87,6 +90,19 @@ def drafts(model_path: str | None, n: int, max_new: int) -> dict:
         eng.shutdown()
 
 
+def http_repeats(base_url: str, n: int) -> dict[str, int]:
+    import openai
+
+    client = openai.OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key="unused")
+    out = {}
+    for text, max_tokens in HTTP_CHATS:
+        answers = {client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": text}],
+            max_tokens=max_tokens, temperature=0).choices[0].message.content for _ in range(n)}
+        out[text] = len(answers)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default=None, help="default: the shipped model")
@@ -94,7 +110,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--output", default=None, help="also write the JSON here")
+    p.add_argument("--base-url", default=None, help="a running server: the HTTP repeats only")
     args = p.parse_args()
+    if args.base_url:
+        emit({"distinct_answers_http": http_repeats(args.base_url, args.repeats)}, args.output)
+        return
     from sgl_tpu.backends.torch.kernels import quant_gemm_cpu
 
     result = {"simd": quant_gemm_cpu.simd(), "vnni": quant_gemm_cpu.vnni(),

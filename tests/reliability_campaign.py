@@ -16,7 +16,7 @@ a second server and kills one of its children, then runs the program phases
 (`reliability_programs.py`: a held newcomer beside a long-lived agent, a flood of
 `--flood-programs` session ids, one key's `--shared-key-parallel` requests beside agents) on a
 server with a `--programs-max-total-tokens` pool, and a prompt read back from the disk tier on
-one more. `--phases` picks among base (load to fuzz), kill and programs. Prints the figures as
+one more. `--phases` picks among base (load to fuzz), kill, programs and shared_key (that phase alone). Prints the figures as
 JSON: clients and requests held, disconnects and aborts survived, bad inputs tried per class,
 faults injected, 5xx count, leaked KV pages, p50/p99 latency of a small request during the
 campaign, and each program phase's figures.
@@ -150,9 +150,11 @@ def serve(flags: list[str], log_name: str):
     return server
 
 
-def program_campaign(common: list[str], args: argparse.Namespace) -> dict[str, Any]:
+def program_campaign(common: list[str], args: argparse.Namespace,
+                     only_shared_key: bool = False) -> dict[str, Any]:
     """The program phases on a `--programs-max-total-tokens` pool, then the disk tier's on a
-    server with a host tier as large as its pool and the disk tier in a temporary folder."""
+    server with a host tier as large as its pool and the disk tier in a temporary folder
+    (`only_shared_key`: the shared-key phase alone)."""
     headers = {"Authorization": f"Bearer {API_KEY}"}
     phases: dict[str, Any] = {}
 
@@ -164,13 +166,19 @@ def program_campaign(common: list[str], args: argparse.Namespace) -> dict[str, A
     server = serve(common + ["--max-total-tokens", str(args.programs_max_total_tokens)],
                    "reliability_programs.log")
     try:
-        for run in (lambda: newcomer_phase(server.url, headers),
-                    lambda: flood_phase(server.url, headers, num_programs=args.flood_programs),
-                    lambda: shared_key_phase(server.url, headers,
-                                             parallel=args.shared_key_parallel)):
+        shared_key = (lambda: shared_key_phase(server.url, headers,
+                                               parallel=args.shared_key_parallel,
+                                               num_agents=args.shared_key_agents))
+        runs = (shared_key,) if only_shared_key else (
+            lambda: newcomer_phase(server.url, headers),
+            lambda: flood_phase(server.url, headers, num_programs=args.flood_programs),
+            shared_key)
+        for run in runs:
             record(server.url, asyncio.run(run()))
     finally:
         server.stop()
+    if only_shared_key:
+        return phases
     with tempfile.TemporaryDirectory(prefix="reliability-hicache-") as folder:
         server = serve(common + ["--max-total-tokens", str(args.max_total_tokens),
                                  "--enable-hierarchical-cache", "--hicache-ratio", "1",
@@ -200,14 +208,17 @@ def main(argv: list[str] | None = None) -> None:
                    help="parallel requests of one key in the shared_key phase")
     p.add_argument("--programs-max-total-tokens", type=int, default=4096,
                    help="the KV pool of the program phases' server")
+    p.add_argument("--shared-key-agents", type=int, default=3,
+                   help="the agents beside the shared key's parallel requests")
     p.add_argument("--phases", default="base,kill,programs",
-                   help="comma-separated: base (load to fuzz), kill, programs")
+                   help="comma-separated: base (load to fuzz), kill, programs, shared_key "
+                        "(that program phase alone)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
     chosen = set(args.phases.split(","))
-    if not chosen or chosen - {"base", "kill", "programs"}:
-        p.error(f"--phases: base, kill or programs, not {args.phases!r}")
+    if not chosen or chosen - {"base", "kill", "programs", "shared_key"}:
+        p.error(f"--phases: base, kill, programs or shared_key, not {args.phases!r}")
     common = ["--api-key", API_KEY, "--max-running-requests", "32", "--dtype", "float32"]
     if args.model_path:
         common += ["--model-path", args.model_path]
@@ -237,6 +248,8 @@ def main(argv: list[str] | None = None) -> None:
         results["phases"]["kill_child"] = kill.to_dict()
     if "programs" in chosen:
         results["phases"].update(program_campaign(common, args))
+    elif "shared_key" in chosen:
+        results["phases"].update(program_campaign(common, args, only_shared_key=True))
     phases = results["phases"]
     results["totals"] = {
         "clients": args.clients,

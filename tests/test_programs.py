@@ -489,3 +489,32 @@ def test_scheduler_starts_a_held_program_within_the_bound_beside_a_busy_agent() 
     assert turn >= 5  # the agent kept working meanwhile
     assert started is not None
     assert HOLD_BOUND_MIN_S <= started - held_since <= sched.programs.hold_bound_s() + 0.2
+
+
+def test_one_key_is_admitted_to_its_share_of_the_rows() -> None:
+    """One key's 10 parallel requests beside 3 agents (4 programs, 8 rows): the key holds at
+    most 8 // 4 = 2 rows while the agents' turns run, so every step carries the agents and at
+    most 2 of its requests; alone, it fills the batch."""
+    sched = make_program_scheduler(num_pages=200, admission=False)
+    for i in range(10):
+        req = request(f"k{i}", list(range(1, 9)) + [100 + i], 12)
+        req.session_id = "one-key"
+        assert sched.add_request(req) is None
+    for a in range(3):
+        req = request(f"agent{a}", list(range(300 + 20 * a, 316 + 20 * a)), 12)
+        req.session_id = f"agent-{a}"
+        assert sched.add_request(req) is None
+    out: dict[str, dict] = {}
+    key_rows = []  # the key's rows after each step while all 3 agents run
+    while all(out.get(f"agent{a}", {}).get("reason") is None for a in range(3)):
+        run_steps(sched, out, max_steps=1)
+        key_rows.append(sum(r.rid.startswith("k") for r in sched.queues.running))
+    assert max(key_rows) == 2 and len(key_rows) > 5
+    run_steps(sched, out)
+    assert all(out[f"k{i}"]["reason"] is not None for i in range(10))
+    for i in range(8):  # the key alone: the whole batch
+        req = request(f"solo{i}", list(range(1, 9)) + [200 + i], 12)
+        req.session_id = "one-key"
+        assert sched.add_request(req) is None
+    sched.step()
+    assert len(sched.queues.running) == 8

@@ -9,6 +9,10 @@ Within the token budget (`chunked_prefill_size`) and `max_extend_seqs`, in this 
 
 Admission control (programs.py, with `--schedule-policy program`) first holds back new
 programs' first turns while the admitted programs' KV working sets fill the pool and host tier.
+With it, a program is admitted to at most its share of the rows, `max_running_requests` over
+the programs with requests in the server (a request of no program counts as one): one key's
+parallel requests cannot fill the decode batch, and so every step, that other agents' turns
+run in (`_row_share`).
 A chunked prompt that cannot get its pages admits nothing new (it is not starved). A waiting
 request is admitted only with a page per running request kept in reserve, so admission does
 not starve decode, and not when it shares a long uncached prefix with a request already in
@@ -109,11 +113,14 @@ class ExtendPlanner:
         order = order_waiting(cfg.schedule_policy, ready, self.kv.tree)
         if self.priorities is not None:
             order = self.priorities.order(order)
+        rows_of, share = self._row_share(ready, batch)
         for req in order:
             held = self._held(batch)
             rows_short = held >= cfg.max_running_requests
             if len(batch) >= cfg.max_extend_seqs or budget <= 0 or (rows_short and not preempt):
                 break
+            if req.program is not None and rows_of.get(id(req.program), 0) >= share:
+                continue  # its program has its share while others wait
             self.kv.admit_prefix(req)
             if not self.kv.tree.disable and in_batch.shares_uncached(req):
                 self.kv.release_req(req)
@@ -137,6 +144,23 @@ class ExtendPlanner:
             batch.append((req, n))
             in_batch.add(req)
             budget -= n
+            if req.program is not None:
+                rows_of[id(req.program)] = rows_of.get(id(req.program), 0) + 1
+
+    def _row_share(self, ready: list[Req], batch: ExtendBatch) -> tuple[dict[int, int], int]:
+        """Rows each program holds (running, re-extending, in this batch; by id), and a
+        program's share of max_running_requests among the programs with requests holding rows
+        or ready (the whole batch for one, and outside `--schedule-policy program`)."""
+        q, rows = self.queues, self.config.max_running_requests
+        held = [*q.running, *q.jump_forward_reqs, *(req for req, _ in batch)]
+        rows_of: dict[int, int] = {}
+        for req in held:
+            if req.program is not None:
+                rows_of[id(req.program)] = rows_of.get(id(req.program), 0) + 1
+        if self.config.schedule_policy != "program":
+            return rows_of, rows
+        present = {id(r.program) if r.program is not None else id(r) for r in [*ready, *held]}
+        return rows_of, max(1, rows // len(present))
 
     def _held(self, batch: ExtendBatch) -> int:
         """Rows held: running, waiting to re-extend, admitted to this batch."""

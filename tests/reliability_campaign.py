@@ -16,10 +16,10 @@ a second server and kills one of its children, then runs the program phases
 (`reliability_programs.py`: a held newcomer beside a long-lived agent, a flood of
 `--flood-programs` session ids, one key's `--shared-key-parallel` requests beside agents) on a
 server with a `--programs-max-total-tokens` pool, and a prompt read back from the disk tier on
-one more. `--phases` picks among base (load to fuzz), kill, programs and shared_key (that phase alone). Prints the figures as
-JSON: clients and requests held, disconnects and aborts survived, bad inputs tried per class,
-faults injected, 5xx count, leaked KV pages, p50/p99 latency of a small request during the
-campaign, and each program phase's figures.
+one more. `--phases` picks among base (load to fuzz), kill, programs and shared_key (that
+phase alone). Prints the figures as JSON: clients and requests held, disconnects and aborts
+survived, bad inputs tried per class, faults injected, 5xx count, leaked KV pages, p50/p99
+latency of a small request during the campaign, and each program phase's figures.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ child process, each followed by the invariants of `reliability_invariants.py`. T
         [--exhaustion-clients 32] [--fuzz-examples 100] [--big-prompts 8]
         [--big-prompt-chars 500000] [--max-total-tokens 1024] [--flood-programs 65536]
         [--shared-key-parallel 48] [--programs-max-total-tokens 4096]
-        [--phases base,kill,programs] [--seed 0] [--output FILE]
+        [--phases base,kill,programs|shared_key|disk_load] [--seed 0] [--output FILE]
 
 Starts a server on loopback (a small KV pool, so load also exhausts it), runs the phases load,
 disconnect, exhaustion, big_prompt and fuzz with a latency probe alongside
@@ -16,10 +16,11 @@ a second server and kills one of its children, then runs the program phases
 (`reliability_programs.py`: a held newcomer beside a long-lived agent, a flood of
 `--flood-programs` session ids, one key's `--shared-key-parallel` requests beside agents) on a
 server with a `--programs-max-total-tokens` pool, and a prompt read back from the disk tier on
-one more. `--phases` picks among base (load to fuzz), kill, programs and shared_key (that
-phase alone). Prints the figures as JSON: clients and requests held, disconnects and aborts
-survived, bad inputs tried per class, faults injected, 5xx count, leaked KV pages, p50/p99
-latency of a small request during the campaign, and each program phase's figures.
+one more, of `--max-total-tokens`. `--phases` picks among base (load to fuzz), kill, programs
+(with the disk tier's), and shared_key or disk_load (that phase alone). Prints the figures as
+JSON: clients and requests held, disconnects and aborts survived, bad inputs tried per class,
+faults injected, 5xx count, leaked KV pages, p50/p99 latency of a small request during the
+campaign, and each program phase's figures.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from sgl_tpu.bench.http_load import Server
 from sgl_tpu.bench.report import emit
 
 API_KEY = "campaign-key"
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def make_sender(base_url: str, headers: dict[str, str]):
@@ -87,7 +89,7 @@ def url_fuzz(base_url: str, headers: dict[str, str], num_examples: int,
 
 
 async def campaign(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
-    headers = {"Authorization": f"Bearer {API_KEY}"}
+    headers = HEADERS
     phases: dict[str, Any] = {}
     fuzz_counts: dict[str, int] = Counter()
     fuzz_statuses: Counter = Counter()
@@ -152,43 +154,45 @@ def serve(flags: list[str], log_name: str):
 
 def program_campaign(common: list[str], args: argparse.Namespace,
                      only_shared_key: bool = False) -> dict[str, Any]:
-    """The program phases on a `--programs-max-total-tokens` pool, then the disk tier's on a
-    server with a host tier as large as its pool and the disk tier in a temporary folder
-    (`only_shared_key`: the shared-key phase alone)."""
-    headers = {"Authorization": f"Bearer {API_KEY}"}
+    """The program phases on a `--programs-max-total-tokens` pool (`only_shared_key`: the
+    shared-key phase alone)."""
     phases: dict[str, Any] = {}
-
-    def record(url: str, result) -> None:
-        check_invariants(url, headers)
-        phases[result.name] = {**result.to_dict(), "num_5xx": result.num_5xx,
-                               "invariants": "ok"}
-
     server = serve(common + ["--max-total-tokens", str(args.programs_max_total_tokens)],
                    "reliability_programs.log")
     try:
-        shared_key = (lambda: shared_key_phase(server.url, headers,
+        shared_key = (lambda: shared_key_phase(server.url, HEADERS,
                                                parallel=args.shared_key_parallel,
                                                num_agents=args.shared_key_agents))
         runs = (shared_key,) if only_shared_key else (
-            lambda: newcomer_phase(server.url, headers),
-            lambda: flood_phase(server.url, headers, num_programs=args.flood_programs),
+            lambda: newcomer_phase(server.url, HEADERS),
+            lambda: flood_phase(server.url, HEADERS, num_programs=args.flood_programs),
             shared_key)
         for run in runs:
-            record(server.url, asyncio.run(run()))
+            record_phase(phases, server.url, asyncio.run(run()))
     finally:
         server.stop()
-    if only_shared_key:
-        return phases
+    return phases
+
+
+def disk_campaign(common: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """The disk tier's phase on a `--max-total-tokens` pool with a host tier as large and the
+    disk tier in a temporary folder."""
+    phases: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="reliability-hicache-") as folder:
         server = serve(common + ["--max-total-tokens", str(args.max_total_tokens),
                                  "--enable-hierarchical-cache", "--hicache-ratio", "1",
                                  "--hicache-storage-backend", "file",
                                  "--hicache-storage-dir", folder], "reliability_disk.log")
         try:
-            record(server.url, asyncio.run(disk_load_phase(server.url, headers)))
+            record_phase(phases, server.url, asyncio.run(disk_load_phase(server.url, HEADERS)))
         finally:
             server.stop()
     return phases
+
+
+def record_phase(phases: dict[str, Any], url: str, result) -> None:
+    check_invariants(url, HEADERS)
+    phases[result.name] = {**result.to_dict(), "num_5xx": result.num_5xx, "invariants": "ok"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -211,14 +215,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shared-key-agents", type=int, default=3,
                    help="the agents beside the shared key's parallel requests")
     p.add_argument("--phases", default="base,kill,programs",
-                   help="comma-separated: base (load to fuzz), kill, programs, shared_key "
-                        "(that program phase alone)")
+                   help="comma-separated: base (load to fuzz), kill, programs (with the disk "
+                        "tier's), shared_key, disk_load (those phases alone)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
     chosen = set(args.phases.split(","))
-    if not chosen or chosen - {"base", "kill", "programs", "shared_key"}:
-        p.error(f"--phases: base, kill, programs or shared_key, not {args.phases!r}")
+    if not chosen or chosen - {"base", "kill", "programs", "shared_key", "disk_load"}:
+        p.error(f"--phases: base, kill, programs, shared_key or disk_load, not {args.phases!r}")
     common = ["--api-key", API_KEY, "--max-running-requests", "32", "--dtype", "float32"]
     if args.model_path:
         common += ["--model-path", args.model_path]
@@ -235,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     if "kill" in chosen:
         victim_server = serve(flags, "reliability_kill.log")
         try:
-            headers = {"Authorization": f"Bearer {API_KEY}"}
+            headers = HEADERS
             victim = requests.get(victim_server.url + "/server_info", headers=headers,
                                   timeout=30).json()["scheduler_pid"]
             kill = asyncio.run(kill_child_phase(victim_server.url, headers,
@@ -250,6 +254,8 @@ def main(argv: list[str] | None = None) -> None:
         results["phases"].update(program_campaign(common, args))
     elif "shared_key" in chosen:
         results["phases"].update(program_campaign(common, args, only_shared_key=True))
+    if "programs" in chosen or "disk_load" in chosen:
+        results["phases"].update(disk_campaign(common, args))
     phases = results["phases"]
     results["totals"] = {
         "clients": args.clients,

@@ -165,6 +165,40 @@ def test_a_request_waits_for_its_disk_pages_while_another_decodes(tmp_path, monk
     sched.tiers.close()
 
 
+def test_pages_read_from_disk_move_into_the_pool_a_steps_part_at_a_time(tmp_path):
+    """While another request decodes, a step moves at most `step_pages` of the prefix read
+    from disk into the pool, and the other decodes in every step of the load."""
+    prompt = list(range(100, 133))  # 8 whole pages of 4
+    first = tiered_scheduler(tmp_path)
+    first.add_request(request("a", prompt, 2))
+    run_steps(first, {})
+    first.tiers.close()
+
+    sched = tiered_scheduler(tmp_path)
+    sched.tiers.step_pages = 3
+    out = run_steps(sched, {}, max_steps=0)
+    sched.add_request(request("b", [7, 8, 9], 40))
+    run_steps(sched, out, max_steps=2)
+    sched.add_request(request("a", prompt, 4))
+    a = sched.waiting[-1]
+    for _ in range(1000):  # the reads, on the reader thread, into the host tier
+        if len(sched.tiers.host) == 8:
+            break
+        time.sleep(0.01)
+        run_steps(sched, out, max_steps=1)
+    cached = [sched.kv.tree.match_prefix(prompt).prefix_len]
+    while sched.kv.loading(a):
+        decoded = len(out["b"]["ids"])
+        run_steps(sched, out, max_steps=1)
+        cached.append(sched.kv.tree.match_prefix(prompt).prefix_len)
+        assert len(out["b"]["ids"]) == decoded + 1 or not sched.kv.loading(a)
+    assert cached == [0, 12, 24, 32]  # the last step: 2 pages, then `a` is admitted
+    run_steps(sched, out)
+    assert out["a"]["ids"] == expected(prompt, 4) and out["a"]["cached"] == 32
+    assert out["b"]["ids"] == expected([7, 8, 9], 40)
+    sched.tiers.close()
+
+
 def test_a_session_request_loads_host_pages_at_arrival_and_disk_pages_off_thread(tmp_path,
                                                                                  monkeypatch):
     prompt = list(range(100, 133))

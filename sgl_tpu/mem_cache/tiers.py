@@ -59,6 +59,9 @@ logger = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_through", "write_back")
 CHUNK_BYTES = 64 * 2**20  # rows a load or a demotion copies at once
+# rows a load from disk moves into the pool per scheduler step while others run (`load_step`):
+# on a CPU about a decode step's time, so a running stream's token gaps stay near its idle ones
+STEP_BYTES = 8 * 2**20
 
 
 def global_only_hash(page_hash: bytes) -> bytes:
@@ -108,6 +111,7 @@ class TieredCache(TreeListener):
         self.host_counters = TierCounters()
         self.disk_counters = TierCounters()
         self.chunk_pages = chunk_pages or max(1, CHUNK_BYTES // host.row_bytes)
+        self.step_pages = min(self.chunk_pages, max(1, STEP_BYTES // host.row_bytes))
         # Row buffers reused by every copy (fresh memory is faulted in page by page, which
         # costs more than the copy), of at most a chunk: one for demotions, one for loads,
         # since a load's eviction demotes while the load's rows wait.
@@ -162,20 +166,32 @@ class TieredCache(TreeListener):
         was loaded)."""
         loaded: list[int] = []  # this load's pool pages, in order
         while True:
-            new, pages = self._load_chunk(key, match, loaded, from_disk)
+            new, pages = self._load_chunk(key, match, loaded, from_disk, self.chunk_pages)
             loaded.extend(pages)
             if len(pages) < self.chunk_pages:
                 return new
             match = new
 
+    def load_step(self, key: np.ndarray, match: MatchResult) -> tuple[MatchResult, bool]:
+        """One scheduler step's part of `load` from the host tier: at most `step_pages` pages
+        after `match`; (the new match, whether more may follow). A request whose prefix came
+        from disk moves into the pool this way while the others decode, so no step copies the
+        whole prefix; its admission's `load` takes what is left. Under a sliding-window pool
+        the chunks of one load depend on each other (`_drop_stale_windows`), so there nothing
+        moves here."""
+        if self.swa is not None:
+            return match, False
+        new, pages = self._load_chunk(key, match, [], False, self.step_pages)
+        return new, len(pages) == self.step_pages
+
     def _load_chunk(self, key: np.ndarray, match: MatchResult, loaded: list[int],
-                    from_disk: bool) -> tuple[MatchResult, list[int]]:
-        """`load` of at most a chunk of pages after the `loaded` ones: the new match and the
-        pages loaded."""
+                    from_disk: bool, max_pages: int) -> tuple[MatchResult, list[int]]:
+        """`load` of at most `max_pages` pages (a chunk at most) after the `loaded` ones: the
+        new match and the pages loaded."""
         ps = self.page_size
         t0 = time.perf_counter()
         found, whole = self._find(key, match.prefix_len, match.last_node.last_hash(),
-                                  self.chunk_pages, from_disk)
+                                  max_pages, from_disk)
         if not found:
             return match, []
         self.tree.inc_lock_ref(match.last_node)  # eviction below must not take the match

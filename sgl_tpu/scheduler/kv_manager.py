@@ -5,7 +5,8 @@ Every page is exactly one of: free (allocator), owned by the tree, or owned by a
 
 * `load_ahead`    at arrival: start reading the request's prefix pages that only the disk
                   tier holds into the host tier, on the tier's thread (mem_cache/disk_loads.py);
-                  the request is `loading`, not admissible, until `poll_loads` finds it over.
+                  the request is `loading`, not admissible, until `poll_loads` has read them
+                  and moved them into the pool, a step's part at a time while others run.
 * `admit_prefix`  match the request's cached prefix in the tree and lock it.
 * `alloc_pages`   give a request more pages, evicting unlocked tree leaves when short.
 * `cache_req`     after a step: insert the request's computed tokens into the tree, free the
@@ -32,6 +33,7 @@ it uses a cached prefix only as far as its window survived.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -49,6 +51,19 @@ from sgl_tpu.scheduler.sessions import SessionTable
 IDLE_LOAD_WAIT_S = 0.005  # with nothing else to run, wait this long for a disk read per step
 
 
+@dataclass(eq=False)
+class PrefixLoad:
+    """A waiting request's prefix on its way from disk: read into the host tier (`disk`, on
+    the tier's thread), then moved into the pool (`disk` None), a step's part at a time. Pages
+    the host tier dropped meanwhile (the pool's evictions demote others into it) are read from
+    disk again, as long as each read moves the pool's match on (`start`: its match at the last
+    read)."""
+
+    req: Req
+    disk: DiskLoad | None
+    start: int
+
+
 class KVManager:
     def __init__(self, allocator: PageAllocator, tree: RadixCache,
                  session_retention_s: float = 0.0, tiers: TieredCache | None = None, *,
@@ -64,7 +79,7 @@ class KVManager:
             self.swa.reclaim = self._reclaim_windows
         self.tiers = tiers  # host/disk tiers below the pool (mem_cache/tiers.py), or None
         # by id(req) while the request waits (held, so that its id is not reused)
-        self._disk_loads: dict[int, tuple[Req, DiskLoad]] = {}
+        self._loads: dict[int, PrefixLoad] = {}
         self.page_size = allocator.page_size
         self.session_retention_s = session_retention_s
         self.sessions = sessions  # open sessions (/open_session), or None
@@ -173,28 +188,54 @@ class KVManager:
             match = self.tiers.load(key, match, from_disk=False)
         load = self.tiers.start_disk_load(key, match)
         if load is not None:
-            self._disk_loads[id(req)] = (req, load)
+            self._loads[id(req)] = PrefixLoad(req, load, match.prefix_len)
 
     def loading(self, req: Req) -> bool:
-        """Whether `req`'s prefix is still being read from disk (not admissible yet)."""
-        return id(req) in self._disk_loads
+        """Whether `req`'s prefix is still loading from disk (not admissible yet)."""
+        return id(req) in self._loads
 
     def poll_loads(self, waiting: list[Req], busy: bool) -> None:
-        """Move the disk loads on: a request whose load is over may be admitted; the load of
-        one no longer waiting (aborted, failed) is cancelled. Not `busy` (nothing runs) and
-        every waiting request loading: first wait a moment for a read instead of spinning."""
-        if not self._disk_loads:
+        """Move the loads on: a disk load whose reads are over moves its pages from the host
+        tier into the pool, a step's part at a time while others run (`busy`); a request whose
+        load is over may be admitted; the load of one no longer waiting (aborted, failed) is
+        cancelled. Not `busy` (nothing runs) and every waiting request reading from disk:
+        first wait a moment for a read instead of spinning."""
+        if not self._loads:
             return
-        if not busy and all(self.loading(r) for r in waiting):
-            self.tiers.wait_disk_loads([load for _, load in self._disk_loads.values()],
-                                       IDLE_LOAD_WAIT_S)
+        reads = [load.disk for load in self._loads.values() if load.disk is not None]
+        if not busy and len(reads) == len(self._loads) and all(map(self.loading, waiting)):
+            self.tiers.wait_disk_loads(reads, IDLE_LOAD_WAIT_S)
         waiting_ids = {id(r) for r in waiting}
-        for key, (_, load) in list(self._disk_loads.items()):
+        moved = False  # one request's pages move into the pool per step
+        for key, load in list(self._loads.items()):
             if key not in waiting_ids:
-                self.tiers.cancel_disk_load(load)
-                del self._disk_loads[key]
-            elif self.tiers.advance_disk_load(load):
-                del self._disk_loads[key]
+                if load.disk is not None:
+                    self.tiers.cancel_disk_load(load.disk)
+                del self._loads[key]
+            elif load.disk is not None:
+                if self.tiers.advance_disk_load(load.disk):
+                    load.disk = None
+            elif not busy:
+                del self._loads[key]  # nothing to keep smooth: admission loads the rest
+            elif not moved:
+                moved = True
+                if not self._load_step(load):
+                    del self._loads[key]
+
+    def _load_step(self, load: PrefixLoad) -> bool:
+        """Move a step's part of `load`'s prefix from the host tier into the pool, or start
+        reading again what the host tier dropped; False when nothing more can move (admission's
+        `load` takes whatever is left). The pages moved are cached like any prefix: if evicted
+        before admission, admission loads them again."""
+        key = np.asarray(load.req.fill_ids[: load.req.max_prefix_len], dtype=np.int32)
+        match, more = self.tiers.load_step(key, self.tree.match_prefix(key))
+        if more:
+            return True
+        if match.prefix_len <= load.start:
+            return False
+        load.disk = self.tiers.start_disk_load(key, match)
+        load.start = match.prefix_len
+        return load.disk is not None
 
     def retain_prefix(self, req: Req) -> None:
         """A request with retention arrived: keep its cached prefix until it is admitted."""

@@ -106,6 +106,22 @@ def test_chunked_prefill_runs_budget_sized_chunks_then_decodes():
     assert decodes == [[(1, 50 + k)] for k in range(4)]  # first token came from the prefill
 
 
+def test_chunks_of_a_long_prompt_take_turns_with_the_running_decode():
+    """A stream decodes one token between any two chunks of a prompt that arrives beside it,
+    and both outputs stay exact."""
+    sched, runner = make_scheduler(chunk=16)
+    stream = list(range(10, 14))
+    sched.add_request(request("s", stream, 20))
+    out = run_steps(sched, {}, max_steps=2)  # its prefill, one decode
+    prompt = list(range(100, 150))  # 50 tokens: chunks of 16, 16, 16, 2
+    sched.add_request(request("a", prompt, 3))
+    run_steps(sched, out)
+    assert out["s"]["ids"] == expected(stream, 20)
+    assert out["a"]["ids"] == expected(prompt, 3)
+    modes = [m for m, _ in runner.calls][2:7]
+    assert modes == [ForwardMode.EXTEND, ForwardMode.DECODE] * 2 + [ForwardMode.EXTEND]
+
+
 def test_load_counts_a_chunked_prompt_and_a_jump_forward_request_as_running():
     """`/server_info`, `/get_load` and the harness's idle check see every admitted request:
     one between its prefill chunks and one waiting to re-extend after a jump forward hold KV

@@ -128,6 +128,7 @@ class Scheduler:
                                       self.eos_token_ids, vocab_size)
         # A DECODE step in flight whose results are not processed yet (overlap scheduling).
         self._pending: PendingDecode | None = None
+        self._chunk_ran = False  # the last step ran a chunk of a prompt that has more
         self.overlap = (config.overlap_schedule and self.speculator is None
                         and hasattr(runner, "dispatch"))
 
@@ -184,9 +185,14 @@ class Scheduler:
             if not self.running:  # what is in flight now has only finished requests' rows
                 outputs += self._drain()
         else:
-            batch = self.extend_planner.next_batch()
+            # A prompt prefilled in chunks takes turns with the running requests' DECODE
+            # steps: a long prompt delays each stream by a chunk, not by its whole prefill.
+            batch = ([] if self._chunk_ran and self.running
+                     else self.extend_planner.next_batch())
+            self._chunk_ran = False
             if batch:
                 outputs += self._run_extend(batch)
+                self._chunk_ran = self.queues.chunked_req is not None
             elif self.running:
                 outputs += self._run_decode()
         self._step_reqs = []

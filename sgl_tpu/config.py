@@ -173,6 +173,7 @@ class SchedulerSettings:
     disable_radix_cache: bool = setting(
         False, see="architecture.md",
         help="a cache that never matches (same code path; for comparisons)")
+    # cache control for agents (scheduler/sessions.py)
     session_retention_s: float = setting(
         30.0, check=Number(), see="agent-apis.md",
         help="seconds a finished request with a session_id keeps its KV at eviction priority for "
@@ -196,6 +197,7 @@ class SchedulerSettings:
         help="seconds a turn that ends in tool calls (finish_reason tool_calls, or tool_pause on "
              "the request) keeps its KV pinned on the device; then it is evicted, or demoted to "
              "the host tier, the normal way (0 disables)")
+    # priority scheduling (SGLang's flags; scheduler/priority.py)
     enable_priority_scheduling: bool = setting(
         False, see=_PRIORITY_DOCS,
         help="admit waiting requests by their priority (higher values first), and let one that "
@@ -226,12 +228,14 @@ class SchedulerSettings:
         PRIORITY_AGING_RATE, check=Number(), see=_PRIORITY_DOCS,
         help="with --enable-priority-scheduling: priority levels a request gains per second since "
              "it arrived, so a low priority is delayed, never starved (0: no aging)")
+    # programs: the agents behind requests (scheduler/programs.py)
     program_ttl_s: float = setting(
         600.0, check=Number(), see="agents-at-scale.md",
         help="seconds a program (an agent: the requests of one session_id, prompt_cache_key, "
              "X-SMG-Routing-Key or Anthropic metadata.user_id) is remembered after its last "
              "request")
     max_top_logprobs: int = setting(20, help="most top log-probs a request may ask for")
+    # speculative decoding (scheduler/speculative.py, suffix.py)
     speculative_num_draft_tokens: int = setting(
         4, check=Int(1, 64), see="speculative-decoding.md",
         help="most draft tokens per request and decode step (fewer while its acceptance rate is "
@@ -385,6 +389,7 @@ class ServerArgs(SchedulerSettings, ServingSettings):
     """Every setting: `ServingSettings`, `SchedulerSettings` and the runner's, caches' and
     launcher's below (fields in that order)."""
 
+    # the model, its dtypes, the KV pool, batch sizes
     dtype: str = setting(
         "auto", check=OneOf(DTYPES), see="backends.md",
         help="compute dtype: auto (bfloat16 for torch on accelerators and CPUs with AMX, else "
@@ -410,6 +415,8 @@ class ServerArgs(SchedulerSettings, ServingSettings):
         False, see="agents-at-scale.md",
         help="with --schedule-policy program: never hold a new program's first turn, even when the"
              " admitted programs' KV working sets fill the KV pool and host tier")
+    # KV cache tiers (SGLang's HiCache flags; mem_cache/tiers.py) and the sliding-window pool
+    # (mem_cache/swa_pool.py)
     enable_hierarchical_cache: bool = setting(
         False, see="kv-cache-tiers.md",
         help="KV cache tiers below the pool: pages evicted from it demote to host memory (and with"
@@ -453,6 +460,7 @@ class ServerArgs(SchedulerSettings, ServingSettings):
              "loss tears; fsync: each file and its folder are synced before the page counts as "
              "stored (a disk flush per page written; off by default, since a torn file fails its "
              "MAC and is computed again)")
+    # the Responses API's store (server/responses_api.py)
     responses_max_stored: int = setting(
         1024, check=Int(1), see="agent-apis.md",
         help="Responses API: most stored responses kept in memory for GET and previous_response_id"
@@ -460,6 +468,7 @@ class ServerArgs(SchedulerSettings, ServingSettings):
     responses_ttl_s: float = setting(
         3600.0, check=Number(0, lo_open=True), see="agent-apis.md",
         help="Responses API: seconds a stored response is kept after its last use")
+    # shapes, kernels, warm-up and grammar
     kv_tile: int = setting(
         256, check=Int(1), see="backends.md",
         help="KV tokens per attention tile (a multiple of --page-size; the Pallas kernel's DMA "
@@ -489,6 +498,7 @@ class ServerArgs(SchedulerSettings, ServingSettings):
     disable_jump_forward: bool = setting(
         False, see="structured-outputs.md",
         help="decode grammar-forced tokens one step at a time")
+    # resolved by executor/registry.py (backend, compile, overlap, speculation, device)
     speculative_algorithm: str | None = setting(
         "auto", see="speculative-decoding.md",
         help="speculative decoding: NGRAM drafts tokens from the request's own prompt and output "
@@ -499,7 +509,6 @@ class ServerArgs(SchedulerSettings, ServingSettings):
              " batch size drafts only while its measured seconds per output token with drafts beat"
              " plain steps, reported live in /server_info speculative; off on accelerators, on the"
              " JAX backend and with --enable-deterministic-inference. none: off")
-    log_level: str = setting("info", help="logging level")
     backend: str = setting(
         "auto", see="backends.md",
         help="executor: jax (XLA), torch (PyTorch), or auto (torch on CPU when installed, jax on "
@@ -539,6 +548,7 @@ class ServerArgs(SchedulerSettings, ServingSettings):
              "float32 when the compiled kernels are built: gguf-a8 where they have AVX512-VNNI and"
              " the activations are float32, else gguf; else none); quantized kernels run for "
              "decode-sized steps (every step for the 16-feature tiles)")
+    # data and tensor parallelism (server/replicas.py; SGLang's flags)
     dp_size: int = setting(
         1, check=Int(1, 256), see="scale-out.md",
         help="data parallelism: run this many replicas of the server behind the sglang-router (pip"
@@ -574,6 +584,7 @@ class ServerArgs(SchedulerSettings, ServingSettings):
         120, check=Int(1), see="scale-out.md",
         help="with --nnodes > 1: seconds every rank has to join the group (a follower that cannot "
              "reach rank 0 exits with an error after this)")
+    # torch on CPU and CUDA
     torch_threads: int = setting(
         0, check=Int(0), see="backends.md",
         help="torch backend on CPU: the executor's intra-op threads, fixed at start; 0 = every CPU"
@@ -593,6 +604,7 @@ class ServerArgs(SchedulerSettings, ServingSettings):
         False, see="backends.md",
         help="torch on CUDA: run decode steps without CUDA graphs (accepted and inert on CPU, "
              "where no graphs are captured)")
+    # chat and output parsing, determinism, KV events, logging
     tool_call_parser: str | None = setting(
         None, see="agent-apis.md",
         help="tool-call format of the model (SGLang's names); default: picked from the chat "
@@ -617,6 +629,7 @@ class ServerArgs(SchedulerSettings, ServingSettings):
              " \"endpoint\": \"tcp://*:5557\", \"topic\": \"kv\"}' (SGLang's keys: publisher "
              "null/zmq, endpoint, replay_endpoint, buffer_steps, hwm, max_queue_size, topic). With"
              " --dp-size each replica adds its rank to the ports")
+    log_level: str = setting("info", help="logging level")
 
     def __post_init__(self) -> None:
         super().__post_init__()  # every field's check, then the scheduler's cross checks

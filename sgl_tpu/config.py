@@ -323,12 +323,9 @@ class KVEventsConfig:
                 raise ValueError(f"--kv-events-config: {name} must be a string")
         if self.replay_endpoint is not None and not isinstance(self.replay_endpoint, str):
             raise ValueError("--kv-events-config: replay_endpoint must be a string or null")
-        for name, lo in (("buffer_steps", 1), ("hwm", 0), ("max_queue_size", 1),
-                         ("dp_rank", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-                raise ValueError(f"--kv-events-config: {name} must be an integer >= {lo}, "
-                                 f"got {value!r}")
+        for name, rule in (("buffer_steps", Int(1)), ("hwm", Int(0)), ("max_queue_size", Int(1)),
+                           ("dp_rank", Int(0))):
+            rule(f"--kv-events-config: {name}", getattr(self, name))
 
     @classmethod
     def from_json(cls, text: str) -> KVEventsConfig:

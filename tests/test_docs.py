@@ -1,5 +1,6 @@
 """The docs against the code (fast, no server): every flag of the server's `--help` is documented
-in docs/ or the README, every relative link of README.md, docs/*.md and benchmarks/results/
+in docs/ or the README, docs/serving.md's flag table is the one generated from the settings'
+declarations, every relative link of README.md, docs/*.md and benchmarks/results/
 README.md resolves to a file of the checkout (and an anchor to a heading of that file), every
 result file a doc names exists (by path, bare name or glob), every `python -m sgl_tpu...` of a
 doc runs a module of the checkout, and the README stays short."""
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 from server_harness import REPO_ROOT
 
-from sgl_tpu.cli import build_parser
+from sgl_tpu.cli import TABLE_END, TABLE_START, build_parser, markdown_table
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -66,6 +67,22 @@ def test_every_server_flag_is_documented():
     assert len(flags) > 40  # the parser was read, not an empty stand-in
     missing = [f for f in flags if not re.search(re.escape(f) + r"(?![\w-])", text)]
     assert not missing, f"flags of --help that no doc mentions: {missing}"
+
+
+def test_flag_table_is_generated_from_the_declarations():
+    """The table lists every flag of `--help` once, in its order, with the default, choices and
+    help text its declaration gives (`markdown_table`, from the `ServerArgs` fields)."""
+    text = (REPO_ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
+    assert text.count(TABLE_START) == 1 and text.count(TABLE_END) == 1
+    table = text.split(TABLE_START + "\n")[1].split(TABLE_END)[0]
+    assert table == markdown_table(), \
+        "the flag table is stale: run python -m sgl_tpu.cli --markdown docs/serving.md"
+    flags = [a.option_strings[-1] for a in build_parser()._actions
+             if a.option_strings[-1] != "--help"]
+    assert re.findall(r"^\| `(--[\w-]+)` \|", table, flags=re.M) == flags
+    actions = {a.option_strings[-1]: a for a in build_parser()._actions}
+    assert "| `--page-size` | `16` | " + actions["--page-size"].help + " | " in table
+    assert "| `--dtype` | `auto` | {auto, float32, bfloat16}: " in table
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO_ROOT)))

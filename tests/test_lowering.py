@@ -1,9 +1,10 @@
 """The JAX runner's jitted steps lowered for a TPU on this CPU (backends/jax/lowering.py), as
-`python -m sgl_tpu.bench.accelerator --lower tpu` does: the default model at TP 1 and over
+`python -m sgl_tpu.bench.lowering --lower tpu` does: the default model at TP 1 and over
 abstract meshes. Fails on a lowering error, a host callback or a non-kernel custom call in a
 step, a step whose program would change with the requests in it, or collectives other than
 the planned ones (per layer two all-reduces; per step one more for the embedding and one
-all-gather of the logits)."""
+all-gather of the logits). And the HBM plan of the committed report, printed through
+`bench.accelerator --lower`, is the table docs/scale-out.md shows."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from server_harness import REPO_ROOT
 
 # SmolLM2's 9 query heads split 3 ways; a 4-chip mesh is refused by the head-split rule, which
 # the report must say under `error`. A small Llama of its own config (untied LM head, 8 heads)
@@ -34,7 +36,7 @@ def reports(tmp_path_factory) -> dict:
     (tmp / "small-llama" / "config.json").write_text(json.dumps(SMALL_LLAMA))
     out = tmp / "report.json"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    subprocess.run([sys.executable, "-m", "sgl_tpu.bench.accelerator", "--lower", "tpu",
+    subprocess.run([sys.executable, "-m", "sgl_tpu.bench.lowering", "--lower", "tpu",
                     "--tp-size", ",".join(map(str, TP_SIZES)), "--collectives", "steps",
                     "--model-config", str(tmp / "small-llama"), "--output", str(out)],
                    check=True, env=env, timeout=600)
@@ -91,3 +93,13 @@ def test_four_chip_mesh_untied_lm_head(reports):
 
 def test_head_rule_refusal_is_reported(report):
     assert "query heads do not divide by 4" in report["tpu tp=4"]["error"]
+
+
+def test_hbm_plan_of_the_committed_report_is_the_documented_one():
+    out = subprocess.run([sys.executable, "-m", "sgl_tpu.bench.accelerator", "--lower", "tpu",
+                          "--plan", str(REPO_ROOT / "benchmarks" / "results" / "lowering.json")],
+                         check=True, capture_output=True, text=True, timeout=120).stdout
+    table = [line for line in out.splitlines() if line.startswith("|")]
+    assert len(table) == 2 + 9 and "--mem-fraction-static default: 0.8" in out
+    doc = (REPO_ROOT / "docs" / "scale-out.md").read_text(encoding="utf-8")
+    assert "\n".join(table) in doc

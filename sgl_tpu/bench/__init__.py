@@ -1,4 +1,4 @@
-"""Benchmarks of sgl-tpu: five supported entry points, each printing one JSON object (and writing
+"""Benchmarks of sgl-tpu: six supported entry points, each printing one JSON object (and writing
 it with `--output`), each comparing its arms inside one run (the machines are shared, so ratios
 within a run are what hold).
 
@@ -13,6 +13,9 @@ Entry points (`python -m sgl_tpu.bench.<name> --help`):
     structured   grammar masks' cost per token and what jump-forward saves on forced JSON
     accelerator  one command for an accelerator's table: the executor, a step profile and
                  servers with one and many streams, per backend, each part in its own process
+    lowering     the JAX runner's jitted steps lowered for TPU / CUDA on this host, without the
+                 chips (collectives, custom calls, buckets, bytes per chip); `--plan`: the HBM
+                 plan of a report (`accelerator --lower` runs it too)
 
 Library modules (no command of their own): `http_load` (a server as a child process, token-id
 workloads, streaming clients), `step_inputs` (the executor benches' `SeqStep`s), `determinism`

@@ -48,7 +48,7 @@ and are recorded as skipped where there is none.
         [--tp-size 1,4,8] --output FILE
 
 lowers the JAX runner's jitted steps for those platforms on this host instead, without the
-chips (sgl_tpu/backends/jax/lowering.py, run as its own process): collectives, custom calls
+chips (`python -m sgl_tpu.bench.lowering`, run as its own process): collectives, custom calls
 and host callbacks, shape buckets and bytes per chip, as one JSON.
 """
 
@@ -210,7 +210,7 @@ def summarize(backend: str, parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
-LOWERING = "sgl_tpu.backends.jax.lowering"  # the JAX home's module, run by name
+LOWERING = "sgl_tpu.bench.lowering"  # its own process: JAX starts with its XLA_FLAGS
 
 
 def main(argv: list[str] | None = None) -> None:

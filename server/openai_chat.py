@@ -43,18 +43,21 @@ from sgl_tpu.server.tokenizer_manager import GenItem, RequestError, TokenizerMan
 JSON_OBJECT_SCHEMA = {"type": "object"}
 
 
-def _chat_prompt(tm: TokenizerManager, req: ChatCompletionRequest, plan: ChatPlan) -> list[int]:
+def _chat_prompt(tm: TokenizerManager, req: ChatCompletionRequest, plan: ChatPlan, *,
+                 add_generation_prompt: bool = True, add_special_tokens: bool = False
+                 ) -> list[int]:
     kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
               if k not in ("messages", "tools", "add_generation_prompt")}
     try:
-        text = tm.tokenizer.apply_chat_template(plan.messages, add_generation_prompt=True,
+        text = tm.tokenizer.apply_chat_template(plan.messages,
+                                                add_generation_prompt=add_generation_prompt,
                                                 tools=plan.template_tools, **kwargs)
     except (ValueError, TypeError, KeyError) as e:
         raise RequestError(f"messages: {e}") from None
     if plan.reasoning is not None:
         plan.in_reasoning = plan.reasoning.starts_in_reasoning(text)
     plan.grammar = plan_grammar(plan, tool_parser(tm), text)
-    return tm.tokenize(text, add_special_tokens=False)  # bounded by the context length
+    return tm.tokenize(text, add_special_tokens=add_special_tokens)  # bounded by context_len
 
 
 def _chat_sampling(tm: TokenizerManager, req: ChatCompletionRequest, prompt_len: int,
@@ -83,11 +86,16 @@ def _chat_sampling(tm: TokenizerManager, req: ChatCompletionRequest, prompt_len:
     return sp
 
 
-def prompt_ids(tm: TokenizerManager, req: ChatCompletionRequest) -> list[int]:
+def prompt_ids(tm: TokenizerManager, req: ChatCompletionRequest, *,
+               add_generation_prompt: bool = True, add_special_tokens: bool = False
+               ) -> list[int]:
     """The prompt's token ids exactly as a generation of `req` would send them (what a
-    token-counting route reports); RequestError on bad input."""
+    token-counting route reports) with the defaults; the options render it otherwise (the
+    `/tokenize` route's). RequestError on bad input."""
     tm.check_num_messages(len(req.messages))
-    return _chat_prompt(tm, req, plan_chat(tm, req))
+    return _chat_prompt(tm, req, plan_chat(tm, req),
+                        add_generation_prompt=add_generation_prompt,
+                        add_special_tokens=add_special_tokens)
 
 
 def _chat_logprobs(tm: TokenizerManager, entries: list, tops: list) -> dict[str, Any]:

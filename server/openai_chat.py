@@ -110,7 +110,8 @@ def _chat_logprobs(tm: TokenizerManager, entries: list, tops: list) -> dict[str,
     return {"content": content}
 
 
-def _items(tm: TokenizerManager, req: ChatCompletionRequest) -> tuple[list[GenItem], ChatPlan]:
+def chat_items(tm: TokenizerManager, req: ChatCompletionRequest
+               ) -> tuple[list[GenItem], ChatPlan]:
     """Validate the request and build its GenItems (RequestError on bad input)."""
     if req.audio is not None:
         raise RequestError("audio output is not supported")
@@ -137,7 +138,7 @@ def _reason(result: dict[str, Any], has_calls: bool) -> str | None:
 
 async def chat_completion(tm: TokenizerManager, req: ChatCompletionRequest) -> dict[str, Any]:
     """The `chat.completion` object for a non-streaming request."""
-    items, plan = _items(tm, req)
+    items, plan = chat_items(tm, req)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     model = req.model or tm.served_model_name
     results = await gather_results(tm, items)
@@ -157,14 +158,16 @@ async def chat_completion(tm: TokenizerManager, req: ChatCompletionRequest) -> d
             "choices": choices, "usage": usage(results, req.n)}
 
 
-async def chat_completion_chunks(tm: TokenizerManager, req: ChatCompletionRequest
+async def chat_completion_chunks(tm: TokenizerManager, req: ChatCompletionRequest,
+                                 prepared: tuple[list[GenItem], ChatPlan] | None = None
                                  ) -> AsyncIterator[dict[str, Any]]:
-    """The `chat.completion.chunk` dicts of a stream (usage last when asked for).
+    """The `chat.completion.chunk` dicts of a stream (usage last when asked for); `prepared`:
+    the request's `chat_items`, when the caller checked it already.
 
     Nothing is yielded before the first result arrives, so errors before the first token raise
     from the first `anext`; later errors raise mid-stream.
     """
-    items, plan = _items(tm, req)
+    items, plan = prepared or chat_items(tm, req)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     model = req.model or tm.served_model_name
     outputs = [ChatOutput(plan) for _ in items]

@@ -1,5 +1,5 @@
 """The OpenAI Responses API: `POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`,
-`GET /v1/responses/{id}/input_items`.
+`POST /v1/responses/{id}/cancel`, `GET /v1/responses/{id}/input_items`.
 
 Served on top of the chat path (`openai_chat.chat_completion` / `chat_completion_chunks`),
 whose contract is the OpenAI chat wire format:
@@ -10,6 +10,9 @@ whose contract is the OpenAI chat wire format:
                                priority, session_id)
     non-stream: chat.completion ──output_items──► response object
     stream:     chat.completion.chunk ... ──ResponseEvents──► response.* SSE events
+
+With `background` the request answers at once (`queued`) and runs on in a task
+(`responses_background.py`); `GET` shows its progress, `POST .../cancel` stops it.
 
 A stored response (`store`, the default) keeps its conversation in `ResponseStore`, so the next
 request names it as `previous_response_id` and sends only new items. Every turn of a
@@ -40,8 +43,14 @@ from sgl_tpu.server.http_common import (
     sse,
 )
 from sgl_tpu.server.openai_api import check_model
-from sgl_tpu.server.openai_chat import chat_completion, chat_completion_chunks, prompt_ids
+from sgl_tpu.server.openai_chat import (
+    chat_completion,
+    chat_completion_chunks,
+    chat_items,
+    prompt_ids,
+)
 from sgl_tpu.server.openai_protocol import ChatCompletionRequest
+from sgl_tpu.server.responses_background import BackgroundRuns
 from sgl_tpu.server.responses_items import input_item_resources, page, truncation_cuts
 from sgl_tpu.server.responses_protocol import (
     ResponsesRequest,
@@ -65,13 +74,16 @@ class _Turn:
     """One request resolved against the store: its id, items and chat request."""
 
     def __init__(self, tm: TokenizerManager, store: ResponseStore, req: ResponsesRequest,
-                 routing_key: str | None) -> None:
+                 routing_key: str | None, runs: BackgroundRuns) -> None:
         self.id = new_id("resp")
         self.req = req
         prior: list[dict[str, Any]] = []
         self.conversation_id = self.id
         if req.previous_response_id is not None:
             entry = store.get(req.previous_response_id)
+            if entry is None and runs.get(req.previous_response_id) is not None:
+                raise RequestError(f"previous_response_id: response "
+                                   f"{req.previous_response_id!r} is still running")
             if entry is None:
                 raise RequestError(
                     f"previous_response_id: no stored response {req.previous_response_id!r} "
@@ -89,7 +101,8 @@ class _Turn:
         num_dropped = self._truncate(tm, len(prior)) if req.truncation == "auto" else 0
         self.response = {
             "id": self.id, "object": "response", "created_at": int(time.time()),
-            "status": "in_progress", "error": None, "incomplete_details": None,
+            "status": "in_progress", "background": req.background, "error": None,
+            "incomplete_details": None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "model": req.model or tm.served_model_name, "output": [],
             "parallel_tool_calls": req.parallel_tool_calls is not False,
@@ -172,9 +185,20 @@ def _reasoning_tokens(tm: TokenizerManager, output: list[dict[str, Any]]) -> int
     return len(tm.tokenizer.encode(text, add_special_tokens=False)) if text else 0
 
 
-async def create_response(tm: TokenizerManager, store: ResponseStore, req: ResponsesRequest,
-                          routing_key: str | None = None):
-    turn = _Turn(tm, store, req, routing_key)
+async def create_response(tm: TokenizerManager, store: ResponseStore, runs: BackgroundRuns,
+                          req: ResponsesRequest, routing_key: str | None = None):
+    if req.background and not req.store:
+        raise RequestError("background: a background response must be stored (store=true)")
+    if req.background and req.stream:
+        raise RequestError("background: streaming a background response is not supported; "
+                           "poll GET /v1/responses/{id}")
+    turn = _Turn(tm, store, req, routing_key, runs)
+    if req.background:
+        prepared = chat_items(tm, turn.chat)  # bad input: a 4xx now, not a failed response
+        events = ResponseEvents({**turn.response, "status": "queued"},
+                                lambda output: _reasoning_tokens(tm, output))
+        return runs.start(events, turn.input_items, lambda final: turn.save(store, final),
+                          chat_completion_chunks(tm, turn.chat, prepared))
     if req.stream:
         return await _stream(tm, store, req, turn, chat_completion_chunks(tm, turn.chat))
     chat = await chat_completion(tm, turn.chat)
@@ -219,6 +243,7 @@ async def _stream(tm: TokenizerManager, store: ResponseStore, req: ResponsesRequ
 def add_routes(app: FastAPI, tm: TokenizerManager) -> None:
     store = app.state.response_store = ResponseStore(tm.args.responses_max_stored,
                                                      tm.args.responses_ttl_s)
+    runs = app.state.background_runs = BackgroundRuns()
 
     def not_found(rid: str):
         return error_response(f"no stored response {rid!r} (unknown, deleted, created with "
@@ -230,21 +255,42 @@ def add_routes(app: FastAPI, tm: TokenizerManager) -> None:
         if (err := check_model(tm, req.model)) is not None:
             return err
         log_identity(request, user=req.user, safety_identifier=req.safety_identifier)
-        return await create_response(tm, store, req, request.headers.get(ROUTING_KEY_HEADER))
+        return await create_response(tm, store, runs, req,
+                                     request.headers.get(ROUTING_KEY_HEADER))
 
     @app.get("/v1/responses/{rid}")
-    async def get_response(rid: str):
+    async def get_response(rid: str, request: Request):
+        if request.query_params.get("stream") in ("true", "1"):
+            raise RequestError("stream: streaming a stored response is not supported")
+        if (run := runs.get(rid)) is not None:
+            return run.response()
         entry = store.get(rid)
         return not_found(rid) if entry is None else entry.response
 
+    @app.post("/v1/responses/{rid}/cancel")
+    async def cancel_response(rid: str):
+        """As OpenAI: only a background response can be cancelled; one that already ended
+        is returned as it is (cancelling is idempotent)."""
+        if (cancelled := await runs.cancel(rid)) is not None:
+            return cancelled
+        entry = store.get(rid)
+        if entry is None:
+            return not_found(rid)
+        if not entry.response.get("background"):
+            raise RequestError(f"response {rid!r} was not created with background=true; "
+                               "only background responses can be cancelled")
+        return entry.response
+
     @app.get("/v1/responses/{rid}/input_items")
     async def list_input_items(rid: str, request: Request):
-        entry = store.get(rid)
+        run = runs.get(rid)
+        entry = store.get(rid) if run is None else run
         return not_found(rid) if entry is None else page(entry.input_items,
                                                         dict(request.query_params))
 
     @app.delete("/v1/responses/{rid}")
     async def delete_response(rid: str):
+        await runs.cancel(rid)  # a running one stops first
         if not store.delete(rid):
             return not_found(rid)
         return {"id": rid, "object": "response.deleted", "deleted": True}

@@ -1,0 +1,138 @@
+"""Background responses (`background: true`) with the real `openai` client: on the session's
+float32 server (tests/conftest.py, exact outputs) a background run polled to `completed`
+answers what the same request answers in the foreground; a long run shows its output as it
+grows, `cancel` stops it (`cancelled`, idempotent) and the scheduler frees its KV; the 4xx
+cases. On a tiny model's server of its own, a run whose scheduler dies reads `failed`, never
+`in_progress` forever.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import openai
+import pytest
+import requests
+from checkpoints import make_tiny_hf_checkpoint
+from server_harness import ServerHandle, launch_server
+
+pytestmark = pytest.mark.slow
+
+GREEDY = {"temperature": 0}
+RUNNING = ("queued", "in_progress")
+QUESTION = "Write a short poem about the sea."
+
+
+@pytest.fixture(scope="module")
+def server(default_model_server_f32) -> ServerHandle:
+    return default_model_server_f32
+
+
+def make_client(server: ServerHandle) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0,
+                         timeout=120)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return make_client(server)
+
+
+def poll(client: openai.OpenAI, rid: str, until, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        r = client.responses.retrieve(rid)
+        if until(r):
+            return r
+        assert time.monotonic() < deadline, f"response still {r.status}"
+        time.sleep(0.05)
+
+
+def test_background_answers_what_the_foreground_answers(client):
+    kw = dict(model="default", input=QUESTION, max_output_tokens=24, **GREEDY)
+    started = client.responses.create(**kw, background=True)
+    assert started.status in RUNNING and started.background is True
+    assert started.id.startswith("resp_")
+    done = poll(client, started.id, lambda r: r.status not in RUNNING)
+    fore = client.responses.create(**kw)
+    assert fore.background is False
+    assert done.status == fore.status and done.output_text == fore.output_text
+    assert done.output_text
+    assert done.usage.output_tokens == fore.usage.output_tokens
+    assert done.usage.input_tokens == fore.usage.input_tokens
+    # a stored response like any other: the next turn continues it
+    again = client.responses.cancel(started.id)  # an ended one is returned as it is
+    assert again.status == done.status and again.output_text == done.output_text
+    follow = client.responses.create(model="default", input="Again.", max_output_tokens=4,
+                                     previous_response_id=started.id, **GREEDY)
+    assert follow.status in ("completed", "incomplete")
+
+
+def test_cancel_stops_a_long_run_and_frees_its_kv(client, server):
+    before = server.info()["stats"]["generated_tokens"]
+    started = client.responses.create(model="default", input=QUESTION, background=True,
+                                      max_output_tokens=4000, extra_body={"ignore_eos": True},
+                                      **GREEDY)
+    # the output grows while it runs: what GET shows is a prefix of what comes next
+    first = poll(client, started.id, lambda r: r.status == "in_progress" and r.output_text)
+    assert first.output[0].status == "in_progress" and first.usage is None
+    later = poll(client, started.id, lambda r: len(r.output_text) > len(first.output_text))
+    assert later.output_text.startswith(first.output_text)
+    cancelled = client.responses.cancel(started.id)
+    assert cancelled.status == "cancelled"
+    assert cancelled.output_text.startswith(later.output_text)
+    assert client.responses.retrieve(started.id).status == "cancelled"
+    assert client.responses.cancel(started.id).status == "cancelled"  # idempotent
+    info = server.wait_idle()
+    mem = info["memory"]
+    assert mem["num_pages_requests"] == 0, mem  # the aborted request's KV is back
+    assert mem["num_pages_free"] + mem["num_pages_tree"] == mem["num_pages_total"], mem
+    assert info["stats"]["generated_tokens"] - before < 4000  # stopped, not run to the end
+
+
+def test_background_4xx(client, server):
+    with pytest.raises(openai.BadRequestError, match="store"):
+        client.responses.create(model="default", input="hi", background=True, store=False)
+    with pytest.raises(openai.BadRequestError, match="max_output_tokens"):
+        client.responses.create(model="default", input="hi", background=True,
+                                max_output_tokens=0)
+    fore = client.responses.create(model="default", input="hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="background"):
+        client.responses.cancel(fore.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_unknown")
+    r = requests.post(f"{server.base_url}/v1/responses/resp_unknown/cancel", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
+
+
+def test_a_run_whose_scheduler_dies_reads_failed(tmp_path_factory):
+    # a context long enough for a run of many seconds, however fast the tiny model decodes
+    model = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_llama"), "llama",
+                                    max_position_embeddings=8192)
+    own = launch_server("--skip-warmup", "--max-total-tokens", "8192", "--dtype", "float32",
+                        model_path=model)
+    try:
+        client = make_client(own)
+        started = client.responses.create(model="default", input=QUESTION, background=True,
+                                          max_output_tokens=4000,
+                                          extra_body={"ignore_eos": True}, **GREEDY)
+        poll(client, started.id, lambda r: r.status == "in_progress")
+        os.kill(own.info()["scheduler_pid"], signal.SIGKILL)
+        seen = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until the server has exited
+            try:
+                r = requests.get(f"{own.base_url}/v1/responses/{started.id}", timeout=5)
+            except requests.RequestException:
+                break
+            if r.status_code != 200:
+                break
+            seen.append(r.json())
+            time.sleep(0.02)
+        assert seen and seen[-1]["status"] == "failed", [s["status"] for s in seen]
+        assert "scheduler process died" in seen[-1]["error"]["message"], seen[-1]["error"]
+        assert seen[-1]["error"]["code"] == "server_error"
+    finally:
+        own.stop()

@@ -14,7 +14,9 @@ whose body says only that (the traceback goes to the log, never paths or setting
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -53,9 +55,17 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    yield
+    for stop in app.state.shutdown_hooks:  # before the launcher closes the sockets
+        await stop()
+
+
 def create_app(tm: TokenizerManager) -> FastAPI:
-    app = FastAPI(title="sgl-tpu")
+    app = FastAPI(title="sgl-tpu", lifespan=_lifespan)
     app.state.tm = tm
+    app.state.shutdown_hooks = []  # coroutines run at shutdown, e.g. stopping background runs
 
     @app.exception_handler(RequestError)
     async def _bad_request(request: Request, e: RequestError) -> JSONResponse:

@@ -244,6 +244,7 @@ def add_routes(app: FastAPI, tm: TokenizerManager) -> None:
     store = app.state.response_store = ResponseStore(tm.args.responses_max_stored,
                                                      tm.args.responses_ttl_s)
     runs = app.state.background_runs = BackgroundRuns()
+    app.state.shutdown_hooks.append(runs.stop)
 
     def not_found(rid: str):
         return error_response(f"no stored response {rid!r} (unknown, deleted, created with "

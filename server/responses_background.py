@@ -118,3 +118,9 @@ class BackgroundRuns:
             run.task.cancel()
         await asyncio.wait([run.task])
         return run.response()
+
+    async def stop(self) -> None:
+        """Cancel every run (server shutdown: their requests are aborted while the sockets
+        are still open)."""
+        for rid in list(self._runs):
+            await self.cancel(rid)

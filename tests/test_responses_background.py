@@ -2,8 +2,8 @@
 float32 server (tests/conftest.py, exact outputs) a background run polled to `completed`
 answers what the same request answers in the foreground; a long run shows its output as it
 grows, `cancel` stops it (`cancelled`, idempotent) and the scheduler frees its KV; the 4xx
-cases. On a tiny model's server of its own, a run whose scheduler dies reads `failed`, never
-`in_progress` forever.
+cases. On a tiny model's servers of their own, a run whose scheduler dies reads `failed`, never
+`in_progress` forever, and a server stopped while runs are running exits cleanly.
 """
 
 from __future__ import annotations
@@ -107,24 +107,38 @@ def test_background_4xx(client, server):
     assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
 
 
-def test_a_run_whose_scheduler_dies_reads_failed(tmp_path_factory):
-    # a context long enough for a run of many seconds, however fast the tiny model decodes
-    model = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_llama"), "llama",
-                                    max_position_embeddings=8192)
-    own = launch_server("--skip-warmup", "--max-total-tokens", "8192", "--dtype", "float32",
-                        model_path=model)
+@pytest.fixture(scope="module")
+def long_context_tiny_model(tmp_path_factory) -> str:
+    """A tiny model with a context long enough for a run of many seconds, however fast it
+    decodes."""
+    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_llama"), "llama",
+                                   max_position_embeddings=8192)
+
+
+def start_long_runs(server: ServerHandle, num_runs: int) -> list[str]:
+    client = make_client(server)
+    ids = [client.responses.create(model="default", input=QUESTION, background=True,
+                                   max_output_tokens=4000, extra_body={"ignore_eos": True},
+                                   **GREEDY).id for _ in range(num_runs)]
+    poll(client, ids[0], lambda r: r.status == "in_progress")
+    return ids
+
+
+def launch_tiny(model: str) -> ServerHandle:
+    return launch_server("--skip-warmup", "--max-total-tokens", "8192", "--dtype", "float32",
+                         model_path=model)
+
+
+def test_a_run_whose_scheduler_dies_reads_failed(long_context_tiny_model):
+    own = launch_tiny(long_context_tiny_model)
     try:
-        client = make_client(own)
-        started = client.responses.create(model="default", input=QUESTION, background=True,
-                                          max_output_tokens=4000,
-                                          extra_body={"ignore_eos": True}, **GREEDY)
-        poll(client, started.id, lambda r: r.status == "in_progress")
+        [rid] = start_long_runs(own, 1)
         os.kill(own.info()["scheduler_pid"], signal.SIGKILL)
         seen = []
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # until the server has exited
             try:
-                r = requests.get(f"{own.base_url}/v1/responses/{started.id}", timeout=5)
+                r = requests.get(f"{own.base_url}/v1/responses/{rid}", timeout=5)
             except requests.RequestException:
                 break
             if r.status_code != 200:
@@ -134,5 +148,19 @@ def test_a_run_whose_scheduler_dies_reads_failed(tmp_path_factory):
         assert seen and seen[-1]["status"] == "failed", [s["status"] for s in seen]
         assert "scheduler process died" in seen[-1]["error"]["message"], seen[-1]["error"]
         assert seen[-1]["error"]["code"] == "server_error"
+    finally:
+        own.stop()
+
+
+def test_shutdown_with_running_runs_is_clean(long_context_tiny_model):
+    """SIGTERM while background runs are running (one decoding, one queued behind it): they
+    are stopped while the scheduler still listens, and the server exits 0 without a
+    traceback."""
+    own = launch_tiny(long_context_tiny_model)
+    try:
+        start_long_runs(own, 2)
+        own.proc.send_signal(signal.SIGTERM)
+        assert own.proc.wait(30) == 0, own.log_tail()
+        assert "Traceback" not in own.log_tail(num_chars=10**6), own.log_tail()
     finally:
         own.stop()

@@ -11,8 +11,9 @@ whose contract is the OpenAI chat wire format:
     non-stream: chat.completion ──output_items──► response object
     stream:     chat.completion.chunk ... ──ResponseEvents──► response.* SSE events
 
-With `background` the request answers at once (`queued`) and runs on in a task
-(`responses_background.py`); `GET` shows its progress, `POST .../cancel` stops it.
+With `background` the request answers at once (`queued`; with `stream`, the run's events) and
+runs on in a task (`responses_background.py`); `GET` shows its progress (`?stream=true`: the
+events of one created with `stream`), `POST .../cancel` stops it.
 
 A stored response (`store`, the default) keeps its conversation in `ResponseStore`, so the next
 request names it as `previous_response_id` and sends only new items. Every turn of a
@@ -175,8 +176,9 @@ class _Turn:
                     log_digest(self.id), cut)
         return cut
 
-    def save(self, store: ResponseStore, final: dict[str, Any]) -> None:
-        store.put(final, self.input_items, self.conversation_id)
+    def save(self, store: ResponseStore, final: dict[str, Any],
+             events: list[dict[str, Any]] | None = None) -> None:
+        store.put(final, self.input_items, self.conversation_id, events)
 
 
 def _reasoning_tokens(tm: TokenizerManager, output: list[dict[str, Any]]) -> int:
@@ -189,16 +191,16 @@ async def create_response(tm: TokenizerManager, store: ResponseStore, runs: Back
                           req: ResponsesRequest, routing_key: str | None = None):
     if req.background and not req.store:
         raise RequestError("background: a background response must be stored (store=true)")
-    if req.background and req.stream:
-        raise RequestError("background: streaming a background response is not supported; "
-                           "poll GET /v1/responses/{id}")
     turn = _Turn(tm, store, req, routing_key, runs)
     if req.background:
         prepared = chat_items(tm, turn.chat)  # bad input: a 4xx now, not a failed response
         events = ResponseEvents({**turn.response, "status": "queued"},
                                 lambda output: _reasoning_tokens(tm, output))
-        return runs.start(events, turn.input_items, lambda final: turn.save(store, final),
-                          chat_completion_chunks(tm, turn.chat, prepared))
+        run = runs.start(events, turn.input_items,
+                         lambda final, log: turn.save(store, final, log),
+                         chat_completion_chunks(tm, turn.chat, prepared), keep_events=req.stream)
+        # a stream of a background run: a client that hangs up leaves the run going
+        return event_stream(run.stream(-1)) if req.stream else run.response()
     if req.stream:
         return await _stream(tm, store, req, turn, chat_completion_chunks(tm, turn.chat))
     chat = await chat_completion(tm, turn.chat)
@@ -240,6 +242,27 @@ async def _stream(tm: TokenizerManager, store: ResponseStore, req: ResponsesRequ
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
+def event_stream(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    async def body() -> AsyncIterator[bytes]:
+        async for event in events:
+            yield sse(event, event["type"])
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def _replay(events: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    for event in events:
+        yield event
+
+
+def _starting_after(request: Request) -> int:
+    value = request.query_params.get("starting_after", "-1")
+    try:
+        return int(value)
+    except ValueError:
+        raise RequestError(f"starting_after must be an integer, got {value!r}") from None
+
+
 def add_routes(app: FastAPI, tm: TokenizerManager) -> None:
     store = app.state.response_store = ResponseStore(tm.args.responses_max_stored,
                                                      tm.args.responses_ttl_s)
@@ -261,12 +284,21 @@ def add_routes(app: FastAPI, tm: TokenizerManager) -> None:
 
     @app.get("/v1/responses/{rid}")
     async def get_response(rid: str, request: Request):
-        if request.query_params.get("stream") in ("true", "1"):
-            raise RequestError("stream: streaming a stored response is not supported")
-        if (run := runs.get(rid)) is not None:
-            return run.response()
-        entry = store.get(rid)
-        return not_found(rid) if entry is None else entry.response
+        run = runs.get(rid)
+        entry = store.get(rid) if run is None else None
+        if run is None and entry is None:
+            return not_found(rid)
+        if request.query_params.get("stream") not in ("true", "1"):
+            return run.response() if run is not None else entry.response
+        # the events after `starting_after`: live while it runs, then replayed
+        after = _starting_after(request)
+        if run is not None and run.log is not None:
+            return event_stream(run.stream(after))
+        if entry is not None and entry.events is not None:
+            return event_stream(_replay(entry.events[after + 1:] if after >= 0
+                                        else entry.events))
+        raise RequestError(f"stream: response {rid!r} was not created with background=true and "
+                           "stream=true; only those can be streamed again")
 
     @app.post("/v1/responses/{rid}/cancel")
     async def cancel_response(rid: str):

@@ -204,6 +204,11 @@ class ResponseEvents:
                 self._event("response.failed", response=failed)]
 
     # ---- snapshots of a background response ------------------------------------------------
+    def status_event(self, kind: str, status: str) -> dict[str, Any]:
+        """`response.created` / `response.queued` / `response.in_progress` with the response
+        as it is now."""
+        return self._event(kind, response=self.progress(status))
+
     def progress(self, status: str) -> dict[str, Any]:
         """The response so far (`queued` / `in_progress`): the output items written, the open
         one `in_progress`."""

@@ -1,9 +1,10 @@
 """Background responses (`background: true`) with the real `openai` client: on the session's
 float32 server (tests/conftest.py, exact outputs) a background run polled to `completed`
-answers what the same request answers in the foreground; a long run shows its output as it
-grows, `cancel` stops it (`cancelled`, idempotent) and the scheduler frees its KV; the 4xx
-cases. On a tiny model's servers of their own, a run whose scheduler dies reads `failed`, never
-`in_progress` forever, and a server stopped while runs are running exits cleanly.
+answers what the same request answers in the foreground, also streamed and resumed after a
+hang-up; a long run shows its output as it grows, `cancel` stops it (`cancelled`, idempotent)
+and the scheduler frees its KV; the 4xx cases. On a tiny model's servers of their own, a run
+whose scheduler dies reads `failed`, never `in_progress` forever, and a server stopped while
+runs are running exits cleanly.
 """
 
 from __future__ import annotations
@@ -90,6 +91,37 @@ def test_cancel_stops_a_long_run_and_frees_its_kv(client, server):
     assert mem["num_pages_requests"] == 0, mem  # the aborted request's KV is back
     assert mem["num_pages_free"] + mem["num_pages_tree"] == mem["num_pages_total"], mem
     assert info["stats"]["generated_tokens"] - before < 4000  # stopped, not run to the end
+
+
+def test_a_streamed_background_run_resumes_after_a_hang_up(client):
+    """`background` with `stream`: the run goes on when the client hangs up, and
+    `retrieve(stream=True, starting_after=n)` goes on from the last event it saw; the text of
+    both parts is the foreground answer."""
+    kw = dict(model="default", input=QUESTION, max_output_tokens=24, **GREEDY)
+    fore = client.responses.create(**kw)
+    stream = client.responses.create(**kw, background=True, stream=True)
+    seen = []
+    for event in stream:
+        seen.append(event)
+        if event.type == "response.output_text.delta":
+            break  # hang up after the first text
+    stream.close()
+    assert [e.type for e in seen[:3]] == ["response.created", "response.queued",
+                                          "response.in_progress"]
+    assert seen[0].response.status == "queued" and seen[0].response.background is True
+    rid, last = seen[0].response.id, seen[-1].sequence_number
+    rest = list(client.responses.retrieve(rid, stream=True, starting_after=last))
+    assert [e.sequence_number for e in seen + rest] == list(range(len(seen) + len(rest)))
+    text = "".join(e.delta for e in seen + rest if e.type == "response.output_text.delta")
+    assert text == fore.output_text
+    assert rest[-1].type == f"response.{fore.status}"  # completed or incomplete
+    assert rest[-1].response.output_text == text
+    # the ended run replays from any point; one created without stream cannot be streamed
+    again = list(client.responses.retrieve(rid, stream=True))
+    assert [e.sequence_number for e in again] == list(range(len(seen) + len(rest)))
+    plain = client.responses.create(**kw, background=True)
+    with pytest.raises(openai.BadRequestError, match="stream=true"):
+        list(client.responses.retrieve(plain.id, stream=True))
 
 
 def test_background_4xx(client, server):

@@ -178,6 +178,10 @@ def test_background_run_snapshots_and_ends_in_a_final_state():
 
     async def scenario() -> list[dict]:
         saved: list[dict] = []
+
+        def save(final: dict, _events: list | None) -> None:
+            saved.append(final)
+
         runs = BackgroundRuns()
         gate = asyncio.Event()
 
@@ -187,7 +191,7 @@ def test_background_run_snapshots_and_ends_in_a_final_state():
             yield chunk({"content": "lo"})
 
         events = ResponseEvents({"id": "resp_a", "status": "queued"})
-        assert runs.start(events, [], saved.append, chunks())["status"] == "queued"
+        assert runs.start(events, [], save, chunks()).response()["status"] == "queued"
         for _ in range(100):  # a few loop turns: the task runs to its first chunk
             if events.items:
                 break
@@ -200,14 +204,14 @@ def test_background_run_snapshots_and_ends_in_a_final_state():
         assert cancelled["status"] == "cancelled" and runs.get("resp_a") is None
         assert cancelled["output"][0]["status"] == "incomplete"
         # cancelled before its task ran a step
-        runs.start(ResponseEvents({"id": "resp_b"}), [], saved.append, chunks())
+        runs.start(ResponseEvents({"id": "resp_b"}), [], save, chunks())
         assert (await runs.cancel("resp_b"))["status"] == "cancelled"
 
         async def broken():
             yield chunk({"content": "x"})
             raise RuntimeError("boom")
 
-        runs.start(ResponseEvents({"id": "resp_c"}), [], saved.append, broken())
+        runs.start(ResponseEvents({"id": "resp_c"}), [], save, broken())
         for _ in range(100):
             if runs.get("resp_c") is None:
                 break

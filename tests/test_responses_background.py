@@ -124,6 +124,20 @@ def test_a_streamed_background_run_resumes_after_a_hang_up(client):
         list(client.responses.retrieve(plain.id, stream=True))
 
 
+def test_a_running_response_cannot_be_continued_and_delete_stops_it(client, server):
+    started = client.responses.create(model="default", input=QUESTION, background=True,
+                                      max_output_tokens=4000, extra_body={"ignore_eos": True},
+                                      **GREEDY)
+    with pytest.raises(openai.BadRequestError, match="still running"):
+        client.responses.create(model="default", input="And?", max_output_tokens=2,
+                                previous_response_id=started.id)
+    client.responses.delete(started.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(started.id)
+    info = server.wait_idle()  # the deleted run's request was aborted
+    assert info["memory"]["num_pages_requests"] == 0, info["memory"]
+
+
 def test_background_4xx(client, server):
     with pytest.raises(openai.BadRequestError, match="store"):
         client.responses.create(model="default", input="hi", background=True, store=False)

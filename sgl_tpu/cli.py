@@ -31,6 +31,10 @@ _HELP = {
     "responses_max_stored": "Responses API: most stored responses kept in memory for GET and "
                             "previous_response_id (least recently used dropped first)",
     "responses_ttl_s": "Responses API: seconds a stored response is kept after its last use",
+    "pooling": "embeddings (/v1/embeddings, /encode): the hidden states (after the final "
+               "norm) pooled into one vector: last (the last prompt token's, default; suits "
+               "decoder models, and reuses cached prefixes), mean (every prompt token's) or "
+               "cls (the first token's); mean and cls requests match no cached prefix",
     "max_total_tokens": "KV cache capacity in tokens",
     "schedule_policy": "order of the waiting queue: program (by agent: each program's first "
                        "request before any program's second, then the program that arrived "

@@ -199,6 +199,7 @@ class SchedulerConfig:
     # Programs (scheduler/programs.py): see ServerArgs.
     program_admission: bool = False
     program_ttl_s: float = 600.0
+    pooling: str = "last"  # embedding requests: see ServerArgs
 
     def __post_init__(self) -> None:
         check_priority_scheduling(self)
@@ -342,6 +343,9 @@ class ServerArgs:
     # last use.
     responses_max_stored: int = 1024
     responses_ttl_s: float = 3600.0
+    # Embeddings (/v1/embeddings, /encode): how a prompt's last hidden states are pooled into
+    # one vector, a name in scheduler/pooling.py POOLING_METHODS (last suits decoder models)
+    pooling: str = "last"
     kv_tile: int = 256
     block_q: int = 128
     attention_backend: str = "auto"  # auto: the Pallas TPU kernel on TPU, else the reference
@@ -645,4 +649,5 @@ class ServerArgs:
             program_admission=(self.schedule_policy == "program"
                                and not self.disable_program_admission),
             program_ttl_s=float(self.program_ttl_s),
+            pooling=self.pooling,
         )

@@ -1,7 +1,7 @@
 """The FastAPI app: error handlers and middleware, then every route module's `add_routes`
-(native `native_api.py`, OpenAI `openai_api.py`, Responses `responses_api.py`, Anthropic
-Messages `anthropic_api.py`, Prometheus `metrics.py`), all on one `TokenizerManager`. Shared
-helpers are in `http_common.py`.
+(native `native_api.py`, OpenAI `openai_api.py`, embeddings `embeddings_api.py`, Responses
+`responses_api.py`, Anthropic Messages `anthropic_api.py`, Prometheus `metrics.py`), all on one
+`TokenizerManager`. Shared helpers are in `http_common.py`.
 
 Bad input never reaches the scheduler (see `http_common.py` for the layers of checks).
 Routes `--api-key` guards (the key as `Authorization: Bearer KEY` or, as Anthropic's clients
@@ -98,10 +98,18 @@ def create_app(tm: TokenizerManager) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=list(tm.args.allow_origins),
                            allow_methods=["GET", "POST"], allow_headers=["*"])
 
-    from sgl_tpu.server import anthropic_api, metrics, native_api, openai_api, responses_api
+    from sgl_tpu.server import (
+        anthropic_api,
+        embeddings_api,
+        metrics,
+        native_api,
+        openai_api,
+        responses_api,
+    )
 
     native_api.add_routes(app, tm)
     openai_api.add_routes(app, tm)
+    embeddings_api.add_routes(app, tm)
     responses_api.add_routes(app, tm)
     anthropic_api.add_routes(app, tm)
     metrics.add_routes(app, tm)

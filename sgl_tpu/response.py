@@ -6,6 +6,9 @@ Shared by the in-process `Engine` and the HTTP tokenizer manager, so both answer
     {"text": ..., "output_ids": [...], "meta_info": {"id", "prompt_tokens", "completion_tokens",
      "cached_tokens", "finish_reason", "e2e_latency", [log-prob fields when asked]}}
 
+and an embedding request (SGLang's `/encode`): `{"embedding": [...], "meta_info": {"id",
+"prompt_tokens", "cached_tokens", "finish_reason", "e2e_latency"}}`.
+
 Log-prob entries are `[logprob, token_id, text_or_None]` (text when `return_text_in_logprobs`).
 The dicts are cumulative; `incremental_logprobs` turns a stream of them into SGLang's streamed
 form, where each chunk carries only its new output log-probs.
@@ -42,6 +45,7 @@ class ResponseAccumulator:
         self.output_top_logprobs: list[Any] = []
         self.input_token_logprobs: list[list[Any]] | None = None
         self.input_top_logprobs: list[Any] | None = None
+        self.embedding: list[float] | None = None  # an embedding request's pooled vector
 
     @property
     def finished(self) -> bool:
@@ -56,6 +60,8 @@ class ResponseAccumulator:
         if out.new_text:
             self.text += out.new_text
         self.output_ids += out.new_output_ids
+        if out.embedding is not None:
+            self.embedding = out.embedding
         if not self.return_logprob:
             return
         if out.output_token_logprobs:
@@ -84,6 +90,9 @@ class ResponseAccumulator:
             "finish_reason": _public_reason(o.finish_reason) if o.finished else None,
             "e2e_latency": time.perf_counter() - self.start_time,
         }
+        if self.embedding is not None:  # SGLang's /encode answer (no output tokens)
+            del meta["completion_tokens"]
+            return {"embedding": self.embedding, "meta_info": meta}
         # Copies of the growing lists: a streamed dict may wait (in a queue, or while the
         # response starts) while more tokens arrive, and its entries must match its text.
         if self.return_logprob:

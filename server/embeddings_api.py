@@ -25,12 +25,11 @@ import numpy as np
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
+from sgl_tpu.response import embedding_vector
 from sgl_tpu.server.http_common import gather_results, log_identity, parse_body
 from sgl_tpu.server.openai_api import model_error
 from sgl_tpu.server.tokenizer_manager import GenItem, RequestError, TokenizerManager
-from sgl_tpu.validation import check_batch_size
-
-NORM_EPS = 1e-12  # a zero vector stays zero
+from sgl_tpu.validation import check_batch_size, check_dimensions
 
 
 class EmbeddingRequest(BaseModel):
@@ -101,18 +100,9 @@ async def embed(tm: TokenizerManager, prompts: list[list[int]], field: str,
     return await gather_results(tm, items)
 
 
-def check_dimensions(tm: TokenizerManager, dimensions: int | None) -> None:
-    if dimensions is not None and not 1 <= dimensions <= tm.hidden_size:
-        raise RequestError(f"dimensions must be in [1, {tm.hidden_size}] (the model's hidden "
-                           f"size), got {dimensions}")
-
-
-def finish_vector(vector: list[float], dimensions: int | None, normalize: bool) -> np.ndarray:
-    """The first `dimensions` values (all: None), divided by their L2 norm if `normalize`."""
-    v = np.asarray(vector, np.float32)[:dimensions]  # [D]
-    if normalize:
-        v = v / max(float(np.linalg.norm(v)), NORM_EPS)
-    return v
+def _check_dimensions(tm: TokenizerManager, dimensions: int | None) -> None:
+    if (error := check_dimensions(dimensions, tm.hidden_size)) is not None:
+        raise RequestError(error)
 
 
 def _encoded(v: np.ndarray, encoding_format: str) -> list[float] | str:
@@ -126,14 +116,14 @@ async def embeddings(tm: TokenizerManager, request: Request) -> dict[str, Any]:
     log_identity(request, user=req.user)
     if (message := model_error(tm, req.model)) is not None:
         raise RequestError(message)
-    check_dimensions(tm, req.dimensions)
+    _check_dimensions(tm, req.dimensions)
     inputs = req.input
     if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
         inputs = [inputs]
     prompts = await _tokenized(tm, inputs, "input")
     results = await embed(tm, prompts, "input", _rids(req.rid, len(prompts)))
     data = [{"object": "embedding", "index": i,
-             "embedding": _encoded(finish_vector(r["embedding"], req.dimensions, req.normalize),
+             "embedding": _encoded(embedding_vector(r["embedding"], req.dimensions, req.normalize),
                                    req.encoding_format)}
             for i, r in enumerate(results)]
     prompt_tokens = sum(r["meta_info"]["prompt_tokens"] for r in results)
@@ -145,7 +135,7 @@ async def encode(tm: TokenizerManager, request: Request) -> dict[str, Any] | lis
     req = await parse_body(request, EncodeRequest)
     if (req.text is None) == (req.input_ids is None):
         raise RequestError("exactly one of text and input_ids must be given")
-    check_dimensions(tm, req.dimensions)
+    _check_dimensions(tm, req.dimensions)
     if req.text is not None:
         batch = isinstance(req.text, list)
         field, inputs = "text", req.text if batch else [req.text]
@@ -158,7 +148,7 @@ async def encode(tm: TokenizerManager, request: Request) -> dict[str, Any] | lis
         raise RequestError(f"rid has {len(rids)} entries for {len(prompts)} prompt(s)")
     results = await embed(tm, prompts, field, rids)
     for r in results:
-        r["embedding"] = finish_vector(r["embedding"], req.dimensions, True).tolist()
+        r["embedding"] = embedding_vector(r["embedding"], req.dimensions).tolist()
     return results if batch else results[0]
 
 

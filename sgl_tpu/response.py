@@ -7,7 +7,8 @@ Shared by the in-process `Engine` and the HTTP tokenizer manager, so both answer
      "cached_tokens", "finish_reason", "e2e_latency", [log-prob fields when asked]}}
 
 and an embedding request (SGLang's `/encode`): `{"embedding": [...], "meta_info": {"id",
-"prompt_tokens", "cached_tokens", "finish_reason", "e2e_latency"}}`.
+"prompt_tokens", "cached_tokens", "finish_reason", "e2e_latency"}}`, the vector as the scheduler
+pooled it (`embedding_vector` truncates and normalizes it).
 
 Log-prob entries are `[logprob, token_id, text_or_None]` (text when `return_text_in_logprobs`).
 The dicts are cumulative; `incremental_logprobs` turns a stream of them into SGLang's streamed
@@ -20,7 +21,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from sgl_tpu.messages import ReqStrOut
+
+NORM_EPS = 1e-12  # a zero vector stays zero
 
 
 class ResponseAccumulator:
@@ -102,6 +107,16 @@ class ResponseAccumulator:
             meta["input_top_logprobs"] = self.input_top_logprobs or []
             meta["output_top_logprobs"] = list(self.output_top_logprobs)
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+
+
+def embedding_vector(values: Sequence[float], dimensions: int | None = None,
+                     normalize: bool = True) -> np.ndarray:
+    """A pooled embedding's first `dimensions` values (all: None), divided by their L2 norm
+    if `normalize`: f32[dimensions or D]."""
+    v = np.asarray(values, np.float32)[:dimensions]
+    if normalize:
+        v = v / max(float(np.linalg.norm(v)), NORM_EPS)
+    return v
 
 
 # Output-side log-prob lists that a streamed chunk carries only the new entries of.

@@ -47,7 +47,8 @@ class EmbeddingRequest(BaseModel):
 
 
 class EncodeRequest(BaseModel):
-    """SGLang's `EmbeddingReqInput` (text prompts only; `sampling_params` is ignored there)."""
+    """SGLang's `EmbeddingReqInput`, its text and token-id fields (no images); other fields,
+    `sampling_params` among them (SGLang sets max_new_tokens 0), are ignored."""
 
     model_config = ConfigDict(extra="ignore")
 

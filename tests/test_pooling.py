@@ -80,7 +80,9 @@ def test_chunked_prompt_pools_every_chunk(pooling):
     assert e.embedding == expected(pooling, prompt)
     assert e.new_token_ids == [] and e.prompt_tokens == 50
     assert e.finish_reason == {"type": "length", "length": 0}
-    assert len([c for c in runner.calls if any(n == 16 for n, _ in c[1])]) >= 3  # chunked
+    extends = [seqs for mode, seqs in runner.calls if mode == ForwardMode.EXTEND]
+    assert [seqs[0] for seqs in extends[:3]] == [(16, 0), (16, 16), (16, 32)]  # e, chunked
+    assert extends[3] == [(2, 48), (3, 0)]  # e's last chunk and g in one batch
     assert finals["g"].embedding is None
 
 

@@ -1,8 +1,8 @@
 """The FastAPI app: error handlers and middleware, then every route module's `add_routes`
-(native `native_api.py`, OpenAI `openai_api.py`, Responses `responses_api.py`, Anthropic
-Messages `anthropic_api.py`, `/tokenize` and `/detokenize` `tokenize_api.py`, Prometheus
-`metrics.py`), all on one `TokenizerManager`. Shared
-helpers are in `http_common.py`.
+(native `native_api.py`, OpenAI `openai_api.py`, embeddings `embeddings_api.py`, Responses
+`responses_api.py`, Anthropic Messages `anthropic_api.py`, `/tokenize` and `/detokenize`
+`tokenize_api.py`, Prometheus `metrics.py`), all on one `TokenizerManager`. Shared helpers are
+in `http_common.py`.
 
 Bad input never reaches the scheduler (see `http_common.py` for the layers of checks).
 Routes `--api-key` guards (the key as `Authorization: Bearer KEY` or, as Anthropic's clients
@@ -111,6 +111,7 @@ def create_app(tm: TokenizerManager) -> FastAPI:
 
     from sgl_tpu.server import (
         anthropic_api,
+        embeddings_api,
         metrics,
         native_api,
         openai_api,
@@ -121,6 +122,7 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     native_api.add_routes(app, tm)
     openai_api.add_routes(app, tm)
     tokenize_api.add_routes(app, tm)
+    embeddings_api.add_routes(app, tm)
     responses_api.add_routes(app, tm)
     anthropic_api.add_routes(app, tm)
     metrics.add_routes(app, tm)

@@ -88,6 +88,7 @@ class GenItem:
     may_call_tools: bool = False
     program_id: str | None = None  # the agent, when no session names it (scheduling only)
     max_new_tokens_defaulted: bool = False  # the server set max_new_tokens (messages.py)
+    embed: bool = False  # an embedding request (max_new_tokens 0; messages.py)
     # `sampling` parsed, once its request passed `TokenizerManager.validate` (None before)
     parsed: SamplingParams | None = None
 
@@ -127,6 +128,7 @@ class TokenizerManager:
         self.context_len = 0
         self.max_total_tokens = 0
         self.grammar_supported = False
+        self.hidden_size = 0  # the model's: an embedding's length
         self.start_time = time.time()
         self.metrics = None  # set by the HTTP app (sgl_tpu.server.metrics.Metrics)
         self._recv_task: asyncio.Task | None = None
@@ -152,6 +154,7 @@ class TokenizerManager:
         self.context_len = info["context_len"]
         self.max_total_tokens = info["max_total_tokens"]
         self.grammar_supported = info.get("grammar_supported", False)
+        self.hidden_size = info.get("hidden_size", 0)
 
     def mark_dead(self, reason: str) -> None:
         """A child died: fail everything in flight (called by the launcher's watchdog)."""
@@ -281,7 +284,7 @@ class TokenizerManager:
                 priority=item.priority, retention_seconds=item.retention_seconds,
                 tool_pause=item.tool_pause, may_call_tools=item.may_call_tools,
                 program_id=item.program_id,
-                max_new_tokens_defaulted=item.max_new_tokens_defaulted))
+                max_new_tokens_defaulted=item.max_new_tokens_defaulted, embed=item.embed))
         except (TypeError, ValueError, OverflowError, UnicodeEncodeError) as e:
             # What the HTTP layer's checks let through (the Engine-like callers) ends here.
             raise RequestError(f"request cannot be encoded: {type(e).__name__}: {e}") from None

@@ -20,6 +20,7 @@ from sgl_tpu.messages import ReqOutput, TokenizedGenerateReq
 from sgl_tpu.sampling_params import SamplingParams
 from sgl_tpu.scheduler.grammar_steps import GRAMMAR_COMPILE_BUDGET_S
 from sgl_tpu.scheduler.output import error_output
+from sgl_tpu.scheduler.pooling import POOLING_METHODS
 from sgl_tpu.scheduler.priority import req_priority
 from sgl_tpu.scheduler.req import Req
 from sgl_tpu.validation import check_cache_control, check_request, check_token_ids
@@ -50,9 +51,12 @@ class Intake:
             vocab_size=self.vocab_size)
         error = error or check_cache_control(msg.session_id, msg.priority,
                                              msg.retention_seconds, self.config.max_retention_s)
+        if msg.embed and sampling.max_new_tokens != 0:
+            error = error or "an embedding request generates no tokens (max_new_tokens 0)"
         if error is not None:
             return error_output(msg.rid, len(msg.input_ids), error)
         seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(32)
+        pooling = self.config.pooling if msg.embed else None
         req = Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling=sampling,
                   seed=seed, return_logprob=msg.return_logprob,
                   logprob_start_len=msg.logprob_start_len,
@@ -60,7 +64,10 @@ class Intake:
                   session_id=msg.session_id,
                   priority=req_priority(msg.priority, self.config),
                   retention_seconds=msg.retention_seconds, tool_pause=msg.tool_pause,
-                  may_call_tools=msg.may_call_tools)
+                  may_call_tools=msg.may_call_tools,
+                  pooling=pooling,
+                  needs_prefix_rows=pooling is not None
+                  and POOLING_METHODS[pooling].needs_prefix_rows)
         if sampling.stop or sampling.stop_regex:
             req.decoder = IncrementalDecoder(self.decode, sampling.skip_special_tokens)
         if sampling.grammar is not None and self.grammar is not None:

@@ -1,7 +1,8 @@
 """The FastAPI app: error handlers and middleware, then every route module's `add_routes`
-(native `native_api.py`, OpenAI `openai_api.py`, Responses `responses_api.py`, Anthropic
-Messages `anthropic_api.py`, Prometheus `metrics.py`), all on one `TokenizerManager`. Shared
-helpers are in `http_common.py`.
+(native `native_api.py`, OpenAI `openai_api.py`, embeddings `embeddings_api.py`, Responses
+`responses_api.py`, Anthropic Messages `anthropic_api.py`, `/tokenize` and `/detokenize`
+`tokenize_api.py`, Prometheus `metrics.py`), all on one `TokenizerManager`. Shared helpers are
+in `http_common.py`.
 
 Bad input never reaches the scheduler (see `http_common.py` for the layers of checks).
 Routes `--api-key` guards (the key as `Authorization: Bearer KEY` or, as Anthropic's clients
@@ -13,7 +14,9 @@ whose body says only that (the traceback goes to the log, never paths or setting
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -52,9 +55,17 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    yield
+    for stop in app.state.shutdown_hooks:  # before the launcher closes the sockets
+        await stop()
+
+
 def create_app(tm: TokenizerManager) -> FastAPI:
-    app = FastAPI(title="sgl-tpu")
+    app = FastAPI(title="sgl-tpu", lifespan=_lifespan)
     app.state.tm = tm
+    app.state.shutdown_hooks = []  # coroutines run at shutdown, e.g. stopping background runs
 
     @app.exception_handler(RequestError)
     async def _bad_request(request: Request, e: RequestError) -> JSONResponse:
@@ -98,10 +109,20 @@ def create_app(tm: TokenizerManager) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=list(tm.args.allow_origins),
                            allow_methods=["GET", "POST"], allow_headers=["*"])
 
-    from sgl_tpu.server import anthropic_api, metrics, native_api, openai_api, responses_api
+    from sgl_tpu.server import (
+        anthropic_api,
+        embeddings_api,
+        metrics,
+        native_api,
+        openai_api,
+        responses_api,
+        tokenize_api,
+    )
 
     native_api.add_routes(app, tm)
     openai_api.add_routes(app, tm)
+    tokenize_api.add_routes(app, tm)
+    embeddings_api.add_routes(app, tm)
     responses_api.add_routes(app, tm)
     anthropic_api.add_routes(app, tm)
     metrics.add_routes(app, tm)

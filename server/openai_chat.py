@@ -42,18 +42,21 @@ from sgl_tpu.server.tokenizer_manager import GenItem, RequestError, TokenizerMan
 JSON_OBJECT_SCHEMA = {"type": "object"}
 
 
-def _chat_prompt(tm: TokenizerManager, req: ChatCompletionRequest, plan: ChatPlan) -> list[int]:
+def _chat_prompt(tm: TokenizerManager, req: ChatCompletionRequest, plan: ChatPlan, *,
+                 add_generation_prompt: bool = True, add_special_tokens: bool = False
+                 ) -> list[int]:
     kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
               if k not in ("messages", "tools", "add_generation_prompt")}
     try:
-        text = tm.tokenizer.apply_chat_template(plan.messages, add_generation_prompt=True,
+        text = tm.tokenizer.apply_chat_template(plan.messages,
+                                                add_generation_prompt=add_generation_prompt,
                                                 tools=plan.template_tools, **kwargs)
     except (ValueError, TypeError, KeyError) as e:
         raise RequestError(f"messages: {e}") from None
     if plan.reasoning is not None:
         plan.in_reasoning = plan.reasoning.starts_in_reasoning(text)
     plan.grammar = plan_grammar(plan, tool_parser(tm), text)
-    return tm.tokenize(text, add_special_tokens=False)  # bounded by the context length
+    return tm.tokenize(text, add_special_tokens=add_special_tokens)  # bounded by context_len
 
 
 def _chat_sampling(tm: TokenizerManager, req: ChatCompletionRequest, prompt_len: int,
@@ -82,11 +85,16 @@ def _chat_sampling(tm: TokenizerManager, req: ChatCompletionRequest, prompt_len:
     return sp
 
 
-def prompt_ids(tm: TokenizerManager, req: ChatCompletionRequest) -> list[int]:
+def prompt_ids(tm: TokenizerManager, req: ChatCompletionRequest, *,
+               add_generation_prompt: bool = True, add_special_tokens: bool = False
+               ) -> list[int]:
     """The prompt's token ids exactly as a generation of `req` would send them (what a
-    token-counting route reports); RequestError on bad input."""
+    token-counting route reports) with the defaults; the options render it otherwise (the
+    `/tokenize` route's). RequestError on bad input."""
     tm.check_num_messages(len(req.messages))
-    return _chat_prompt(tm, req, plan_chat(tm, req))
+    return _chat_prompt(tm, req, plan_chat(tm, req),
+                        add_generation_prompt=add_generation_prompt,
+                        add_special_tokens=add_special_tokens)
 
 
 def _chat_logprobs(tm: TokenizerManager, entries: list, tops: list) -> dict[str, Any]:
@@ -101,7 +109,8 @@ def _chat_logprobs(tm: TokenizerManager, entries: list, tops: list) -> dict[str,
     return {"content": content}
 
 
-def _items(tm: TokenizerManager, req: ChatCompletionRequest) -> tuple[list[GenItem], ChatPlan]:
+def chat_items(tm: TokenizerManager, req: ChatCompletionRequest
+               ) -> tuple[list[GenItem], ChatPlan]:
     """Validate the request and build its GenItems (RequestError on bad input)."""
     if req.audio is not None:
         raise RequestError("audio output is not supported")
@@ -124,7 +133,7 @@ def _reason(result: dict[str, Any], has_calls: bool) -> str | None:
 
 async def chat_completion(tm: TokenizerManager, req: ChatCompletionRequest) -> dict[str, Any]:
     """The `chat.completion` object for a non-streaming request."""
-    items, plan = _items(tm, req)
+    items, plan = chat_items(tm, req)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     model = req.model or tm.served_model_name
     results = await gather_results(tm, items)
@@ -144,14 +153,16 @@ async def chat_completion(tm: TokenizerManager, req: ChatCompletionRequest) -> d
             "choices": choices, "usage": usage(results, req.n)}
 
 
-async def chat_completion_chunks(tm: TokenizerManager, req: ChatCompletionRequest
+async def chat_completion_chunks(tm: TokenizerManager, req: ChatCompletionRequest,
+                                 prepared: tuple[list[GenItem], ChatPlan] | None = None
                                  ) -> AsyncIterator[dict[str, Any]]:
-    """The `chat.completion.chunk` dicts of a stream (usage last when asked for).
+    """The `chat.completion.chunk` dicts of a stream (usage last when asked for); `prepared`:
+    the request's `chat_items`, when the caller checked it already.
 
     Nothing is yielded before the first result arrives, so errors before the first token raise
     from the first `anext`; later errors raise mid-stream.
     """
-    items, plan = _items(tm, req)
+    items, plan = prepared or chat_items(tm, req)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     model = req.model or tm.served_model_name
     outputs = [ChatOutput(plan) for _ in items]

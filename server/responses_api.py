@@ -1,5 +1,5 @@
 """The OpenAI Responses API: `POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`,
-`GET /v1/responses/{id}/input_items`.
+`POST /v1/responses/{id}/cancel`, `GET /v1/responses/{id}/input_items`.
 
 Served on top of the chat path (`openai_chat.chat_completion` / `chat_completion_chunks`),
 whose contract is the OpenAI chat wire format:
@@ -10,6 +10,10 @@ whose contract is the OpenAI chat wire format:
                                priority, session_id)
     non-stream: chat.completion ──output_items──► response object
     stream:     chat.completion.chunk ... ──ResponseEvents──► response.* SSE events
+
+With `background` the request answers at once (`queued`; with `stream`, the run's events) and
+runs on in a task (`responses_background.py`); `GET` shows its progress (`?stream=true`: the
+events of one created with `stream`), `POST .../cancel` stops it.
 
 A stored response (`store`, the default) keeps its conversation in `ResponseStore`, so the next
 request names it as `previous_response_id` and sends only new items. Every turn of a
@@ -40,8 +44,14 @@ from sgl_tpu.server.http_common import (
     sse,
 )
 from sgl_tpu.server.openai_api import check_model
-from sgl_tpu.server.openai_chat import chat_completion, chat_completion_chunks, prompt_ids
+from sgl_tpu.server.openai_chat import (
+    chat_completion,
+    chat_completion_chunks,
+    chat_items,
+    prompt_ids,
+)
 from sgl_tpu.server.openai_protocol import ChatCompletionRequest
+from sgl_tpu.server.responses_background import BackgroundRuns
 from sgl_tpu.server.responses_items import input_item_resources, page, truncation_cuts
 from sgl_tpu.server.responses_protocol import (
     ResponsesRequest,
@@ -65,13 +75,16 @@ class _Turn:
     """One request resolved against the store: its id, items and chat request."""
 
     def __init__(self, tm: TokenizerManager, store: ResponseStore, req: ResponsesRequest,
-                 routing_key: str | None) -> None:
+                 routing_key: str | None, runs: BackgroundRuns) -> None:
         self.id = new_id("resp")
         self.req = req
         prior: list[dict[str, Any]] = []
         self.conversation_id = self.id
         if req.previous_response_id is not None:
             entry = store.get(req.previous_response_id)
+            if entry is None and runs.get(req.previous_response_id) is not None:
+                raise RequestError(f"previous_response_id: response "
+                                   f"{req.previous_response_id!r} is still running")
             if entry is None:
                 raise RequestError(
                     f"previous_response_id: no stored response {req.previous_response_id!r} "
@@ -89,7 +102,8 @@ class _Turn:
         num_dropped = self._truncate(tm, len(prior)) if req.truncation == "auto" else 0
         self.response = {
             "id": self.id, "object": "response", "created_at": int(time.time()),
-            "status": "in_progress", "error": None, "incomplete_details": None,
+            "status": "in_progress", "background": req.background, "error": None,
+            "incomplete_details": None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "model": req.model or tm.served_model_name, "output": [],
             "parallel_tool_calls": req.parallel_tool_calls is not False,
@@ -162,8 +176,9 @@ class _Turn:
                     log_digest(self.id), cut)
         return cut
 
-    def save(self, store: ResponseStore, final: dict[str, Any]) -> None:
-        store.put(final, self.input_items, self.conversation_id)
+    def save(self, store: ResponseStore, final: dict[str, Any],
+             events: list[dict[str, Any]] | None = None) -> None:
+        store.put(final, self.input_items, self.conversation_id, events)
 
 
 def _reasoning_tokens(tm: TokenizerManager, output: list[dict[str, Any]]) -> int:
@@ -172,9 +187,20 @@ def _reasoning_tokens(tm: TokenizerManager, output: list[dict[str, Any]]) -> int
     return len(tm.tokenizer.encode(text, add_special_tokens=False)) if text else 0
 
 
-async def create_response(tm: TokenizerManager, store: ResponseStore, req: ResponsesRequest,
-                          routing_key: str | None = None):
-    turn = _Turn(tm, store, req, routing_key)
+async def create_response(tm: TokenizerManager, store: ResponseStore, runs: BackgroundRuns,
+                          req: ResponsesRequest, routing_key: str | None = None):
+    if req.background and not req.store:
+        raise RequestError("background: a background response must be stored (store=true)")
+    turn = _Turn(tm, store, req, routing_key, runs)
+    if req.background:
+        prepared = chat_items(tm, turn.chat)  # bad input: a 4xx now, not a failed response
+        events = ResponseEvents({**turn.response, "status": "queued"},
+                                lambda output: _reasoning_tokens(tm, output))
+        run = runs.start(events, turn.input_items,
+                         lambda final, log: turn.save(store, final, log),
+                         chat_completion_chunks(tm, turn.chat, prepared), keep_events=req.stream)
+        # a stream of a background run: a client that hangs up leaves the run going
+        return event_stream(run.stream(-1)) if req.stream else run.response()
     if req.stream:
         return await _stream(tm, store, req, turn, chat_completion_chunks(tm, turn.chat))
     chat = await chat_completion(tm, turn.chat)
@@ -216,9 +242,32 @@ async def _stream(tm: TokenizerManager, store: ResponseStore, req: ResponsesRequ
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
+def event_stream(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    async def body() -> AsyncIterator[bytes]:
+        async for event in events:
+            yield sse(event, event["type"])
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def _replay(events: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    for event in events:
+        yield event
+
+
+def _starting_after(request: Request) -> int:
+    value = request.query_params.get("starting_after", "-1")
+    try:
+        return int(value)
+    except ValueError:
+        raise RequestError(f"starting_after must be an integer, got {value!r}") from None
+
+
 def add_routes(app: FastAPI, tm: TokenizerManager) -> None:
     store = app.state.response_store = ResponseStore(tm.args.responses_max_stored,
                                                      tm.args.responses_ttl_s)
+    runs = app.state.background_runs = BackgroundRuns()
+    app.state.shutdown_hooks.append(runs.stop)
 
     def not_found(rid: str):
         return error_response(f"no stored response {rid!r} (unknown, deleted, created with "
@@ -230,21 +279,51 @@ def add_routes(app: FastAPI, tm: TokenizerManager) -> None:
         if (err := check_model(tm, req.model)) is not None:
             return err
         log_identity(request, user=req.user, safety_identifier=req.safety_identifier)
-        return await create_response(tm, store, req, request.headers.get(ROUTING_KEY_HEADER))
+        return await create_response(tm, store, runs, req,
+                                     request.headers.get(ROUTING_KEY_HEADER))
 
     @app.get("/v1/responses/{rid}")
-    async def get_response(rid: str):
+    async def get_response(rid: str, request: Request):
+        run = runs.get(rid)
+        entry = store.get(rid) if run is None else None
+        if run is None and entry is None:
+            return not_found(rid)
+        if request.query_params.get("stream") not in ("true", "1"):
+            return run.response() if run is not None else entry.response
+        # the events after `starting_after`: live while it runs, then replayed
+        after = _starting_after(request)
+        if run is not None and run.log is not None:
+            return event_stream(run.stream(after))
+        if entry is not None and entry.events is not None:
+            return event_stream(_replay(entry.events[after + 1:] if after >= 0
+                                        else entry.events))
+        raise RequestError(f"stream: response {rid!r} was not created with background=true and "
+                           "stream=true; only those can be streamed again")
+
+    @app.post("/v1/responses/{rid}/cancel")
+    async def cancel_response(rid: str):
+        """As OpenAI: only a background response can be cancelled; one that already ended
+        is returned as it is (cancelling is idempotent)."""
+        if (cancelled := await runs.cancel(rid)) is not None:
+            return cancelled
         entry = store.get(rid)
-        return not_found(rid) if entry is None else entry.response
+        if entry is None:
+            return not_found(rid)
+        if not entry.response.get("background"):
+            raise RequestError(f"response {rid!r} was not created with background=true; "
+                               "only background responses can be cancelled")
+        return entry.response
 
     @app.get("/v1/responses/{rid}/input_items")
     async def list_input_items(rid: str, request: Request):
-        entry = store.get(rid)
+        run = runs.get(rid)
+        entry = store.get(rid) if run is None else run
         return not_found(rid) if entry is None else page(entry.input_items,
                                                         dict(request.query_params))
 
     @app.delete("/v1/responses/{rid}")
     async def delete_response(rid: str):
+        await runs.cancel(rid)  # a running one stops first
         if not store.delete(rid):
             return not_found(rid)
         return {"id": rid, "object": "response.deleted", "deleted": True}

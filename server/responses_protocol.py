@@ -39,8 +39,8 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 class ResponsesRequest(BaseModel):
-    """`POST /v1/responses`; fields a local server has no use for (service_tier, background,
-    ...) are accepted and ignored."""
+    """`POST /v1/responses`; fields a local server has no use for (service_tier, ...) are
+    accepted and ignored."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -57,6 +57,7 @@ class ResponsesRequest(BaseModel):
     text: TextConfig | None = None
     store: bool = True
     stream: bool = False
+    background: bool = False  # run on after the answer (responses_background.py)
     metadata: dict[str, str] | None = None
     include: list[Literal[INCLUDABLE]] | None = None  # type: ignore[valid-type]
     top_logprobs: int | None = Field(None, ge=0, le=20)

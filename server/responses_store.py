@@ -5,7 +5,8 @@ its model saw (`input_items`, for `GET /v1/responses/{id}/input_items`; `respons
 so that a request naming it as `previous_response_id` sends only its new items: its
 conversation is those items and the response's output. The conversation id (the first response's
 id) is the agent's `session_id`: the radix cache keeps the trajectory at eviction priority
-between turns (`KVManager.retain_prefix`).
+between turns (`KVManager.retain_prefix`). A background response created with `stream` also
+keeps its events (`GET /v1/responses/{id}?stream=true`).
 
 Bounded two ways: at most `max_count` responses (the least recently used goes first) and each
 for `ttl_s` seconds after it was last stored or read. Nothing survives a restart. Item
@@ -27,6 +28,8 @@ class StoredResponse:
     input_items: list[dict[str, Any]]  # the items the model saw (no instructions, no output)
     conversation_id: str  # = session_id of every turn of this conversation
     expires_at: float
+    # a background response created with `stream`: its events, for `GET ...?stream=true`
+    events: list[dict[str, Any]] | None = None
 
 
 class ResponseStore:
@@ -44,11 +47,11 @@ class ResponseStore:
         return len(self._entries)
 
     def put(self, response: dict[str, Any], input_items: list[dict[str, Any]],
-            conversation_id: str) -> None:
+            conversation_id: str, events: list[dict[str, Any]] | None = None) -> None:
         self._expire()
         rid = response["id"]
         self._entries[rid] = StoredResponse(response, input_items, conversation_id,
-                                            self._clock() + self.ttl_s)
+                                            self._clock() + self.ttl_s, events)
         self._entries.move_to_end(rid)
         while len(self._entries) > self.max_count:
             self._entries.popitem(last=False)

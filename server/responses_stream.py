@@ -197,8 +197,33 @@ class ResponseEvents:
 
     def failed(self, message: str, code: int) -> list[dict[str, Any]]:
         """An error mid-stream: an `error` event, then `response.failed`."""
-        failed = self._snapshot("failed")
+        failed = self._ended("failed")
         failed["error"] = {"code": "server_error" if code >= 500 else "invalid_request",
                            "message": message}
         return [self._event("error", code=str(code), message=message, param=None),
                 self._event("response.failed", response=failed)]
+
+    # ---- snapshots of a background response ------------------------------------------------
+    def status_event(self, kind: str, status: str) -> dict[str, Any]:
+        """`response.created` / `response.queued` / `response.in_progress` with the response
+        as it is now."""
+        return self._event(kind, response=self.progress(status))
+
+    def progress(self, status: str) -> dict[str, Any]:
+        """The response so far (`queued` / `in_progress`): the output items written, the open
+        one `in_progress`."""
+        snap = self._snapshot(status)
+        if self._open is not None:
+            snap["output"][self._open] = {**self.items[self._open], "status": "in_progress"}
+        return snap
+
+    def cancelled(self) -> dict[str, Any]:
+        """The response as a cancel left it: the output written so far, no usage."""
+        return self._ended("cancelled")
+
+    def _ended(self, status: str) -> dict[str, Any]:
+        """A response that stopped before it finished: the open item `incomplete`."""
+        snap = self._snapshot(status)
+        if self._open is not None:
+            snap["output"][self._open] = {**self.items[self._open], "status": "incomplete"}
+        return snap

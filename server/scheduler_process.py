@@ -79,6 +79,7 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, parent_pid: int) ->
             "num_compilations": runner.num_compilations(), "dtype": runner.config.dtype,
             "kv_cache_dtype": runner.config.kv_dtype,
             "grammar_supported": scheduler.grammar is not None,
+            "hidden_size": loaded.config.hidden_size,
             "pid": os.getpid()}
     send(to_tokenizer, ReadyMsg(process="scheduler", info=info))
     logger.info("scheduler ready: %s", info)

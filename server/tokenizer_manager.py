@@ -115,6 +115,7 @@ class TokenizerManager:
         self.context_len = 0
         self.max_total_tokens = 0
         self.grammar_supported = False
+        self.hidden_size = 0  # the model's: an embedding's length
         self.start_time = time.time()
         self.metrics = None  # set by the HTTP app (sgl_tpu.server.metrics.Metrics)
         self._recv_task: asyncio.Task | None = None
@@ -140,6 +141,7 @@ class TokenizerManager:
         self.context_len = info["context_len"]
         self.max_total_tokens = info["max_total_tokens"]
         self.grammar_supported = info.get("grammar_supported", False)
+        self.hidden_size = info.get("hidden_size", 0)
 
     def mark_dead(self, reason: str) -> None:
         """A child died: fail everything in flight (called by the launcher's watchdog)."""

@@ -10,6 +10,7 @@ list them (the CLI offers exactly these), and one check run before a model loads
     reasoning_parser   reasoning_parser.py     REASONING_PARSERS (None: off)
     quantization       quantization/           QUANTIZATION_METHODS (+ auto)
     speculative_algorithm  scheduler/speculative.py  DRAFTERS (+ auto, none; None: off)
+    pooling            scheduler/pooling.py    POOLING_METHODS
     chat_template      loader/chat_templates.py BUILTIN_TEMPLATES, or a Jinja file (None: the
                                                 model's own; not a CLI choice list)
 """
@@ -28,6 +29,7 @@ def registry_choices() -> dict[str, tuple[str, ...]]:
     from sgl_tpu.quantization import QUANTIZATION_CHOICES
     from sgl_tpu.reasoning_parser import REASONING_PARSERS
     from sgl_tpu.scheduler.policy import POLICIES
+    from sgl_tpu.scheduler.pooling import POOLING_METHODS
     from sgl_tpu.scheduler.speculative import DRAFTERS
 
     return {
@@ -40,6 +42,7 @@ def registry_choices() -> dict[str, tuple[str, ...]]:
         "reasoning_parser": tuple(REASONING_PARSERS),
         "quantization": QUANTIZATION_CHOICES,
         "speculative_algorithm": ("auto", "none", *DRAFTERS),
+        "pooling": tuple(POOLING_METHODS),
     }
 
 

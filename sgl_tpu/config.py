@@ -235,6 +235,13 @@ class SchedulerSettings:
              "X-SMG-Routing-Key or Anthropic metadata.user_id) is remembered after its last "
              "request")
     max_top_logprobs: int = setting(20, help="most top log-probs a request may ask for")
+    # embeddings (scheduler/pooling.py)
+    pooling: str = setting(
+        "last", see="agent-apis.md",
+        help="embeddings (/v1/embeddings, /encode): the hidden states (after the final norm) "
+             "pooled into one vector: last (the last prompt token's, default; suits decoder "
+             "models, and reuses cached prefixes), mean (every prompt token's) or cls (the first "
+             "token's); mean and cls requests match no cached prefix")
     # speculative decoding (scheduler/speculative.py, suffix.py)
     speculative_num_draft_tokens: int = setting(
         4, check=Int(1, 64), see="speculative-decoding.md",

@@ -176,4 +176,4 @@ class DetokenizerState:
             text_cut=text_cut, output_token_logprobs=o.output_token_logprobs,
             output_top_logprobs=o.output_top_logprobs,
             input_token_logprobs=o.input_token_logprobs,
-            input_top_logprobs=o.input_top_logprobs)
+            input_top_logprobs=o.input_top_logprobs, embedding=o.embedding)

@@ -40,10 +40,11 @@ from sgl_tpu.mem_cache.radix_cache import RadixCache
 from sgl_tpu.mem_cache.tiers import TieredCache, model_fingerprint
 from sgl_tpu.messages import TokenizedGenerateReq
 from sgl_tpu.parallel.runner_factory import close_runner, create_runner, join_group
-from sgl_tpu.response import ResponseAccumulator, error_status
+from sgl_tpu.response import ResponseAccumulator, embedding_vector, error_status
 from sgl_tpu.sampling_params import SamplingParams, expand_n
 from sgl_tpu.scheduler.scheduler import Scheduler
 from sgl_tpu.scheduler.stats import server_info
+from sgl_tpu.validation import check_dimensions
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +183,25 @@ class Engine:
         results = [a.to_dict() for a in accs]
         return results[0] if single and len(results) == 1 else results
 
+    def encode(self, prompt: str | Sequence[str] | None = None,
+               input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+               dimensions: int | None = None) -> dict[str, Any] | list[dict[str, Any]]:
+        """Embeddings, as SGLang's `Engine.encode` and `/encode` give them: each prompt's
+        hidden states pooled by the `pooling` argument, the first `dimensions` values (all:
+        None), L2-normalized; `{"embedding", "meta_info"}` for one prompt, a list in order for
+        a batch. Raises `GenerationError` for bad input."""
+        if (error := check_dimensions(dimensions, self.model_config.hidden_size)) is not None:
+            raise GenerationError(error)
+        batch_ids, single = self._tokenize(prompt, input_ids)
+        sp = {"max_new_tokens": 0}
+        accs = [self._submit(ids, sp, SamplingParams.from_dict(sp), False, -1, 0, False,
+                             embed=True) for ids in batch_ids]
+        self._run_until_done(accs)
+        results = [a.to_dict() for a in accs]
+        for r in results:
+            r["embedding"] = embedding_vector(r["embedding"], dimensions).tolist()
+        return results[0] if single else results
+
     def flush_cache(self) -> bool:
         return self.scheduler.flush_cache()
 
@@ -218,7 +238,7 @@ class Engine:
         return [list(x) for x in input_ids], False
 
     def _submit(self, ids, sp, sampling: SamplingParams, return_logprob, logprob_start_len,
-                top_logprobs_num, with_text) -> ResponseAccumulator:
+                top_logprobs_num, with_text, embed: bool = False) -> ResponseAccumulator:
         rid = f"engine-{next(self._rids)}"
         acc = ResponseAccumulator(rid, return_logprob=return_logprob,
                                   return_text_in_logprobs=with_text,
@@ -226,7 +246,7 @@ class Engine:
         msg = TokenizedGenerateReq(rid=rid, input_ids=list(ids), sampling=dict(sp or {}),
                                    return_logprob=return_logprob,
                                    logprob_start_len=logprob_start_len,
-                                   top_logprobs_num=top_logprobs_num)
+                                   top_logprobs_num=top_logprobs_num, embed=embed)
         if any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size for t in ids):
             raise GenerationError(f"input_ids must be token ids in [0, "
                                   f"{self.model_config.vocab_size})")

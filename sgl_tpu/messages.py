@@ -49,6 +49,9 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
     # the client named no max_tokens: `sampling` holds the rest of the context, which
     # admission control does not count as the request's working set (scheduler/programs.py)
     max_new_tokens_defaulted: bool = False
+    # an embedding request (/v1/embeddings, /encode): prefill only (`sampling` has
+    # max_new_tokens 0), answered with the prompt's hidden states pooled by --pooling
+    embed: bool = False
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -119,6 +122,9 @@ class ReqOutput(msgspec.Struct):
     # Sent once, with the first output of a request that asked for input log-probs.
     input_token_logprobs: list[list[Any]] | None = None
     input_top_logprobs: list[Any] | None = None
+    # an embedding request's answer, with its final output: the pooled hidden state (float32,
+    # not normalized)
+    embedding: list[float] | None = None
 
 
 class BatchTokenIdOut(msgspec.Struct, tag=True):
@@ -147,6 +153,7 @@ class ReqStrOut(msgspec.Struct):
     output_top_logprobs: list[Any] | None = None
     input_token_logprobs: list[list[Any]] | None = None
     input_top_logprobs: list[Any] | None = None
+    embedding: list[float] | None = None  # as in ReqOutput
 
 
 class BatchStrOut(msgspec.Struct, tag=True):

@@ -6,6 +6,10 @@ Shared by the in-process `Engine` and the HTTP tokenizer manager, so both answer
     {"text": ..., "output_ids": [...], "meta_info": {"id", "prompt_tokens", "completion_tokens",
      "cached_tokens", "finish_reason", "e2e_latency", [log-prob fields when asked]}}
 
+and an embedding request (SGLang's `/encode`): `{"embedding": [...], "meta_info": {"id",
+"prompt_tokens", "cached_tokens", "finish_reason", "e2e_latency"}}`, the vector as the scheduler
+pooled it (`embedding_vector` truncates and normalizes it).
+
 Log-prob entries are `[logprob, token_id, text_or_None]` (text when `return_text_in_logprobs`).
 The dicts are cumulative; `incremental_logprobs` turns a stream of them into SGLang's streamed
 form, where each chunk carries only its new output log-probs.
@@ -17,7 +21,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from sgl_tpu.messages import ReqStrOut
+
+NORM_EPS = 1e-12  # a zero vector stays zero
 
 
 class ResponseAccumulator:
@@ -42,6 +50,7 @@ class ResponseAccumulator:
         self.output_top_logprobs: list[Any] = []
         self.input_token_logprobs: list[list[Any]] | None = None
         self.input_top_logprobs: list[Any] | None = None
+        self.embedding: list[float] | None = None  # an embedding request's pooled vector
 
     @property
     def finished(self) -> bool:
@@ -56,6 +65,8 @@ class ResponseAccumulator:
         if out.new_text:
             self.text += out.new_text
         self.output_ids += out.new_output_ids
+        if out.embedding is not None:
+            self.embedding = out.embedding
         if not self.return_logprob:
             return
         if out.output_token_logprobs:
@@ -84,6 +95,9 @@ class ResponseAccumulator:
             "finish_reason": _public_reason(o.finish_reason) if o.finished else None,
             "e2e_latency": time.perf_counter() - self.start_time,
         }
+        if self.embedding is not None:  # SGLang's /encode answer (no output tokens)
+            del meta["completion_tokens"]
+            return {"embedding": self.embedding, "meta_info": meta}
         # Copies of the growing lists: a streamed dict may wait (in a queue, or while the
         # response starts) while more tokens arrive, and its entries must match its text.
         if self.return_logprob:
@@ -93,6 +107,16 @@ class ResponseAccumulator:
             meta["input_top_logprobs"] = self.input_top_logprobs or []
             meta["output_top_logprobs"] = list(self.output_top_logprobs)
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+
+
+def embedding_vector(values: Sequence[float], dimensions: int | None = None,
+                     normalize: bool = True) -> np.ndarray:
+    """A pooled embedding's first `dimensions` values (all: None), divided by their L2 norm
+    if `normalize`: f32[dimensions or D]."""
+    v = np.asarray(values, np.float32)[:dimensions]
+    if normalize:
+        v = v / max(float(np.linalg.norm(v)), NORM_EPS)
+    return v
 
 
 # Output-side log-prob lists that a streamed chunk carries only the new entries of.

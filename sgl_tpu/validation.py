@@ -21,6 +21,14 @@ def check_batch_size(num_prompts: int, n: int = 1) -> str | None:
     return None
 
 
+def check_dimensions(dimensions: int | None, hidden_size: int) -> str | None:
+    """A message if an embedding's `dimensions` (its first values kept) is out of range."""
+    if dimensions is not None and not 1 <= dimensions <= hidden_size:
+        return (f"dimensions must be in [1, {hidden_size}] (the model's hidden size), "
+                f"got {dimensions}")
+    return None
+
+
 def check_session_id(session_id: object, field: str = "session_id") -> str | None:
     """A message naming the problem if `session_id` (a retention hint, see
     `KVManager.retain_prefix`; sent as the request's `field`) is malformed, else None."""

@@ -7,7 +7,7 @@ child process, each followed by the invariants of `reliability_invariants.py`. T
         [--exhaustion-clients 32] [--fuzz-examples 100] [--big-prompts 8]
         [--big-prompt-chars 500000] [--max-total-tokens 1024] [--flood-programs 65536]
         [--shared-key-parallel 48] [--programs-max-total-tokens 4096]
-        [--phases base,kill,programs|shared_key|disk_load] [--seed 0] [--output FILE]
+        [--phases base,kill,programs] [--seed 0] [--output FILE]
 
 Starts a server on loopback (a small KV pool, so load also exhausts it), runs the phases load,
 disconnect, exhaustion, big_prompt and fuzz with a latency probe alongside
@@ -17,7 +17,7 @@ a second server and kills one of its children, then runs the program phases
 `--flood-programs` session ids, one key's `--shared-key-parallel` requests beside agents) on a
 server with a `--programs-max-total-tokens` pool, and a prompt read back from the disk tier on
 one more, of `--max-total-tokens`. `--phases` picks among base (load to fuzz), kill, programs
-(with the disk tier's), and shared_key or disk_load (that phase alone). Prints the figures as
+(all four of those), and newcomer, flood, shared_key or disk_load alone. Prints the figures as
 JSON: clients and requests held, disconnects and aborts survived, bad inputs tried per class,
 faults injected, 5xx count, leaked KV pages, p50/p99 latency of a small request during the
 campaign, and each program phase's figures.
@@ -152,23 +152,26 @@ def serve(flags: list[str], log_name: str):
     return server
 
 
-def program_campaign(common: list[str], args: argparse.Namespace,
-                     only_shared_key: bool = False) -> dict[str, Any]:
-    """The program phases on a `--programs-max-total-tokens` pool (`only_shared_key`: the
-    shared-key phase alone)."""
+PROGRAM_PHASES = ("newcomer", "flood", "shared_key")
+
+
+def program_campaign(common: list[str], args: argparse.Namespace, chosen: set[str]
+                     ) -> dict[str, Any]:
+    """The `chosen` program phases, in PROGRAM_PHASES order, on a `--programs-max-total-tokens`
+    pool."""
     phases: dict[str, Any] = {}
     server = serve(common + ["--max-total-tokens", str(args.programs_max_total_tokens)],
                    "reliability_programs.log")
-    try:
-        shared_key = (lambda: shared_key_phase(server.url, HEADERS,
+    runs = {
+        "newcomer": lambda: newcomer_phase(server.url, HEADERS),
+        "flood": lambda: flood_phase(server.url, HEADERS, num_programs=args.flood_programs),
+        "shared_key": lambda: shared_key_phase(server.url, HEADERS,
                                                parallel=args.shared_key_parallel,
-                                               num_agents=args.shared_key_agents))
-        runs = (shared_key,) if only_shared_key else (
-            lambda: newcomer_phase(server.url, HEADERS),
-            lambda: flood_phase(server.url, HEADERS, num_programs=args.flood_programs),
-            shared_key)
-        for run in runs:
-            record_phase(phases, server.url, asyncio.run(run()))
+                                               num_agents=args.shared_key_agents)}
+    try:
+        for name in PROGRAM_PHASES:
+            if name in chosen:
+                record_phase(phases, server.url, asyncio.run(runs[name]()))
     finally:
         server.stop()
     return phases
@@ -215,14 +218,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shared-key-agents", type=int, default=3,
                    help="the agents beside the shared key's parallel requests")
     p.add_argument("--phases", default="base,kill,programs",
-                   help="comma-separated: base (load to fuzz), kill, programs (with the disk "
-                        "tier's), shared_key, disk_load (those phases alone)")
+                   help="comma-separated: base (load to fuzz), kill, programs (newcomer, flood, "
+                        "shared_key and disk_load), or any of those four alone")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
     chosen = set(args.phases.split(","))
-    if not chosen or chosen - {"base", "kill", "programs", "shared_key", "disk_load"}:
-        p.error(f"--phases: base, kill, programs, shared_key or disk_load, not {args.phases!r}")
+    known = {"base", "kill", "programs", *PROGRAM_PHASES, "disk_load"}
+    if not chosen or chosen - known:
+        p.error(f"--phases: some of {sorted(known)}, not {args.phases!r}")
     common = ["--api-key", API_KEY, "--max-running-requests", "32", "--dtype", "float32"]
     if args.model_path:
         common += ["--model-path", args.model_path]
@@ -251,9 +255,9 @@ def main(argv: list[str] | None = None) -> None:
                 victim_server.stop()
         results["phases"]["kill_child"] = kill.to_dict()
     if "programs" in chosen:
-        results["phases"].update(program_campaign(common, args))
-    elif "shared_key" in chosen:
-        results["phases"].update(program_campaign(common, args, only_shared_key=True))
+        chosen |= set(PROGRAM_PHASES)
+    if chosen & set(PROGRAM_PHASES):
+        results["phases"].update(program_campaign(common, args, chosen))
     if "programs" in chosen or "disk_load" in chosen:
         results["phases"].update(disk_campaign(common, args))
     phases = results["phases"]

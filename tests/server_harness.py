@@ -12,6 +12,10 @@ registered the replicas, whose own ready lines share the log). If the server exi
 launch fails with the tail of its log.
 `SGL_TPU_TEST_BACKEND=jax|torch` adds `--backend` to every launch (the Makefile runs the
 end-to-end suites once more on the backend `auto` does not pick).
+`SGL_TPU_TEST_SPECULATIVE=SUFFIX|NGRAM|none` adds `--speculative-algorithm` to every launch
+whose flags do not set it: drafts forced on (a drafter by name: no timing gate) or off,
+whatever `auto` would do on this host (tests/test_isa.py reruns the token comparisons both
+ways).
 """
 
 from __future__ import annotations
@@ -149,6 +153,8 @@ def launch_server(*flags: str, model_path: str | None = None, timeout: float = 3
     cmd = [sys.executable, "-m", "sgl_tpu.launch_server", "--port", str(port), *flags]
     if os.environ.get("SGL_TPU_TEST_BACKEND"):
         cmd += ["--backend", os.environ["SGL_TPU_TEST_BACKEND"]]
+    if os.environ.get("SGL_TPU_TEST_SPECULATIVE") and "--speculative-algorithm" not in flags:
+        cmd += ["--speculative-algorithm", os.environ["SGL_TPU_TEST_SPECULATIVE"]]
     if model_path is not None:
         cmd += ["--model-path", str(model_path)]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}

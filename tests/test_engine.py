@@ -92,6 +92,33 @@ def test_prefix_reuse_across_calls_and_identical_greedy_output(engine):
     engine.scheduler.check_integrity()
 
 
+def test_encode_pools_the_last_hidden_state(engine):
+    """`Engine.encode` (`last` pooling): the unit vector of transformers' last hidden state of
+    the prompt; a batch answers in order; a second call, a prefix-cache hit, gives the same
+    vector; `dimensions` keeps the first values, normalized."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    vocab = engine.model_config.vocab_size
+    prompts = [_ids(40, 11, vocab), _ids(7, 12, vocab)]
+    hf = AutoModelForCausalLM.from_pretrained(engine.server_args.model_path,
+                                              dtype=torch.float32)
+    with torch.inference_mode():
+        refs = [hf.model(torch.tensor([p])).last_hidden_state[0, -1].numpy() for p in prompts]
+    batch = engine.encode(input_ids=prompts)
+    again = engine.encode(input_ids=prompts[0])
+    assert again["meta_info"]["cached_tokens"] >= 32
+    for out, ref, p in zip(batch, refs, prompts, strict=True):
+        assert out["meta_info"]["prompt_tokens"] == len(p)
+        np.testing.assert_allclose(out["embedding"], ref / np.linalg.norm(ref), atol=1e-4)
+    np.testing.assert_allclose(again["embedding"], batch[0]["embedding"], atol=1e-5)
+    short = engine.encode(input_ids=prompts[1], dimensions=4)["embedding"]
+    np.testing.assert_allclose(short, refs[1][:4] / np.linalg.norm(refs[1][:4]), atol=1e-4)
+    with pytest.raises(GenerationError, match="dimensions"):
+        engine.encode(input_ids=prompts[1], dimensions=0)
+    engine.scheduler.check_integrity()
+
+
 def test_step_counters_count_computed_tokens_and_step_time(engine):
     """`/server_info`'s step counters: EXTEND steps count the tokens they computed (a cached
     prefix is not among them), and both step kinds add their time."""

@@ -7,6 +7,14 @@
                                       kernels (backends/torch/kernels/cpu_extension.py), not the
                                       native one
 
+    SGL_TPU_TEST_SPECULATIVE=<drafts> the servers' drafts (tests/server_harness.py): forced on
+                                      (`SUFFIX`, the drafter `auto` picks, by name: no timing
+                                      gate) in the AVX2 and AVX512_CORE_BF16 cases, off (`none`)
+                                      in the others. Speculation is lossless, so every token
+                                      comparison holds both ways; whether `auto` lets drafts
+                                      through depends on the host, so the main run alone would
+                                      cover one way only.
+
 Each case is a pytest run in a subprocess (the knobs must be set before torch starts). One case
 per ISA the CPU backend can pick; an ISA this CPU lacks is skipped with the reason, and so is
 the CPU's best one, which the main run covers (it runs the same tests uncapped). The marked
@@ -28,6 +36,9 @@ from sgl_tpu.backends.torch.kernels.cpu_extension import KERNELS_ENV, cpu_flags
 # oneDNN's name for each ISA, the /proc/cpuinfo flag it needs, lowest first
 ISAS = (("AVX2", "avx2"), ("AVX512_CORE", "avx512f"), ("AVX512_CORE_BF16", "avx512_bf16"),
         ("AVX512_CORE_AMX", "amx_bf16"))
+# the servers' --speculative-algorithm in each ISA's case: drafts forced on, then off, in turn
+DRAFTS = {"AVX2": "SUFFIX", "AVX512_CORE": "none", "AVX512_CORE_BF16": "SUFFIX",
+          "AVX512_CORE_AMX": "none"}
 
 
 def _best_isa(flags: list[str]) -> str | None:
@@ -42,12 +53,14 @@ def test_token_comparisons_hold_with_the_cpu_capped_at(isa, flag):
         pytest.skip(f"this CPU lacks {flag}: it cannot run {isa} (best: {_best_isa(flags)})")
     if isa == _best_isa(flags):
         pytest.skip(f"{isa} is this CPU's best ISA: the main run covers it uncapped")
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": isa, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": isa, "JAX_PLATFORMS": "cpu",
+           "SGL_TPU_TEST_SPECULATIVE": DRAFTS[isa]}
     env.pop(KERNELS_ENV, None)
     if isa == "AVX2":
         env[KERNELS_ENV] = "avx2"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "-m", "isa_invariance", "tests"], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, f"under {isa}:\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
-    print(f"{isa}: {proc.stdout.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, (f"under {isa}, drafts {DRAFTS[isa]}:\n{proc.stdout[-6000:]}"
+                                  f"\n{proc.stderr[-2000:]}")
+    print(f"{isa}, drafts {DRAFTS[isa]}: {proc.stdout.strip().splitlines()[-1]}")

@@ -27,6 +27,8 @@ MESSAGES = [
                            session_id="agent-7", priority=-3, retention_seconds=12.5,
                            tool_pause=True, may_call_tools=True),
     M.TokenizedGenerateReq(rid="r2", input_ids=[4], sampling={}, program_id="user-9"),
+    M.TokenizedGenerateReq(rid="e1", input_ids=[4, 5], sampling={"max_new_tokens": 0},
+                           embed=True),
     M.AbortReq(rid="r1"),
     M.OpenSessionReq(call_id=8, session_id="agent-7", ttl_s=60.0),
     M.OpenSessionReq(call_id=9),
@@ -37,6 +39,12 @@ MESSAGES = [
     M.ReadyMsg(process="scheduler", ok=False, error="boom", info={"pid": 1}),
     M.BatchTokenIdOut(outputs=[OUTPUT]),
     M.BatchStrOut(outputs=[STR_OUT]),
+    M.BatchTokenIdOut(outputs=[M.ReqOutput(rid="e1", new_token_ids=[], finished=True,
+                                           prompt_tokens=2, embedding=[0.1, -2.5e-8, 3.0])]),
+    M.BatchStrOut(outputs=[M.ReqStrOut(rid="e1", new_text="", new_output_ids=[], finished=True,
+                                       finish_reason={"type": "length", "length": 0},
+                                       prompt_tokens=2, completion_tokens=0, cached_tokens=0,
+                                       embedding=[0.1, -2.5e-8, 3.0])]),
 ]
 
 

@@ -273,6 +273,12 @@ def test_api_key(tiny_model):
             wrong.models.list()
         right = openai.OpenAI(base_url=keyed.base_url + "/v1", api_key="secret", max_retries=0)
         assert right.models.list().data[0].id == MODEL
+        for path, body in (("/tokenize", {"prompt": "hi"}), ("/v1/detokenize", {"tokens": [1]})):
+            r = requests.post(keyed.base_url + path, json=body, timeout=30)
+            assert r.status_code == 401, (path, r.text)
+            r = requests.post(keyed.base_url + path, json=body, timeout=30,
+                              headers={"Authorization": "Bearer secret"})
+            assert r.status_code == 200, (path, r.text)
     finally:
         keyed.stop()
 

@@ -397,18 +397,35 @@ def test_a_program_past_the_usual_turn_count_stops_holding_a_slot() -> None:
     clock.now += 0.2
     progs.expire(clock.now + 1.0)
     assert reported == ["long"]  # once
-    # a program that looked done (a long tool pause) and came back withdraws its count
+    # a program found idle after one request (a long tool pause) teaches nothing
     turn("slow", 0)
     clock.now += 10.0
     progs.resident_tokens(clock.now)
-    assert progs.done_turns["slow"] == 1 and progs.expected_turns() == 3
+    assert "slow" not in progs.done_turns and progs.expected_turns() == 3
     turn("slow", 1)
-    assert "slow" not in progs.done_turns
     more = make_req("long-3", prompt_len=200)
     progs.arrive(more, "long")  # it was not done: its turn runs, and it counts again
     assert progs.admissible([more]) == [more]
     assert progs.resident_tokens(clock.now) == (progs.expected_working_set(short)
                                                 + progs.expected_working_set(long))
+    progs.finish(more)
+    # one that looked done after two and came back withdraws its count
+    turn("slower", 0)
+    turn("slower", 1)
+    clock.now += 60.0  # past its pause window
+    progs.resident_tokens(clock.now)
+    assert progs.done_turns["slower"] == 2
+    turn("slower", 2)
+    assert "slower" not in progs.done_turns
+    # one-shot programs (a flood of fresh ids) teach neither turn counts nor peaks
+    clock.now += 300.0  # past every pause window ("slower" paused for 60 s)
+    progs.resident_tokens(clock.now)  # every program so far found done
+    expected_tokens, done_turns = progs.expected_tokens, dict(progs.done_turns)
+    for k in range(100):
+        turn(f"one-shot-{k}", 0)
+    clock.now += 10.0
+    progs.resident_tokens(clock.now)
+    assert progs.expected_tokens == expected_tokens and progs.done_turns == done_turns
 
 
 def make_program_scheduler(num_pages: int, admission: bool):

@@ -1,12 +1,16 @@
 """The Responses API's pure parts, without a server: the store's bound and expiry (on a test
 clock), input items -> chat messages and item resources, `input_items` pages, truncation cuts,
-output-text log-probs, `reasoning.effort`, and the streamed event sequence built from chat
-chunks (reasoning, text and parallel tool calls, log-probs, as the chat path streams them)."""
+output-text log-probs, `reasoning.effort`, the streamed event sequence built from chat
+chunks (reasoning, text and parallel tool calls, log-probs, as the chat path streams them), and
+a background run's snapshots and final states."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from sgl_tpu.server.responses_background import BackgroundRuns
 from sgl_tpu.server.responses_items import input_item_resources, page, truncation_cuts
 from sgl_tpu.server.responses_protocol import (
     chat_tools,
@@ -166,6 +170,59 @@ def test_stream_events_length_is_incomplete_and_empty_answer_is_one_message():
     assert final["incomplete_details"] == {"reason": "max_output_tokens"}
     assert [it["type"] for it in final["output"]] == ["message"]
     assert final["output"][0]["content"][0]["text"] == ""
+
+
+def test_background_run_snapshots_and_ends_in_a_final_state():
+    """Progress shows the open item in progress; a run cancelled mid-way, or before its task
+    first ran, or whose chunks raise, ends stored in a final state."""
+
+    async def scenario() -> list[dict]:
+        saved: list[dict] = []
+
+        def save(final: dict, _events: list | None) -> None:
+            saved.append(final)
+
+        runs = BackgroundRuns()
+        gate = asyncio.Event()
+
+        async def chunks():
+            yield chunk({"content": "Hel"})
+            await gate.wait()  # blocks until cancelled
+            yield chunk({"content": "lo"})
+
+        events = ResponseEvents({"id": "resp_a", "status": "queued"})
+        assert runs.start(events, [], save, chunks()).response()["status"] == "queued"
+        for _ in range(100):  # a few loop turns: the task runs to its first chunk
+            if events.items:
+                break
+            await asyncio.sleep(0)
+        progress = runs.get("resp_a").response()
+        assert progress["status"] == "in_progress"
+        assert progress["output"][0]["status"] == "in_progress"
+        assert progress["output"][0]["content"][0]["text"] == "Hel"
+        cancelled = await runs.cancel("resp_a")
+        assert cancelled["status"] == "cancelled" and runs.get("resp_a") is None
+        assert cancelled["output"][0]["status"] == "incomplete"
+        # cancelled before its task ran a step
+        runs.start(ResponseEvents({"id": "resp_b"}), [], save, chunks())
+        assert (await runs.cancel("resp_b"))["status"] == "cancelled"
+
+        async def broken():
+            yield chunk({"content": "x"})
+            raise RuntimeError("boom")
+
+        runs.start(ResponseEvents({"id": "resp_c"}), [], save, broken())
+        for _ in range(100):
+            if runs.get("resp_c") is None:
+                break
+            await asyncio.sleep(0)
+        return saved
+
+    saved = asyncio.run(scenario())
+    assert [(r["id"], r["status"]) for r in saved] == [
+        ("resp_a", "cancelled"), ("resp_b", "cancelled"), ("resp_c", "failed")]
+    assert saved[2]["error"] == {"code": "server_error", "message":
+                                 "internal server error (RuntimeError); see the server log"}
 
 
 def test_chat_tools_flat_and_chat_forms():

@@ -2,6 +2,7 @@
 Hugging Face transformers, float32, on every architecture case: a prompt prefilled in two
 EXTEND steps (the second reads the first's K/V from the paged pool, as a radix-cache hit does)
 and two sequences of a ragged batch. Tolerance: max abs logit diff < 2e-3 (logits of order 1).
+`hidden_rows` (what embeddings pool) against the reference's last hidden states likewise.
 """
 
 from __future__ import annotations
@@ -76,6 +77,35 @@ def test_runner_logits_match_transformers(tmp_path, backend, arch, kw):
     top2 = np.sort(ref_a[-1])[-2:]
     if top2[1] - top2[0] > 10 * ATOL:
         assert result.token_ids[0] == int(ref_a[-1].argmax())
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_hidden_rows_match_transformers(tmp_path, backend):
+    """`runner.hidden_rows` (what embeddings pool) is the hidden state after the final norm,
+    float32, of the rows asked for: a prompt's second EXTEND step over its cached first part,
+    beside a whole prompt."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model_dir = ck.make_tiny_hf_checkpoint(tmp_path / "m", "llama")
+    loaded, runner = _runner(model_dir, backend)
+    rng = np.random.default_rng(1)
+    a = rng.integers(3, loaded.config.vocab_size, 13).tolist()
+    b = rng.integers(3, loaded.config.vocab_size, 6).tolist()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.inference_mode():
+        ref_a, ref_b = (hf.model(torch.tensor([ids])).last_hidden_state[0].numpy()
+                        for ids in (a, b))
+    pages_a, pages_b = np.arange(1, 5), np.arange(5, 7)
+    _extend(runner, [(a[:5], 0, pages_a)])
+    steps = [SeqStep(token_ids=t, prefix_len=p, pages=pg, sampling=GREEDY, seed=0,
+                     num_output_tokens=0) for t, p, pg in [(a[5:], 5, pages_a), (b, 0, pages_b)]]
+    result = runner.forward(ForwardMode.EXTEND, steps)
+    rows = np.array([7, 0, 8, 13], np.int64)  # a's last row, a's first of the step, b's 0, 5
+    hidden = runner.hidden_rows(result.hidden, rows)
+    assert hidden.dtype == np.float32 and hidden.shape == (4, loaded.config.hidden_size)
+    expected = np.stack([ref_a[12], ref_a[5], ref_b[0], ref_b[5]])
+    np.testing.assert_allclose(hidden, expected, atol=ATOL * np.abs(expected).max())
 
 
 def test_both_runners_convert_one_host_batch(tmp_path, monkeypatch):

@@ -40,16 +40,19 @@ def tiny(tmp_path_factory) -> str:
     return ck.make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_tp"), "llama")
 
 
-def _run(path: str | None, prompts, **kw) -> tuple[list[list[int]], list, list[int]]:
-    """(greedy output ids, input log-probs of the first prompt, follower pids while up)."""
+def _run(path: str | None, prompts, **kw
+         ) -> tuple[list[list[int]], list, list[int], np.ndarray]:
+    """(greedy output ids, input log-probs of the first prompt, follower pids while up, the
+    prompts' embeddings)."""
     before = set(descendants(os.getpid()))  # e.g. compile workers of earlier tests
     with Engine(path, **{**SMALL, **kw}) as engine:
         followers = sorted(set(descendants(os.getpid())) - before)
         outs = engine.generate(prompts, GREEDY)
         lp = engine.generate(prompts[0], {**GREEDY, "max_new_tokens": 1}, return_logprob=True,
                              logprob_start_len=0, top_logprobs_num=2)
+        vectors = np.array([e["embedding"] for e in engine.encode(prompts)])
     return ([o["output_ids"] for o in outs], lp["meta_info"]["input_token_logprobs"],
-            followers)
+            followers, vectors)
 
 
 def test_shards_cover_the_model_and_replicate_kv(tiny):
@@ -75,9 +78,10 @@ def test_shards_cover_the_model_and_replicate_kv(tiny):
 
 
 def test_tiny_model_tp2_and_tp4_match_one_device(tiny):
-    ref_ids, ref_lp, _ = _run(tiny, PROMPTS)
+    ref_ids, ref_lp, _, ref_vectors = _run(tiny, PROMPTS)
     for tp in (2, 4):  # 4: more ranks than KV heads, each KV head on two ranks
-        ids, lp, followers = _run(tiny, PROMPTS, tp_size=tp)
+        ids, lp, followers, vectors = _run(tiny, PROMPTS, tp_size=tp)
+        np.testing.assert_allclose(vectors, ref_vectors, atol=1e-5)  # rank 0's hidden rows
         assert len(followers) == tp - 1
         assert ids == ref_ids, tp
         assert [t for _, t, _ in lp] == [t for _, t, _ in ref_lp]
@@ -163,7 +167,7 @@ TWO_HOSTS = ("--backend", "torch", "--dtype", "float32", "--max-total-tokens", "
 def test_two_hosts_serve_like_one_device_and_end_together(tiny, tmp_path):
     """`--nnodes 2`, simulated with two launches on this machine: host 1 starts its rank and
     no server; host 0 serves; SIGTERM to host 0 ends host 1's rank too."""
-    want, _, _ = _run(tiny, PROMPTS[:2], skip_warmup=True)
+    want, _, _, _ = _run(tiny, PROMPTS[:2], skip_warmup=True)
     addr = f"127.0.0.1:{free_port(2)}"
     with open(tmp_path / "host1.log", "wb") as log:
         host1 = subprocess.Popen(

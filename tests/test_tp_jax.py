@@ -60,6 +60,7 @@ def test_default_model_tp3_equals_tp1(results):
     lp1, lp3 = np.array(r["tp1"]["input_logprobs"]), np.array(r["tp3"]["input_logprobs"])
     assert lp1.shape == lp3.shape and len(lp1) > 10
     np.testing.assert_allclose(lp3, lp1, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(r["tp3"]["embeddings"], r["tp1"]["embeddings"], atol=1e-5)
 
 
 def test_default_model_tp3_local_shards(results):
@@ -91,6 +92,7 @@ def test_tiny_checkpoint_tp_equals_tp1(results, tp):
     assert r[f"tp{tp}"]["ids"] == r["tp1"]["ids"]
     np.testing.assert_allclose(r[f"tp{tp}"]["input_logprobs"], r["tp1"]["input_logprobs"],
                                atol=1e-4, rtol=0)
+    np.testing.assert_allclose(r[f"tp{tp}"]["embeddings"], r["tp1"]["embeddings"], atol=1e-5)
     # 2 KV heads: one per device at TP 2, and at TP 4 each head stored twice, one per device.
     assert r[f"tp{tp}_kv_heads_per_device"] == 1
 

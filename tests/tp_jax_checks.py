@@ -40,8 +40,8 @@ SMALL = dict(backend="jax", dtype="float32", page_size=4, max_total_tokens=1024,
 
 
 def _serve(eng: Engine, prompts: list[str]) -> dict:
-    """Greedy ids of each prompt (the first alone, so the others hit its cached prefix), and
-    the first prompt's input log-probs."""
+    """Greedy ids of each prompt (the first alone, so the others hit its cached prefix), the
+    first prompt's input log-probs, and the prompts' embeddings."""
     first = eng.generate(prompts[0], GREEDY, return_logprob=True, logprob_start_len=0)
     rest = eng.generate(prompts[1:], GREEDY)
     outs = [first, *rest]
@@ -49,6 +49,7 @@ def _serve(eng: Engine, prompts: list[str]) -> dict:
         "ids": [o["output_ids"] for o in outs],
         "cached": [o["meta_info"]["cached_tokens"] for o in outs],
         "input_logprobs": [lp[0] for lp in first["meta_info"]["input_token_logprobs"][1:]],
+        "embeddings": [e["embedding"] for e in eng.encode(prompts)],
     }
 
 

@@ -162,6 +162,10 @@ class ModelRunner(Protocol):
     def row_logits(self, hidden: Any, rows: np.ndarray) -> np.ndarray:
         """Float32 logits [len(rows), V] at the given rows of an EXTEND step's hidden states."""
 
+    def hidden_rows(self, hidden: Any, rows: np.ndarray) -> np.ndarray:
+        """Float32 hidden states [len(rows), D] (after the final norm) at the given rows of an
+        EXTEND step's hidden states, on the host (embeddings: scheduler/pooling.py)."""
+
     def warmup(self) -> float:
         """Compile every shape bucket; returns seconds spent."""
 

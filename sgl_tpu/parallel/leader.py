@@ -2,6 +2,7 @@
 `executor.step.ModelRunner` the scheduler talks to).
 
     Scheduler ──forward / token_logprobs / row_logits / warmup──► LeaderRunner
+              (hidden_rows: a host copy on rank 0, nothing broadcast)
                    1. FollowerGroup.publish(Runner* call)  ──ROUTER──► every follower (DEALER)
                    2. the same call on the local runner    ──► its result goes back
 
@@ -227,6 +228,11 @@ class LeaderRunner:
         self.group.publish(M.RunnerRowLogits(seq=self.group.next_seq(), hidden_seq=hidden.seq,
                                              rows=ints_to_bytes(rows)))
         return self.runner.row_logits(hidden.local, rows)
+
+    def hidden_rows(self, hidden: HiddenRef, rows: np.ndarray) -> np.ndarray:
+        """Read on this rank alone: every rank holds the whole hidden states, and a host
+        copy joins no collective."""
+        return self.runner.hidden_rows(hidden.local, rows)
 
     def warmup(self) -> float:
         self.group.publish(M.RunnerWarmup(seq=self.group.next_seq()))

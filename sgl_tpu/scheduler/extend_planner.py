@@ -1,6 +1,7 @@
 """Which requests the next EXTEND step runs, and how many tokens of each (host side, no JAX).
 
-Within the token budget (`chunked_prefill_size`) and `max_extend_seqs`, in this order:
+Within the token budget (`chunked_prefill_size`) and `max_extend_seqs`, in this order (after a
+chunk of a prompt that has more, the scheduler runs a DECODE step first if any request runs):
 
     1. the chunked prompt's next chunk      a prompt longer than the budget runs in pieces
     2. jump-forward re-admissions           running requests whose forced tokens need an EXTEND

@@ -21,6 +21,7 @@ from sgl_tpu.messages import ReqOutput, TokenizedGenerateReq
 from sgl_tpu.sampling_params import SamplingParams
 from sgl_tpu.scheduler.grammar_steps import GRAMMAR_COMPILE_BUDGET_S
 from sgl_tpu.scheduler.output import error_output
+from sgl_tpu.scheduler.pooling import POOLING_METHODS
 from sgl_tpu.scheduler.priority import req_priority
 from sgl_tpu.scheduler.req import Req
 from sgl_tpu.validation import check_generate_fields, check_request, check_token_ids
@@ -56,13 +57,18 @@ class Intake:
             capacity_tokens=self.capacity_tokens, grammar_supported=self.grammar is not None,
             vocab_size=self.vocab_size)
         error = error or check_generate_fields(msg, self.config.max_retention_s)
+        if msg.embed and sampling.max_new_tokens != 0:
+            error = error or "an embedding request generates no tokens (max_new_tokens 0)"
         if error is not None:
             return error_output(msg.rid, len(msg.input_ids), error)
         seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(32)
+        pooling = self.config.pooling if msg.embed else None
         req = Req(**{name: getattr(msg, name) for name in COPIED_FIELDS},
                   origin_input_ids=list(msg.input_ids), sampling=sampling, seed=seed,
                   top_logprobs_num=min(msg.top_logprobs_num, self.config.max_top_logprobs),
-                  priority=req_priority(msg.priority, self.config))
+                  priority=req_priority(msg.priority, self.config), pooling=pooling,
+                  needs_prefix_rows=pooling is not None
+                  and POOLING_METHODS[pooling].needs_prefix_rows)
         if sampling.stop or sampling.stop_regex:
             req.decoder = IncrementalDecoder(self.decode, sampling.skip_special_tokens)
         if sampling.grammar is not None and self.grammar is not None:

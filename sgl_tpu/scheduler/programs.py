@@ -126,9 +126,10 @@ class Programs:
         self.mean_pause_s = 0.0  # of all programs' tool pauses (the pause window's fallback)
         self.mean_turn_s = 0.0  # of the admitted programs' turns (the hold bound)
         self.mean_output_tokens: float | None = None  # of finished requests' outputs
-        self.expected_tokens = 0.0  # mean peak working set of the programs found done
-        # program key -> its request count, for the programs found done last
-        # (`expected_turns`); a program that comes back withdraws its count
+        # mean peak working set of the programs found done (after more than one request)
+        self.expected_tokens = 0.0
+        # program key -> its request count, for the programs found done last after more than
+        # one request (`expected_turns`); a program that comes back withdraws its count
         self.done_turns: OrderedDict[str, int] = OrderedDict()
         self.num_seen = 0
         self.num_held = 0  # programs ever held
@@ -265,7 +266,9 @@ class Programs:
                 continue
             if state == "idle":
                 gone.append(key)
-                if prog.admitted and not prog.peak_recorded:
+                # what programs that came back hold and how often they come back; a one-shot
+                # (a chat, or a flood of fresh ids) says nothing of either
+                if prog.admitted and not prog.peak_recorded and prog.num_requests > 1:
                     prog.peak_recorded = True
                     self.expected_tokens += PEAK_EWMA * (prog.working_set_tokens
                                                          - self.expected_tokens)

@@ -75,6 +75,12 @@ class Req:
     draft: list[int] = field(default_factory=list)
     draft_masks: list[np.ndarray] = field(default_factory=list)
     spec: Any = None  # speculative decoding's state (scheduler/speculative.py SpecState)
+    # an embedding request (scheduler/pooling.py): its POOLING_METHODS name (None: a generation
+    # request); whether that method reads rows a cached prefix would skip (then it matches
+    # none); the sum of the hidden-state rows pooled so far, f64[D]
+    pooling: str | None = None
+    needs_prefix_rows: bool = False
+    pooled_sum: np.ndarray | None = None
 
     finish_reason: dict[str, Any] | None = None
     stop_text_offset: int = -1
@@ -132,7 +138,10 @@ class Req:
     @property
     def max_prefix_len(self) -> int:
         """Longest cached prefix this request may reuse: at least one token must run (to get
-        logits), and positions whose input log-probs are wanted must be computed."""
+        logits), positions whose input log-probs are wanted must be computed, and so must
+        every row that a `mean` or `cls` embedding pools."""
+        if self.needs_prefix_rows:
+            return 0
         limit = len(self.origin_input_ids) + len(self.output_ids) - 1  # no fill_ids copy
         if self.wants_input_logprobs:
             limit = min(limit, max(self.logprob_start_len - 1, 0))

@@ -41,6 +41,7 @@ it the same way. This class only schedules; the rest of a step's host work lives
     finish.py          stop conditions and finish reasons (wire format)
     output.py          ReqOutput assembly, token log-prob entries
     logprobs.py        prompt log-probs of an EXTEND step
+    pooling.py         embedding requests: their prompt's hidden states pooled (--pooling)
     faults.py          what an exception while handling one request means
     counters.py        counters and the periodic log line (stats.py: /server_info, /get_load)
 """
@@ -71,6 +72,7 @@ from sgl_tpu.scheduler.kv_manager import KVManager
 from sgl_tpu.scheduler.logprobs import collect_input_logprobs
 from sgl_tpu.scheduler.output import error_output, make_output
 from sgl_tpu.scheduler.overlap import PendingDecode, can_overlap, lagged_rows, overlappable
+from sgl_tpu.scheduler.pooling import collect_pooled, pooled
 from sgl_tpu.scheduler.priority import Priorities
 from sgl_tpu.scheduler.programs import Programs
 from sgl_tpu.scheduler.queues import ReqQueues
@@ -243,6 +245,8 @@ class Scheduler:
         self.stats.count_extend(sum(n for _, n in kept), time.perf_counter() - started)
         if any(req.wants_input_logprobs for req, _ in kept):
             collect_input_logprobs(kept, result, self.runner)
+        if any(req.pooling is not None for req, _ in kept):
+            collect_pooled(kept, result, self.runner)
         draft_logits = self.grammar_steps.draft_logits(kept, result, self.runner)
         for i, (req, n) in enumerate(kept):
             req.counts_fresh = False
@@ -263,9 +267,12 @@ class Scheduler:
             self.kv.cache_req(req)
             self.queues.chunked_req = req
             return None
-        if req.sampling.max_new_tokens == 0:  # prefill only
+        if req.sampling.max_new_tokens == 0:  # prefill only (an embedding request: pooled)
+            embedding = None if req.pooling is None else pooled(req)
             req.finish_reason = finish.length(0)
-            return self._finish(req, [])
+            out = self._finish(req, [])
+            out.embedding = embedding
+            return out
         out = self._output(req, self.appender.append(req, result, i, draft_logits))
         if not req.finished:
             self.kv.cache_req(req)

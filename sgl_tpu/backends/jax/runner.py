@@ -462,6 +462,13 @@ class JaxModelRunner:
             out.append(np.asarray(self._row_logits(self.params, hidden, padded))[: len(chunk)])
         return np.concatenate(out)
 
+    def hidden_rows(self, hidden: jax.Array, rows: np.ndarray) -> np.ndarray:
+        """Float32 hidden states [len(rows), D] at selected rows of an EXTEND step's hidden
+        states: a host copy of this process's replica (nothing compiled; under tensor
+        parallelism the hidden states are replicated)."""
+        local = np.asarray(hidden.addressable_data(0))  # [T, D]
+        return local[np.asarray(rows, np.int64)].astype(np.float32)
+
     # ---- warm-up -----------------------------------------------------------------------
     def _warmup_scatters(self) -> None:
         """Compile the state's row scatters: every row bucket K for ints and floats, every

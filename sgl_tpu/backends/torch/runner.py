@@ -577,6 +577,14 @@ class TorchModelRunner:
         idx = torch.as_tensor(np.asarray(rows, np.int64), device=self.device)
         return self.model.logits(hidden.index_select(0, idx)).cpu().numpy()
 
+    def hidden_rows(self, hidden: torch.Tensor, rows: np.ndarray) -> np.ndarray:
+        return self._call(self._hidden_rows, hidden, rows)
+
+    @torch.inference_mode()
+    def _hidden_rows(self, hidden: torch.Tensor, rows: np.ndarray) -> np.ndarray:
+        idx = torch.as_tensor(np.asarray(rows, np.int64), device=self.device)
+        return hidden.index_select(0, idx).float().cpu().numpy()
+
     # ---- warm-up -----------------------------------------------------------------------
     def warmup(self) -> float:
         """Run every token bucket (EXTEND) and sequence bucket (DECODE) once with the dummy

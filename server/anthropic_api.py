@@ -38,7 +38,6 @@ from sgl_tpu.server.http_common import log_identity, parse_body, session_hint, s
 from sgl_tpu.server.openai_api import model_error
 from sgl_tpu.server.openai_chat import chat_completion, chat_completion_chunks, prompt_ids
 from sgl_tpu.server.tokenizer_manager import RequestError, ServerDead, TokenizerManager
-from sgl_tpu.validation import check_session_id
 
 # The chat path's checks name chat fields; these are their names in a Messages request.
 _FIELD_NAMES = ((".function.parameters", ".input_schema"), (".function.name", ".name"),
@@ -57,13 +56,8 @@ async def _request(tm: TokenizerManager, request: Request, model: type[CountToke
     req = await parse_body(request, model)
     if (error := model_error(tm, req.model)) is not None:
         raise RequestError(error)
-    metadata = getattr(req, "metadata", None)
-    user_id = metadata.get("user_id") if isinstance(metadata, dict) else None
-    log_identity(request, user_id=user_id)
-    chat = chat_request(req, session_hint(None, None, request), tm.args.max_retention_s)
-    if check_session_id(user_id) is None:  # else (not a short string) no program is named
-        chat.program_id = user_id
-    return req, chat
+    log_identity(request, user_id=getattr(req, "user_id", None))
+    return req, chat_request(req, session_hint(None, None, request), tm.args.max_retention_s)
 
 
 async def create_message(tm: TokenizerManager, request: Request):

@@ -9,6 +9,7 @@ OpenAI chat wire format. This module maps the request side:
         user tool_result blocks           ──► `role: "tool"` messages (in block order)
         thinking / redacted_thinking      ──► dropped (chat templates drop earlier reasoning)
     tools (input_schema), tool_choice, thinking, stop_sequences ──► their chat forms
+    metadata.user_id                      ──► program_id (when a short string)
 
 and back (`message_content`, `stop_reason`, `usage`): a chat message becomes `thinking`, `text`
 and `tool_use` content blocks.
@@ -30,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from sgl_tpu.server.openai_protocol import ChatCompletionRequest
 from sgl_tpu.server.tokenizer_manager import RequestError
+from sgl_tpu.validation import check_session_id
 
 MAX_CACHE_BREAKPOINTS = 4  # as Anthropic
 CACHE_TTL_SECONDS = {"5m": 300, "1h": 3600}  # Anthropic's TTLs; "5m" when none is given
@@ -68,6 +70,15 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
     metadata: dict[str, Any] | None = None
     priority: StrictInt | None = None  # as on the chat route (SGLang's field)
+
+    @property
+    def user_id(self) -> Any:
+        return self.metadata.get("user_id") if isinstance(self.metadata, dict) else None
+
+    @property
+    def program_id(self) -> str | None:
+        """`metadata.user_id` names the program (agent), unless it is not a short string."""
+        return self.user_id if check_session_id(self.user_id) is None else None
 
 
 def new_id(prefix: str) -> str:
@@ -284,7 +295,7 @@ def chat_request(req: CountTokensRequest, session_id: Any = None,
     if isinstance(req, MessagesRequest):
         body.update(max_tokens=req.max_tokens, stop=req.stop_sequences,
                     temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                    stream=req.stream, priority=req.priority,
+                    stream=req.stream, priority=req.priority, program_id=req.program_id,
                     retention_seconds=min(marks.ttl_s, max_retention_s) or None,
                     stream_options={"continuous_usage_stats": True} if req.stream else None)
     try:

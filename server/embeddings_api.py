@@ -89,9 +89,7 @@ async def embed(tm: TokenizerManager, prompts: list[list[int]], field: str,
     (RequestError naming the input for a bad one)."""
     items = []
     for i, (ids, rid) in enumerate(zip(prompts, rids, strict=True)):
-        item = GenItem(input_ids=ids, sampling={"max_new_tokens": 0}, embed=True)
-        if rid is not None:
-            item.rid = rid
+        item = GenItem(ids, {"max_new_tokens": 0}, rid=rid, embed=True)
         try:
             tm.validate(item)
         except RequestError as e:

@@ -83,9 +83,11 @@ def _pick(value: Any, i: int) -> Any:
     return value[i] if isinstance(value, list) else value
 
 
-_PER_PROMPT_FIELDS = ("sampling_params", "rid", "session_id", "session_params", "return_logprob",
-                      "logprob_start_len", "top_logprobs_num", "priority", "retention_seconds",
-                      "tool_pause")
+# GenerateReqInput's fields that the request (`messages.TokenizedGenerateReq`) takes by the
+# same name; a None value (or list entry) leaves the request's default.
+_REQ_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num",
+               "return_text_in_logprobs", "priority", "retention_seconds", "tool_pause")
+_PER_PROMPT_FIELDS = ("sampling_params", "rid", "session_id", "session_params", *_REQ_FIELDS)
 
 
 async def expand_generate(tm: TokenizerManager, req: GenerateReqInput, request: Request
@@ -123,19 +125,11 @@ async def expand_generate(tm: TokenizerManager, req: GenerateReqInput, request: 
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
             raise RequestError(f"n must be an integer in [1, {MAX_N}], got {n!r}")
         rid = _pick(req.rid, i) if req.rid is not None else None
+        fields = {name: value for name in _REQ_FIELDS
+                  if (value := _pick(getattr(req, name), i)) is not None}
         for k, spk in enumerate(expand_n(sp, n)):
-            item = GenItem(
-                input_ids=list(ids), sampling=spk,
-                return_logprob=bool(_pick(req.return_logprob, i)),
-                logprob_start_len=int(_pick(req.logprob_start_len, i)),
-                top_logprobs_num=int(_pick(req.top_logprobs_num, i)),
-                return_text_in_logprobs=req.return_text_in_logprobs,
-                session_id=_pick(session, i), priority=_pick(req.priority, i),
-                retention_seconds=_pick(req.retention_seconds, i) or 0.0,
-                tool_pause=bool(_pick(req.tool_pause, i)))
-            if rid is not None:
-                item.rid = rid if n == 1 else f"{rid}-{k}"
-            items.append(item)
+            items.append(GenItem(list(ids), spk, session_id=_pick(session, i), **fields,
+                                 rid=rid if rid is None or n == 1 else f"{rid}-{k}"))
         if (error := check_batch_size(len(items))) is not None:
             raise RequestError(error)
     return items, batch or len(items) > 1

@@ -34,7 +34,6 @@ from sgl_tpu.server.http_common import (
 from sgl_tpu.server.openai_chat import chat_completion, chat_completion_chunks
 from sgl_tpu.server.openai_common import (
     Deltas,
-    cache_control,
     expand_items,
     finish_reason,
     matched_stop,
@@ -146,10 +145,7 @@ async def completions(tm: TokenizerManager, request: Request):
     prompts, texts = _completion_prompts(tm, req.prompt)
     want_lp = req.logprobs is not None
     items = expand_items(prompts, sampling_params(req, req.max_tokens), req.n, req.rid,
-                    return_logprob=want_lp, top_logprobs_num=req.logprobs or 0,
-                    return_text_in_logprobs=True, session_id=req.session_id,
-                    **cache_control(req),
-                    logprob_start_len=0 if want_lp and req.echo else -1)
+                         **req.request_fields())
     for item in items:
         tm.validate(item)
     echo = [""] * len(items)  # text prepended to each choice

@@ -26,7 +26,6 @@ from sgl_tpu.server.chat_output import ChatOutput, final_message
 from sgl_tpu.server.http_common import gather_results
 from sgl_tpu.server.openai_common import (
     Deltas,
-    cache_control,
     expand_items,
     finish_reason,
     matched_stop,
@@ -121,11 +120,7 @@ def chat_items(tm: TokenizerManager, req: ChatCompletionRequest
     plan = plan_chat(tm, req)
     prompt = _chat_prompt(tm, req, plan)
     items = expand_items([prompt], _chat_sampling(tm, req, len(prompt), plan), req.n, req.rid,
-                         return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
-                         return_text_in_logprobs=True, session_id=req.session_id,
-                         may_call_tools=plan.parser is not None, **cache_control(req),
-                         max_new_tokens_defaulted=req.max_completion_tokens is None
-                         and req.max_tokens is None)
+                         may_call_tools=plan.parser is not None, **req.request_fields())
     for item in items:
         tm.validate(item)
     return items, plan

@@ -32,21 +32,14 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None) -> dict[str, A
 
 
 def expand_items(prompts: list[list[int]], sampling: dict[str, Any], n: int, rid: str | None,
-                 **item_kwargs: Any) -> list[GenItem]:
+                 **fields: Any) -> list[GenItem]:
+    """One item per (prompt, choice), each with the request `fields` (`request_fields()`)."""
     items = []
     for i, ids in enumerate(prompts):
         for k, sp in enumerate(expand_n(sampling, n)):
-            item = GenItem(input_ids=list(ids), sampling=sp, **item_kwargs)
-            if rid is not None:
-                item.rid = rid if len(prompts) * n == 1 else f"{rid}-{i * n + k}"
-            items.append(item)
+            item_rid = rid if rid is None or len(prompts) * n == 1 else f"{rid}-{i * n + k}"
+            items.append(GenItem(list(ids), sp, rid=item_rid, **fields))
     return items
-
-
-def cache_control(req: Any) -> dict[str, Any]:
-    """A request's cache-control fields as GenItem arguments (checked by `tm.validate`)."""
-    return {"priority": req.priority, "retention_seconds": req.retention_seconds or 0.0,
-            "tool_pause": bool(req.tool_pause), "program_id": req.program_id}
 
 
 def finish_reason(result: dict[str, Any]) -> str | None:

@@ -1,6 +1,8 @@
 """Request models of the OpenAI routes (pydantic): the one place `CompletionRequest` and
 `ChatCompletionRequest` are defined. SGLang's extensions arrive as extra top-level fields
-(the OpenAI client's `extra_body`).
+(the OpenAI client's `extra_body`). `request_fields()` maps a request's names onto the fields of
+the request the scheduler gets (`messages.TokenizedGenerateReq`); the sampling parameters are
+mapped by `openai_common.sampling_params`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ class StreamOptions(BaseModel):
 
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
+
+
+# SamplingRequest's fields that the scheduler's request takes by the same name (checked by
+# `TokenizerManager.validate`); None leaves the request's default.
+REQ_FIELDS = ("session_id", "priority", "retention_seconds", "tool_pause", "program_id")
 
 
 class SamplingRequest(BaseModel):
@@ -62,6 +69,10 @@ class SamplingRequest(BaseModel):
     # metadata.user_id arrives here
     program_id: str | None = None
 
+    def request_fields(self) -> dict[str, Any]:
+        """`messages.TokenizedGenerateReq` fields (not the prompt, sampling or rid)."""
+        return {name: value for name in REQ_FIELDS if (value := getattr(self, name)) is not None}
+
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -70,6 +81,12 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    def request_fields(self) -> dict[str, Any]:
+        want_lp = self.logprobs is not None
+        return {**super().request_fields(), "return_logprob": want_lp,
+                "top_logprobs_num": self.logprobs or 0, "return_text_in_logprobs": True,
+                "logprob_start_len": 0 if want_lp and self.echo else -1}
 
 
 class ChatMessage(BaseModel):
@@ -99,5 +116,11 @@ class ChatCompletionRequest(SamplingRequest):
     separate_reasoning: bool = True  # SGLang: false keeps the reasoning block in `content`
     chat_template_kwargs: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
+
+    def request_fields(self) -> dict[str, Any]:
+        return {**super().request_fields(), "return_logprob": self.logprobs,
+                "top_logprobs_num": self.top_logprobs or 0, "return_text_in_logprobs": True,
+                "max_new_tokens_defaulted": self.max_completion_tokens is None
+                and self.max_tokens is None}
 
 

@@ -42,12 +42,7 @@ from sgl_tpu.messages import (
 from sgl_tpu.response import ResponseAccumulator, error_status
 from sgl_tpu.sampling_params import SamplingParams
 from sgl_tpu.server.ipc import PortArgs
-from sgl_tpu.validation import (
-    check_cache_control,
-    check_request,
-    check_session_id,
-    check_token_ids,
-)
+from sgl_tpu.validation import check_generate_fields, check_request, check_token_ids
 
 logger = logging.getLogger("sgl_tpu.tokenizer_manager")
 # Texts longer than this (characters) are tokenized on a worker thread (the tokenizer releases
@@ -68,29 +63,21 @@ class ServerDead(Exception):
     """A child process died; in-flight and new requests fail with 503."""
 
 
-@dataclass
 class GenItem:
-    """One prompt of a generate call, after tokenization."""
+    """One prompt of a generate call, after tokenization: `req`, the message the scheduler gets
+    (every per-request field is one of its fields, `messages.TokenizedGenerateReq`; `fields`
+    name them), and `parsed`, its sampling params once `TokenizerManager.validate` passed it."""
 
-    input_ids: list[int]
-    sampling: dict[str, Any]
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    return_text_in_logprobs: bool = False
-    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
-    session_id: str | None = None  # agent session: retention hint for its KV (KVManager)
-    # cache control (scheduler/retention.py): eviction priority, a retention pin in seconds,
-    # the client's hint that this turn ends in a tool call, tools offered (chat)
-    priority: int | None = None
-    retention_seconds: float = 0.0
-    tool_pause: bool = False
-    may_call_tools: bool = False
-    program_id: str | None = None  # the agent, when no session names it (scheduling only)
-    max_new_tokens_defaulted: bool = False  # the server set max_new_tokens (messages.py)
-    embed: bool = False  # an embedding request (max_new_tokens 0; messages.py)
-    # `sampling` parsed, once its request passed `TokenizerManager.validate` (None before)
-    parsed: SamplingParams | None = None
+    def __init__(self, input_ids: list[int], sampling: dict[str, Any], *,
+                 rid: str | None = None, parsed: SamplingParams | None = None,
+                 **fields: Any) -> None:
+        self.req = TokenizedGenerateReq(rid=uuid.uuid4().hex if rid is None else rid,
+                                        input_ids=input_ids, sampling=sampling, **fields)
+        self.parsed = parsed
+
+    @property
+    def rid(self) -> str:
+        return self.req.rid
 
 
 @dataclass
@@ -234,25 +221,23 @@ class TokenizerManager:
         kept on it (`item.parsed`), so `generate` does not parse them again."""
         if self.dead_reason:
             raise ServerDead(self.dead_reason)
+        req = item.req
         try:
-            sampling = SamplingParams.from_dict(item.sampling)
+            sampling = SamplingParams.from_dict(req.sampling)
         except ValueError as e:
             raise RequestError(str(e)) from None
-        n = len(item.input_ids)
-        error = check_token_ids("input_ids", item.input_ids, self.vocab_size) or check_request(
+        n = len(req.input_ids)
+        error = check_token_ids("input_ids", req.input_ids, self.vocab_size) or check_request(
             n, sampling, context_len=self.context_len, capacity_tokens=self.max_total_tokens,
             grammar_supported=self.grammar_supported, vocab_size=self.vocab_size)
         if error is not None:
             raise RequestError(error)
-        if item.logprob_start_len >= n:
-            raise RequestError(f"logprob_start_len ({item.logprob_start_len}) must be less "
+        if req.logprob_start_len >= n:
+            raise RequestError(f"logprob_start_len ({req.logprob_start_len}) must be less "
                                f"than the prompt length ({n})")
-        if item.top_logprobs_num < 0 or item.top_logprobs_num > self.args.max_top_logprobs:
+        if req.top_logprobs_num < 0 or req.top_logprobs_num > self.args.max_top_logprobs:
             raise RequestError(f"top_logprobs_num must be in [0, {self.args.max_top_logprobs}]")
-        if (error := check_cache_control(item.session_id, item.priority,
-                                         item.retention_seconds,
-                                         self.args.max_retention_s)) is not None \
-                or (error := check_session_id(item.program_id, "program_id")) is not None:
+        if (error := check_generate_fields(req, self.args.max_retention_s)) is not None:
             raise RequestError(error)
         item.parsed = sampling
         return sampling
@@ -273,18 +258,11 @@ class TokenizerManager:
         if item.rid in self.states:
             raise RequestError(f"duplicate request id {item.rid!r}")
         acc = ResponseAccumulator(
-            item.rid, return_logprob=item.return_logprob,
-            return_text_in_logprobs=item.return_text_in_logprobs,
+            item.rid, return_logprob=item.req.return_logprob,
+            return_text_in_logprobs=item.req.return_text_in_logprobs,
             decode_token=lambda t: self.tokenizer.decode([t], False))
         try:
-            data = messages.encode(TokenizedGenerateReq(
-                rid=item.rid, input_ids=item.input_ids, sampling=item.sampling,
-                return_logprob=item.return_logprob, logprob_start_len=item.logprob_start_len,
-                top_logprobs_num=item.top_logprobs_num, session_id=item.session_id,
-                priority=item.priority, retention_seconds=item.retention_seconds,
-                tool_pause=item.tool_pause, may_call_tools=item.may_call_tools,
-                program_id=item.program_id,
-                max_new_tokens_defaulted=item.max_new_tokens_defaulted, embed=item.embed))
+            data = messages.encode(item.req)
         except (TypeError, ValueError, OverflowError, UnicodeEncodeError) as e:
             # What the HTTP layer's checks let through (the Engine-like callers) ends here.
             raise RequestError(f"request cannot be encoded: {type(e).__name__}: {e}") from None

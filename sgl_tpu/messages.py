@@ -24,12 +24,19 @@ import msgspec
 
 
 class TokenizedGenerateReq(msgspec.Struct, tag=True):
+    """One generation request, and every per-request field it carries from the HTTP layer to
+    the scheduler, declared here once: each API's protocol module maps its names onto these
+    fields, `TokenizerManager.generate` sends the struct as it is, and the scheduler's intake
+    copies the fields `Req` shares by name (scheduler/intake.py)."""
+
     rid: str
     input_ids: list[int]
     sampling: dict[str, Any]  # SamplingParams fields, validated by the sender
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    # the log-prob entries' token text (the HTTP side's answer; the scheduler ignores it)
+    return_text_in_logprobs: bool = False
     session_id: str | None = None
     # cache control (scheduler/retention.py)
     priority: int | None = None

@@ -4,6 +4,7 @@ scheduler (which re-checks, since the in-process Engine and other clients reach 
 from __future__ import annotations
 
 from sgl_tpu.config import PRIORITY_RANGE
+from sgl_tpu.messages import TokenizedGenerateReq
 from sgl_tpu.sampling_params import SamplingParams
 
 MAX_SESSION_ID_LEN = 256
@@ -56,6 +57,14 @@ def check_cache_control(session_id: object, priority: object, retention_seconds:
         return (f"retention_seconds must be a number of seconds in [0, {max_retention_s}] "
                 f"(--max-retention-s), got {retention_seconds!r}")
     return None
+
+
+def check_generate_fields(req: TokenizedGenerateReq, max_retention_s: float) -> str | None:
+    """A message naming the problem with a request's fields beyond its prompt and sampling
+    params (cache control, `program_id`), else None; the HTTP side and the scheduler both ask."""
+    return (check_cache_control(req.session_id, req.priority, req.retention_seconds,
+                                max_retention_s)
+            or check_session_id(req.program_id, "program_id"))
 
 
 def check_token_ids(name: str, ids: object, vocab_size: int) -> str | None:

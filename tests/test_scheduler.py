@@ -8,12 +8,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import msgspec
 import numpy as np
 import pytest
 
 from sgl_tpu.config import SchedulerConfig
 from sgl_tpu.executor.step import ForwardMode, SeqStep, StepResult
 from sgl_tpu.messages import TokenizedGenerateReq
+from sgl_tpu.scheduler.intake import COPIED_FIELDS
 
 V = 1000
 PAGE = 4
@@ -226,6 +228,27 @@ def test_requests_that_cannot_run_are_refused_at_intake(bad, message):
     err = sched.add_request(TokenizedGenerateReq(rid="x", input_ids=[1, 2, 3], sampling=bad))
     assert err is not None and err.finished and message in err.finish_reason["message"]
     assert not sched.has_work and not runner.calls
+
+
+def test_intake_carries_the_request_fields_to_the_req():
+    """The fields a Req shares with the request by name arrive as sent; the rest as intake
+    derives them (prompt copied, sampling parsed, top_logprobs_num bounded, priority kept)."""
+    assert {"rid", "return_logprob", "logprob_start_len", "session_id", "retention_seconds",
+            "tool_pause", "may_call_tools"} <= set(COPIED_FIELDS)
+    sched, _ = make_scheduler()
+    msg = TokenizedGenerateReq(rid="fields", input_ids=[1, 2, 3],
+                               sampling={"max_new_tokens": 2, "temperature": 0.5},
+                               return_logprob=True, logprob_start_len=1, top_logprobs_num=500,
+                               session_id="agent-1", priority=5, retention_seconds=30.0,
+                               tool_pause=True, may_call_tools=True, program_id="user-1")
+    assert sched.add_request(msg) is None
+    req = sched.waiting[-1]
+    assert all(getattr(req, name) == getattr(msg, name) for name in COPIED_FIELDS)
+    assert req.origin_input_ids == [1, 2, 3] and req.sampling.temperature == 0.5
+    assert req.top_logprobs_num == sched.config.max_top_logprobs and req.priority == 5
+    bad = msgspec.structs.replace(msg, rid="bad", program_id="")
+    err = sched.add_request(bad)
+    assert err is not None and "program_id" in err.finish_reason["message"]
 
 
 # ---- overlap scheduling (scheduler/overlap.py) --------------------------------------------------

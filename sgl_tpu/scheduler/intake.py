@@ -9,6 +9,7 @@ its samples are reproducible in whatever batch it lands.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -23,7 +24,13 @@ from sgl_tpu.scheduler.output import error_output
 from sgl_tpu.scheduler.pooling import POOLING_METHODS
 from sgl_tpu.scheduler.priority import req_priority
 from sgl_tpu.scheduler.req import Req
-from sgl_tpu.validation import check_cache_control, check_request, check_token_ids
+from sgl_tpu.validation import check_generate_fields, check_request, check_token_ids
+
+# The message's fields a `Req` holds as they are (it declares them by the same names); the rest
+# it parses (`sampling`), bounds (`top_logprobs_num`, `priority`) or does not keep.
+COPIED_FIELDS = tuple(name for name in TokenizedGenerateReq.__struct_fields__
+                      if name in {f.name for f in dataclasses.fields(Req)}
+                      and name not in ("sampling", "top_logprobs_num", "priority"))
 
 
 class Intake:
@@ -49,23 +56,17 @@ class Intake:
             len(msg.input_ids), sampling, context_len=self.config.context_len,
             capacity_tokens=self.capacity_tokens, grammar_supported=self.grammar is not None,
             vocab_size=self.vocab_size)
-        error = error or check_cache_control(msg.session_id, msg.priority,
-                                             msg.retention_seconds, self.config.max_retention_s)
+        error = error or check_generate_fields(msg, self.config.max_retention_s)
         if msg.embed and sampling.max_new_tokens != 0:
             error = error or "an embedding request generates no tokens (max_new_tokens 0)"
         if error is not None:
             return error_output(msg.rid, len(msg.input_ids), error)
         seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(32)
         pooling = self.config.pooling if msg.embed else None
-        req = Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling=sampling,
-                  seed=seed, return_logprob=msg.return_logprob,
-                  logprob_start_len=msg.logprob_start_len,
+        req = Req(**{name: getattr(msg, name) for name in COPIED_FIELDS},
+                  origin_input_ids=list(msg.input_ids), sampling=sampling, seed=seed,
                   top_logprobs_num=min(msg.top_logprobs_num, self.config.max_top_logprobs),
-                  session_id=msg.session_id,
-                  priority=req_priority(msg.priority, self.config),
-                  retention_seconds=msg.retention_seconds, tool_pause=msg.tool_pause,
-                  may_call_tools=msg.may_call_tools,
-                  pooling=pooling,
+                  priority=req_priority(msg.priority, self.config), pooling=pooling,
                   needs_prefix_rows=pooling is not None
                   and POOLING_METHODS[pooling].needs_prefix_rows)
         if sampling.stop or sampling.stop_regex:

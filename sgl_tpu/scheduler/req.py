@@ -32,6 +32,8 @@ _arrival = itertools.count()
 
 @dataclass(eq=False)
 class Req:
+    # A field named as one of `messages.TokenizedGenerateReq`'s is copied from the request by
+    # intake (scheduler/intake.py COPIED_FIELDS) unless intake derives it.
     rid: str
     origin_input_ids: list[int]
     sampling: SamplingParams

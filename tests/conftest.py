@@ -96,12 +96,13 @@ def server_pool() -> Iterator[ServerPool]:
     the tuples of tests/server_harness.py (TINY_F32, ...) so that equal servers are asked for alike.
 
     A pooled server carries the traffic of every module before: its radix cache and the
-    `/server_info` counters are not fresh (compare counters as differences; flush the cache
-    right before counting cached tokens, so that the count is the test's own). A test that
-    changes what later tests would see launches its own server with `launch_server` instead:
-    one that stops or kills the server or one of its processes, changes its state for longer
-    than the test (open sessions or retained KV left behind, a full pool, a timed gate such
-    as the speculative draft gate), or needs state no other test may touch meanwhile."""
+    `/server_info` counters are not fresh. Compare counters as differences, and count cached
+    tokens of prompts no other test sends (or flush right before). Any test may flush the
+    cache (tests run one at a time), so none may rely on a prefix an earlier test cached.
+    A test that changes what later tests would see launches its own server with
+    `launch_server` instead: one that stops or kills the server or one of its processes,
+    leaves state behind (open sessions, retained KV, a full pool, a timed gate such as the
+    speculative draft gate), or needs a server no other test has touched."""
     pool = ServerPool()
     yield pool
     pool.stop_all()

@@ -1,16 +1,20 @@
-"""Servers of the default model (SmolLM2-135M) shared by every test module of a session.
+"""Shared fixtures: the tiny random model, and servers shared by every test module of a session.
 
-Launching one costs about 15 s of CPU on torch (imports in three processes, the GGUF dequant)
-and ~50 s on JAX (first compiles), and several modules only need the model as it ships, so a
-session holds at most two, each launched the first time a test asks for it:
+    tiny_model                a tiny random llama (tests/checkpoints.py), context 512
+    tiny_model_4k             a tiny random llama with a 4,096-token context (agent prompts)
+    server_pool               running servers keyed by (model, flags): `server_pool.get(*flags,
+                              model_path=...)` launches one the first time, then returns it
+    default_model_server      the default model (SmolLM2-135M), default dtype: tool calling,
+                              OpenAI chat, response_format
+    default_model_server_f32  the same in float32: the agent API, SGLang frontend programs
+                              (their answers must not depend on batch composition)
 
-    default_model_server       default dtype    tool calling, OpenAI chat, response_format
-    default_model_server_f32   float32          agent API, SGLang frontend programs (their
-                                                answers must not depend on batch composition)
-
-Tests must not assume a fresh server: the radix cache and the `/server_info` counters carry the
-traffic of earlier modules (compare counters as differences, flush the cache before counting
-cached tokens). Both are skipped where the default model's wheel is not installed.
+Launching a default-model server costs about 15 s of CPU on torch (imports in three processes,
+the GGUF dequant) and ~50 s on JAX (first compiles); a tiny-model one about 7 s and 15 s. The
+flag tuples of tests/server_harness.py (DEFAULT_MODEL_FLAGS, TINY_F32, ...) name the servers
+that several modules share: modules that ask the pool for the same tuple get the same server.
+Tests must not assume a fresh server (see `server_pool`). The default-model servers are skipped
+where the default model's wheel is not installed.
 
 The session also holds one JAX persistent compilation cache, a fresh temporary directory that
 this process and every process it starts (servers, multi-device checks) share and that is
@@ -30,12 +34,13 @@ from pathlib import Path
 
 import jax
 import pytest
+from checkpoints import make_tiny_hf_checkpoint
 from server_harness import (
     DEFAULT_MODEL_F32_FLAGS,
     DEFAULT_MODEL_FLAGS,
     REPO_ROOT,
     ServerHandle,
-    launch_server,
+    ServerPool,
 )
 
 from sgl_tpu.loader import default_model_path
@@ -70,21 +75,53 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(_jax_cache_dir, ignore_errors=True)
 
 
-def _serve_default_model(flags: tuple[str, ...]) -> Iterator[ServerHandle]:
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A tiny random llama (hidden 64, 2 layers, context 512) with its tokenizer."""
+    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_4k(tmp_path_factory) -> str:
+    """A tiny random llama with a 4,096-token context (agent-sized prompts)."""
+    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_llama_4k"), "llama",
+                                   max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="session")
+def server_pool() -> Iterator[ServerPool]:
+    """Servers shared by the whole session: `server_pool.get(*flags, model_path=None)` returns
+    the running server of exactly those flags and model (`None`: the default model), launching
+    it the first time; all are stopped at the end of the session. Spell shared flag sets with
+    the tuples of tests/server_harness.py (TINY_F32, ...) so that equal servers are asked for alike.
+
+    A pooled server carries the traffic of every module before: its radix cache and the
+    `/server_info` counters are not fresh. Compare counters as differences, and count cached
+    tokens of prompts no other test sends (or flush right before). Any test may flush the
+    cache (tests run one at a time), so none may rely on a prefix an earlier test cached.
+    A test that changes what later tests would see launches its own server with
+    `launch_server` instead: one that stops or kills the server or one of its processes,
+    leaves state behind (open sessions, retained KV, a full pool, a timed gate such as the
+    speculative draft gate), or needs a server no other test has touched."""
+    pool = ServerPool()
+    yield pool
+    pool.stop_all()
+
+
+def _require_default_model() -> None:
     try:
         default_model_path()
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    handle = launch_server(*flags)
-    yield handle
-    handle.stop()
 
 
 @pytest.fixture(scope="session")
-def default_model_server() -> Iterator[ServerHandle]:
-    yield from _serve_default_model(DEFAULT_MODEL_FLAGS)
+def default_model_server(server_pool: ServerPool) -> ServerHandle:
+    _require_default_model()
+    return server_pool.get(*DEFAULT_MODEL_FLAGS)
 
 
 @pytest.fixture(scope="session")
-def default_model_server_f32() -> Iterator[ServerHandle]:
-    yield from _serve_default_model(DEFAULT_MODEL_F32_FLAGS)
+def default_model_server_f32(server_pool: ServerPool) -> ServerHandle:
+    _require_default_model()
+    return server_pool.get(*DEFAULT_MODEL_F32_FLAGS)

@@ -1,8 +1,11 @@
 """Launch a real sgl-tpu server as a subprocess for end-to-end tests.
 
-    server = launch_server("--max-total-tokens", "4096", model_path=ckpt_dir)
-    requests.get(server.base_url + "/health")
-    server.stop()
+    with launch_server("--max-total-tokens", "4096", model_path=ckpt_dir) as server:
+        server.get("/health")
+        server.post("/generate", {"text": "Hello", "sampling_params": {"max_new_tokens": 4}})
+
+Tests that can share a server take it from the session's pool instead (`server_pool` in
+tests/conftest.py, `ServerPool` below).
 
 Each launch picks a free port, runs `python -m sgl_tpu.launch_server` with `JAX_PLATFORMS=cpu`
 and this process's environment (under pytest, the session's JAX compilation cache: see
@@ -33,12 +36,16 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import requests
 
 from sgl_tpu.server.ready import ready_line
 from sgl_tpu.server.replicas import http_status
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STOP_TIMEOUT_S = 20.0
+HTTP_TIMEOUT_S = 180.0
 LOG_TAIL_CHARS = 4000
 # The session's default-model servers (tests/conftest.py).
 SERVED_F32 = "smol"  # the float32 one's --served-model-name
@@ -64,6 +71,16 @@ _EXACT_WEIGHTS = _exact_weights()
 DEFAULT_MODEL_F32_FLAGS = (*_DEFAULT_MODEL_COMMON, "--max-total-tokens", "16384",
                            "--max-running-requests", "16", "--dtype", "float32",
                            *_EXACT_WEIGHTS, "--served-model-name", SERVED_F32)
+
+# The tiny model's servers that several modules share. float32: tests compare greedy outputs
+# across cache hits, batches, streams and servers, which bfloat16 (`--dtype auto` on CPUs with
+# AMX) does not promise for a random model's near-ties.
+TINY_SERVED_NAME = "tiny-llama"
+TINY_F32 = ("--skip-warmup", "--dtype", "float32", "--served-model-name", TINY_SERVED_NAME)
+TINY_API_KEY = "tiny-key"
+# no radix cache, a 256-token context and an API key: bad input, auth
+TINY_NOCACHE_KEYED = (*TINY_F32, "--disable-radix-cache", "--context-length", "256",
+                      "--api-key", TINY_API_KEY)
 
 
 def _ephemeral_low() -> int:
@@ -111,6 +128,26 @@ class ServerHandle:
         except OSError:
             return "(no log)"
 
+    def post(self, path: str, body: Any = None, *, timeout: float = HTTP_TIMEOUT_S,
+             **kw: Any) -> requests.Response:
+        """POST `body` as JSON to `path` (e.g. "/generate"); `kw` goes to `requests.post`
+        (headers, data, stream)."""
+        return requests.post(self.base_url + path, json=body, timeout=timeout, **kw)
+
+    def get(self, path: str, *, timeout: float = HTTP_TIMEOUT_S, **kw: Any
+            ) -> requests.Response:
+        return requests.get(self.base_url + path, timeout=timeout, **kw)
+
+    def post_ok(self, path: str, body: Any = None, **kw: Any) -> Any:
+        """`post` that must answer 200 (else AssertionError with the answer and the server's
+        log tail); its JSON (the text where the body is not JSON)."""
+        r = self.post(path, body, **kw)
+        assert r.status_code == 200, (path, r.status_code, r.text, self.log_tail())
+        try:
+            return r.json()
+        except ValueError:
+            return r.text
+
     def info(self) -> dict:
         """`/server_info`."""
         with urllib.request.urlopen(self.base_url + "/server_info", timeout=30) as resp:
@@ -126,6 +163,12 @@ class ServerHandle:
                 return info
             assert time.monotonic() < deadline, "requests are still running"
             time.sleep(0.1)
+
+    def __enter__(self) -> ServerHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL if the server has not exited after 20 s."""
@@ -180,3 +223,25 @@ def launch_server(*flags: str, model_path: str | None = None, timeout: float = 3
             server.stop()
             raise RuntimeError(f"server not healthy after {timeout} s; log tail:\n{tail}")
         time.sleep(0.5)
+
+
+class ServerPool:
+    """Running servers keyed by (model path, flags); see the `server_pool` fixture."""
+
+    def __init__(self) -> None:
+        self._servers: dict[tuple[str | None, tuple[str, ...]], ServerHandle] = {}
+
+    def get(self, *flags: str, model_path: str | None = None) -> ServerHandle:
+        key = (model_path, flags)
+        server = self._servers.get(key)
+        if server is None:
+            server = self._servers[key] = launch_server(*flags, model_path=model_path)
+        assert server.proc.poll() is None, (
+            f"a pooled server ({' '.join(flags)}) has exited; a test that stops or kills a "
+            f"server must launch its own. Log tail:\n{server.log_tail()}")
+        return server
+
+    def stop_all(self) -> None:
+        for server in self._servers.values():
+            server.stop()
+        self._servers.clear()

@@ -538,25 +538,18 @@ def test_target_specs():
 
 # ---- end to end against a real server -----------------------------------------------------------
 @pytest.mark.slow
-def test_cli_against_real_server(tmp_path):
-    from checkpoints import make_tiny_hf_checkpoint
-    from server_harness import launch_server
+def test_cli_against_real_server(tiny_model, tmp_path):
+    from server_harness import TINY_F32, launch_server
 
-    model = make_tiny_hf_checkpoint(tmp_path / "tiny", "llama")
-    # the flags of test_openai_api.py, so the shared JAX compilation cache already has the shapes
-    server = launch_server("--skip-warmup", "--max-total-tokens", "4096",
-                           "--max-running-requests", "8", "--chunked-prefill-size", "256",
-                           model_path=model)
-    try:
+    # its own server: the session hints leave retained KV behind
+    with launch_server(*TINY_F32, model_path=tiny_model) as server:
         out = tmp_path / "result.json"
-        main(["--base-url", server.base_url, "--model-path", model, "--workloads",
+        main(["--base-url", server.base_url, "--model-path", tiny_model, "--workloads",
               "multi-turn-chat", "shared-prefix", "--num-programs", "2",
               "--turns", "2", "--output-tokens", "4", "--system-tokens", "30",
               "--observation-tokens", "10", "--warmup-programs", "0", "--no-progress",
               "--session-hint", "--chat-template", "chatml", "--output", str(out)])
         result = json.loads(out.read_text())
-    finally:
-        server.stop()
     chat = result["runs"]["server"]["multi-turn-chat"]
     assert chat["requests"] == 4 and chat["requests_failed"] == 0, chat["errors"]
     # fixed output mode: every request generates exactly its max tokens

@@ -99,9 +99,11 @@ def test_reliability_campaign_in_a_tiny_size(model, tmp_path):
     from reliability_campaign import main
 
     out = tmp_path / "reliability.json"
+    # every phase, each at a tiny size (tests/test_reliability*.py run them at CI size)
     main(["--model-path", model, "--clients", "2", "--requests-per-client", "1",
           "--exhaustion-clients", "2", "--fuzz-examples", "1", "--big-prompts", "1",
-          "--big-prompt-chars", "2000", "--max-total-tokens", "512", "--output", str(out)])
+          "--big-prompt-chars", "2000", "--max-total-tokens", "512", "--flood-programs", "256",
+          "--shared-key-parallel", "8", "--output", str(out)])
     totals = json.loads(out.read_text())["totals"]
     assert totals["num_5xx_outside_fatal_fault"] == 0
     assert totals["leaked_pages"] == 0

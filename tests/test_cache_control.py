@@ -8,7 +8,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import requests
 
 FLAGS = ("--skip-warmup", "--page-size", "16", "--max-total-tokens", "512",
          "--radix-eviction-policy", "priority", "--session-retention-s", "0")
@@ -29,14 +28,9 @@ def _ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(n)]
 
 
-def _post(server, path: str, body: dict) -> requests.Response:
-    return requests.post(server.base_url + path, json=body, timeout=180)
-
-
 def _cached(server, ids: list[int], **fields) -> int:
-    r = _post(server, "/generate", {"input_ids": ids, "sampling_params": SP, **fields})
-    assert r.status_code == 200, (r.text, server.log_tail())
-    return r.json()["meta_info"]["cached_tokens"]
+    out = server.post_ok("/generate", {"input_ids": ids, "sampling_params": SP, **fields})
+    return out["meta_info"]["cached_tokens"]
 
 
 def _traffic(server, seed: int) -> None:
@@ -45,30 +39,26 @@ def _traffic(server, seed: int) -> None:
         _cached(server, _ids(200, seed + k))
 
 
-def _info(server) -> dict:
-    return requests.get(server.base_url + "/server_info", timeout=60).json()
-
-
 @pytest.mark.slow
 def test_open_session_survives_traffic_until_closed(server):
-    before = {s["id"] for s in _info(server)["sessions"]["open"]}
-    r = _post(server, "/open_session", {"capacity_of_str_len": 1000, "timeout": 300})
+    before = {s["id"] for s in server.info()["sessions"]["open"]}
+    r = server.post("/open_session", {"capacity_of_str_len": 1000, "timeout": 300})
     assert r.status_code == 200, r.text
     sid = r.json()
     # listed by public id (a keyed hash), never by the id: the one not listed before
-    (public_id,) = {s["id"] for s in _info(server)["sessions"]["open"]} - before
+    (public_id,) = {s["id"] for s in server.info()["sessions"]["open"]} - before
     assert public_id != sid
     assert isinstance(sid, str) and sid
     turn = _ids(160, 1)
     _cached(server, turn, session_params={"id": sid})
     _traffic(server, 10)
-    info = _info(server)
+    info = server.info()
     assert info["memory"]["evicted_tokens"] > 0  # the pool overflowed
     (listed,) = [s for s in info["sessions"]["open"] if s["id"] == public_id]
     assert listed["pinned_tokens"] >= 160
     assert _cached(server, turn + _ids(8, 2), session_params={"id": sid}) >= 160
-    assert _post(server, "/close_session", {"session_id": sid}).status_code == 200
-    assert _info(server)["sessions"]["num_open"] == 0
+    assert server.post("/close_session", {"session_id": sid}).status_code == 200
+    assert server.info()["sessions"]["num_open"] == 0
     _traffic(server, 20)  # the closed session's KV is the oldest now: evicted first
     assert _cached(server, turn) == 0
 
@@ -86,7 +76,7 @@ def test_low_priority_kv_is_evicted_before_high_priority(server):
 @pytest.mark.slow
 def test_session_and_field_errors_are_4xx(server):
     def error(path: str, body: dict, status: int) -> None:
-        r = _post(server, path, body)
+        r = server.post(path, body)
         assert r.status_code == status, r.text
         assert r.json()["error"]["message"], r.text
 
@@ -94,19 +84,19 @@ def test_session_and_field_errors_are_4xx(server):
     error("/open_session", {"timeout": 0}, 400)
     error("/open_session", {"timeout": 10**6}, 400)  # past --max-retention-s
     error("/open_session", {"session_id": ""}, 400)
-    assert _post(server, "/open_session", {"session_id": "dup"}).json() == "dup"
+    assert server.post("/open_session", {"session_id": "dup"}).json() == "dup"
     error("/open_session", {"session_id": "dup"}, 409)
-    assert _post(server, "/close_session", {"session_id": "dup"}).status_code == 200
+    assert server.post("/close_session", {"session_id": "dup"}).status_code == 200
     prompt = {"input_ids": _ids(20, 40), "sampling_params": SP}
     error("/generate", {**prompt, "retention_seconds": 10**4}, 400)
     error("/generate", {**prompt, "priority": "high"}, 400)
     error("/v1/completions", {"prompt": _ids(20, 41), "max_tokens": 1,
                               "retention_seconds": -1}, 400)
-    ok = _post(server, "/v1/completions", {"prompt": _ids(20, 42), "max_tokens": 1,
-                                           "priority": 3, "retention_seconds": 5,
-                                           "tool_pause": True})
+    ok = server.post("/v1/completions", {"prompt": _ids(20, 42), "max_tokens": 1,
+                                         "priority": 3, "retention_seconds": 5,
+                                         "tool_pause": True})
     assert ok.status_code == 200, ok.text
-    assert _info(server)["integrity"] == "ok"
+    assert server.info()["integrity"] == "ok"
 
 
 WEATHER_TOOL = {"type": "function", "function": {
@@ -116,11 +106,11 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 
 def _chat(server, system: str, tool_choice: str) -> dict:
-    r = _post(server, "/v1/chat/completions", {
-        "messages": [{"role": "system", "content": system},
-                     {"role": "user", "content": "What is the weather in Lisbon?"}],
-        "tools": [WEATHER_TOOL], "tool_choice": tool_choice, "parallel_tool_calls": False,
-        "max_tokens": 64, "temperature": 0})
+    r = server.post("/v1/chat/completions", {
+      "messages": [{"role": "system", "content": system},
+                   {"role": "user", "content": "What is the weather in Lisbon?"}],
+      "tools": [WEATHER_TOOL], "tool_choice": tool_choice, "parallel_tool_calls": False,
+      "max_tokens": 64, "temperature": 0})
     assert r.status_code == 200, (r.text, server.log_tail())
     return r.json()
 
@@ -135,7 +125,7 @@ def test_a_turn_that_ends_in_tool_calls_keeps_its_kv_through_the_tool_pause(serv
     plain = _chat(server, plain_system, "none")
     assert not plain["choices"][0]["message"].get("tool_calls")
     _traffic(server, 50)  # every unpinned page is evicted
-    assert _info(server)["memory"]["evicted_tokens"] > 0
+    assert server.info()["memory"]["evicted_tokens"] > 0
     prompt_tokens = first["usage"]["prompt_tokens"]
     resent = _chat(server, paused_system, "required")["usage"]
     assert resent["prompt_tokens_details"]["cached_tokens"] >= prompt_tokens - 17

@@ -15,7 +15,8 @@
                                       through depends on the host, so the main run alone would
                                       cover one way only.
 
-Each case is a pytest run in a subprocess (the knobs must be set before torch starts). One case
+Each case is a pytest run in a subprocess (the knobs must be set before torch starts) over the
+test files that mention the marker (collecting the whole suite would cost a case ~20 s). One case
 per ISA the CPU backend can pick; an ISA this CPU lacks is skipped with the reason, and so is
 the CPU's best one, which the main run covers (it runs the same tests uncapped). The marked
 set includes `test_the_process_runs_the_isa_it_is_set_to`, so a case whose knobs did not take
@@ -27,6 +28,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from server_harness import REPO_ROOT
@@ -39,6 +41,13 @@ ISAS = (("AVX2", "avx2"), ("AVX512_CORE", "avx512f"), ("AVX512_CORE_BF16", "avx5
 # the servers' --speculative-algorithm in each ISA's case: drafts forced on, then off, in turn
 DRAFTS = {"AVX2": "SUFFIX", "AVX512_CORE": "none", "AVX512_CORE_BF16": "SUFFIX",
           "AVX512_CORE_AMX": "none"}
+
+
+def _marked_files() -> list[str]:
+    """The test files that mark tests `isa_invariance` (this one only runs them)."""
+    here = Path(__file__)
+    return sorted(str(f.relative_to(REPO_ROOT)) for f in here.parent.glob("test_*.py")
+                  if f != here and "mark.isa_invariance" in f.read_text())
 
 
 def _best_isa(flags: list[str]) -> str | None:
@@ -59,7 +68,7 @@ def test_token_comparisons_hold_with_the_cpu_capped_at(isa, flag):
     if isa == "AVX2":
         env[KERNELS_ENV] = "avx2"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "-m", "isa_invariance", "tests"], cwd=REPO_ROOT, env=env,
+                           "-m", "isa_invariance", *_marked_files()], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, (f"under {isa}, drafts {DRAFTS[isa]}:\n{proc.stdout[-6000:]}"
                                   f"\n{proc.stderr[-2000:]}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import functools
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -476,16 +475,8 @@ def test_jax_page_copies_round_trip():
 
 
 # ---- a real server ---------------------------------------------------------------------------
-def _post(base_url: str, path: str, body: dict | None = None) -> dict:
-    req = urllib.request.Request(base_url + path, data=json.dumps(body or {}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        raw = resp.read()
-    return json.loads(raw) if raw.strip().startswith(b"{") else {}
-
-
-def _generate(base_url: str, text: str) -> dict:
-    return _post(base_url, "/generate", {"text": text, "sampling_params": {
+def _generate(server, text: str) -> dict:
+    return server.post_ok("/generate", {"text": text, "sampling_params": {
         "max_new_tokens": 8, "temperature": 0}})
 
 
@@ -520,16 +511,15 @@ def test_server_serves_evicted_prefixes_from_host_then_from_disk_after_a_restart
     from server_harness import launch_server
 
     flags = _tiered_server_flags(tmp_path)
-    server = launch_server(*flags)
-    try:
-        cold = _generate(server.base_url, PROMPT)
+    with launch_server(*flags) as server:
+        cold = _generate(server, PROMPT)
         prompt_len = cold["meta_info"]["prompt_tokens"]
         assert 600 < prompt_len < 1000
         for i in range(3):  # other agents fill the pool and evict the first prompt
-            _generate(server.base_url, f"Agent {i} notes. " + PROMPT[::-1])
+            _generate(server, f"Agent {i} notes. " + PROMPT[::-1])
         info = server.wait_idle()
         assert info["memory"]["evicted_tokens"] >= prompt_len // 2
-        warm = _generate(server.base_url, PROMPT)
+        warm = _generate(server, PROMPT)
         assert warm["text"] == cold["text"]
         assert warm["meta_info"]["cached_tokens"] >= prompt_len - 16
         info = _wait_written(server)
@@ -538,22 +528,17 @@ def test_server_serves_evicted_prefixes_from_host_then_from_disk_after_a_restart
         with urllib.request.urlopen(server.base_url + "/metrics", timeout=30) as resp:
             metrics = resp.read().decode()
         assert 'sglang:hicache_hit_tokens{model_name=' in metrics and 'tier="host"' in metrics
-    finally:
-        server.stop()
-    server = launch_server(*flags)
-    try:
-        restarted = _generate(server.base_url, PROMPT)
+    with launch_server(*flags) as server:
+        restarted = _generate(server, PROMPT)
         assert restarted["text"] == cold["text"]
         assert restarted["meta_info"]["cached_tokens"] >= prompt_len - 16
         info = server.wait_idle()
         assert info["tiers"]["disk"]["hit_tokens"] >= prompt_len - 16
         assert info["tiers"]["disk"]["skipped_files"] == 0
-        _post(server.base_url, "/flush_cache")
+        server.post_ok("/flush_cache")
         info = server.info()
         assert info["tiers"]["disk"]["used_pages"] == 0 and info["tiers"]["host"]["used_pages"] == 0
-        assert _generate(server.base_url, PROMPT)["meta_info"]["cached_tokens"] == 0
-    finally:
-        server.stop()
+        assert _generate(server, PROMPT)["meta_info"]["cached_tokens"] == 0
 
 
 @pytest.mark.slow
@@ -564,35 +549,28 @@ def test_two_servers_share_a_disk_folder_while_one_flushes(tmp_path):
 
     flags = _tiered_server_flags(tmp_path, "--hicache-storage-max-bytes", str(2**30))
     prompts = [f"Agent {i} notes. " + PROMPT[: 1200 + 300 * i] for i in range(3)]
-    first = launch_server(*flags)
-    try:
-        second = launch_server(*flags)
-        try:
-            _generate(first.base_url, prompts[0])
-            answer = _generate(second.base_url, prompts[1])
-            before = _wait_written(second)["tiers"]["disk"]
-            assert before["used_pages"] > 0 and _wait_written(first)["tiers"]["disk"]["used_pages"]
-            _post(first.base_url, "/flush_cache")  # every page file of the model, both servers'
-            folder = Path(before["dir"])
-            assert not list(folder.glob("*.kv")) and (tmp_path / "hicache.key").exists()
-            again = _generate(second.base_url, prompts[1])  # served from its pool or host tier
-            assert again["text"] == answer["text"]
-            assert again["meta_info"]["cached_tokens"] >= again["meta_info"]["prompt_tokens"] - 16
-            third = _generate(second.base_url, prompts[2])
-            after = _wait_written(second)
-            disk = after["tiers"]["disk"]
-            assert disk["writable"] and disk["skipped_files"] == 0
-            assert disk["demote_bytes"] > before["demote_bytes"]  # it went on storing
-            assert after["integrity"] == "ok"
-            # the flushed server reads the page files the other one wrote since
-            read_back = _generate(first.base_url, prompts[2])
-            assert read_back["text"] == third["text"]
-            info = first.wait_idle()
-            assert info["tiers"]["disk"]["hit_tokens"] >= third["meta_info"]["prompt_tokens"] - 16
-            assert info["tiers"]["disk"]["skipped_files"] == 0 and info["integrity"] == "ok"
-            assert info["tiers"]["disk"]["max_bytes"] == 2**30
-            assert info["tiers"]["disk"]["durability"] == "none"
-        finally:
-            second.stop()
-    finally:
-        first.stop()
+    with launch_server(*flags) as first, launch_server(*flags) as second:
+        _generate(first, prompts[0])
+        answer = _generate(second, prompts[1])
+        before = _wait_written(second)["tiers"]["disk"]
+        assert before["used_pages"] > 0 and _wait_written(first)["tiers"]["disk"]["used_pages"]
+        first.post_ok("/flush_cache")  # every page file of the model, both servers'
+        folder = Path(before["dir"])
+        assert not list(folder.glob("*.kv")) and (tmp_path / "hicache.key").exists()
+        again = _generate(second, prompts[1])  # served from its pool or host tier
+        assert again["text"] == answer["text"]
+        assert again["meta_info"]["cached_tokens"] >= again["meta_info"]["prompt_tokens"] - 16
+        third = _generate(second, prompts[2])
+        after = _wait_written(second)
+        disk = after["tiers"]["disk"]
+        assert disk["writable"] and disk["skipped_files"] == 0
+        assert disk["demote_bytes"] > before["demote_bytes"]  # it went on storing
+        assert after["integrity"] == "ok"
+        # the flushed server reads the page files the other one wrote since
+        read_back = _generate(first, prompts[2])
+        assert read_back["text"] == third["text"]
+        info = first.wait_idle()
+        assert info["tiers"]["disk"]["hit_tokens"] >= third["meta_info"]["prompt_tokens"] - 16
+        assert info["tiers"]["disk"]["skipped_files"] == 0 and info["integrity"] == "ok"
+        assert info["tiers"]["disk"]["max_bytes"] == 2**30
+        assert info["tiers"]["disk"]["durability"] == "none"

@@ -2,10 +2,17 @@
 a real server (a tiny random-weight model: outputs are gibberish but deterministic under greedy
 decoding, which is all these tests compare).
 
+The server is the session's pooled float32 tiny-model server (TINY_F32 in
+tests/server_harness.py), shared with tests/test_server_native.py and tests/test_structured.py.
+
 Tests marked `backend_independent` run on the default backend only (`make test`'s JAX pass
 deselects them): name routing, request validation, auth and metrics are answered by the HTTP
-process whatever the executor; the default-model chat's path (ChatML template, greedy chat,
-streaming equal to non-streaming) runs on JAX in tests/test_frontend.py on the same model.
+process whatever the executor, and so are the OpenAI layer's translations whose executor side
+runs on JAX in tests/test_server_native.py (streaming equal to non-streaming, list prompts,
+cached tokens, stop strings, a disconnect) and tests/test_structured.py (response_format,
+json_schema); chat logprobs format the top log-probs test_completion_logprobs checks on JAX.
+The default-model chat's path (ChatML template, greedy chat, streaming equal to
+non-streaming) runs on JAX in tests/test_frontend.py on the same model.
 """
 
 from __future__ import annotations
@@ -16,34 +23,23 @@ import httpx
 import openai
 import pytest
 import requests
-from checkpoints import make_tiny_hf_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
-from server_harness import launch_server
+from server_harness import TINY_API_KEY, TINY_F32, TINY_NOCACHE_KEYED, TINY_SERVED_NAME
 
 from sgl_tpu.detokenize import stop_safe_len as _safe_len
 
 pytestmark = pytest.mark.slow
 
-MODEL = "tiny-llama"
-# float32: several tests compare greedy outputs across cache hits, streaming and batch sizes,
-# which bfloat16 (`--dtype auto` on CPUs with AMX) does not promise
-SERVER_FLAGS = ("--skip-warmup", "--served-model-name", MODEL, "--max-total-tokens", "4096",
-                "--max-running-requests", "8", "--chunked-prefill-size", "256",
-                "--dtype", "float32")
+MODEL = TINY_SERVED_NAME
 HELLO = [{"role": "user", "content": "Hello world! How are you today?"}]
 LONG_PROMPT = " ".join(["The quick brown fox jumps over the lazy dog."] * 20)
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_llama"), "llama")
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model):
-    handle = launch_server(*SERVER_FLAGS, model_path=tiny_model)
-    yield handle
-    handle.stop()
+def server(server_pool, tiny_model):
+    """The session's float32 tiny-model server (tests/server_harness.py TINY_F32; float32:
+    several tests compare greedy outputs across cache hits, streaming and batch sizes)."""
+    return server_pool.get(*TINY_F32, model_path=tiny_model)
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +80,7 @@ def test_chat_completion(client):
     assert greedy_chat(client).choices[0].message.content == choice.message.content
 
 
+@pytest.mark.backend_independent
 @pytest.mark.isa_invariance
 def test_chat_stream_matches_non_stream(client):
     expected = greedy_chat(client).choices[0].message.content
@@ -110,6 +107,7 @@ def test_chat_n(client):
     assert resp.usage.prompt_tokens_details.cached_tokens > 0
 
 
+@pytest.mark.backend_independent
 @pytest.mark.isa_invariance
 def test_completions_list_prompt_and_stream(client):
     prompts = ["The quick brown", "Hello world"]
@@ -152,6 +150,7 @@ def test_completion_logprobs(client):
         assert chosen <= 0 and max(top.values()) == pytest.approx(chosen, abs=1e-4)  # greedy
 
 
+@pytest.mark.backend_independent
 def test_chat_logprobs(client):
     resp = greedy_chat(client, max_tokens=4, logprobs=True, top_logprobs=3)
     content = resp.choices[0].logprobs.content
@@ -164,6 +163,7 @@ def test_chat_logprobs(client):
     assert greedy_chat(client, max_tokens=2).choices[0].logprobs is None
 
 
+@pytest.mark.backend_independent
 def test_cached_tokens(client):
     def run():
         return client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=2)
@@ -174,6 +174,7 @@ def test_cached_tokens(client):
     assert 0 < cached < second.usage.prompt_tokens
 
 
+@pytest.mark.backend_independent
 @pytest.mark.isa_invariance
 def test_stop_strings(client):
     full = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=12,
@@ -189,6 +190,7 @@ def test_stop_strings(client):
     assert "".join(c.choices[0].text for c in stream if c.choices) == cut
 
 
+@pytest.mark.backend_independent
 def test_response_format(client):
     resp = greedy_chat(client, max_tokens=4, response_format={"type": "json_object"})
     assert resp.choices[0].finish_reason in ("stop", "length")
@@ -196,6 +198,7 @@ def test_response_format(client):
         greedy_chat(client, response_format={"type": "json_schema", "json_schema": {}})
 
 
+@pytest.mark.backend_independent
 def test_completions_json_schema_extension(client):
     """SGLang's `json_schema` extension field constrains /v1/completions too."""
     schema = {"type": "object", "properties": {"tool": {"enum": ["search", "calc"]}},
@@ -264,25 +267,21 @@ def test_metrics(client, server):
 
 
 @pytest.mark.backend_independent
-def test_api_key(tiny_model):
-    keyed = launch_server(*SERVER_FLAGS, "--api-key", "secret", model_path=tiny_model)
-    try:
-        assert requests.get(keyed.base_url + "/health", timeout=30).status_code == 200
-        wrong = openai.OpenAI(base_url=keyed.base_url + "/v1", api_key="wrong", max_retries=0)
-        with pytest.raises(openai.AuthenticationError):
-            wrong.models.list()
-        right = openai.OpenAI(base_url=keyed.base_url + "/v1", api_key="secret", max_retries=0)
-        assert right.models.list().data[0].id == MODEL
-        for path, body in (("/tokenize", {"prompt": "hi"}), ("/v1/detokenize", {"tokens": [1]})):
-            r = requests.post(keyed.base_url + path, json=body, timeout=30)
-            assert r.status_code == 401, (path, r.text)
-            r = requests.post(keyed.base_url + path, json=body, timeout=30,
-                              headers={"Authorization": "Bearer secret"})
-            assert r.status_code == 200, (path, r.text)
-    finally:
-        keyed.stop()
+def test_api_key(server_pool, tiny_model):
+    keyed = server_pool.get(*TINY_NOCACHE_KEYED, model_path=tiny_model)
+    assert requests.get(keyed.base_url + "/health", timeout=30).status_code == 200
+    wrong = openai.OpenAI(base_url=keyed.base_url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    right = openai.OpenAI(base_url=keyed.base_url + "/v1", api_key=TINY_API_KEY, max_retries=0)
+    assert right.models.list().data[0].id == MODEL
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/v1/detokenize", {"tokens": [1]})):
+        assert keyed.post(path, body, timeout=30).status_code == 401, path
+        r = keyed.post(path, body, timeout=30, headers={"Authorization": f"Bearer {TINY_API_KEY}"})
+        assert r.status_code == 200, (path, r.text)
 
 
+@pytest.mark.backend_independent
 def test_stream_disconnect_frees_the_request(client, server):
     generated_before = server.info()["stats"]["generated_tokens"]
     body = {"model": MODEL, "messages": HELLO, "max_tokens": 400, "ignore_eos": True,

@@ -22,12 +22,6 @@ def server():
     handle.stop()
 
 
-def _post(server, path: str, body: dict, headers: dict | None = None) -> dict:
-    r = requests.post(server.base_url + path, json=body, headers=headers or {}, timeout=180)
-    assert r.status_code == 200, (path, r.text, server.log_tail())
-    return r.json()
-
-
 def _programs(server) -> dict:
     info = requests.get(server.base_url + "/server_info", timeout=60).json()
     return info["programs"]
@@ -38,18 +32,18 @@ def test_each_api_names_its_program(server):
     chat = {"model": "default", "max_tokens": 2, "temperature": 0}
     msg = [{"role": "user", "content": "Say hi."}]
     sp = {"max_new_tokens": 2, "temperature": 0}
-    _post(server, "/generate", {"text": "One", "sampling_params": sp, "session_id": "p-native"})
-    _post(server, "/generate", {"text": "Two", "sampling_params": sp,
-                                "session_params": {"id": "p-params"}})
-    _post(server, "/v1/chat/completions", {**chat, "messages": msg,
-                                           "prompt_cache_key": "p-cache-key"})
-    _post(server, "/v1/completions", {**chat, "prompt": "Three"},
-          headers={"X-SMG-Routing-Key": "p-header"})
-    _post(server, "/v1/messages", {**chat, "messages": msg, "metadata": {"user_id": "p-user"}})
-    first = _post(server, "/v1/responses", {**chat, "input": "Hello", "max_output_tokens": 2})
-    _post(server, "/v1/responses", {**chat, "input": "Again", "max_output_tokens": 2,
-                                    "previous_response_id": first["id"]})
-    _post(server, "/generate", {"text": "Four", "sampling_params": sp})  # names no program
+    server.post_ok("/generate", {"text": "One", "sampling_params": sp, "session_id": "p-native"})
+    server.post_ok("/generate", {"text": "Two", "sampling_params": sp,
+                                 "session_params": {"id": "p-params"}})
+    server.post_ok("/v1/chat/completions", {**chat, "messages": msg,
+                                            "prompt_cache_key": "p-cache-key"})
+    server.post_ok("/v1/completions", {**chat, "prompt": "Three"},
+                   headers={"X-SMG-Routing-Key": "p-header"})
+    server.post_ok("/v1/messages", {**chat, "messages": msg, "metadata": {"user_id": "p-user"}})
+    first = server.post_ok("/v1/responses", {**chat, "input": "Hello", "max_output_tokens": 2})
+    server.post_ok("/v1/responses", {**chat, "input": "Again", "max_output_tokens": 2,
+                                     "previous_response_id": first["id"]})
+    server.post_ok("/generate", {"text": "Four", "sampling_params": sp})  # names no program
     programs = _programs(server)
     recent = programs["recent"]  # by public id (a keyed hash), never the client's key
     assert sorted(p["num_requests"] for p in recent.values()) == [1, 1, 1, 1, 1, 2], recent
@@ -93,22 +87,22 @@ def test_no_client_key_leaves_the_server(server):
     r = requests.post(server.base_url + "/open_session", json={"session_id": keys["opened"]},
                       timeout=60)
     assert r.status_code == 200, r.text
-    _post(server, "/generate", {"text": "Open", "sampling_params": sp,
-                                "session_id": keys["opened"]})
-    _post(server, "/generate", {"text": "One", "sampling_params": sp,
-                                "session_id": keys["session"]})
-    _post(server, "/generate", {"text": "Two", "sampling_params": sp,
-                                "session_params": {"id": keys["params"]}})
-    _post(server, "/v1/chat/completions", {**chat, "messages": msg,
-                                           "prompt_cache_key": keys["cachekey"]})
-    _post(server, "/v1/completions", {**chat, "prompt": "Three"},
-          headers={"X-SMG-Routing-Key": keys["header"]})
-    _post(server, "/v1/completions", {**chat, "prompt": "Four", "program_id": keys["programid"]})
-    _post(server, "/v1/messages", {**chat, "messages": msg,
-                                   "metadata": {"user_id": keys["userid"]}})
-    first = _post(server, "/v1/responses", {**chat, "input": "Hello", "max_output_tokens": 2})
-    second = _post(server, "/v1/responses", {**chat, "input": "Again", "max_output_tokens": 2,
-                                             "previous_response_id": first["id"]})
+    server.post_ok("/generate", {"text": "Open", "sampling_params": sp,
+                                 "session_id": keys["opened"]})
+    server.post_ok("/generate", {"text": "One", "sampling_params": sp,
+                                 "session_id": keys["session"]})
+    server.post_ok("/generate", {"text": "Two", "sampling_params": sp,
+                                 "session_params": {"id": keys["params"]}})
+    server.post_ok("/v1/chat/completions", {**chat, "messages": msg,
+                                            "prompt_cache_key": keys["cachekey"]})
+    server.post_ok("/v1/completions", {**chat, "prompt": "Three"},
+                   headers={"X-SMG-Routing-Key": keys["header"]})
+    server.post_ok("/v1/completions", {**chat, "prompt": "Four", "program_id": keys["programid"]})
+    server.post_ok("/v1/messages", {**chat, "messages": msg,
+                                    "metadata": {"user_id": keys["userid"]}})
+    first = server.post_ok("/v1/responses", {**chat, "input": "Hello", "max_output_tokens": 2})
+    second = server.post_ok("/v1/responses", {**chat, "input": "Again", "max_output_tokens": 2,
+                                              "previous_response_id": first["id"]})
     keys["conversation"], keys["response"] = first["id"], second["id"]
     info = requests.get(server.base_url + "/server_info", timeout=60).text
     metrics = requests.get(server.base_url + "/metrics", timeout=60).text
@@ -127,10 +121,10 @@ def test_a_chat_without_max_tokens_counts_the_outputs_seen(server):
     working set counts the outputs seen instead (max_new_tokens_defaulted), so it is not held
     as a whole context."""
     before = _programs(server)["num_programs_held"]
-    _post(server, "/v1/chat/completions", {
-        "model": "default", "temperature": 0, "stop": [" ", ".", "\n"],
-        "messages": [{"role": "user", "content": "Say hi."}],
-        "prompt_cache_key": "p-no-max-tokens"})
+    server.post_ok("/v1/chat/completions", {
+         "model": "default", "temperature": 0, "stop": [" ", ".", "\n"],
+         "messages": [{"role": "user", "content": "Say hi."}],
+         "prompt_cache_key": "p-no-max-tokens"})
     programs = _programs(server)
     newest = next(iter(programs["recent"].values()))
     assert newest["num_requests"] == 1 and newest["working_set_tokens"] < 1024, newest

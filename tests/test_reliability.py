@@ -16,7 +16,6 @@ from collections import Counter
 import numpy as np
 import pytest
 import requests
-from checkpoints import make_tiny_hf_checkpoint
 from reliability_fuzz import CLASSES, ROUTES, URL_ROUTES, run_fuzz, run_url_fuzz
 from reliability_invariants import check_invariants
 from reliability_phases import (
@@ -44,11 +43,6 @@ HUGE_VOCAB_ID = 10**6
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_llama"), "llama")
-
-
-@pytest.fixture(scope="module")
 def server(tiny_model):
     handle = launch_server(*FLAGS, model_path=tiny_model)
     yield handle
@@ -57,10 +51,9 @@ def server(tiny_model):
 
 def post(server, path: str, body=None, *, data: str | bytes | None = None,
          headers: dict[str, str] | None = None) -> requests.Response:
-    if data is None:
-        data = json.dumps(body)
-    return requests.post(server.base_url + path, data=data,
-                         headers=JSON if headers is None else headers, timeout=120)
+    """`body` as JSON (or `data` as it is) with the API key."""
+    return server.post(path, data=json.dumps(body) if data is None else data,
+                       headers=JSON if headers is None else headers, timeout=120)
 
 
 def assert_serving(server) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from checkpoints import make_tiny_hf_checkpoint
 from reliability_invariants import check_invariants
 from reliability_programs import (
     disk_load_phase,
@@ -31,14 +30,8 @@ FLOOD_PROGRAMS = 8192  # CI size: a few seconds on 2 cores (the campaign sends 6
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_llama_4k"), "llama",
-                                   max_position_embeddings=4096)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model):
-    handle = launch_server(*FLAGS, model_path=tiny_model)
+def server(tiny_model_4k):
+    handle = launch_server(*FLAGS, model_path=tiny_model_4k)
     yield handle
     handle.stop()
 
@@ -77,14 +70,14 @@ def test_one_key_parallel_beside_agents(server):
 
 
 @pytest.fixture(scope="module")
-def tiered_server(tiny_model, tmp_path_factory):
+def tiered_server(tiny_model_4k, tmp_path_factory):
     """A 1,024-token pool over a host tier as large and the disk tier."""
     folder = tmp_path_factory.mktemp("hicache")
     handle = launch_server("--skip-warmup", "--api-key", KEY, "--max-total-tokens", "1024",
                            "--max-running-requests", "8", "--chunked-prefill-size", "256",
                            "--dtype", "float32", "--enable-hierarchical-cache",
                            "--hicache-ratio", "1", "--hicache-storage-backend", "file",
-                           "--hicache-storage-dir", str(folder), model_path=tiny_model)
+                           "--hicache-storage-dir", str(folder), model_path=tiny_model_4k)
     yield handle
     handle.stop()
 

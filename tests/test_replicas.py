@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pytest
 import requests
-from checkpoints import make_tiny_hf_checkpoint
 from server_harness import DEFAULT_MODEL_FLAGS, REPO_ROOT, free_port, launch_server
 
 from sgl_tpu.bench.agent_loop.__main__ import main as agent_loop_main
@@ -135,18 +134,9 @@ def test_sampling_seed_is_the_seed():
 
 # --- end to end ------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    path = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_llama"), "llama")
-    config = Path(path) / "config.json"  # room for ~1,000-token agent prompts
-    config.write_text(json.dumps({**json.loads(config.read_text()),
-                                  "max_position_embeddings": 2048}))
-    return path
-
-
 @pytest.mark.slow
-def test_one_worker_behind_the_router(tiny_model):
-    worker = launch_server(*FLAGS, model_path=tiny_model)
+def test_one_worker_behind_the_router(tiny_model_4k):
+    worker = launch_server(*FLAGS, model_path=tiny_model_4k)
     router, url = start_router(worker.base_url)
     try:
         # registered under the served name, not "unknown"
@@ -276,18 +266,18 @@ def _score(metas: list[list[dict]]) -> tuple[float, int]:
 
 
 @pytest.mark.slow
-def test_cache_aware_keeps_agents_on_their_replica(tiny_model, tmp_path):
+def test_cache_aware_keeps_agents_on_their_replica(tiny_model_4k, tmp_path):
     """Each agent's later turns hit the KV of its previous turn: it stayed on one replica.
     (No round-robin baseline: how often round robin sends an agent's next turn back to the
     same replica depends on how the agents' requests interleave, i.e. on timing.)"""
     server = launch_server(*FLAGS, "--dp-size", "2", "--router-policy", "cache_aware",
-                           model_path=tiny_model)
+                           model_path=tiny_model_4k)
     try:
         workers = _worker_urls(server.base_url)
         assert len(workers) == 2, server.log_tail()
         metas = _run_agents(server.base_url)
         share = [_finished(w) / (NUM_AGENTS * NUM_TURNS) for w in workers]
-        harness = _run_harness(server.base_url, tiny_model, tmp_path)
+        harness = _run_harness(server.base_url, tiny_model_4k, tmp_path)
     finally:
         server.stop()
     hit, stayed = _score(metas)
@@ -417,9 +407,9 @@ def _port_free(port: int) -> bool:
 
 
 @pytest.mark.slow
-def test_replica_death_under_load_then_sigterm_ends_everything(tiny_model):
+def test_replica_death_under_load_then_sigterm_ends_everything(tiny_model_4k):
     server = launch_server(*FLAGS, "--dp-size", "2", "--router-policy", "round_robin",
-                           "--api-key", "sk-test", model_path=tiny_model)
+                           "--api-key", "sk-test", model_path=tiny_model_4k)
     auth = {"Authorization": "Bearer sk-test"}
     try:
         # the key reaches the replicas' registration probes; clients still need it

@@ -1,6 +1,6 @@
 """End-to-end tests of SGLang's native API against real launched servers (tiny random model).
 
-Servers (module scoped, launched on first use, shared by the tests that follow):
+Servers (launched on first use, shared by the tests that follow):
 
     roomy       page 16, radix cache on, context 512      the reference for most checks
     nocache     --disable-radix-cache, --context-length 256, --api-key   (bad input, auth)
@@ -8,13 +8,20 @@ Servers (module scoped, launched on first use, shared by the tests that follow):
                 --stream-interval 3
     page1       --page-size 1; the last test kills its scheduler (a dying child)
 
+roomy and nocache are the session's pooled tiny-model servers (TINY_F32, TINY_NOCACHE_KEYED in
+tests/server_harness.py), which other modules use too; tight and page1 are this module's own.
+
 All run float32. The tiny model's outputs are gibberish but deterministic, so greedy runs are
 compared token for token (across cache hits too: float32, not bfloat16, which `--dtype auto`
 is on CPUs with AMX). After traffic every server must be idle with `integrity == "ok"` and no page
 held by a request (`/server_info`), which catches KV page leaks and double frees.
 
-Tests marked `backend_independent` (request validation, auth, info routes: all answered before
-the executor runs) run on the default backend only; `make test`'s JAX pass deselects them.
+Tests marked `backend_independent` run on the default backend only; `make test`'s JAX pass
+deselects them: request validation, auth and info routes (answered before the executor runs),
+and what the host processes do alike whatever computes the tokens (batch and `n` expansion,
+stop strings, abort, disconnect, flush, a request's own stream interval, a dying scheduler).
+On JAX the executor's side runs in the rest: greedy equality across cache hits, batches,
+streams and retraction, cached tokens, logprobs, stop tokens with `min_new_tokens`.
 """
 
 from __future__ import annotations
@@ -31,15 +38,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import checkpoints as ck
 import pytest
 import requests
-from server_harness import ServerHandle, launch_server
+from server_harness import (
+    TINY_API_KEY,
+    TINY_F32,
+    TINY_NOCACHE_KEYED,
+    ServerHandle,
+    launch_server,
+)
 
 pytestmark = pytest.mark.slow
 
 TIMEOUT = 180  # seconds per HTTP call (a first call may compile a new batch shape)
-API_KEY = "sk-native-test"
+API_KEY = TINY_API_KEY
 GREEDY = {"temperature": 0.0}
 
 
@@ -97,14 +109,8 @@ class Server:
         return info
 
 
-def _launch(model_path: str, *flags: str, headers: dict[str, str] | None = None) -> Server:
-    handle = launch_server("--skip-warmup", *flags, model_path=model_path)
-    return Server(handle, model_path, headers or {})
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    return ck.make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
+def _launch(model_path: str, *flags: str) -> Server:
+    return Server(launch_server("--skip-warmup", *flags, model_path=model_path), model_path)
 
 
 # Greedy outputs are compared across servers and batch compositions (retraction recomputes a
@@ -113,19 +119,14 @@ def tiny_model(tmp_path_factory) -> str:
 # and a random tiny model's near-ties flip, so the servers that are compared run float32 on
 # either backend.
 @pytest.fixture(scope="module")
-def roomy(tiny_model):
-    server = _launch(tiny_model, "--page-size", "16", "--dtype", "float32")
-    yield server
-    server.handle.stop()
+def roomy(server_pool, tiny_model) -> Server:
+    return Server(server_pool.get(*TINY_F32, model_path=tiny_model), tiny_model)
 
 
 @pytest.fixture(scope="module")
-def nocache(tiny_model):
-    server = _launch(tiny_model, "--page-size", "16", "--disable-radix-cache",
-                     "--context-length", "256", "--api-key", API_KEY, "--dtype", "float32",
-                     headers={"Authorization": f"Bearer {API_KEY}"})
-    yield server
-    server.handle.stop()
+def nocache(server_pool, tiny_model) -> Server:
+    return Server(server_pool.get(*TINY_NOCACHE_KEYED, model_path=tiny_model), tiny_model,
+                  {"Authorization": f"Bearer {API_KEY}"})
 
 
 @pytest.fixture(scope="module")
@@ -299,10 +300,12 @@ def test_retraction_under_memory_pressure(tight, roomy):
     assert info["stats"]["num_retractions"] > before
 
 
-@pytest.mark.parametrize("which, sp, interval", [("tight", {}, 3),
-                                                 ("roomy", {"stream_interval": 5}, 5),
-                                                 ("tight", {"stream_interval": 6}, 6)],
-                         ids=["server-flag", "request-param", "request-overrides-flag"])
+@pytest.mark.parametrize("which, sp, interval", [
+    pytest.param("tight", {}, 3, id="server-flag"),
+    pytest.param("roomy", {"stream_interval": 5}, 5, id="request-param",
+                 marks=pytest.mark.backend_independent),
+    pytest.param("tight", {"stream_interval": 6}, 6, id="request-overrides-flag",
+                 marks=pytest.mark.backend_independent)])
 def test_stream_interval(request, roomy, which, sp, interval):
     """A streamed request gets its first update, then one per `interval` new tokens or more
     (several can arrive in one step: drafts, jump-forward), then its final result; the text
@@ -321,6 +324,7 @@ def test_stream_interval(request, roomy, which, sp, interval):
 
 
 # ---- 6. native API details ------------------------------------------------------------------
+@pytest.mark.backend_independent
 def test_batch_text_answers_a_list_in_order(roomy):
     texts = ["alpha", "The quick brown fox", "Hello world! How are", "0123"]
     sp = {**GREEDY, "max_new_tokens": 6, "ignore_eos": True}
@@ -334,6 +338,7 @@ def test_batch_text_answers_a_list_in_order(roomy):
     assert len({b["meta_info"]["id"] for b in batch}) == len(texts)
 
 
+@pytest.mark.backend_independent
 def test_input_ids_single_and_batch(roomy):
     prompts = [ids(5, 1000), ids(12, 1001), ids(1, 1002)]
     sp = {**GREEDY, "max_new_tokens": 5, "ignore_eos": True}
@@ -438,6 +443,7 @@ def _clean_ascii_stop(text: str) -> tuple[int, str] | None:
     return None
 
 
+@pytest.mark.backend_independent
 def test_stop_strings_trim_text(roomy):
     sp = {**GREEDY, "max_new_tokens": 24, "ignore_eos": True}
     for prompt in ("The quick brown fox", "Hello world", "def add(a, b):", "I am fine",
@@ -485,6 +491,7 @@ def test_stop_token_ids_min_and_max_new_tokens(roomy):
     assert late["output_ids"][:j] == full[:j]
 
 
+@pytest.mark.backend_independent
 def test_n_2_returns_two(roomy):
     out = roomy.generate(text="Hello world", sampling_params={**GREEDY, "max_new_tokens": 4,
                                                               "n": 2, "ignore_eos": True})
@@ -503,6 +510,7 @@ def test_n_above_limit_rejected(roomy):
     assert_error(r, "n")
 
 
+@pytest.mark.backend_independent
 def test_flush_cache_get_and_post(roomy):
     prompt = ids(80, 1500)
     roomy.generate(input_ids=prompt, sampling_params={"max_new_tokens": 0})
@@ -516,6 +524,7 @@ def test_flush_cache_get_and_post(roomy):
     assert again["meta_info"]["cached_tokens"] == 0
 
 
+@pytest.mark.backend_independent
 def test_abort_request_ends_a_streaming_request(roomy):
     rid = f"abort-{uuid.uuid4().hex}"
     before = roomy.info()["stats"]["generated_tokens"]
@@ -538,6 +547,7 @@ def test_abort_request_ends_a_streaming_request(roomy):
     assert info["stats"]["generated_tokens"] - before < 480
 
 
+@pytest.mark.backend_independent
 def test_client_disconnect_frees_the_request(roomy):
     before = roomy.info()["stats"]["generated_tokens"]
 
@@ -635,6 +645,7 @@ def test_bad_input_is_a_4xx_naming_the_problem(nocache, body, words):
     assert_error(r, *words)
 
 
+@pytest.mark.backend_independent
 def test_server_keeps_serving_after_bad_input(nocache):
     for _, body, _ in BAD_INPUTS:  # all of them again, back to back
         data = body if isinstance(body, str) else json.dumps(body)
@@ -692,6 +703,7 @@ def test_huge_top_k_is_rejected_not_fatal(nocache):
     assert nocache.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 1})
 
 
+@pytest.mark.backend_independent
 def test_dying_scheduler_takes_the_server_down_without_orphans(page1):
     server = page1
     assert server.get("/health").status_code == 200

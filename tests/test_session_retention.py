@@ -251,14 +251,11 @@ POOL_FLAGS = ("--skip-warmup", "--page-size", "16", "--max-total-tokens", "512",
 
 
 @pytest.fixture(scope="module")
-def small_pool_server(tmp_path_factory):
-    import checkpoints as ck
+def small_pool_server(tiny_model):
     from server_harness import launch_server
 
-    model = ck.make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
-    server = launch_server(*POOL_FLAGS, model_path=model)
-    yield server
-    server.stop()
+    with launch_server(*POOL_FLAGS, model_path=tiny_model) as server:
+        yield server
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -266,22 +263,8 @@ def _ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 400) for _ in range(n)]  # tiny vocabulary: 400, 0-2 special
 
 
-def _post(server, path: str, body: dict):
-    import requests
-
-    return requests.post(server.base_url + path, json=body, timeout=180)
-
-
 def _generate(server, **body) -> dict:
-    r = _post(server, "/generate", body)
-    assert r.status_code == 200, (r.status_code, r.text, server.log_tail())
-    return r.json()
-
-
-def _server_info(server) -> dict:
-    import requests
-
-    return requests.get(server.base_url + "/server_info", timeout=60).json()
+    return server.post_ok("/generate", body)
 
 
 def _agent_returns_after_traffic(server, seed: int, session_id: str | None) -> int:
@@ -294,7 +277,7 @@ def _agent_returns_after_traffic(server, seed: int, session_id: str | None) -> i
     for k in range(3):  # 200 tokens each: 12 pages stay in the tree, 13 are needed to run
         _generate(server, input_ids=_ids(200, seed + 1 + k),
                   sampling_params={"temperature": 0.0, "max_new_tokens": 1})
-    info = _server_info(server)["memory"]
+    info = server.info()["memory"]
     assert info["evicted_tokens"] > 0, info  # the pool really overflowed
     if session_id is not None:
         assert info["evicted_retained_tokens"] == 0 and info["tree_retained_tokens"] >= 160
@@ -308,7 +291,7 @@ def test_returning_agent_prefix_survives_other_traffic_only_with_session(small_p
     server = small_pool_server
     assert _agent_returns_after_traffic(server, seed=1, session_id=None) == 0
     assert _agent_returns_after_traffic(server, seed=100, session_id="agent-7") >= 160
-    info = _server_info(server)
+    info = server.info()
     assert info["session_retention_s"] == 600 and info["integrity"] == "ok", info
 
 
@@ -321,12 +304,12 @@ def test_bad_session_id_is_a_400_and_the_server_keeps_serving(small_pool_server)
            {"input_ids": prompt, "session_id": ""},
            {"input_ids": [prompt, prompt], "session_id": ["only-one"]}]
     for body in bad:
-        r = _post(server, "/generate", {**body, "sampling_params": sp})
+        r = server.post("/generate", {**body, "sampling_params": sp})
         assert r.status_code == 400 and "session_id" in r.json()["error"]["message"], r.text
-    r = _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "session_id": 7})
+    r = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 2, "session_id": 7})
     assert r.status_code == 400 and "session_id" in r.json()["error"]["message"], r.text
-    r = _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 2,
-                                          "session_id": "agent-openai"})
+    r = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 2,
+                                        "session_id": "agent-openai"})
     assert r.status_code == 200, r.text
     out = _generate(server, input_ids=[prompt, prompt], sampling_params=sp,
                     session_id=["agent-a", None])

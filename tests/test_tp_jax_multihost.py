@@ -10,12 +10,10 @@ with a message naming the address.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import time
-import urllib.request
 
 import checkpoints as ck
 import pytest
@@ -46,13 +44,6 @@ def _follower(rank: int, addr: str, model: str, port: int, log, flags=()) -> sub
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO_ROOT)
 
 
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        return json.loads(resp.read())
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
     return ck.make_tiny_hf_checkpoint(tmp_path_factory.mktemp("m") / "llama", "llama",
@@ -80,8 +71,8 @@ def test_three_processes_serve_like_tp1(model_dir, tmp_path, state):
         server = launch_server(*SMALL, *flags, "--tp-size", str(NNODES), "--nnodes",
                                str(NNODES), "--node-rank", "0", "--dist-init-addr", addr,
                                model_path=model_dir)
-        got = [_post(server.base_url + "/generate", {"text": p, "sampling_params": GREEDY})
-               ["text"] for p in PROMPTS]
+        got = [server.post_ok("/generate", {"text": p, "sampling_params": GREEDY})["text"]
+               for p in PROMPTS]
         assert got == want
         info = server.info()
         assert info["tp_size"] == NNODES

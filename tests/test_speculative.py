@@ -296,11 +296,11 @@ def _runner_cfg():
 
 # ---- scheduler with a hand-computable runner ------------------------------------------------
 def _spec_scheduler(num_pages: int = 64, max_running: int = 8, draft: int = 4,
-                    max_batch: int | None = None, algorithm: str = "NGRAM"):
+                    max_batch: int | None = None, algorithm: str = "NGRAM", chunk: int = 64):
     from sgl_tpu.scheduler.scheduler import Scheduler
 
     cfg = SchedulerConfig(page_size=4, max_running_requests=max_running, max_extend_seqs=8,
-                          chunked_prefill_size=64, context_len=512,
+                          chunked_prefill_size=chunk, context_len=512,
                           speculative_algorithm=algorithm, speculative_num_draft_tokens=draft,
                           speculative_max_batch=max_batch)
     runner = PlusOneRunner()
@@ -418,8 +418,9 @@ def test_scheduler_gate_drafts_only_where_the_clock_says_it_pays(monkeypatch, ro
 
 def test_scheduler_drafts_only_while_the_batch_is_small():
     # max_batch 2 (what `auto` resolves to on CPUs): 3 requests decoding together never
-    # draft; once one finishes, the other two do
-    sched, runner = _spec_scheduler(max_batch=2)
+    # draft; once one finishes, the other two do (the prompts prefill in one EXTEND, so the
+    # three start decoding together)
+    sched, runner = _spec_scheduler(max_batch=2, chunk=256)
     # (each prompt's end repeats its start: the drafter finds the runner's continuation)
     prompts = {r: list(range(base, base + 40)) + list(range(base, base + 5))
                for r, base in (("a", 100), ("b", 200), ("c", 300))}

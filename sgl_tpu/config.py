@@ -401,8 +401,10 @@ class ServerArgs(SchedulerSettings, ServingSettings):
         help="KV cache element type: auto (the compute dtype; bfloat16 where --dtype auto resolves"
              " to float32 on a CPU without AMX, torch backend), bfloat16 / bf16 (a float32 model "
              "keeps K/V rows rounded to bfloat16: half the KV memory and bytes read per decode "
-             "step; torch backend) or fp8_e5m2 (K/V rounded to 8-bit floats, unscaled: a quarter "
-             "of float32's bytes; torch backend). fp8_e4m3 and fp4_e2m1 are not supported")
+             "step; torch backend), fp8_e5m2 (K/V rounded to 8-bit floats, unscaled: a quarter "
+             "of float32's bytes; torch backend) or int8 (int8 values with a bfloat16 scale per "
+             "token and KV head: 66 bytes per 64-value head row, about half of bfloat16's; torch "
+             "backend). fp8_e4m3 and fp4_e2m1 are not supported")
     max_total_tokens: int = setting(65536, check=Int(1), help="KV cache capacity in tokens")
     max_extend_seqs: int = setting(
         32, check=Int(1), see="architecture.md",

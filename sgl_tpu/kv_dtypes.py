@@ -23,9 +23,10 @@ class KVDtype:
     element_bytes: int  # one stored value
     scale_bytes: int  # per head row (0: unscaled)
     backends: tuple[str, ...]  # executor backends that store it (chosen by flag)
-    # torch attention backends whose compiled kernel reads it directly; the others (and the
-    # kernel's unsupported shapes) gather rows widened to the queries' dtype
-    kernel_reads: tuple[str, ...]
+    # the torch backend's compiled CPU kernels (fused attention, layer ops' K/V write) read and
+    # write it; else attention gathers rows widened to the queries' dtype (torch-sdpa's path)
+    # and the model writes K/V through `write_kv`
+    compiled_kernels: bool
     summary: str
 
     @property
@@ -40,13 +41,15 @@ class KVDtype:
         return 2 * num_layers * num_kv_heads * self.head_row_bytes(head_dim)
 
 
-_FUSED = ("torch-cpu-fused", "torch-cpu-fused-bf16")
 KV_DTYPES: dict[str, KVDtype] = {d.name: d for d in (
-    KVDtype("float32", (), 4, 0, ("torch", "jax"), _FUSED, "a float32 model's own K/V"),
-    KVDtype("bfloat16", ("bfloat16", "bf16"), 2, 0, ("torch",), _FUSED,
+    KVDtype("float32", (), 4, 0, ("torch", "jax"), True, "a float32 model's own K/V"),
+    KVDtype("bfloat16", ("bfloat16", "bf16"), 2, 0, ("torch",), True,
             "K/V rounded to bfloat16: half a float32 model's KV bytes"),
-    KVDtype("float8_e5m2", ("fp8_e5m2",), 1, 0, ("torch",), _FUSED,
+    KVDtype("float8_e5m2", ("fp8_e5m2",), 1, 0, ("torch",), True,
             "K/V rounded to 8-bit floats, unscaled (SGLang's fp8_e5m2)"),
+    KVDtype("int8", ("int8",), 1, 2, ("torch",), False,
+            "K/V as int8 with a bfloat16 scale per token and KV head (llama.cpp's q8_0 with one "
+            "block per head vector): about half of bfloat16's bytes"),
 )}
 # --kv-cache-dtype spelling -> pool element type
 KV_FLAG_DTYPES: dict[str, str] = {f: d.name for d in KV_DTYPES.values() for f in d.flags}

@@ -22,7 +22,7 @@ from sgl_tpu.backends.torch import kv_pages
 from sgl_tpu.kv_dtypes import KVDtype
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                "float8_e5m2": torch.float8_e5m2}
+                "float8_e5m2": torch.float8_e5m2, "int8": torch.int8}
 _E5M2_MAX = torch.finfo(torch.float8_e5m2).max  # 57344: larger values would round to inf
 
 
@@ -66,10 +66,32 @@ class KVPool(Sequence):
         kv_pages.write_pages(self.layers, pages, rows, self.page_size, window_pages, self.local)
 
 
+def quantize_int8(rows: torch.Tensor) -> torch.Tensor:
+    """rows [..., d] -> int8 head rows [..., d + 2]: q = round(x / scale) in [-127, 127], then
+    the scale's bfloat16 bytes; scale = max |x| / 127 rounded up to bfloat16 (0 for a zero
+    vector). Dequantized, each value is within scale / 2 of x."""
+    x = rows.float()
+    amax = x.abs().amax(-1, keepdim=True)  # [..., 1]
+    scale = (amax / 127).view(torch.int32)
+    scale = ((scale + 0xFFFF) & ~0xFFFF).view(torch.float32)  # rounded up to bfloat16
+    q = torch.where(scale > 0, x / scale, 0.0).round_().clamp_(-127, 127).to(torch.int8)
+    return torch.cat([q, scale.to(torch.bfloat16).view(torch.int8)], dim=-1)
+
+
+def dequantize_int8(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 head rows [..., d + 2] -> [..., d] in `dtype` (q * scale in float32)."""
+    scale = packed[..., -2:].contiguous().view(torch.bfloat16).float()  # [..., 1]
+    return (packed[..., :-2].float() * scale).to(dtype)
+
+
 def store_rows(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """pool[slots] = rows [T, kvh, d] in the pool's element type. An fp8 pool saturates at its
-    largest finite value (torch's conversion gives inf) and is written through a byte view:
-    index_copy_ has no float8 kernel."""
+    """pool[slots] = rows [T, kvh, d] in the pool's element type. An int8 pool quantizes each
+    head row (`quantize_int8`). An fp8 pool saturates at its largest finite value (torch's
+    conversion gives inf) and is written through a byte view: index_copy_ has no float8
+    kernel."""
+    if pool.dtype == torch.int8:
+        pool.index_copy_(0, slots, quantize_int8(rows))
+        return
     if pool.dtype == torch.float8_e5m2:
         rows = rows.clamp(-_E5M2_MAX, _E5M2_MAX).to(torch.float8_e5m2)
         pool.view(torch.uint8).index_copy_(0, slots, rows.view(torch.uint8))
@@ -78,5 +100,7 @@ def store_rows(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> N
 
 
 def load_rows(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """pool[slots] as [len(slots), kvh, d] in `dtype` (a narrower pool's rows widened)."""
-    return pool.index_select(0, slots).to(dtype)
+    """pool[slots] as [len(slots), kvh, d] in `dtype` (a narrower pool's rows widened, an int8
+    pool's dequantized)."""
+    rows = pool.index_select(0, slots)
+    return dequantize_int8(rows, dtype) if pool.dtype == torch.int8 else rows.to(dtype)

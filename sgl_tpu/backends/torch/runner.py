@@ -209,6 +209,10 @@ class TorchModelRunner:
         eager CPU runner when they are built and the model takes them; whether it did."""
         if not self.config.cpu_layer_ops or self.config.compile or self.device.type != "cpu":
             return False
+        if not kv_dtype(self.config.kv_dtype).compiled_kernels:
+            logger.info("fused layer ops off: they do not write a %s KV pool",
+                        self.config.kv_dtype)
+            return False
         from sgl_tpu.backends.torch.kernels import layer_ops_cpu
 
         use = getattr(self.model, "use_layer_ops", None)

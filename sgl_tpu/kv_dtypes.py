@@ -23,10 +23,12 @@ class KVDtype:
     element_bytes: int  # one stored value
     scale_bytes: int  # per head row (0: unscaled)
     backends: tuple[str, ...]  # executor backends that store it (chosen by flag)
-    # the torch backend's compiled CPU kernels (fused attention, layer ops' K/V write) read and
-    # write it; else attention gathers rows widened to the queries' dtype (torch-sdpa's path)
-    # and the model writes K/V through `write_kv`
-    compiled_kernels: bool
+    # the torch backend's compiled CPU attention (torch-cpu-fused) reads it; else that backend
+    # runs torch-sdpa's path, rows gathered and widened to the queries' dtype
+    fused_attention: bool
+    # the compiled layer ops' K/V write (rope_write_kv) stores it; else the fused layer ops are
+    # off and the model writes K/V through `write_kv`
+    fused_write: bool
     summary: str
 
     @property
@@ -42,12 +44,12 @@ class KVDtype:
 
 
 KV_DTYPES: dict[str, KVDtype] = {d.name: d for d in (
-    KVDtype("float32", (), 4, 0, ("torch", "jax"), True, "a float32 model's own K/V"),
-    KVDtype("bfloat16", ("bfloat16", "bf16"), 2, 0, ("torch",), True,
+    KVDtype("float32", (), 4, 0, ("torch", "jax"), True, True, "a float32 model's own K/V"),
+    KVDtype("bfloat16", ("bfloat16", "bf16"), 2, 0, ("torch",), True, True,
             "K/V rounded to bfloat16: half a float32 model's KV bytes"),
-    KVDtype("float8_e5m2", ("fp8_e5m2",), 1, 0, ("torch",), True,
+    KVDtype("float8_e5m2", ("fp8_e5m2",), 1, 0, ("torch",), True, True,
             "K/V rounded to 8-bit floats, unscaled (SGLang's fp8_e5m2)"),
-    KVDtype("int8", ("int8",), 1, 2, ("torch",), False,
+    KVDtype("int8", ("int8",), 1, 2, ("torch",), True, True,
             "K/V as int8 with a bfloat16 scale per token and KV head (llama.cpp's q8_0 with one "
             "block per head vector): about half of bfloat16's bytes"),
 )}

@@ -229,7 +229,7 @@ def test_narrower_pool_of_a_float32_model(tmp_path, kv):
         narrow = kv_dtype(KV_FLAG_DTYPES[kv])
         assert runner.kv_pools[0][0].dtype == POOL_DTYPES[kv]
         # (the compiled layer ops write no int8 pool: write_kv does)
-        assert runner.layer_ops == (layer_ops and narrow.compiled_kernels)
+        assert runner.layer_ops == (layer_ops and narrow.fused_write)
         # the same memory holds 2x (4x; int8: 4x less its scales) the tokens
         c = loaded.config
         assert (runner.kv_bytes * kv_dtype("float32").head_row_bytes(c.head_dim)

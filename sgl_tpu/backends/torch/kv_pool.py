@@ -66,6 +66,11 @@ class KVPool(Sequence):
         kv_pages.write_pages(self.layers, pages, rows, self.page_size, window_pages, self.local)
 
 
+def head_row(pool: torch.Tensor, head_dim: int) -> int:
+    """Elements per head row of `pool` (an int8 pool's rows end in their scale's 2 bytes)."""
+    return head_dim + 2 if pool.dtype == torch.int8 else head_dim
+
+
 def quantize_int8(rows: torch.Tensor) -> torch.Tensor:
     """rows [..., d] -> int8 head rows [..., d + 2]: q = round(x / scale) in [-127, 127], then
     the scale's bfloat16 bytes; scale = max |x| / 127 rounded up to bfloat16 (0 for a zero

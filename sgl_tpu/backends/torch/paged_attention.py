@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from sgl_tpu.backends.torch.kernels import cpu_extension, invariant_gemm_cpu
-from sgl_tpu.backends.torch.kv_pool import load_rows, store_rows
+from sgl_tpu.backends.torch.kv_pool import head_row, load_rows, store_rows
 
 
 @dataclass(frozen=True)
@@ -246,8 +246,8 @@ def context_slots(pages, page_size: int, length: int) -> torch.Tensor:
 # window) and Gemma 2's soft-cap are applied inside the kernel. Shapes the kernel does not take
 # (head_dim not a multiple of 16, other dtypes or devices) run torch-sdpa instead.
 # The pools hold q's dtype, or bfloat16 under float32 queries (`--kv-cache-dtype bfloat16`), or
-# fp8 e5m2 under either (`--kv-cache-dtype fp8_e5m2`): rows are widened to float32 as they are
-# read.
+# fp8 e5m2 or int8 head rows under either (`--kv-cache-dtype fp8_e5m2` / `int8`): rows are
+# widened to float32 (int8 ones times their scale) as they are read.
 
 
 @dataclass(frozen=True)
@@ -268,10 +268,10 @@ class FusedDecodeBatch(DecodeBatch):
 
 def fused_takes(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
     """Whether the compiled kernel takes these shapes (else torch-sdpa runs)."""
-    d, kvh = k_pool.shape[2], k_pool.shape[1]
+    d, kvh = q.shape[2], k_pool.shape[1]
     return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
-            and k_pool.dtype in (q.dtype, torch.bfloat16, torch.float8_e5m2)
-            and d % 16 == 0 and d <= 512
+            and k_pool.dtype in (q.dtype, torch.bfloat16, torch.float8_e5m2, torch.int8)
+            and k_pool.shape[2] == head_row(k_pool, d) and d % 16 == 0 and d <= 512
             and q.shape[1] // kvh <= 128 and q.stride(2) == 1)
 
 

@@ -209,7 +209,7 @@ class TorchModelRunner:
         eager CPU runner when they are built and the model takes them; whether it did."""
         if not self.config.cpu_layer_ops or self.config.compile or self.device.type != "cpu":
             return False
-        if not kv_dtype(self.config.kv_dtype).compiled_kernels:
+        if not kv_dtype(self.config.kv_dtype).fused_write:
             logger.info("fused layer ops off: they do not write a %s KV pool",
                         self.config.kv_dtype)
             return False

@@ -9,7 +9,8 @@ accept, with SGLang's flag names) from which each component gets only its own fr
 
 Every setting is declared once, as a field made by `settings.setting` (default, check, help,
 doc pages); the CLI, the checks and the flag table of docs/serving.md derive from the fields.
-A leaf module: it imports nothing of the project but `sgl_tpu.settings`. Fields that name a
+A leaf module: it imports nothing of the project but `sgl_tpu.settings` and the KV dtype table
+(`sgl_tpu.kv_dtypes`). Fields that name a
 registry entry (policy, executor, attention and grammar backends, chat template) are checked
 against the registries by `sgl_tpu.choices` before a model loads.
 """
@@ -20,16 +21,13 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+from sgl_tpu.kv_dtypes import KV_DTYPES, KV_FLAG_DTYPES, UNSUPPORTED_KV_FLAGS, backend_refusal
 from sgl_tpu.settings import Int, Number, OneOf, OrNone, check_settings, setting
 
 DTYPES = ("auto", "float32", "bfloat16")
-# --kv-cache-dtype (SGLang's flag): auto = the model's compute dtype; bfloat16 (or bf16) halves a
-# float32 model's KV bytes; fp8_e5m2 (unscaled, as SGLang's) quarters them. SGLang's scaled
-# fp8_e4m3 and fp4 are refused by name.
-KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "fp8_e5m2")
-UNSUPPORTED_KV_CACHE_DTYPES = ("fp8_e4m3", "fp4_e2m1")
-# --kv-cache-dtype -> the KV pool's element type (RunnerConfig.kv_cache_dtype)
-KV_POOL_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "fp8_e5m2": "float8_e5m2"}
+# --kv-cache-dtype (SGLang's flag): auto = the model's compute dtype, or a spelling of the KV
+# dtype table (sgl_tpu/kv_dtypes.py). SGLang's fp8_e4m3 and fp4 are refused by name.
+KV_CACHE_DTYPES = ("auto", *KV_FLAG_DTYPES)
 HICACHE_WRITE_POLICIES = ("write_through", "write_back")
 HICACHE_STORAGE_DURABILITIES = ("none", "fsync")  # mem_cache/disk_tier.py DURABILITIES
 
@@ -53,9 +51,9 @@ _PRIORITY_DOCS = "#priority-scheduling---enable-priority-scheduling"
 
 
 def _kv_cache_dtype(name: str, value: object) -> None:
-    if value in UNSUPPORTED_KV_CACHE_DTYPES:
-        raise ValueError(f"--kv-cache-dtype {value} is not supported: sgl-tpu keeps no KV "
-                         f"scales; use auto (the model's dtype), bfloat16 (bf16) or fp8_e5m2")
+    if value in UNSUPPORTED_KV_FLAGS:
+        raise ValueError(f"--kv-cache-dtype {value} is not supported; use auto (the model's "
+                         f"dtype) or one of {', '.join(KV_FLAG_DTYPES)}")
     OneOf(KV_CACHE_DTYPES)("--kv-cache-dtype", value)
 
 
@@ -123,8 +121,8 @@ class RunnerConfig:
     # debug: after every static (torch) or state (jax) decode step, compare the device batch
     # state with a host recomputation
     check_decode_state: bool = False
-    # the KV pool's element type: "auto" (= dtype), "bfloat16" (under a float32 model) or
-    # "float8_e5m2": K/V rounded to it as written, widened as attention reads them
+    # the KV pool's element type: "auto" (= dtype) or a name of sgl_tpu/kv_dtypes.py's table:
+    # K/V stored in it as written, widened as attention reads them
     kv_cache_dtype: str = "auto"
     # a hybrid model's sliding-window pool (torch backend, mem_cache/swa_pool.py): local layers
     # keep their K/V on `swa_num_pages` window pages (page 0 included), global layers on
@@ -133,8 +131,8 @@ class RunnerConfig:
     swa_window: int = 0
 
     def __post_init__(self) -> None:
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float8_e5m2"):
-            raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float8_e5m2, "
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be auto or one of {tuple(KV_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
         if self.kv_tile % self.page_size:
             raise ValueError(f"kv_tile ({self.kv_tile}) must be a multiple of page_size "
@@ -142,7 +140,7 @@ class RunnerConfig:
 
     @property
     def kv_dtype(self) -> str:
-        """The KV pool's element type, resolved: "float32", "bfloat16" or "float8_e5m2"."""
+        """The KV pool's element type, resolved: a name of sgl_tpu/kv_dtypes.py's table."""
         return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     @property
@@ -403,8 +401,10 @@ class ServerArgs(SchedulerSettings, ServingSettings):
         help="KV cache element type: auto (the compute dtype; bfloat16 where --dtype auto resolves"
              " to float32 on a CPU without AMX, torch backend), bfloat16 / bf16 (a float32 model "
              "keeps K/V rows rounded to bfloat16: half the KV memory and bytes read per decode "
-             "step; torch backend) or fp8_e5m2 (K/V rounded to 8-bit floats, unscaled: a quarter "
-             "of float32's bytes; torch backend). fp8_e4m3 and fp4_e2m1 are not supported")
+             "step; torch backend), fp8_e5m2 (K/V rounded to 8-bit floats, unscaled: a quarter "
+             "of float32's bytes; torch backend) or int8 (int8 values with a bfloat16 scale per "
+             "token and KV head: 66 bytes per 64-value head row, about half of bfloat16's; torch "
+             "backend). fp8_e4m3 and fp4_e2m1 are not supported")
     max_total_tokens: int = setting(65536, check=Int(1), help="KV cache capacity in tokens")
     max_extend_seqs: int = setting(
         32, check=Int(1), see="architecture.md",
@@ -639,9 +639,10 @@ class ServerArgs(SchedulerSettings, ServingSettings):
         super().__post_init__()  # every field's check, then the scheduler's cross checks
         if self.max_total_tokens < 2 * self.page_size:
             raise ValueError("max_total_tokens must hold at least two pages")
-        if self.kv_cache_dtype != "auto" and self.backend == "jax":
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} needs the torch backend; "
-                             f"--backend jax stores the KV cache in the model's dtype (auto)")
+        if self.kv_cache_dtype != "auto" and self.backend != "auto":
+            why = backend_refusal(self.kv_cache_dtype, self.backend)
+            if why is not None:
+                raise ValueError(why)
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank must be an integer in [0, nnodes={self.nnodes}), "
                              f"got {self.node_rank!r}")

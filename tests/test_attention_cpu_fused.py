@@ -2,7 +2,8 @@
 `torch-sdpa`: ragged, paged (scattered pages, contexts ending mid-page), shared-prefix decode
 batches, GQA, sliding windows and soft-cap, float32 and bfloat16, float32 queries over
 bfloat16 pools (`--kv-cache-dtype bfloat16` of a float32 model) and either over fp8 e5m2 pools
-(`--kv-cache-dtype fp8_e5m2`); then the registry's `auto`
+(`--kv-cache-dtype fp8_e5m2`) and int8 head rows with their scales (`--kv-cache-dtype int8`,
+against the reference of the dequantized K/V); then the registry's `auto`
 choice and its fallback, and greedy parity of two runners on a tiny model."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from sgl_tpu.backends.torch import paged_attention as sdpa
 from sgl_tpu.backends.torch.attention import products
 from sgl_tpu.backends.torch.kernels import cpu_extension
+from sgl_tpu.backends.torch.kv_pool import dequantize_int8, quantize_int8
 from sgl_tpu.backends.torch.runner import TorchModelRunner
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.executor.attention_registry import get_attention_backend, resolve_attention_backend
@@ -37,8 +39,20 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 # dtype's tolerance against the reference of the same rounded K/V
 DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
           (torch.float32, torch.bfloat16), (torch.float32, torch.float8_e5m2),
-          (torch.bfloat16, torch.float8_e5m2)]
-DTYPE_IDS = ["float32", "bfloat16", "f32q-bf16kv", "f32q-fp8kv", "bf16q-fp8kv"]
+          (torch.bfloat16, torch.float8_e5m2), (torch.float32, torch.int8),
+          (torch.bfloat16, torch.int8)]
+DTYPE_IDS = ["float32", "bfloat16", "f32q-bf16kv", "f32q-fp8kv", "bf16q-fp8kv", "f32q-int8kv",
+             "bf16q-int8kv"]
+
+
+def to_pool(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K or V values [slots, kvh, d] as a pool of `dtype` (int8: quantized head rows)."""
+    return quantize_int8(x) if dtype == torch.int8 else x.to(dtype)
+
+
+def widened(rows: torch.Tensor) -> torch.Tensor:
+    """Pool rows as float64 (int8 head rows dequantized)."""
+    return dequantize_int8(rows, torch.float64) if rows.dtype == torch.int8 else rows.double()
 
 
 # torch-cpu-fused multiplies in float32; -bf16 in bfloat16 pairs over a bfloat16 pool where
@@ -61,8 +75,8 @@ class Pool:
 
     def __init__(self, d: int, dtype: torch.dtype, num_pages: int = 96, seed: int = 0):
         g = torch.Generator().manual_seed(seed)
-        self.k = torch.randn(num_pages * PS, KVH, d, generator=g).to(dtype)
-        self.v = torch.randn(num_pages * PS, KVH, d, generator=g).to(dtype)
+        self.k = to_pool(torch.randn(num_pages * PS, KVH, d, generator=g), dtype)
+        self.v = to_pool(torch.randn(num_pages * PS, KVH, d, generator=g), dtype)
         self.free = (1 + torch.randperm(num_pages - 1, generator=g)).tolist()
 
     def pages(self, n_tokens: int) -> np.ndarray:
@@ -74,8 +88,8 @@ class Pool:
 def reference(q, pool, slots, q_pos, scale, window=None, cap=None, group=G) -> torch.Tensor:
     """float64 attention of queries q [n, H, d] at positions q_pos over the keys in `slots`
     (key j at position j)."""
-    k = pool.k[slots].double().repeat_interleave(group, dim=1)  # [L, H, d]
-    v = pool.v[slots].double().repeat_interleave(group, dim=1)
+    k = widened(pool.k[slots]).repeat_interleave(group, dim=1)  # [L, H, d]
+    v = widened(pool.v[slots]).repeat_interleave(group, dim=1)
     s = torch.einsum("nhd,lhd->hnl", q.double(), k) * scale
     if cap is not None:
         s = cap * torch.tanh(s / cap)
@@ -210,9 +224,11 @@ def test_decode_matches_reference_with_a_shared_prefix(name, dtypes, case):
     (3, 1, 16, None, None, torch.float32), (2, 2, 48, 37, None, torch.float32),
     (3, 3, 64, None, 2.5, torch.bfloat16), (1, 4, 80, 200, None, torch.float32),
     (2, 5, 32, None, None, torch.float32), (40, 4, 16, None, None, torch.float32),
-    (3, 3, 64, 200, None, torch.float8_e5m2), (2, 6, 32, None, None, torch.float8_e5m2)],
+    (3, 3, 64, 200, None, torch.float8_e5m2), (2, 6, 32, None, None, torch.float8_e5m2),
+    (3, 3, 64, 200, None, torch.int8), (2, 6, 32, None, None, torch.int8)],
     ids=["mha", "g2-d48-window", "g3-softcap-bf16kv", "g4-d80-window", "g5-per-head",
-         "160-heads-per-head", "g3-window-fp8kv", "g6-per-head-fp8kv"])
+         "160-heads-per-head", "g3-window-fp8kv", "g6-per-head-fp8kv", "g3-window-int8kv",
+         "g6-per-head-int8kv"])
 def test_decode_own_keys_over_group_sizes(kvh, group, d, window, cap, pool_dtype):
     """Decode rows over their own keys only (no shared prefix): GQA groups of 1 to 4 rows take
     the all-heads items (keys in vector lanes; chunks of 128 keys, tails off the 8-key folds
@@ -222,8 +238,8 @@ def test_decode_own_keys_over_group_sizes(kvh, group, d, window, cap, pool_dtype
     scale = d ** -0.5
     g = torch.Generator().manual_seed(kvh * 10 + group)
     num_pages = 130
-    pool = SimpleNamespace(k=torch.randn(num_pages * PS, kvh, d, generator=g).to(pool_dtype),
-                           v=torch.randn(num_pages * PS, kvh, d, generator=g).to(pool_dtype))
+    pool = SimpleNamespace(k=to_pool(torch.randn(num_pages * PS, kvh, d, generator=g), pool_dtype),
+                           v=to_pool(torch.randn(num_pages * PS, kvh, d, generator=g), pool_dtype))
     free = (1 + torch.randperm(num_pages - 1, generator=g)).tolist()
     steps = []
     for n in (1, 9, 130, 301):
@@ -272,8 +288,8 @@ def pool_of_16_slot_pages(num_pages: int, kvh: int, d: int, dtype: torch.dtype,
     """Random K/V pools on pages of 16 slots (the server's default page size), and a function
     that returns the slots of n new keys on pages taken in a scattered order (page 0 kept)."""
     page = 16
-    pool = SimpleNamespace(k=torch.randn(num_pages * page, kvh, d, generator=g).to(dtype),
-                           v=torch.randn(num_pages * page, kvh, d, generator=g).to(dtype))
+    pool = SimpleNamespace(k=to_pool(torch.randn(num_pages * page, kvh, d, generator=g), dtype),
+                           v=to_pool(torch.randn(num_pages * page, kvh, d, generator=g), dtype))
     free = (1 + torch.randperm(num_pages - 1, generator=g)).tolist()
 
     def slots_on_new_pages(n: int) -> torch.Tensor:
@@ -313,8 +329,9 @@ def test_decode_shared_prefix_on_pages_of_16(dtype, window, cap, dots):
 
 
 @pytest.mark.parametrize("dots", [True, False], ids=["dots", "f32"])
-@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2],
-                         ids=["float32", "bf16kv", "fp8kv"])
+@pytest.mark.parametrize("pool_dtype",
+                         [torch.float32, torch.bfloat16, torch.float8_e5m2, torch.int8],
+                         ids=["float32", "bf16kv", "fp8kv", "int8kv"])
 @pytest.mark.parametrize("kvh,group,d,window,cap", [
     (3, 3, 64, None, None), (2, 3, 64, 20, None), (3, 3, 64, None, 2.5), (1, 8, 64, 300, None),
     (4, 1, 64, None, None), (1, 4, 64, None, None), (2, 3, 80, None, None)],
@@ -502,8 +519,9 @@ def test_runner_greedy_parity_with_sdpa(tmp_path):
 
 @pytest.mark.isa_invariance
 @pytest.mark.parametrize("dots", [True, False], ids=["dots", "f32"])
-@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2],
-                         ids=["float32", "bf16kv", "fp8kv"])
+@pytest.mark.parametrize("pool_dtype",
+                         [torch.float32, torch.bfloat16, torch.float8_e5m2, torch.int8],
+                         ids=["float32", "bf16kv", "fp8kv", "int8kv"])
 @pytest.mark.parametrize("kvh,group", [(3, 3), (1, 4), (2, 8)], ids=["g3", "g4", "g8"])
 def test_decode_rows_are_batch_invariant(kvh, group, pool_dtype, dots):
     """A decode row's output has the same bits whatever rows share its step: alone (every key

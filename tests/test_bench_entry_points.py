@@ -1,5 +1,5 @@
 """The supported bench entry points that drive servers, each run in a tiny mode on a tiny random
-checkpoint: `bench.serving` (its four comparisons), `bench.structured`, the reliability
+checkpoint: `bench.serving` (its comparisons), `bench.structured`, the reliability
 campaign (tests/reliability_campaign.py) and `bench.agent_loop --mixed-batch`.
 (`bench.executor`: tests/test_bench_executor.py; the rest of `bench.agent_loop`:
 tests/test_agent_loop.py; `bench.accelerator`: tests/test_random_checkpoint.py.)"""
@@ -63,6 +63,24 @@ def test_serving_compares_the_server_with_its_executor(model, tmp_path):
     assert {(r["concurrency"], r["config"], r["requests"]) for r in result["runs"]} == {
         (c, name, c) for c in (1, 3) for name in ("server", "engine")}
     assert all(s["server_over_engine_median"] > 0 for s in result["summary"].values())
+
+
+@pytest.mark.slow
+def test_serving_compares_two_kv_cache_dtypes(model, tmp_path):
+    from sgl_tpu.bench import serving
+
+    out = tmp_path / "kv.json"
+    serving.main(["--compare", "kv-cache-dtype", "--model-path", model, "--concurrency", "1",
+                  "--rounds", "1", "--prompt-tokens", "64", "--output-tokens", "4",
+                  f"--server-flags={SERVER_FLAGS}", "--output", str(out)])
+    result = json.loads(out.read_text())
+    assert {(r["concurrency"], r["config"]) for r in result["runs"]} == {
+        (1, "int8"), (1, "bfloat16")}
+    assert all(r["itl_p50_ms"] > 0 for r in result["runs"])
+    assert {m["kv_cache_dtype"] for m in result["memory"].values()} == {"int8", "bfloat16"}
+    # the tiny model's head_dim 16: 18-byte int8 head rows against 32 bytes of bfloat16
+    assert result["kv_tokens_per_gb_int8_over_bfloat16"] == pytest.approx(32 / 18, rel=1e-3)
+    assert result["summary"]["1"]["itl_int8_over_bfloat16_median"] > 0
 
 
 @pytest.mark.slow

@@ -457,6 +457,33 @@ def test_torch_page_copies_round_trip(dtype):
             assert torch.equal(t[4:8].view(torch.uint8), t[20:24].view(torch.uint8))
 
 
+def test_int8_pool_page_rows_are_about_half_of_bfloat16s_and_keep_their_scales():
+    """A KVPool's page rows carry each head row's scale: an int8 pool's rows are (d + 2) / 2d
+    of a bfloat16 pool's bytes (66 / 128 at the default model's head_dim 64), and rows read
+    and written back give the same dequantized K/V."""
+    from sgl_tpu.backends.torch.kv_pool import KVPool, load_rows, store_rows
+    from sgl_tpu.kv_dtypes import kv_dtype
+
+    ps, kvh, d = 4, 3, 64
+    pools = {name: KVPool(kv_dtype(name), [16 * ps] * 2, [False, False], ps, kvh, d,
+                          torch.device("cpu")) for name in ("bfloat16", "int8")}
+    g = torch.Generator().manual_seed(0)
+    slots = torch.arange(3 * ps, 5 * ps)  # pages 3 and 4
+    for layer in pools["int8"]:
+        for t in layer:
+            store_rows(t, slots, torch.randn(len(slots), kvh, d, generator=g))
+    rows = {name: pool.read_pages(np.array([3, 4])) for name, pool in pools.items()}
+    assert rows["int8"].nbytes * 128 == rows["bfloat16"].nbytes * 66
+    assert pools["int8"].nbytes * 128 == pools["bfloat16"].nbytes * 66
+    assert "int8" in pools["int8"].page_layout() != pools["bfloat16"].page_layout()
+    pools["int8"].write_pages(np.array([9, 1]), rows["int8"])
+    moved = torch.cat([torch.arange(9 * ps, 10 * ps), torch.arange(ps, 2 * ps)])
+    for k, v in pools["int8"]:
+        for t in (k, v):
+            assert torch.equal(load_rows(t, moved, torch.float32),
+                               load_rows(t, slots, torch.float32))
+
+
 def test_jax_page_copies_round_trip():
     import jax.numpy as jnp
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from sgl_tpu.backends.torch import paged_attention as sdpa
 from sgl_tpu.backends.torch.kernels import layer_ops_cpu
+from sgl_tpu.backends.torch.kv_pool import quantize_int8
 from sgl_tpu.backends.torch.models import llama as llama_torch
 from sgl_tpu.config import ServerArgs
 from sgl_tpu.executor.registry import create_model_runner, runner_config
@@ -138,13 +139,16 @@ def test_rope_write_kv_equals_torch(dtype, lens, qk_norm):
 
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.bfloat16),
                                     (torch.float32, torch.float8_e5m2),
-                                    (torch.bfloat16, torch.float8_e5m2)],
-                         ids=["f32-bf16pool", "f32-fp8pool", "bf16-fp8pool"])
+                                    (torch.bfloat16, torch.float8_e5m2),
+                                    (torch.float32, torch.int8), (torch.bfloat16, torch.int8)],
+                         ids=["f32-bf16pool", "f32-fp8pool", "bf16-fp8pool", "f32-int8pool",
+                              "bf16-int8pool"])
 @pytest.mark.parametrize("lens", [[5, 1, 9], [64, 66]])
 def test_rope_write_kv_rounds_rows_into_a_narrower_pool(lens, dtypes):
-    """Pools narrower than qkv (`--kv-cache-dtype bfloat16` / `fp8_e5m2`): q and k rotated as
-    with pools of qkv's dtype, the pool rows bit-exactly write_kv's rounding of them (torch's
-    round-to-nearest-even; fp8 saturated at its largest finite value, not inf)."""
+    """Pools narrower than qkv (`--kv-cache-dtype bfloat16` / `fp8_e5m2` / `int8`): q and k
+    rotated as with pools of qkv's dtype, the pool rows bit-exactly write_kv's rounding of them
+    (torch's round-to-nearest-even; fp8 saturated at its largest finite value, not inf; int8
+    head rows quantized with the same scale bits)."""
     dtype, pool_dtype = dtypes
     h_q, kvh, d, page_size, num_pages = 6, 2, 64, 4, 64
     slots = _ragged_slots(page_size, lens, num_pages, seed=len(lens))
@@ -154,8 +158,10 @@ def test_rope_write_kv_rounds_rows_into_a_narrower_pool(lens, dtypes):
     cos, sin = llama_torch.rope_tables(positions, inv_freq)
     qkv = _rand(t, (h_q + 2 * kvh) * d, dtype=dtype, seed=6)
     qkv[0, -1], qkv[0, -2] = 1e6, -1e6  # past fp8 e5m2's range: saturated
-    k_pool = _rand(num_pages * page_size, kvh, d, dtype=pool_dtype, seed=7)
-    v_pool = _rand(num_pages * page_size, kvh, d, dtype=pool_dtype, seed=8)
+    k_pool, v_pool = (
+        quantize_int8(_rand(num_pages * page_size, kvh, d, dtype=torch.float32, seed=seed))
+        if pool_dtype == torch.int8 else
+        _rand(num_pages * page_size, kvh, d, dtype=pool_dtype, seed=seed) for seed in (7, 8))
     ref_qkv, ref_k, ref_v = qkv.clone(), k_pool.clone(), v_pool.clone()
     wide = torch.zeros(num_pages * page_size, kvh, d, dtype=dtype)
     ops().rope_write_kv(ref_qkv, cos, sin, wide, wide.clone(), slots, h_q, kvh)
@@ -167,6 +173,8 @@ def test_rope_write_kv_rounds_rows_into_a_narrower_pool(lens, dtypes):
     bits = torch.int16 if pool_dtype == torch.bfloat16 else torch.uint8
     assert torch.equal(k_pool.view(bits), ref_k.view(bits))
     assert torch.equal(v_pool.view(bits), ref_v.view(bits))
+    if pool_dtype == torch.int8:
+        return
     big = v_pool[slots[0], -1, -2:].float()
     want = torch.finfo(pool_dtype).max if pool_dtype == torch.float8_e5m2 else 1e6
     assert big[1] == pytest.approx(want, rel=1e-2) and big[0] == -big[1]
@@ -289,9 +297,11 @@ class CountingOps:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["tiles", "a8", "f32"])
-def test_compiled_decode_layers_equal_the_python_loop(family, monkeypatch):
-    """The default model on each family of block kernels over a bfloat16 KV cache (gguf-a8:
+@pytest.mark.parametrize("family,kv", [("tiles", "bfloat16"), ("a8", "bfloat16"),
+                                       ("f32", "bfloat16"), ("f32", "int8")])
+def test_compiled_decode_layers_equal_the_python_loop(family, kv, monkeypatch):
+    """The default model on each family of block kernels over a bfloat16 KV cache (and an
+    int8 one: its K/V quantized by the compiled write, read by the compiled attention) (gguf-a8:
     the int8-activation tiles of an AVX512-VNNI build, or its blocks on any build; gguf: the
     float32 blocks): decode steps of two sequences of different lengths, then of one, give
     the same tokens and top log-probabilities, bit for bit, with the layer loop compiled
@@ -313,7 +323,7 @@ def test_compiled_decode_layers_equal_the_python_loop(family, monkeypatch):
     for compiled in (True, False):
         m = Runner(loaded, "float32", True, page_size=16,
                    quantization="gguf" if family == "f32" else "gguf-a8",
-                   kv_cache_dtype="bfloat16")
+                   kv_cache_dtype=kv)
         model = m.runner.model
         assert m.runner.decode_layers and m.runner.compute_info()["decode_layers"] == "compiled"
         assert {p.kernel.kind for p in (model.w.layers[0].wqkv, model.w.lm_head)} == kinds

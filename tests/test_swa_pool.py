@@ -272,6 +272,38 @@ def test_host_tier_under_the_window_pool(tiny_gemma, policy, chunked, monkeypatc
     assert results[True] == results[False]
 
 
+def test_int8_pool_under_the_window_pool_and_the_host_tier(tiny_gemma):
+    """`--kv-cache-dtype int8` on a hybrid model: the window pool and the host tier move int8
+    head rows with their scales like any pool's rows, so prompts that overflow the pool and
+    come back from the host tier give the same greedy tokens as one int8 pool without either;
+    the host tier's rows are int8's (d + 2 bytes per head row, not 2d)."""
+    from sgl_tpu.engine import Engine
+    from sgl_tpu.kv_dtypes import kv_dtype
+
+    common = dict(backend="torch", dtype="float32", page_size=PS, chunked_prefill_size=64,
+                  max_running_requests=4, torch_compile="off", max_total_tokens=256,
+                  kv_cache_dtype="int8")
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(5, 200, 150).tolist() for _ in range(5)]
+    sp = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    results = {}
+    for tiers in (False, True):
+        kw = dict(enable_hierarchical_cache=True, hicache_ratio=4.0,
+                  swa_full_tokens_ratio=0.05) if tiers else dict(disable_hybrid_swa_memory=True)
+        with Engine(tiny_gemma, **common, **kw) as engine:
+            results[tiers] = [engine.generate(input_ids=p, sampling_params=sp)["output_ids"]
+                              for p in prompts * 2]
+            info = engine.get_server_info()
+            assert info["memory"]["kv_cache_dtype"] == "int8"
+            if tiers:
+                assert info["integrity"] == "ok" and info["tiers"]["host"]["hit_tokens"] > 0
+                cfg = engine.scheduler.runner.model_config
+                int8 = kv_dtype("int8").token_bytes(cfg.num_layers, cfg.num_kv_heads,
+                                                    cfg.head_dim)
+                assert engine.scheduler.tiers.host.row_bytes == PS * int8
+    assert results[True] == results[False]
+
+
 def test_windows_never_outgrow_their_pool():
     kv = _manager(128, 20)
     reqs = [_req([i] * 7 + list(range(1000 + 100 * i, 1040 + 100 * i))) for i in range(3)]

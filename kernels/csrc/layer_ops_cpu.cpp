@@ -15,7 +15,8 @@
 //         tables: cos = (c, c), sin = (-s, s)), each head RMSNormed first when the norms are
 //         given (Qwen3), then copies the row's k and v heads into pool row slots[t]; the
 //         pools hold qkv's dtype, or bfloat16 under float32 qkv, or fp8 e5m2 (rounded to
-//         nearest even; fp8 saturated at +-57344)
+//         nearest even; fp8 saturated at +-57344), or int8 head rows [S, kvh, d + 2]
+//         (quantize_head: each head's d int8 values and its bfloat16 scale)
 //
 //                 qkv row t:  | q head 0 .. H-1 | k head 0 .. kvh-1 | v head 0 .. kvh-1 |
 //                               \____ rotated in place ____/          |
@@ -185,6 +186,27 @@ inline void rotate_head(T* x, const float* cos, const float* sin, int64_t d, flo
   }
 }
 
+// A --kv-cache-dtype int8 head row (sgl_tpu/backends/torch/kv_pool.py quantize_int8, bit for
+// bit): d values q = round(x / scale) in [-127, 127] (ties to even, as torch.round), then the
+// scale's bfloat16 bits; scale = max |x| / 127 rounded up to bfloat16.
+template <typename T>
+inline void quantize_head(int8_t* dst, const T* src, int64_t d) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(to_f(src[i])));
+  uint32_t u;
+  const float raw = amax / 127.0f;
+  std::memcpy(&u, &raw, sizeof u);
+  u = (u + 0xFFFFu) & ~0xFFFFu;
+  float scale;
+  std::memcpy(&scale, &u, sizeof scale);
+  for (int64_t i = 0; i < d; ++i) {
+    const float q = scale > 0.0f ? std::nearbyint(to_f(src[i]) / scale) : 0.0f;
+    dst[i] = static_cast<int8_t>(std::min(std::max(q, -127.0f), 127.0f));
+  }
+  const uint16_t bits = static_cast<uint16_t>(u >> 16);
+  std::memcpy(dst + d, &bits, sizeof bits);
+}
+
 // n values of one row into a pool row: a copy, or rounded to the pool's narrower type
 template <typename T, typename TP>
 inline void copy_row(TP* dst, const T* src, int64_t n) {
@@ -206,9 +228,17 @@ void rope_write_kv_impl(T* qkv, int64_t row_stride, const float* cos, const floa
       for (int64_t head = 0; head < H + kvh; ++head)
         rotate_head(row + head * d, cos + t * d, sin + t * d, d, tmp.data(),
                     head < H ? q_norm : k_norm, eps);
-      const int64_t kv_elems = kvh * d;
-      copy_row(k_pool + slots[t] * kv_elems, row + H * d, kv_elems);
-      copy_row(v_pool + slots[t] * kv_elems, row + (H + kvh) * d, kv_elems);
+      if constexpr (std::is_same_v<TP, int8_t>) {  // head rows of d + 2 bytes
+        const int64_t head_row = d + 2;
+        for (int64_t h = 0; h < kvh; ++h) {
+          quantize_head(k_pool + (slots[t] * kvh + h) * head_row, row + (H + h) * d, d);
+          quantize_head(v_pool + (slots[t] * kvh + h) * head_row, row + (H + kvh + h) * d, d);
+        }
+      } else {
+        const int64_t kv_elems = kvh * d;
+        copy_row(k_pool + slots[t] * kv_elems, row + H * d, kv_elems);
+        copy_row(v_pool + slots[t] * kv_elems, row + (H + kvh) * d, kv_elems);
+      }
     }
   });
 }
@@ -224,15 +254,17 @@ void rope_write_kv(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
   TORCH_CHECK(k_pool.dim() == 3 && k_pool.size(1) == kvh && k_pool.is_contiguous() &&
                   v_pool.is_contiguous() && v_pool.sizes() == k_pool.sizes(),
               op, ": pools must be contiguous [slots, kvh, d] of the same shape");
-  const int64_t d = k_pool.size(2);
+  // an int8 pool's head rows end in their scale's 2 bytes
+  const bool q8 = k_pool.scalar_type() == at::kChar;
+  const int64_t d = k_pool.size(2) - (q8 ? 2 : 0);
   TORCH_CHECK(d % 2 == 0 && qkv.size(1) == (H + 2 * kvh) * d,
               op, ": qkv rows must hold (H + 2 kvh) heads of an even head_dim");
   TORCH_CHECK(k_pool.device().is_cpu() && v_pool.scalar_type() == k_pool.scalar_type() &&
                   (k_pool.scalar_type() == qkv.scalar_type() ||
-                   k_pool.scalar_type() == at::kFloat8_e5m2 ||
+                   k_pool.scalar_type() == at::kFloat8_e5m2 || q8 ||
                    (qkv.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kBFloat16)),
-              op, ": pools must be CPU tensors of qkv's dtype, or float8_e5m2, or bfloat16 "
-              "under float32 qkv; got qkv ", qkv.scalar_type(), ", k_pool ",
+              op, ": pools must be CPU tensors of qkv's dtype, or float8_e5m2 or int8 head "
+              "rows, or bfloat16 under float32 qkv; got qkv ", qkv.scalar_type(), ", k_pool ",
               k_pool.scalar_type(), ", v_pool ", v_pool.scalar_type());
   for (const at::Tensor* t : {&cos, &sin})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() &&
@@ -254,7 +286,17 @@ void rope_write_kv(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
   const int64_t num_slots = k_pool.size(0);
   for (int64_t t = 0; t < rows; ++t)
     TORCH_CHECK(s[t] >= 0 && s[t] < num_slots, op, ": slot ", s[t], " out of range");
-  if (k_pool.scalar_type() == at::kFloat8_e5m2 && qkv.scalar_type() == at::kBFloat16)
+  if (q8 && qkv.scalar_type() == at::kBFloat16)
+    rope_write_kv_impl<c10::BFloat16, int8_t>(
+        qkv.data_ptr<c10::BFloat16>(), qkv.stride(0), cos.data_ptr<float>(),
+        sin.data_ptr<float>(), k_pool.data_ptr<int8_t>(), v_pool.data_ptr<int8_t>(), s, rows,
+        H, kvh, d, qn, kn, static_cast<float>(eps));
+  else if (q8)
+    rope_write_kv_impl<float, int8_t>(
+        qkv.data_ptr<float>(), qkv.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(),
+        k_pool.data_ptr<int8_t>(), v_pool.data_ptr<int8_t>(), s, rows, H, kvh, d, qn, kn,
+        static_cast<float>(eps));
+  else if (k_pool.scalar_type() == at::kFloat8_e5m2 && qkv.scalar_type() == at::kBFloat16)
     rope_write_kv_impl<c10::BFloat16, c10::Float8_e5m2>(
         qkv.data_ptr<c10::BFloat16>(), qkv.stride(0), cos.data_ptr<float>(),
         sin.data_ptr<float>(), k_pool.data_ptr<c10::Float8_e5m2>(),
@@ -433,7 +475,7 @@ class DecodeLayers {
         k_norm = w[3];
       }
       rope_write_kv(qkv, cos, sin, k_pool, v_pool, slots, H_, kvh_, q_norm, k_norm, eps_);
-      const int64_t d = k_pool.size(2), q_size = H_ * d;
+      const int64_t d = qkv.size(1) / (H_ + 2 * kvh_), q_size = H_ * d;
       const at::Tensor o = decode_(qkv.narrow(1, 0, q_size).view({t, H_, d}), k_pool, v_pool,
                                    shared_slots, own_slots, own_lo, own_hi, scale_, 0, 0.0,
                                    bf16_dots_);

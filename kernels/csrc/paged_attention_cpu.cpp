@@ -42,7 +42,9 @@
 // probability bits (see vexp2_rel). q and out (TQ)
 // float32 or bfloat16, the pools (TKV) of q's dtype, or bfloat16 under float32 q (a bfloat16 KV
 // cache of a float32 model), or fp8 e5m2 under either (`--kv-cache-dtype fp8_e5m2`: a quarter
-// of float32's bytes).
+// of float32's bytes), or int8 head rows under either (`--kv-cache-dtype int8`, Q8 below: d
+// int8 values and their bfloat16 scale, pool [num_slots, kvh, d + 2]), dequantized per key
+// vector (q * scale in float32) as the rows are widened, so every path reads the same floats.
 // Written with GCC/Clang vector extensions, one register wide (16 floats with AVX-512, else
 // 8): -march=native picks the widest, a portable build gets the baseline ISA's.
 
@@ -142,6 +144,40 @@ inline vf load16(const at::Float8_e5m2* p) {
 #endif
   return f;
 }
+// A --kv-cache-dtype int8 pool's element (sgl_tpu/kv_dtypes.py): a head row is d of them and
+// then its scale's two bfloat16 bytes, so rows are row_len<Q8>(d) elements apart.
+struct Q8 {
+  int8_t v;
+};
+template <typename T>
+constexpr int64_t row_len(int64_t d) {
+  return std::is_same_v<T, Q8> ? d + 2 : d;
+}
+inline vf load16(const Q8* p) {  // the int8 values as float32, unscaled
+  vf f;
+#if defined(__AVX512F__)
+  const __m512 x = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  std::memcpy(&f, &x, sizeof f);
+#elif defined(__AVX2__)
+  const __m256 x = _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  std::memcpy(&f, &x, sizeof f);
+#else
+  for (int i = 0; i < kLanes; ++i) f[i] = static_cast<float>(p[i].v);
+#endif
+  return f;
+}
+// the scale of the head row starting at row (d values)
+inline float q8_scale(const Q8* row, int64_t d) {
+  uint16_t h;
+  std::memcpy(&h, row + d, sizeof h);
+  const uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
 inline void store16(float* p, vf v) { storef(p, v); }
 inline void store16(at::BFloat16* p, vf v) {  // round to nearest even
   vu u;
@@ -396,15 +432,38 @@ void load_rows(Scratch& s, int R, int d, float scale, bool round_q, QRow q_row) 
 }
 
 // Rows src[0 .. n) of d values as float32: the rows themselves when they are float32, else
-// widened into buf [n][d].
+// widened into buf [n][d] (int8 head rows: times their scale).
 template <typename T>
 inline void rows_f32(const float** rows, float* buf, const T* const* src, int n, int64_t d) {
   for (int j = 0; j < n; ++j) {
     if constexpr (std::is_same_v<T, float>) {
       rows[j] = src[j];
+    } else if constexpr (std::is_same_v<T, Q8>) {
+      const vf scale = splat(q8_scale(src[j], d));
+      for (int64_t c = 0; c < d; c += kLanes) storef(buf + j * d + c, load16(src[j] + c) * scale);
+      rows[j] = buf + j * d;
     } else {
       for (int64_t c = 0; c < d; c += kLanes) storef(buf + j * d + c, load16(src[j] + c));
       rows[j] = buf + j * d;
+    }
+  }
+}
+
+// Pool rows src[0 .. n) of all kvh heads as float32 [n][kvh * d] (rows_f32 per head row).
+template <typename T>
+inline void heads_rows_f32(const float** rows, float* buf, const T* const* src, int n, int kvh,
+                           int64_t d) {
+  if constexpr (!std::is_same_v<T, Q8>) {
+    rows_f32(rows, buf, src, n, kvh * d);
+  } else {
+    for (int j = 0; j < n; ++j) {
+      for (int h = 0; h < kvh; ++h) {
+        const Q8* head = src[j] + h * row_len<Q8>(d);
+        const vf scale = splat(q8_scale(head, d));
+        for (int64_t c = 0; c < d; c += kLanes)
+          storef(buf + (j * kvh + h) * d + c, load16(head + c) * scale);
+      }
+      rows[j] = buf + j * kvh * d;
     }
   }
 }
@@ -924,18 +983,18 @@ struct TouchAhead {
 template <typename T>
 void heads_scores(Scratch& s, int kvh, int G, int d, const T* kp, const T* vp,
                   const int64_t* slots, int n, float* sc) {
-  const int64_t width = int64_t(kvh) * d;
+  const int64_t width = int64_t(kvh) * d, stride = kvh * row_len<T>(d);
   float* kbuf = std::is_same_v<T, float> ? nullptr : s.key_block(width);
-  const TouchAhead<T> ahead{kp, vp, slots, width, n};
+  const TouchAhead<T> ahead{kp, vp, slots, stride, n};
   ahead.first();
   for (int j = 0; j < n; j += 8) {
     const int m = std::min(8, n - j);
     ahead.block(j, 8);
     const T* src[8];  // keys past n repeat the last one (their scores are overwritten)
-    for (int k = 0; k < 8; ++k) src[k] = kp + slots[j + std::min(k, m - 1)] * width;
+    for (int k = 0; k < 8; ++k) src[k] = kp + slots[j + std::min(k, m - 1)] * stride;
     // the rows as float32, widened once for the G query rows of each head that read them
     const float* kr[8];
-    rows_f32(kr, kbuf, src, 8, width);
+    heads_rows_f32(kr, kbuf, src, 8, kvh, d);
     for (int h = 0; h < kvh; ++h)
       for (int r = h * G; r < (h + 1) * G; ++r) {
         const float* q = s.qr + r * d;
@@ -1135,6 +1194,20 @@ inline void pv_rows(float* acc, int d, const float* p, const T* const* vr, int64
   for (; c < d; c += kLanes) pv_rows_block<T, NR, 1>(acc, d, p, vr, voff, nb, r0, c);
 }
 
+// acc[r] += P[r] @ V of keys vr[0 .. nb) (rows of all kvh heads, kvh * d apart) for the kvh * G
+// rows, row r reading head r / G.
+template <typename T>
+void pv_heads(Scratch& s, int kvh, int G, int d, const float* p, const T* const* vr, int nb) {
+  for (int h = 0; h < kvh; ++h) {
+    const int64_t voff = int64_t(h) * d;
+    // NR x NC accumulators: at most 8 of AVX2's 16 registers
+    int r = h * G;
+    for (; r + 3 <= (h + 1) * G; r += 3) pv_rows<T, 3, 2>(s.acc, d, p, vr, voff, nb, r);
+    for (; r + 2 <= (h + 1) * G; r += 2) pv_rows<T, 2, 4>(s.acc, d, p, vr, voff, nb, r);
+    if (r < (h + 1) * G) pv_rows<T, 1, 4>(s.acc, d, p, vr, voff, nb, r);
+  }
+}
+
 // The kvh * G rows loaded in s (queries in s.qr; row r reads KV head r / G) against keys
 // slots[0 .. n), n <= kChunk: s.m, s.l and s.acc [R][d] as `attend` leaves them. G counts a
 // head's rows of all the item's query positions; row r sees keys [seen[2p], seen[2p + 1]) of
@@ -1189,18 +1262,23 @@ void attend_heads(Scratch& s, int kvh, int G, int group, int d, const T* kp, con
     }
   }
 #endif
-  for (int j0 = 0; j0 < n; j0 += kTile) {
-    const int nb = std::min(kTile, n - j0);
-    const T* vr[kTile];
-    for (int j = 0; j < nb; ++j) vr[j] = vp + slots[j0 + j] * width;
-    const float* p = sc + j0;
-    for (int h = 0; h < kvh; ++h) {
-      const int64_t voff = int64_t(h) * d;
-      // NR x NC accumulators: at most 8 of AVX2's 16 registers
-      int r = h * G;
-      for (; r + 3 <= (h + 1) * G; r += 3) pv_rows<T, 3, 2>(s.acc, d, p, vr, voff, nb, r);
-      for (; r + 2 <= (h + 1) * G; r += 2) pv_rows<T, 2, 4>(s.acc, d, p, vr, voff, nb, r);
-      if (r < (h + 1) * G) pv_rows<T, 1, 4>(s.acc, d, p, vr, voff, nb, r);
+  if constexpr (std::is_same_v<T, Q8>) {  // V rows dequantized per block, then as float32 ones
+    thread_local std::vector<float> vbuf;
+    if (vbuf.size() < size_t(kTile * width)) vbuf.resize(kTile * width);
+    for (int j0 = 0; j0 < n; j0 += kTile) {
+      const int nb = std::min(kTile, n - j0);
+      const Q8* src[kTile];
+      const float* vr[kTile];
+      for (int j = 0; j < nb; ++j) src[j] = vp + slots[j0 + j] * kvh * row_len<Q8>(d);
+      heads_rows_f32(vr, vbuf.data(), src, nb, kvh, d);
+      pv_heads<float>(s, kvh, G, d, sc + j0, vr, nb);
+    }
+  } else {
+    for (int j0 = 0; j0 < n; j0 += kTile) {
+      const int nb = std::min(kTile, n - j0);
+      const T* vr[kTile];
+      for (int j = 0; j < nb; ++j) vr[j] = vp + slots[j0 + j] * width;
+      pv_heads<T>(s, kvh, G, d, sc + j0, vr, nb);
     }
   }
 }
@@ -1222,18 +1300,19 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
               "paged_attention_cpu: q [T, H, d], pools [slots, kvh, d]");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
               "paged_attention_cpu: q must be float32 or bfloat16, got ", q.scalar_type());
+  const bool q8 = k_pool.scalar_type() == at::kChar;
   TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type() &&
                   (k_pool.scalar_type() == q.scalar_type() ||
-                   k_pool.scalar_type() == at::kFloat8_e5m2 ||
+                   k_pool.scalar_type() == at::kFloat8_e5m2 || q8 ||
                    (q.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kBFloat16)),
-              "paged_attention_cpu: the pools must share q's dtype, or be float8_e5m2, or "
-              "bfloat16 under float32 q; got q ", q.scalar_type(), ", k_pool ",
+              "paged_attention_cpu: the pools must share q's dtype, or be float8_e5m2 or int8 "
+              "head rows, or bfloat16 under float32 q; got q ", q.scalar_type(), ", k_pool ",
               k_pool.scalar_type(), ", v_pool ", v_pool.scalar_type());
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(),
               "paged_attention_cpu: pools must be contiguous");
   TORCH_CHECK(q.stride(2) == 1, "paged_attention_cpu: q's last dim must be contiguous");
   const int64_t d = q.size(2), kvh = k_pool.size(1);
-  TORCH_CHECK(k_pool.size(2) == d && d % kLanes == 0 && d <= 512,
+  TORCH_CHECK(k_pool.size(2) == (q8 ? d + 2 : d) && d % kLanes == 0 && d <= 512,
               "paged_attention_cpu: head_dim must be a multiple of 16, at most 512, got ", d);
   TORCH_CHECK(q.size(1) % kvh == 0 && q.size(1) / kvh <= kMaxRows,
               "paged_attention_cpu: query heads must be a multiple of KV heads");
@@ -1246,6 +1325,9 @@ void dispatch_types(const at::Tensor& q, const at::Tensor& k_pool, const F& f) {
   if (k_pool.scalar_type() == at::kFloat8_e5m2) {
     if (q_bf16) f(at::BFloat16{}, at::Float8_e5m2{});
     else f(float{}, at::Float8_e5m2{});
+  } else if (k_pool.scalar_type() == at::kChar) {
+    if (q_bf16) f(at::BFloat16{}, Q8{});
+    else f(float{}, Q8{});
   } else if (q_bf16) {
     f(at::BFloat16{}, at::BFloat16{});
   } else if (k_pool.scalar_type() == at::kBFloat16) {
@@ -1282,8 +1364,8 @@ void extend_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
     return prefix_lens[a.seq] + a.t1 > prefix_lens[b.seq] + b.t1;
   });
   const TQ* qp = q.data_ptr<TQ>();
-  const TKV* kp = k_pool.data_ptr<TKV>();
-  const TKV* vp = v_pool.data_ptr<TKV>();
+  const TKV* kp = static_cast<const TKV*>(k_pool.data_ptr());
+  const TKV* vp = static_cast<const TKV*>(v_pool.data_ptr());
   TQ* op = out.data_ptr<TQ>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const float qscale = static_cast<float>(scale), fcap = static_cast<float>(cap);
@@ -1298,7 +1380,8 @@ void extend_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
       return qp + (start + it.t0 + r / G) * qs0 + (it.head * G + r % G) * qs1;
     });
     Keys keys{slots[it.seq].template data_ptr<int64_t>(), 0, prefix + it.t1, 0};
-    attend_rows<TKV>(s, R, d, kp + it.head * d, vp + it.head * d, kvh * d, keys,
+    attend_rows<TKV>(s, R, d, kp + it.head * row_len<TKV>(d), vp + it.head * row_len<TKV>(d),
+                     kvh * row_len<TKV>(d), keys,
                      static_cast<int32_t>(window), fcap, dots);
     for (int r = 0; r < R; ++r) {
       const float inv = s.l[r] > 0.0f ? 1.0f / s.l[r] : 0.0f;
@@ -1439,8 +1522,8 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
   at::Tensor partials = at::empty({std::max<int64_t>(parts, 1)}, q.options().dtype(at::kFloat));
   float* pp = partials.data_ptr<float>();
   const TQ* qp = q.data_ptr<TQ>();
-  const TKV* kp = k_pool.data_ptr<TKV>();
-  const TKV* vp = v_pool.data_ptr<TKV>();
+  const TKV* kp = static_cast<const TKV*>(k_pool.data_ptr());
+  const TKV* vp = static_cast<const TKV*>(v_pool.data_ptr());
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const int64_t* shared = Ls ? shared_slots.data_ptr<int64_t>() : nullptr;
   const float qscale = static_cast<float>(scale), fcap = static_cast<float>(cap);
@@ -1494,7 +1577,8 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
       Keys keys = it.shared ? Keys{shared, it.k0, it.k1, 0}
                             : Keys{own + (group_first[it.row0 + 1] - 1) * own_len, it.k0,
                                    it.k1, Ls};
-      attend_rows<TKV>(s, R, d, kp + it.head * d, vp + it.head * d, kvh * d, keys,
+      attend_rows<TKV>(s, R, d, kp + it.head * row_len<TKV>(d),
+                       vp + it.head * row_len<TKV>(d), kvh * row_len<TKV>(d), keys,
                        static_cast<int32_t>(window), fcap, dots);
     }
     float* part = pp + it.part;

@@ -64,6 +64,7 @@ from typing import Any
 
 import numpy as np
 
+from sgl_tpu import kv_dtypes
 from sgl_tpu.bench import determinism
 from sgl_tpu.bench.report import emit, model_label
 from sgl_tpu.bench.step_inputs import SAMPLING, make_steps, step_sizes
@@ -164,15 +165,12 @@ def run(args: argparse.Namespace, step_probes: dict[str, StepProbe] | None = Non
     return results
 
 
-KV_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float8_e5m2": 1}
-
-
 def kv_bytes_read(cfg, kv_dtype: str, batch: int, context: int, shared: int) -> int:
     """The KV bytes a decode step must read at least: every layer's K and V of each
     sequence's `context` tokens, the `shared` prefix once for the whole batch; a sliding-window
     layer (Gemma's local layers, Mistral's every layer) only each sequence's last `window`
     (the runner splits no shared part off under a window)."""
-    per_token = 2 * cfg.num_kv_heads * cfg.head_dim * KV_ELEMENT_BYTES[kv_dtype]  # one layer
+    per_token = kv_dtypes.kv_dtype(kv_dtype).token_bytes(1, cfg.num_kv_heads, cfg.head_dim)
     if cfg.gemma is not None:
         windows = [cfg.gemma.sliding_window if local else None
                    for local in cfg.gemma.sliding_layers]

@@ -174,6 +174,9 @@ async def run_workload(url: str, clients: list[list[list[int]]], out_tokens: int
     cached = sum(r["cached_tokens"] for r in rs)
     gen = sum(r["completion_tokens"] for r in rs)
     ttfts = sorted(r["ttft"] for r in rs if r["ttft"] is not None)
+    # inter-token latency: each request's time after its first token over its later tokens
+    itls = sorted((r["latency"] - r["ttft"]) / (r["completion_tokens"] - 1) for r in rs
+                  if r["ttft"] is not None and r["completion_tokens"] > 1)
     return {"requests": len(rs), "wall_s": round(wall, 2),
             "req_per_s": round(len(rs) / wall, 3),
             "output_tok_per_s": round(gen / wall, 1),
@@ -182,6 +185,7 @@ async def run_workload(url: str, clients: list[list[list[int]]], out_tokens: int
             "ttft_mean_s": round(statistics.mean(ttfts), 3),
             "ttft_p50_s": round(ttfts[len(ttfts) // 2], 3),
             "ttft_p90_s": round(ttfts[int(len(ttfts) * 0.9)], 3),
+            "itl_p50_ms": round(1000 * itls[len(itls) // 2], 2) if itls else None,
             "client_procs": procs,
             "client_cpu_ms_per_token": round(1000 * cpu / max(gen, 1), 4),
             "client_busy": round(cpu / procs / wall, 3)}

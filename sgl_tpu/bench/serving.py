@@ -12,6 +12,8 @@ reported as ratios (the machine is shared; absolute numbers drift).
         [--prompt-tokens 128] [--output-tokens 256] [--server-flags "..."] [--output FILE]
     python -m sgl_tpu.bench.serving --compare gap [--concurrency 1 8 32] [--rounds 3]
         [--prompt-tokens 128] [--output-tokens 64] [--server-flags "..."] [--output FILE]
+    python -m sgl_tpu.bench.serving --compare kv-cache-dtype [--kv-cache-dtypes int8 bfloat16]
+        [--concurrency 1] [--rounds 3] [--prompt-tokens 8000] [--output-tokens 64] [--output FILE]
 
 `--compare cache` (the default): `cache` (default flags) against `nocache`
 (`--disable-radix-cache`), one server after the other, each warmed with one request, then the
@@ -28,6 +30,12 @@ hits both alike. `--engine` instead runs one in-process `Engine` and switches it
 between the two loops (the same weights and warm-up; no HTTP, detokenizer process or sockets);
 it is built with overlap scheduling on, so a torch runner on CPU runs both loops' steps on its
 compute thread. Summary per concurrency: each loop's median output tok/s and overlap/serial.
+
+`--compare kv-cache-dtype`: a server per `--kv-cache-dtypes` entry (first against second), all
+up at once, then `--rounds` rounds of the same random prompts of `--prompt-tokens` (long
+contexts: decode reads the whole KV of each) in alternating order; each run reports its inter-
+token latency after the first token (`itl_p50_ms`) and `/server_info`'s KV bytes per token.
+Summary per concurrency: the ITL of each side and first/second per round.
 
 `--compare restart`: a server with the disk KV tier (`--enable-hierarchical-cache
 --hicache-storage-backend file`, a fresh folder) gets one prompt of `--prefix-tokens` tokens
@@ -152,6 +160,30 @@ def compare_gap(args: argparse.Namespace, base: list[str], vocab: int) -> dict:
     return {"runs": runs, "summary": summarize(runs, ("server", "engine"))}
 
 
+def compare_kv_cache_dtype(args: argparse.Namespace, base: list[str], vocab: int) -> dict:
+    """Two KV cache dtypes on long contexts: every run, each server's KV memory, and the ITL
+    ratio per round."""
+    first, second = args.kv_cache_dtypes
+    configs = {name: ["--kv-cache-dtype", name] for name in (first, second)}
+    memory: dict[str, dict] = {}
+    runs = _servers(args, base, _random_streams(args, vocab), configs, memory=memory)
+    summary = {}
+    for c in args.concurrency:
+        by = {(r["round"], r["config"]): r["itl_p50_ms"] for r in runs if r["concurrency"] == c}
+        rounds = sorted({rnd for rnd, _ in by})
+        ratios = [by[rnd, first] / by[rnd, second] for rnd in rounds
+                  if (rnd, first) in by and (rnd, second) in by]
+        summary[str(c)] = {
+            **{f"{name}_itl_p50_ms": statistics.median(
+                [v for (_, n), v in by.items() if n == name]) for name in configs},
+            f"itl_{first}_over_{second}_median": round(statistics.median(ratios), 3),
+            "per_round": [round(x, 3) for x in ratios]}
+    tokens_per_gb = {name: m["kv_tokens_per_gb"] for name, m in memory.items()}
+    return {"runs": runs, "memory": memory, "summary": summary,
+            f"kv_tokens_per_gb_{first}_over_{second}": round(
+                tokens_per_gb[first] / tokens_per_gb[second], 3)}
+
+
 def compare_restart(args: argparse.Namespace, base: list[str], vocab: int) -> dict:
     """TTFT of one long prompt on a cold server against a restarted one that reads the
     prompt's KV from its disk tier."""
@@ -238,10 +270,11 @@ def _overlap_servers(args: argparse.Namespace, base: list[str], workload: Worklo
 
 
 def _servers(args: argparse.Namespace, base: list[str], workload: Workload,
-             configs: dict[str, list[str]], speculative: dict[str, dict] | None = None
-             ) -> list[dict]:
+             configs: dict[str, list[str]], speculative: dict[str, dict] | None = None,
+             memory: dict[str, dict] | None = None) -> list[dict]:
     """A server per config, all up at once, warmed, then `_rounds` over them;
-    `speculative[name]`: each server's /server_info `speculative` section at the end."""
+    `speculative[name]` / `memory[name]`: each server's /server_info `speculative` / `memory`
+    section at the end."""
     import urllib.request
 
     logs = Path(tempfile.mkdtemp(prefix="sgl_tpu_bench_servers_"))
@@ -255,9 +288,13 @@ def _servers(args: argparse.Namespace, base: list[str], workload: Workload,
         runs = _rounds(args, workload, {name: partial(_stream, servers[name].url, args)
                                         for name in servers})
         for name, server in servers.items():
-            if speculative is not None:
+            if speculative is not None or memory is not None:
                 with urllib.request.urlopen(server.url + "/server_info", timeout=60) as resp:
-                    speculative[name] = json.loads(resp.read()).get("speculative", {})
+                    info = json.loads(resp.read())
+                if speculative is not None:
+                    speculative[name] = info.get("speculative", {})
+                if memory is not None:
+                    memory[name] = info["memory"]
         return runs
     finally:
         for server in servers.values():
@@ -323,10 +360,12 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--prefix-tokens", type=int, default=1000)
     cache.add_argument("--question-tokens", type=int, default=50)
     cache.add_argument("--workloads", default="shared,random")
-    overlap = p.add_argument_group("--compare overlap, speculation and gap")
+    overlap = p.add_argument_group("--compare overlap, speculation, gap and kv-cache-dtype")
     overlap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     overlap.add_argument("--rounds", type=int, default=3)
     overlap.add_argument("--prompt-tokens", type=int, default=128)
+    overlap.add_argument("--kv-cache-dtypes", nargs=2, default=["int8", "bfloat16"],
+                         help="--compare kv-cache-dtype: the two --kv-cache-dtype values")
     overlap.add_argument("--engine", action="store_true",
                          help="one in-process Engine (server flags as its keyword arguments)")
     return p
@@ -346,7 +385,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 COMPARES = {"cache": compare_cache, "overlap": compare_overlap, "restart": compare_restart,
-            "gap": compare_gap, "speculation": compare_speculation}
+            "gap": compare_gap, "speculation": compare_speculation,
+            "kv-cache-dtype": compare_kv_cache_dtype}
 
 if __name__ == "__main__":
     main()

@@ -25,10 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
-from sgl_tpu.config import KV_POOL_DTYPES, RunnerConfig, ServerArgs, pow2_buckets
+from sgl_tpu.config import RunnerConfig, ServerArgs, pow2_buckets
 from sgl_tpu.executor import batch_invariant
 from sgl_tpu.executor.attention_registry import resolve_attention_backend
 from sgl_tpu.executor.step import ModelRunner
+from sgl_tpu.kv_dtypes import KV_FLAG_DTYPES, backend_refusal
 from sgl_tpu.mem_cache.swa_pool import pool_split
 from sgl_tpu.models.config import GemmaConfig, ModelConfig
 from sgl_tpu.quantization import resolve_quantization
@@ -273,8 +274,9 @@ def _resolve_cpu_compute_thread(args: ServerArgs, backend: str) -> bool:
 
 
 def _resolve_kv_cache_dtype(args: ServerArgs, backend: str, dtype: str) -> str:
-    """--kv-cache-dtype: "auto", "bfloat16" or "float8_e5m2"; the torch backend only (the JAX
-    attention kernels, Pallas included, read pools of the compute dtype).
+    """--kv-cache-dtype: "auto" or a pool element type of sgl_tpu/kv_dtypes.py's table, on the
+    backends its entry names (the JAX attention kernels, Pallas included, read pools of the
+    compute dtype).
 
     "auto" is the compute dtype, except where the dtype was left to the machine too (`--dtype
     auto`) and resolved to float32 on a CPU without AMX (torch backend): there the pool
@@ -287,11 +289,10 @@ def _resolve_kv_cache_dtype(args: ServerArgs, backend: str, dtype: str) -> str:
                 and dtype == "float32" and _torch_device_type(args) == "cpu"):
             return "bfloat16"
         return "auto"
-    if backend != "torch":
-        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} needs the torch backend "
-                         f"(--backend torch); the {backend} backend stores the KV cache in "
-                         f"the model's dtype (--kv-cache-dtype auto)")
-    return KV_POOL_DTYPES[args.kv_cache_dtype]
+    why = backend_refusal(args.kv_cache_dtype, backend)
+    if why is not None:
+        raise ValueError(why)
+    return KV_FLAG_DTYPES[args.kv_cache_dtype]
 
 
 def _resolve_jax_decode_state(args: ServerArgs, backend: str) -> bool:

@@ -3,7 +3,9 @@
 
     pool, per layer: K [slots, H, D], V [slots, H, D]        slot = page * page_size + offset
     page row (host): [layer, k/v, offset, H, D], flattened; the pool's dtype as raw bits
-                     (bfloat16 -> int16, fp8 -> uint8, float32 -> int32), so numpy can hold it
+                     (bfloat16 -> int16, fp8 and int8 -> uint8, float32 -> int32), so numpy
+                     can hold it; D is the pool's head row (kv_pool.py: an int8 pool's ends in
+                     its scale), so the rows carry the scales
 
 A read gathers the pages of every K and V tensor with one `index_select` each, into the rows'
 strided view of a buffer the caller passes (reused: fresh memory costs a page fault per 4 KiB,

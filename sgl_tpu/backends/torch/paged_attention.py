@@ -42,9 +42,9 @@ torch-sdpa, attention over the gathered context:
             ~6x faster than SDPA in bfloat16 (whose flash kernel tiles the query axis, 1 here)
             and ~2x faster than a grouped matmul over transposed K.
 
-The pool may be narrower than the queries (bfloat16 under a float32 model,
-`--kv-cache-dtype bfloat16`): `write_kv` rounds the new rows to the pool's dtype and the
-gathered K/V are widened to the query's dtype before the GEMMs.
+The pool may be narrower than the queries (`--kv-cache-dtype`): `write_kv` stores the new rows
+in the pool's element type and the gathered K/V are widened to the query's dtype before the
+GEMMs (kv_pool.py's `store_rows` / `load_rows`).
 
 Shapes vary with the context, so attention runs eagerly between the compiled dense parts of a
 layer (see sgl_tpu/backends/torch/models/llama.py).
@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from sgl_tpu.backends.torch.kernels import cpu_extension, invariant_gemm_cpu
+from sgl_tpu.backends.torch.kv_pool import head_row, load_rows, store_rows
 
 
 @dataclass(frozen=True)
@@ -83,9 +84,6 @@ class DecodeBatch:
     bias: torch.Tensor
 
 
-_E5M2_MAX = torch.finfo(torch.float8_e5m2).max  # 57344: larger values would round to inf
-
-
 # Keys per DECODE chunk of the compiled kernel (kChunk in kernels/csrc/paged_attention_cpu.cpp,
 # its `decode_chunk_keys`). A decode step's shared prefix is a whole number of them, so a row's
 # context is read in the same chunks whether or not it is shared (the kernel's batch invariance).
@@ -99,21 +97,10 @@ def shared_align_pages(page_size: int) -> int:
 
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out_slots: torch.Tensor) -> None:
-    """Write the step's K/V rows ([T, kvh, d]) into their slots, in place (rounded to the
-    pool's dtype when it is narrower)."""
-    _store_rows(k_pool, out_slots, k)
-    _store_rows(v_pool, out_slots, v)
-
-
-def _store_rows(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """pool[slots] = rows rounded to the pool's dtype. An fp8 pool (`--kv-cache-dtype
-    fp8_e5m2`) saturates at its largest finite value (torch's conversion gives inf) and is
-    written through a byte view: index_copy_ has no float8 kernel."""
-    if pool.dtype != torch.float8_e5m2:
-        pool.index_copy_(0, slots, rows.to(pool.dtype))
-        return
-    rows = rows.clamp(-_E5M2_MAX, _E5M2_MAX).to(torch.float8_e5m2)
-    pool.view(torch.uint8).index_copy_(0, slots, rows.view(torch.uint8))
+    """Write the step's K/V rows ([T, kvh, d]) into their slots, in place, in the pool's
+    element type (kv_pool.store_rows)."""
+    store_rows(k_pool, out_slots, k)
+    store_rows(v_pool, out_slots, v)
 
 
 def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -126,8 +113,8 @@ def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     out = torch.zeros_like(q)
     for s in seqs:
         qs = q[s.start : s.start + s.num_new].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
-        ks = k_pool.index_select(0, s.slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
-        vs = v_pool.index_select(0, s.slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
+        ks = load_rows(k_pool, s.slots, q.dtype).transpose(0, 1).unsqueeze(0)
+        vs = load_rows(v_pool, s.slots, q.dtype).transpose(0, 1).unsqueeze(0)
         # ks, vs: [1, kvh, L, d] in q's dtype
         if sliding_window is not None or logit_cap is not None:
             o = _masked_attention(qs, ks, vs, s.prefix_len, scale, sliding_window, logit_cap)
@@ -181,21 +168,21 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     the context mask is applied."""
     b, l_own = batch.slots.shape
     l_shared = batch.shared_slots.shape[0]
-    _, kvh, d = k_pool.shape
-    h = q.shape[1]
+    _, h, d = q.shape
+    kvh = k_pool.shape[1]
     eye = _block_eye(kvh, q.dtype, q.device)  # [1, kvh, 1, kvh, 1]
     q_blocks = (q.view(b, kvh, h // kvh, 1, d) * eye).reshape(b, h, -1)
     flat = batch.slots.reshape(-1)
-    k = k_pool.index_select(0, flat).to(q.dtype).view(b, l_own, kvh * d)
-    v = v_pool.index_select(0, flat).to(q.dtype).view(b, l_own, kvh * d)
+    k = load_rows(k_pool, flat, q.dtype).view(b, l_own, kvh * d)
+    v = load_rows(v_pool, flat, q.dtype).view(b, l_own, kvh * d)
     plain = sliding_window is None and logit_cap is None
     if plain:
         s = torch.baddbmm(batch.bias, q_blocks, k.transpose(1, 2))  # [B, H, Lown]
     else:
         s = torch.bmm(q_blocks, k.transpose(1, 2))
     if l_shared:
-        k_s = k_pool.index_select(0, batch.shared_slots).to(q.dtype).view(l_shared, kvh * d)
-        v_s = v_pool.index_select(0, batch.shared_slots).to(q.dtype).view(l_shared, kvh * d)
+        k_s = load_rows(k_pool, batch.shared_slots, q.dtype).view(l_shared, kvh * d)
+        v_s = load_rows(v_pool, batch.shared_slots, q.dtype).view(l_shared, kvh * d)
         s_shared = torch.mm(q_blocks.view(b * h, -1), k_s.t()).view(b, h, l_shared)
         s = torch.cat([s_shared, s], dim=-1)  # [B, H, Ls + Lown]
     if plain:
@@ -259,8 +246,8 @@ def context_slots(pages, page_size: int, length: int) -> torch.Tensor:
 # window) and Gemma 2's soft-cap are applied inside the kernel. Shapes the kernel does not take
 # (head_dim not a multiple of 16, other dtypes or devices) run torch-sdpa instead.
 # The pools hold q's dtype, or bfloat16 under float32 queries (`--kv-cache-dtype bfloat16`), or
-# fp8 e5m2 under either (`--kv-cache-dtype fp8_e5m2`): rows are widened to float32 as they are
-# read.
+# fp8 e5m2 or int8 head rows under either (`--kv-cache-dtype fp8_e5m2` / `int8`): rows are
+# widened to float32 (int8 ones times their scale) as they are read.
 
 
 @dataclass(frozen=True)
@@ -281,10 +268,10 @@ class FusedDecodeBatch(DecodeBatch):
 
 def fused_takes(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
     """Whether the compiled kernel takes these shapes (else torch-sdpa runs)."""
-    d, kvh = k_pool.shape[2], k_pool.shape[1]
+    d, kvh = q.shape[2], k_pool.shape[1]
     return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
-            and k_pool.dtype in (q.dtype, torch.bfloat16, torch.float8_e5m2)
-            and d % 16 == 0 and d <= 512
+            and k_pool.dtype in (q.dtype, torch.bfloat16, torch.float8_e5m2, torch.int8)
+            and k_pool.shape[2] == head_row(k_pool, d) and d % 16 == 0 and d <= 512
             and q.shape[1] // kvh <= 128 and q.stride(2) == 1)
 
 
@@ -386,8 +373,9 @@ def _gather_heads(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -
     same layout on both paths) in the queries' `dtype` (a bfloat16 pool of a float32 model is
     widened)."""
     b, length = slots.shape
-    rows = pool.index_select(0, slots.reshape(-1)).view(b, length, *pool.shape[1:])
-    return rows.permute(0, 2, 1, 3).to(dtype).contiguous()
+    rows = load_rows(pool, slots.reshape(-1), dtype)
+    rows = rows.view(b, length, *rows.shape[1:])
+    return rows.permute(0, 2, 1, 3).contiguous()
 
 
 def _pad_tiles(slots: torch.Tensor, kv_tile: int) -> torch.Tensor:
@@ -401,7 +389,7 @@ def invariant_extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
                                kv_tile: int = INVARIANT_KV_TILE) -> torch.Tensor:
     """q [T, H, d] packed new tokens -> [T, H, d] (padding rows zero)."""
     out = torch.zeros_like(q)
-    kvh, d = k_pool.shape[1], k_pool.shape[2]
+    kvh, d = k_pool.shape[1], q.shape[2]
     group = q.shape[1] // kvh
     for s in seqs:
         n = s.num_new

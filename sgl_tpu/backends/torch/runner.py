@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from sgl_tpu.backends.torch import invariant_linear, kv_pages, sampler
+from sgl_tpu.backends.torch import invariant_linear, sampler
 from sgl_tpu.backends.torch.attention import products as attention_products
 from sgl_tpu.backends.torch.compute_thread import ComputeThread
 from sgl_tpu.backends.torch.decode_state import row_uniforms
@@ -55,6 +55,7 @@ from sgl_tpu.backends.torch.device import (
     resolve_device,
     set_cpu_threads,
 )
+from sgl_tpu.backends.torch.kv_pool import KVPool
 from sgl_tpu.backends.torch.paged_attention import shared_align_pages
 from sgl_tpu.backends.torch.static_decode import StaticDecode
 from sgl_tpu.config import RunnerConfig
@@ -62,6 +63,7 @@ from sgl_tpu.executor import batch_invariant
 from sgl_tpu.executor import step as step_contract
 from sgl_tpu.executor.attention_registry import get_attention_backend
 from sgl_tpu.executor.step import ForwardMode, PendingStep, SeqStep, StepResult
+from sgl_tpu.kv_dtypes import kv_dtype
 from sgl_tpu.models.config import ModelConfig
 from sgl_tpu.models.registry import torch_model
 
@@ -69,7 +71,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_KV_DTYPES = {**_DTYPES, "float8_e5m2": torch.float8_e5m2}
 
 
 @dataclass(frozen=True)
@@ -157,11 +158,9 @@ class TorchModelRunner:
         self.prepacked = prepack
         self.model = self._build_model(params, model_config, prepack, compile_fn)
         self.layer_ops = self._use_layer_ops()
-        # --kv-cache-dtype bfloat16 under a float32 model, or fp8_e5m2: K/V rounded to it as
-        # they are written (write_kv / rope_write_kv), widened to the query's dtype as
-        # attention reads
-        self.kv_dtype = _KV_DTYPES[config.kv_dtype]
-        self.kv_pools = [self._kv_pool(local) for local in self._local_layers()]
+        # --kv-cache-dtype: K/V stored in the pool's element type as they are written
+        # (write_kv / rope_write_kv), widened to the query's dtype as attention reads
+        self.kv_pools = self._kv_pool()
         self.decode_layers = self._use_decode_layers()
         self.token_counts = torch.zeros((config.max_running_requests + 1, self.vocab_size),
                                         dtype=torch.int32, device=self.device)
@@ -187,14 +186,15 @@ class TorchModelRunner:
             raise ValueError("a sliding-window pool needs a model with local and global layers")
         return list(gemma.sliding_layers)
 
-    def _kv_pool(self, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's K and V pools (the model's own KV head count: a tensor-parallel rank
+    def _kv_pool(self) -> KVPool:
+        """Every layer's K and V pools (the model's own KV head count: a tensor-parallel rank
         stores only its heads)."""
-        pages = self.config.swa_num_pages if local else self.config.num_pages
-        shape = (pages * self.config.page_size, self.model.cfg.num_kv_heads,
-                 self.model_config.head_dim)
-        return (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+        c, local = self.config, self._local_layers()
+        return KVPool(kv_dtype(c.kv_dtype),
+                      [(c.swa_num_pages if is_local else c.num_pages) * c.page_size
+                       for is_local in local],
+                      local, c.page_size, self.model.cfg.num_kv_heads,
+                      self.model_config.head_dim, self.device)
 
     def _build_model(self, params: dict, model_config: ModelConfig, prepack: bool, compile_fn):
         """The registry's torch model for the architecture (backends/torch/tp.py overrides)."""
@@ -208,6 +208,10 @@ class TorchModelRunner:
         """Hand the model the compiled layer ops (backends/torch/kernels/layer_ops_cpu.py) on an
         eager CPU runner when they are built and the model takes them; whether it did."""
         if not self.config.cpu_layer_ops or self.config.compile or self.device.type != "cpu":
+            return False
+        if not kv_dtype(self.config.kv_dtype).fused_write:
+            logger.info("fused layer ops off: they do not write a %s KV pool",
+                        self.config.kv_dtype)
             return False
         from sgl_tpu.backends.torch.kernels import layer_ops_cpu
 
@@ -307,23 +311,21 @@ class TorchModelRunner:
 
     @property
     def kv_bytes(self) -> int:
-        return sum(2 * k.numel() * k.element_size() for k, _ in self.kv_pools)
+        return self.kv_pools.nbytes
 
     # ---- KV pages to and from host memory (the lower cache tiers) ------------------------
     def kv_page_layout(self) -> str:
-        return kv_pages.page_layout(self.kv_pools, self.config.page_size)
+        return self.kv_pools.page_layout()
 
     def read_kv_pages(self, pages: np.ndarray, out: np.ndarray | None = None,
                       window_pages: np.ndarray | None = None) -> np.ndarray:
         self._wait_in_flight()
-        return self._call(kv_pages.read_pages, self.kv_pools, pages, self.config.page_size, out,
-                          window_pages, self._local_layers())
+        return self._call(self.kv_pools.read_pages, pages, out, window_pages)
 
     def write_kv_pages(self, pages: np.ndarray, rows: np.ndarray,
                        window_pages: np.ndarray | None = None) -> None:
         self._wait_in_flight()
-        self._call(kv_pages.write_pages, self.kv_pools, pages, rows, self.config.page_size,
-                   window_pages, self._local_layers())
+        self._call(self.kv_pools.write_pages, pages, rows, window_pages)
 
     def _wait_in_flight(self) -> None:
         """Let a step dispatched to the worker thread finish (its pages are never the ones a

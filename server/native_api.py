@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
 
 from sgl_tpu.response import incremental_logprobs
@@ -59,6 +59,9 @@ class GenerateReqInput(BaseModel):
     priority: StrictInt | list[StrictInt | None] | None = None
     retention_seconds: StrictInt | StrictFloat | list[StrictInt | StrictFloat | None] | None = None
     tool_pause: StrictBool | list[StrictBool] = False
+    # LoRA (SGLang's field): the name of a loaded adapter, one for all prompts or one per prompt
+    # (None: the base model)
+    lora_path: str | list[str | None] | None = None
 
 
 class OpenSessionInput(BaseModel):
@@ -73,6 +76,23 @@ class OpenSessionInput(BaseModel):
     timeout: StrictInt | StrictFloat | None = None  # seconds; None: --session-ttl-s
 
 
+class LoadLoraInput(BaseModel):
+    """SGLang's `LoadLoRAAdapterReqInput` (`pinned` is accepted: every adapter stays loaded
+    until unloaded)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+class UnloadLoraInput(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str
+
+
 class CloseSessionInput(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -85,7 +105,7 @@ def _pick(value: Any, i: int) -> Any:
 
 _PER_PROMPT_FIELDS = ("sampling_params", "rid", "session_id", "session_params", "return_logprob",
                       "logprob_start_len", "top_logprobs_num", "priority", "retention_seconds",
-                      "tool_pause")
+                      "tool_pause", "lora_path")
 
 
 async def expand_generate(tm: TokenizerManager, req: GenerateReqInput, request: Request
@@ -132,7 +152,7 @@ async def expand_generate(tm: TokenizerManager, req: GenerateReqInput, request: 
                 return_text_in_logprobs=req.return_text_in_logprobs,
                 session_id=_pick(session, i), priority=_pick(req.priority, i),
                 retention_seconds=_pick(req.retention_seconds, i) or 0.0,
-                tool_pause=bool(_pick(req.tool_pause, i)))
+                tool_pause=bool(_pick(req.tool_pause, i)), lora_path=_pick(req.lora_path, i))
             if rid is not None:
                 item.rid = rid if n == 1 else f"{rid}-{k}"
             items.append(item)
@@ -219,6 +239,27 @@ def add_routes(app: FastAPI, tm: TokenizerManager) -> None:
         await tm.close_session(req.session_id)
         return Response(status_code=200)
 
+    async def lora_update(call) -> Response:
+        """SGLang's `LoRAUpdateOutput`: {success, error_message, loaded_adapters (name ->
+        folder)}; a refusal is a 400 of that shape."""
+        try:
+            await call
+        except RequestError as e:
+            return JSONResponse({"success": False, "error_message": str(e),
+                                 "loaded_adapters": _loaded(tm)}, status_code=e.status_code)
+        return JSONResponse({"success": True, "error_message": None,
+                             "loaded_adapters": _loaded(tm)})
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        req = await parse_body(request, LoadLoraInput)
+        return await lora_update(tm.load_lora(req.lora_name, req.lora_path))
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        req = await parse_body(request, UnloadLoraInput)
+        return await lora_update(tm.unload_lora(req.lora_name))
+
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
         try:
@@ -268,6 +309,10 @@ def add_routes(app: FastAPI, tm: TokenizerManager) -> None:
             return StreamingResponse(events(), media_type="text/event-stream")
         results = await gather_results(tm, items)
         return results if batch else results[0]
+
+
+def _loaded(tm: TokenizerManager) -> dict[str, str]:
+    return {name: a["path"] for name, a in sorted(tm.lora_adapters.items())}
 
 
 def _uptime(tm: TokenizerManager) -> float:

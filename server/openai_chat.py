@@ -30,6 +30,7 @@ from sgl_tpu.server.openai_common import (
     expand_items,
     finish_reason,
     matched_stop,
+    model_adapter,
     sampling_params,
     stop_strings,
     stream_chunks,
@@ -124,6 +125,7 @@ def chat_items(tm: TokenizerManager, req: ChatCompletionRequest
                          return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
                          return_text_in_logprobs=True, session_id=req.session_id,
                          may_call_tools=plan.parser is not None, **cache_control(req),
+                         lora_path=model_adapter(tm, req.model),
                          max_new_tokens_defaulted=req.max_completion_tokens is None
                          and req.max_tokens is None)
     for item in items:

@@ -1,21 +1,23 @@
 """LoRA on the torch backend: every loaded adapter's weights stacked in slots, and one batched
 delta per projection for a step whose tokens belong to different adapters (and the base model).
 
-Slots (S = --max-loras-per-batch; slot 0 is the base model, all zeros), per layer and module m:
+Slots (S = --max-loras-per-batch; slot 0 is the base model, all zeros), per layer and fused
+projection p (wqkv, wo, w_gate_up, w_down) whose n modules are adapted (R = --max-lora-rank):
 
-    A_m  f32[S + 1, R, in]     rows past an adapter's rank r stay zero (R = --max-lora-rank)
-    B_m  f32[S + 1, R, out]    B.T of the adapter, scaling folded in (sgl_tpu/lora.py)
+    A_p  f32[S + 1, n R, in]     module j's lora_A in rows [j R, j R + r), the rest zero
+    B_p  f32[S + 1, n R, out]    module j's lora_B.T (scaling folded in) in rows [j R, j R + r)
+                                 and its own columns of the fused output, the rest zero
 
 A step of T tokens whose highest slot is s (token t of adapter slot[t], 0: base) adds to the
 base projection's output y [T, out] (quantized or dense; the delta stays in float, as
 llama.cpp adds its LoRA):
 
-    u     = x @ A_m[1 : s + 1].view(s R, in).T          [T, s R]   every used slot at once
-    mask  = one_hot(slot[t])[:, 1:] repeated R times   [T, s R]   keeps each token's own slot
-    y[:, cols_m] += (u * mask) @ B_m[1 : s + 1].view(s R, out)
+    u     = x @ A_p[1 : s + 1].view(s n R, in).T           [T, s n R]  every used slot at once
+    u    *= one_hot(slot[t])[:, 1:] repeated n R times     keeps each token's own slot
+    y    += u @ B_p[1 : s + 1].view(s n R, out)             [T, out]
 
-Two GEMMs per module over the step's adapters (no pass per adapter, no per-token gather of
-weights); the cost grows with s R, not with how the tokens mix. A step of base tokens only
+Three calls per projection over the step's adapters (no pass per adapter, no per-token gather
+of weights): the cost grows with s n R, not with how the tokens mix. A step of base tokens only
 gets no `LoraBatch` and runs the base model's own path untouched.
 """
 
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sgl_tpu.lora import LORA_MODULES, LoraAdapter, module_shapes
+from sgl_tpu.lora import LoraAdapter, module_shapes
 from sgl_tpu.models.config import ModelConfig
 
 # fused projection (backends/torch/models/llama.py LayerWeights) -> its modules, in column order
@@ -36,11 +38,11 @@ FUSED = {"wqkv": ("q_proj", "k_proj", "v_proj"), "wo": ("o_proj",),
 
 @dataclass(frozen=True)
 class LoraBatch:
-    """One step's adapter rows: `slots` i64[T] (0: base), `used` = the highest slot s, and
-    the [T, s R] mask of each token's own slot."""
+    """One step's adapter rows: `used` = the highest slot s, and per adapted-module count n
+    the [T, s n R] mask of each token's own slot."""
 
     used: int
-    mask: torch.Tensor  # f32[T, s R]
+    masks: dict[int, torch.Tensor]  # n -> f32[T, s n R]
 
 
 class LoraStack:
@@ -51,19 +53,25 @@ class LoraStack:
         shapes = module_shapes(cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size)
         self.rank = max_rank
         self.num_slots = num_slots
-        self.target_modules = tuple(m for m in LORA_MODULES if m in target_modules)
         self.device = device
-        # (column offset in the fused output, width) of each module
-        self.columns: dict[str, tuple[int, int]] = {}
-        for modules in FUSED.values():
-            offset = 0
-            for m in modules:
-                self.columns[m] = (offset, shapes[m][1])
+        # fused projection -> its adapted modules: (name, column offset, width)
+        self.modules: dict[str, list[tuple[str, int, int]]] = {}
+        self.widths: dict[str, tuple[int, int]] = {}  # fused projection -> (in, out)
+        for fused, names in FUSED.items():
+            offset, adapted = 0, []
+            for m in names:
+                if m in target_modules:
+                    adapted.append((m, offset, shapes[m][1]))
                 offset += shapes[m][1]
-        # per layer: module -> (A [S+1, R, in], B [S+1, R, out])
-        self.layers = [{m: (torch.zeros(num_slots + 1, max_rank, shapes[m][0], device=device),
-                            torch.zeros(num_slots + 1, max_rank, shapes[m][1], device=device))
-                        for m in self.target_modules} for _ in range(cfg.num_layers)]
+            if adapted:
+                self.modules[fused] = adapted
+                self.widths[fused] = (shapes[names[0]][0], offset)
+        # per layer: fused projection -> (A [S+1, n R, in], B [S+1, n R, out])
+        self.layers = [{f: (torch.zeros(num_slots + 1, len(ms) * max_rank, self.widths[f][0],
+                                        device=device),
+                            torch.zeros(num_slots + 1, len(ms) * max_rank, self.widths[f][1],
+                                        device=device))
+                        for f, ms in self.modules.items()} for _ in range(cfg.num_layers)]
         self.slot_of: dict[int, int] = {}  # lora id -> slot (1..S)
 
     def load(self, lora_id: int, adapter: LoraAdapter) -> int:
@@ -72,16 +80,17 @@ class LoraStack:
         if not free:
             raise ValueError(f"all {self.num_slots} adapter slots are in use "
                              f"(--max-loras-per-batch); unload one first")
-        slot = free[0]
-        r = adapter.rank
+        slot, r, rank = free[0], adapter.rank, self.rank
         for layer, weights in zip(self.layers, adapter.layers, strict=True):
-            for m, (a_stack, b_stack) in layer.items():
+            for fused, (a_stack, b_stack) in layer.items():
                 a_stack[slot].zero_()
                 b_stack[slot].zero_()
-                if m in weights:
-                    a, b = weights[m]  # [r, in], [out, r]
-                    a_stack[slot, :r] = torch.from_numpy(a)
-                    b_stack[slot, :r] = torch.from_numpy(np.ascontiguousarray(b.T))
+                for j, (m, lo, width) in enumerate(self.modules[fused]):
+                    if m in weights:
+                        a, b = weights[m]  # [r, in], [out_m, r]
+                        a_stack[slot, j * rank : j * rank + r] = torch.from_numpy(a)
+                        b_stack[slot, j * rank : j * rank + r, lo : lo + width] = (
+                            torch.from_numpy(np.ascontiguousarray(b.T)))
         self.slot_of[lora_id] = slot
         return slot
 
@@ -100,27 +109,24 @@ class LoraStack:
         used = int(slots.max())
         one_hot = torch.from_numpy(slots[:, None] == np.arange(1, used + 1)).to(
             self.device, torch.float32)  # [T, s]
-        return LoraBatch(used=used, mask=one_hot.repeat_interleave(self.rank, dim=1))
+        counts = {len(ms) for ms in self.modules.values()}
+        return LoraBatch(used=used, masks={n: one_hot.repeat_interleave(n * self.rank, dim=1)
+                                           for n in counts})
 
     def add_delta(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor,
                   batch: LoraBatch) -> torch.Tensor:
         """y [T, out] of fused projection `fused` of `layer` on x [T, in], plus the adapters'
         deltas of its modules."""
-        s, r = batch.used, self.rank
-        xf = x.float()
-        for m in FUSED[fused]:
-            stacks = self.layers[layer].get(m)
-            if stacks is None:
-                continue
-            a, b = stacks
-            u = xf @ a[1 : s + 1].reshape(s * r, -1).T  # [T, s R]
-            delta = (u * batch.mask) @ b[1 : s + 1].reshape(s * r, -1)  # [T, out_m]
-            lo, width = self.columns[m]
-            if width == y.shape[1]:
-                y = y + delta.to(y.dtype)
-            else:
-                y[:, lo : lo + width] += delta.to(y.dtype)
-        return y
+        stacks = self.layers[layer].get(fused)
+        if stacks is None:
+            return y
+        a, b = stacks
+        s, n_in, n_out = batch.used, *self.widths[fused]
+        u = x.float() @ a[1 : s + 1].view(-1, n_in).T  # [T, s n R]
+        u.mul_(batch.masks[len(self.modules[fused])])
+        if y.dtype == torch.float32:
+            return y.addmm_(u, b[1 : s + 1].view(-1, n_out))
+        return y + (u @ b[1 : s + 1].view(-1, n_out)).to(y.dtype)
 
     def linear_for(self, layer: int, weights, linear, batch: LoraBatch):
         """`linear(x, w, b)` of `layer` (LayerWeights `weights`) with the adapters' deltas added

@@ -42,8 +42,9 @@ class GenerateReqInput(BaseModel):
     input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     return_logprob: bool | list[bool] = False
-    logprob_start_len: int | list[int] = -1
-    top_logprobs_num: int | list[int] = 0
+    # (None, as SGLang's frontend `Runtime.generate` sends when unset: the default)
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: str | list[str] | None = None
@@ -103,6 +104,10 @@ def _pick(value: Any, i: int) -> Any:
     return value[i] if isinstance(value, list) else value
 
 
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else int(value)
+
+
 _PER_PROMPT_FIELDS = ("sampling_params", "rid", "session_id", "session_params", "return_logprob",
                       "logprob_start_len", "top_logprobs_num", "priority", "retention_seconds",
                       "tool_pause", "lora_path")
@@ -147,8 +152,8 @@ async def expand_generate(tm: TokenizerManager, req: GenerateReqInput, request: 
             item = GenItem(
                 input_ids=list(ids), sampling=spk,
                 return_logprob=bool(_pick(req.return_logprob, i)),
-                logprob_start_len=int(_pick(req.logprob_start_len, i)),
-                top_logprobs_num=int(_pick(req.top_logprobs_num, i)),
+                logprob_start_len=_or(_pick(req.logprob_start_len, i), -1),
+                top_logprobs_num=_or(_pick(req.top_logprobs_num, i), 0),
                 return_text_in_logprobs=req.return_text_in_logprobs,
                 session_id=_pick(session, i), priority=_pick(req.priority, i),
                 retention_seconds=_pick(req.retention_seconds, i) or 0.0,

@@ -32,9 +32,9 @@ from sglang_frontend import sgl  # noqa: F401 (sglang importable without its GPU
 from sgl_tpu import Engine
 from sgl_tpu.engine import GenerationError
 from sgl_tpu.mem_cache.allocator import PageAllocator
+from sgl_tpu.mem_cache.kv_events import KVEventRecorder
 from sgl_tpu.mem_cache.page_hash import ROOT_HASH
 from sgl_tpu.mem_cache.radix_cache import RadixCache
-from sgl_tpu.mem_cache.tree_node import TreeListener
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 PROMPTS = [[5, 17, 33, 9, 21, 40, 12], [7, 3, 99, 150, 61, 8, 44, 23, 70], [30, 31, 32, 33, 34]]
@@ -43,7 +43,8 @@ PROMPTS = [[5, 17, 33, 9, 21, 40, 12], [7, 3, 99, 150, 61, 8, 44, 23, 70], [30, 
 # ---- the radix tree's namespaces --------------------------------------------------------------
 def test_namespaces_share_no_prefix_and_seed_their_page_hashes():
     alloc = PageAllocator(num_pages=16, page_size=2)
-    tree = RadixCache(alloc, listeners=[TreeListener()])
+    events = KVEventRecorder()
+    tree = RadixCache(alloc, listeners=[events])
     key = np.array([1, 2, 3, 4], np.int32)
     for namespace in (None, "adapter-a", "adapter-b"):
         pages = alloc.alloc(2)
@@ -55,6 +56,10 @@ def test_namespaces_share_no_prefix_and_seed_their_page_hashes():
     assert len(set(hashes.values())) == 3  # equal tokens, three chains
     assert tree.root.hashes is None and tree.root.last_hash() is None  # base: ROOT_HASH
     assert hashes[None] != ROOT_HASH
+    stored = events.take()  # KV events: three chains of two blocks, each from no parent
+    assert [(e.parent_block_hash is None, e.token_ids) for e in stored] == [
+        (True, [1, 2]), (False, [3, 4])] * 3
+    assert len({e.block_hashes[0] for e in stored}) == 6
     tree.check_integrity()
     assert tree.evict(100) == 12  # every leaf evictable; the namespace roots stay
     assert set(tree.roots) == {"adapter-a", "adapter-b"} and tree.total_size() == 0

@@ -83,6 +83,7 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, parent_pid: int) ->
             "kv_cache_dtype": runner.config.kv_dtype,
             "grammar_supported": scheduler.grammar is not None,
             "hidden_size": loaded.config.hidden_size,
+            "backend": runner.config.backend,
             "lora_enabled": scheduler.lora is not None,
             "lora_adapters": {} if scheduler.lora is None else scheduler.lora.info(),
             "pid": os.getpid()}

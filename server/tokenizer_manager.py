@@ -136,6 +136,7 @@ class TokenizerManager:
         self.grammar_supported = False
         self.hidden_size = 0  # the model's: an embedding's length
         self.lora_enabled = False
+        self.backend = ""  # the executor backend the scheduler runs (its ready message)
         self.lora_adapters: dict[str, dict[str, Any]] = {}  # name -> {id, path, rank}
         self.start_time = time.time()
         self.metrics = None  # set by the HTTP app (sgl_tpu.server.metrics.Metrics)
@@ -164,6 +165,7 @@ class TokenizerManager:
         self.grammar_supported = info.get("grammar_supported", False)
         self.hidden_size = info.get("hidden_size", 0)
         self.lora_enabled = info.get("lora_enabled", False)
+        self.backend = info.get("backend", "")
         self.lora_adapters = dict(info.get("lora_adapters", {}))
 
     def mark_dead(self, reason: str) -> None:
@@ -349,8 +351,10 @@ class TokenizerManager:
         if name is None:
             return 0
         if not self.lora_enabled:
+            how = ("start it with --enable-lora" if self.backend == "torch" else
+                   f"LoRA needs the torch backend; this server runs the {self.backend} backend")
             raise RequestError(f"LoRA adapter {name!r} requested, but LoRA is not enabled on "
-                               f"this server (start it with --enable-lora)")
+                               f"this server ({how})")
         adapter = self.lora_adapters.get(name)
         if adapter is None:
             raise RequestError(f"LoRA adapter {name!r} is not loaded (loaded: "

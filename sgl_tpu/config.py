@@ -633,7 +633,8 @@ class ServerArgs(SchedulerSettings, ServingSettings):
              "/unload_lora_adapter. Implied by --lora-paths")
     lora_paths: tuple[str, ...] = setting(
         (), check=_lora_paths, see="lora.md",
-        help="PEFT adapter folders loaded at start, each NAME=PATH (or PATH, named by itself)")
+        help="PEFT adapter folders loaded at start, each NAME=PATH, PATH (named by itself) or "
+             "SGLang's JSON {\"lora_name\": ..., \"lora_path\": ...}")
     max_loras_per_batch: int = setting(
         8, check=Int(1), see="lora.md",
         help="adapter slots: the most adapters loaded at once, any mix of them (and the base "

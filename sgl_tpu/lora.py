@@ -54,12 +54,24 @@ def module_shapes(hidden_size: int, intermediate_size: int, q_size: int, kv_size
 
 
 def parse_lora_paths(entries: tuple[str, ...]) -> list[tuple[str, str]]:
-    """--lora-paths entries, `name=path` or a bare `path` (named by itself, as SGLang does)
-    -> [(name, path)]; ValueError on an empty name or a name given twice."""
+    """--lora-paths entries in SGLang's forms, `NAME=PATH`, a bare `PATH` (named by itself) or
+    `{"lora_name": ..., "lora_path": ...}` (its `pinned` accepted: every adapter stays until
+    unloaded) -> [(name, path)]; ValueError on an empty name or a name given twice."""
     out: dict[str, str] = {}
     for entry in entries:
-        name, sep, path = entry.partition("=")
-        name, path = (name, path) if sep else (entry, entry)
+        if entry.lstrip().startswith("{"):
+            try:
+                spec = json.loads(entry)
+                name, path = spec["lora_name"], spec["lora_path"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"--lora-paths: {entry!r} is not a JSON object with lora_name "
+                                 f"and lora_path") from None
+            if not isinstance(name, str) or not isinstance(path, str):
+                raise ValueError(f"--lora-paths: {entry!r}: lora_name and lora_path must be "
+                                 f"strings")
+        else:
+            name, sep, path = entry.partition("=")
+            name, path = (name, path) if sep else (entry, entry)
         if not name or not path:
             raise ValueError(f"--lora-paths: {entry!r} is not NAME=PATH or PATH")
         if name in out:

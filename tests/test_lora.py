@@ -30,7 +30,11 @@ from server_harness import DEFAULT_MODEL_F32_FLAGS, launch_server
 from sglang_frontend import sgl  # noqa: F401 (sglang importable without its GPU runtime)
 
 from sgl_tpu import Engine
+from sgl_tpu.cli import parse_args
+from sgl_tpu.config import ServerArgs
 from sgl_tpu.engine import GenerationError
+from sgl_tpu.executor.registry import runner_config
+from sgl_tpu.lora import parse_lora_paths
 from sgl_tpu.mem_cache.allocator import PageAllocator
 from sgl_tpu.mem_cache.kv_events import KVEventRecorder
 from sgl_tpu.mem_cache.page_hash import ROOT_HASH
@@ -64,6 +68,31 @@ def test_namespaces_share_no_prefix_and_seed_their_page_hashes():
     assert tree.evict(100) == 12  # every leaf evictable; the namespace roots stay
     assert set(tree.roots) == {"adapter-a", "adapter-b"} and tree.total_size() == 0
     tree.check_integrity()
+
+
+# ---- flags ------------------------------------------------------------------------------------
+def test_flags_take_sglangs_forms_and_refuse_what_lora_cannot_run_on(tmp_path):
+    args = parse_args(["--lora-paths", "sql=/a/sql", "/a/chat",
+                       '{"lora_name": "x", "lora_path": "/a/x", "pinned": true}',
+                       "--max-loras-per-batch", "3", "--lora-target-modules", "q_proj", "v_proj"])
+    assert parse_lora_paths(args.lora_paths) == [("sql", "/a/sql"), ("/a/chat", "/a/chat"),
+                                                 ("x", "/a/x")]
+    assert args.max_loras_per_batch == 3 and args.lora_target_modules == ("q_proj", "v_proj")
+    with pytest.raises(ValueError, match="given twice"):
+        ServerArgs(lora_paths=("a=/x", "a=/y"))
+    with pytest.raises(ValueError, match=r"\['qkv'\] are not among"):
+        ServerArgs(enable_lora=True, lora_target_modules=("qkv",))
+    for flags, why in (({"backend": "jax"}, "needs the torch backend"),
+                       ({"backend": "torch", "torch_compile": "on"}, "no --torch-compile on"),
+                       ({"backend": "torch", "enable_deterministic_inference": True},
+                        "no --enable-deterministic-inference")):
+        with pytest.raises(ValueError, match=why):
+            runner_config(ServerArgs(enable_lora=True, **flags), 1024)
+    resolved = runner_config(ServerArgs(backend="torch", enable_lora=True), 1024)
+    assert (resolved.max_loras, resolved.max_lora_rank, resolved.compile,
+            resolved.static_decode) == (8, 16, False, False)
+    assert resolved.lora_target_modules == (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 # ---- the Engine on a tiny float checkpoint ----------------------------------------------------

@@ -166,6 +166,31 @@ def test_load_unload_and_refusals(tiny, engine):
     assert sorted(engine.scheduler.lora.ids) == ["a1", "a2"]
 
 
+def test_host_tier_brings_back_each_adapters_own_pages(tiny):
+    """A pool too small for both prefixes: they demote to the host tier and load back, each
+    into its own namespace (the pages of a1 and of the base model hold different K/V)."""
+    eng = Engine(tiny.base, backend="torch", dtype="float32", torch_compile="off",
+                 torch_threads=1, skip_warmup=True, max_total_tokens=96, page_size=4,
+                 chunked_prefill_size=64, max_running_requests=2, lora_paths=(f"a1={tiny.a1}",),
+                 enable_hierarchical_cache=True, hicache_ratio=4)
+    try:
+        prompt = list(range(10, 50))
+        first = [engine_out["output_ids"] for engine_out in (
+            eng.generate(input_ids=prompt, sampling_params=GREEDY, lora_path=name)
+            for name in ("a1", None))]
+        for k in range(6):  # other prompts push both out of the pool
+            eng.generate(input_ids=[200 + k + i for i in range(40)], sampling_params=GREEDY)
+        for name, want in zip(("a1", None), first, strict=True):
+            again = eng.generate(input_ids=prompt, sampling_params=GREEDY, lora_path=name)
+            assert again["output_ids"] == want
+            assert again["meta_info"]["cached_tokens"] >= 32
+        assert eng.get_server_info()["tiers"]["host"]["hit_tokens"] >= 64
+        eng.scheduler.kv.tree.check_integrity()
+        eng.scheduler.tiers.check(deep=True)
+    finally:
+        eng.shutdown()
+
+
 # ---- a server of the default model ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):

@@ -10,15 +10,18 @@ on a running server (docs/lora.md).
 
 `measure` alternates rounds of 8 streamed /generate requests (greedy, 64 tokens, distinct
 prompts): all on the base model, then a0 a1 a2 a3 a0 a1 a2 a3 (one batch mixing the four).
-Per round it takes the median gap between streamed chunks (after each stream's first 8); it
-prints each configuration's best round (the least disturbed by other load on the machine), the
-median round, and their ratios. Needs `peft` for `adapters`.
+Per round it takes the median gap between streamed chunks (after each stream's first 8), and
+the scheduler process's CPU time per decode step (its /proc stat over the round divided by the
+tokens of one stream: the step cost, which other load on the machine disturbs far less than
+wall-clock gaps; Linux, server on this host). It prints each configuration's best round (the
+least disturbed), the median round, and the ratios. Needs `peft` for `adapters`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import threading
 import time
@@ -48,6 +51,13 @@ def make_adapters(folder: str, count: int = 4, rank: int = 8) -> None:
                 if "lora_" in name:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
         peft_model.save_pretrained(f"{folder}/a{i}")
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def one_round(url: str, names: list[str], max_new_tokens: int) -> float:
@@ -84,14 +94,21 @@ def one_round(url: str, names: list[str], max_new_tokens: int) -> float:
 
 def measure(url: str, rounds: int, max_new_tokens: int) -> dict:
     configs = {"base": ["base"] * 8, "4 adapters": [f"a{i % 4}" for i in range(8)]}
+    pid = requests.get(url + "/server_info", timeout=30).json()["scheduler_pid"]
     itl: dict[str, list[float]] = {k: [] for k in configs}
+    cpu: dict[str, list[float]] = {k: [] for k in configs}
     for _ in range(rounds):
         for key, names in configs.items():
+            start = cpu_s(pid)
             itl[key].append(one_round(url, names, max_new_tokens))
-    out = {k: {"best_round_itl_ms": round(min(v), 1),
-               "median_round_itl_ms": round(statistics.median(v), 1)} for k, v in itl.items()}
-    for stat in ("best_round_itl_ms", "median_round_itl_ms"):
-        out[f"ratio_{stat[:-7]}"] = round(out["4 adapters"][stat] / out["base"][stat], 2)
+            cpu[key].append(1000 * (cpu_s(pid) - start) / max_new_tokens)
+    out: dict = {}
+    for key in configs:
+        out[key] = {"best_round_itl_ms": round(min(itl[key]), 1),
+                    "median_round_itl_ms": round(statistics.median(itl[key]), 1),
+                    "median_cpu_ms_per_step": round(statistics.median(cpu[key]), 1)}
+    for stat in out["base"]:
+        out[f"ratio_{stat}"] = round(out["4 adapters"][stat] / out["base"][stat], 2)
     return out
 
 

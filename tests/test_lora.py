@@ -186,7 +186,7 @@ def test_host_tier_brings_back_each_adapters_own_pages(tiny):
             assert again["meta_info"]["cached_tokens"] >= 32
         assert eng.get_server_info()["tiers"]["host"]["hit_tokens"] >= 64
         eng.scheduler.kv.tree.check_integrity()
-        eng.scheduler.tiers.check(deep=True)
+        eng.scheduler.tiers.check()
     finally:
         eng.shutdown()
 
@@ -237,6 +237,12 @@ def test_openai_client_names_an_adapter_by_model(server):
         chat("a9")
     with pytest.raises(openai.BadRequestError, match="LoRA adapter 'a9' is not loaded"):
         client.completions.create(model=f"{base_name}:a9", prompt="hi", max_tokens=2)
+    completion = client.completions.create(model=f"{base_name}:a1", prompt="The sky is",
+                                           max_tokens=8, temperature=0)
+    assert completion.choices[0].text == client.completions.create(
+        model="a1", prompt="The sky is", max_tokens=8, temperature=0).choices[0].text
+    with pytest.raises(openai.BadRequestError, match="embeddings are the base model's"):
+        client.embeddings.create(model="a0", input="hi")
 
 
 @pytest.mark.slow

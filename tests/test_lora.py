@@ -123,6 +123,16 @@ def test_one_batch_of_adapters_and_base_equals_merged_float_models(tiny, engine)
     expected = [la.merged_greedy(tiny.base, folders[n], p, GREEDY["max_new_tokens"])
                 for n, p in zip(names, prompts, strict=True)]
     assert [r["output_ids"] for r in results] == expected
+    # the same through the model's plain layers (no compiled layer ops: other CPUs, bfloat16
+    # with compile)
+    model = engine.scheduler.runner.model
+    fused = model.layer_ops, model.decode_layers
+    model.layer_ops = model.decode_layers = None
+    try:
+        plain = engine.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=names)
+    finally:
+        model.layer_ops, model.decode_layers = fused
+    assert [r["output_ids"] for r in plain] == expected
     # the adapters change the output (random non-zero B)
     assert expected[0] != la.merged_greedy(tiny.base, None, prompts[0], 8)
     assert expected[2] != la.merged_greedy(tiny.base, None, prompts[2], 8)

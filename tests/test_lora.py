@@ -123,8 +123,7 @@ def test_one_batch_of_adapters_and_base_equals_merged_float_models(tiny, engine)
     expected = [la.merged_greedy(tiny.base, folders[n], p, GREEDY["max_new_tokens"])
                 for n, p in zip(names, prompts, strict=True)]
     assert [r["output_ids"] for r in results] == expected
-    # the same through the model's plain layers (no compiled layer ops: other CPUs, bfloat16
-    # with compile)
+    # the same through the model's plain layers (as where the compiled layer ops are not built)
     model = engine.scheduler.runner.model
     fused = model.layer_ops, model.decode_layers
     model.layer_ops = model.decode_layers = None
@@ -174,6 +173,9 @@ def test_load_unload_and_refusals(tiny, engine):
     with pytest.raises(GenerationError, match="cannot be read"):
         engine.load_lora_adapter("bad", str(bad))
     assert sorted(engine.scheduler.lora.ids) == ["a1", "a2"]
+    loaded = engine.get_server_info()["lora_adapters"]
+    assert {name: (a["path"], a["rank"]) for name, a in loaded.items()} == {
+        "a1": (tiny.a1, 4), "a2": (tiny.a2, 8)}
 
 
 def test_host_tier_brings_back_each_adapters_own_pages(tiny):

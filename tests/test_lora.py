@@ -245,6 +245,10 @@ def test_openai_client_names_an_adapter_by_model(server):
     base, a0, a1 = chat(base_name), chat("a0"), chat("a1")
     assert len({base, a0, a1}) == 3
     assert chat("a0") == a0
+    # the Responses API runs the same chat: the adapter's answer
+    response = client.responses.create(model="a0", input="Name three colours.",
+                                       temperature=0, max_output_tokens=12)
+    assert response.output_text == a0
     with pytest.raises(openai.BadRequestError, match="a9"):
         chat("a9")
     with pytest.raises(openai.BadRequestError, match="LoRA adapter 'a9' is not loaded"):

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
 from sgl_tpu.response import embedding_vector
 from sgl_tpu.server.http_common import gather_results, log_identity, parse_body
-from sgl_tpu.server.openai_api import model_error
+from sgl_tpu.server.openai_common import model_adapter
 from sgl_tpu.server.tokenizer_manager import GenItem, RequestError, TokenizerManager
 from sgl_tpu.validation import check_batch_size, check_dimensions
 
@@ -113,8 +113,9 @@ def _encoded(v: np.ndarray, encoding_format: str) -> list[float] | str:
 async def embeddings(tm: TokenizerManager, request: Request) -> dict[str, Any]:
     req = await parse_body(request, EmbeddingRequest)
     log_identity(request, user=req.user)
-    if (message := model_error(tm, req.model)) is not None:
-        raise RequestError(message)
+    if (adapter := model_adapter(tm, req.model)) is not None:
+        raise RequestError(f"model `{req.model}` is LoRA adapter {adapter!r}: embeddings are "
+                           f"the base model's (adapters apply to generation)")
     _check_dimensions(tm, req.dimensions)
     inputs = req.input
     if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
 
 from sgl_tpu.response import incremental_logprobs
@@ -42,8 +42,9 @@ class GenerateReqInput(BaseModel):
     input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     return_logprob: bool | list[bool] = False
-    logprob_start_len: int | list[int] = -1
-    top_logprobs_num: int | list[int] = 0
+    # (None, as SGLang's frontend `Runtime.generate` sends when unset: the default)
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: str | list[str] | None = None
@@ -59,6 +60,9 @@ class GenerateReqInput(BaseModel):
     priority: StrictInt | list[StrictInt | None] | None = None
     retention_seconds: StrictInt | StrictFloat | list[StrictInt | StrictFloat | None] | None = None
     tool_pause: StrictBool | list[StrictBool] = False
+    # LoRA (SGLang's field): the name of a loaded adapter, one for all prompts or one per prompt
+    # (None: the base model)
+    lora_path: str | list[str | None] | None = None
 
 
 class OpenSessionInput(BaseModel):
@@ -71,6 +75,23 @@ class OpenSessionInput(BaseModel):
     session_id: str | None = None
     streaming: bool | None = None
     timeout: StrictInt | StrictFloat | None = None  # seconds; None: --session-ttl-s
+
+
+class LoadLoraInput(BaseModel):
+    """SGLang's `LoadLoRAAdapterReqInput` (`pinned` is accepted: every adapter stays loaded
+    until unloaded)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+class UnloadLoraInput(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str
 
 
 class CloseSessionInput(BaseModel):
@@ -87,7 +108,9 @@ def _pick(value: Any, i: int) -> Any:
 # same name; a None value (or list entry) leaves the request's default.
 _REQ_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num",
                "return_text_in_logprobs", "priority", "retention_seconds", "tool_pause")
-_PER_PROMPT_FIELDS = ("sampling_params", "rid", "session_id", "session_params", *_REQ_FIELDS)
+# LoRA: the adapter's name, resolved to its id by `TokenizerManager.validate`
+_PER_PROMPT_FIELDS = ("sampling_params", "rid", "session_id", "session_params", "lora_path",
+                      *_REQ_FIELDS)
 
 
 async def expand_generate(tm: TokenizerManager, req: GenerateReqInput, request: Request
@@ -129,7 +152,8 @@ async def expand_generate(tm: TokenizerManager, req: GenerateReqInput, request: 
                   if (value := _pick(getattr(req, name), i)) is not None}
         for k, spk in enumerate(expand_n(sp, n)):
             items.append(GenItem(list(ids), spk, session_id=_pick(session, i), **fields,
-                                 rid=rid if rid is None or n == 1 else f"{rid}-{k}"))
+                                 rid=rid if rid is None or n == 1 else f"{rid}-{k}",
+                                 lora_path=_pick(req.lora_path, i)))
         if (error := check_batch_size(len(items))) is not None:
             raise RequestError(error)
     return items, batch or len(items) > 1
@@ -213,6 +237,27 @@ def add_routes(app: FastAPI, tm: TokenizerManager) -> None:
         await tm.close_session(req.session_id)
         return Response(status_code=200)
 
+    async def lora_update(call) -> Response:
+        """SGLang's `LoRAUpdateOutput`: {success, error_message, loaded_adapters (name ->
+        folder)}; a refusal is a 400 of that shape."""
+        try:
+            await call
+        except RequestError as e:
+            return JSONResponse({"success": False, "error_message": str(e),
+                                 "loaded_adapters": _loaded(tm)}, status_code=e.status_code)
+        return JSONResponse({"success": True, "error_message": None,
+                             "loaded_adapters": _loaded(tm)})
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        req = await parse_body(request, LoadLoraInput)
+        return await lora_update(tm.load_lora(req.lora_name, req.lora_path))
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        req = await parse_body(request, UnloadLoraInput)
+        return await lora_update(tm.unload_lora(req.lora_name))
+
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
         try:
@@ -262,6 +307,10 @@ def add_routes(app: FastAPI, tm: TokenizerManager) -> None:
             return StreamingResponse(events(), media_type="text/event-stream")
         results = await gather_results(tm, items)
         return results if batch else results[0]
+
+
+def _loaded(tm: TokenizerManager) -> dict[str, str]:
+    return {name: a["path"] for name, a in sorted(tm.lora_adapters.items())}
 
 
 def _uptime(tm: TokenizerManager) -> float:

@@ -37,6 +37,7 @@ from sgl_tpu.server.openai_common import (
     expand_items,
     finish_reason,
     matched_stop,
+    model_adapter,
     sampling_params,
     stop_strings,
     stream_chunks,
@@ -49,22 +50,21 @@ from sgl_tpu.validation import check_batch_size
 
 
 def model_error(tm: TokenizerManager, name: str | None) -> str | None:
-    """Any model name is served by the one model (as SGLang: clients send "default",
-    "gpt-4o", ...); only SGLang's `<served name>:<adapter>` form is parsed, and LoRA adapters
-    are not served: the 400's message, or None for a servable name."""
-    prefix = f"{tm.served_model_name}:"
-    if name is None or name == tm.served_model_name or not name.startswith(prefix):
-        return None
-    adapter = name[len(prefix):].strip()
-    if not adapter:
-        return None
-    return (f"model `{name}`: LoRA adapter `{adapter}` requested, but this server serves no "
-            "adapters")
+    """The 4xx message for a `model` that names a LoRA adapter not loaded (`model_adapter`),
+    or None for a servable name."""
+    try:
+        model_adapter(tm, name)
+    except RequestError as e:
+        return str(e)
+    return None
 
 
 def check_model(tm: TokenizerManager, name: str | None) -> JSONResponse | None:
-    message = model_error(tm, name)
-    return None if message is None else error_response(message, 400)
+    try:
+        model_adapter(tm, name)
+    except RequestError as e:
+        return error_response(str(e), e.status_code)
+    return None
 
 
 async def sse_response(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
@@ -145,7 +145,7 @@ async def completions(tm: TokenizerManager, request: Request):
     prompts, texts = _completion_prompts(tm, req.prompt)
     want_lp = req.logprobs is not None
     items = expand_items(prompts, sampling_params(req, req.max_tokens), req.n, req.rid,
-                         **req.request_fields())
+                         **req.request_fields(), lora_path=model_adapter(tm, req.model))
     for item in items:
         tm.validate(item)
     echo = [""] * len(items)  # text prepended to each choice
@@ -209,7 +209,14 @@ async def completions(tm: TokenizerManager, request: Request):
 # ---- routes --------------------------------------------------------------------------------
 def _model_card(tm: TokenizerManager) -> dict[str, Any]:
     return {"id": tm.served_model_name, "object": "model", "created": int(tm.start_time),
-            "owned_by": "sgl-tpu", "root": tm.model_path, "max_model_len": tm.context_len}
+            "owned_by": "sgl-tpu", "root": tm.model_path, "parent": None,
+            "max_model_len": tm.context_len}
+
+
+def _adapter_card(tm: TokenizerManager, name: str) -> dict[str, Any]:
+    """A loaded LoRA adapter, as vLLM lists one: its folder as `root`, the model as `parent`."""
+    return {**_model_card(tm), "id": name, "root": tm.lora_adapters[name]["path"],
+            "parent": tm.served_model_name}
 
 
 def add_routes(app: FastAPI, tm: TokenizerManager) -> None:
@@ -217,10 +224,13 @@ def add_routes(app: FastAPI, tm: TokenizerManager) -> None:
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(tm)]}
+        return {"object": "list", "data": [_model_card(tm), *(
+            _adapter_card(tm, name) for name in sorted(tm.lora_adapters))]}
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str):
+        if model in tm.lora_adapters:
+            return _adapter_card(tm, model)
         if model not in {tm.served_model_name, tm.model_path, tm.args.model_path}:
             return error_response(f"The model `{model}` does not exist.", 404, "NotFoundError")
         return _model_card(tm)

@@ -29,6 +29,7 @@ from sgl_tpu.server.openai_common import (
     expand_items,
     finish_reason,
     matched_stop,
+    model_adapter,
     sampling_params,
     stop_strings,
     stream_chunks,
@@ -120,7 +121,8 @@ def chat_items(tm: TokenizerManager, req: ChatCompletionRequest
     plan = plan_chat(tm, req)
     prompt = _chat_prompt(tm, req, plan)
     items = expand_items([prompt], _chat_sampling(tm, req, len(prompt), plan), req.n, req.rid,
-                         may_call_tools=plan.parser is not None, **req.request_fields())
+                         may_call_tools=plan.parser is not None, **req.request_fields(),
+                         lora_path=model_adapter(tm, req.model))
     for item in items:
         tm.validate(item)
     return items, plan

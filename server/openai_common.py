@@ -42,6 +42,28 @@ def expand_items(prompts: list[list[int]], sampling: dict[str, Any], n: int, rid
     return items
 
 
+def model_adapter(tm: TokenizerManager, name: str | None) -> str | None:
+    """The LoRA adapter a request's `model` selects: a loaded adapter's name (as vLLM), or
+    SGLang's `<served name>:<adapter>`; None: the base model. Without --enable-lora any other
+    name is the one model (clients send "default", "gpt-4o", ...); with it, a name that is
+    neither the model nor a loaded adapter is refused (RequestError naming it), so a misspelt
+    adapter never silently runs the base model."""
+    if name is None:
+        return None
+    if name in tm.lora_adapters:
+        return name
+    prefix = f"{tm.served_model_name}:"
+    if name.startswith(prefix) and (adapter := name[len(prefix):].strip()):
+        tm.lora_id(adapter)  # RequestError unless loaded
+        return adapter
+    if tm.lora_enabled and name not in {"default", tm.served_model_name, tm.model_path,
+                                        tm.args.model_path}:
+        raise RequestError(f"model `{name}` is neither the served model "
+                           f"`{tm.served_model_name}` nor a loaded LoRA adapter (loaded: "
+                           f"{sorted(tm.lora_adapters)})")
+    return None
+
+
 def finish_reason(result: dict[str, Any]) -> str | None:
     reason = result["meta_info"]["finish_reason"]
     if reason is None:

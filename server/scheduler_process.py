@@ -31,17 +31,20 @@ import traceback
 import zmq
 
 from sgl_tpu.config import ServerArgs
+from sgl_tpu.lora import LoraError
 from sgl_tpu.messages import (
     AbortReq,
     BatchTokenIdOut,
     CloseSessionReq,
     ControlReq,
     ControlResp,
+    LoadLoraReq,
     OpenSessionReq,
     ReadyMsg,
     ReqOutput,
     TokenizedGenerateReq,
     ToolPauseReq,
+    UnloadLoraReq,
 )
 from sgl_tpu.parallel.runner_factory import close_runner
 from sgl_tpu.scheduler.faults import fault_reason, is_fatal
@@ -80,6 +83,9 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, parent_pid: int) ->
             "kv_cache_dtype": runner.config.kv_dtype,
             "grammar_supported": scheduler.grammar is not None,
             "hidden_size": loaded.config.hidden_size,
+            "backend": runner.config.backend,
+            "lora_enabled": scheduler.lora is not None,
+            "lora_adapters": {} if scheduler.lora is None else scheduler.lora.info(),
             "pid": os.getpid()}
     send(to_tokenizer, ReadyMsg(process="scheduler", info=info))
     logger.info("scheduler ready: %s", info)
@@ -126,6 +132,8 @@ def _handle(scheduler, msg, to_tokenizer) -> ReqOutput | None:
             scheduler.kv.retention.tool_pause(rid)
     elif isinstance(msg, OpenSessionReq | CloseSessionReq):
         send(to_tokenizer, _session_call(scheduler, msg))
+    elif isinstance(msg, LoadLoraReq | UnloadLoraReq):
+        send(to_tokenizer, _lora_call(scheduler, msg))
     elif isinstance(msg, ControlReq):
         try:
             resp = _control(scheduler, msg)
@@ -152,6 +160,23 @@ def _session_call(scheduler, msg: OpenSessionReq | CloseSessionReq) -> ControlRe
     except SessionError as e:
         return ControlResp(call_id=msg.call_id, ok=False,
                            data={"error": str(e), "status": e.status_code})
+
+
+def _lora_call(scheduler, msg: LoadLoraReq | UnloadLoraReq) -> ControlResp:
+    """/load_lora_adapter or /unload_lora_adapter; a refusal is a 400 naming the problem."""
+    try:
+        if isinstance(msg, LoadLoraReq):
+            if scheduler.lora is None:
+                raise LoraError("LoRA is not enabled on this server (start it with "
+                                "--enable-lora)")
+            data = {"lora_id": scheduler.lora.load(msg.lora_name, msg.lora_path)}
+        else:
+            scheduler.unload_lora(msg.lora_name)
+            data = {}
+    except LoraError as e:
+        return ControlResp(call_id=msg.call_id, ok=False, data={"error": str(e), "status": 400})
+    return ControlResp(call_id=msg.call_id, ok=True,
+                       data={**data, "adapters": scheduler.lora.info()})
 
 
 def _control(scheduler, msg: ControlReq) -> ControlResp:

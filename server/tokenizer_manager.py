@@ -33,11 +33,13 @@ from sgl_tpu.messages import (
     CloseSessionReq,
     ControlReq,
     ControlResp,
+    LoadLoraReq,
     OpenSessionReq,
     ReadyMsg,
     ReqStrOut,
     TokenizedGenerateReq,
     ToolPauseReq,
+    UnloadLoraReq,
 )
 from sgl_tpu.response import ResponseAccumulator, error_status
 from sgl_tpu.sampling_params import SamplingParams
@@ -70,10 +72,13 @@ class GenItem:
 
     def __init__(self, input_ids: list[int], sampling: dict[str, Any], *,
                  rid: str | None = None, parsed: SamplingParams | None = None,
-                 **fields: Any) -> None:
+                 lora_path: str | None = None, **fields: Any) -> None:
         self.req = TokenizedGenerateReq(rid=uuid.uuid4().hex if rid is None else rid,
                                         input_ids=input_ids, sampling=sampling, **fields)
         self.parsed = parsed
+        # LoRA: the loaded adapter's name (SGLang's `lora_path`; the OpenAI routes' `model`),
+        # None: the base model; `TokenizerManager.validate` sets `req.lora_id` from it
+        self.lora_path = lora_path
 
     @property
     def rid(self) -> str:
@@ -116,6 +121,9 @@ class TokenizerManager:
         self.max_total_tokens = 0
         self.grammar_supported = False
         self.hidden_size = 0  # the model's: an embedding's length
+        self.lora_enabled = False
+        self.backend = ""  # the executor backend the scheduler runs (its ready message)
+        self.lora_adapters: dict[str, dict[str, Any]] = {}  # name -> {id, path, rank}
         self.start_time = time.time()
         self.metrics = None  # set by the HTTP app (sgl_tpu.server.metrics.Metrics)
         self._recv_task: asyncio.Task | None = None
@@ -142,6 +150,9 @@ class TokenizerManager:
         self.max_total_tokens = info["max_total_tokens"]
         self.grammar_supported = info.get("grammar_supported", False)
         self.hidden_size = info.get("hidden_size", 0)
+        self.lora_enabled = info.get("lora_enabled", False)
+        self.backend = info.get("backend", "")
+        self.lora_adapters = dict(info.get("lora_adapters", {}))
 
     def mark_dead(self, reason: str) -> None:
         """A child died: fail everything in flight (called by the launcher's watchdog)."""
@@ -237,6 +248,7 @@ class TokenizerManager:
                                f"than the prompt length ({n})")
         if req.top_logprobs_num < 0 or req.top_logprobs_num > self.args.max_top_logprobs:
             raise RequestError(f"top_logprobs_num must be in [0, {self.args.max_top_logprobs}]")
+        req.lora_id = self.lora_id(item.lora_path)
         if (error := check_generate_fields(req, self.args.max_retention_s)) is not None:
             raise RequestError(error)
         item.parsed = sampling
@@ -307,6 +319,46 @@ class TokenizerManager:
         """/close_session; RequestError (404) when it is not open."""
         self._raise_refusal(await self._call(
             lambda call_id: CloseSessionReq(call_id=call_id, session_id=session_id)))
+
+    # ---- LoRA adapters (docs/lora.md) -----------------------------------------------------
+    def lora_id(self, name: str | None) -> int:
+        """The id of loaded adapter `name` (None: 0, the base model); RequestError naming it
+        when it is not loaded."""
+        if name is None:
+            return 0
+        if not self.lora_enabled:
+            how = ("start it with --enable-lora" if self.backend == "torch" else
+                   f"LoRA needs the torch backend; this server runs the {self.backend} backend")
+            raise RequestError(f"LoRA adapter {name!r} requested, but LoRA is not enabled on "
+                               f"this server ({how})")
+        adapter = self.lora_adapters.get(name)
+        if adapter is None:
+            raise RequestError(f"LoRA adapter {name!r} is not loaded (loaded: "
+                               f"{sorted(self.lora_adapters)})")
+        return adapter["id"]
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """/load_lora_adapter; RequestError (400) naming why it was refused."""
+        resp = await self._call(lambda call_id: LoadLoraReq(
+            call_id=call_id, lora_name=name, lora_path=path), timeout_s=300.0)
+        self._raise_refusal(resp)
+        self.lora_adapters = dict(resp.data["adapters"])
+
+    async def unload_lora(self, name: str) -> None:
+        """/unload_lora_adapter: refused (400) while requests use it. The name resolves to
+        nothing from now on, so no new request takes it meanwhile."""
+        adapter = self.lora_adapters.pop(name, None)
+        try:
+            resp = await self._call(lambda call_id: UnloadLoraReq(call_id=call_id,
+                                                                  lora_name=name))
+        except BaseException:
+            if adapter is not None:
+                self.lora_adapters[name] = adapter
+            raise
+        if not resp.ok and adapter is not None:
+            self.lora_adapters[name] = adapter
+        self._raise_refusal(resp)
+        self.lora_adapters = dict(resp.data["adapters"])
 
     def tool_pause(self, rids: list[str]) -> None:
         """These finished requests' answers hold tool calls: the scheduler pins their KV for

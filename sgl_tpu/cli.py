@@ -57,7 +57,9 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     ns = vars(known)
     for flag in _COMPAT_FLAGS:
         ns.pop(flag[2:].replace("-", "_"))
-    ns["allow_origins"] = tuple(ns["allow_origins"])
+    for f in dataclasses.fields(ServerArgs):  # nargs="+" gives lists
+        if f.metadata["flag"] and f.type.startswith("tuple["):
+            ns[f.name] = tuple(ns[f.name])
     ns["router_args"] = _router_args(parser, unknown)
     try:
         args = ServerArgs(**ns)

@@ -67,6 +67,19 @@ def _kv_events_json(name: str, value: object) -> None:
         KVEventsConfig.from_json(value)
 
 
+def _lora_paths(name: str, value: object) -> None:
+    from sgl_tpu.lora import parse_lora_paths
+
+    parse_lora_paths(value)
+
+
+def _lora_modules(name: str, value: object) -> None:
+    from sgl_tpu.lora import LORA_MODULES
+
+    if unknown := [m for m in value if m not in (*LORA_MODULES, "all")]:
+        raise ValueError(f"--lora-target-modules: {unknown} are not among {LORA_MODULES} or all")
+
+
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     """lo, 2lo, 4lo, ... up to and including hi (hi appended if not a power-of-two step)."""
     out, b = [], lo
@@ -129,6 +142,10 @@ class RunnerConfig:
     # `num_pages`; 0: every layer on `num_pages`. `swa_window`: the local layers' window.
     swa_num_pages: int = 0
     swa_window: int = 0
+    # LoRA (--enable-lora, torch): adapter slots (0: off), their largest rank, the modules adapted
+    max_loras: int = 0
+    max_lora_rank: int = 0
+    lora_target_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_DTYPES:
@@ -608,6 +625,28 @@ class ServerArgs(SchedulerSettings, ServingSettings):
         False, see="backends.md",
         help="torch on CUDA: run decode steps without CUDA graphs (accepted and inert on CPU, "
              "where no graphs are captured)")
+    # LoRA adapters
+    enable_lora: bool = setting(
+        False, see="lora.md",
+        help="serve LoRA adapters (torch backend): requests name one by `lora_path` (/generate) "
+             "or `model` (OpenAI routes); load and unload them with /load_lora_adapter and "
+             "/unload_lora_adapter. Implied by --lora-paths")
+    lora_paths: tuple[str, ...] = setting(
+        (), check=_lora_paths, see="lora.md",
+        help="PEFT adapter folders loaded at start, each NAME=PATH, PATH (named by itself) or "
+             "SGLang's JSON {\"lora_name\": ..., \"lora_path\": ...}")
+    max_loras_per_batch: int = setting(
+        8, check=Int(1), see="lora.md",
+        help="adapter slots: the most adapters loaded at once, any mix of them (and the base "
+             "model) in one batch")
+    max_lora_rank: int | None = setting(
+        None, check=OrNone(Int(1)), see="lora.md",
+        help="largest adapter rank a load accepts (every slot is this wide); default: the "
+             "largest rank of --lora-paths, else 16")
+    lora_target_modules: tuple[str, ...] = setting(
+        (), check=_lora_modules, see="lora.md",
+        help="projections adapters may adapt (q_proj k_proj v_proj o_proj gate_proj up_proj "
+             "down_proj, or all); default: those the --lora-paths adapters adapt, else all")
     # chat and output parsing, determinism, KV events, logging
     tool_call_parser: str | None = setting(
         None, see="agent-apis.md",

@@ -33,6 +33,7 @@ from sgl_tpu.executor.registry import (
 from sgl_tpu.loader import load_model
 from sgl_tpu.loader.chat_templates import with_chat_template
 from sgl_tpu.loader.loaded import LoadedModel
+from sgl_tpu.lora import LoraError, parse_lora_paths
 from sgl_tpu.mem_cache.disk_folder import storage_dir
 from sgl_tpu.mem_cache.disk_tier import DiskTier
 from sgl_tpu.mem_cache.host_tier import HostTier
@@ -42,6 +43,7 @@ from sgl_tpu.messages import TokenizedGenerateReq
 from sgl_tpu.parallel.runner_factory import close_runner, create_runner, join_group
 from sgl_tpu.response import ResponseAccumulator, embedding_vector, error_status
 from sgl_tpu.sampling_params import SamplingParams, expand_n
+from sgl_tpu.scheduler.lora_registry import LoraRegistry
 from sgl_tpu.scheduler.scheduler import Scheduler
 from sgl_tpu.scheduler.stats import server_info
 from sgl_tpu.validation import check_dimensions
@@ -91,7 +93,14 @@ def build_scheduler(args: ServerArgs) -> tuple[Scheduler, Any]:
         decode=loaded.tokenizer.decode, eos_token_ids=eos,
         vocab_size=loaded.config.vocab_size, grammar=grammar,
         disable_jump_forward=args.disable_jump_forward,
-        tiers=tier_factory(args, loaded, runner, runner_cfg.num_pages))
+        tiers=tier_factory(args, loaded, runner, runner_cfg.num_pages),
+        lora=LoraRegistry(runner, loaded.config) if runner_cfg.max_loras else None)
+    for name, path in parse_lora_paths(args.lora_paths):  # --lora-paths
+        try:
+            scheduler.lora.load(name, path)
+        except LoraError as e:
+            close_runner(runner)
+            raise ValueError(f"--lora-paths {name}: {e}") from None
     return scheduler, loaded
 
 
@@ -150,30 +159,37 @@ class Engine:
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
         return_text_in_logprobs: bool = False,
+        lora_path: str | Sequence[str | None] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (a dict back) or a batch (a list of dicts, in order).
 
         With `stream=True` (single prompt only) returns an iterator of cumulative dicts: once
         the request has a token, then once `stream_interval` more arrived (its sampling
         parameter, else the server argument), and the final one.
-        Raises `GenerationError` for bad input.
+        `lora_path`: a loaded LoRA adapter's name for every prompt, or one per prompt (None:
+        the base model). Raises `GenerationError` for bad input.
         """
         batch_ids, single = self._tokenize(prompt, input_ids)
+        names = (list(lora_path) if isinstance(lora_path, list | tuple)
+                 else [lora_path] * len(batch_ids))
+        if len(names) != len(batch_ids):
+            raise GenerationError("lora_path list must match the number of prompts")
+        lora_ids = [self._lora_id(name) for name in names]
         params = (list(sampling_params) if isinstance(sampling_params, list | tuple)
                   else [sampling_params] * len(batch_ids))
         if len(params) != len(batch_ids):
             raise GenerationError("sampling_params list must match the number of prompts")
         reqs = []
-        for ids, sp in zip(batch_ids, params, strict=True):
+        for ids, sp, lora in zip(batch_ids, params, lora_ids, strict=True):
             try:  # the one parse in this process: the scheduler takes the parsed params
                 parsed = SamplingParams.from_dict(sp)
             except ValueError as e:
                 raise GenerationError(str(e)) from None
-            reqs += [(ids, d, sample) for d, sample in
+            reqs += [(ids, d, sample, lora) for d, sample in
                      zip(expand_n(sp or {}, parsed.n), parsed.samples(), strict=True)]
         accs = [self._submit(ids, sp, sampling, return_logprob, logprob_start_len,
-                             top_logprobs_num, return_text_in_logprobs)
-                for ids, sp, sampling in reqs]
+                             top_logprobs_num, return_text_in_logprobs, lora_id=lora)
+                for ids, sp, sampling, lora in reqs]
         if stream:
             if not single or len(accs) != 1:
                 raise GenerationError("stream=True takes a single prompt with n=1")
@@ -201,6 +217,32 @@ class Engine:
         for r in results:
             r["embedding"] = embedding_vector(r["embedding"], dimensions).tolist()
         return results[0] if single else results
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Load a PEFT LoRA folder as `lora_name` (GenerationError naming why not)."""
+        try:
+            self._lora().load(lora_name, lora_path)
+        except LoraError as e:
+            raise GenerationError(str(e)) from None
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        try:
+            self.scheduler.unload_lora(lora_name)
+        except LoraError as e:
+            raise GenerationError(str(e)) from None
+
+    def _lora(self) -> LoraRegistry:
+        if self.scheduler.lora is None:
+            raise GenerationError("LoRA is not enabled (enable_lora=True)")
+        return self.scheduler.lora
+
+    def _lora_id(self, name: str | None) -> int:
+        if name is None:
+            return 0
+        lora_id = self._lora().ids.get(name)
+        if lora_id is None:
+            raise GenerationError(f"LoRA adapter {name!r} is not loaded")
+        return lora_id
 
     def flush_cache(self) -> bool:
         return self.scheduler.flush_cache()
@@ -238,7 +280,8 @@ class Engine:
         return [list(x) for x in input_ids], False
 
     def _submit(self, ids, sp, sampling: SamplingParams, return_logprob, logprob_start_len,
-                top_logprobs_num, with_text, embed: bool = False) -> ResponseAccumulator:
+                top_logprobs_num, with_text, embed: bool = False, lora_id: int = 0
+                ) -> ResponseAccumulator:
         rid = f"engine-{next(self._rids)}"
         acc = ResponseAccumulator(rid, return_logprob=return_logprob,
                                   return_text_in_logprobs=with_text,
@@ -246,7 +289,8 @@ class Engine:
         msg = TokenizedGenerateReq(rid=rid, input_ids=list(ids), sampling=dict(sp or {}),
                                    return_logprob=return_logprob,
                                    logprob_start_len=logprob_start_len,
-                                   top_logprobs_num=top_logprobs_num, embed=embed)
+                                   top_logprobs_num=top_logprobs_num, embed=embed,
+                                   lora_id=lora_id)
         if any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size for t in ids):
             raise GenerationError(f"input_ids must be token ids in [0, "
                                   f"{self.model_config.vocab_size})")

@@ -2,6 +2,7 @@
 
     TokenizerManager ──TokenizedGenerateReq / AbortReq / ControlReq──► Scheduler
                      ──OpenSessionReq / CloseSessionReq / ToolPauseReq──► Scheduler
+                     ──LoadLoraReq / UnloadLoraReq──► Scheduler
     Scheduler        ──BatchTokenIdOut──► Detokenizer ──BatchStrOut──► TokenizerManager
     Scheduler        ──ControlResp / ReadyMsg──► TokenizerManager
 
@@ -52,6 +53,8 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
     # an embedding request (/v1/embeddings, /encode): prefill only (`sampling` has
     # max_new_tokens 0), answered with the prompt's hidden states pooled by --pooling
     embed: bool = False
+    # LoRA: the loaded adapter it runs with (an id from LoadLoraReq's answer; 0: the base model)
+    lora_id: int = 0
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -85,6 +88,21 @@ class ControlReq(msgspec.Struct, tag=True):
 
     call_id: int
     name: str
+
+
+class LoadLoraReq(msgspec.Struct, tag=True):
+    """/load_lora_adapter (a ControlResp: data {"lora_id", "adapters"} or {"error", "status"})."""
+
+    call_id: int
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraReq(msgspec.Struct, tag=True):
+    """/unload_lora_adapter (a ControlResp like LoadLoraReq's)."""
+
+    call_id: int
+    lora_name: str
 
 
 class ControlResp(msgspec.Struct, tag=True):
@@ -259,7 +277,8 @@ class TorchFollowerSpec(msgspec.Struct, tag=True):
     dist_timeout_s: float = 300.0
 
 Message = (TokenizedGenerateReq | AbortReq | ControlReq | ControlResp | ReadyMsg
-           | BatchTokenIdOut | BatchStrOut | OpenSessionReq | CloseSessionReq | ToolPauseReq)
+           | BatchTokenIdOut | BatchStrOut | OpenSessionReq | CloseSessionReq | ToolPauseReq
+           | LoadLoraReq | UnloadLoraReq)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

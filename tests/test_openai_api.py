@@ -214,10 +214,12 @@ def test_completions_json_schema_extension(client):
 @pytest.mark.backend_independent
 def test_any_model_name(client):
     """Any name is served by the one model (SGLang's docs send "default"); only SGLang's
-    `served:adapter` form is parsed, and adapters are refused; retrieving an unknown model 404s."""
+    `served:adapter` form is parsed, and on a server without --enable-lora that is a 400;
+    retrieving an unknown model 404s."""
     resp = client.chat.completions.create(model="default", messages=HELLO, max_tokens=2)
     assert resp.model == "default" and resp.choices[0].finish_reason == "length"
-    with pytest.raises(openai.BadRequestError, match="adapter `my-lora`"):
+    with pytest.raises(openai.BadRequestError,
+                       match="adapter 'my-lora' requested, but LoRA is not enabled"):
         client.chat.completions.create(model=f"{MODEL}:my-lora", messages=HELLO, max_tokens=2)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.models.retrieve("no-such-model")

@@ -195,7 +195,9 @@ def runner_config(args: ServerArgs, model_context_len: int, *, num_experts: int 
         seq_buckets = batch_invariant.row_buckets(seq_buckets)
         attention = batch_invariant.resolve_attention(args.attention_backend, backend)
     dtype = _resolve_dtype(args, backend)
-    static = _resolve_cuda_graph(args, backend, deterministic or num_experts > 0)
+    lora = _resolve_lora(args, backend, deterministic)
+    compile = compile and not lora
+    static = _resolve_cuda_graph(args, backend, deterministic or num_experts > 0 or bool(lora))
     pools = _resolve_pools(args, backend, gemma, chunk, bool(static))
     return RunnerConfig(
         model_path=args.model_path,
@@ -224,7 +226,43 @@ def runner_config(args: ServerArgs, model_context_len: int, *, num_experts: int 
         kv_cache_dtype=_resolve_kv_cache_dtype(args, backend, dtype),
         **static,
         **pools,
+        **lora,
     )
+
+
+def _resolve_lora(args: ServerArgs, backend: str, deterministic: bool) -> dict:
+    """RunnerConfig's LoRA fields (--enable-lora, implied by --lora-paths): slots, rank and
+    modules, the rank and modules defaulting to what the --lora-paths adapters use. LoRA runs
+    on the torch backend, one device, eagerly (docs/lora.md)."""
+    from sgl_tpu.lora import LORA_MODULES, LoraError, parse_lora_paths, read_config
+
+    if not (args.enable_lora or args.lora_paths):
+        return {}
+    if backend != "torch":
+        raise ValueError(f"--enable-lora needs the torch backend (--backend torch); the {backend}"
+                         f" backend serves no LoRA adapters")
+    why = ("--tp-size 1 and --nnodes 1" if args.tp_size > 1 or args.nnodes > 1
+           else "no --enable-deterministic-inference" if deterministic
+           else "no --torch-compile on" if args.torch_compile == "on" else None)
+    if why is not None:
+        raise ValueError(f"--enable-lora needs {why}")
+    configs = []
+    for _, path in parse_lora_paths(args.lora_paths):
+        try:
+            configs.append(read_config(path))
+        except LoraError as e:
+            raise ValueError(f"--lora-paths: {e}") from None
+    ranks = [c.get("r") for c in configs if isinstance(c.get("r"), int)]
+    modules = set(args.lora_target_modules)
+    if not modules:
+        for c in configs:
+            target = c.get("target_modules")
+            modules |= set(target) if isinstance(target, list) else {"all"}
+    if not modules or "all" in modules:
+        modules = set(LORA_MODULES)
+    return dict(max_loras=args.max_loras_per_batch,
+                max_lora_rank=args.max_lora_rank or max(ranks, default=16),
+                lora_target_modules=tuple(m for m in LORA_MODULES if m in modules))
 
 
 def swa_pool_blocker(args: ServerArgs, backend: str, gemma: GemmaConfig | None,

@@ -93,6 +93,7 @@ class SeqStep:
     # a hybrid model's sliding-window pool (mem_cache/swa_pool.py): the window page of each of
     # `pages` (0: dropped, outside the sequence's window); None without that pool
     swa_pages: Sequence[int] | np.ndarray | None = None
+    lora_id: int = 0  # the LoRA adapter its tokens run with (0: the base model; sgl_tpu/lora.py)
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,8 @@ class KVEventRecorder(TreeListener):
         hashes = page_block_hashes(node.hashes)
         page_size = len(node.key) // len(hashes)
         pages = node.key.reshape(len(hashes), page_size).tolist()  # [num_pages, page_size]
-        parent_hash = node.parent.last_hash()
+        # a namespace root's hash is a seed, not a stored block: first blocks have no parent
+        parent_hash = None if node.parent.is_root else node.parent.last_hash()
         parent = None if parent_hash is None else block_hash(parent_hash)
         for h, tokens in zip(hashes, pages, strict=True):
             self._events.append(BlockStored(block_hashes=[h], parent_block_hash=parent,

@@ -1,7 +1,7 @@
 """Chain hashes of KV pages: one 16-byte digest per page that names the page's tokens and every
 token before them, so equal digests mean equal KV (for one model, dtype and page size).
 
-    h[-1] = ROOT_HASH
+    h[-1] = ROOT_HASH (the base model), or namespace_seed(ns) (a LoRA adapter's tree)
     h[i]  = blake2b(h[i-1] || token ids of page i as little-endian int32, 16 bytes)
 
 The lower cache tiers (`tiers.py`) key pages by these digests, and a restarted server finds its
@@ -31,6 +31,12 @@ def chain_hashes(parent_hash: bytes, key: np.ndarray, page_size: int) -> np.ndar
                                digest_size=HASH_BYTES).digest()
         out[i] = np.frombuffer(prev, dtype=np.uint8)
     return out
+
+
+def namespace_seed(namespace: str) -> bytes:
+    """The chain's start in a namespace of the radix tree (a LoRA adapter's digest): pages of
+    equal tokens under different adapters never hash alike."""
+    return hashlib.blake2b(b"namespace:" + namespace.encode(), digest_size=HASH_BYTES).digest()
 
 
 def block_hash(page_hash: bytes | np.ndarray) -> int:

@@ -44,6 +44,16 @@ Ownership and mutation:
     priority of the requests that stored it, a parent's at least each child's; the
     ``priority`` eviction policy evicts low priorities first.
 
+Namespaces: ``match_prefix``, ``peek_prefix`` and ``insert`` take a ``namespace`` (None: the
+base model's tree under ``root``; a string, e.g. a LoRA adapter's digest: a root of its own).
+No prefix is shared across namespaces, and a namespace root's chain hash is a seed derived from
+its name (``namespace_seed``), so the lower tiers and KV events key its pages apart too::
+
+    root (base)            --[a b|c d]--> ...
+    roots["<adapter 1>"]   --[a b|c d]--> ...     same tokens, other KV, other hashes
+
+Namespace roots are kept until ``reset`` (which empties them); they are never evicted.
+
 ``check_integrity()`` verifies all of the above by a full walk (for tests and idle checks).
 """
 
@@ -58,7 +68,7 @@ import numpy as np
 
 from sgl_tpu.mem_cache.allocator import PageAllocator
 from sgl_tpu.mem_cache.eviction import LeafQueue
-from sgl_tpu.mem_cache.page_hash import ROOT_HASH, chain_hashes
+from sgl_tpu.mem_cache.page_hash import ROOT_HASH, chain_hashes, namespace_seed
 from sgl_tpu.mem_cache.tree_node import TreeListener, TreeNode
 
 _EMPTY_SLOTS = np.zeros(0, dtype=np.int32)
@@ -109,12 +119,16 @@ class RadixCache:
         self.num_evicted_tokens = 0
         self.num_evicted_retained_tokens = 0  # evicted while still under retention
         self.version = 0
+        # namespace -> its root (kept across resets, emptied: requests may hold them)
+        self.roots: dict[str, TreeNode] = {}
         self._init_state()
         for listener in listeners:
             self.add_listener(listener)
 
     def _init_state(self) -> None:
         self.root = TreeNode(next(self._node_ids), None, _EMPTY_KEY, _EMPTY_SLOTS)
+        for ns_root in self.roots.values():
+            ns_root.children.clear()
         self._evictable_size = 0
         self._protected_size = 0
         self._evictable_leaves = LeafQueue(self.clock, self.eviction_policy)
@@ -132,6 +146,25 @@ class RadixCache:
             raise RuntimeError("listeners are added to an empty tree")
         self.listeners.append(listener)
         self.track_hashes = True
+
+    def root_of(self, namespace: str | None) -> TreeNode:
+        """The root of `namespace`'s tree (None: the base model's), made on first use."""
+        if namespace is None:
+            return self.root
+        node = self.roots.get(namespace)
+        if node is None:
+            seed = np.frombuffer(namespace_seed(namespace), dtype=np.uint8)[None, :]
+            node = self.roots[namespace] = TreeNode(
+                next(self._node_ids), None, _EMPTY_KEY, _EMPTY_SLOTS, hashes=seed,
+                namespace=namespace)
+        return node
+
+    @staticmethod
+    def namespace_of(node: TreeNode) -> str | None:
+        """The namespace of the tree `node` is in."""
+        while node.parent is not None:
+            node = node.parent
+        return node.namespace
 
     # ---- sizes -------------------------------------------------------------------------------
 
@@ -154,7 +187,8 @@ class RadixCache:
 
     # ---- match / insert ----------------------------------------------------------------------
 
-    def match_prefix(self, key: Sequence[int] | np.ndarray) -> MatchResult:
+    def match_prefix(self, key: Sequence[int] | np.ndarray, namespace: str | None = None
+                     ) -> MatchResult:
         """Longest cached page-aligned prefix of ``key``: its slots and the node ending there.
 
         Splits a node when the match ends inside its edge, and refreshes access times along the
@@ -164,7 +198,7 @@ class RadixCache:
             return MatchResult(_EMPTY_SLOTS, self.root)
         key = self._page_aligned(np.asarray(key, dtype=np.int32))
         now = next(self._access_clock)
-        node = self.root
+        node = self.root_of(namespace)
         values: list[np.ndarray] = []
         while len(key) and (child := node.children.get(self._page_key(key))) is not None:
             match_len = self._match_len(child.key, key)
@@ -178,7 +212,8 @@ class RadixCache:
         return MatchResult(slots, node)
 
     def peek_prefix(self, key: Callable[[], Sequence[int] | np.ndarray],
-                    hint: PrefixPeek | None = None) -> PrefixPeek:
+                    hint: PrefixPeek | None = None, namespace: str | None = None
+                    ) -> PrefixPeek:
         """The prefix length `match_prefix(key())` would give, without changing the tree.
 
         `key` is called only when the tree must be walked, and only its part past the hint's
@@ -192,8 +227,8 @@ class RadixCache:
             return PrefixPeek(0, self.root, 0, self.version)
         if hint is not None and hint.version == self.version:
             return hint
-        node, node_len = self.root, 0
-        if hint is not None and (hint.node.parent is not None or hint.node is self.root):
+        node, node_len = self.root_of(namespace), 0
+        if hint is not None and (hint.node.parent is not None or hint.node is node):
             node, node_len = hint.node, hint.node_len
         rest = self._page_aligned(np.asarray(key()[node_len:], dtype=np.int32))
         while len(rest) and (child := node.children.get(self._page_key(rest))) is not None:
@@ -205,7 +240,7 @@ class RadixCache:
         return PrefixPeek(node_len, node, node_len, self.version)
 
     def insert(self, key: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray,
-               retain_s: float = 0.0, priority: int = 0) -> int:
+               retain_s: float = 0.0, priority: int = 0, namespace: str | None = None) -> int:
         """Store the page-aligned part of ``key`` -> ``slots``; return the cached prefix length.
 
         ``retain_s > 0`` then retains the whole stored path (see ``retain``); every node of the
@@ -236,7 +271,7 @@ class RadixCache:
         key = self._page_aligned(key)
         slots = slots[: len(key)]
         now = next(self._access_clock)
-        node = self.root
+        node = self.root_of(namespace)
         prefix_len = 0
         while len(key) and (child := node.children.get(self._page_key(key))) is not None:
             match_len = self._match_len(child.key, key)
@@ -274,7 +309,7 @@ class RadixCache:
         nothing else)."""
         self._check_attached(node)
         stamped = None if owner is None else self._pinned.setdefault(owner, set())
-        while node is not self.root and node.pins.get(owner, 0.0) < deadline:
+        while not node.is_root and node.pins.get(owner, 0.0) < deadline:
             node.pins[owner] = deadline
             if stamped is not None:
                 stamped.add(node)
@@ -320,7 +355,7 @@ class RadixCache:
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Pin the path node..root so none of it can be evicted."""
         self._check_attached(node)
-        while node is not self.root:
+        while not node.is_root:
             if node.lock_ref == 0:
                 self._evictable_size -= len(node.key)
                 self._protected_size += len(node.key)
@@ -331,9 +366,9 @@ class RadixCache:
     def dec_lock_ref(self, node: TreeNode) -> None:
         """Undo one ``inc_lock_ref(node)``; RuntimeError if ``node`` is not locked."""
         self._check_attached(node)
-        if node is not self.root and node.lock_ref <= 0:
+        if not node.is_root and node.lock_ref <= 0:
             raise RuntimeError(f"dec_lock_ref below zero on {node!r}")
-        while node is not self.root:
+        while not node.is_root:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._evictable_size += len(node.key)
@@ -368,12 +403,12 @@ class RadixCache:
         if self._protected_size:
             raise RuntimeError(f"reset with {self._protected_size} locked tokens in the tree")
         if self.listeners:
-            nodes = [n for n in self._walk() if n is not self.root]
+            nodes = [n for n in self._walk() if not n.is_root]
             for listener in self.listeners:
                 listener.clearing(nodes)
         values = []
         for node in self._walk():
-            if node is not self.root:
+            if not node.is_root:
                 values.append(node.value)
                 node.parent = None  # stale handles now fail _check_attached
         if values:
@@ -462,7 +497,7 @@ class RadixCache:
         pages = self.allocator.slots_to_pages(node.value)
         self._page_in_tree[pages] = False
         self.allocator.free(pages)
-        if parent is not self.root and parent.lock_ref == 0 and not parent.children:
+        if not parent.is_root and parent.lock_ref == 0 and not parent.children:
             self._add_evictable_leaf(parent)
 
     def _touch(self, node: TreeNode, now: int) -> None:
@@ -473,15 +508,15 @@ class RadixCache:
         self._evictable_leaves.add(node)
 
     def _check_attached(self, node: TreeNode) -> None:
-        if node is not self.root and node.parent is None:
+        if not node.is_root and node.parent is None:
             raise RuntimeError(f"{node!r} is no longer in the tree (evicted or reset)")
 
     def nodes(self) -> list[TreeNode]:
-        """Every node of the tree but the root (a snapshot)."""
-        return [node for node in self._walk() if node is not self.root]
+        """Every node of the tree but the roots (a snapshot)."""
+        return [node for node in self._walk() if not node.is_root]
 
     def _walk(self) -> list[TreeNode]:
-        nodes, stack = [], [self.root]
+        nodes, stack = [], [self.root, *self.roots.values()]
         while stack:
             node = stack.pop()
             nodes.append(node)
@@ -491,7 +526,7 @@ class RadixCache:
     # ---- debugging ---------------------------------------------------------------------------
 
     def pretty_print(self) -> str:
-        lines, stack = [], [(self.root, 0)]
+        lines, stack = [], [(root, 0) for root in (self.root, *self.roots.values())]
         while stack:
             node, depth = stack.pop()
             lines.append(
@@ -518,17 +553,17 @@ class RadixCache:
                     fail(f"{child!r} has a wrong parent pointer")
                 if len(child.key) == 0 or self._page_key(child.key) != page_key:
                     fail(f"{child!r} is indexed under {page_key}, its key starts differently")
-                if child.last_access_time > node.last_access_time and node is not self.root:
+                if child.last_access_time > node.last_access_time and not node.is_root:
                     fail(f"{child!r} was accessed after its parent {node!r}")
-                if child.retain_until > node.retain_until and node is not self.root:
+                if child.retain_until > node.retain_until and not node.is_root:
                     fail(f"{child!r} is retained longer than its parent {node!r}")
-                if node is not self.root and any(node.pins.get(owner, -1.0) < deadline
+                if not node.is_root and any(node.pins.get(owner, -1.0) < deadline
                                                  for owner, deadline in child.pins.items()):
                     fail(f"{child!r} has a pin its parent {node!r} lacks or ends sooner")
-                if child.priority > node.priority and node is not self.root:
+                if child.priority > node.priority and not node.is_root:
                     fail(f"{child!r} has a higher priority than its parent {node!r}")
                 child_locks += child.lock_ref
-            if node is self.root:
+            if node.is_root:
                 if len(node.key) or node.lock_ref or node.retain_until or node.pins:
                     fail("root has a key, a lock_ref or a retention deadline")
                 continue

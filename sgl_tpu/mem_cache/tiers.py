@@ -212,14 +212,15 @@ class TieredCache(TreeListener):
         self.io.write_kv_pages(pages, self._load_buf.get(n), **self._windows(pages))
         end = match.prefix_len + n * ps
         slots = np.concatenate([match.slots, self.allocator.pages_to_slots(pages, n * ps)])
-        self.tree.insert(key[:end], slots)
+        namespace = self.tree.namespace_of(match.last_node)
+        self.tree.insert(key[:end], slots, namespace=namespace)
         elapsed = time.perf_counter() - t0
         for tier, counters in (("host", self.host_counters), ("disk", self.disk_counters)):
             num = found[:n].count(tier)
             counters.hit_tokens += num * ps
             counters.load_bytes += num * self.host.row_bytes
             counters.load_s += elapsed * num / n
-        new = self.tree.match_prefix(key[:end])
+        new = self.tree.match_prefix(key[:end], namespace)
         if new.prefix_len != end:
             raise RuntimeError(f"tree lost loaded pages ({new.prefix_len} != {end})")
         return new, pages.tolist()
@@ -367,7 +368,7 @@ class TieredCache(TreeListener):
         if not deep:
             return
         for node in self.tree._walk():
-            if node is self.tree.root:
+            if node.is_root:
                 continue
             pages = self.allocator.slots_to_pages(node.value)
             for i, h in enumerate(node.hashes):

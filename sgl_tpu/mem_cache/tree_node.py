@@ -12,7 +12,7 @@ class TreeNode:
     """One edge of the tree: ``key`` tokens whose KV lives at ``value`` slots."""
 
     __slots__ = ("id", "parent", "children", "key", "value", "lock_ref", "last_access_time",
-                 "retain_until", "pins", "priority", "hashes")
+                 "retain_until", "pins", "priority", "hashes", "namespace")
 
     def __init__(
         self,
@@ -26,6 +26,7 @@ class TreeNode:
         hashes: np.ndarray | None = None,
         pins: dict[str | None, float] | None = None,
         priority: int = 0,
+        namespace: str | None = None,
     ) -> None:
         self.id = node_id
         self.parent = parent
@@ -43,6 +44,14 @@ class TreeNode:
         # uint8 [num_pages, 16]: the chain hash of each page (page_hash.py), when the tree
         # tracks them (a lower tier or KV events listen); else None
         self.hashes = hashes
+        # a root's namespace (radix_cache.py: one root per LoRA adapter); None elsewhere
+        self.namespace = namespace
+
+    @property
+    def is_root(self) -> bool:
+        """A root of the tree (the base model's or a namespace's): the only nodes whose edge
+        is empty."""
+        return self.key.size == 0
 
     def last_hash(self) -> bytes | None:
         """The chain hash of this edge's last page (None when hashes are not tracked)."""

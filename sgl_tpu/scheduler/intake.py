@@ -20,6 +20,7 @@ from sgl_tpu.detokenize import IncrementalDecoder
 from sgl_tpu.messages import ReqOutput, TokenizedGenerateReq
 from sgl_tpu.sampling_params import SamplingParams
 from sgl_tpu.scheduler.grammar_steps import GRAMMAR_COMPILE_BUDGET_S
+from sgl_tpu.scheduler.lora_registry import LoraRegistry
 from sgl_tpu.scheduler.output import error_output
 from sgl_tpu.scheduler.pooling import POOLING_METHODS
 from sgl_tpu.scheduler.priority import req_priority
@@ -36,8 +37,10 @@ COPIED_FIELDS = tuple(name for name in TokenizedGenerateReq.__struct_fields__
 class Intake:
     def __init__(self, config: SchedulerConfig, *, vocab_size: int, capacity_tokens: int,
                  grammar: GrammarManager | None,
-                 decode: Callable[[Sequence[int], bool], str]) -> None:
+                 decode: Callable[[Sequence[int], bool], str],
+                 lora: LoraRegistry | None = None) -> None:
         self.config = config
+        self.lora = lora
         self.vocab_size = vocab_size
         self.capacity_tokens = capacity_tokens
         self.grammar = grammar
@@ -59,6 +62,14 @@ class Intake:
         error = error or check_generate_fields(msg, self.config.max_retention_s)
         if msg.embed and sampling.max_new_tokens != 0:
             error = error or "an embedding request generates no tokens (max_new_tokens 0)"
+        namespace = None
+        if msg.lora_id:
+            try:
+                namespace = None if self.lora is None else self.lora.namespace(msg.lora_id)
+            except KeyError:
+                namespace = None
+            error = error or (None if namespace else f"LoRA adapter id {msg.lora_id} is not "
+                              f"loaded (unloaded after the request named it)")
         if error is not None:
             return error_output(msg.rid, len(msg.input_ids), error)
         seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(32)
@@ -68,7 +79,7 @@ class Intake:
                   top_logprobs_num=min(msg.top_logprobs_num, self.config.max_top_logprobs),
                   priority=req_priority(msg.priority, self.config), pooling=pooling,
                   needs_prefix_rows=pooling is not None
-                  and POOLING_METHODS[pooling].needs_prefix_rows)
+                  and POOLING_METHODS[pooling].needs_prefix_rows, cache_namespace=namespace)
         if sampling.stop or sampling.stop_regex:
             req.decoder = IncrementalDecoder(self.decode, sampling.skip_special_tokens)
         if sampling.grammar is not None and self.grammar is not None:

@@ -158,7 +158,7 @@ class KVManager:
         assert req.last_node is None and not req.pages, "request already holds KV"
         ps = self.page_size
         key = req.fill_ids[: req.max_prefix_len]
-        match = self.tree.match_prefix(key)
+        match = self.tree.match_prefix(key, req.cache_namespace)
         if self.tiers is not None:  # what follows the match in the host or disk tier
             match = self.tiers.load(np.asarray(key, dtype=np.int32), match)
         prefix_len = match.prefix_len // ps * ps
@@ -166,7 +166,7 @@ class KVManager:
             usable = self.swa.usable_prefix(self.allocator.slots_to_pages(match.slots),
                                             prefix_len)
             if usable < prefix_len:
-                match = self.tree.match_prefix(key[:usable])
+                match = self.tree.match_prefix(key[:usable], req.cache_namespace)
                 self.num_window_cut_tokens += prefix_len - usable
                 prefix_len = usable
         self.tree.inc_lock_ref(match.last_node)
@@ -183,7 +183,7 @@ class KVManager:
         if self.tiers is None:
             return
         key = np.asarray(req.fill_ids[: req.max_prefix_len], dtype=np.int32)
-        match = self.tree.match_prefix(key)
+        match = self.tree.match_prefix(key, req.cache_namespace)
         if req.session_id is not None:
             match = self.tiers.load(key, match, from_disk=False)
         load = self.tiers.start_disk_load(key, match)
@@ -228,7 +228,8 @@ class KVManager:
         `load` takes whatever is left). The pages moved are cached like any prefix: if evicted
         before admission, admission loads them again."""
         key = np.asarray(load.req.fill_ids[: load.req.max_prefix_len], dtype=np.int32)
-        match, more = self.tiers.load_step(key, self.tree.match_prefix(key))
+        match, more = self.tiers.load_step(
+            key, self.tree.match_prefix(key, load.req.cache_namespace))
         if more:
             return True
         if match.prefix_len <= load.start:
@@ -241,7 +242,7 @@ class KVManager:
         """A request with retention arrived: keep its cached prefix until it is admitted."""
         if not self.retention.wants_pins(req):
             return
-        match = self.tree.match_prefix(req.fill_ids[: req.max_prefix_len])
+        match = self.tree.match_prefix(req.fill_ids[: req.max_prefix_len], req.cache_namespace)
         self.retention.on_arrival(req, match.last_node)
 
     def alloc_pages(self, req: Req, num_pages: int) -> bool:
@@ -263,7 +264,7 @@ class KVManager:
         if self.tree.disable:
             return
         aligned, _ = self._insert(req)
-        match = self.tree.match_prefix(req.fill_ids[:aligned])
+        match = self.tree.match_prefix(req.fill_ids[:aligned], req.cache_namespace)
         if match.prefix_len != aligned:
             raise RuntimeError(f"tree lost an inserted prefix ({match.prefix_len} != {aligned})")
         req.pages[: aligned // self.page_size] = self.allocator.slots_to_pages(match.slots).tolist()
@@ -285,7 +286,8 @@ class KVManager:
             taken_end = aligned // ps
             if retain and self.retention.wants_pins(req):
                 key = req.fill_ids[:aligned]
-                end = self.tree.peek_prefix(lambda: key).node  # ends exactly at `aligned`
+                # (ends exactly at `aligned`)
+                end = self.tree.peek_prefix(lambda: key, namespace=req.cache_namespace).node
                 self.retention.on_turn_end(req, end)
         self._drop(req, taken_end)
 
@@ -312,12 +314,14 @@ class KVManager:
         ps = self.page_size
         key = req.fill_ids[: req.kv_len]
         slots = self.allocator.pages_to_slots(req.pages, req.kv_len)
-        prefix_len = self.tree.insert(key, slots, priority=req.priority)
+        prefix_len = self.tree.insert(key, slots, priority=req.priority,
+                                      namespace=req.cache_namespace)
         aligned = req.kv_len // ps * ps
         dup = req.pages[req.tree_len // ps : prefix_len // ps]
         if dup:
             if self.swa is not None:  # the tree's copies may have lost their window pages
-                kept = self.tree.match_prefix(key[:prefix_len]).slots[req.tree_len :: ps] // ps
+                kept = self.tree.match_prefix(key[:prefix_len], req.cache_namespace).slots[
+                    req.tree_len :: ps] // ps
                 self.swa.adopt(kept, dup)
             self.allocator.free(np.asarray(dup, np.int32))
         return aligned, prefix_len

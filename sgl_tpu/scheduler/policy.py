@@ -73,7 +73,7 @@ def cached_prefix_len(req: Req, tree: RadixCache) -> int:
     hint = None
     if req.prefix_peek is not None and req.prefix_peek[:2] == (req.num_retractions, limit):
         hint = req.prefix_peek[2]
-    peek = tree.peek_prefix(lambda: req.fill_ids[:limit], hint)
+    peek = tree.peek_prefix(lambda: req.fill_ids[:limit], hint, req.cache_namespace)
     req.prefix_peek = (req.num_retractions, limit, peek)
     return peek.prefix_len
 
@@ -84,7 +84,7 @@ def dfs_weight(waiting: list[Req], tree: RadixCache) -> list[Req]:
         return fcfs(waiting, tree)
     at_node: dict[TreeNode, list[Req]] = {}
     for r in sorted(waiting, key=lambda r: r.arrival):
-        node = tree.match_prefix(r.fill_ids[: r.max_prefix_len]).last_node
+        node = tree.match_prefix(r.fill_ids[: r.max_prefix_len], r.cache_namespace).last_node
         at_node.setdefault(node, []).append(r)
     weight: dict[TreeNode, int] = {}
     for node, reqs in at_node.items():
@@ -92,7 +92,7 @@ def dfs_weight(waiting: list[Req], tree: RadixCache) -> list[Req]:
             weight[node] = weight.get(node, 0) + len(reqs)
             node = node.parent
     out: list[Req] = []
-    stack = [tree.root]
+    stack = [tree.root, *tree.roots.values()]
     while stack:
         node = stack.pop()
         out.extend(at_node.get(node, ()))
@@ -122,7 +122,7 @@ class InBatchPrefixes:
         self.keys: set[int] = set()
 
     def _page_hashes(self, req: Req) -> list[int]:
-        fill, out, h = req.fill_ids, [], 0
+        fill, out, h = req.fill_ids, [], hash(req.cache_namespace)  # no sharing across adapters
         for i in range(0, len(fill) - self.page_size + 1, self.page_size):
             h = hash((h, tuple(fill[i : i + self.page_size])))
             out.append(h)

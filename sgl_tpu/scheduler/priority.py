@@ -104,7 +104,7 @@ def pages_freed(reqs: list[Req], tree: RadixCache, page_size: int) -> int:
     for req in reqs:
         total += len(req.pages) - req.tree_len // page_size
         node = req.last_node
-        while node is not None and node is not tree.root:
+        while node is not None and not node.is_root:
             locks[node] = locks.get(node, 0) + 1
             node = node.parent
     unlocked: list[TreeNode] = [n for n, k in locks.items() if n.lock_ref == k]

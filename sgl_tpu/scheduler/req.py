@@ -55,6 +55,10 @@ class Req:
     # the agent it is a turn of: a scheduler/programs.py Program (not imported: programs.py
     # imports this module)
     program: Any = None
+    # LoRA (sgl_tpu/lora.py): the adapter it runs with (0: the base model) and its radix-cache
+    # namespace (the adapter's digest; None: the base model's tree)
+    lora_id: int = 0
+    cache_namespace: str | None = None
 
     output_ids: list[int] = field(default_factory=list)
     # KV state (see module docstring)
@@ -119,7 +123,7 @@ class Req:
                        seed=self.seed, num_output_tokens=len(self.output_ids),
                        counts_row=self.row, counts_reset=self.counts_fresh,
                        sample_valid=completes and self.sampling.max_new_tokens > 0,
-                       bitmask=mask, return_logprob=self.return_logprob)
+                       bitmask=mask, return_logprob=self.return_logprob, lora_id=self.lora_id)
 
     def decode_step(self, mask: np.ndarray | None, prev_row: int | None = None) -> SeqStep:
         """This request's share of a DECODE: its last token, one new one sampled.
@@ -133,7 +137,7 @@ class Req:
         return SeqStep(token_ids=[token], prefix_len=self.kv_len + lag, pages=list(self.pages),
                        sampling=self.sampling, seed=self.seed,
                        num_output_tokens=len(self.output_ids) + lag, counts_row=self.row,
-                       bitmask=mask, return_logprob=self.return_logprob)
+                       bitmask=mask, return_logprob=self.return_logprob, lora_id=self.lora_id)
 
     @property
     def max_prefix_len(self) -> int:

@@ -72,7 +72,7 @@ class Retention:
         """`req` finished normally; `node` ends the path the tree keeps of it."""
         grace = self.tool_pause_grace_s if req.tool_pause else 0.0
         self._pin(req, node, grace)
-        if req.may_call_tools and self.tool_pause_grace_s > 0 and node is not self.tree.root:
+        if req.may_call_tools and self.tool_pause_grace_s > 0 and not node.is_root:
             self._turn_ends[req.rid] = node
             self._turn_ends.move_to_end(req.rid)
             while len(self._turn_ends) > MAX_REMEMBERED_TURNS:
@@ -94,7 +94,7 @@ class Retention:
         self.tree.unpin(hint_owner(session_id))
 
     def _pin(self, req: Req, node: TreeNode, retain_s: float) -> None:
-        if node is self.tree.root:
+        if node.is_root:
             return
         deadline = None if self.sessions is None else self.sessions.renew(req.session_id)
         if deadline is not None:

@@ -56,6 +56,7 @@ import numpy as np
 from sgl_tpu.config import SchedulerConfig
 from sgl_tpu.constrained.grammar_manager import GrammarManager
 from sgl_tpu.executor.step import DoneStep, ForwardMode, ModelRunner, StepResult
+from sgl_tpu.lora import LoraError
 from sgl_tpu.mem_cache.radix_cache import RadixCache
 from sgl_tpu.mem_cache.tiers import TieredCache
 from sgl_tpu.messages import ReqOutput, TokenizedGenerateReq
@@ -70,6 +71,7 @@ from sgl_tpu.scheduler.grammar_steps import GrammarSteps, grammar_ready
 from sgl_tpu.scheduler.intake import Intake
 from sgl_tpu.scheduler.kv_manager import KVManager
 from sgl_tpu.scheduler.logprobs import collect_input_logprobs
+from sgl_tpu.scheduler.lora_registry import LoraRegistry
 from sgl_tpu.scheduler.output import error_output, make_output
 from sgl_tpu.scheduler.overlap import PendingDecode, can_overlap, lagged_rows, overlappable
 from sgl_tpu.scheduler.pooling import collect_pooled, pooled
@@ -93,8 +95,11 @@ class Scheduler:
         grammar: GrammarManager | None = None,
         disable_jump_forward: bool = False,
         tiers: Callable[[RadixCache], TieredCache] | None = None,
+        lora: LoraRegistry | None = None,
     ) -> None:
-        """`tiers` builds the host/disk tiers below the pool over the tree (None: no tiers)."""
+        """`tiers` builds the host/disk tiers below the pool over the tree (None: no tiers);
+        `lora`: the loaded LoRA adapters (None: LoRA off)."""
+        self.lora = lora
         self.config = config
         self.runner = runner
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -110,7 +115,7 @@ class Scheduler:
         self.grammar = grammar
         self.intake = Intake(config, vocab_size=vocab_size,
                              capacity_tokens=self.kv.capacity_tokens, grammar=grammar,
-                             decode=decode)
+                             decode=decode, lora=lora)
         self.grammar_steps = GrammarSteps(vocab_size, self.eos_token_ids, disable_jump_forward)
         self._step_reqs: list[Req] = []  # the batch of the step in progress (for fail_all)
         self.speculator = None if config.speculative_algorithm is None else Speculator(
@@ -160,6 +165,12 @@ class Scheduler:
 
     def abort(self, rid: str) -> None:
         self._aborts.add(rid)
+
+    def unload_lora(self, name: str) -> None:
+        """Unload adapter `name` (LoraError when unknown, or while a request uses it)."""
+        if self.lora is None:
+            raise LoraError("LoRA is not enabled on this server (start it with --enable-lora)")
+        self.lora.unload(name, (req.lora_id for _, req in self.queues))
 
     @property
     def num_running(self) -> int:

@@ -355,7 +355,7 @@ def verify_steps(req: Req, draft: Sequence[int], masks: Sequence[np.ndarray | No
     return [SeqStep(token_ids=[int(inputs[j])], prefix_len=req.kv_len + j, pages=req.pages,
                     sampling=req.sampling, seed=req.seed, num_output_tokens=o + j,
                     counts_row=req.row, sample_valid=False, bitmask=masks[j],
-                    return_logprob=req.return_logprob)
+                    return_logprob=req.return_logprob, lora_id=req.lora_id)
             for j in range(len(draft) + 1)]
 
 

@@ -42,6 +42,8 @@ def server_info(scheduler: Scheduler) -> dict[str, Any]:
     data["speculative"] = {"algorithm": scheduler.config.speculative_algorithm or "none",
                            "resolution": scheduler.config.speculative_resolution,
                            **({} if spec is None else spec.info())}
+    # LoRA adapters loaded (name -> id, folder, rank; None: --enable-lora off)
+    data["lora_adapters"] = None if scheduler.lora is None else scheduler.lora.info()
     # cache control: open sessions (scheduler/sessions.py), the eviction policy, tool pauses
     data["sessions"] = scheduler.sessions.info()
     # programs (agents): how many, active / paused on a tool / held by admission control

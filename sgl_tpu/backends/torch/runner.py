@@ -56,6 +56,7 @@ from sgl_tpu.backends.torch.device import (
     set_cpu_threads,
 )
 from sgl_tpu.backends.torch.kv_pool import KVPool
+from sgl_tpu.backends.torch.lora import LoraStack
 from sgl_tpu.backends.torch.paged_attention import shared_align_pages
 from sgl_tpu.backends.torch.static_decode import StaticDecode
 from sgl_tpu.config import RunnerConfig
@@ -64,6 +65,7 @@ from sgl_tpu.executor import step as step_contract
 from sgl_tpu.executor.attention_registry import get_attention_backend
 from sgl_tpu.executor.step import ForwardMode, PendingStep, SeqStep, StepResult
 from sgl_tpu.kv_dtypes import kv_dtype
+from sgl_tpu.lora import LoraAdapter
 from sgl_tpu.models.config import ModelConfig
 from sgl_tpu.models.registry import torch_model
 
@@ -162,6 +164,7 @@ class TorchModelRunner:
         # (write_kv / rope_write_kv), widened to the query's dtype as attention reads
         self.kv_pools = self._kv_pool()
         self.decode_layers = self._use_decode_layers()
+        self.lora = self._lora_stack() if config.max_loras else None
         self.token_counts = torch.zeros((config.max_running_requests + 1, self.vocab_size),
                                         dtype=torch.int32, device=self.device)
         self.static_decode = None
@@ -176,6 +179,36 @@ class TorchModelRunner:
                     config.kv_dtype, config.compile, prepack, self.invariant_gemm,
                     self.quantization.method if self.quantization else "none",
                     self.layer_ops, self.decode_layers, config.static_decode, config.cuda_graph)
+
+    def _lora_stack(self) -> LoraStack:
+        """The adapter slots (--enable-lora): Llama-family dense layers, run eagerly."""
+        from sgl_tpu.backends.torch.models.llama import LlamaTorch
+
+        if (type(self.model) is not LlamaTorch or self.model_config.num_experts
+                or self.model_config.gemma is not None or self.config.compile):
+            raise ValueError("LoRA adapters need a dense Llama-family model on one device, run "
+                             "eagerly (no --torch-compile on)")
+        c = self.config
+        return LoraStack(self.model_config, c.max_loras, c.max_lora_rank, c.lora_target_modules,
+                         self.device)
+
+    def load_lora(self, lora_id: int, adapter: LoraAdapter) -> None:
+        """Give adapter `lora_id` a slot (ValueError when none is free)."""
+        self._call(self.lora.load, lora_id, adapter)
+
+    def unload_lora(self, lora_id: int) -> None:
+        self._call(self.lora.unload, lora_id)
+
+    def _lora_linear(self, steps: Sequence[SeqStep], host: step_contract.HostBatch):
+        """The step's `LoraLinear` (models/llama.py), or None when no sequence has an
+        adapter."""
+        if self.lora is None or not any(st.lora_id for st in steps):
+            return None
+        n = host.num_seqs
+        ids = np.zeros(len(host.input_ids), np.int64)  # [T] each token row's adapter
+        ids[: host.num_tokens] = np.repeat([st.lora_id for st in steps[:n]],
+                                           host.extend_lens[:n])
+        return partial(self.lora.linear_for, batch=self.lora.batch(ids))
 
     def _local_layers(self) -> list[bool]:
         """Per layer, whether its K/V lives in the sliding-window pool."""
@@ -499,6 +532,9 @@ class TorchModelRunner:
             attention = partial(_by_layer_kind, attention,
                                 self._attention(mode, extend_seqs, decode))
             window_args = {"local_out_slots": local_out_slots}
+        lora = self._lora_linear(steps, host)
+        if lora is not None:
+            window_args["lora"] = lora
         hidden = self.model.forward(input_ids, batch.positions, batch.out_slots,
                                     self.kv_pools, attention, **window_args)
         logits = self.model.logits(hidden.index_select(0, batch.sample_rows))  # [n, V]

@@ -182,6 +182,9 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor,
 REFINE_TOP = 32  # bf16 logits recomputed in float32 per row (see LlamaTorch.logits)
 # write_kv(k_pool, v_pool, k, v, out_slots): the attention backend's in-place K/V write
 WriteKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# lora(layer index, its LayerWeights, linear) -> that layer's linear with the step's LoRA deltas
+# added (backends/torch/lora.py LoraStack.linear_for, the step's batch bound in)
+LoraLinear = Callable[[int, LayerWeights, Linear], Linear]
 
 
 class LlamaTorch:
@@ -254,33 +257,39 @@ class LlamaTorch:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor,
                 kv_pools: list[tuple[torch.Tensor, torch.Tensor]],
                 attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-                decode_batch: Any = None) -> torch.Tensor:
+                decode_batch: Any = None, lora: LoraLinear | None = None) -> torch.Tensor:
         """input_ids/positions/out_slots i64[T] -> final-normed hidden [T, D].
 
         `attention(q, k_pool, v_pool)` is the step's attention (extend or decode) with its
         batch description bound in; the K/V write happens here, before it. A decode step's
         `decode_batch` (the compiled kernel's FusedDecodeBatch, which `attention` has bound in)
-        lets `decode_layers` run the layers when in use.
+        lets `decode_layers` run the layers when in use. `lora`: the step's LoRA adapters (a
+        step with adapter rows runs eagerly, the decode layers' single call skipped).
         """
         if self.layer_ops is not None:
             return self.forward_fused(input_ids, positions, out_slots, kv_pools, attention,
-                                      decode_batch)
+                                      decode_batch, lora)
         cfg = self.cfg
         cos, sin = rope_tables(positions, self.w.inv_freq, cfg.long_rope,
                                self.w.long_inv_freq)
         h = self.embed(input_ids)  # [T, D]
-        for w, (k_pool, v_pool) in zip(self.w.layers, kv_pools, strict=True):
-            q, k, v = self.pre(h, w, cos, sin)
+        for i, (w, (k_pool, v_pool)) in enumerate(zip(self.w.layers, kv_pools, strict=True)):
+            if lora is None:
+                q, k, v = self.pre(h, w, cos, sin)
+            else:
+                linear = lora(i, w, self.w.linear)
+                q, k, v = layer_pre(h, w, cos, sin, cfg, linear)
             self.write_kv(k_pool, v_pool, k, v, out_slots)
             o = attention(q, k_pool, v_pool)
-            h = self.post(h, o, w)
+            h = self.post(h, o, w) if lora is None else layer_post(h, o, w, cfg, linear)
         return self.final_norm(h, self.w.final_norm, cfg.rms_norm_eps)
 
     def forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       out_slots: torch.Tensor, kv_pools: list[tuple[torch.Tensor, torch.Tensor]],
                       attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
                                           torch.Tensor],
-                      decode_batch: Any = None) -> torch.Tensor:
+                      decode_batch: Any = None, lora: LoraLinear | None = None
+                      ) -> torch.Tensor:
         """`forward` with the compiled layer ops: per layer 4 projections, attention and 4
         element-wise calls (~20 aten calls with views, against ~100 with the torch ops). Each
         residual add is deferred into the next norm, which adds in place (`h` is this step's
@@ -297,13 +306,15 @@ class LlamaTorch:
         cos, sin = rope_tables(positions, self.w.inv_freq, cfg.long_rope,
                                self.w.long_inv_freq)  # f32[T, 1, d]
         h = self.embed(input_ids)  # [T, D]
-        if self.decode_layers is not None and decode_batch is not None and (
+        if self.decode_layers is not None and decode_batch is not None and lora is None and (
                 self.decode_layers_max_rows is None or t <= self.decode_layers_max_rows):
             b = decode_batch
             return self.decode_layers.run(h, cos, sin, out_slots, b.shared_slots, b.slots,
                                           b.own_lo, b.own_hi)
         delta = None  # [T, D] the last MLP's output, not yet added to h
-        for w, (k_pool, v_pool) in zip(self.w.layers, kv_pools, strict=True):
+        for i, (w, (k_pool, v_pool)) in enumerate(zip(self.w.layers, kv_pools, strict=True)):
+            if lora is not None:
+                linear = lora(i, w, self.w.linear)
             x = (ops.rms_norm(h, w.attn_norm, eps) if delta is None
                  else ops.add_rms_norm(h, delta, w.attn_norm, eps))
             qkv = linear(x, w.wqkv, w.bqkv)  # [T, (H + 2 kvh) d]

@@ -133,12 +133,18 @@ def tiered_scheduler(folder):
                      vocab_size=V, tiers=tiers)
 
 
-def test_a_request_waits_for_its_disk_pages_while_another_decodes(tmp_path, monkeypatch):
-    prompt = list(range(100, 133))  # 8 whole pages of 4
-    first = tiered_scheduler(tmp_path)
+def write_to_disk(folder, prompt: list[int]) -> None:
+    """A scheduler over the disk tier in `folder` that ran `prompt` and closed (its pages on
+    disk: write-through)."""
+    first = tiered_scheduler(folder)
     first.add_request(request("a", prompt, 2))
     run_steps(first, {})
     first.tiers.close()
+
+
+def test_a_request_waits_for_its_disk_pages_while_another_decodes(tmp_path, monkeypatch):
+    prompt = list(range(100, 133))  # 8 whole pages of 4
+    write_to_disk(tmp_path, prompt)
 
     sched = tiered_scheduler(tmp_path)
     gate = threading.Event()
@@ -169,10 +175,7 @@ def test_pages_read_from_disk_move_into_the_pool_a_steps_part_at_a_time(tmp_path
     """While another request decodes, a step moves at most `step_pages` of the prefix read
     from disk into the pool, and the other decodes in every step of the load."""
     prompt = list(range(100, 133))  # 8 whole pages of 4
-    first = tiered_scheduler(tmp_path)
-    first.add_request(request("a", prompt, 2))
-    run_steps(first, {})
-    first.tiers.close()
+    write_to_disk(tmp_path, prompt)
 
     sched = tiered_scheduler(tmp_path)
     sched.tiers.step_pages = 3
@@ -202,10 +205,7 @@ def test_pages_read_from_disk_move_into_the_pool_a_steps_part_at_a_time(tmp_path
 def test_a_session_request_loads_host_pages_at_arrival_and_disk_pages_off_thread(tmp_path,
                                                                                  monkeypatch):
     prompt = list(range(100, 133))
-    first = tiered_scheduler(tmp_path)
-    first.add_request(request("a", prompt, 2))
-    run_steps(first, {})
-    first.tiers.close()
+    write_to_disk(tmp_path, prompt)
 
     sched = tiered_scheduler(tmp_path)
     sched.add_request(request("half", prompt[:17], 1))  # its 4 pages: pool and host tier

@@ -285,6 +285,14 @@ DEFAULT_MODEL_KV_VALUES_PER_TOKEN = 30 * 2 * 3 * 64
 
 @pytest.mark.slow
 @pytest.mark.isa_invariance
+def assert_flushed_clean(server) -> None:
+    """Once idle and flushed, every pool page is free again (none leaked)."""
+    server.wait_idle()
+    assert requests.post(server.base_url + "/flush_cache", timeout=30).status_code == 200
+    mem = server.wait_idle()["memory"]
+    assert mem["num_pages_free"] == mem["num_pages_total"]
+
+
 def test_server_with_an_fp8_pool_answers_from_its_cache():
     """The default model served with `--kv-cache-dtype fp8_e5m2` (tokenizer, scheduler and
     detokenizer processes): `/server_info` reports the pool at one byte per value; a prompt
@@ -307,10 +315,7 @@ def test_server_with_an_fp8_pool_answers_from_its_cache():
         assert first["meta_info"]["cached_tokens"] == 0
         assert again["meta_info"]["cached_tokens"] >= mem["page_size"] * 4
         assert again["output_ids"] == first["output_ids"] and len(first["output_ids"]) == 12
-        server.wait_idle()
-        assert requests.post(server.base_url + "/flush_cache", timeout=30).status_code == 200
-        mem = server.wait_idle()["memory"]
-        assert mem["num_pages_free"] == mem["num_pages_total"]
+        assert_flushed_clean(server)
     finally:
         server.stop()
 
@@ -350,9 +355,6 @@ def test_server_with_an_int8_pool_answers_coherently_from_cache_and_in_any_batch
             "text": [body["text"]] + [o["text"] for o in others],
             "sampling_params": body["sampling_params"]}, timeout=120).json()
         assert batch[0]["output_ids"] == first["output_ids"]
-        server.wait_idle()
-        assert requests.post(server.base_url + "/flush_cache", timeout=30).status_code == 200
-        mem = server.wait_idle()["memory"]
-        assert mem["num_pages_free"] == mem["num_pages_total"]
+        assert_flushed_clean(server)
     finally:
         server.stop()

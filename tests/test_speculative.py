@@ -650,10 +650,11 @@ def test_jax_backend_greedy_identical(tmp_path_factory):
 def fresh_f32_server():
     """A float32 default-model server of its own: the draft gate decides from the steps it has
     timed, so on a server other tests used it may already have priced drafts out at one row
-    and spaced its next trial past a 64-token request."""
+    and spaced its next trial past a 64-token request. `auto` named, so that
+    SGL_TPU_TEST_SPECULATIVE (server_harness.py) leaves it the shipped setting."""
     from server_harness import DEFAULT_MODEL_F32_FLAGS, launch_server
 
-    server = launch_server(*DEFAULT_MODEL_F32_FLAGS)
+    server = launch_server(*DEFAULT_MODEL_F32_FLAGS, "--speculative-algorithm", "auto")
     try:
         yield server
     finally:

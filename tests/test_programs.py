@@ -399,16 +399,77 @@ def test_a_program_past_the_usual_turn_count_stops_holding_a_slot() -> None:
     assert reported == ["long"]  # once
     # a program that looked done (a long tool pause) and came back withdraws its count
     turn("slow", 0)
+    turn("slow", 1)
     clock.now += 10.0
     progs.resident_tokens(clock.now)
-    assert progs.done_turns["slow"] == 1 and progs.expected_turns() == 3
-    turn("slow", 1)
+    assert progs.done_turns["slow"] == 2 and progs.expected_turns() == 3
+    turn("slow", 2)
     assert "slow" not in progs.done_turns
     more = make_req("long-3", prompt_len=200)
     progs.arrive(more, "long")  # it was not done: its turn runs, and it counts again
     assert progs.admissible([more]) == [more]
-    assert progs.resident_tokens(clock.now) == (progs.expected_working_set(short)
-                                                + progs.expected_working_set(long))
+    # short is idle by now (past its pause window), slow paused after its third request
+    assert progs.resident_tokens(clock.now) == progs.expected_working_set(long)
+
+
+def test_one_shot_programs_teach_nothing_about_agents() -> None:
+    """4 agents of 4 turns found done, then 200 one-shot programs (a key each, one request,
+    never back): the agents' turn count and peak stay what admission expects of agents, so an
+    agent paused after its second turn still counts its working set and keeps its pins (no
+    `on_done`); one paused after its first turn counts it times `return_rate`, which the
+    one-shots lowered and returning agents raise again; a small newcomer is not expected at
+    the agents' peak, nor held for paused one-shots."""
+    clock = Clock()
+    progs = Programs(ttl_s=600.0, capacity_tokens=2000, admission=True, clock=clock)
+    reported: list[str] = []
+    progs.on_done = reported.append
+
+    def request_of(key: str, i: int, prompt_len: int = 40, admitted: bool = True) -> Req:
+        req = make_req(f"{key}-{i}", prompt_len=prompt_len, max_new=10)
+        progs.arrive(req, key)
+        assert progs.admissible([req]) == [req] or not admitted
+        progs.count_extend(req, prompt_len)
+        clock.now += 0.01
+        progs.finish(req)
+        return req
+
+    for k in range(4):
+        for i in range(4):
+            request_of(f"agent-{k}", i, prompt_len=200 + 100 * i)
+            clock.now += 0.5
+        clock.now += 10.0
+        progs.resident_tokens(clock.now)
+    assert progs.expected_turns() == 4 and progs.return_rate == 1.0
+    agents_peak = progs.expected_tokens
+    assert agents_peak > 300
+    reported.clear()
+    for k in range(200):  # a flood: 20 are paused at any time
+        # the first ones may be held: until one-shots are found idle, each may be an agent
+        request_of(f"flood-{k}", 0, prompt_len=2, admitted=k >= 40)
+        clock.now += 0.05
+    clock.now += 10.0
+    assert progs.resident_tokens(clock.now) == 0 and reported == []
+    assert progs.expected_turns() == 4 and progs.expected_tokens == agents_peak
+    assert progs.return_rate < 0.01 and progs.info()["return_rate"] < 0.01
+    small = make_req("small", prompt_len=20, max_new=10)
+    progs.arrive(small, "small")
+    assert progs.expected_working_set(small.program) == 60  # not the agents' peak
+    progs.finish(small)
+    request_of("agent", 0, prompt_len=400)
+    first = progs.table["agent"]
+    assert progs.resident_tokens(clock.now) == int(progs.return_rate
+                                                   * progs.expected_working_set(first, 1.0))
+    clock.now += 0.5
+    request_of("agent", 1, prompt_len=500)
+    assert progs.return_rate > 0.09  # it came back
+    assert progs.resident_tokens(clock.now) == progs.expected_working_set(first) == 820
+    assert reported == []  # not expected done: its pins stay
+    newcomer = make_req("newcomer", prompt_len=400, max_new=10)  # expects 820 < 2000 - 820
+    progs.arrive(newcomer, "newcomer")
+    assert progs.admissible([newcomer]) == [newcomer]
+    big = make_req("big", prompt_len=600, max_new=10)  # expects 1220 > 1180: held
+    progs.arrive(big, "big")
+    assert progs.admissible([big]) == []
 
 
 def make_program_scheduler(num_pages: int, admission: bool):

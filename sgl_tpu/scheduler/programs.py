@@ -30,9 +30,16 @@ fits the budget left goes (a smaller one passes a larger one). A held program go
 of the budget once it was held `hold_bound_s()` = max(HOLD_BOUND_MIN_S, the mean turn time),
 and then ranks first in the `program` policy (`program_ranks`), or when no admitted program is
 resident (it is larger than the capacity). Continuations of admitted programs and requests of
-no program are never held and never delay a release. Expected done: a paused program that made
-`expected_turns` requests (the TURN_QUANTILE of those found done) stops counting. The reasoning
-and the measurements: docs/agents-at-scale.md.
+no program are never held and never delay a release.
+
+Two populations: one-shot programs (a key per chat, a flood of session ids) and agents that come
+back after tool pauses. A paused program that has come back at least once is expected done once
+it made `expected_turns` requests (the TURN_QUANTILE of the request counts of such programs
+found done): its working set stops counting and `on_done` releases its pins. A program paused
+after its first turn counts its working set times `return_rate`, the share of programs seen to
+come back after their first turn (a moving mean, 1 until one-shots are seen). So one-shots never
+teach the server that agents are done after one turn, and a flood of them does not hold the next
+newcomers. The reasoning and the measurements: docs/agents-at-scale.md.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ OUTPUT_EWMA = 0.1  # weight of the newest output length in the server's mean
 UNSEEN_OUTPUT_TOKENS = 128  # a defaulted request's output before any was seen (the native default)
 FIRST_TURN_GROWTH = 2  # a program's expected peak over its first turn, at least
 TURN_SAMPLES = 64  # request counts of the programs found done last, kept for expected_turns
+RETURN_EWMA = 0.1  # weight of the newest program in `return_rate` (came back or found idle)
 TURN_SAMPLES_MIN = 4  # done programs before a turn count is expected
 TURN_QUANTILE = 0.9  # of the done programs' request counts: a paused program past it is done
 HOLD_BOUND_MIN_S = 10.0  # a held program goes after at most max(this, the mean turn time)
@@ -99,10 +107,11 @@ class Program:
     first_turn_tokens: int = 0  # its first request's context
     max_output_tokens: int = 0  # longest output of its finished requests
     admitted: bool = False  # a turn of it has run (admission control no longer holds it)
+    returned: bool = False  # it came back after a turn ended (not a one-shot)
     held_since: float | None = None  # its first turn is held by admission control
     release_due: bool = False  # released by the hold bound: its first turn ranks first
     max_pause_s: float = 0.0  # longest gap between one request's end and the next's arrival
-    peak_recorded: bool = False  # its working set, once done, fed `Programs.expected_tokens`
+    done_recorded: bool = False  # found idle, it fed `expected_tokens`/`return_rate`
     done_reported: bool = False  # found done and reported to `Programs.on_done`
 
     @property
@@ -126,10 +135,11 @@ class Programs:
         self.mean_pause_s = 0.0  # of all programs' tool pauses (the pause window's fallback)
         self.mean_turn_s = 0.0  # of the admitted programs' turns (the hold bound)
         self.mean_output_tokens: float | None = None  # of finished requests' outputs
-        self.expected_tokens = 0.0  # mean peak working set of the programs found done
-        # program key -> its request count, for the programs found done last
+        self.expected_tokens = 0.0  # mean peak working set of the returned programs found done
+        # program key -> its request count, for the returned programs found done last
         # (`expected_turns`); a program that comes back withdraws its count
         self.done_turns: OrderedDict[str, int] = OrderedDict()
+        self.return_rate = 1.0  # share of programs that came back after their first turn
         self.num_seen = 0
         self.num_held = 0  # programs ever held
         self.held_s = 0.0  # seconds held, summed over programs no longer held
@@ -162,8 +172,11 @@ class Programs:
             self.table.move_to_end(key)
             if not prog.in_flight:
                 pause = now - prog.last_seen_s
-                prog.peak_recorded = prog.done_reported = False  # it came back: not done
+                prog.done_recorded = prog.done_reported = False  # it came back: not done
                 self.done_turns.pop(key, None)
+                if not prog.returned:
+                    prog.returned = True
+                    self.return_rate += RETURN_EWMA * (1.0 - self.return_rate)
                 prog.max_pause_s = max(prog.max_pause_s, pause)
                 self.mean_pause_s += PAUSE_EWMA * (pause - self.mean_pause_s)
         if not prog.in_flight:
@@ -247,10 +260,10 @@ class Programs:
         return "paused" if now - prog.last_seen_s <= self.pause_window_s(prog) else "idle"
 
     def _sweep(self, now: float) -> int:
-        """Walk the live programs: those found idle leave `live` (their peak and request count
-        feed `expected_tokens` and `expected_turns`), those found done after a tool pause are
-        reported to `on_done`. Returns the expected working sets of the admitted ones that
-        are active, or paused and not expected done."""
+        """Walk the live programs: those found idle leave `live` (`_learn_done`), those found
+        done after a tool pause are reported to `on_done`. Returns the expected working sets of
+        the admitted ones that are active, or paused and not expected done (paused after their
+        first turn: times `return_rate`)."""
         total = 0
         turns = self.expected_turns()
         gone = []
@@ -261,24 +274,36 @@ class Programs:
                 continue
             expected_done = self.expected_done(prog, turns)
             if state == "active" or (state == "paused" and not expected_done):
-                total += self.expected_working_set(prog) if prog.admitted else 0
+                if not prog.admitted:
+                    continue
+                if state == "paused" and not prog.returned:  # back with chance return_rate
+                    total += int(self.return_rate * self.expected_working_set(prog, 1.0))
+                else:
+                    total += self.expected_working_set(prog)
                 continue
             if state == "idle":
                 gone.append(key)
-                if prog.admitted and not prog.peak_recorded:
-                    prog.peak_recorded = True
-                    self.expected_tokens += PEAK_EWMA * (prog.working_set_tokens
-                                                         - self.expected_tokens)
-                    self.done_turns[key] = prog.num_requests
-                    self.done_turns.move_to_end(key)
-                    if len(self.done_turns) > TURN_SAMPLES:
-                        self.done_turns.popitem(last=False)
+                if prog.admitted and not prog.done_recorded:
+                    prog.done_recorded = True
+                    self._learn_done(prog)
             if self.on_done is not None and not prog.done_reported and prog.max_pause_s > 0:
                 prog.done_reported = True
                 self.on_done(key)
         for key in gone:
             del self.live[key]
         return total
+
+    def _learn_done(self, prog: Program) -> None:
+        """`prog` was found idle: a one-shot lowers `return_rate`; a returned program's peak
+        and request count feed `expected_tokens` and `expected_turns`."""
+        if not prog.returned:
+            self.return_rate -= RETURN_EWMA * self.return_rate
+            return
+        self.expected_tokens += PEAK_EWMA * (prog.working_set_tokens - self.expected_tokens)
+        self.done_turns[prog.key] = prog.num_requests
+        self.done_turns.move_to_end(prog.key)
+        if len(self.done_turns) > TURN_SAMPLES:
+            self.done_turns.popitem(last=False)
 
     def expire(self, now: float) -> None:
         """At most once per EXPIRE_EVERY_S (or when over MAX_PROGRAMS): sweep the live
@@ -306,6 +331,7 @@ class Programs:
         self.held.clear()
         self.expected_tokens = 0.0
         self.done_turns.clear()
+        self.return_rate = 1.0
 
     # ---- admission control ---------------------------------------------------------------
     def resident_tokens(self, now: float) -> int:
@@ -315,23 +341,28 @@ class Programs:
 
     @staticmethod
     def expected_done(prog: Program, turns: int | None) -> bool:
-        """Whether `prog`, paused, has made `turns` (expected_turns) requests."""
-        return turns is not None and not prog.in_flight and prog.num_requests >= turns
+        """Whether `prog`, paused after coming back at least once, has made `turns`
+        (expected_turns) requests."""
+        return (turns is not None and prog.returned and not prog.in_flight
+                and prog.num_requests >= turns)
 
     def expected_turns(self) -> int | None:
-        """The request count past which a paused program is expected done; None before
-        TURN_SAMPLES_MIN programs were found done."""
+        """The request count past which a paused returned program is expected done; None
+        before TURN_SAMPLES_MIN returned programs were found done."""
         if len(self.done_turns) < TURN_SAMPLES_MIN:
             return None
         counts = sorted(self.done_turns.values())
         return counts[int(TURN_QUANTILE * (len(counts) - 1))]
 
-    def expected_working_set(self, prog: Program) -> int:
-        """What a program will hold at its peak: the mean peak of the programs done before
-        it, at least FIRST_TURN_GROWTH times its first turn (an agent's context grows each
-        turn) and what it holds now."""
+    def expected_working_set(self, prog: Program, agent_share: float | None = None) -> int:
+        """What a program will hold at its peak: at least what it holds now and
+        FIRST_TURN_GROWTH times its first turn (an agent's context grows each turn), and the
+        mean peak of the returned programs done before it times `agent_share`, the chance
+        that it is an agent (1 once it came back, else `return_rate`)."""
+        if agent_share is None:
+            agent_share = 1.0 if prog.returned else self.return_rate
         return max(prog.working_set_tokens, FIRST_TURN_GROWTH * prog.first_turn_tokens,
-                   int(self.expected_tokens))
+                   int(agent_share * self.expected_tokens))
 
     def hold_bound_s(self) -> float:
         """The longest a held program waits: then its first turn goes, whatever runs."""
@@ -389,6 +420,7 @@ class Programs:
             "resident_working_set_tokens": resident,
             "expected_working_set_tokens": int(self.expected_tokens),
             "expected_turns": self.expected_turns(),
+            "return_rate": round(self.return_rate, 4),
             "hold_bound_s": self.hold_bound_s(),
             "num_programs_seen": self.num_seen,
             "num_programs_held": self.num_held,

@@ -256,4 +256,4 @@ def test_tiny_trace_against_the_default_model(default_model_server, tmp_path):
     for part in ("after_compaction", "subagent_first_call"):
         assert oracle[part]["reused_over_oracle"] > 0.9, part
     generator = result["workloads"]["agent-trace"]["config"]["trace"]
-    assert generator["calls_scale"] == 0.15 and generator["calls_min"] == 20
+    assert generator["calls_scale"] == 0.2 and generator["calls_min"] == 20

@@ -149,12 +149,23 @@ class ProgramRunner:
         def size(messages: Messages) -> int:
             return self.count_tokens(self.render(renderable(messages))) + max_tokens
 
-        if size(asked) <= policy.compact_at * limit:
+        total = size(asked)
+        if total <= policy.compact_at * limit:
             return None
         num = self.compactions[program.program_id] = self.compactions.get(
             program.program_id, 0) + 1
         summary = compaction_summary(program.program_id, num, policy.summary_tokens)
-        return compact(asked, summary, lambda m: size(m) <= policy.compact_to * limit)
+        # A candidate's size without rendering it: its messages' own tokens plus all of the
+        # template's (an overestimate: removed messages' template tokens still count).
+        own = {id(m): self.count_tokens(m.get("content") or "") for m in asked}
+        overhead = total - sum(own.values())
+        summary_size = self.count_tokens(summary)
+
+        def fits(messages: Messages) -> bool:
+            kept = sum(own.get(id(m), summary_size) for m in messages)
+            return overhead + kept <= policy.compact_to * limit
+
+        return compact(asked, summary, fits)
 
     async def _turn(self, program: Program, step: int, branch: int, messages: Messages,
                     new: Messages, gen: Gen, forked: bool = False

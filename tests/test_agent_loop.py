@@ -177,7 +177,9 @@ def test_workload_overrides():
 
 def test_warmup_keeps_concurrency_and_caps_turns():
     cfg = WorkloadConfig(num_programs=8, turns=6)
-    assert warmup_config(cfg, None) == WorkloadConfig(num_programs=8, turns=2)
+    warm = warmup_config(cfg, None)
+    assert dataclasses.replace(warm, trace=cfg.trace) == WorkloadConfig(num_programs=8, turns=2)
+    assert warm.trace.calls_min == warm.trace.calls_max == 2  # agent-trace: two calls
     assert warmup_config(cfg, 3).num_programs == 3
     assert warmup_config(cfg, 0) is None
 

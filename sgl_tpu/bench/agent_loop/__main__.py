@@ -13,6 +13,9 @@ turns, so compiled batch shapes are ready), flush its cache, run the workload (r
 summarize (metrics.py). Prints a table on stderr and the
 result JSON (report.emit); `--compare` with `--output` also writes a PNG next to it.
 
+Each run also reports `oracle` (oracle.py): the prompt tokens the server reported as cached
+against those an unbounded cache would have reused over the same requests, and their ratio.
+
 `--mixed-batch N` runs each workload in three phases instead (mixed.py): its agents alone, then
 beside N long completions without priorities, then with them (the JSON's `mixed` section):
 
@@ -32,6 +35,7 @@ from typing import Any
 
 import aiohttp
 
+from sgl_tpu.bench.agent_loop.agent_trace import TraceConfig
 from sgl_tpu.bench.agent_loop.client import Client
 from sgl_tpu.bench.agent_loop.drivers import DRIVERS, OUTPUT_MODES, DriverOptions
 from sgl_tpu.bench.agent_loop.metrics import summarize
@@ -43,6 +47,7 @@ from sgl_tpu.bench.agent_loop.mixed import (
     preemptions,
     runs_rows,
 )
+from sgl_tpu.bench.agent_loop.oracle import oracle_report
 from sgl_tpu.bench.agent_loop.runner import ProgramRunner, RunOptions
 from sgl_tpu.bench.agent_loop.table import format_table
 from sgl_tpu.bench.agent_loop.targets import PEERS, RunningTarget, TargetSpec, parse_target
@@ -61,19 +66,27 @@ WARMUP_MAX_TURNS = 2
 
 
 def parse_workload(item: str, base: WorkloadConfig) -> tuple[str, WorkloadConfig]:
-    """`name[:key=value,...]` -> (name, config with those fields replaced)."""
+    """`name[:key=value,...]` -> (name, config with those fields replaced); the agent-trace
+    generator's fields (TraceConfig) too."""
     name, _, overrides = item.partition(":")
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
-    fields = {f.name for f in dataclasses.fields(WorkloadConfig)}
+    fields = {f.name for f in dataclasses.fields(WorkloadConfig)} - {"trace"}
+    trace_fields = {f.name for f in dataclasses.fields(TraceConfig)}
     changes: dict[str, int] = {}
+    trace_changes: dict[str, str] = {}
     for kv in filter(None, overrides.split(",")):
         key, eq, value = kv.partition("=")
         key = key.strip().replace("-", "_")
-        if not eq or key not in fields:
-            raise ValueError(f"workload {name}: bad override {kv!r}; fields: {sorted(fields)}")
-        changes[key] = int(value)
-    return name, dataclasses.replace(base, **changes)
+        if eq and key in fields:
+            changes[key] = int(value)
+        elif eq and key in trace_fields:
+            trace_changes[key] = value
+        else:
+            raise ValueError(f"workload {name}: bad override {kv!r}; fields: "
+                             f"{sorted(fields | trace_fields)}")
+    cfg = dataclasses.replace(base, **changes)
+    return name, dataclasses.replace(cfg, trace=cfg.trace.with_overrides(trace_changes))
 
 
 def parse_latency(text: str) -> tuple[float, float]:
@@ -112,7 +125,8 @@ def warmup_config(cfg: WorkloadConfig, num_programs: int | None) -> WorkloadConf
     if num_programs == 0:
         return None
     return dataclasses.replace(cfg, num_programs=num_programs or cfg.num_programs,
-                               turns=min(cfg.turns, WARMUP_MAX_TURNS))
+                               turns=min(cfg.turns, WARMUP_MAX_TURNS),
+                               trace=cfg.trace.for_warmup(WARMUP_MAX_TURNS))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="programs of another seed, at most 2 turns each, run (not measured) "
                         "before each workload, so compilation for its batch shapes is done; "
                         "default: as many as the workload has; 0: none")
+    r.add_argument("--oracle-page-size", type=int, default=0,
+                   help="granularity of the reuse oracle in tokens (oracle.py); default: the "
+                        "server's page_size (/server_info), else 1")
     r.add_argument("--no-progress", action="store_true")
     m = p.add_argument_group("mixed traffic (priority scheduling)")
     m.add_argument("--mixed-batch", type=int, default=0, metavar="N",
@@ -209,9 +226,10 @@ def single_target(args: argparse.Namespace) -> TargetSpec:
                                json_dialect=args.json_dialect or target.json_dialect)
 
 
-def run_options(args: argparse.Namespace, priority: int | None = None) -> RunOptions:
+def run_options(args: argparse.Namespace, priority: int | None = None,
+                context_tokens: int = 0) -> RunOptions:
     return RunOptions(args.concurrency, args.request_rate, args.seed, args.session_hint,
-                      not args.no_progress, args.tool_latency, priority)
+                      not args.no_progress, args.tool_latency, priority, context_tokens)
 
 
 Group = tuple[list[Program], RunOptions, str]  # programs, how to run them, progress label
@@ -237,15 +255,21 @@ async def run_groups(url: str, spec: TargetSpec, groups: list[Group], tokenizer:
         client = Client(session, url, DRIVERS[spec.api], opts, count_tokens,
                         api_key=args.api_key)
         return list(await asyncio.gather(*(
-            ProgramRunner(client.send, render, run_opts, desc).run(programs)
+            ProgramRunner(client.send, render, run_opts, desc, count_tokens).run(programs)
             for programs, run_opts, desc in groups)))
 
 
 async def run_workload(url: str, spec: TargetSpec, programs: list[Program], tokenizer: Any,
-                       args: argparse.Namespace, desc: str) -> Trace:
-    (trace,) = await run_groups(url, spec, [(programs, run_options(args), desc)], tokenizer,
-                                args)
+                       args: argparse.Namespace, desc: str, context_tokens: int = 0) -> Trace:
+    (trace,) = await run_groups(
+        url, spec, [(programs, run_options(args, context_tokens=context_tokens), desc)],
+        tokenizer, args)
     return trace
+
+
+def oracle_page_size(args: argparse.Namespace, info: dict[str, Any] | None) -> int:
+    """The oracle's granularity: the flag, else the server's radix page, else one token."""
+    return args.oracle_page_size or int((info or {}).get("page_size") or 1)
 
 
 def run_mixed(target: RunningTarget, spec: TargetSpec, programs: list[Program], tokenizer: Any,
@@ -376,7 +400,9 @@ def main(argv: list[str] | None = None) -> None:
         runs = results["runs"].setdefault(spec.name, {})
         try:
             with RunningTarget(spec, args.model_path, log_dir, args.chat_template) as target:
-                compute = (target.server_info() or {}).get("compute")
+                first_info = target.server_info() or {}
+                context_tokens = int(first_info.get("context_len") or 0)
+                compute = first_info.get("compute")
                 if compute:  # sgl-tpu's kernels, quantization and CPU flags, as it serves
                     results.setdefault("server_compute", {})[spec.name] = compute
                 for label, name, cfg in workloads:
@@ -395,8 +421,14 @@ def main(argv: list[str] | None = None) -> None:
                     target.flush_cache()
                     before, info = target.replica_requests(), target.server_info()
                     trace = asyncio.run(run_workload(target.base_url, spec, programs, tokenizer,
-                                                     args, f"{spec.name}/{label}"))
+                                                     args, f"{spec.name}/{label}",
+                                                     context_tokens))
                     runs[label] = run = summarize(trace)
+                    if any(p.compaction for p in programs):  # the limit compaction kept to
+                        run["context_tokens"] = cfg.trace.context_tokens or context_tokens
+                    run["oracle"] = oracle_report(
+                        trace.records, lambda t, special: tokenizer.encode(
+                            t, add_special_tokens=special), oracle_page_size(args, first_info))
                     info_after = target.server_info()
                     run.update(server_side(info_after, run))
                     run.update(spec_counters(info, info_after))

@@ -17,6 +17,8 @@ Definitions:
                     cached_tokens (None when none did)
   valid_tool_call_share  calls whose name is offered and whose arguments validate against its
                     schema, over all calls made (None when no request offered tools)
+  compactions       requests sent right after their program compacted its context
+  subagents         subagents started (their first requests)
   by_turn           per program step (an agent's turn), over its successful one-answer requests:
                     requests, mean prompt tokens, cache_hit_rate, ttft_s and itl_s p50 (how a
                     growing context's turns fare: the later turns' cached share, ITL at 20k
@@ -149,5 +151,7 @@ def summarize(trace: Trace) -> dict[str, Any]:
                                   else None),
         "token_counts_from": sorted({r.prompt_tokens_source for r in ok}
                                     | {r.completion_tokens_source for r in ok}),
+        "compactions": sum(r.compacted for r in trace.records),
+        "subagents": sum(r.forked for r in trace.records),
         "by_turn": by_turn(ok),
     }

@@ -5,6 +5,10 @@
 
 With function tools, an answer that made calls goes back as an assistant message carrying them,
 and the next step's text becomes the first call's `tool` result (the others get a short note).
+A Subagent step runs its calls on a copy of the context (the fork), then the parent's report call
+on the parent's context. A program with `compaction` (agent-trace) compacts its context before a
+call whose prompt and answer would pass its share of the context limit (agent_trace.compact);
+that limit is the workload's, else `RunOptions.context_tokens` (the server's).
 
 `send(req, program_id, step, branch)` is Client.send (or a fake in tests); its records are stamped
 with `time.perf_counter()` and shifted to the run's start at the end. Within a program the
@@ -23,10 +27,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from sgl_tpu.bench.agent_loop.agent_trace import compact, compaction_summary
 from sgl_tpu.bench.agent_loop.drivers import GenRequest
 from sgl_tpu.bench.agent_loop.tools import assistant_message, renderable, tool_messages
 from sgl_tpu.bench.agent_loop.trace import RequestRecord, Trace
-from sgl_tpu.bench.agent_loop.workloads import Fork, Gen, Program
+from sgl_tpu.bench.agent_loop.workloads import Fork, Gen, Program, Subagent
 
 Messages = list[dict[str, Any]]
 SendFn = Callable[[GenRequest, str, int, int], Awaitable[RequestRecord]]
@@ -42,6 +47,7 @@ class RunOptions:
     # an agent's wait between its turns (the tool call): uniform in [lo, hi], seeded per call
     tool_latency_s: tuple[float, float] = (0.0, 0.0)
     priority: int | None = None  # every request's `priority` (None: not sent)
+    context_tokens: int = 0  # the server's context length, for compaction (0: unknown)
 
     def __post_init__(self) -> None:
         if self.concurrency < 0:
@@ -105,47 +111,120 @@ class _Progress:
 
 class ProgramRunner:
     def __init__(self, send: SendFn, render: Callable[[Messages], str], opts: RunOptions,
-                 desc: str = "run") -> None:
+                 desc: str = "run", count_tokens: Callable[[str], int] | None = None) -> None:
         self.send = send
         self.render = render  # messages -> prompt text (chat template + generation prompt)
         self.opts = opts
         self.desc = desc
+        self.count_tokens = count_tokens  # prompt text -> tokens (compaction needs it)
         self.records: list[RequestRecord] = []
         self.progress: _Progress | None = None
+        self.compactions: dict[str, int] = {}  # per program
 
     async def _call(self, program: Program, step: int, branch: int, messages: Messages,
                     max_tokens: int, stop: tuple[str, ...] = (),
                     json_schema: dict | None = None, tools: tuple[dict[str, Any], ...] = (),
-                    tool_choice: str | dict[str, Any] | None = None) -> RequestRecord:
+                    tool_choice: str | dict[str, Any] | None = None, compacted: bool = False,
+                    forked: bool = False) -> RequestRecord:
         req = GenRequest(messages, self.render(renderable(messages)), max_tokens, stop,
                          json_schema,
                          request_seed(self.opts.seed, program.program_id, step, branch),
                          program.session if self.opts.session_hint else None, tools, tool_choice,
                          self.opts.priority)
         record = await self.send(req, program.program_id, step, branch)
+        record.prompt, record.compacted, record.forked = req.prompt, compacted, forked
         self.records.append(record)
         if self.progress is not None:
             self.progress.update()
         return record
 
+    def _compacted(self, program: Program, asked: Messages, max_tokens: int
+                   ) -> Messages | None:
+        """`asked` compacted when its prompt and answer would pass the program's limit."""
+        policy = program.compaction
+        limit = (policy.context_tokens or self.opts.context_tokens) if policy else 0
+        if policy is None or not limit or self.count_tokens is None:
+            return None
+
+        def size(messages: Messages) -> int:
+            return self.count_tokens(self.render(renderable(messages))) + max_tokens
+
+        total = size(asked)
+        if total <= policy.compact_at * limit:
+            return None
+        num = self.compactions[program.program_id] = self.compactions.get(
+            program.program_id, 0) + 1
+        summary = compaction_summary(program.program_id, num, policy.summary_tokens)
+        # A candidate's size without rendering it: its messages' own tokens plus all of the
+        # template's (an overestimate: removed messages' template tokens still count).
+        own = {id(m): self.count_tokens(m.get("content") or "") for m in asked}
+        overhead = total - sum(own.values())
+        summary_size = self.count_tokens(summary)
+
+        def fits(messages: Messages) -> bool:
+            kept = sum(own.get(id(m), summary_size) for m in messages)
+            return overhead + kept <= policy.compact_to * limit
+
+        return compact(asked, summary, fits)
+
+    async def _turn(self, program: Program, step: int, branch: int, messages: Messages,
+                    new: Messages, gen: Gen, forked: bool = False
+                    ) -> tuple[RequestRecord, Messages]:
+        """One call: `messages + new` (compacted if due) -> the answer; the context after it."""
+        asked = messages + new
+        compacted = self._compacted(program, asked, gen.max_tokens)
+        r = await self._call(program, step, branch, compacted or asked, gen.max_tokens,
+                             gen.stop, gen.json_schema, gen.tools, gen.tool_choice,
+                             compacted=compacted is not None, forked=forked)
+        answer = (assistant_message(r.text, r.tool_calls) if r.tool_calls
+                  else {"role": "assistant", "content": r.text})
+        return r, (compacted or asked) + [answer]
+
+    async def _pause(self, program: Program, step: int, gen: Gen) -> None:
+        """The tool runs: the step's own pause, else the run's --tool-latency."""
+        if wait := gen.pause_s or tool_latency(self.opts, program.program_id, step):
+            await asyncio.sleep(wait)
+
+    async def _subagent(self, program: Program, i: int, step: Subagent, messages: Messages
+                        ) -> str | None:
+        """Run the subagent on a fork of `messages`; its summary (None if a call failed)."""
+        sub, new = messages, [{"role": "user", "content": step.task}]
+        for j, gen in enumerate(step.calls):
+            if j:
+                new = [{"role": "user", "content": gen.user}]
+            r, sub = await self._turn(program, i, j, sub, new, gen, forked=j == 0)
+            if not r.ok:
+                return None
+            await self._pause(program, i, gen)
+        ask = [{"role": "user", "content": step.summary.user}]
+        r, _ = await self._turn(program, i, len(step.calls), sub, ask, step.summary)
+        return r.text.strip() if r.ok else None
+
     async def run_program(self, program: Program) -> None:
         messages: Messages = [{"role": "system", "content": program.system}]
         calls: list[dict[str, str]] = []  # the previous answer's tool calls
         for i, step in enumerate(program.steps):
+            last = i + 1 == len(program.steps)
+            if isinstance(step, Subagent):
+                summary = await self._subagent(program, i, step, messages)
+                if summary is None:
+                    return
+                new = [{"role": "user", "content": step.report.user + summary}]
+                r, messages = await self._turn(program, i, -1, messages, new, step.report)
+                if not r.ok:
+                    return
+                if not last:
+                    await self._pause(program, i, step.report)
+                continue
             if isinstance(step, Gen):
                 new = (tool_messages(calls, step.user) if calls
                        else [{"role": "user", "content": step.user}])
-                asked = messages + new
-                r = await self._call(program, i, -1, asked, step.max_tokens, step.stop,
-                                     step.json_schema, step.tools, step.tool_choice)
+                r, messages = await self._turn(program, i, -1, messages, new, step)
                 if not r.ok:
                     return
                 calls = r.tool_calls
-                messages = asked + [assistant_message(r.text, calls) if calls
-                                    else {"role": "assistant", "content": r.text}]
-                if i + 1 < len(program.steps) and (
-                        wait := tool_latency(self.opts, program.program_id, i)):
-                    await asyncio.sleep(wait)  # the tool runs
+                if not last:
+                    await self._pause(program, i, step)
                 continue
             assert isinstance(step, Fork)
             asks = [messages + [{"role": "user", "content": b}] for b in step.branches]
@@ -164,7 +243,7 @@ class ProgramRunner:
             messages = asks[step.chosen] + [{"role": "assistant", "content": kept.text}]
 
     async def run(self, programs: list[Program]) -> Trace:
-        self.records = []
+        self.records, self.compactions = [], {}
         total = sum(p.num_requests for p in programs)
         self.progress = _Progress(total, self.desc, self.opts.progress)
         limit = asyncio.Semaphore(self.opts.concurrency or max(1, len(programs)))

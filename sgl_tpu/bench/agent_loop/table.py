@@ -7,7 +7,7 @@ from typing import Any
 COLUMNS = (
     ("workload", 16), ("target", 18), ("wall s", 8), ("prog/s", 8), ("prompt t/s", 10),
     ("gen t/s", 8), ("TTFT p50", 9), ("TTFT p90", 9), ("ITL p50 ms", 10), ("hit rate", 8),
-    ("gen tok", 8), ("fail", 5),
+    ("gen tok", 8), ("reuse/orc", 9), ("fail", 5),
 )
 
 
@@ -25,7 +25,9 @@ def row_values(workload: str, target: str, s: dict[str, Any]) -> list[str]:
             _fmt(s["prompt_tok_per_s"], 1), _fmt(s["gen_tok_per_s"], 1),
             _fmt(s["ttft_s"]["p50"], 3), _fmt(s["ttft_s"]["p90"], 3),
             _fmt(None if itl is None else itl * 1000, 1), _fmt(s["cache_hit_rate"], 3),
-            str(s["generated_tokens"]), f"{s['requests_failed']}/{s['requests']}"]
+            str(s["generated_tokens"]),
+            _fmt((s.get("oracle") or {}).get("reused_over_oracle"), 3),
+            f"{s['requests_failed']}/{s['requests']}"]
 
 
 def format_table(runs: dict[str, dict[str, dict[str, Any]]]) -> str:

@@ -32,6 +32,9 @@ class RequestRecord:
     invalid_tool_calls: int = 0  # calls with an unknown name or schema-invalid arguments
     error: str | None = None
     text: str = ""
+    prompt: str = ""  # the prompt text sent (the oracle's input, oracle.py)
+    compacted: bool = False  # the program compacted its context right before this request
+    forked: bool = False  # a subagent's first request (forked from its parent's context)
 
     @property
     def ok(self) -> bool:
@@ -54,6 +57,7 @@ class Trace:
             d = asdict(r)
             if not with_text:
                 d.pop("text")
+                d.pop("prompt")
             records.append(d)
         return {"wall_s": self.wall_s, "num_programs": self.num_programs, "records": records}
 

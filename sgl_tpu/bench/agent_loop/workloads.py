@@ -4,6 +4,9 @@
       Gen(user, max_tokens, ...)    append `user`, generate one answer, append it to the context
       Fork(branches, judge, ...)    K answers from the same context in parallel, one judge request
                                     that sees all of them, then keep branch `chosen` as context
+      Subagent(task, calls, ...)    a subagent forked from the context: the task, its calls, a
+                                    summary request; the summary goes back to the parent, whose
+                                    next call reads it
 
 The runner (runner.py) turns steps into requests; each request carries everything generated
 before it in that program, which is what makes prefix caching matter. Nothing here depends on
@@ -25,16 +28,25 @@ Workloads (modelled on the agentic programs of the SGLang paper):
                    servers without "required" (the llama.cpp server) can stream
   multi-turn-chat  M users x C turns, short and long answers alternating at random
   shared-prefix    single requests in G groups, each group sharing a long system prompt
+  agent-trace      agents shaped like production traces (agent_trace.py has the parameters):
+                   heavy-tailed calls, tool outputs and pauses, subagents, and compaction when
+                   a context nears the limit
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sgl_tpu.bench.agent_loop import text
+from sgl_tpu.bench.agent_loop.agent_trace import (
+    Compaction,
+    TraceConfig,
+    bounded_pareto,
+    draw_int,
+)
 from sgl_tpu.bench.agent_loop.tools import FUNCTION_TOOLS, tool_names
 
 
@@ -46,6 +58,7 @@ class Gen:
     json_schema: dict[str, Any] | None = None
     tools: tuple[dict[str, Any], ...] = ()  # OpenAI function tools (openai-chat API only)
     tool_choice: str | dict[str, Any] | None = None  # "auto" | "required" | a named function
+    pause_s: float = 0.0  # the tool's run time after this call (agent-trace)
 
 
 @dataclass(frozen=True)
@@ -57,7 +70,15 @@ class Fork:
     chosen: int  # the branch whose exchange is kept as context (drawn from the seed)
 
 
-Step = Gen | Fork
+@dataclass(frozen=True)
+class Subagent:
+    task: str  # the user message that forks it from the parent's context
+    calls: tuple[Gen, ...]  # its first call answers `task`: calls[0].user is unused
+    summary: Gen  # the request for its summary
+    report: Gen  # the parent's call that reads the summary (its user text comes first)
+
+
+Step = Gen | Fork | Subagent
 
 
 @dataclass(frozen=True)
@@ -66,10 +87,12 @@ class Program:
     session: str  # what the `--session-hint` option sends as session_id
     system: str
     steps: tuple[Step, ...]
+    compaction: Compaction | None = None  # compact the context near the limit (runner.py)
 
     @property
     def num_requests(self) -> int:
-        return sum(1 if isinstance(s, Gen) else len(s.branches) + 1 for s in self.steps)
+        return sum(1 if isinstance(s, Gen) else len(s.calls) + 2 if isinstance(s, Subagent)
+                   else len(s.branches) + 1 for s in self.steps)
 
 
 @dataclass(frozen=True)
@@ -83,6 +106,7 @@ class WorkloadConfig:
     observation_tokens: int = 70  # a tool observation, a pasted chat context, a question
     branches: int = 3  # tree-of-thought fork width
     groups: int = 4  # shared-prefix groups
+    trace: TraceConfig = field(default_factory=TraceConfig)  # agent-trace's generator
 
     def __post_init__(self) -> None:
         for name in ("num_programs", "turns", "output_tokens", "branches", "groups"):
@@ -289,6 +313,55 @@ def shared_prefix(cfg: WorkloadConfig, seed: int) -> list[Program]:
     return programs
 
 
+# ---- agent trace ------------------------------------------------------------------------------
+TRACE_SYSTEM = ("You are a coding agent working in a large repository. Use the tools to read "
+                "files, search and run commands; each tool output comes back in the next "
+                "message. Think briefly, then name your next action.")
+SUBAGENT_TASK = ("Delegate: a subagent takes over from here. Subagent task: {task} Work through "
+                 "the tool outputs that follow, then summarise what you found.")
+SUMMARY_REQUEST = "Summarise your findings for the parent agent in a few sentences."
+REPORT = "Subagent report:\n"
+
+
+def agent_trace(cfg: WorkloadConfig, seed: int) -> list[Program]:
+    """`num_programs` agents drawn from `cfg.trace` (agent_trace.py) under `seed`; all share
+    one system prompt of about `system_tokens`; every answer is `output_tokens` long."""
+    tc = cfg.trace
+    bounds = tc.scaled()
+    rng = random.Random(f"agent-trace/{seed}")
+    system = f"{TRACE_SYSTEM}\n\n{text.paragraph(rng, cfg.system_tokens)}"
+    compaction = Compaction(tc.context_tokens, tc.compact_at, tc.compact_to,
+                            tc.compaction_summary_tokens)
+
+    def call(user: str) -> Gen:
+        pause = bounded_pareto(rng, *bounds["pause_s"], tc.pause_alpha)
+        return Gen(user, cfg.output_tokens, pause_s=pause)
+
+    def tool_output() -> Gen:
+        size = draw_int(rng, bounds["tool_tokens"], tc.tool_tokens_alpha)
+        return call(f"Tool output:\n{text.observation(rng, size)}")
+
+    programs = []
+    for a in range(cfg.num_programs):
+        num_calls = draw_int(rng, bounds["calls"], tc.calls_alpha)
+        steps: list[Step] = [call(f"Task: {text.question(rng)}")]
+        while len(steps) < num_calls:
+            if len(steps) < num_calls - 1 and rng.random() < tc.subagent_share:
+                num_sub = draw_int(rng, bounds["subagent_calls"], tc.calls_alpha)
+                task = SUBAGENT_TASK.format(task=text.question(rng))
+                calls = (call(""), *(tool_output() for _ in range(num_sub - 1)))
+                summary = Gen(SUMMARY_REQUEST, tc.summary_tokens, pause_s=0.0)
+                steps.append(Subagent(task, calls, summary, call(REPORT)))
+            else:
+                steps.append(tool_output())
+        last = steps[-1]
+        if isinstance(last, Gen):  # no tool runs after the last answer
+            steps[-1] = Gen(last.user, last.max_tokens)
+        programs.append(Program(f"agent-trace-{a}", f"agent-trace-{seed}-agent-{a}", system,
+                                tuple(steps), compaction))
+    return programs
+
+
 WORKLOADS: dict[str, Callable[[WorkloadConfig, int], list[Program]]] = {
     "react": react,
     "private-react": private_react,
@@ -299,6 +372,7 @@ WORKLOADS: dict[str, Callable[[WorkloadConfig, int], list[Program]]] = {
     "tree-of-thought": tree_of_thought,
     "multi-turn-chat": multi_turn_chat,
     "shared-prefix": shared_prefix,
+    "agent-trace": agent_trace,
 }
 
 
@@ -313,11 +387,20 @@ def describe(programs: list[Program], count_tokens: Callable[[str], int]) -> dic
     systems = {p.system for p in programs}
     user_tokens = 0
     max_new = 0
+    pauses: list[float] = []
+    subagents = 0
     for p in programs:
         for s in p.steps:
             if isinstance(s, Gen):
                 user_tokens += count_tokens(s.user)
                 max_new += s.max_tokens
+                pauses.append(s.pause_s)
+            elif isinstance(s, Subagent):
+                subagents += 1
+                gens = (*s.calls[1:], s.summary, s.report)
+                user_tokens += count_tokens(s.task) + sum(count_tokens(g.user) for g in gens)
+                max_new += sum(g.max_tokens for g in (*s.calls, s.summary, s.report))
+                pauses += [g.pause_s for g in (*s.calls, s.report)]
             else:
                 user_tokens += sum(count_tokens(b) for b in s.branches) + count_tokens(s.judge)
                 max_new += s.max_tokens * len(s.branches) + s.judge_max_tokens
@@ -328,4 +411,6 @@ def describe(programs: list[Program], count_tokens: Callable[[str], int]) -> dic
         "system_prompt_tokens": sorted(count_tokens(s) for s in systems),
         "user_message_tokens": user_tokens,
         "max_new_tokens": max_new,
+        "subagents": subagents,
+        "tool_pause_s": sum(pauses),
     }

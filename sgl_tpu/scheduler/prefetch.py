@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from sgl_tpu.scheduler.kv_manager import KVManager, PrefixLoad
+from sgl_tpu.scheduler.kv_manager import IDLE_LOAD_WAIT_S, KVManager, PrefixLoad
 from sgl_tpu.scheduler.programs import PROGRAM_PAUSE_EWMA, Program, Programs
 from sgl_tpu.scheduler.req import Req
 
@@ -150,7 +150,8 @@ class Prefetcher:
 
     def step(self, waiting: list[Req], busy: bool) -> None:
         """Once per scheduler step: unpin what returned programs' admitted requests locked,
-        start the prefetches that are due and move one (all, when nothing runs)."""
+        start the prefetches that are due and move one (all, when nothing runs). `waiting`:
+        the requests whose prompts need pages first (waiting, or prefilled in chunks)."""
         if self._returned:
             self._release_returned(waiting)
         if self._due and self._due[0][0] <= self.programs.clock():
@@ -190,7 +191,10 @@ class Prefetcher:
         if room <= 0:
             return "deferred"
         pin_s = min(max(pin_s, PIN_MIN_S), self.max_retention_s)
-        load = PrefixLoad(key, kv.resume_namespace, None, start)
+        match = self.tree.match_prefix(key, kv.resume_namespace)
+        # pages the host tier no longer holds are read from disk first, off this thread
+        load = PrefixLoad(key, kv.resume_namespace, self.kv.tiers.start_disk_load(key, match),
+                          start)
         kv.prefetch = Prefetch(load, start + min(below, room) * ps, self.tree.clock() + pin_s)
         self._moving[prog.key] = prog
         self.programs.count_kv(prog, num_prefetches=1)
@@ -206,6 +210,8 @@ class Prefetcher:
         prefetch = prog.kv.prefetch
         load = prefetch.load
         if load.disk is not None:
+            if not busy:  # nothing else to do: wait a moment for the read, do not spin
+                self.kv.tiers.wait_disk_loads([load.disk], IDLE_LOAD_WAIT_S)
             if self.kv.tiers.advance_disk_load(load.disk):
                 load.disk = None
             return
@@ -254,6 +260,14 @@ class Prefetcher:
                 del self._returned[key]
                 if prog.kv.prefetch is None:
                     self.tree.unpin(prefetch_owner(key))
+
+    def clear(self) -> None:
+        """Forget every prefetch (`/flush_cache`: the tree and the tiers are empty)."""
+        for prog in list(self._moving.values()):
+            self._stop(prog)
+        self._due.clear()
+        self._moving.clear()
+        self._returned.clear()
 
     # ---- client hints ----------------------------------------------------------------------------
     def hint(self, key: str, action_type: str, ttl_s: float | None,

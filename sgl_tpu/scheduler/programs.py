@@ -15,7 +15,9 @@ requests' contexts (prompt + max_new_tokens, or for a request whose max_new_toke
 defaulted to the rest of the context, prompt + the longest output its program, else the mean
 output the server, has seen); its state. Paused for longer than its pause window (twice its
 longest tool pause, else twice the mean pause, at least MIN_PAUSE_S) it is found idle, and
-after a tool pause reported to `on_done` (retention.py releases its session-hint pins).
+after a tool pause reported to `on_done` (retention.py releases its session-hint pins). Per
+program also where its prompt tokens came from and what prefetching did (`KVCounters`, kept by
+prefetch.py in `Program.kv`).
 
 Who is walked, so no call costs the size of the table:
 

@@ -206,7 +206,10 @@ class Scheduler:
         if self._pending is not None and not self._can_overlap():
             outputs += self._drain()  # the serial way from here
         outputs += self._process_aborts() + self._poll_grammars()
-        self.prefetcher.step(self.waiting, busy=bool(self.running) or self._pending is not None)
+        chunked = self.queues.chunked_req  # its next chunks' pages are no prefetch's room
+        self.prefetcher.step([*self.waiting, *([chunked] if chunked is not None else [])],
+                             busy=bool(self.running) or self._pending is not None
+                             or chunked is not None)
         if self._pending is not None:
             # Overlap: step t+1 goes to the device first, then the host processes step t.
             in_flight = self._pending
@@ -451,6 +454,7 @@ class Scheduler:
         if not self.queues.is_empty():
             return False
         self.kv.flush()
+        self.prefetcher.clear()
         self.programs.clear()  # their KV is gone: a program that comes back starts over
         return True
 

@@ -12,13 +12,15 @@ them (with tiers: demotes them to the host tier, then disk). The prefetcher move
               ▼
     prefetch (a kv_manager.PrefixLoad: a step's part per step), pinned ──► its next request:
     a hit (done, still in the pool), late (still moving: its own load takes the rest), or
-    wasted (evicted again; or its pause window ended, or it was found done, first)
+    wasted (evicted again: a new prefetch may start; or its pause window ended, or it was
+    found done, first)
 
 Expected pause: the mean of the program's own pauses, else of every program's (none seen yet:
 nothing starts by time; a hint still can). Room: the pages free in the pool or evictable, less
 the pages the waiting requests' prompts need; running requests' KV is locked, never evicted. A
 prefetch moves only in steps where no waiting request's own load moved: one
-`TieredCache.step_pages` part per step while requests run, the whole prefix while none does.
+`TieredCache.step_pages` part per step while requests run, the whole prefix while none does;
+none while the room is gone.
 Its pin (owner `prefetch_owner`) lasts until the program's pause window ends (at least
 PIN_MIN_S, at most --max-retention-s) and is dropped once the program's request is admitted
 (admission locks the prefix) or the prefetch is found wasted.
@@ -157,7 +159,7 @@ class Prefetcher:
         if self._due and self._due[0][0] <= self.programs.clock():
             self._start_due(waiting)
         if self._moving and not (busy and self.kv.has_loads()):
-            self._move(busy)
+            self._move(busy, waiting)
 
     # ---- prefetches ----------------------------------------------------------------------------
     def _start_due(self, waiting: list[Req]) -> None:
@@ -166,14 +168,17 @@ class Prefetcher:
             _, _, prog, paused_at = heapq.heappop(self._due)
             if prog.kv.paused_at != paused_at or self.programs.table.get(prog.key) is not prog:
                 continue  # it came back, or is forgotten
-            paused = self.programs.state(prog, now) == "paused"
-            if prog.kv.prefetch is not None or not paused:
-                if not paused:  # its pause window is over: it is not coming back soon
-                    self._waste(prog)
+            if self.programs.state(prog, now) != "paused":
+                self._waste(prog)  # its pause window is over: it is not coming back soon
                 continue
-            if self._start(prog, paused_at + self.programs.pause_window_s(prog) - now,
-                           waiting) != "accepted":
-                heapq.heappush(self._due, (now + RECHECK_S, next(self._seq), prog, paused_at))
+            prefetch = prog.kv.prefetch
+            if prefetch is not None and prefetch.done and self._resident(
+                    prefetch.load) < prefetch.limit:
+                self._waste(prog)  # evicted again while it pauses: a new one may start
+            if prog.kv.prefetch is None:
+                self._start(prog, paused_at + self.programs.pause_window_s(prog) - now,
+                            waiting)
+            heapq.heappush(self._due, (now + RECHECK_S, next(self._seq), prog, paused_at))
 
     def _start(self, prog: Program, pin_s: float, waiting: list[Req]) -> str:
         """Start `prog`'s prefetch: "accepted", "resident" (nothing in a tier to move),
@@ -187,7 +192,7 @@ class Prefetcher:
         if not below:
             return "resident" if start else "missing"
         ps = self.kv.page_size
-        room = self.kv.available_pages() - sum(-(-len(r.fill_ids) // ps) for r in waiting)
+        room = self._room(waiting)
         if room <= 0:
             return "deferred"
         pin_s = min(max(pin_s, PIN_MIN_S), self.max_retention_s)
@@ -198,15 +203,19 @@ class Prefetcher:
         kv.prefetch = Prefetch(load, start + min(below, room) * ps, self.tree.clock() + pin_s)
         self._moving[prog.key] = prog
         self.programs.count_kv(prog, num_prefetches=1)
-        if kv.paused_at is not None:  # found wasted if it is still paused past its window
-            window_end = kv.paused_at + self.programs.pause_window_s(prog) + RECHECK_S
-            heapq.heappush(self._due, (max(window_end, self.programs.clock() + pin_s),
-                                       next(self._seq), prog, kv.paused_at))
         return "accepted"
 
-    def _move(self, busy: bool) -> None:
-        """Move the first moving prefetch on: a step's part while requests run, else all."""
+    def _room(self, waiting: list[Req]) -> int:
+        """Pages a prefetch may take now: free or evictable, less what `waiting` needs."""
+        ps = self.kv.page_size
+        return self.kv.available_pages() - sum(-(-len(r.fill_ids) // ps) for r in waiting)
+
+    def _move(self, busy: bool, waiting: list[Req]) -> None:
+        """Move the first moving prefetch on: a step's part while requests run, else all;
+        nothing while the pool has no room for it."""
         key, prog = next(iter(self._moving.items()))
+        if self._room(waiting) <= 0:
+            return
         prefetch = prog.kv.prefetch
         load = prefetch.load
         if load.disk is not None:

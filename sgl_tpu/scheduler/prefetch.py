@@ -16,8 +16,10 @@ them (with tiers: demotes them to the host tier, then disk). The prefetcher move
     found done, first)
 
 Expected pause: the mean of the program's own pauses, else of every program's (none seen yet:
-nothing starts by time; a hint still can). Room: the pages free in the pool or evictable, less
-the pages the waiting requests' prompts need; running requests' KV is locked, never evicted. A
+nothing starts by time; a hint still can; by time at most PREFETCHES_PER_PAUSE per pause).
+Room: the pages free in the pool or evictable, less the pages the waiting requests' prompts
+need and those other programs' prefetches pin (prefetches never evict each other); running
+requests' KV is locked, never evicted. A
 prefetch moves only in steps where no waiting request's own load moved: one
 `TieredCache.step_pages` part per step while requests run, the whole prefix while none does;
 none while the room is gone.
@@ -48,6 +50,7 @@ from sgl_tpu.scheduler.req import Req
 DUE_FRACTION = 0.5  # a prefetch is first considered after this fraction of the expected pause
 RECHECK_S = 0.5  # a due program whose prefix is resident, or that found no room, is checked again
 PIN_MIN_S = 5.0  # a prefetch's pin lasts at least this long
+PREFETCHES_PER_PAUSE = 2  # by time: a second one only after the first was evicted again
 HINT_ACTIONS = ("retain", "prefetch", "release")
 
 
@@ -82,6 +85,7 @@ class Prefetcher:
         self._due: list[tuple[float, int, Program, float]] = []
         self._moving: dict[str, Program] = {}  # programs whose prefetch moves, in start order
         self._returned: dict[str, Program] = {}  # came back: unpinned once admitted
+        self._held: dict[str, int] = {}  # program key -> pages its prefetch pins (or will)
         self.num_hints = 0
 
     # ---- the scheduler's hooks -------------------------------------------------------------
@@ -119,6 +123,7 @@ class Prefetcher:
                 kv.pause_mean_s + PROGRAM_PAUSE_EWMA * (pause - kv.pause_mean_s))
             kv.num_pauses += 1
             kv.paused_at = None
+        kv.pause_prefetches = 0
         prefetch = kv.prefetch
         if prefetch is None:
             return
@@ -175,9 +180,10 @@ class Prefetcher:
             if prefetch is not None and prefetch.done and self._resident(
                     prefetch.load) < prefetch.limit:
                 self._waste(prog)  # evicted again while it pauses: a new one may start
-            if prog.kv.prefetch is None:
-                self._start(prog, paused_at + self.programs.pause_window_s(prog) - now,
-                            waiting)
+            if prog.kv.prefetch is None and prog.kv.pause_prefetches < PREFETCHES_PER_PAUSE:
+                if self._start(prog, paused_at + self.programs.pause_window_s(prog) - now,
+                               waiting) == "accepted":
+                    prog.kv.pause_prefetches += 1
             heapq.heappush(self._due, (now + RECHECK_S, next(self._seq), prog, paused_at))
 
     def _start(self, prog: Program, pin_s: float, waiting: list[Req]) -> str:
@@ -192,7 +198,7 @@ class Prefetcher:
         if not below:
             return "resident" if start else "missing"
         ps = self.kv.page_size
-        room = self._room(waiting)
+        room = self._room(waiting, prog.key)
         if room <= 0:
             return "deferred"
         pin_s = min(max(pin_s, PIN_MIN_S), self.max_retention_s)
@@ -201,20 +207,24 @@ class Prefetcher:
         load = PrefixLoad(key, kv.resume_namespace, self.kv.tiers.start_disk_load(key, match),
                           start)
         kv.prefetch = Prefetch(load, start + min(below, room) * ps, self.tree.clock() + pin_s)
+        self._held[prog.key] = min(below, room)
         self._moving[prog.key] = prog
         self.programs.count_kv(prog, num_prefetches=1)
         return "accepted"
 
-    def _room(self, waiting: list[Req]) -> int:
-        """Pages a prefetch may take now: free or evictable, less what `waiting` needs."""
+    def _room(self, waiting: list[Req], key: str) -> int:
+        """Pages program `key`'s prefetch may take now: free or evictable, less what `waiting`
+        needs and what other programs' prefetches pin (prefetches never evict each other)."""
         ps = self.kv.page_size
-        return self.kv.available_pages() - sum(-(-len(r.fill_ids) // ps) for r in waiting)
+        others = sum(pages for k, pages in self._held.items() if k != key)
+        return (self.kv.available_pages() - others
+                - sum(-(-len(r.fill_ids) // ps) for r in waiting))
 
     def _move(self, busy: bool, waiting: list[Req]) -> None:
         """Move the first moving prefetch on: a step's part while requests run, else all;
         nothing while the pool has no room for it."""
         key, prog = next(iter(self._moving.items()))
-        if self._room(waiting) <= 0:
+        if self._room(waiting, key) <= 0:
             return
         prefetch = prog.kv.prefetch
         load = prefetch.load
@@ -260,7 +270,11 @@ class Prefetcher:
         self._stop(prog)
         prog.kv.prefetch = None
         self.programs.count_kv(prog, num_prefetch_wasted=1)
-        self.tree.unpin(prefetch_owner(prog.key))
+        self._unpin(prog.key)
+
+    def _unpin(self, key: str) -> None:
+        self.tree.unpin(prefetch_owner(key))
+        self._held.pop(key, None)
 
     def _release_returned(self, waiting: list[Req]) -> None:
         still_waiting = {id(r.program) for r in waiting if r.program is not None}
@@ -268,7 +282,7 @@ class Prefetcher:
             if id(prog) not in still_waiting:
                 del self._returned[key]
                 if prog.kv.prefetch is None:
-                    self.tree.unpin(prefetch_owner(key))
+                    self._unpin(key)
 
     def clear(self) -> None:
         """Forget every prefetch (`/flush_cache`: the tree and the tiers are empty)."""
@@ -277,6 +291,7 @@ class Prefetcher:
         self._due.clear()
         self._moving.clear()
         self._returned.clear()
+        self._held.clear()
 
     # ---- client hints ----------------------------------------------------------------------------
     def hint(self, key: str, action_type: str, ttl_s: float | None,
@@ -292,7 +307,7 @@ class Prefetcher:
             if prog is not None:
                 self._stop(prog)
                 prog.kv.prefetch = None
-            self.tree.unpin(prefetch_owner(key))
+            self._unpin(key)
             return {"status": "accepted"}
         if prog is None or prog.kv.resume_ids is None:
             return {"status": "missing", "detail": "no finished request of this program is known"}

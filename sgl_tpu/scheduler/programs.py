@@ -108,6 +108,7 @@ class ProgramKV:
     paused_at: float | None = None  # when its last request ended (None: in flight, or new)
     pause_mean_s: float = 0.0  # its own pauses, a PROGRAM_PAUSE_EWMA mean
     num_pauses: int = 0
+    pause_prefetches: int = 0  # prefetches started by time in its current pause
     prefetch: Any = None  # its prefetch in flight or done (prefetch.Prefetch), or None
     counters: KVCounters = field(default_factory=KVCounters)
 

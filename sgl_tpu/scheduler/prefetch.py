@@ -51,7 +51,6 @@ DUE_FRACTION = 0.5  # a prefetch is first considered after this fraction of the 
 RECHECK_S = 0.5  # a due program whose prefix is resident, or that found no room, is checked again
 PIN_MIN_S = 5.0  # a prefetch's pin lasts at least this long
 PREFETCHES_PER_PAUSE = 2  # by time: a second one only after the first was evicted again
-HINT_ACTIONS = ("retain", "prefetch", "release")
 
 
 def prefetch_owner(key: str) -> str:
@@ -67,6 +66,7 @@ def retain_owner(key: str) -> str:
 @dataclass(eq=False)
 class Prefetch:
     load: PrefixLoad
+    start: int  # tokens of the prefix in the pool when it started
     limit: int  # tokens of the prefix it stops at (what the tiers held and the room allowed)
     pin_until: float  # on the tree's clock
     done: bool = False
@@ -86,7 +86,6 @@ class Prefetcher:
         self._moving: dict[str, Program] = {}  # programs whose prefetch moves, in start order
         self._returned: dict[str, Program] = {}  # came back: unpinned once admitted
         self._held: dict[str, int] = {}  # program key -> pages its prefetch pins (or will)
-        self.num_hints = 0
 
     # ---- the scheduler's hooks -------------------------------------------------------------
     def turn_ending(self, req: Req) -> None:
@@ -206,7 +205,8 @@ class Prefetcher:
         # pages the host tier no longer holds are read from disk first, off this thread
         load = PrefixLoad(key, kv.resume_namespace, self.kv.tiers.start_disk_load(key, match),
                           start)
-        kv.prefetch = Prefetch(load, start + min(below, room) * ps, self.tree.clock() + pin_s)
+        kv.prefetch = Prefetch(load, start, start + min(below, room) * ps,
+                               self.tree.clock() + pin_s)
         self._held[prog.key] = min(below, room)
         self._moving[prog.key] = prog
         self.programs.count_kv(prog, num_prefetches=1)
@@ -225,6 +225,8 @@ class Prefetcher:
         nothing while the pool has no room for it."""
         key, prog = next(iter(self._moving.items()))
         if self._room(waiting, key) <= 0:
+            if not busy:  # nothing will free room: it ends where it is
+                self._finish(prog)
             return
         prefetch = prog.kv.prefetch
         load = prefetch.load
@@ -248,9 +250,18 @@ class Prefetcher:
             node = self.tree.match_prefix(load.key[:after], load.namespace).last_node
             self.tree.pin(node, prefetch_owner(key), prefetch.pin_until)
         if not more and load.disk is None:
-            prefetch.done = True
-            prefetch.limit = min(prefetch.limit, after)
-            del self._moving[key]
+            self._finish(prog)
+
+    def _finish(self, prog: Program) -> None:
+        """`prog`'s prefetch is over: what it aims for is what it moved (nothing: wasted)."""
+        prefetch = prog.kv.prefetch
+        self._stop(prog)
+        prefetch.done = True
+        prefetch.limit = min(prefetch.limit, self._resident(prefetch.load))
+        if prefetch.limit <= prefetch.start:
+            self._waste(prog)
+        else:
+            self._held[prog.key] = (prefetch.limit - prefetch.start) // self.kv.page_size
 
     def _resident(self, load: PrefixLoad) -> int:
         return self.tree.peek_prefix(lambda: load.key, namespace=load.namespace).prefix_len
@@ -299,7 +310,6 @@ class Prefetcher:
         """Apply one hint action to program `key`: {"status", "detail"?}. Status: accepted,
         clipped (ttl cut to --max-retention-s), deferred (no room now), or missing (no such
         program, or nothing of it is cached)."""
-        self.num_hints += 1
         prog = self.programs.table.get(key)
         if action_type == "release":
             self.kv.retention.release_hint(key)

@@ -2,7 +2,9 @@
 paused program whose KV other traffic pushed out to the host tier is moved back before its next
 request, which then finds it in the pool; a prefetch whose program does not come back is counted
 wasted; `/kv_hints` (retain / prefetch / release) works and refuses bad hints with a 400; the
-counters appear per program in `/server_info` and `/metrics` under public ids only."""
+counters appear per program in `/server_info` and `/metrics` under public ids only; with
+`--disable-kv-prefetch` the request loads its prefix itself; pages the host tier dropped are
+prefetched from the disk tier."""
 
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ import requests
 
 POOL_TOKENS = 1024
 # no session-hint pins: a paused program's KV is evicted (demoted) like any other
-FLAGS = ("--skip-warmup", "--dtype", "float32", "--max-total-tokens", str(POOL_TOKENS),
-         "--max-running-requests", "4", "--enable-hierarchical-cache", "--hicache-ratio", "4",
-         "--session-retention-s", "0", "--tool-pause-grace-s", "0")
+TIERED = ("--skip-warmup", "--dtype", "float32", "--max-total-tokens", str(POOL_TOKENS),
+          "--max-running-requests", "4", "--session-retention-s", "0", "--tool-pause-grace-s",
+          "0", "--enable-hierarchical-cache")
+FLAGS = (*TIERED, "--hicache-ratio", "4")
 PAUSE_S = 2.5  # the programs' tool pause: a prefetch comes due after half of it, and a program
 # that has not come back after twice its longest pause is found idle (its prefetch wasted)
 PREFIX_TOKENS = 600
@@ -167,3 +170,23 @@ def test_with_prefetch_off_the_returning_request_loads_its_prefix(tiny_model_4k)
         assert out["meta_info"]["cached_tokens"] >= len(context) // 16 * 16 - 16
         assert kv["num_prefetches"] == 0 and kv["prefetched_tokens"] == 0
         assert kv["loaded_tokens"] >= PREFIX_TOKENS - 16  # loaded when the request came
+
+
+def test_a_prefix_the_host_tier_dropped_is_prefetched_from_disk(tiny_model_4k, tmp_path):
+    from server_harness import launch_server
+
+    # a host tier as small as the pool: the other traffic pushes the program's pages on to disk
+    flags = (*TIERED, "--hicache-ratio", "1", "--hicache-storage-backend", "file",
+             "--hicache-storage-dir", str(tmp_path))
+    with launch_server(*flags, model_path=tiny_model_4k) as server:
+        key = f"agent-{uuid.uuid4().hex}"
+        public_id, context = _new_program(server, key, _ids(PREFIX_TOKENS, 6))
+        _wait(lambda: server.info()["programs"]["recent"][public_id]["kv"]["prefetched_tokens"]
+              >= PREFIX_TOKENS - 16)
+        out = _generate(server, context + _ids(30, 9), key)
+        info = server.wait_idle()
+        kv = info["programs"]["recent"][public_id]["kv"]
+        assert out["meta_info"]["cached_tokens"] >= len(context) // 16 * 16 - 16
+        assert kv["num_prefetch_hits"] == 1 and kv["loaded_tokens"] == 0
+        assert info["tiers"]["disk"]["hit_tokens"] > 0  # (some) pages came from disk
+        assert info["integrity"] == "ok"

@@ -88,7 +88,7 @@ def test_a_paused_programs_kv_comes_back_before_its_next_request(server):
     assert after["reused_tokens"] - before["reused_tokens"] >= resumed - 16  # from the pool
     assert after["loaded_tokens"] == before["loaded_tokens"]  # nothing left to load
     assert after["num_prefetch_hits"] == before["num_prefetch_hits"] + 1
-    assert after["num_prefetch_late"] == 0 and after["num_prefetch_wasted"] == 0
+    assert after["num_prefetch_late"] == 0
     totals = server.info()["programs"]["kv"]
     assert totals["prefetched_tokens"] >= after["prefetched_tokens"]
     assert server.info()["integrity"] == "ok"

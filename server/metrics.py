@@ -55,6 +55,20 @@ PROGRAM_GAUGES = (
     ("resident_working_set_tokens", "program_working_set_tokens",
      "KV working sets of the admitted active and paused programs, in tokens"),
 )
+# (/server_info "programs" "kv" key, metric name after "sglang:program_", help); labelled
+# program="all" (every program, since start-up) and by the public id of each recent program
+PROGRAM_KV_GAUGES = (
+    ("reused_tokens", "reused_tokens", "Cached prompt tokens that were in the KV pool on arrival"),
+    ("loaded_tokens", "loaded_tokens", "Cached prompt tokens loaded from a KV cache tier"),
+    ("computed_tokens", "computed_tokens", "Prompt tokens prefilled"),
+    ("prefetched_tokens", "prefetched_tokens",
+     "Tokens moved from a KV cache tier into the pool ahead of a paused program's next request"),
+    ("num_prefetches", "prefetches", "Prefetches started"),
+    ("num_prefetch_hits", "prefetch_hits", "Prefetches done before the program came back"),
+    ("num_prefetch_late", "prefetch_late", "Prefetches still moving when the program came back"),
+    ("num_prefetch_wasted", "prefetch_wasted",
+     "Prefetches evicted again, or whose program did not come back within its pause window"),
+)
 E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
 
@@ -100,6 +114,10 @@ class Metrics:
         # programs (`/server_info` "programs", scheduler/programs.py)
         self.program_gauges = {
             key: gauge(name, doc) for key, name, doc in PROGRAM_GAUGES}
+        self.program_kv_gauges = {
+            key: Gauge(PREFIX + "program_" + name, doc, ["model_name", "program"],
+                       registry=self.registry)
+            for key, name, doc in PROGRAM_KV_GAUGES}
         self.tier_gauges = {
             key: Gauge(PREFIX + "hicache_" + name, doc, ["model_name", "tier"],
                        registry=self.registry)
@@ -144,6 +162,13 @@ class Metrics:
         for key, gauge in self.program_gauges.items():
             if key in programs:
                 gauge.set(programs[key])
+        by_program = {"all": programs.get("kv", {}), **{
+            public_id: p["kv"] for public_id, p in programs.get("recent", {}).items()}}
+        for key, gauge in self.program_kv_gauges.items():
+            gauge.clear()  # programs no longer recent leave
+            for label, counters in by_program.items():
+                if key in counters:
+                    gauge.labels(self._model_name, label).set(counters[key])
         for tier in ("host", "disk"):
             values = info.get("tiers", {}).get(tier)
             if values is not None:

@@ -1,7 +1,7 @@
 """SGLang's native API (see shared docs `sglang-native-api.md`): `/generate` (single or batch,
 text or ids, streaming, log-probs), `/health`, `/health_generate`, `/get_model_info`,
 `/model_info`, `/server_info` (`/get_server_info`), `/get_load`, `/flush_cache`,
-`/abort_request`, `/open_session`, `/close_session`.
+`/abort_request`, `/open_session`, `/close_session`, `/kv_hints`.
 
     body ──parse_body──► GenerateReqInput ──expand_generate──► GenItems (one per prompt x n)
         ──tm.validate──► tm.generate ──► one dict per item, or SSE chunks (one item)
@@ -12,12 +12,13 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
+from sgl_tpu.messages import KvHintAction
 from sgl_tpu.response import incremental_logprobs
 from sgl_tpu.sampling_params import expand_n
 from sgl_tpu.server.body_limits import BodyError, parse_json
@@ -30,7 +31,7 @@ from sgl_tpu.server.http_common import (
     sse,
 )
 from sgl_tpu.server.tokenizer_manager import GenItem, RequestError, ServerDead, TokenizerManager
-from sgl_tpu.validation import check_batch_size
+from sgl_tpu.validation import MAX_SESSION_ID_LEN, check_batch_size
 
 MAX_N = 64  # most samples per prompt (SamplingParams' bound)
 
@@ -98,6 +99,44 @@ class CloseSessionInput(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     session_id: str
+
+
+class KvHintPayload(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    # seconds the pin of a retain (default 5) or prefetch (default: the program's pause window)
+    # lasts; more than --max-retention-s is clipped
+    ttl_seconds: StrictInt | StrictFloat | None = Field(None, gt=0, allow_inf_nan=False)
+
+
+class KvHintActionInput(BaseModel):
+    """One action of a `kv_hints` envelope (SGLang #36224's `KvHintAction`)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    action_id: str = Field(min_length=1, max_length=256)
+    action_type: Literal["retain", "prefetch", "release"]
+    action_version: Literal["0.1"]
+    payload: KvHintPayload = KvHintPayload()
+
+
+class KvHintsEnvelope(BaseModel):
+    """SGLang #36224's `kv_hints` envelope; only protocol_version 0.1 is understood."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    protocol_version: Literal["0.1"]
+    message_id: str = Field(min_length=1, max_length=256)
+    actions: list[KvHintActionInput] = Field(min_length=1, max_length=16)
+
+
+class KvHintsInput(BaseModel):
+    """/kv_hints: hints about one program's KV (its session_id, or its program key)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    session_id: str = Field(min_length=1, max_length=MAX_SESSION_ID_LEN)
+    kv_hints: KvHintsEnvelope
 
 
 def _pick(value: Any, i: int) -> Any:
@@ -236,6 +275,18 @@ def add_routes(app: FastAPI, tm: TokenizerManager) -> None:
         req = await parse_body(request, CloseSessionInput)
         await tm.close_session(req.session_id)
         return Response(status_code=200)
+
+    @app.post("/kv_hints")
+    async def kv_hints(request: Request) -> Any:
+        """Retain, prefetch or release one program's KV (scheduler/prefetch.py): the outcome
+        of each action, accepted, clipped, deferred or missing (hints are advice)."""
+        req = await parse_body(request, KvHintsInput)
+        actions = [KvHintAction(action_id=a.action_id, action_type=a.action_type,
+                                ttl_s=None if a.payload.ttl_seconds is None
+                                else float(a.payload.ttl_seconds))
+                   for a in req.kv_hints.actions]
+        return {"message_id": req.kv_hints.message_id,
+                "results": await tm.kv_hints(req.session_id, actions)}
 
     async def lora_update(call) -> Response:
         """SGLang's `LoRAUpdateOutput`: {success, error_message, loaded_adapters (name ->

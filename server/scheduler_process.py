@@ -38,6 +38,7 @@ from sgl_tpu.messages import (
     CloseSessionReq,
     ControlReq,
     ControlResp,
+    KvHintsReq,
     LoadLoraReq,
     OpenSessionReq,
     ReadyMsg,
@@ -92,7 +93,8 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, parent_pid: int) ->
 
     consecutive_faults = 0
     while parent_alive(parent_pid):
-        if not scheduler.has_work and not inbox.poll(IDLE_POLL_MS):
+        if not scheduler.has_work and not inbox.poll(
+                int(1000 * scheduler.idle_wait_s(IDLE_POLL_MS / 1000))):
             continue
         outputs = [out for msg in recv_all(inbox, on_error=_log_bad_message)
                    if (out := _handle(scheduler, msg, to_tokenizer)) is not None]
@@ -132,6 +134,12 @@ def _handle(scheduler, msg, to_tokenizer) -> ReqOutput | None:
             scheduler.kv.retention.tool_pause(rid)
     elif isinstance(msg, OpenSessionReq | CloseSessionReq):
         send(to_tokenizer, _session_call(scheduler, msg))
+    elif isinstance(msg, KvHintsReq):
+        results = [{"action_id": action.action_id,
+                    **scheduler.prefetcher.hint(msg.session_id, action.action_type,
+                                                action.ttl_s, scheduler.waiting)}
+                   for action in msg.actions]
+        send(to_tokenizer, ControlResp(call_id=msg.call_id, ok=True, data={"results": results}))
     elif isinstance(msg, LoadLoraReq | UnloadLoraReq):
         send(to_tokenizer, _lora_call(scheduler, msg))
     elif isinstance(msg, ControlReq):

@@ -33,6 +33,8 @@ from sgl_tpu.messages import (
     CloseSessionReq,
     ControlReq,
     ControlResp,
+    KvHintAction,
+    KvHintsReq,
     LoadLoraReq,
     OpenSessionReq,
     ReadyMsg,
@@ -319,6 +321,13 @@ class TokenizerManager:
         """/close_session; RequestError (404) when it is not open."""
         self._raise_refusal(await self._call(
             lambda call_id: CloseSessionReq(call_id=call_id, session_id=session_id)))
+
+    async def kv_hints(self, session_id: str, actions: list[KvHintAction]) -> list[dict]:
+        """/kv_hints: each action's outcome (scheduler/prefetch.py `Prefetcher.hint`)."""
+        resp = await self._call(lambda call_id: KvHintsReq(
+            call_id=call_id, session_id=session_id, actions=actions))
+        self._raise_refusal(resp)
+        return resp.data["results"]
 
     # ---- LoRA adapters (docs/lora.md) -----------------------------------------------------
     def lora_id(self, name: str | None) -> int:

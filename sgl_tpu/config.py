@@ -249,6 +249,11 @@ class SchedulerSettings:
         help="seconds a program (an agent: the requests of one session_id, prompt_cache_key, "
              "X-SMG-Routing-Key or Anthropic metadata.user_id) is remembered after its last "
              "request")
+    disable_kv_prefetch: bool = setting(
+        False, see=("agents-at-scale.md", "kv-cache-tiers.md"),
+        help="with KV cache tiers: never move a paused program's KV back from the host or disk "
+             "tier ahead of its next request (by its expected pause); it loads when the request "
+             "comes, as without prefetch. /kv_hints prefetch actions still run")
     max_top_logprobs: int = setting(20, help="most top log-probs a request may ask for")
     # embeddings (scheduler/pooling.py)
     pooling: str = setting(

@@ -83,6 +83,23 @@ class ToolPauseReq(msgspec.Struct, tag=True):
     rids: list[str]
 
 
+class KvHintAction(msgspec.Struct):
+    """One action of a `kv_hints` envelope (SGLang RFC #27574's hint kinds, #36224's
+    envelope): retain, prefetch or release the KV of one program."""
+
+    action_id: str
+    action_type: str  # "retain" | "prefetch" | "release" (scheduler/prefetch.py)
+    ttl_s: float | None = None  # the payload's ttl_seconds
+
+
+class KvHintsReq(msgspec.Struct, tag=True):
+    """/kv_hints (a ControlResp: data {"results": [{"action_id", "status", "detail"?}]})."""
+
+    call_id: int
+    session_id: str  # the program's key
+    actions: list[KvHintAction]
+
+
 class ControlReq(msgspec.Struct, tag=True):
     """Request/reply calls to the scheduler: "flush_cache", "server_info", "health"."""
 
@@ -278,7 +295,7 @@ class TorchFollowerSpec(msgspec.Struct, tag=True):
 
 Message = (TokenizedGenerateReq | AbortReq | ControlReq | ControlResp | ReadyMsg
            | BatchTokenIdOut | BatchStrOut | OpenSessionReq | CloseSessionReq | ToolPauseReq
-           | LoadLoraReq | UnloadLoraReq)
+           | LoadLoraReq | UnloadLoraReq | KvHintsReq)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

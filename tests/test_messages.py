@@ -37,6 +37,9 @@ MESSAGES = [
     M.OpenSessionReq(call_id=9),
     M.CloseSessionReq(call_id=10, session_id="agent-7"),
     M.ToolPauseReq(rids=["r1", "r2"]),
+    M.KvHintsReq(call_id=13, session_id="agent-7", actions=[
+        M.KvHintAction(action_id="a1", action_type="prefetch", ttl_s=30.0),
+        M.KvHintAction(action_id="a2", action_type="release")]),
     M.ControlReq(call_id=7, name="server_info"),
     M.ControlResp(call_id=7, ok=True, data={"memory": {"num_pages_free": 3}}),
     M.ReadyMsg(process="scheduler", ok=False, error="boom", info={"pid": 1}),

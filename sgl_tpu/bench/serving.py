@@ -8,6 +8,8 @@ reported as ratios (the machine is shared; absolute numbers drift).
         [--prompt-tokens 128] [--output-tokens 64] [--client-procs 1] [--engine]
         [--server-flags "--torch-threads 1"] [--output FILE]
     python -m sgl_tpu.bench.serving --compare restart [--prefix-tokens 4096] [--output FILE]
+    python -m sgl_tpu.bench.serving --compare resume [--prefix-tokens 6000] [--rounds 2]
+        [--pause-s 8] [--server-flags "--max-total-tokens 8192"] [--output FILE]
     python -m sgl_tpu.bench.serving --compare speculation [--concurrency 1 8] [--rounds 3]
         [--prompt-tokens 128] [--output-tokens 256] [--server-flags "..."] [--output FILE]
     python -m sgl_tpu.bench.serving --compare gap [--concurrency 1 8 32] [--rounds 3]
@@ -42,6 +44,16 @@ Summary per concurrency: the ITL of each side and first/second per round.
 (`cold`: nothing cached); it is stopped and a new server on the same folder gets the same
 prompt (`warm_restart`: its prefix read from disk). Each server first runs another short prompt,
 so neither measurement includes compilation. Ratio: TTFT cold / warm_restart.
+
+`--compare resume`: an agent's resumed call whose prefix (`--prefix-tokens`) was pushed out to
+the host tier during its tool pause (`--enable-hierarchical-cache --hicache-ratio 4`, no
+session-hint pins), on a server with prefetch (`prefetch`) and one without
+(`--disable-kv-prefetch`, `reactive`), one after the other. On each, per round: a program makes
+two turns `--pause-s` apart (its expected pause), then other traffic evicts its KV; a pause
+later its third turn is timed (`demoted`, TTFT of a streamed
+/generate; the pause counts from the second turn's end, the other traffic included). A second
+program does the same without the other traffic (`resident`). Ratios per
+server: TTFT demoted / resident (median of rounds), and `prefetch`'s demoted over `reactive`'s.
 
 `--compare gap`: the server against its own executor. `server` is a server of the given flags
 (HTTP streams through the tokenizer and detokenizer processes); `engine` is an in-process
@@ -209,6 +221,82 @@ def compare_restart(args: argparse.Namespace, base: list[str], vocab: int) -> di
                                              / runs["warm_restart"]["ttft_p50_s"], 3)}}
 
 
+def compare_resume(args: argparse.Namespace, base: list[str], vocab: int) -> dict:
+    """TTFT of a resumed agent call whose prefix was demoted during its pause, with prefetch
+    on and off, against the same call with its prefix resident."""
+    import random
+    import urllib.request
+
+    logs = Path(tempfile.mkdtemp(prefix="sgl_tpu_bench_resume_"))
+    flags = base + ["--enable-hierarchical-cache", "--hicache-ratio", "4",
+                    "--session-retention-s", "0", "--tool-pause-grace-s", "0"]
+    rng = random.Random(0)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(100, vocab - 100) for _ in range(n)]
+
+    def post(url: str, path: str, body: dict | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(url + path, data=data,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as resp:
+            return json.loads(resp.read())
+
+    def turn(url: str, key: str | None, prompt: list[int]) -> tuple[list[int], float]:
+        """One streamed call: the context its next turn resends, and its TTFT."""
+        body = {"input_ids": prompt, "stream": True, "session_id": key,
+                "sampling_params": {"max_new_tokens": args.output_tokens, "temperature": 0,
+                                    "ignore_eos": True}}
+        req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        t0, ttft, out = time.perf_counter(), None, []
+        with urllib.request.urlopen(req, timeout=600) as resp:
+            for line in resp:
+                if line.startswith(b"data: {"):
+                    ttft = ttft or time.perf_counter() - t0
+                    out = json.loads(line[6:])["output_ids"]
+        return prompt + out, ttft
+
+    runs: dict[str, dict] = {}
+    for name, extra in (("prefetch", []), ("reactive", ["--disable-kv-prefetch"])):
+        server = Server(flags + extra, str(logs / f"{name}.log"))
+        try:
+            server.wait_ready()
+            turn(server.url, None, ids(64))
+            rounds = []
+            for rnd in range(args.rounds):
+                row = {}
+                for case in ("resident", "demoted"):
+                    key = f"{name}-{case}-{rnd}"
+                    context, _ = turn(server.url, key, ids(args.prefix_tokens))
+                    time.sleep(args.pause_s)
+                    context, _ = turn(server.url, key, context + ids(64))
+                    paused_at = time.monotonic()
+                    if case == "demoted":
+                        free = post(server.url, "/server_info")["memory"]["max_total_tokens"]
+                        for _ in range(2):  # other agents' calls fill the pool
+                            turn(server.url, None, ids(max(free - args.prefix_tokens, 512)))
+                    time.sleep(max(0.0, paused_at + args.pause_s - time.monotonic()))
+                    _, row[f"ttft_{case}_s"] = turn(server.url, key, context + ids(64))
+                row["demoted_over_resident"] = round(row["ttft_demoted_s"]
+                                                     / row["ttft_resident_s"], 3)
+                rounds.append(row)
+                print(json.dumps({name: row}), flush=True)
+            info = post(server.url, "/server_info")
+            runs[name] = {"rounds": rounds, "programs_kv": info["programs"]["kv"],
+                          "host_tier": info["tiers"]["host"],
+                          "demoted_over_resident_median": statistics.median(
+                              r["demoted_over_resident"] for r in rounds)}
+        finally:
+            server.stop()
+    demoted = {name: statistics.median(r["ttft_demoted_s"] for r in run["rounds"])
+               for name, run in runs.items()}
+    return {"runs": runs, "ratios": {
+        "prefetch_demoted_over_resident": runs["prefetch"]["demoted_over_resident_median"],
+        "reactive_demoted_over_resident": runs["reactive"]["demoted_over_resident_median"],
+        "prefetch_over_reactive_demoted": round(demoted["prefetch"] / demoted["reactive"], 3)}}
+
+
 def _wait_disk_written(url: str, timeout: float = 120.0) -> None:
     """Until the server's disk tier has written every queued page."""
     import urllib.request
@@ -358,6 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--clients", type=int, default=16)
     cache.add_argument("--requests-per-client", type=int, default=2)
     cache.add_argument("--prefix-tokens", type=int, default=1000)
+    cache.add_argument("--pause-s", type=float, default=8.0,
+                       help="--compare resume: the agent's tool pause (the other traffic runs "
+                            "in its first half)")
     cache.add_argument("--question-tokens", type=int, default=50)
     cache.add_argument("--workloads", default="shared,random")
     overlap = p.add_argument_group("--compare overlap, speculation, gap and kv-cache-dtype")
@@ -385,6 +476,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 COMPARES = {"cache": compare_cache, "overlap": compare_overlap, "restart": compare_restart,
+            "resume": compare_resume,
             "gap": compare_gap, "speculation": compare_speculation,
             "kv-cache-dtype": compare_kv_cache_dtype}
 

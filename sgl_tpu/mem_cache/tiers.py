@@ -297,6 +297,20 @@ class TieredCache(TreeListener):
             return row, "disk"
         return row, "host"
 
+    def pages_below(self, key: np.ndarray, start: int) -> int:
+        """How many pages of `key` from token `start` (page-aligned) on the host tier holds,
+        or the disk tier may hold, in a row (a prefetch's size; nothing is read)."""
+        ps = self.page_size
+        hashes = chain_hashes(ROOT_HASH, np.asarray(key[: len(key) // ps * ps], np.int32), ps)
+        count = 0
+        for h in hashes[start // ps:]:
+            keys = self._keys(h.tobytes())
+            if not any(k in self.host or (self.disk is not None and self.disk.may_hold(k))
+                       for k in keys):
+                break
+            count += 1
+        return count
+
     # ---- loads from disk off the scheduler thread (disk_loads.py) ----------------------------
     def start_disk_load(self, key: np.ndarray, match: MatchResult) -> DiskLoad | None:
         """Start reading into the host tier, on the disk tier's thread, the pages of `key`

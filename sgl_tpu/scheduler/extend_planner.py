@@ -142,6 +142,8 @@ class ExtendPlanner:
                 req.cached_tokens = req.kv_len
                 self.stats.prompt_tokens += req.prompt_len
                 self.stats.cached_tokens += req.kv_len
+                if self.programs is not None:
+                    self.programs.count_cached(req)
             batch.append((req, n))
             in_batch.add(req)
             budget -= n

@@ -53,13 +53,14 @@ IDLE_LOAD_WAIT_S = 0.005  # with nothing else to run, wait this long for a disk 
 
 @dataclass(eq=False)
 class PrefixLoad:
-    """A waiting request's prefix on its way from disk: read into the host tier (`disk`, on
-    the tier's thread), then moved into the pool (`disk` None), a step's part at a time. Pages
-    the host tier dropped meanwhile (the pool's evictions demote others into it) are read from
-    disk again, as long as each read moves the pool's match on (`start`: its match at the last
-    read)."""
+    """A prefix on its way from a lower tier (a waiting request's, or a paused program's
+    prefetch: prefetch.py): read from disk into the host tier (`disk`, on the tier's thread),
+    then moved into the pool (`disk` None), a step's part at a time. Pages the host tier
+    dropped meanwhile (the pool's evictions demote others into it) are read from disk again, as
+    long as each read moves the pool's match on (`start`: its match at the last read)."""
 
-    req: Req
+    key: np.ndarray  # [num_tokens] int32: the prefix's tokens
+    namespace: str | None
     disk: DiskLoad | None
     start: int
 
@@ -188,7 +189,7 @@ class KVManager:
             match = self.tiers.load(key, match, from_disk=False)
         load = self.tiers.start_disk_load(key, match)
         if load is not None:
-            self._loads[id(req)] = PrefixLoad(req, load, match.prefix_len)
+            self._loads[id(req)] = PrefixLoad(key, req.cache_namespace, load, match.prefix_len)
 
     def loading(self, req: Req) -> bool:
         """Whether `req`'s prefix is still loading from disk (not admissible yet)."""
@@ -219,22 +220,25 @@ class KVManager:
                 del self._loads[key]  # nothing to keep smooth: admission loads the rest
             elif not moved:
                 moved = True
-                if not self._load_step(load):
+                if not self.load_step(load):
                     del self._loads[key]
 
-    def _load_step(self, load: PrefixLoad) -> bool:
+    def has_loads(self) -> bool:
+        """Whether a waiting request's prefix is loading (it goes before any prefetch)."""
+        return bool(self._loads)
+
+    def load_step(self, load: PrefixLoad) -> bool:
         """Move a step's part of `load`'s prefix from the host tier into the pool, or start
         reading again what the host tier dropped; False when nothing more can move (admission's
         `load` takes whatever is left). The pages moved are cached like any prefix: if evicted
         before admission, admission loads them again."""
-        key = np.asarray(load.req.fill_ids[: load.req.max_prefix_len], dtype=np.int32)
         match, more = self.tiers.load_step(
-            key, self.tree.match_prefix(key, load.req.cache_namespace))
+            load.key, self.tree.match_prefix(load.key, load.namespace))
         if more:
             return True
         if match.prefix_len <= load.start:
             return False
-        load.disk = self.tiers.start_disk_load(key, match)
+        load.disk = self.tiers.start_disk_load(load.key, match)
         load.start = match.prefix_len
         return load.disk is not None
 

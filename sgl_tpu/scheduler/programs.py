@@ -15,7 +15,9 @@ requests' contexts (prompt + max_new_tokens, or for a request whose max_new_toke
 defaulted to the rest of the context, prompt + the longest output its program, else the mean
 output the server, has seen); its state. Paused for longer than its pause window (twice its
 longest tool pause, else twice the mean pause, at least MIN_PAUSE_S) it is found idle, and
-after a tool pause reported to `on_done` (retention.py releases its session-hint pins).
+after a tool pause reported to `on_done` (retention.py releases its session-hint pins). Per
+program also where its prompt tokens came from and what prefetching did (`KVCounters`, kept by
+prefetch.py in `Program.kv`).
 
 Who is walked, so no call costs the size of the table:
 
@@ -74,6 +76,7 @@ TURN_QUANTILE = 0.9  # of the done programs' request counts: a paused program pa
 HOLD_BOUND_MIN_S = 10.0  # a held program goes after at most max(this, the mean turn time)
 SHARE_AGING_S = 10.0  # a waiting request's share level drops by one per this many seconds
 PUBLIC_ID_HEX = 16  # hex digits of a program's public id (64 bits of the HMAC)
+PROGRAM_PAUSE_EWMA = 0.3  # weight of a program's newest pause in its own mean (prefetch.py)
 
 
 class PublicIds:
@@ -87,6 +90,35 @@ class PublicIds:
     def __call__(self, key: str) -> str:
         digest = hmac.new(self._secret, key.encode("utf-8", "surrogatepass"), hashlib.sha256)
         return digest.hexdigest()[:PUBLIC_ID_HEX]
+
+
+@dataclass
+class KVCounters:
+    """Where a program's prompt tokens came from, and what prefetching did for it (per program
+    and summed over all; scheduler/prefetch.py)."""
+
+    reused_tokens: int = 0  # cached prompt tokens that were in the pool when the request came
+    loaded_tokens: int = 0  # cached prompt tokens loaded from the host or disk tier
+    computed_tokens: int = 0  # prompt tokens prefilled
+    prefetched_tokens: int = 0  # tokens a prefetch moved from a tier into the pool
+    num_prefetches: int = 0  # prefetches started (by the expected pause, or a hint)
+    num_prefetch_hits: int = 0  # done before the program came back, and still in the pool
+    num_prefetch_late: int = 0  # the program came back while its prefetch was still moving
+    num_prefetch_wasted: int = 0  # evicted again, or the program never came back in time
+
+
+@dataclass(eq=False)
+class ProgramKV:
+    """What the prefetcher (scheduler/prefetch.py) keeps per program."""
+
+    resume_ids: list[int] | None = None  # its last request's cached tokens: what it resends
+    resume_namespace: str | None = None
+    paused_at: float | None = None  # when its last request ended (None: in flight, or new)
+    pause_mean_s: float = 0.0  # its own pauses, a PROGRAM_PAUSE_EWMA mean
+    num_pauses: int = 0
+    pause_prefetches: int = 0  # prefetches started by time in its current pause
+    prefetch: Any = None  # its prefetch in flight or done (prefetch.Prefetch), or None
+    counters: KVCounters = field(default_factory=KVCounters)
 
 
 @dataclass(eq=False)
@@ -113,6 +145,7 @@ class Program:
     max_pause_s: float = 0.0  # longest gap between one request's end and the next's arrival
     done_recorded: bool = False  # found idle, it fed `expected_tokens`/`return_rate`
     done_reported: bool = False  # found done and reported to `Programs.on_done`
+    kv: ProgramKV = field(default_factory=ProgramKV)  # the prefetcher's (prefetch.py)
 
     @property
     def attained_tokens(self) -> int:
@@ -144,6 +177,7 @@ class Programs:
         self.num_held = 0  # programs ever held
         self.held_s = 0.0  # seconds held, summed over programs no longer held
         self.num_visits = 0  # programs looked at by sweeps (what admission costs)
+        self.kv_totals = KVCounters()  # every program's, since start-up
         self._next_expire = 0.0
         # called with the key of each program found done after a tool pause, at most once
         # per program until it comes back
@@ -207,9 +241,29 @@ class Programs:
             return
         if num_computed > 0 and req.kv_len < req.prompt_len:
             prog.prefill_tokens += min(num_computed, req.prompt_len - req.kv_len)
+            self.count_kv(prog, computed_tokens=min(num_computed, req.prompt_len - req.kv_len))
         if not prog.admitted:
             prog.admitted = True
             self._end_hold(prog, self.clock())
+
+    def count_kv(self, prog: Program, **deltas: int) -> None:
+        """Add `deltas` (KVCounters fields) to `prog`'s counters and the totals."""
+        for name, delta in deltas.items():
+            setattr(prog.kv.counters, name, getattr(prog.kv.counters, name) + delta)
+            setattr(self.kv_totals, name, getattr(self.kv_totals, name) + delta)
+
+    def count_cached(self, req: Req) -> None:
+        """`req` was admitted with `req.cached_tokens` from the cache: those that were in the
+        pool at its arrival (`req.pool_hit_tokens`) count as reused, the rest as loaded."""
+        if req.program is not None:
+            reused = min(req.pool_hit_tokens, req.cached_tokens)
+            self.count_kv(req.program, reused_tokens=reused,
+                          loaded_tokens=req.cached_tokens - reused)
+
+    def expected_pause_s(self, prog: Program) -> float:
+        """How long `prog` is expected to pause: the mean of its own pauses, else the mean of
+        every program's (0: no pause seen yet)."""
+        return prog.kv.pause_mean_s if prog.kv.num_pauses else self.mean_pause_s
 
     def finish(self, req: Req) -> None:
         """`req` left the server (finished, aborted or failed); idempotent."""
@@ -426,6 +480,7 @@ class Programs:
             "num_programs_held": self.num_held,
             "program_held_s": self.held_s + held_now_s,  # never decreases
             "ttl_s": self.ttl_s,
+            "kv": vars(self.kv_totals).copy(),  # every program's KVCounters, summed
             # the most recently seen programs, newest first, by public id
             "recent": {p.public_id: self._describe(p, now) for p in recent},
         }
@@ -440,7 +495,7 @@ class Programs:
         return {"state": self.state(prog, now), "num_requests": prog.num_requests,
                 "prefill_tokens": prog.prefill_tokens, "decode_tokens": prog.decode_tokens,
                 "server_s": prog.server_s + busy, "working_set_tokens": prog.working_set_tokens,
-                "admitted": prog.admitted}
+                "admitted": prog.admitted, "kv": vars(prog.kv.counters).copy()}
 
 
 def program_ranks(waiting: list[Req], now: float | None = None) -> dict[int, tuple[int, int]]:

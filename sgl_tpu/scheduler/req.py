@@ -69,6 +69,7 @@ class Req:
     row: int = 0  # penalty-count row / running slot (1..max_running); 0 = none
     counts_fresh: bool = False  # row newly assigned: the runner clears its counts first
     cached_tokens: int = 0  # prompt tokens served from the radix cache (reported)
+    pool_hit_tokens: int = 0  # of its prompt, tokens in the pool at arrival (of a program)
     num_retractions: int = 0
     # The waiting-queue policy's last look at this request's cached prefix, with the key it
     # was for: (num_retractions, max_prefix_len, peek). Only valid while the request waits.

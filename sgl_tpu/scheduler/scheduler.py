@@ -32,6 +32,7 @@ it the same way. This class only schedules; the rest of a step's host work lives
     extend_planner.py  the next EXTEND batch: chunks, jump-forward re-admissions, admissions
     policy.py          waiting-queue order; in-batch prefix sharing
     programs.py        the agents behind requests: service, states, admission control
+    prefetch.py        a paused program's KV back from the tiers before its next request
     priority.py        priority scheduling: admission by priority with aging, preemption
     decode_memory.py   a page for each running request's next token; retraction; draft pages
     append.py          appending sampled tokens: stop conditions, grammar, jump-forward
@@ -75,6 +76,7 @@ from sgl_tpu.scheduler.lora_registry import LoraRegistry
 from sgl_tpu.scheduler.output import error_output, make_output
 from sgl_tpu.scheduler.overlap import PendingDecode, can_overlap, lagged_rows, overlappable
 from sgl_tpu.scheduler.pooling import collect_pooled, pooled
+from sgl_tpu.scheduler.prefetch import Prefetcher
 from sgl_tpu.scheduler.priority import Priorities
 from sgl_tpu.scheduler.programs import Programs
 from sgl_tpu.scheduler.queues import ReqQueues
@@ -125,7 +127,10 @@ class Scheduler:
         tiers = self.kv.tiers  # admission counts the pool and the host tier, in tokens
         host_tokens = 0 if tiers is None else tiers.host.capacity * self.kv.page_size
         self.programs = Programs.for_scheduler(config, self.kv.capacity_tokens + host_tokens)
-        self.programs.on_done = self.kv.retention.release_hint
+        self.prefetcher = Prefetcher(self.kv, self.programs,
+                                     enabled=not config.disable_kv_prefetch,
+                                     max_retention_s=config.max_retention_s)
+        self.programs.on_done = self._program_done
         if self.sessions is not None:  # one public id per key in /server_info
             self.sessions.public_id = self.programs.public_id
         self.extend_planner = ExtendPlanner(config, self.kv, self.queues, self.stats,
@@ -158,10 +163,16 @@ class Scheduler:
         if isinstance(req, ReqOutput):
             return req
         self.programs.arrive(req, msg.session_id or msg.program_id, msg.max_new_tokens_defaulted)
+        self.prefetcher.arrived(req)
         self.kv.load_ahead(req)
         self.kv.retain_prefix(req)
         self.waiting.append(req)
         return None
+
+    def _program_done(self, key: str) -> None:
+        """The program table found program `key` done (after a tool pause)."""
+        self.kv.retention.release_hint(key)
+        self.prefetcher.done(key)
 
     def abort(self, rid: str) -> None:
         self._aborts.add(rid)
@@ -178,7 +189,12 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._aborts) or self._pending is not None or not self.queues.is_empty()
+        return (bool(self._aborts) or self._pending is not None or not self.queues.is_empty()
+                or self.prefetcher.has_work())
+
+    def idle_wait_s(self, longest_s: float) -> float:
+        """How long the idle loop may wait for a message (a prefetch may come due sooner)."""
+        return self.prefetcher.idle_wait_s(longest_s)
 
     # ---- the loop --------------------------------------------------------------------------
     def step(self) -> list[ReqOutput]:
@@ -190,6 +206,10 @@ class Scheduler:
         if self._pending is not None and not self._can_overlap():
             outputs += self._drain()  # the serial way from here
         outputs += self._process_aborts() + self._poll_grammars()
+        chunked = self.queues.chunked_req  # its next chunks' pages are no prefetch's room
+        self.prefetcher.step([*self.waiting, *([chunked] if chunked is not None else [])],
+                             busy=bool(self.running) or self._pending is not None
+                             or chunked is not None)
         if self._pending is not None:
             # Overlap: step t+1 goes to the device first, then the host processes step t.
             in_flight = self._pending
@@ -402,6 +422,8 @@ class Scheduler:
 
     def _finish(self, req: Req, new_ids: list[int], logprobs=(None, None)) -> ReqOutput:
         # A turn of an agent session that ended normally: its next turn will resend it.
+        if req.finish_reason["type"] != "abort":
+            self.prefetcher.turn_ending(req)
         self.kv.release_req(req, retain=req.finish_reason["type"] != "abort")
         self.queues.free_row(req)
         self.programs.finish(req)
@@ -432,6 +454,7 @@ class Scheduler:
         if not self.queues.is_empty():
             return False
         self.kv.flush()
+        self.prefetcher.clear()
         self.programs.clear()  # their KV is gone: a program that comes back starts over
         return True
 

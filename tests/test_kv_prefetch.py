@@ -1,0 +1,192 @@
+"""Prefetch through a real server (scheduler/prefetch.py): a small pool over a host tier, a
+paused program whose KV other traffic pushed out to the host tier is moved back before its next
+request, which then finds it in the pool; a prefetch whose program does not come back is counted
+wasted; `/kv_hints` (retain / prefetch / release) works and refuses bad hints with a 400; the
+counters appear per program in `/server_info` and `/metrics` under public ids only; with
+`--disable-kv-prefetch` the request loads its prefix itself; pages the host tier dropped are
+prefetched from the disk tier."""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+
+import pytest
+import requests
+
+POOL_TOKENS = 1024
+# no session-hint pins: a paused program's KV is evicted (demoted) like any other
+TIERED = ("--skip-warmup", "--dtype", "float32", "--max-total-tokens", str(POOL_TOKENS),
+          "--max-running-requests", "4", "--session-retention-s", "0", "--tool-pause-grace-s",
+          "0", "--enable-hierarchical-cache")
+FLAGS = (*TIERED, "--hicache-ratio", "4")
+PAUSE_S = 2.5  # the programs' tool pause: a prefetch comes due after half of it, and a program
+# that has not come back after twice its longest pause is found idle (its prefetch wasted)
+PREFIX_TOKENS = 600
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_4k):
+    from server_harness import launch_server
+
+    handle = launch_server(*FLAGS, model_path=tiny_model_4k)
+    yield handle
+    handle.stop()
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 390) for _ in range(n)]
+
+
+def _generate(server, ids: list[int], key: str | None = None) -> dict:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    if key is not None:
+        body["session_id"] = key
+    return server.post_ok("/generate", body)
+
+
+def _turn(server, key: str, ids: list[int]) -> list[int]:
+    """One turn of program `key`: the ids its next turn resends (prompt + output)."""
+    out = _generate(server, ids, key)
+    return ids + out["output_ids"]
+
+
+def _new_program(server, key: str, ids: list[int]) -> tuple[str, list[int]]:
+    """Two turns of `key` with a PAUSE_S pause between them (its expected pause), then pushed
+    out of the pool by other traffic; returns its public id and its context."""
+    before = set(server.info()["programs"]["recent"])
+    context = _turn(server, key, ids)
+    (public_id,) = set(server.info()["programs"]["recent"]) - before
+    time.sleep(PAUSE_S)
+    context = _turn(server, key, context + _ids(40, hash(key) & 0xFFFF))
+    for i in range(2):  # other traffic: each prompt nearly fills the pool
+        _generate(server, _ids(POOL_TOKENS - 160, 1000 + i + (hash(key) & 0xFF)))
+    return public_id, context
+
+
+def _wait(predicate, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_a_paused_programs_kv_comes_back_before_its_next_request(server):
+    key = f"agent-{uuid.uuid4().hex}"
+    public_id, context = _new_program(server, key, _ids(PREFIX_TOKENS, 1))
+    info = server.info()
+    assert info["memory"]["evicted_tokens"] >= PREFIX_TOKENS // 2  # it left the pool
+    _wait(lambda: server.info()["programs"]["recent"][public_id]["kv"]["prefetched_tokens"]
+          >= PREFIX_TOKENS - 16)
+    before = server.info()["programs"]["recent"][public_id]["kv"]
+    out = _generate(server, context + _ids(30, 7), key)
+    after = server.wait_idle()["programs"]["recent"][public_id]["kv"]
+    resumed = len(context) // 16 * 16
+    assert out["meta_info"]["cached_tokens"] >= resumed - 16
+    assert after["reused_tokens"] - before["reused_tokens"] >= resumed - 16  # from the pool
+    assert after["loaded_tokens"] == before["loaded_tokens"]  # nothing left to load
+    assert after["num_prefetch_hits"] == before["num_prefetch_hits"] + 1
+    assert after["num_prefetch_late"] == 0
+    totals = server.info()["programs"]["kv"]
+    assert totals["prefetched_tokens"] >= after["prefetched_tokens"]
+    assert server.info()["integrity"] == "ok"
+
+
+def test_a_prefetch_whose_program_does_not_come_back_is_wasted(server):
+    key = f"agent-{uuid.uuid4().hex}"
+    public_id, _ = _new_program(server, key, _ids(PREFIX_TOKENS, 2))
+    _wait(lambda: server.info()["programs"]["recent"][public_id]["kv"]["num_prefetches"] >= 1)
+    # its pause window (twice its longest pause) ends without its next request
+    _wait(lambda: server.info()["programs"]["recent"][public_id]["kv"]
+          ["num_prefetch_wasted"] == 1)
+    totals = server.info()["programs"]["kv"]
+    assert totals["num_prefetch_wasted"] >= 1
+
+
+def _hints(server, key, *actions, version="0.1") -> requests.Response:
+    body = {"session_id": key, "kv_hints": {
+        "protocol_version": version, "message_id": uuid.uuid4().hex,
+        "actions": [{"action_id": f"a{i}", "action_version": "0.1", **a}
+                    for i, a in enumerate(actions)]}}
+    return requests.post(server.base_url + "/kv_hints", json=body, timeout=60)
+
+
+def test_hints_retain_prefetch_release_and_bad_hints_are_a_400(server):
+    key = f"agent-{uuid.uuid4().hex}"
+    before = set(server.info()["programs"]["recent"])
+    context = _turn(server, key, _ids(PREFIX_TOKENS, 3))
+    (public_id,) = set(server.info()["programs"]["recent"]) - before
+    r = _hints(server, key, {"action_type": "retain", "payload": {"ttl_seconds": 1e6}})
+    assert r.status_code == 200, r.text
+    assert r.json()["results"] == [{"action_id": "a0", "status": "clipped"}]
+    r = _hints(server, key, {"action_type": "release"})
+    assert r.json()["results"][0]["status"] == "accepted"
+    for i in range(2):
+        _generate(server, _ids(POOL_TOKENS - 160, 2000 + i))
+    r = _hints(server, key, {"action_type": "prefetch", "payload": {"ttl_seconds": 30}})
+    assert r.status_code == 200 and r.json()["results"][0]["status"] == "accepted", r.text
+    _wait(lambda: server.info()["programs"]["recent"][public_id]["kv"]["prefetched_tokens"]
+          >= PREFIX_TOKENS - 16)
+    out = _generate(server, context + _ids(20, 9), key)
+    assert out["meta_info"]["cached_tokens"] >= len(context) // 16 * 16 - 16
+    assert server.wait_idle()["programs"]["recent"][public_id]["kv"]["num_prefetch_hits"] == 1
+    unknown = _hints(server, f"nobody-{uuid.uuid4().hex}", {"action_type": "prefetch"})
+    assert unknown.status_code == 200 and unknown.json()["results"][0]["status"] == "missing"
+    for bad, named in (
+            (_hints(server, key, {"action_type": "pin"}), "action_type"),
+            (_hints(server, key, {"action_type": "retain"}, version="2"), "protocol_version"),
+            (_hints(server, key, {"action_type": "retain", "payload": {"ttl_seconds": -1}}),
+             "ttl_seconds"),
+            (_hints(server, "", {"action_type": "release"}), "session_id"),
+            (requests.post(server.base_url + "/kv_hints", json={"session_id": key},
+                           timeout=60), "kv_hints")):
+        assert bad.status_code == 400, bad.text
+        assert named in bad.json()["error"]["message"], bad.text
+
+
+def test_no_client_key_appears_in_server_info_or_metrics(server):
+    key = f"secret-{uuid.uuid4().hex}"
+    _turn(server, key, _ids(64, 4))
+    info = requests.get(server.base_url + "/server_info", timeout=60).text
+    metrics = requests.get(server.base_url + "/metrics", timeout=60).text
+    assert key not in info and key not in metrics
+    public_ids = server.info()["programs"]["recent"]
+    assert any(f'program="{pid}"' in metrics for pid in public_ids)
+    assert 'sglang:program_prefetched_tokens{model_name=' in metrics
+    assert 'program="all"' in metrics
+
+
+def test_with_prefetch_off_the_returning_request_loads_its_prefix(tiny_model_4k):
+    from server_harness import launch_server
+
+    with launch_server(*FLAGS, "--disable-kv-prefetch", model_path=tiny_model_4k) as server:
+        key = f"agent-{uuid.uuid4().hex}"
+        public_id, context = _new_program(server, key, _ids(PREFIX_TOKENS, 5))
+        time.sleep(PAUSE_S)  # past the point where a prefetch would have come due
+        out = _generate(server, context + _ids(30, 8), key)
+        kv = server.wait_idle()["programs"]["recent"][public_id]["kv"]
+        assert out["meta_info"]["cached_tokens"] >= len(context) // 16 * 16 - 16
+        assert kv["num_prefetches"] == 0 and kv["prefetched_tokens"] == 0
+        assert kv["loaded_tokens"] >= PREFIX_TOKENS - 16  # loaded when the request came
+
+
+def test_a_prefix_the_host_tier_dropped_is_prefetched_from_disk(tiny_model_4k, tmp_path):
+    from server_harness import launch_server
+
+    # a host tier as small as the pool: the other traffic pushes the program's pages on to disk
+    flags = (*TIERED, "--hicache-ratio", "1", "--hicache-storage-backend", "file",
+             "--hicache-storage-dir", str(tmp_path))
+    with launch_server(*flags, model_path=tiny_model_4k) as server:
+        key = f"agent-{uuid.uuid4().hex}"
+        public_id, context = _new_program(server, key, _ids(PREFIX_TOKENS, 6))
+        _wait(lambda: server.info()["programs"]["recent"][public_id]["kv"]["prefetched_tokens"]
+              >= PREFIX_TOKENS - 16)
+        out = _generate(server, context + _ids(30, 9), key)
+        info = server.wait_idle()
+        kv = info["programs"]["recent"][public_id]["kv"]
+        assert out["meta_info"]["cached_tokens"] >= len(context) // 16 * 16 - 16
+        assert kv["num_prefetch_hits"] == 1 and kv["loaded_tokens"] == 0
+        assert info["tiers"]["disk"]["hit_tokens"] > 0  # (some) pages came from disk
+        assert info["integrity"] == "ok"

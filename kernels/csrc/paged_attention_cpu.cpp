@@ -85,6 +85,8 @@ constexpr int kMaxRows = 128;     // query rows per item
 constexpr int64_t kChunk = 256;
 constexpr int kScoreStride = kChunk + kLanes;  // a decode row's scores, whole vectors
 constexpr int kNoWindow = 1 << 30;
+constexpr int kTileRows = 3;  // row vectors per register tile
+constexpr int kTileCols = 4;  // keys (scores) or output dims (P @ V) per register tile
 
 typedef float vf __attribute__((vector_size(4 * kLanes)));
 typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
@@ -313,6 +315,11 @@ struct Scratch {
   uint32_t* pb;     // [kTile/2][L]  (P[2t][r], P[2t+1][r])
   uint32_t* vpair;  // [kTile/2][d]  (V[2t][c], V[2t+1][c])
   int32_t qpos[kMaxRows];  // position of each row's query; -1 for padding rows
+  // int8 pools (int8 query products, quantize_query_row): each row's query scale and the sum
+  // of its int8 values; the tile's K scales
+  float qscale[kMaxRows];
+  int32_t qsum[kMaxRows];
+  float kscale[kTile + kTileCols];
   std::vector<float> keys8;  // [8][width]  8 keys' K rows of all heads in float32
 
   float* key_block(int64_t width) {
@@ -399,11 +406,46 @@ inline void transpose16_f32(float* dst, int64_t dst_stride, const float* src,
 }
 #endif
 
+// ---- int8 query products (an int8 pool) ----
+// Over an int8 pool every path multiplies int8 queries by the stored int8 keys: a row's scaled
+// query x (d values) becomes q = round(x / qs) in [-127, 127], ties to even, qs = max |x| /
+// 127, once per item; a score is then
+//
+//     S = float(sum_i q[i] k[i]) * (qs * ks)          ks: the key's head-row scale
+//
+// The integer sum is exact in any order: vpdpbusd's int32 lanes (AVX512-VNNI, the keys'
+// bytes offset to unsigned and the sum started at -128 sum_i q[i]) or float32 FMAs of the
+// integers as floats (every partial sum is an integer below 512 * 127^2 < 2^24), so every
+// path, ISA and chunking gives a key the same score bits. V rows stay float32 products (each
+// row's scale moved onto its probabilities in the own-key items).
+
+// x [d] (scaled queries) -> its int8 values as floats, in place; returns qs (0: a zero row)
+inline float quantize_query_row(float* x, int d) {
+  vf amax = splat(0.0f);
+  for (int i = 0; i < d; i += kLanes) {
+    const vf v = loadf(x + i);
+    amax = vmax(amax, v < 0.0f ? -v : v);
+  }
+  float m = 0.0f;
+  for (int i = 0; i < kLanes; ++i) m = std::max(m, amax[i]);
+  const float qs = m / 127.0f;
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer (even ties)
+  for (int i = 0; i < d; i += kLanes) {
+    vf q = qs > 0.0f ? (loadf(x + i) / qs + magic) - magic : splat(0.0f);
+    q = q > 127.0f ? splat(127.0f) : q;
+    q = q < -127.0f ? splat(-127.0f) : q;
+    storef(x + i, q);
+  }
+  return qs;
+}
+
 // Start an item: rows' queries into Qt (times scale), running state reset.
 // `q_row(r)` points at row r's query vector [d]. round_q (bfloat16 products): the scaled
-// queries rounded to bfloat16, as the dot products take them, on every path alike.
+// queries rounded to bfloat16, as the dot products take them, on every path alike. quant_q
+// (an int8 pool): the scaled queries as int8 values (quantize_query_row), their scales and
+// sums in s.qscale / s.qsum.
 template <typename T, typename QRow>
-void load_rows(Scratch& s, int R, int d, float scale, bool round_q, QRow q_row) {
+void load_rows(Scratch& s, int R, int d, float scale, bool round_q, bool quant_q, QRow q_row) {
   const int L = row_vectors(R) * kLanes;
   for (int r = 0; r < L; ++r) {
     if (r >= R) s.qpos[r] = -1;
@@ -419,6 +461,13 @@ void load_rows(Scratch& s, int R, int d, float scale, bool round_q, QRow q_row) 
         if (round_q) x = round_bf16(x);
       }
       storef(s.qr + r * d + i, x);
+    }
+  if (quant_q)
+    for (int r = 0; r < L; ++r) {
+      s.qscale[r] = quantize_query_row(s.qr + r * d, d);
+      float sum = 0.0f;  // exact: |sum| <= 127 d
+      for (int i = 0; i < d; ++i) sum += s.qr[r * d + i];
+      s.qsum[r] = static_cast<int32_t>(sum);
     }
 #if defined(__AVX512F__)
   for (int r0 = 0; r0 < L; r0 += 16)
@@ -465,6 +514,17 @@ inline void heads_rows_f32(const float** rows, float* buf, const T* const* src, 
       }
       rows[j] = buf + j * kvh * d;
     }
+  }
+}
+
+// int8 head rows src[0 .. n) as their values in float32, unscaled, into buf [n][d]; their
+// scales into scales[0 .. n) (int8 query products: the integers of the dot products)
+inline void q8_rows_unscaled(const float** rows, float* buf, const Q8* const* src, int n,
+                             int64_t d, float* scales) {
+  for (int j = 0; j < n; ++j) {
+    scales[j] = q8_scale(src[j], d);
+    for (int64_t c = 0; c < d; c += kLanes) storef(buf + j * d + c, load16(src[j] + c));
+    rows[j] = buf + j * d;
   }
 }
 
@@ -689,9 +749,6 @@ constexpr bool with_dots(bool asked) {
   return asked && kDots && std::is_same_v<TKV, at::BFloat16>;
 }
 
-constexpr int kTileRows = 3;  // row vectors per register tile
-constexpr int kTileCols = 4;  // keys (scores) or output dims (P @ V) per register tile
-
 // How a row vector meets a key tile: no lane sees any key, every valid lane sees every key,
 // or a mask is needed (causal diagonal, window edge, padding lanes of a partial view).
 enum class Seen { kNone, kAll, kSome };
@@ -738,12 +795,20 @@ inline void softmax_rows(Scratch& s, int v, int L, int n, int64_t pos0, vi qp, v
 // softmax, P @ V, all while these rows' Qt, scores and accT slices stay in L1 (the whole
 // item's Qt and accT are 32 KB each at 128 rows x d 64: walking all rows per step would
 // stream them from L2 for every 4 keys).
+// kscale (int8 pools): the keys' scales; the rows' integer dot products times qs * ks.
 template <int NV, int RV>
 void row_tile(Scratch& s, int v0, const float* const* krows, const float* const* vrows, int n,
-              int d, int64_t pos0, const vi* qp, const vi* ql, float cap, bool masked) {
+              int d, int64_t pos0, const vi* qp, const vi* ql, float cap, bool masked,
+              const float* kscale) {
   constexpr int L = RV * kLanes;
   for (int j = 0; j < n; j += kTileCols)
     qk_tile<NV, kTileCols>(s.qt + v0 * kLanes, L, krows + j, d, s.sp + j * L + v0 * kLanes);
+  if (kscale != nullptr)
+    for (int j = 0; j < n; ++j)
+      for (int v = v0; v < v0 + NV; ++v) {
+        float* sc = s.sp + j * L + v * kLanes;
+        storef(sc, loadf(sc) * (loadf(s.qscale + v * kLanes) * kscale[j]));
+      }
   for (int v = v0; v < v0 + NV; ++v)
     softmax_rows<false>(s, v, L, n, pos0, qp[v], ql[v], cap, masked);
   for (int c = 0; c < d; c += kTileCols)
@@ -822,6 +887,12 @@ void attend(Scratch& s, int R, int d, const T* k_head, const T* v_head, int64_t 
 #if defined(__AVX512BF16__)
       pack_values(s.vpair, v_head, keys.slots + kb, n, d, slot_stride);
 #endif
+    } else if constexpr (std::is_same_v<T, Q8>) {  // int8 query products: K unscaled
+      const T* src[kTile];
+      for (int j = 0; j < n; ++j) src[j] = k_head + keys.slots[kb + j] * slot_stride;
+      q8_rows_unscaled(krows, s.kf, src, n, d, s.kscale);
+      head_rows_f32(vrows, s.vfl, v_head, keys.slots + kb, n, d, slot_stride);
+      for (int j = n; j % kTileCols; ++j) krows[j] = krows[n - 1];
     } else {
       head_rows_f32(krows, s.kf, k_head, keys.slots + kb, n, d, slot_stride);
       head_rows_f32(vrows, s.vfl, v_head, keys.slots + kb, n, d, slot_stride);
@@ -853,7 +924,8 @@ void attend(Scratch& s, int R, int d, const T* k_head, const T* v_head, int64_t 
         return;
       }
 #endif
-      row_tile<NV, RV>(s, v0, krows, vrows, n, d, pos0, qp, ql, cap, !all);
+      row_tile<NV, RV>(s, v0, krows, vrows, n, d, pos0, qp, ql, cap, !all,
+                       std::is_same_v<T, Q8> ? s.kscale : nullptr);
     };
     constexpr int full = RV / kTileRows * kTileRows;
     for (int v0 = 0; v0 < full; v0 += kTileRows)
@@ -993,8 +1065,22 @@ void heads_scores(Scratch& s, int kvh, int G, int d, const T* kp, const T* vp,
     const T* src[8];  // keys past n repeat the last one (their scores are overwritten)
     for (int k = 0; k < 8; ++k) src[k] = kp + slots[j + std::min(k, m - 1)] * stride;
     // the rows as float32, widened once for the G query rows of each head that read them
+    // (int8 rows unscaled, their scales in ks [kvh][8]: int8 query products)
     const float* kr[8];
-    heads_rows_f32(kr, kbuf, src, 8, kvh, d);
+    float ks[kMaxRows * 8];
+    if constexpr (std::is_same_v<T, Q8>) {
+      for (int k = 0; k < 8; ++k) {
+        for (int h = 0; h < kvh; ++h) {
+          const Q8* head = src[k] + h * row_len<Q8>(d);
+          ks[h * 8 + k] = q8_scale(head, d);
+          for (int64_t c = 0; c < d; c += kLanes)
+            storef(kbuf + (k * kvh + h) * d + c, load16(head + c));
+        }
+        kr[k] = kbuf + k * width;
+      }
+    } else {
+      heads_rows_f32(kr, kbuf, src, 8, kvh, d);
+    }
     for (int h = 0; h < kvh; ++h)
       for (int r = h * G; r < (h + 1) * G; ++r) {
         const float* q = s.qr + r * d;
@@ -1007,7 +1093,12 @@ void heads_scores(Scratch& s, int kvh, int G, int d, const T* kp, const T* vp,
         }
         vf8 a[8];
         for (int i = 0; i < 8; ++i) a[i] = to8(acc[kFold[i]]);
-        const vf8 scores = fold8(a);
+        vf8 scores = fold8(a);
+        if constexpr (std::is_same_v<T, Q8>) {
+          vf8 kscale;
+          std::memcpy(&kscale, ks + h * 8, sizeof kscale);
+          scores *= s.qscale[r] * kscale;
+        }
         std::memcpy(sc + r * kScoreStride + j, &scores, sizeof scores);
       }
   }
@@ -1083,6 +1174,98 @@ inline void heads_scores_dots(Scratch& s, int kvh, int G, int d, const at::BFloa
   for (int r = 0; r < R; ++r)
     for (int j = n; j < padded; ++j) sc[r * kScoreStride + j] = 0.0f;
 }
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr bool kQ8Dots = true;
+// heads_scores over an int8 pool with AVX512-VNNI: `vpdpbusd` multiplies 4 unsigned bytes by 4
+// signed ones per int32 lane. Per 32 keys and KV head, the keys' int8 rows (4-byte groups of
+// dims) are transposed to [group][key] once for all the head's query rows, their sign bits
+// flipped (k + 128, unsigned), and each row's chain starts at -128 x its query's sum, so it
+// ends at the exact sum_i q[i] k[i] (module note on int8 query products).
+// Scores of rows r0 .. r0 + NR against 32 keys: kt [nq][32] the keys' transposed biased bytes,
+// ks their scales; sc[r][0 .. 32) written (scale: qs * ks)
+template <int NR>
+inline void q8_rows_dots(const Scratch& s, const uint32_t* qquads, int nq, const uint32_t* kt,
+                         const float* ks, int r0, float* sc) {
+  __m512i acc[NR][2];
+  for (int i = 0; i < NR; ++i)
+    acc[i][0] = acc[i][1] = _mm512_set1_epi32(-128 * s.qsum[r0 + i]);
+  for (int t = 0; t < nq; ++t) {
+    __m512i kv[2];
+    for (int u = 0; u < 2; ++u) {
+      kv[u] = _mm512_loadu_si512(kt + t * 32 + 16 * u);
+      asm("" : "+v"(kv[u]));
+    }
+    for (int i = 0; i < NR; ++i) {
+      const __m512i q = _mm512_set1_epi32(static_cast<int>(qquads[(r0 + i) * nq + t]));
+      for (int u = 0; u < 2; ++u) acc[i][u] = _mm512_dpbusd_epi32(acc[i][u], kv[u], q);
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int u = 0; u < 2; ++u) {
+      const vf scale = splat(s.qscale[r0 + i]) * loadf(ks + 16 * u);
+      const vf dot = __builtin_convertvector((vi)acc[i][u], vf);
+      storef(sc + (r0 + i) * kScoreStride + 16 * u, dot * scale);
+    }
+}
+
+inline void heads_scores_q8(Scratch& s, int kvh, int G, int d, const Q8* kp, const Q8* vp,
+                            const int64_t* slots, int n, float* sc) {
+  constexpr int kKeys = 32;  // keys per transposed block: two vectors
+  const int64_t stride = int64_t(kvh) * row_len<Q8>(d);
+  const int nq = d / 4, R = kvh * G;
+  uint32_t* qquads = s.qtb;  // [R][nq]: each row's int8 values, 4 per word
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < nq; ++t) {
+      uint32_t w = 0;
+      for (int i = 0; i < 4; ++i)
+        w |= uint32_t(uint8_t(static_cast<int8_t>(s.qr[r * d + 4 * t + i]))) << (8 * i);
+      qquads[r * nq + t] = w;
+    }
+  uint32_t* kt = reinterpret_cast<uint32_t*>(s.key_block(d));  // [nq][32]
+  const TouchAhead<Q8> ahead{kp, vp, slots, stride, n};
+  ahead.first();
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int j = 0; j < n; j += kKeys) {
+    const int m = std::min(kKeys, n - j);
+    ahead.block(j, kKeys);
+    // keys past n repeat the last one (their scores are padding, or past it and never read)
+    const Q8* src[kKeys];
+    for (int k = 0; k < kKeys; ++k) src[k] = kp + slots[j + std::min(k, m - 1)] * stride;
+    for (int h = 0; h < kvh; ++h) {
+      const int64_t off = int64_t(h) * row_len<Q8>(d);
+      alignas(64) float ks[kKeys];
+      for (int k = 0; k < kKeys; ++k) ks[k] = q8_scale(src[k] + off, d);
+      for (int half = 0; half < 2; ++half)
+        for (int b = 0; b < nq; b += 16) {
+          const __mmask16 words = static_cast<__mmask16>((1u << std::min(16, nq - b)) - 1);
+          __m512i rows[16];
+          for (int k = 0; k < 16; ++k)
+            rows[k] = _mm512_xor_si512(
+                _mm512_maskz_loadu_epi32(words, src[16 * half + k] + off + 4 * b), flip);
+          transpose16(rows);
+          for (int t = 0; t < std::min(16, nq - b); ++t)
+            _mm512_storeu_si512(kt + (b + t) * kKeys + 16 * half, rows[t]);
+        }
+      // the head's rows, 4 at a time against each loaded pair of key vectors
+      const int end = (h + 1) * G;
+      int r = h * G;
+      for (; r + 4 <= end; r += 4) q8_rows_dots<4>(s, qquads, nq, kt, ks, r, sc + j);
+      switch (end - r) {
+        case 3: q8_rows_dots<3>(s, qquads, nq, kt, ks, r, sc + j); break;
+        case 2: q8_rows_dots<2>(s, qquads, nq, kt, ks, r, sc + j); break;
+        case 1: q8_rows_dots<1>(s, qquads, nq, kt, ks, r, sc + j); break;
+        default: break;
+      }
+    }
+  }
+  const int padded = (n + kLanes - 1) / kLanes * kLanes;
+  for (int r = 0; r < R; ++r)
+    for (int j = n; j < padded; ++j) sc[r * kScoreStride + j] = 0.0f;
+}
+#else
+constexpr bool kQ8Dots = false;
 #endif
 
 // Row r's n scores (padded to whole vectors) soft-capped and turned into probabilities in
@@ -1194,15 +1377,17 @@ inline void pv_rows(float* acc, int d, const float* p, const T* const* vr, int64
   for (; c < d; c += kLanes) pv_rows_block<T, NR, 1>(acc, d, p, vr, voff, nb, r0, c);
 }
 
-// acc[r] += P[r] @ V of keys vr[0 .. nb) (rows of all kvh heads, kvh * d apart) for the kvh * G
-// rows, row r reading head r / G.
+// acc[r] += P[r] @ V of keys vr[0 .. nb) (pool rows of all kvh heads, head rows row_len apart)
+// for the kvh * G rows, row r reading head r / G (int8 rows: their values, unscaled).
 template <typename T>
 void pv_heads(Scratch& s, int kvh, int G, int d, const float* p, const T* const* vr, int nb) {
   for (int h = 0; h < kvh; ++h) {
-    const int64_t voff = int64_t(h) * d;
-    // NR x NC accumulators: at most 8 of AVX2's 16 registers
+    const int64_t voff = int64_t(h) * row_len<T>(d);
+    // NR x NC accumulators: at most 8 of AVX2's 16 registers, 12 of AVX-512's 32 (each V
+    // vector then loaded once per key for 3 rows of d 64)
+    constexpr int kCols3 = kLanes == 16 ? 4 : 2;
     int r = h * G;
-    for (; r + 3 <= (h + 1) * G; r += 3) pv_rows<T, 3, 2>(s.acc, d, p, vr, voff, nb, r);
+    for (; r + 3 <= (h + 1) * G; r += 3) pv_rows<T, 3, kCols3>(s.acc, d, p, vr, voff, nb, r);
     for (; r + 2 <= (h + 1) * G; r += 2) pv_rows<T, 2, 4>(s.acc, d, p, vr, voff, nb, r);
     if (r < (h + 1) * G) pv_rows<T, 1, 4>(s.acc, d, p, vr, voff, nb, r);
   }
@@ -1229,12 +1414,16 @@ void attend_heads(Scratch& s, int kvh, int G, int group, int d, const T* kp, con
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (dots) heads_scores_dots(s, kvh, G, d, kp, vp, slots, n, sc);
     else heads_scores<T>(s, kvh, G, d, kp, vp, slots, n, sc);
-  } else {
+  } else
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  if constexpr (std::is_same_v<T, Q8>) {
+    heads_scores_q8(s, kvh, G, d, kp, vp, slots, n, sc);
+  } else
+#endif
+  {
     heads_scores<T>(s, kvh, G, d, kp, vp, slots, n, sc);
   }
-#else
-  heads_scores<T>(s, kvh, G, d, kp, vp, slots, n, sc);
-#endif
   for (int r = 0; r < R; ++r) {
     const int p = (r % G) / group;
     row_softmax(s, r, n, seen ? seen[2 * p] : 0, seen ? seen[2 * p + 1] : n, cap, dots, sc);
@@ -1262,24 +1451,25 @@ void attend_heads(Scratch& s, int kvh, int G, int group, int d, const T* kp, con
     }
   }
 #endif
-  if constexpr (std::is_same_v<T, Q8>) {  // V rows dequantized per block, then as float32 ones
-    thread_local std::vector<float> vbuf;
-    if (vbuf.size() < size_t(kTile * width)) vbuf.resize(kTile * width);
-    for (int j0 = 0; j0 < n; j0 += kTile) {
-      const int nb = std::min(kTile, n - j0);
-      const Q8* src[kTile];
-      const float* vr[kTile];
-      for (int j = 0; j < nb; ++j) src[j] = vp + slots[j0 + j] * kvh * row_len<Q8>(d);
-      heads_rows_f32(vr, vbuf.data(), src, nb, kvh, d);
-      pv_heads<float>(s, kvh, G, d, sc + j0, vr, nb);
+  const int64_t stride = kvh * row_len<T>(d);
+  if constexpr (std::is_same_v<T, Q8>) {
+    // each V row's scale moved onto its probabilities (l already holds their sum): P @ V then
+    // widens the int8 values as it multiplies, with no float32 copy of the rows
+    float* vs = s.sp;  // [kChunk + kLanes]: one head's V scales (sp is free here)
+    for (int h = 0; h < kvh; ++h) {
+      const int64_t off = int64_t(h) * row_len<Q8>(d);
+      for (int j = 0; j < n; ++j) vs[j] = q8_scale(vp + slots[j] * stride + off, d);
+      for (int j = n; j % kLanes; ++j) vs[j] = 0.0f;
+      for (int r = h * G; r < (h + 1) * G; ++r)
+        for (int j = 0; j < n; j += kLanes)
+          storef(sc + r * kScoreStride + j, loadf(sc + r * kScoreStride + j) * loadf(vs + j));
     }
-  } else {
-    for (int j0 = 0; j0 < n; j0 += kTile) {
-      const int nb = std::min(kTile, n - j0);
-      const T* vr[kTile];
-      for (int j = 0; j < nb; ++j) vr[j] = vp + slots[j0 + j] * width;
-      pv_heads<T>(s, kvh, G, d, sc + j0, vr, nb);
-    }
+  }
+  for (int j0 = 0; j0 < n; j0 += kTile) {
+    const int nb = std::min(kTile, n - j0);
+    const T* vr[kTile];
+    for (int j = 0; j < nb; ++j) vr[j] = vp + slots[j0 + j] * stride;
+    pv_heads<T>(s, kvh, G, d, sc + j0, vr, nb);
   }
 }
 
@@ -1370,13 +1560,14 @@ void extend_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const float qscale = static_cast<float>(scale), fcap = static_cast<float>(cap);
   const bool round_q = with_dots<TKV>(dots);
+  constexpr bool quant_q = std::is_same_v<TKV, Q8>;
   for_each_item(static_cast<int64_t>(items.size()), [&](int64_t idx) {
     const Item it = items[idx];
     const int R = static_cast<int>((it.t1 - it.t0) * G);
     const int64_t start = starts[it.seq], prefix = prefix_lens[it.seq];
     Scratch& s = scratch(static_cast<int>(d));
     for (int r = 0; r < R; ++r) s.qpos[r] = static_cast<int32_t>(prefix + it.t0 + r / G);
-    load_rows<TQ>(s, R, d, qscale, round_q, [&](int r) {
+    load_rows<TQ>(s, R, d, qscale, round_q, quant_q, [&](int r) {
       return qp + (start + it.t0 + r / G) * qs0 + (it.head * G + r % G) * qs1;
     });
     Keys keys{slots[it.seq].template data_ptr<int64_t>(), 0, prefix + it.t1, 0};
@@ -1532,13 +1723,14 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
   // multiply V by the probabilities rounded as those tiles' pairs hold them, so a key's score
   // and probability have the same bits on every path
   const bool dots_on = with_dots<TKV>(dots);
+  constexpr bool quant_q = std::is_same_v<TKV, Q8>;
   for_each_item(static_cast<int64_t>(items.size()), [&](int64_t idx) {
     const Item it = items[idx];
     const int R = static_cast<int>(it.rows);
     Scratch& s = scratch(static_cast<int>(d));
     if (it.head < 0 && it.shared) {  // all heads of sequences it.row0 .., a shared chunk
       const int64_t b0 = it.row0, M = it.rows / H;
-      load_rows<TQ>(s, R, d, qscale, dots_on, [&](int r) {
+      load_rows<TQ>(s, R, d, qscale, dots_on, quant_q, [&](int r) {
         const int64_t h = r / (M * G), m = r / G % M, g = r % G;
         return qp + (b0 + m) * qs0 + (h * G + g) * qs1;
       });
@@ -1553,7 +1745,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
         seen[2 * m] = static_cast<int32_t>(std::max<int64_t>(first - it.k0, 0));
         seen[2 * m + 1] = static_cast<int32_t>(std::min(hi[b0 + m], it.k1) - it.k0);
       }
-      load_rows<TQ>(s, R, d, qscale, dots_on, [&](int r) {
+      load_rows<TQ>(s, R, d, qscale, dots_on, quant_q, [&](int r) {
         const int64_t h = r / (M * G), m = r / G % M, g = r % G;
         return qp + (b0 + m) * qs0 + (h * G + g) * qs1;
       });
@@ -1569,7 +1761,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
         const int64_t b = (row0 + r) / G;
         s.qpos[r] = static_cast<int32_t>(Ls + hi[b] - 1);
       }
-      load_rows<TQ>(s, R, d, qscale, dots_on, [&](int r) {
+      load_rows<TQ>(s, R, d, qscale, dots_on, quant_q, [&](int r) {
         const int64_t b = (row0 + r) / G, g = (row0 + r) % G;
         return qp + b * qs0 + (it.head * G + g) * qs1;
       });

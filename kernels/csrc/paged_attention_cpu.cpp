@@ -34,8 +34,8 @@
 //             which read the same own keys one further each (decode_impl). Items write
 //             (max, sum, acc) partials, merged per (sequence, head) afterwards.
 //
-// Accumulation is float32 (scores, softmax, P @ V); products are float32 too, except over a
-// bfloat16 pool in an AVX512-BF16 build when the caller asks for bf16_dots: the row-tiled items
+// Accumulation is float32 (scores, softmax, P @ V); products are float32 too, except an int8
+// pool's scores (int8 by int8, below) and over a bfloat16 pool in an AVX512-BF16 build when the caller asks for bf16_dots: the row-tiled items
 // then multiply bfloat16 pairs (`vdpbf16ps`; see "bfloat16 dot products" below), the own-key
 // items take each score as the same chain of pair products (heads_scores_dots) and the
 // softmax runs in base 2 with whole maxima, so every path gives a key the same score and
@@ -43,8 +43,10 @@
 // float32 or bfloat16, the pools (TKV) of q's dtype, or bfloat16 under float32 q (a bfloat16 KV
 // cache of a float32 model), or fp8 e5m2 under either (`--kv-cache-dtype fp8_e5m2`: a quarter
 // of float32's bytes), or int8 head rows under either (`--kv-cache-dtype int8`, Q8 below: d
-// int8 values and their bfloat16 scale, pool [num_slots, kvh, d + 2]), dequantized per key
-// vector (q * scale in float32) as the rows are widened, so every path reads the same floats.
+// int8 values and their bfloat16 scale, pool [num_slots, kvh, d + 2]): the scores then take
+// int8 query products (queries quantized per row, exact integer dot products times the two
+// scales: "int8 query products" below), the same bits on every path, and V rows are widened
+// times their scale.
 // Written with GCC/Clang vector extensions, one register wide (16 floats with AVX-512, else
 // 8): -march=native picks the widest, a portable build gets the baseline ISA's.
 
@@ -70,6 +72,13 @@
 #endif
 
 namespace {
+
+// int8 query products take `vpdpbusd` (AVX512-VNNI), else float32 FMAs of the integers
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SGL_Q8_DOTS 1
+#else
+#define SGL_Q8_DOTS 0
+#endif
 
 // One vector register of floats: 16 with AVX-512, else 8 (AVX2; narrower ISAs split it).
 #if defined(__AVX512F__)
@@ -630,6 +639,55 @@ inline void pv_tile(float* acc, const float* alpha, const float* sp, int L,
     for (int u = 0; u < NV; ++u) storef(acc + k * L + u * kLanes, o[k][u]);
 }
 
+#if SGL_Q8_DOTS
+// The scores' register tile over an int8 pool with AVX512-VNNI: S[k][rows] = sum_t
+// quad(K[k], t) . Qt4[t][rows], the key's 4 bytes of dims 4t .. 4t + 3 broadcast with their
+// sign bits flipped (unsigned k + 128) against the rows' 4 int8 query values per lane; each
+// chain starts at -128 x its row's query sum, so it ends at the exact integer dot product
+// (module note on int8 query products), stored as float for row_tile's scaling.
+template <int NV, int NK>
+inline void qk_tile_q8(const uint32_t* qt4, const int32_t* qsum, int L, const Q8* const* krows,
+                       int d, float* sp) {
+  __m512i acc[NK][NV];
+  for (int u = 0; u < NV; ++u) {
+    const __m512i start = _mm512_mullo_epi32(
+        _mm512_loadu_si512(qsum + u * kLanes), _mm512_set1_epi32(-128));
+    for (int k = 0; k < NK; ++k) acc[k][u] = start;
+  }
+  for (int t = 0; t < d / 4; ++t) {
+    __m512i q[NV];
+    for (int u = 0; u < NV; ++u) {
+      q[u] = _mm512_loadu_si512(qt4 + t * L + u * kLanes);
+      asm("" : "+v"(q[u]));
+    }
+    for (int k = 0; k < NK; ++k) {
+      uint32_t w;
+      std::memcpy(&w, krows[k] + 4 * t, sizeof w);
+      const __m512i b = _mm512_set1_epi32(static_cast<int>(w ^ 0x80808080u));
+      for (int u = 0; u < NV; ++u) acc[k][u] = _mm512_dpbusd_epi32(acc[k][u], b, q[u]);
+    }
+  }
+  for (int k = 0; k < NK; ++k)
+    for (int u = 0; u < NV; ++u)
+      _mm512_storeu_ps(sp + k * L + u * kLanes, _mm512_cvtepi32_ps(acc[k][u]));
+}
+
+// Qt [d][L] (int8 values as floats) -> Qt4 [d/4][L]: dims 4t .. 4t + 3 of a row as the bytes
+// of one word
+inline void pack_queries_q8(uint32_t* qt4, const float* qt, int L, int d) {
+  for (int t = 0; t < d / 4; ++t)
+    for (int r = 0; r < L; r += kLanes) {
+      __m512i w = _mm512_setzero_si512();
+      for (int i = 0; i < 4; ++i) {
+        const __m512i b = _mm512_and_si512(
+            _mm512_cvtps_epi32(_mm512_loadu_ps(qt + (4 * t + i) * L + r)), _mm512_set1_epi32(0xff));
+        w = _mm512_or_si512(w, _mm512_slli_epi32(b, 8 * i));
+      }
+      _mm512_storeu_si512(qt4 + t * L + r, w);
+    }
+}
+#endif
+
 // ---- bfloat16 dot products (AVX512-BF16: a bfloat16 pool with bf16_dots) ----
 // The same register tiles with `vdpbf16ps`, which adds two products per 32-bit lane: scores
 // pair query dims (Qt's pairs against a broadcast pair of K's bfloat16 row, read from the pool
@@ -796,13 +854,23 @@ inline void softmax_rows(Scratch& s, int v, int L, int n, int64_t pos0, vi qp, v
 // item's Qt and accT are 32 KB each at 128 rows x d 64: walking all rows per step would
 // stream them from L2 for every 4 keys).
 // kscale (int8 pools): the keys' scales; the rows' integer dot products times qs * ks.
+// kq (int8 pools with AVX512-VNNI): the keys' pool rows, whose scores qk_tile_q8 takes.
 template <int NV, int RV>
 void row_tile(Scratch& s, int v0, const float* const* krows, const float* const* vrows, int n,
               int d, int64_t pos0, const vi* qp, const vi* ql, float cap, bool masked,
-              const float* kscale) {
+              const float* kscale, [[maybe_unused]] const Q8* const* kq) {
   constexpr int L = RV * kLanes;
-  for (int j = 0; j < n; j += kTileCols)
-    qk_tile<NV, kTileCols>(s.qt + v0 * kLanes, L, krows + j, d, s.sp + j * L + v0 * kLanes);
+#if SGL_Q8_DOTS
+  if (kq != nullptr) {
+    for (int j = 0; j < n; j += kTileCols)
+      qk_tile_q8<NV, kTileCols>(s.qtb + v0 * kLanes, s.qsum + v0 * kLanes, L, kq + j, d,
+                                s.sp + j * L + v0 * kLanes);
+  } else
+#endif
+  {
+    for (int j = 0; j < n; j += kTileCols)
+      qk_tile<NV, kTileCols>(s.qt + v0 * kLanes, L, krows + j, d, s.sp + j * L + v0 * kLanes);
+  }
   if (kscale != nullptr)
     for (int j = 0; j < n; ++j)
       for (int v = v0; v < v0 + NV; ++v) {
@@ -843,6 +911,9 @@ void attend(Scratch& s, int R, int d, const T* k_head, const T* v_head, int64_t 
   static_assert(!Dots || (kDots && std::is_same_v<T, at::BFloat16>));
 #if defined(__AVX512BF16__)
   if constexpr (Dots) pack_queries(s.qtb, s.qt, L, d);
+#endif
+#if SGL_Q8_DOTS
+  if constexpr (std::is_same_v<T, Q8>) pack_queries_q8(s.qtb, s.qt, L, d);
 #endif
   // the key positions any row can see: skip the rest without reading them
   int64_t lo = std::numeric_limits<int64_t>::max(), hi = -1;
@@ -888,11 +959,15 @@ void attend(Scratch& s, int R, int d, const T* k_head, const T* v_head, int64_t 
       pack_values(s.vpair, v_head, keys.slots + kb, n, d, slot_stride);
 #endif
     } else if constexpr (std::is_same_v<T, Q8>) {  // int8 query products: K unscaled
-      const T* src[kTile];
-      for (int j = 0; j < n; ++j) src[j] = k_head + keys.slots[kb + j] * slot_stride;
-      q8_rows_unscaled(krows, s.kf, src, n, d, s.kscale);
+      for (int j = 0; j < n; ++j) kpool[j] = k_head + keys.slots[kb + j] * slot_stride;
+      for (int j = n; j % kTileCols; ++j) kpool[j] = kpool[n - 1];
+      if constexpr (SGL_Q8_DOTS) {  // the pool's rows as they are, and their scales
+        for (int j = 0; j < n; ++j) s.kscale[j] = q8_scale(kpool[j], d);
+      } else {
+        q8_rows_unscaled(krows, s.kf, kpool, n, d, s.kscale);
+        for (int j = n; j % kTileCols; ++j) krows[j] = krows[n - 1];
+      }
       head_rows_f32(vrows, s.vfl, v_head, keys.slots + kb, n, d, slot_stride);
-      for (int j = n; j % kTileCols; ++j) krows[j] = krows[n - 1];
     } else {
       head_rows_f32(krows, s.kf, k_head, keys.slots + kb, n, d, slot_stride);
       head_rows_f32(vrows, s.vfl, v_head, keys.slots + kb, n, d, slot_stride);
@@ -924,8 +999,11 @@ void attend(Scratch& s, int R, int d, const T* k_head, const T* v_head, int64_t 
         return;
       }
 #endif
-      row_tile<NV, RV>(s, v0, krows, vrows, n, d, pos0, qp, ql, cap, !all,
-                       std::is_same_v<T, Q8> ? s.kscale : nullptr);
+      if constexpr (std::is_same_v<T, Q8>)
+        row_tile<NV, RV>(s, v0, krows, vrows, n, d, pos0, qp, ql, cap, !all, s.kscale,
+                         SGL_Q8_DOTS ? kpool : nullptr);
+      else
+        row_tile<NV, RV>(s, v0, krows, vrows, n, d, pos0, qp, ql, cap, !all, nullptr, nullptr);
     };
     constexpr int full = RV / kTileRows * kTileRows;
     for (int v0 = 0; v0 < full; v0 += kTileRows)
@@ -1176,8 +1254,7 @@ inline void heads_scores_dots(Scratch& s, int kvh, int G, int d, const at::BFloa
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-constexpr bool kQ8Dots = true;
+#if SGL_Q8_DOTS
 // heads_scores over an int8 pool with AVX512-VNNI: `vpdpbusd` multiplies 4 unsigned bytes by 4
 // signed ones per int32 lane. Per 32 keys and KV head, the keys' int8 rows (4-byte groups of
 // dims) are transposed to [group][key] once for all the head's query rows, their sign bits
@@ -1264,8 +1341,6 @@ inline void heads_scores_q8(Scratch& s, int kvh, int G, int d, const Q8* kp, con
   for (int r = 0; r < R; ++r)
     for (int j = n; j < padded; ++j) sc[r * kScoreStride + j] = 0.0f;
 }
-#else
-constexpr bool kQ8Dots = false;
 #endif
 
 // Row r's n scores (padded to whole vectors) soft-capped and turned into probabilities in
@@ -1416,7 +1491,7 @@ void attend_heads(Scratch& s, int kvh, int G, int group, int d, const T* kp, con
     else heads_scores<T>(s, kvh, G, d, kp, vp, slots, n, sc);
   } else
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if SGL_Q8_DOTS
   if constexpr (std::is_same_v<T, Q8>) {
     heads_scores_q8(s, kvh, G, d, kp, vp, slots, n, sc);
   } else

@@ -35,11 +35,12 @@
 //             (max, sum, acc) partials, merged per (sequence, head) afterwards.
 //
 // Accumulation is float32 (scores, softmax, P @ V); products are float32 too, except an int8
-// pool's scores (int8 by int8, below) and over a bfloat16 pool in an AVX512-BF16 build when the caller asks for bf16_dots: the row-tiled items
-// then multiply bfloat16 pairs (`vdpbf16ps`; see "bfloat16 dot products" below), the own-key
-// items take each score as the same chain of pair products (heads_scores_dots) and the
-// softmax runs in base 2 with whole maxima, so every path gives a key the same score and
-// probability bits (see vexp2_rel). q and out (TQ)
+// pool's scores (int8 by int8, below) and over a bfloat16 pool in an AVX512-BF16 build when
+// the caller asks for bf16_dots: the row-tiled items then multiply bfloat16 pairs
+// (`vdpbf16ps`; see "bfloat16 dot products" below), the own-key items take each score as the
+// same chain of pair products (heads_scores_dots) and the softmax runs in base 2 with whole
+// maxima, so every path gives a key the same score and probability bits (see vexp2_rel).
+// q and out (TQ)
 // float32 or bfloat16, the pools (TKV) of q's dtype, or bfloat16 under float32 q (a bfloat16 KV
 // cache of a float32 model), or fp8 e5m2 under either (`--kv-cache-dtype fp8_e5m2`: a quarter
 // of float32's bytes), or int8 head rows under either (`--kv-cache-dtype int8`, Q8 below: d

@@ -3,7 +3,8 @@
 batches, GQA, sliding windows and soft-cap, float32 and bfloat16, float32 queries over
 bfloat16 pools (`--kv-cache-dtype bfloat16` of a float32 model) and either over fp8 e5m2 pools
 (`--kv-cache-dtype fp8_e5m2`) and int8 head rows with their scales (`--kv-cache-dtype int8`,
-against the reference of the dequantized K/V); then the registry's `auto`
+against the reference of the dequantized K/V and the int8 queries the kernel multiplies them
+by); then the registry's `auto`
 choice and its fallback, and greedy parity of two runners on a tiny model."""
 
 from __future__ import annotations
@@ -85,9 +86,20 @@ class Pool:
         return np.asarray(out, np.int64)
 
 
+def int8_queries(q: torch.Tensor, scale: float) -> torch.Tensor:
+    """What the kernel multiplies an int8 pool's keys by: each scaled query row q * scale as
+    int8 values (ties to even) times their scale max |x| / 127, in float32; as float64."""
+    x = q.float() * scale
+    qs = x.abs().amax(-1, keepdim=True) / 127
+    qi = torch.where(qs > 0, x / qs, 0.0).round().clamp(-127, 127)
+    return qi.double() * qs.double()
+
+
 def reference(q, pool, slots, q_pos, scale, window=None, cap=None, group=G) -> torch.Tensor:
     """float64 attention of queries q [n, H, d] at positions q_pos over the keys in `slots`
-    (key j at position j)."""
+    (key j at position j); over an int8 pool, of the int8 queries the kernel takes."""
+    if pool.k.dtype == torch.int8:
+        q, scale = int8_queries(q, scale), 1.0
     k = widened(pool.k[slots]).repeat_interleave(group, dim=1)  # [L, H, d]
     v = widened(pool.v[slots]).repeat_interleave(group, dim=1)
     s = torch.einsum("nhd,lhd->hnl", q.double(), k) * scale

@@ -34,17 +34,20 @@
 //             which read the same own keys one further each (decode_impl). Items write
 //             (max, sum, acc) partials, merged per (sequence, head) afterwards.
 //
-// Accumulation is float32 (scores, softmax, P @ V); products are float32 too, except over a
-// bfloat16 pool in an AVX512-BF16 build when the caller asks for bf16_dots: the row-tiled items
-// then multiply bfloat16 pairs (`vdpbf16ps`; see "bfloat16 dot products" below), the own-key
-// items take each score as the same chain of pair products (heads_scores_dots) and the
-// softmax runs in base 2 with whole maxima, so every path gives a key the same score and
-// probability bits (see vexp2_rel). q and out (TQ)
+// Accumulation is float32 (scores, softmax, P @ V); products are float32 too, except an int8
+// pool's scores (int8 by int8, below) and over a bfloat16 pool in an AVX512-BF16 build when
+// the caller asks for bf16_dots: the row-tiled items then multiply bfloat16 pairs
+// (`vdpbf16ps`; see "bfloat16 dot products" below), the own-key items take each score as the
+// same chain of pair products (heads_scores_dots) and the softmax runs in base 2 with whole
+// maxima, so every path gives a key the same score and probability bits (see vexp2_rel).
+// q and out (TQ)
 // float32 or bfloat16, the pools (TKV) of q's dtype, or bfloat16 under float32 q (a bfloat16 KV
 // cache of a float32 model), or fp8 e5m2 under either (`--kv-cache-dtype fp8_e5m2`: a quarter
 // of float32's bytes), or int8 head rows under either (`--kv-cache-dtype int8`, Q8 below: d
-// int8 values and their bfloat16 scale, pool [num_slots, kvh, d + 2]), dequantized per key
-// vector (q * scale in float32) as the rows are widened, so every path reads the same floats.
+// int8 values and their bfloat16 scale, pool [num_slots, kvh, d + 2]): the scores then take
+// int8 query products (queries quantized per row, exact integer dot products times the two
+// scales: "int8 query products" below), the same bits on every path, and V rows are widened
+// times their scale.
 // Written with GCC/Clang vector extensions, one register wide (16 floats with AVX-512, else
 // 8): -march=native picks the widest, a portable build gets the baseline ISA's.
 
@@ -71,6 +74,13 @@
 
 namespace {
 
+// int8 query products take `vpdpbusd` (AVX512-VNNI), else float32 FMAs of the integers
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SGL_Q8_DOTS 1
+#else
+#define SGL_Q8_DOTS 0
+#endif
+
 // One vector register of floats: 16 with AVX-512, else 8 (AVX2; narrower ISAs split it).
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
@@ -85,6 +95,8 @@ constexpr int kMaxRows = 128;     // query rows per item
 constexpr int64_t kChunk = 256;
 constexpr int kScoreStride = kChunk + kLanes;  // a decode row's scores, whole vectors
 constexpr int kNoWindow = 1 << 30;
+constexpr int kTileRows = 3;  // row vectors per register tile
+constexpr int kTileCols = 4;  // keys (scores) or output dims (P @ V) per register tile
 
 typedef float vf __attribute__((vector_size(4 * kLanes)));
 typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
@@ -313,6 +325,11 @@ struct Scratch {
   uint32_t* pb;     // [kTile/2][L]  (P[2t][r], P[2t+1][r])
   uint32_t* vpair;  // [kTile/2][d]  (V[2t][c], V[2t+1][c])
   int32_t qpos[kMaxRows];  // position of each row's query; -1 for padding rows
+  // int8 pools (int8 query products, quantize_query_row): each row's query scale and the sum
+  // of its int8 values; the tile's K scales
+  float qscale[kMaxRows];
+  int32_t qsum[kMaxRows];
+  float kscale[kTile + kTileCols];
   std::vector<float> keys8;  // [8][width]  8 keys' K rows of all heads in float32
 
   float* key_block(int64_t width) {
@@ -399,11 +416,46 @@ inline void transpose16_f32(float* dst, int64_t dst_stride, const float* src,
 }
 #endif
 
+// ---- int8 query products (an int8 pool) ----
+// Over an int8 pool every path multiplies int8 queries by the stored int8 keys: a row's scaled
+// query x (d values) becomes q = round(x / qs) in [-127, 127], ties to even, qs = max |x| /
+// 127, once per item; a score is then
+//
+//     S = float(sum_i q[i] k[i]) * (qs * ks)          ks: the key's head-row scale
+//
+// The integer sum is exact in any order: vpdpbusd's int32 lanes (AVX512-VNNI, the keys'
+// bytes offset to unsigned and the sum started at -128 sum_i q[i]) or float32 FMAs of the
+// integers as floats (every partial sum is an integer below 512 * 127^2 < 2^24), so every
+// path, ISA and chunking gives a key the same score bits. V rows stay float32 products (each
+// row's scale moved onto its probabilities in the own-key items).
+
+// x [d] (scaled queries) -> its int8 values as floats, in place; returns qs (0: a zero row)
+inline float quantize_query_row(float* x, int d) {
+  vf amax = splat(0.0f);
+  for (int i = 0; i < d; i += kLanes) {
+    const vf v = loadf(x + i);
+    amax = vmax(amax, v < 0.0f ? -v : v);
+  }
+  float m = 0.0f;
+  for (int i = 0; i < kLanes; ++i) m = std::max(m, amax[i]);
+  const float qs = m / 127.0f;
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer (even ties)
+  for (int i = 0; i < d; i += kLanes) {
+    vf q = qs > 0.0f ? (loadf(x + i) / qs + magic) - magic : splat(0.0f);
+    q = q > 127.0f ? splat(127.0f) : q;
+    q = q < -127.0f ? splat(-127.0f) : q;
+    storef(x + i, q);
+  }
+  return qs;
+}
+
 // Start an item: rows' queries into Qt (times scale), running state reset.
 // `q_row(r)` points at row r's query vector [d]. round_q (bfloat16 products): the scaled
-// queries rounded to bfloat16, as the dot products take them, on every path alike.
+// queries rounded to bfloat16, as the dot products take them, on every path alike. quant_q
+// (an int8 pool): the scaled queries as int8 values (quantize_query_row), their scales and
+// sums in s.qscale / s.qsum.
 template <typename T, typename QRow>
-void load_rows(Scratch& s, int R, int d, float scale, bool round_q, QRow q_row) {
+void load_rows(Scratch& s, int R, int d, float scale, bool round_q, bool quant_q, QRow q_row) {
   const int L = row_vectors(R) * kLanes;
   for (int r = 0; r < L; ++r) {
     if (r >= R) s.qpos[r] = -1;
@@ -419,6 +471,13 @@ void load_rows(Scratch& s, int R, int d, float scale, bool round_q, QRow q_row) 
         if (round_q) x = round_bf16(x);
       }
       storef(s.qr + r * d + i, x);
+    }
+  if (quant_q)
+    for (int r = 0; r < L; ++r) {
+      s.qscale[r] = quantize_query_row(s.qr + r * d, d);
+      float sum = 0.0f;  // exact: |sum| <= 127 d
+      for (int i = 0; i < d; ++i) sum += s.qr[r * d + i];
+      s.qsum[r] = static_cast<int32_t>(sum);
     }
 #if defined(__AVX512F__)
   for (int r0 = 0; r0 < L; r0 += 16)
@@ -465,6 +524,17 @@ inline void heads_rows_f32(const float** rows, float* buf, const T* const* src, 
       }
       rows[j] = buf + j * kvh * d;
     }
+  }
+}
+
+// int8 head rows src[0 .. n) as their values in float32, unscaled, into buf [n][d]; their
+// scales into scales[0 .. n) (int8 query products: the integers of the dot products)
+inline void q8_rows_unscaled(const float** rows, float* buf, const Q8* const* src, int n,
+                             int64_t d, float* scales) {
+  for (int j = 0; j < n; ++j) {
+    scales[j] = q8_scale(src[j], d);
+    for (int64_t c = 0; c < d; c += kLanes) storef(buf + j * d + c, load16(src[j] + c));
+    rows[j] = buf + j * d;
   }
 }
 
@@ -569,6 +639,55 @@ inline void pv_tile(float* acc, const float* alpha, const float* sp, int L,
   for (int k = 0; k < NC; ++k)
     for (int u = 0; u < NV; ++u) storef(acc + k * L + u * kLanes, o[k][u]);
 }
+
+#if SGL_Q8_DOTS
+// The scores' register tile over an int8 pool with AVX512-VNNI: S[k][rows] = sum_t
+// quad(K[k], t) . Qt4[t][rows], the key's 4 bytes of dims 4t .. 4t + 3 broadcast with their
+// sign bits flipped (unsigned k + 128) against the rows' 4 int8 query values per lane; each
+// chain starts at -128 x its row's query sum, so it ends at the exact integer dot product
+// (module note on int8 query products), stored as float for row_tile's scaling.
+template <int NV, int NK>
+inline void qk_tile_q8(const uint32_t* qt4, const int32_t* qsum, int L, const Q8* const* krows,
+                       int d, float* sp) {
+  __m512i acc[NK][NV];
+  for (int u = 0; u < NV; ++u) {
+    const __m512i start = _mm512_mullo_epi32(
+        _mm512_loadu_si512(qsum + u * kLanes), _mm512_set1_epi32(-128));
+    for (int k = 0; k < NK; ++k) acc[k][u] = start;
+  }
+  for (int t = 0; t < d / 4; ++t) {
+    __m512i q[NV];
+    for (int u = 0; u < NV; ++u) {
+      q[u] = _mm512_loadu_si512(qt4 + t * L + u * kLanes);
+      asm("" : "+v"(q[u]));
+    }
+    for (int k = 0; k < NK; ++k) {
+      uint32_t w;
+      std::memcpy(&w, krows[k] + 4 * t, sizeof w);
+      const __m512i b = _mm512_set1_epi32(static_cast<int>(w ^ 0x80808080u));
+      for (int u = 0; u < NV; ++u) acc[k][u] = _mm512_dpbusd_epi32(acc[k][u], b, q[u]);
+    }
+  }
+  for (int k = 0; k < NK; ++k)
+    for (int u = 0; u < NV; ++u)
+      _mm512_storeu_ps(sp + k * L + u * kLanes, _mm512_cvtepi32_ps(acc[k][u]));
+}
+
+// Qt [d][L] (int8 values as floats) -> Qt4 [d/4][L]: dims 4t .. 4t + 3 of a row as the bytes
+// of one word
+inline void pack_queries_q8(uint32_t* qt4, const float* qt, int L, int d) {
+  for (int t = 0; t < d / 4; ++t)
+    for (int r = 0; r < L; r += kLanes) {
+      __m512i w = _mm512_setzero_si512();
+      for (int i = 0; i < 4; ++i) {
+        const __m512i b = _mm512_and_si512(
+            _mm512_cvtps_epi32(_mm512_loadu_ps(qt + (4 * t + i) * L + r)), _mm512_set1_epi32(0xff));
+        w = _mm512_or_si512(w, _mm512_slli_epi32(b, 8 * i));
+      }
+      _mm512_storeu_si512(qt4 + t * L + r, w);
+    }
+}
+#endif
 
 // ---- bfloat16 dot products (AVX512-BF16: a bfloat16 pool with bf16_dots) ----
 // The same register tiles with `vdpbf16ps`, which adds two products per 32-bit lane: scores
@@ -689,9 +808,6 @@ constexpr bool with_dots(bool asked) {
   return asked && kDots && std::is_same_v<TKV, at::BFloat16>;
 }
 
-constexpr int kTileRows = 3;  // row vectors per register tile
-constexpr int kTileCols = 4;  // keys (scores) or output dims (P @ V) per register tile
-
 // How a row vector meets a key tile: no lane sees any key, every valid lane sees every key,
 // or a mask is needed (causal diagonal, window edge, padding lanes of a partial view).
 enum class Seen { kNone, kAll, kSome };
@@ -738,12 +854,30 @@ inline void softmax_rows(Scratch& s, int v, int L, int n, int64_t pos0, vi qp, v
 // softmax, P @ V, all while these rows' Qt, scores and accT slices stay in L1 (the whole
 // item's Qt and accT are 32 KB each at 128 rows x d 64: walking all rows per step would
 // stream them from L2 for every 4 keys).
+// kscale (int8 pools): the keys' scales; the rows' integer dot products times qs * ks.
+// kq (int8 pools with AVX512-VNNI): the keys' pool rows, whose scores qk_tile_q8 takes.
 template <int NV, int RV>
 void row_tile(Scratch& s, int v0, const float* const* krows, const float* const* vrows, int n,
-              int d, int64_t pos0, const vi* qp, const vi* ql, float cap, bool masked) {
+              int d, int64_t pos0, const vi* qp, const vi* ql, float cap, bool masked,
+              const float* kscale, [[maybe_unused]] const Q8* const* kq) {
   constexpr int L = RV * kLanes;
-  for (int j = 0; j < n; j += kTileCols)
-    qk_tile<NV, kTileCols>(s.qt + v0 * kLanes, L, krows + j, d, s.sp + j * L + v0 * kLanes);
+#if SGL_Q8_DOTS
+  if (kq != nullptr) {
+    for (int j = 0; j < n; j += kTileCols)
+      qk_tile_q8<NV, kTileCols>(s.qtb + v0 * kLanes, s.qsum + v0 * kLanes, L, kq + j, d,
+                                s.sp + j * L + v0 * kLanes);
+  } else
+#endif
+  {
+    for (int j = 0; j < n; j += kTileCols)
+      qk_tile<NV, kTileCols>(s.qt + v0 * kLanes, L, krows + j, d, s.sp + j * L + v0 * kLanes);
+  }
+  if (kscale != nullptr)
+    for (int j = 0; j < n; ++j)
+      for (int v = v0; v < v0 + NV; ++v) {
+        float* sc = s.sp + j * L + v * kLanes;
+        storef(sc, loadf(sc) * (loadf(s.qscale + v * kLanes) * kscale[j]));
+      }
   for (int v = v0; v < v0 + NV; ++v)
     softmax_rows<false>(s, v, L, n, pos0, qp[v], ql[v], cap, masked);
   for (int c = 0; c < d; c += kTileCols)
@@ -778,6 +912,9 @@ void attend(Scratch& s, int R, int d, const T* k_head, const T* v_head, int64_t 
   static_assert(!Dots || (kDots && std::is_same_v<T, at::BFloat16>));
 #if defined(__AVX512BF16__)
   if constexpr (Dots) pack_queries(s.qtb, s.qt, L, d);
+#endif
+#if SGL_Q8_DOTS
+  if constexpr (std::is_same_v<T, Q8>) pack_queries_q8(s.qtb, s.qt, L, d);
 #endif
   // the key positions any row can see: skip the rest without reading them
   int64_t lo = std::numeric_limits<int64_t>::max(), hi = -1;
@@ -822,6 +959,16 @@ void attend(Scratch& s, int R, int d, const T* k_head, const T* v_head, int64_t 
 #if defined(__AVX512BF16__)
       pack_values(s.vpair, v_head, keys.slots + kb, n, d, slot_stride);
 #endif
+    } else if constexpr (std::is_same_v<T, Q8>) {  // int8 query products: K unscaled
+      for (int j = 0; j < n; ++j) kpool[j] = k_head + keys.slots[kb + j] * slot_stride;
+      for (int j = n; j % kTileCols; ++j) kpool[j] = kpool[n - 1];
+      if constexpr (SGL_Q8_DOTS) {  // the pool's rows as they are, and their scales
+        for (int j = 0; j < n; ++j) s.kscale[j] = q8_scale(kpool[j], d);
+      } else {
+        q8_rows_unscaled(krows, s.kf, kpool, n, d, s.kscale);
+        for (int j = n; j % kTileCols; ++j) krows[j] = krows[n - 1];
+      }
+      head_rows_f32(vrows, s.vfl, v_head, keys.slots + kb, n, d, slot_stride);
     } else {
       head_rows_f32(krows, s.kf, k_head, keys.slots + kb, n, d, slot_stride);
       head_rows_f32(vrows, s.vfl, v_head, keys.slots + kb, n, d, slot_stride);
@@ -853,7 +1000,11 @@ void attend(Scratch& s, int R, int d, const T* k_head, const T* v_head, int64_t 
         return;
       }
 #endif
-      row_tile<NV, RV>(s, v0, krows, vrows, n, d, pos0, qp, ql, cap, !all);
+      if constexpr (std::is_same_v<T, Q8>)
+        row_tile<NV, RV>(s, v0, krows, vrows, n, d, pos0, qp, ql, cap, !all, s.kscale,
+                         SGL_Q8_DOTS ? kpool : nullptr);
+      else
+        row_tile<NV, RV>(s, v0, krows, vrows, n, d, pos0, qp, ql, cap, !all, nullptr, nullptr);
     };
     constexpr int full = RV / kTileRows * kTileRows;
     for (int v0 = 0; v0 < full; v0 += kTileRows)
@@ -993,8 +1144,22 @@ void heads_scores(Scratch& s, int kvh, int G, int d, const T* kp, const T* vp,
     const T* src[8];  // keys past n repeat the last one (their scores are overwritten)
     for (int k = 0; k < 8; ++k) src[k] = kp + slots[j + std::min(k, m - 1)] * stride;
     // the rows as float32, widened once for the G query rows of each head that read them
+    // (int8 rows unscaled, their scales in ks [kvh][8]: int8 query products)
     const float* kr[8];
-    heads_rows_f32(kr, kbuf, src, 8, kvh, d);
+    float ks[kMaxRows * 8];
+    if constexpr (std::is_same_v<T, Q8>) {
+      for (int k = 0; k < 8; ++k) {
+        for (int h = 0; h < kvh; ++h) {
+          const Q8* head = src[k] + h * row_len<Q8>(d);
+          ks[h * 8 + k] = q8_scale(head, d);
+          for (int64_t c = 0; c < d; c += kLanes)
+            storef(kbuf + (k * kvh + h) * d + c, load16(head + c));
+        }
+        kr[k] = kbuf + k * width;
+      }
+    } else {
+      heads_rows_f32(kr, kbuf, src, 8, kvh, d);
+    }
     for (int h = 0; h < kvh; ++h)
       for (int r = h * G; r < (h + 1) * G; ++r) {
         const float* q = s.qr + r * d;
@@ -1007,7 +1172,12 @@ void heads_scores(Scratch& s, int kvh, int G, int d, const T* kp, const T* vp,
         }
         vf8 a[8];
         for (int i = 0; i < 8; ++i) a[i] = to8(acc[kFold[i]]);
-        const vf8 scores = fold8(a);
+        vf8 scores = fold8(a);
+        if constexpr (std::is_same_v<T, Q8>) {
+          vf8 kscale;
+          std::memcpy(&kscale, ks + h * 8, sizeof kscale);
+          scores *= s.qscale[r] * kscale;
+        }
         std::memcpy(sc + r * kScoreStride + j, &scores, sizeof scores);
       }
   }
@@ -1076,6 +1246,95 @@ inline void heads_scores_dots(Scratch& s, int kvh, int G, int d, const at::BFloa
         for (int i = 0; i < nr; ++i)
           for (int u = 0; u < 2; ++u)
             _mm512_storeu_ps(sc + (r0 + i) * kScoreStride + j + 16 * u, acc[i][u]);
+      }
+    }
+  }
+  const int padded = (n + kLanes - 1) / kLanes * kLanes;
+  for (int r = 0; r < R; ++r)
+    for (int j = n; j < padded; ++j) sc[r * kScoreStride + j] = 0.0f;
+}
+#endif
+
+#if SGL_Q8_DOTS
+// heads_scores over an int8 pool with AVX512-VNNI: `vpdpbusd` multiplies 4 unsigned bytes by 4
+// signed ones per int32 lane. Per 32 keys and KV head, the keys' int8 rows (4-byte groups of
+// dims) are transposed to [group][key] once for all the head's query rows, their sign bits
+// flipped (k + 128, unsigned), and each row's chain starts at -128 x its query's sum, so it
+// ends at the exact sum_i q[i] k[i] (module note on int8 query products).
+// Scores of rows r0 .. r0 + NR against 32 keys: kt [nq][32] the keys' transposed biased bytes,
+// ks their scales; sc[r][0 .. 32) written (scale: qs * ks)
+template <int NR>
+inline void q8_rows_dots(const Scratch& s, const uint32_t* qquads, int nq, const uint32_t* kt,
+                         const float* ks, int r0, float* sc) {
+  __m512i acc[NR][2];
+  for (int i = 0; i < NR; ++i)
+    acc[i][0] = acc[i][1] = _mm512_set1_epi32(-128 * s.qsum[r0 + i]);
+  for (int t = 0; t < nq; ++t) {
+    __m512i kv[2];
+    for (int u = 0; u < 2; ++u) {
+      kv[u] = _mm512_loadu_si512(kt + t * 32 + 16 * u);
+      asm("" : "+v"(kv[u]));
+    }
+    for (int i = 0; i < NR; ++i) {
+      const __m512i q = _mm512_set1_epi32(static_cast<int>(qquads[(r0 + i) * nq + t]));
+      for (int u = 0; u < 2; ++u) acc[i][u] = _mm512_dpbusd_epi32(acc[i][u], kv[u], q);
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int u = 0; u < 2; ++u) {
+      const vf scale = splat(s.qscale[r0 + i]) * loadf(ks + 16 * u);
+      const vf dot = __builtin_convertvector((vi)acc[i][u], vf);
+      storef(sc + (r0 + i) * kScoreStride + 16 * u, dot * scale);
+    }
+}
+
+inline void heads_scores_q8(Scratch& s, int kvh, int G, int d, const Q8* kp, const Q8* vp,
+                            const int64_t* slots, int n, float* sc) {
+  constexpr int kKeys = 32;  // keys per transposed block: two vectors
+  const int64_t stride = int64_t(kvh) * row_len<Q8>(d);
+  const int nq = d / 4, R = kvh * G;
+  uint32_t* qquads = s.qtb;  // [R][nq]: each row's int8 values, 4 per word
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < nq; ++t) {
+      uint32_t w = 0;
+      for (int i = 0; i < 4; ++i)
+        w |= uint32_t(uint8_t(static_cast<int8_t>(s.qr[r * d + 4 * t + i]))) << (8 * i);
+      qquads[r * nq + t] = w;
+    }
+  uint32_t* kt = reinterpret_cast<uint32_t*>(s.key_block(d));  // [nq][32]
+  const TouchAhead<Q8> ahead{kp, vp, slots, stride, n};
+  ahead.first();
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int j = 0; j < n; j += kKeys) {
+    const int m = std::min(kKeys, n - j);
+    ahead.block(j, kKeys);
+    // keys past n repeat the last one (their scores are padding, or past it and never read)
+    const Q8* src[kKeys];
+    for (int k = 0; k < kKeys; ++k) src[k] = kp + slots[j + std::min(k, m - 1)] * stride;
+    for (int h = 0; h < kvh; ++h) {
+      const int64_t off = int64_t(h) * row_len<Q8>(d);
+      alignas(64) float ks[kKeys];
+      for (int k = 0; k < kKeys; ++k) ks[k] = q8_scale(src[k] + off, d);
+      for (int half = 0; half < 2; ++half)
+        for (int b = 0; b < nq; b += 16) {
+          const __mmask16 words = static_cast<__mmask16>((1u << std::min(16, nq - b)) - 1);
+          __m512i rows[16];
+          for (int k = 0; k < 16; ++k)
+            rows[k] = _mm512_xor_si512(
+                _mm512_maskz_loadu_epi32(words, src[16 * half + k] + off + 4 * b), flip);
+          transpose16(rows);
+          for (int t = 0; t < std::min(16, nq - b); ++t)
+            _mm512_storeu_si512(kt + (b + t) * kKeys + 16 * half, rows[t]);
+        }
+      // the head's rows, 4 at a time against each loaded pair of key vectors
+      const int end = (h + 1) * G;
+      int r = h * G;
+      for (; r + 4 <= end; r += 4) q8_rows_dots<4>(s, qquads, nq, kt, ks, r, sc + j);
+      switch (end - r) {
+        case 3: q8_rows_dots<3>(s, qquads, nq, kt, ks, r, sc + j); break;
+        case 2: q8_rows_dots<2>(s, qquads, nq, kt, ks, r, sc + j); break;
+        case 1: q8_rows_dots<1>(s, qquads, nq, kt, ks, r, sc + j); break;
+        default: break;
       }
     }
   }
@@ -1194,15 +1453,17 @@ inline void pv_rows(float* acc, int d, const float* p, const T* const* vr, int64
   for (; c < d; c += kLanes) pv_rows_block<T, NR, 1>(acc, d, p, vr, voff, nb, r0, c);
 }
 
-// acc[r] += P[r] @ V of keys vr[0 .. nb) (rows of all kvh heads, kvh * d apart) for the kvh * G
-// rows, row r reading head r / G.
+// acc[r] += P[r] @ V of keys vr[0 .. nb) (pool rows of all kvh heads, head rows row_len apart)
+// for the kvh * G rows, row r reading head r / G (int8 rows: their values, unscaled).
 template <typename T>
 void pv_heads(Scratch& s, int kvh, int G, int d, const float* p, const T* const* vr, int nb) {
   for (int h = 0; h < kvh; ++h) {
-    const int64_t voff = int64_t(h) * d;
-    // NR x NC accumulators: at most 8 of AVX2's 16 registers
+    const int64_t voff = int64_t(h) * row_len<T>(d);
+    // NR x NC accumulators: at most 8 of AVX2's 16 registers, 12 of AVX-512's 32 (each V
+    // vector then loaded once per key for 3 rows of d 64)
+    constexpr int kCols3 = kLanes == 16 ? 4 : 2;
     int r = h * G;
-    for (; r + 3 <= (h + 1) * G; r += 3) pv_rows<T, 3, 2>(s.acc, d, p, vr, voff, nb, r);
+    for (; r + 3 <= (h + 1) * G; r += 3) pv_rows<T, 3, kCols3>(s.acc, d, p, vr, voff, nb, r);
     for (; r + 2 <= (h + 1) * G; r += 2) pv_rows<T, 2, 4>(s.acc, d, p, vr, voff, nb, r);
     if (r < (h + 1) * G) pv_rows<T, 1, 4>(s.acc, d, p, vr, voff, nb, r);
   }
@@ -1229,12 +1490,16 @@ void attend_heads(Scratch& s, int kvh, int G, int group, int d, const T* kp, con
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (dots) heads_scores_dots(s, kvh, G, d, kp, vp, slots, n, sc);
     else heads_scores<T>(s, kvh, G, d, kp, vp, slots, n, sc);
-  } else {
+  } else
+#endif
+#if SGL_Q8_DOTS
+  if constexpr (std::is_same_v<T, Q8>) {
+    heads_scores_q8(s, kvh, G, d, kp, vp, slots, n, sc);
+  } else
+#endif
+  {
     heads_scores<T>(s, kvh, G, d, kp, vp, slots, n, sc);
   }
-#else
-  heads_scores<T>(s, kvh, G, d, kp, vp, slots, n, sc);
-#endif
   for (int r = 0; r < R; ++r) {
     const int p = (r % G) / group;
     row_softmax(s, r, n, seen ? seen[2 * p] : 0, seen ? seen[2 * p + 1] : n, cap, dots, sc);
@@ -1262,24 +1527,25 @@ void attend_heads(Scratch& s, int kvh, int G, int group, int d, const T* kp, con
     }
   }
 #endif
-  if constexpr (std::is_same_v<T, Q8>) {  // V rows dequantized per block, then as float32 ones
-    thread_local std::vector<float> vbuf;
-    if (vbuf.size() < size_t(kTile * width)) vbuf.resize(kTile * width);
-    for (int j0 = 0; j0 < n; j0 += kTile) {
-      const int nb = std::min(kTile, n - j0);
-      const Q8* src[kTile];
-      const float* vr[kTile];
-      for (int j = 0; j < nb; ++j) src[j] = vp + slots[j0 + j] * kvh * row_len<Q8>(d);
-      heads_rows_f32(vr, vbuf.data(), src, nb, kvh, d);
-      pv_heads<float>(s, kvh, G, d, sc + j0, vr, nb);
+  const int64_t stride = kvh * row_len<T>(d);
+  if constexpr (std::is_same_v<T, Q8>) {
+    // each V row's scale moved onto its probabilities (l already holds their sum): P @ V then
+    // widens the int8 values as it multiplies, with no float32 copy of the rows
+    float* vs = s.sp;  // [kChunk + kLanes]: one head's V scales (sp is free here)
+    for (int h = 0; h < kvh; ++h) {
+      const int64_t off = int64_t(h) * row_len<Q8>(d);
+      for (int j = 0; j < n; ++j) vs[j] = q8_scale(vp + slots[j] * stride + off, d);
+      for (int j = n; j % kLanes; ++j) vs[j] = 0.0f;
+      for (int r = h * G; r < (h + 1) * G; ++r)
+        for (int j = 0; j < n; j += kLanes)
+          storef(sc + r * kScoreStride + j, loadf(sc + r * kScoreStride + j) * loadf(vs + j));
     }
-  } else {
-    for (int j0 = 0; j0 < n; j0 += kTile) {
-      const int nb = std::min(kTile, n - j0);
-      const T* vr[kTile];
-      for (int j = 0; j < nb; ++j) vr[j] = vp + slots[j0 + j] * width;
-      pv_heads<T>(s, kvh, G, d, sc + j0, vr, nb);
-    }
+  }
+  for (int j0 = 0; j0 < n; j0 += kTile) {
+    const int nb = std::min(kTile, n - j0);
+    const T* vr[kTile];
+    for (int j = 0; j < nb; ++j) vr[j] = vp + slots[j0 + j] * stride;
+    pv_heads<T>(s, kvh, G, d, sc + j0, vr, nb);
   }
 }
 
@@ -1370,13 +1636,14 @@ void extend_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const float qscale = static_cast<float>(scale), fcap = static_cast<float>(cap);
   const bool round_q = with_dots<TKV>(dots);
+  constexpr bool quant_q = std::is_same_v<TKV, Q8>;
   for_each_item(static_cast<int64_t>(items.size()), [&](int64_t idx) {
     const Item it = items[idx];
     const int R = static_cast<int>((it.t1 - it.t0) * G);
     const int64_t start = starts[it.seq], prefix = prefix_lens[it.seq];
     Scratch& s = scratch(static_cast<int>(d));
     for (int r = 0; r < R; ++r) s.qpos[r] = static_cast<int32_t>(prefix + it.t0 + r / G);
-    load_rows<TQ>(s, R, d, qscale, round_q, [&](int r) {
+    load_rows<TQ>(s, R, d, qscale, round_q, quant_q, [&](int r) {
       return qp + (start + it.t0 + r / G) * qs0 + (it.head * G + r % G) * qs1;
     });
     Keys keys{slots[it.seq].template data_ptr<int64_t>(), 0, prefix + it.t1, 0};
@@ -1532,13 +1799,14 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
   // multiply V by the probabilities rounded as those tiles' pairs hold them, so a key's score
   // and probability have the same bits on every path
   const bool dots_on = with_dots<TKV>(dots);
+  constexpr bool quant_q = std::is_same_v<TKV, Q8>;
   for_each_item(static_cast<int64_t>(items.size()), [&](int64_t idx) {
     const Item it = items[idx];
     const int R = static_cast<int>(it.rows);
     Scratch& s = scratch(static_cast<int>(d));
     if (it.head < 0 && it.shared) {  // all heads of sequences it.row0 .., a shared chunk
       const int64_t b0 = it.row0, M = it.rows / H;
-      load_rows<TQ>(s, R, d, qscale, dots_on, [&](int r) {
+      load_rows<TQ>(s, R, d, qscale, dots_on, quant_q, [&](int r) {
         const int64_t h = r / (M * G), m = r / G % M, g = r % G;
         return qp + (b0 + m) * qs0 + (h * G + g) * qs1;
       });
@@ -1553,7 +1821,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
         seen[2 * m] = static_cast<int32_t>(std::max<int64_t>(first - it.k0, 0));
         seen[2 * m + 1] = static_cast<int32_t>(std::min(hi[b0 + m], it.k1) - it.k0);
       }
-      load_rows<TQ>(s, R, d, qscale, dots_on, [&](int r) {
+      load_rows<TQ>(s, R, d, qscale, dots_on, quant_q, [&](int r) {
         const int64_t h = r / (M * G), m = r / G % M, g = r % G;
         return qp + (b0 + m) * qs0 + (h * G + g) * qs1;
       });
@@ -1569,7 +1837,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
         const int64_t b = (row0 + r) / G;
         s.qpos[r] = static_cast<int32_t>(Ls + hi[b] - 1);
       }
-      load_rows<TQ>(s, R, d, qscale, dots_on, [&](int r) {
+      load_rows<TQ>(s, R, d, qscale, dots_on, quant_q, [&](int r) {
         const int64_t b = (row0 + r) / G, g = (row0 + r) % G;
         return qp + b * qs0 + (it.head * G + g) * qs1;
       });

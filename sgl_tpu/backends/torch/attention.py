@@ -72,14 +72,19 @@ def cpu_fused_bf16() -> AttentionBackend:
 
 def products(name: str, kv_dtype: str) -> str:
     """The dtype attention `name` multiplies in over a KV cache of `kv_dtype` (/server_info):
-    "bfloat16" where torch-cpu-fused-bf16 takes bfloat16 pairs, else "float32" (bfloat16
-    pools are widened)."""
-    if name != "torch-cpu-fused-bf16" or kv_dtype != "bfloat16":
+    "bfloat16" where torch-cpu-fused-bf16 takes bfloat16 pairs, "int8" where the compiled
+    kernel reads an int8 pool (int8 queries times the int8 keys; P @ V in float32), else
+    "float32" (narrower pools are widened)."""
+    fused = name in ("torch-cpu-fused", "torch-cpu-fused-bf16")
+    if not (fused and kv_dtype == "int8") and not (name == "torch-cpu-fused-bf16"
+                                                   and kv_dtype == "bfloat16"):
         return "float32"
     from sgl_tpu.backends.torch.kernels import cpu_extension
 
     ext = cpu_extension.load()
-    return "bfloat16" if ext is not None and ext.bf16_dots else "float32"
+    if ext is None:
+        return "float32"
+    return "int8" if kv_dtype == "int8" else "bfloat16" if ext.bf16_dots else "float32"
 
 
 def invariant() -> AttentionBackend:

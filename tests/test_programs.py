@@ -241,6 +241,51 @@ def test_a_held_program_starts_within_the_bound_beside_a_busy_agent() -> None:
     assert progs.info()["program_held_s"] == started - held_since
 
 
+def test_held_programs_go_past_the_capacity_one_per_bound() -> None:
+    """Four newcomers held beside an agent that never leaves: while the hold queue makes no
+    progress, one goes per hold_bound_s(), in hold order (the k-th after k bounds), not all of
+    them once each was held for a bound; a program admitted by the budget counts as progress
+    and restarts the bound."""
+    clock = Clock()
+    progs = Programs(ttl_s=600.0, capacity_tokens=1000, admission=True, clock=clock)
+    agent = make_req("agent", prompt_len=390, max_new=10)  # expects 800, active throughout
+    progs.arrive(agent, "agent")
+    assert progs.admissible([agent]) == [agent]
+    progs.count_extend(agent, 390)
+    waiting = [make_req(f"new-{i}", prompt_len=190, max_new=10) for i in range(4)]  # 400 each
+    admitted = [agent, *waiting]
+    for req in waiting:
+        progs.arrive(req, req.rid)
+    held_at = clock.now
+    started: dict[str, float] = {}
+    while waiting and clock.now < held_at + 100.0:
+        for req in progs.admissible(waiting):
+            assert req.program.release_due  # past the capacity: released by the bound
+            progs.count_extend(req, 190)
+            started[req.rid] = clock.now - held_at
+            waiting.remove(req)
+        clock.now = round(clock.now + 0.5, 6)
+    assert started == {f"new-{i}": HOLD_BOUND_MIN_S * (i + 1) for i in range(4)}
+    small = make_req("small", prompt_len=190, max_new=10)  # expects 400
+    large = make_req("large", prompt_len=390, max_new=10)  # expects 800
+    progs.arrive(small, "small")
+    progs.arrive(large, "large")
+    assert progs.admissible([small, large]) == []
+    clock.now += 5.0
+    for req in admitted:
+        progs.finish(req)
+    clock.now += 2.0  # all idle: small fits, large does not beside it
+    assert progs.admissible([small, large]) == [small]
+    progs.count_extend(small, 190)
+    progress_at, bound_s = clock.now, progs.hold_bound_s()  # the turns' mean: over 10 s
+    clock.now += 3.5  # large held for 10.5 s, but the queue moved 3.5 s ago
+    assert progs.admissible([large]) == []
+    clock.now = progress_at + bound_s - 0.1
+    assert progs.admissible([large]) == []
+    clock.now = progress_at + bound_s + 1e-6  # (float rounding)
+    assert progs.admissible([large]) == [large] and large.program.release_due
+
+
 def test_chats_without_max_tokens_are_not_held() -> None:
     """A request whose max_new_tokens the server defaulted to the rest of the context counts
     its prompt plus the outputs seen (its program's, else the server's mean, else

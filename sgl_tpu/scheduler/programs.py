@@ -28,10 +28,14 @@ Who is walked, so no call costs the size of the table:
 Admission control (`admissible`, with `--schedule-policy program`): a new program's first turn
 is held while the expected working sets of the admitted live programs plus its own exceed the
 capacity (KV pool + host tier). Held programs are looked at in hold order and each one that
-fits the budget left goes (a smaller one passes a larger one). A held program goes regardless
-of the budget once it was held `hold_bound_s()` = max(HOLD_BOUND_MIN_S, the mean turn time),
-and then ranks first in the `program` policy (`program_ranks`), or when no admitted program is
-resident (it is larger than the capacity). Continuations of admitted programs and requests of
+fits the budget left goes (a smaller one passes a larger one). When no held program was
+admitted for `hold_bound_s()` = max(HOLD_BOUND_MIN_S, the mean turn time) (and the first in
+hold order has waited that long), that one goes regardless of the budget and ranks first in
+the `program` policy (`program_ranks`): one program per bound past the capacity while the
+queue makes no progress, so the k-th held program waits at most k bounds, and a sustained
+overload, where admitted programs end and free the budget, is not turned into thrashing. The
+first held program also goes when no admitted program is resident (it is larger than the
+capacity). Continuations of admitted programs and requests of
 no program are never held and never delay a release.
 
 Two populations: one-shot programs (a key per chat, a flood of session ids) and agents that come
@@ -176,6 +180,7 @@ class Programs:
         self.num_seen = 0
         self.num_held = 0  # programs ever held
         self.held_s = 0.0  # seconds held, summed over programs no longer held
+        self.last_release_s = float("-inf")  # when a held program was last admitted
         self.num_visits = 0  # programs looked at by sweeps (what admission costs)
         self.kv_totals = KVCounters()  # every program's, since start-up
         self._next_expire = 0.0
@@ -244,7 +249,10 @@ class Programs:
             self.count_kv(prog, computed_tokens=min(num_computed, req.prompt_len - req.kv_len))
         if not prog.admitted:
             prog.admitted = True
-            self._end_hold(prog, self.clock())
+            now = self.clock()
+            if prog.held_since is not None:
+                self.last_release_s = now  # the hold queue moved on
+            self._end_hold(prog, now)
 
     def count_kv(self, prog: Program, **deltas: int) -> None:
         """Add `deltas` (KVCounters fields) to `prog`'s counters and the totals."""
@@ -425,14 +433,16 @@ class Programs:
     def admissible(self, ready: list[Req]) -> list[Req]:
         """The requests of `ready` that admission control lets run now (all of them when off):
         those of no program or of admitted programs; of new programs, in hold order, those
-        that fit the budget left, that were held `hold_bound_s()`, or the first one when no
-        admitted program is resident. Costs O(len(ready) + live programs)."""
+        that fit the budget left, the first held one when no held program was admitted for
+        `hold_bound_s()` (it is due), or the first one when no admitted program is resident.
+        Costs O(len(ready) + live programs)."""
         if not self.admission:
             return ready
         now = self.clock()
         budget = self.capacity_tokens - self.resident_tokens(now)
         new = {r.program for r in ready if r.program is not None and not r.program.admitted}
-        bound_s = self.hold_bound_s()
+        # the queue made no progress for a bound: its first program is due
+        overdue = now - self.last_release_s >= self.hold_bound_s()
         held: set[Program] = set()
         for prog in sorted(new, key=lambda p: (p.held_since is None, p.held_since or 0.0,
                                                p.first_arrival)):
@@ -441,7 +451,9 @@ class Programs:
                 prog.held_since = now
                 self.held[prog.key] = prog
                 self.num_held += 1
-            due = prog.held_since is not None and now - prog.held_since >= bound_s
+            due = overdue and prog.held_since is not None and (
+                now - prog.held_since >= self.hold_bound_s())
+            overdue = False  # one program per bound
             # budget == capacity: no admitted program is resident and none passed
             if need <= budget or due or budget == self.capacity_tokens:
                 prog.release_due = due

@@ -157,3 +157,49 @@ def test_agent_loop_mixed_batch_runs_agents_alone_then_beside_a_batch(model, tmp
     assert ratios["batch_gen_tok_per_s_with_over_without"] > 0
     assert set(result["runs"]["sgl-tpu"]) == {
         "multi-turn-chat", "multi-turn-chat+batch", "multi-turn-chat+batch+prio"}
+
+
+@pytest.mark.slow
+def test_agent_loop_stops_its_servers_when_terminated(model, tmp_path):
+    """SIGTERM to `bench.agent_loop` while the server it launched serves: the harness exits and
+    takes the server (and its child processes) with it, nothing left in its process group."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from sgl_tpu.server.ready import READY_MESSAGE
+
+    cmd = [sys.executable, "-m", "sgl_tpu.bench.agent_loop", "--launch", SERVER_FLAGS,
+           "--model-path", model, "--workloads", "multi-turn-chat", "--num-programs", "1",
+           "--turns", "8", "--output-tokens", "4", "--system-tokens", "30",
+           "--observation-tokens", "10",
+           "--tool-latency", "10:10", "--warmup-programs", "0", "--no-progress",
+           "--log-dir", str(tmp_path)]  # 70 s of tool calls: still running when terminated
+    errors = tmp_path / "harness.err"
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=errors.open("w"))
+    try:
+        deadline = time.time() + 120
+        while not any(READY_MESSAGE in log.read_text(errors="replace")
+                      for log in tmp_path.glob("*.log")):
+            assert proc.poll() is None, errors.read_text()[-2000:]
+            assert proc.poll() is None and time.time() < deadline
+            time.sleep(0.5)
+        time.sleep(2.0)  # serving its first calls
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM, errors.read_text()[-2000:]
+        deadline = time.time() + 30
+        while True:
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break  # no process of the group is left
+            assert time.time() < deadline, "the launched server outlived the harness"
+            time.sleep(0.5)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

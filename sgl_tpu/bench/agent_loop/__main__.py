@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -365,8 +366,14 @@ def ratios(runs: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM unwinds like Ctrl-C, so the servers this run launched are stopped too."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if args.mixed_batch < 0:
         raise SystemExit("--mixed-batch must be >= 0")
     specs = [parse_target(s) for s in args.compare] if args.compare else [single_target(args)]

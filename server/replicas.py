@@ -157,10 +157,14 @@ def router_defaults(args: ServerArgs) -> list[str]:
     return [t for flag, value in defaults.items() if flag not in given for t in (flag, value)]
 
 
-def router_argv(args: ServerArgs, urls: list[str]) -> list[str]:
+def router_argv(args: ServerArgs, urls: list[str], metrics_port: int | None = None
+                ) -> list[str]:
+    """The router's command line. `metrics_port`: where it exports its Prometheus metrics
+    (its own default, 29000, would collide between two launches on one host)."""
+    metrics = [] if metrics_port is None else ["--prometheus-port", str(metrics_port)]
     argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", args.host,
             "--port", str(args.port), "--worker-urls", *urls, "--policy", args.router_policy,
-            "--log-level", "warn", *router_defaults(args)]
+            *metrics, "--log-level", "warn", *router_defaults(args)]
     if args.api_key:
         argv += ["--api-key", args.api_key]
     return argv + list(args.router_args)  # the user's router flags (parsed last)
@@ -237,7 +241,8 @@ class ReplicaSet:
         urls = [f"http://{REPLICA_HOST}:{p}" for p in self.ports]
         logger.info("router: --policy %s %s", self.args.router_policy,
                     " ".join(router_defaults(self.args)))
-        self.router = subprocess.Popen(router_argv(self.args, urls),
+        metrics_port = free_ports(max(self.ports), 1)[0]
+        self.router = subprocess.Popen(router_argv(self.args, urls, metrics_port),
                                        preexec_fn=_child_setup(None))
         host = "127.0.0.1" if self.args.host in ("0.0.0.0", "::") else self.args.host
         deadline = time.monotonic() + ROUTER_READY_TIMEOUT_S

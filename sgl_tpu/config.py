@@ -182,8 +182,9 @@ class SchedulerSettings:
         "program", see=("architecture.md", "agents-at-scale.md"),
         help="order of the waiting queue: program (by agent: each program's first request before "
              "any program's second, then the program that arrived first; new programs' first turns"
-             " are held while the admitted programs' KV fills the pool and host tier, at most "
-             "max(10 s, the mean turn time); requests of no program in arrival order), lpm "
+             " are held while the admitted programs' KV fills the pool and host tier; one held "
+             "program goes past it per max(10 s, the mean turn time) in which none was admitted;"
+             " requests of no program in arrival order), lpm "
              "(longest cached prefix first), fcfs, or dfs-weight")
     disable_radix_cache: bool = setting(
         False, see="architecture.md",

@@ -79,6 +79,9 @@ def test_router_flags_pass_through_and_replica_argv_round_trips():
     assert router[router.index("--policy") + 1] == "round_robin"
     assert router[router.index("--api-key") + 1] == "k"
     assert router[-3:] == ["--cache-threshold", "0.3", "--disable-retries"]
+    # its metrics on a port of its own: two launches on one host do not collide
+    router = router_argv(args, ["http://127.0.0.1:1"], metrics_port=31240)
+    assert router[router.index("--prometheus-port") + 1] == "31240"
 
 
 def test_router_defaults_scale_with_the_replica_and_yield_to_the_user():

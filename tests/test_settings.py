@@ -90,7 +90,8 @@ def test_scheduler_config_copies_every_scheduler_setting_by_name():
                "speculative_suffix_max_tree_depth": 30,
                "speculative_suffix_max_cached_requests": 100,
                "speculative_suffix_max_spec_factor": 2.0,
-               "speculative_suffix_min_token_prob": 0.2, "pooling": "mean"}
+               "speculative_suffix_min_token_prob": 0.2, "pooling": "mean",
+               "disable_kv_prefetch": True}
     assert set(changed) == {f.name for f in dataclasses.fields(SchedulerSettings)}
     runner = RunnerConfig(model_path=None, dtype="float32", page_size=8, num_pages=100,
                           max_running_requests=7, max_extend_seqs=5, context_len=512,

@@ -35,8 +35,8 @@ the `program` policy (`program_ranks`): one program per bound past the capacity 
 queue makes no progress, so the k-th held program waits at most k bounds, and a sustained
 overload, where admitted programs end and free the budget, is not turned into thrashing. The
 first held program also goes when no admitted program is resident (it is larger than the
-capacity). Continuations of admitted programs and requests of
-no program are never held and never delay a release.
+capacity). Continuations of admitted programs and requests of no program are never held
+and never delay a release.
 
 Two populations: one-shot programs (a key per chat, a flood of session ids) and agents that come
 back after tool pauses. A paused program that has come back at least once is expected done once
@@ -427,7 +427,8 @@ class Programs:
                    int(agent_share * self.expected_tokens))
 
     def hold_bound_s(self) -> float:
-        """The longest a held program waits: then its first turn goes, whatever runs."""
+        """When no held program was admitted for this long, the first in hold order goes,
+        whatever runs."""
         return max(HOLD_BOUND_MIN_S, self.mean_turn_s)
 
     def admissible(self, ready: list[Req]) -> list[Req]:

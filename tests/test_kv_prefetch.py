@@ -190,3 +190,59 @@ def test_a_prefix_the_host_tier_dropped_is_prefetched_from_disk(tiny_model_4k, t
         assert kv["num_prefetch_hits"] == 1 and kv["loaded_tokens"] == 0
         assert info["tiers"]["disk"]["hit_tokens"] > 0  # (some) pages came from disk
         assert info["integrity"] == "ok"
+
+
+def _load_from_host(server, seed: int, num_tokens: int) -> dict:
+    """A prompt of `num_tokens`, pushed out of the pool by other traffic, sent again with a few
+    more tokens: its second request's answer."""
+    ids = _ids(num_tokens, seed)
+    _generate(server, ids)
+    for i in range(2):
+        _generate(server, _ids(POOL_TOKENS - 160, 3000 + 2 * seed + i))
+    return _generate(server, ids + _ids(20, seed + 1))
+
+
+def test_the_tier_crossover_is_fitted_and_reported(server):
+    for seed in range(3):  # loads of three sizes, and their prefills
+        _load_from_host(server, 40 + seed, 200 + 200 * seed)
+    cost = server.wait_idle()["tiers"]["load_cost"]
+    assert cost["source"] == "fit"
+    assert cost["compute"]["samples"] >= 3 and cost["compute"]["s_per_token"] > 0
+    assert cost["host_load"]["samples"] >= 3 and cost["host_load"]["s_per_token"] > 0
+    crossover = cost["host_crossover_tokens"]
+    assert (crossover is None) == cost["host_never_load"]
+    if crossover is not None:  # the least length whose load beats its compute
+        load, compute = cost["host_load"], cost["compute"]["s_per_token"]
+
+        def load_wins(n: int) -> bool:
+            return load["fixed_s"] + n * load["s_per_token"] < n * compute
+
+        assert load_wins(crossover) and (crossover == 1 or not load_wins(crossover - 1))
+        assert server.info()["tiers"]["host"]["crossover_tokens"] == crossover
+
+
+def test_below_the_crossover_a_prefix_is_computed_not_loaded_or_prefetched(tiny_model_4k):
+    from server_harness import launch_server
+
+    with launch_server(*FLAGS, "--hicache-min-load-tokens", "700",
+                       model_path=tiny_model_4k) as server:
+        tiers = server.info()["tiers"]
+        assert tiers["load_cost"]["source"] == "flag"
+        assert tiers["host"]["crossover_tokens"] == 700
+        key = f"agent-{uuid.uuid4().hex}"
+        public_id, context = _new_program(server, key, _ids(PREFIX_TOKENS, 10))
+        time.sleep(PAUSE_S)  # past the point where a prefetch would have come due
+        host_before = server.info()["tiers"]["host"]
+        out = _generate(server, context + _ids(30, 11), key)
+        info = server.wait_idle()
+        kv = info["programs"]["recent"][public_id]["kv"]
+        assert kv["num_prefetches"] == 0 and kv["loaded_tokens"] == 0
+        assert info["tiers"]["host"]["hit_tokens"] == host_before["hit_tokens"]
+        skipped = info["tiers"]["host"]["skipped_tokens"] - host_before["skipped_tokens"]
+        assert skipped >= len(context) // 16 * 16 - out["meta_info"]["cached_tokens"] - 16
+        assert skipped > 0
+        # a longer prefix part in the host tier than the crossover loads
+        out = _load_from_host(server, 50, 800)
+        assert out["meta_info"]["cached_tokens"] >= 800 - 16
+        assert server.wait_idle()["tiers"]["host"]["hit_tokens"] > host_before["hit_tokens"]
+        assert info["integrity"] == "ok"

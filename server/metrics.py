@@ -43,6 +43,8 @@ TIER_GAUGES = (
     ("demote_bytes", "demote_bytes", "Bytes written into this tier"),
     ("demote_s", "demote_seconds", "Seconds spent writing into this tier"),
     ("used_pages", "used_pages", "KV pages this tier holds"),
+    ("skipped_tokens", "skipped_tokens",
+     "Prompt tokens this tier held that were computed: below its load crossover"),
 )
 # (/server_info "programs" key, metric name after "sglang:", help)
 PROGRAM_GAUGES = (

@@ -463,6 +463,11 @@ class ServerArgs(SchedulerSettings, ServingSettings):
     hicache_size: float = setting(
         0.0, check=Number(), see="kv-cache-tiers.md",
         help="host tier size in GB (0: from --hicache-ratio)")
+    hicache_min_load_tokens: int | None = setting(
+        None, check=OrNone(Int(0)), see="kv-cache-tiers.md#the-tier-crossover",
+        help="a prefix part of fewer tokens in the host or disk tier is computed, not loaded or "
+             "prefetched (default: per tier, where loading stops beating computing, fitted to the"
+             " loads and prefills this server sees)")
     hicache_write_policy: str = setting(
         "write_through", check=OneOf(HICACHE_WRITE_POLICIES), see="kv-cache-tiers.md",
         help="write_through: pages copied to the host tier (and disk) when cached, so eviction is "

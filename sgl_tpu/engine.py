@@ -37,6 +37,7 @@ from sgl_tpu.lora import LoraError, parse_lora_paths
 from sgl_tpu.mem_cache.disk_folder import storage_dir
 from sgl_tpu.mem_cache.disk_tier import DiskTier
 from sgl_tpu.mem_cache.host_tier import HostTier
+from sgl_tpu.mem_cache.load_cost import LoadCost
 from sgl_tpu.mem_cache.radix_cache import RadixCache
 from sgl_tpu.mem_cache.tiers import TieredCache, model_fingerprint
 from sgl_tpu.messages import TokenizedGenerateReq
@@ -132,7 +133,8 @@ def tier_factory(args: ServerArgs, loaded: LoadedModel, runner: Any, num_pages: 
                 "" if disk is None else f", disk {disk.dir} ({len(disk)} pages found, at "
                 f"most {disk.max_bytes / 2**30:.2f} GB, durability {disk.durability})")
     return partial(TieredCache, runner, host=host, disk=disk,
-                   write_policy=args.hicache_write_policy)
+                   write_policy=args.hicache_write_policy,
+                   load_cost=LoadCost(args.hicache_min_load_tokens))
 
 
 class Engine:

@@ -4,7 +4,8 @@ request, which then finds it in the pool; a prefetch whose program does not come
 wasted; `/kv_hints` (retain / prefetch / release) works and refuses bad hints with a 400; the
 counters appear per program in `/server_info` and `/metrics` under public ids only; with
 `--disable-kv-prefetch` the request loads its prefix itself; pages the host tier dropped are
-prefetched from the disk tier."""
+prefetched from the disk tier; the tier crossover (mem_cache/load_cost.py) is fitted and
+reported, and a prefix part below it is computed, neither loaded nor prefetched."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ TIERED = ("--skip-warmup", "--dtype", "float32", "--max-total-tokens", str(POOL_
           "--max-running-requests", "4", "--session-retention-s", "0", "--tool-pause-grace-s",
           "0", "--enable-hierarchical-cache")
 FLAGS = (*TIERED, "--hicache-ratio", "4")
+# prefetch tests: every load runs (for the tiny model computing can beat loading, and the
+# fitted crossover would then skip loads these tests expect)
+ALWAYS_LOAD = (*FLAGS, "--hicache-min-load-tokens", "0")
 PAUSE_S = 2.5  # the programs' tool pause: a prefetch comes due after half of it, and a program
 # that has not come back after twice its longest pause is found idle (its prefetch wasted)
 PREFIX_TOKENS = 600
@@ -30,7 +34,17 @@ PREFIX_TOKENS = 600
 def server(tiny_model_4k):
     from server_harness import launch_server
 
-    handle = launch_server(*FLAGS, model_path=tiny_model_4k)
+    handle = launch_server(*ALWAYS_LOAD, model_path=tiny_model_4k)
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture(scope="module")
+def reactive_server(tiny_model_4k):
+    """Prefetch off; the tier crossover fitted (no test before the fit's loads expects one)."""
+    from server_harness import launch_server
+
+    handle = launch_server(*FLAGS, "--disable-kv-prefetch", model_path=tiny_model_4k)
     yield handle
     handle.stop()
 
@@ -158,25 +172,25 @@ def test_no_client_key_appears_in_server_info_or_metrics(server):
     assert 'program="all"' in metrics
 
 
-def test_with_prefetch_off_the_returning_request_loads_its_prefix(tiny_model_4k):
-    from server_harness import launch_server
-
-    with launch_server(*FLAGS, "--disable-kv-prefetch", model_path=tiny_model_4k) as server:
-        key = f"agent-{uuid.uuid4().hex}"
-        public_id, context = _new_program(server, key, _ids(PREFIX_TOKENS, 5))
-        time.sleep(PAUSE_S)  # past the point where a prefetch would have come due
-        out = _generate(server, context + _ids(30, 8), key)
-        kv = server.wait_idle()["programs"]["recent"][public_id]["kv"]
-        assert out["meta_info"]["cached_tokens"] >= len(context) // 16 * 16 - 16
-        assert kv["num_prefetches"] == 0 and kv["prefetched_tokens"] == 0
-        assert kv["loaded_tokens"] >= PREFIX_TOKENS - 16  # loaded when the request came
+def test_with_prefetch_off_the_returning_request_loads_its_prefix(reactive_server):
+    server = reactive_server
+    # its first load from the host tier: the crossover is not fitted yet, so it loads
+    key = f"agent-{uuid.uuid4().hex}"
+    public_id, context = _new_program(server, key, _ids(PREFIX_TOKENS, 5))
+    time.sleep(PAUSE_S)  # past the point where a prefetch would have come due
+    out = _generate(server, context + _ids(30, 8), key)
+    kv = server.wait_idle()["programs"]["recent"][public_id]["kv"]
+    assert out["meta_info"]["cached_tokens"] >= len(context) // 16 * 16 - 16
+    assert kv["num_prefetches"] == 0 and kv["prefetched_tokens"] == 0
+    assert kv["loaded_tokens"] >= PREFIX_TOKENS - 16  # loaded when the request came
 
 
 def test_a_prefix_the_host_tier_dropped_is_prefetched_from_disk(tiny_model_4k, tmp_path):
     from server_harness import launch_server
 
     # a host tier as small as the pool: the other traffic pushes the program's pages on to disk
-    flags = (*TIERED, "--hicache-ratio", "1", "--hicache-storage-backend", "file",
+    flags = (*TIERED, "--hicache-min-load-tokens", "0", "--hicache-ratio", "1",
+             "--hicache-storage-backend", "file",
              "--hicache-storage-dir", str(tmp_path))
     with launch_server(*flags, model_path=tiny_model_4k) as server:
         key = f"agent-{uuid.uuid4().hex}"
@@ -189,4 +203,61 @@ def test_a_prefix_the_host_tier_dropped_is_prefetched_from_disk(tiny_model_4k, t
         assert out["meta_info"]["cached_tokens"] >= len(context) // 16 * 16 - 16
         assert kv["num_prefetch_hits"] == 1 and kv["loaded_tokens"] == 0
         assert info["tiers"]["disk"]["hit_tokens"] > 0  # (some) pages came from disk
+        assert info["integrity"] == "ok"
+
+
+def _load_from_host(server, seed: int, num_tokens: int) -> dict:
+    """A prompt of `num_tokens`, pushed out of the pool by other traffic, sent again with a few
+    more tokens: its second request's answer."""
+    ids = _ids(num_tokens, seed)
+    _generate(server, ids)
+    for i in range(2):
+        _generate(server, _ids(POOL_TOKENS - 160, 3000 + 2 * seed + i))
+    return _generate(server, ids + _ids(20, seed + 1))
+
+
+def test_the_tier_crossover_is_fitted_and_reported(reactive_server):
+    server = reactive_server
+    for seed in range(3):  # loads of three sizes, and their prefills
+        _load_from_host(server, 40 + seed, 200 + 200 * seed)
+    cost = server.wait_idle()["tiers"]["load_cost"]
+    assert cost["source"] == "fit"
+    assert cost["compute"]["samples"] >= 3 and cost["compute"]["s_per_token"] > 0
+    assert cost["host_load"]["samples"] >= 3 and cost["host_load"]["s_per_token"] > 0
+    crossover = cost["host_crossover_tokens"]
+    assert (crossover is None) == cost["host_never_load"]
+    if crossover is not None:  # the least length whose load beats its compute
+        load, compute = cost["host_load"], cost["compute"]["s_per_token"]
+
+        def load_wins(n: int) -> bool:
+            return load["fixed_s"] + n * load["s_per_token"] < n * compute
+
+        assert load_wins(crossover) and (crossover == 1 or not load_wins(crossover - 1))
+        assert server.info()["tiers"]["host"]["crossover_tokens"] == crossover
+
+
+def test_below_the_crossover_a_prefix_is_computed_not_loaded_or_prefetched(tiny_model_4k):
+    from server_harness import launch_server
+
+    with launch_server(*FLAGS, "--hicache-min-load-tokens", "700",
+                       model_path=tiny_model_4k) as server:
+        tiers = server.info()["tiers"]
+        assert tiers["load_cost"]["source"] == "flag"
+        assert tiers["host"]["crossover_tokens"] == 700
+        key = f"agent-{uuid.uuid4().hex}"
+        public_id, context = _new_program(server, key, _ids(PREFIX_TOKENS, 10))
+        time.sleep(PAUSE_S)  # past the point where a prefetch would have come due
+        host_before = server.info()["tiers"]["host"]
+        out = _generate(server, context + _ids(30, 11), key)
+        info = server.wait_idle()
+        kv = info["programs"]["recent"][public_id]["kv"]
+        assert kv["num_prefetches"] == 0 and kv["loaded_tokens"] == 0
+        assert info["tiers"]["host"]["hit_tokens"] == host_before["hit_tokens"]
+        skipped = info["tiers"]["host"]["skipped_tokens"] - host_before["skipped_tokens"]
+        assert skipped >= len(context) // 16 * 16 - out["meta_info"]["cached_tokens"] - 16
+        assert skipped > 0
+        # a longer prefix part in the host tier than the crossover loads
+        out = _load_from_host(server, 50, 800)
+        assert out["meta_info"]["cached_tokens"] >= 800 - 16
+        assert server.wait_idle()["tiers"]["host"]["hit_tokens"] > host_before["hit_tokens"]
         assert info["integrity"] == "ok"

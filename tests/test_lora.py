@@ -184,7 +184,7 @@ def test_host_tier_brings_back_each_adapters_own_pages(tiny):
     eng = Engine(tiny.base, backend="torch", dtype="float32", torch_compile="off",
                  torch_threads=1, skip_warmup=True, max_total_tokens=96, page_size=4,
                  chunked_prefill_size=64, max_running_requests=2, lora_paths=(f"a1={tiny.a1}",),
-                 enable_hierarchical_cache=True, hicache_ratio=4)
+                 enable_hierarchical_cache=True, hicache_ratio=4, hicache_min_load_tokens=0)
     try:
         prompt = list(range(10, 50))
         first = [engine_out["output_ids"] for engine_out in (

@@ -77,7 +77,9 @@ def tiered_server(tiny_model_4k, tmp_path_factory):
                            "--max-running-requests", "8", "--chunked-prefill-size", "256",
                            "--dtype", "float32", "--enable-hierarchical-cache",
                            "--hicache-ratio", "1", "--hicache-storage-backend", "file",
-                           "--hicache-storage-dir", str(folder), model_path=tiny_model_4k)
+                           "--hicache-storage-dir", str(folder),
+                           # every load runs: for the tiny model computing may beat loading
+                           "--hicache-min-load-tokens", "0", model_path=tiny_model_4k)
     yield handle
     handle.stop()
 

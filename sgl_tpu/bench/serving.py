@@ -52,8 +52,11 @@ session-hint pins), on a server with prefetch (`prefetch`) and one without
 two turns `--pause-s` apart (its expected pause), then other traffic evicts its KV; a pause
 later its third turn is timed (`demoted`, TTFT of a streamed
 /generate; the pause counts from the second turn's end, the other traffic included). A second
-program does the same without the other traffic (`resident`). Ratios per
-server: TTFT demoted / resident (median of rounds), and `prefetch`'s demoted over `reactive`'s.
+program does the same without the other traffic (`resident`), and a prompt of the third turn's
+length that nothing cached is timed too (`computed`). Ratios per server: TTFT demoted /
+resident and demoted / computed (medians of rounds), and `prefetch`'s demoted over
+`reactive`'s. `--resume-tier disk`: a disk tier (a fresh folder) and a host tier of a quarter
+of the pool, so that the demoted prefix is read back from disk.
 
 `--compare gap`: the server against its own executor. `server` is a server of the given flags
 (HTTP streams through the tokenizer and detokenizer processes); `engine` is an in-process
@@ -228,7 +231,10 @@ def compare_resume(args: argparse.Namespace, base: list[str], vocab: int) -> dic
     import urllib.request
 
     logs = Path(tempfile.mkdtemp(prefix="sgl_tpu_bench_resume_"))
-    flags = base + ["--enable-hierarchical-cache", "--hicache-ratio", "4",
+    tier = (["--hicache-ratio", "4"] if args.resume_tier == "host" else
+            ["--hicache-ratio", "0.25", "--hicache-storage-backend", "file",
+             "--hicache-storage-dir", str(logs / "kv")])
+    flags = base + ["--enable-hierarchical-cache", *tier,
                     "--session-retention-s", "0", "--tool-pause-grace-s", "0"]
     rng = random.Random(0)
 
@@ -277,16 +283,22 @@ def compare_resume(args: argparse.Namespace, base: list[str], vocab: int) -> dic
                         for _ in range(2):  # other agents' calls fill the pool
                             turn(server.url, None, ids(max(free - args.prefix_tokens, 512)))
                     time.sleep(max(0.0, paused_at + args.pause_s - time.monotonic()))
-                    _, row[f"ttft_{case}_s"] = turn(server.url, key, context + ids(64))
+                    context = context + ids(64)
+                    _, row[f"ttft_{case}_s"] = turn(server.url, key, context)
+                _, row["ttft_computed_s"] = turn(server.url, None, ids(len(context)))
                 row["demoted_over_resident"] = round(row["ttft_demoted_s"]
                                                      / row["ttft_resident_s"], 3)
+                row["demoted_over_computed"] = round(row["ttft_demoted_s"]
+                                                     / row["ttft_computed_s"], 3)
                 rounds.append(row)
                 print(json.dumps({name: row}), flush=True)
             info = post(server.url, "/server_info")
             runs[name] = {"rounds": rounds, "programs_kv": info["programs"]["kv"],
-                          "host_tier": info["tiers"]["host"],
+                          "tiers": info["tiers"],
                           "demoted_over_resident_median": statistics.median(
-                              r["demoted_over_resident"] for r in rounds)}
+                              r["demoted_over_resident"] for r in rounds),
+                          "demoted_over_computed_median": statistics.median(
+                              r["demoted_over_computed"] for r in rounds)}
         finally:
             server.stop()
     demoted = {name: statistics.median(r["ttft_demoted_s"] for r in run["rounds"])
@@ -294,6 +306,8 @@ def compare_resume(args: argparse.Namespace, base: list[str], vocab: int) -> dic
     return {"runs": runs, "ratios": {
         "prefetch_demoted_over_resident": runs["prefetch"]["demoted_over_resident_median"],
         "reactive_demoted_over_resident": runs["reactive"]["demoted_over_resident_median"],
+        "prefetch_demoted_over_computed": runs["prefetch"]["demoted_over_computed_median"],
+        "reactive_demoted_over_computed": runs["reactive"]["demoted_over_computed_median"],
         "prefetch_over_reactive_demoted": round(demoted["prefetch"] / demoted["reactive"], 3)}}
 
 
@@ -450,6 +464,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="--compare resume: the agent's tool pause (the other traffic runs "
                             "in its first half)")
     cache.add_argument("--question-tokens", type=int, default=50)
+    cache.add_argument("--resume-tier", choices=("host", "disk"), default="host",
+                       help="--compare resume: the tier the demoted prefix comes back from")
     cache.add_argument("--workloads", default="shared,random")
     overlap = p.add_argument_group("--compare overlap, speculation, gap and kv-cache-dtype")
     overlap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])

@@ -27,6 +27,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,6 +55,7 @@ class DiskRead:
     found: list[bytes] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False  # set by the scheduler thread: stop at the next page
+    seconds: float = 0.0  # the reader's time on it
 
 
 @dataclass(eq=False)
@@ -67,8 +70,11 @@ class DiskLoad:
 
 class DiskLoads:
     def __init__(self, host: HostTier, disk: DiskTier, chunk_pages: int,
-                 write_through: bool) -> None:
+                 write_through: bool,
+                 on_read: Callable[[int, float], None] | None = None) -> None:
+        """`on_read(pages, seconds)`: told of every chunk read (on the scheduler thread)."""
         self.host = host
+        self.on_read = on_read
         self.disk = disk
         self.chunk_pages = chunk_pages
         self.write_through = write_through
@@ -96,6 +102,8 @@ class DiskLoads:
                 return False
             read, load.read = load.read, None
             self._put_in_host(read)
+            if self.on_read is not None and read.found:
+                self.on_read(len(read.found), read.seconds)
             self._free.append(load.buffer)
             load.buffer = None
             if len(read.found) < len(read.pages):  # a page no valid file holds: the end
@@ -138,6 +146,7 @@ class DiskLoads:
 
     def _read_loop(self) -> None:
         while (read := self._reads.get()) is not None:
+            t0 = time.perf_counter()
             try:
                 for (keys, tokens), out in zip(read.pages, read.rows, strict=True):
                     if read.cancelled:
@@ -153,6 +162,7 @@ class DiskLoads:
             except Exception:  # a bug: keep the thread (the load ends where it stopped)
                 logger.exception("KV disk tier: reading pages failed")
             finally:
+                read.seconds = time.perf_counter() - t0
                 read.done.set()
 
     def _put_in_host(self, read: DiskRead) -> None:

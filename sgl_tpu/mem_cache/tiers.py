@@ -50,6 +50,7 @@ import numpy as np
 from sgl_tpu.mem_cache.disk_loads import DiskLoad, DiskLoads
 from sgl_tpu.mem_cache.disk_tier import DiskTier
 from sgl_tpu.mem_cache.host_tier import HostTier
+from sgl_tpu.mem_cache.load_cost import LoadCost
 from sgl_tpu.mem_cache.page_hash import ROOT_HASH, chain_hashes
 from sgl_tpu.mem_cache.radix_cache import MatchResult, RadixCache
 from sgl_tpu.mem_cache.swa_pool import SwaPageAllocator
@@ -88,13 +89,15 @@ class TierCounters:
     load_s: float = 0.0
     demote_bytes: int = 0  # written into this tier (from the pool, or from the host tier)
     demote_s: float = 0.0
+    skipped_tokens: int = 0  # held here, but computed: fewer than the crossover (load_cost.py)
 
 
 class TieredCache(TreeListener):
     def __init__(self, io: KVPageIO, tree: RadixCache, host: HostTier,
                  disk: DiskTier | None = None, write_policy: str = "write_through", *,
-                 chunk_pages: int = 0) -> None:
-        """`chunk_pages`: pages a load or a demotion copies at once (0: `CHUNK_BYTES` of rows)."""
+                 chunk_pages: int = 0, load_cost: LoadCost | None = None) -> None:
+        """`chunk_pages`: pages a load or a demotion copies at once (0: `CHUNK_BYTES` of rows).
+        `load_cost`: which loads beat computing (default: fitted to what this server sees)."""
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
         if chunk_pages < 0:
@@ -110,6 +113,7 @@ class TieredCache(TreeListener):
         self.write_policy = write_policy
         self.host_counters = TierCounters()
         self.disk_counters = TierCounters()
+        self.load_cost = load_cost if load_cost is not None else LoadCost()
         self.chunk_pages = chunk_pages or max(1, CHUNK_BYTES // host.row_bytes)
         self.step_pages = min(self.chunk_pages, max(1, STEP_BYTES // host.row_bytes))
         # Row buffers reused by every copy (fresh memory is faulted in page by page, which
@@ -117,8 +121,9 @@ class TieredCache(TreeListener):
         # since a load's eviction demotes while the load's rows wait.
         self._demote_buf = _RowBuffer(host.rows.shape[1], host.rows.dtype, self.chunk_pages)
         self._load_buf = _RowBuffer(host.rows.shape[1], host.rows.dtype, self.chunk_pages)
-        self.disk_loads = (None if disk is None else
-                           DiskLoads(host, disk, self.chunk_pages, self.write_through))
+        self.disk_loads = (None if disk is None else DiskLoads(
+            host, disk, self.chunk_pages, self.write_through,
+            on_read=lambda pages, s: self.load_cost.observe_disk_read(pages * self.page_size, s)))
 
     # ---- the tree's events (TreeListener) --------------------------------------------------
     def stored(self, node: TreeNode) -> None:
@@ -163,7 +168,10 @@ class TieredCache(TreeListener):
         """Load the pages of `key` that follow `match` (the device tree's match of `key`) from
         the lower tiers (`from_disk`: the disk too, read here) into the pool and the tree, as
         many as are found in a row and fit; return the new match (`match` itself when nothing
-        was loaded)."""
+        was loaded). Nothing is loaded when computing those pages is faster (`load_cost`); an
+        admission's load (`from_disk`) counts them as skipped."""
+        if not self.worth_loading(key, match, from_disk, count_skipped=from_disk):
+            return match
         loaded: list[int] = []  # this load's pool pages, in order
         while True:
             new, pages = self._load_chunk(key, match, loaded, from_disk, self.chunk_pages)
@@ -215,6 +223,7 @@ class TieredCache(TreeListener):
         namespace = self.tree.namespace_of(match.last_node)
         self.tree.insert(key[:end], slots, namespace=namespace)
         elapsed = time.perf_counter() - t0
+        self.load_cost.observe_host_load(n * ps, elapsed)
         for tier, counters in (("host", self.host_counters), ("disk", self.disk_counters)):
             num = found[:n].count(tier)
             counters.hit_tokens += num * ps
@@ -297,6 +306,43 @@ class TieredCache(TreeListener):
             return row, "disk"
         return row, "host"
 
+    def worth_loading(self, key: np.ndarray, match: MatchResult, from_disk: bool = True,
+                      count_skipped: bool = False) -> bool:
+        """Whether the pages of `key` after `match` that the host tier holds, then (`from_disk`)
+        the disk tier may hold, in a row, load faster than they compute (`load_cost`); no page
+        is read. `count_skipped`: count them as skipped when not."""
+        num_host, num_disk = self._count_below(key, match, from_disk)
+        ps = self.page_size
+        if not num_host + num_disk:
+            return False
+        if self.load_cost.worth_loading(num_host * ps, num_disk * ps):
+            return True
+        if count_skipped:
+            self.host_counters.skipped_tokens += num_host * ps
+            self.disk_counters.skipped_tokens += num_disk * ps
+        return False
+
+    def _count_below(self, key: np.ndarray, match: MatchResult, from_disk: bool
+                     ) -> tuple[int, int]:
+        """How many pages of `key` after `match` the host tier holds, then how many more the
+        disk tier may hold (`from_disk`), in a row (the host tier's pages first: a disk page
+        ends them)."""
+        ps = self.page_size
+        prev = match.last_node.last_hash() or ROOT_HASH
+        num_host = num_disk = 0
+        for p in range(match.prefix_len // ps, len(key) // ps):
+            tokens = np.asarray(key[p * ps:(p + 1) * ps], dtype=np.int32)
+            page_hash = chain_hashes(prev, tokens, ps)[0].tobytes()
+            keys = self._keys(page_hash)
+            if not num_disk and any(k in self.host for k in keys):
+                num_host += 1
+            elif from_disk and self.disk is not None and any(map(self.disk.may_hold, keys)):
+                num_disk += 1
+            else:
+                break
+            prev = page_hash
+        return num_host, num_disk
+
     def pages_below(self, key: np.ndarray, start: int) -> int:
         """How many pages of `key` from token `start` (page-aligned) on the host tier holds,
         or the disk tier may hold, in a row (a prefetch's size; nothing is read)."""
@@ -317,7 +363,7 @@ class TieredCache(TreeListener):
         after `match` that the host tier lacks (no more than the pool and the host tier hold;
         those it has are refreshed, so that the pages read push other pages out first); None if
         there is no disk tier or the first of them is not on it."""
-        if self.disk_loads is None:
+        if self.disk_loads is None or not self.worth_loading(key, match):
             return None
         ps = self.page_size
         prev = match.last_node.last_hash() or ROOT_HASH
@@ -364,12 +410,16 @@ class TieredCache(TreeListener):
         host = {"capacity_pages": self.host.capacity, "used_pages": len(self.host),
                 "capacity_bytes": self.host.capacity * self.host.row_bytes,
                 **vars(self.host_counters)}
-        out: dict[str, Any] = {"write_policy": self.write_policy, "host": host}
+        load_cost = self.load_cost.info()
+        host["crossover_tokens"] = load_cost["host_crossover_tokens"]
+        out: dict[str, Any] = {"write_policy": self.write_policy, "host": host,
+                               "load_cost": load_cost}
         if self.disk is not None:
             disk_counters = dict(vars(self.disk_counters))
             disk_counters["demote_bytes"] = self.disk.write_bytes
             disk_counters["demote_s"] = self.disk.write_s
-            out["disk"] = {**self.disk.stats(), **disk_counters}
+            out["disk"] = {**self.disk.stats(), **disk_counters,
+                           "crossover_tokens": load_cost["disk_crossover_tokens"]}
         return out
 
     def check(self, deep: bool = False) -> None:

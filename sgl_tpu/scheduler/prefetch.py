@@ -187,6 +187,7 @@ class Prefetcher:
 
     def _start(self, prog: Program, pin_s: float, waiting: list[Req]) -> str:
         """Start `prog`'s prefetch: "accepted", "resident" (nothing in a tier to move),
+        "computed" (computing it is faster than loading it: below the tier crossover),
         "deferred" (no room now) or "missing" (nothing known to resume)."""
         kv = prog.kv
         if kv.resume_ids is None or self.kv.tiers is None:
@@ -200,8 +201,10 @@ class Prefetcher:
         room = self._room(waiting, prog.key)
         if room <= 0:
             return "deferred"
-        pin_s = min(max(pin_s, PIN_MIN_S), self.max_retention_s)
         match = self.tree.match_prefix(key, kv.resume_namespace)
+        if not self.kv.tiers.worth_loading(key, match):
+            return "computed"
+        pin_s = min(max(pin_s, PIN_MIN_S), self.max_retention_s)
         # pages the host tier no longer holds are read from disk first, off this thread
         load = PrefixLoad(key, kv.resume_namespace, self.kv.tiers.start_disk_load(key, match),
                           start)
@@ -340,6 +343,9 @@ class Prefetcher:
         status = self._start(prog, pin_s, waiting)
         if status == "resident":
             return {"status": "accepted", "detail": "its prefix is in the pool"}
+        if status == "computed":
+            return {"status": "accepted", "detail": "computing its prefix is faster than "
+                    "loading it (below the tier crossover): nothing to prefetch"}
         if status == "accepted" and clipped:
             return {"status": "clipped"}
         return {"status": status}

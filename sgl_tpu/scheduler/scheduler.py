@@ -273,7 +273,10 @@ class Scheduler:
             return outputs
         started = time.perf_counter()
         result = self.runner.forward(ForwardMode.EXTEND, self.kv.with_windows(steps))
-        self.stats.count_extend(sum(n for _, n in kept), time.perf_counter() - started)
+        num_tokens, seconds = sum(n for _, n in kept), time.perf_counter() - started
+        self.stats.count_extend(num_tokens, seconds)
+        if self.tiers is not None:  # what computing a prefix costs (load_cost.py)
+            self.tiers.load_cost.observe_compute(num_tokens, seconds)
         if any(req.wants_input_logprobs for req, _ in kept):
             collect_input_logprobs(kept, result, self.runner)
         if any(req.pooling is not None for req, _ in kept):

@@ -335,6 +335,10 @@ def program_counters(before: dict[str, Any] | None, after: dict[str, Any] | None
     before): how many programs admission control held, for how long in all."""
     b, a = (before or {}).get("programs") or {}, (after or {}).get("programs") or {}
     deltas = {k: a[k] - b[k] for k in PROGRAM_COUNTERS if k in a and k in b}
+    kv_b, kv_a = b.get("kv") or {}, a.get("kv") or {}
+    kv = {k: kv_a[k] - kv_b.get(k, 0) for k in kv_a}
+    if kv:  # where prompt tokens came from, and what prefetching did (programs.KVCounters)
+        deltas["kv"] = kv
     return {"server_programs": deltas} if deltas else {}
 
 

@@ -624,3 +624,28 @@ def test_one_key_is_admitted_to_its_share_of_the_rows() -> None:
         assert sched.add_request(req) is None
     sched.step()
     assert len(sched.queues.running) == 8
+
+
+def test_agents_on_a_tool_keep_their_rows_from_one_key() -> None:
+    """With admission control: 3 agents took a turn and are paused on their tools when one key
+    sends 10 parallel requests. The key gets 8 // (1 + 3 expected back) = 2 rows, so the agents'
+    next turns find rows free; once the agents are found idle, the key fills the batch."""
+    sched = make_program_scheduler(num_pages=200, admission=True)
+    clock = sched.programs.clock = Clock()
+    out: dict[str, dict] = {}
+    for a in range(3):
+        req = request(f"agent{a}", list(range(300 + 20 * a, 316 + 20 * a)), 4)
+        req.session_id = f"agent-{a}"
+        assert sched.add_request(req) is None
+    run_steps(sched, out)
+    assert sched.programs.info()["num_paused"] == 3
+    for i in range(10):
+        req = request(f"k{i}", list(range(1, 9)) + [100 + i], 12)
+        req.session_id = "one-key"
+        assert sched.add_request(req) is None
+    sched.step()
+    assert sum(r.rid.startswith("k") for r in sched.queues.running) == 2
+    assert sched.programs.expected_back == 3
+    clock.now += 100.0  # the agents never came back: found idle, their rows go to the key
+    run_steps(sched, out, max_steps=2)
+    assert sum(r.rid.startswith("k") for r in sched.queues.running) == 8

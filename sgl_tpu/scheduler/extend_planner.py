@@ -11,9 +11,10 @@ chunk of a prompt that has more, the scheduler runs a DECODE step first if any r
 Admission control (programs.py, with `--schedule-policy program`) first holds back new
 programs' first turns while the admitted programs' KV working sets fill the pool and host tier.
 With it, a program is admitted to at most its share of the rows, `max_running_requests` over
-the programs with requests in the server (a request of no program counts as one): one key's
-parallel requests cannot fill the decode batch, and so every step, that other agents' turns
-run in (`_row_share`).
+the programs with requests in the server (a request of no program counts as one) or expected
+back from a tool pause: one key's parallel requests cannot fill the decode batch, and so every
+step, that other agents' turns run in, nor take the rows of agents busy in their tools
+(`_row_share`).
 A chunked prompt that cannot get its pages admits nothing new (it is not starved). A waiting
 request is admitted only with a page per running request kept in reserve, so admission does
 not starve decode, and not when it shares a long uncached prefix with a request already in
@@ -153,7 +154,9 @@ class ExtendPlanner:
     def _row_share(self, ready: list[Req], batch: ExtendBatch) -> tuple[dict[int, int], int]:
         """Rows each program holds (running, re-extending, in this batch; by id), and a
         program's share of max_running_requests among the programs with requests holding rows
-        or ready (the whole batch for one, and outside `--schedule-policy program`)."""
+        or ready and, with admission control, the paused ones expected back from their tools
+        (`Programs.expected_back`: their rows stay free for their next turns); the whole batch
+        for one, and outside `--schedule-policy program`."""
         q, rows = self.queues, self.config.max_running_requests
         held = [*q.running, *q.jump_forward_reqs, *(req for req, _ in batch)]
         rows_of: dict[int, int] = {}
@@ -163,7 +166,8 @@ class ExtendPlanner:
         if self.config.schedule_policy != "program":
             return rows_of, rows
         present = {id(r.program) if r.program is not None else id(r) for r in [*ready, *held]}
-        return rows_of, max(1, rows // len(present))
+        back = 0.0 if self.programs is None else self.programs.expected_back
+        return rows_of, max(1, int(rows / (len(present) + back)))
 
     def _held(self, batch: ExtendBatch) -> int:
         """Rows held: running, waiting to re-extend, admitted to this batch."""

@@ -182,6 +182,9 @@ class Programs:
         self.held_s = 0.0  # seconds held, summed over programs no longer held
         self.last_release_s = float("-inf")  # when a held program was last admitted
         self.num_visits = 0  # programs looked at by sweeps (what admission costs)
+        # paused admitted programs expected back (returned ones count 1, others return_rate),
+        # as of the last sweep: the row share keeps their rows (extend_planner `_row_share`)
+        self.expected_back = 0.0
         self.kv_totals = KVCounters()  # every program's, since start-up
         self._next_expire = 0.0
         # called with the key of each program found done after a tool pause, at most once
@@ -325,8 +328,9 @@ class Programs:
         """Walk the live programs: those found idle leave `live` (`_learn_done`), those found
         done after a tool pause are reported to `on_done`. Returns the expected working sets of
         the admitted ones that are active, or paused and not expected done (paused after their
-        first turn: times `return_rate`)."""
+        first turn: times `return_rate`); counts the paused ones into `expected_back`."""
         total = 0
+        back = 0.0
         turns = self.expected_turns()
         gone = []
         for key, prog in self.live.items():
@@ -340,8 +344,10 @@ class Programs:
                     continue
                 if state == "paused" and not prog.returned:  # back with chance return_rate
                     total += int(self.return_rate * self.expected_working_set(prog, 1.0))
+                    back += self.return_rate
                 else:
                     total += self.expected_working_set(prog)
+                    back += state == "paused"
                 continue
             if state == "idle":
                 gone.append(key)
@@ -353,6 +359,7 @@ class Programs:
                 self.on_done(key)
         for key in gone:
             del self.live[key]
+        self.expected_back = back
         return total
 
     def _learn_done(self, prog: Program) -> None:

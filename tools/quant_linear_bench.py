@@ -95,6 +95,7 @@ def main() -> None:
              for m in rows}
     out = {"width": args.width, "ffn_factor": args.ffn_factor, "clock": "thread", "threads": 1,
            "simd": quant_gemm_cpu.simd(), "vnni": quant_gemm_cpu.vnni(),
+           "tile_dot": quant_gemm_cpu.tile_dot(),
            "layer_ms_by_rows": layer, "per_matrix": per_matrix}
     text = json.dumps(out, indent=1)
     print(text)

@@ -214,6 +214,19 @@ def load_extension(ext: CpuExtension) -> tuple[ModuleType | None, str]:
     return None, f"the {ext.title} is not built for this source and machine; {INSTALL_HINT}"
 
 
+def load_flavour(ext: CpuExtension, flavour: str) -> ModuleType | None:
+    """One built flavour of `ext` ("native", "avx2", "avx2vnni", ...) whatever
+    SGL_TPU_CPU_KERNELS says, beside the one loaded (tests compare them); None when that flavour
+    is not built here."""
+    path = ext.built_path(flavour)
+    if not path.exists():
+        return None
+    spec = importlib.util.spec_from_file_location(ext.module_name(flavour), path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 # The attention extension's interface (backends/torch/paged_attention.py `fused_*`,
 # backends/torch/attention.py).
 def module_name(flavour: str) -> str:

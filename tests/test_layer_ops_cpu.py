@@ -259,7 +259,7 @@ def test_runner_with_layer_ops_equals_torch_ops(tmp_path, arch, dtype):
 @pytest.mark.slow
 def test_default_model_greedy_tokens_unchanged():
     """SmolLM2 in float32 on the GGUF's own Q4_1 blocks (the exact kernels; `auto` takes int8
-    activations on AVX512-VNNI CPUs, whose rounding would swap near-ties): 24 greedy tokens of
+    activations where the tiles are built, whose rounding would swap near-ties): 24 greedy tokens of
     two sequences decoded in one batch are the same with the ops on and off."""
     loaded = load_model(None)
     rng = np.random.default_rng(7)

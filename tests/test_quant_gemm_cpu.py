@@ -461,3 +461,25 @@ def test_avx2_vnni_kernels_select_their_builds(monkeypatch):
                                 else "vpdpbusd-ymm-evex")
     avx2 = ce.load_flavour(ce.QUANT_GEMM, "avx2")
     assert avx2 is None or avx2.tile_dot == "vpmaddubsw-ymm"
+
+
+@pytest.mark.slow
+def test_avx_vnni_build_compiles_to_vex_vpdpbusd(tmp_path):
+    """The AVX2 + AVX-VNNI host class's native build (-mavxvnni, no AVX-512): its tile kernels
+    take VEX-encoded `vpdpbusd ymm`. Built and loaded here without running its kernels (a CPU
+    without AVX-VNNI faults on the VEX form; the avx2-vnni build runs the EVEX one there)."""
+    import shutil
+    import subprocess
+
+    from sgl_tpu.backends.torch.kernels import cpu_extension
+
+    module = cpu_extension.build_copy(cpu_extension.QUANT_GEMM.source, "sgl_tpu_qgemm_vex_test",
+                                      str(tmp_path), extra_flags=("-mno-avx512f", "-mavxvnni"))
+    assert module.simd == "avx2-fma" and module.tile_dot == "vpdpbusd-ymm-vex"
+    if shutil.which("objdump") is None:
+        pytest.skip("no objdump to read the instructions")
+    text = subprocess.run(["objdump", "-d", module.__file__], capture_output=True, text=True,
+                          check=True).stdout
+    dots = [line for line in text.splitlines() if "vpdpbusd" in line]
+    # VEX instructions start with c4 / c5, EVEX with 62
+    assert dots and all(line.split("\t")[1].startswith(("c4", "c5")) for line in dots)

@@ -142,7 +142,7 @@ def auto_method(dtype: torch.dtype) -> str:
     where the activations are float32 and the kernels have the int8-activation tiles
     (`quant_gemm_cpu.tile_dot()`: AVX512-VNNI, AVX-VNNI or AVX2), each measured faster than the
     exact float32 kernels at 1 and 8 rows on both model sizes (AVX512-VNNI 1.7-2.3x; AVX2 and
-    AVX-VNNI builds 1.4-4.4x, docs/quantization.md); else the exact gguf."""
+    AVX-VNNI builds 1.4-7x a decode step's GEMMs, docs/quantization.md); else the exact gguf."""
     a8 = dtype == torch.float32 and quant_gemm_cpu.tile_dot() != ""
     return "gguf-a8" if a8 else "gguf"
 

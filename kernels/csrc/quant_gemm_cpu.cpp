@@ -67,7 +67,7 @@
 //   SGL_TPU_VNNI256_EVEX (the avx2-vnni build on a CPU with AVX512-VNNI + VL but no AVX-VNNI,
 //     cpu_extension.py): EVEX `vpdpbusd ymm` (_mm256_dpbusd_epi32, the same operation), in
 //     functions compiled for that target alone; everything else stays AVX2
-//   else AVX2: `vpmaddubsw` + `vpmaddwd` (q4a8_tile8 / q8a8_tile8 say why they are exact)
+//   else AVX2: `vpmaddubsw` + `vpmaddwd` (exact: the 256-bit tile kernels below say why)
 #if SGL_QGEMM_AVX2 && !SGL_QGEMM_AVX512 && defined(__F16C__)
 #define SGL_QGEMM_T256 1
 #else

@@ -574,11 +574,12 @@ class ServerArgs(SchedulerSettings, ServingSettings):
         help="weights: none (dense --dtype), gguf (a GGUF's Q4_0/Q4_1/Q4_K blocks as stored, "
              "exact; float32 also its Q5_0/Q8_0 blocks and Q8_0 head), gguf-a8 (float32 only: the "
              "same blocks with activations quantized to int8 per 32 values, llama.cpp's CPU math; "
-             "faster, not exact; with AVX512-VNNI in 16-feature tiles at every step size, else its"
-             " large steps on a dense copy, bf16 where oneDNN computes bf16), int8 / int4 "
-             "(quantized at load), auto (for a GGUF on the torch CPU backend with bfloat16, or "
-             "float32 when the compiled kernels are built: gguf-a8 where they have AVX512-VNNI and"
-             " the activations are float32, else gguf; else none); quantized kernels run for "
+             "faster, not exact; with AVX512-VNNI, AVX-VNNI or AVX2 in 16-feature tiles at every "
+             "step size, else its large steps on a dense copy, bf16 where oneDNN computes bf16), "
+             "int8 / int4 (quantized at load), auto (for a GGUF on the torch CPU backend with "
+             "bfloat16, or float32 when the compiled kernels are built: gguf-a8 where they have "
+             "the tiles and the activations are float32, else gguf; else none); quantized "
+             "kernels run for "
              "decode-sized steps (every step for the 16-feature tiles)")
     # data and tensor parallelism (server/replicas.py; SGLang's flags)
     dp_size: int = setting(

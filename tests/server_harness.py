@@ -54,7 +54,8 @@ DEFAULT_MODEL_FLAGS = (*_DEFAULT_MODEL_COMMON, "--max-total-tokens", "8192",
                        "--max-running-requests", "8")
 # The float32 server computes exactly what the file holds, for the tests that compare tokens
 # across cache hits, batches and streams: on the torch backend the exact block kernels (`auto`
-# takes int8 activations on AVX512-VNNI CPUs) and, where the compiled attention is built,
+# takes int8 activations where the kernels have the tiles: AVX512-VNNI, AVX-VNNI, AVX2) and,
+# where the compiled attention is built,
 # float32 attention products (`auto` multiplies bfloat16 pairs on AVX512-BF16 CPUs, whose
 # rounding turns the float32 summation order of two paths into differences of 1e-3); the JAX
 # backend (SGL_TPU_TEST_BACKEND=jax) has dense weights only.

@@ -156,7 +156,8 @@ def _isa_rank(name: str) -> int:
 def test_the_process_runs_the_isa_it_is_set_to():
     """What `/server_info` reports (backends/torch/device.cpu_info) follows the knobs the ISA
     cases of tests/test_isa.py set: oneDNN's linears at most ONEDNN_MAX_CPU_ISA, and every
-    compiled kernel the AVX2 build under SGL_TPU_CPU_KERNELS=avx2."""
+    compiled kernel the AVX2 build under SGL_TPU_CPU_KERNELS=avx2 (the quantized GEMM's
+    AVX-VNNI one under avx2-vnni)."""
     pytest.importorskip("torch")
     import os
 
@@ -171,10 +172,19 @@ def test_the_process_runs_the_isa_it_is_set_to():
         for impl in (onednn["f32_linear"], onednn["bf16_linear"]):
             assert impl is None or _isa_rank(impl) <= _isa_rank(cap), (impl, cap)
         assert not onednn["amx"] or cap == "AVX512_CORE_AMX"
-    if os.environ.get(cpu_extension.KERNELS_ENV) == "avx2" and cpu_extension.has_avx2_build():
+    requested = os.environ.get(cpu_extension.KERNELS_ENV)
+    if requested == "avx2-vnni" and cpu_extension.has_avx2_vnni_build():
+        # the quantized GEMM's AVX-VNNI build (vpdpbusd ymm), the other sources' AVX2 ones
+        for ext in cpu_extension.EXTENSIONS:
+            kernel = info["compiled_kernels"][ext.prefix]
+            assert kernel.get("flavour") == ("avx2-vnni" if ext.avx_vnni else "avx2"), ext
+        qgemm = info["compiled_kernels"]["sgl_tpu_qgemm_cpu"]
+        assert qgemm["tile_dot"].startswith("vpdpbusd-ymm")
+    if requested == "avx2" and cpu_extension.has_avx2_build():
         for name, kernel in info["compiled_kernels"].items():
             assert kernel.get("flavour") == "avx2", name
         assert info["compiled_kernels"]["sgl_tpu_inv_gemm_cpu"]["simd"] == "avx2-fma"
+        assert info["compiled_kernels"]["sgl_tpu_qgemm_cpu"]["tile_dot"] == "vpmaddubsw-ymm"
 
 
 def test_jax_matmul_rows_do_not_depend_on_row_count():

@@ -5,7 +5,9 @@
                                       knob, read once per process)
     SGL_TPU_CPU_KERNELS=avx2          for the AVX2 case, the AVX2 build of the compiled
                                       kernels (backends/torch/kernels/cpu_extension.py), not the
-                                      native one
+                                      native one; a second AVX2 case takes avx2-vnni (the
+                                      AVX2 + AVX-VNNI host class's quantized GEMM) with drafts
+                                      off
 
     SGL_TPU_TEST_SPECULATIVE=<drafts> the servers' drafts (tests/server_harness.py): forced on
                                       (`SUFFIX`, the drafter `auto` picks, by name: no timing
@@ -33,7 +35,11 @@ from pathlib import Path
 import pytest
 from server_harness import REPO_ROOT
 
-from sgl_tpu.backends.torch.kernels.cpu_extension import KERNELS_ENV, cpu_flags
+from sgl_tpu.backends.torch.kernels.cpu_extension import (
+    KERNELS_ENV,
+    cpu_flags,
+    has_avx2_vnni_build,
+)
 
 # oneDNN's name for each ISA, the /proc/cpuinfo flag it needs, lowest first
 ISAS = (("AVX2", "avx2"), ("AVX512_CORE", "avx512f"), ("AVX512_CORE_BF16", "avx512_bf16"),
@@ -62,14 +68,30 @@ def test_token_comparisons_hold_with_the_cpu_capped_at(isa, flag):
         pytest.skip(f"this CPU lacks {flag}: it cannot run {isa} (best: {_best_isa(flags)})")
     if isa == _best_isa(flags):
         pytest.skip(f"{isa} is this CPU's best ISA: the main run covers it uncapped")
+    _run_case(isa, "avx2" if isa == "AVX2" else None, DRAFTS[isa])
+
+
+@pytest.mark.slow
+def test_token_comparisons_hold_with_the_avx2_vnni_kernels():
+    """The AVX2 + AVX-VNNI host class: oneDNN capped at AVX2, the quantized GEMM's avx2-vnni
+    build (`vpdpbusd` on 256-bit vectors; on a CPU with AVX512-VNNI + VL but no AVX-VNNI the
+    instruction's EVEX encoding), drafts off (the AVX2 case forces them on)."""
+    if not has_avx2_vnni_build():
+        pytest.skip("this CPU has no avx2-vnni build (AVX-512 with AVX-VNNI or AVX512-VNNI+VL)")
+    _run_case("AVX2", "avx2-vnni", "none")
+
+
+def _run_case(isa: str, kernels: str | None, drafts: str) -> None:
+    """The marked tests in a subprocess with oneDNN capped at `isa`, SGL_TPU_CPU_KERNELS =
+    `kernels` (None: unset) and the servers' drafts `drafts`."""
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": isa, "JAX_PLATFORMS": "cpu",
-           "SGL_TPU_TEST_SPECULATIVE": DRAFTS[isa]}
+           "SGL_TPU_TEST_SPECULATIVE": drafts}
     env.pop(KERNELS_ENV, None)
-    if isa == "AVX2":
-        env[KERNELS_ENV] = "avx2"
+    if kernels:
+        env[KERNELS_ENV] = kernels
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "-m", "isa_invariance", *_marked_files()], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, (f"under {isa}, drafts {DRAFTS[isa]}:\n{proc.stdout[-6000:]}"
-                                  f"\n{proc.stderr[-2000:]}")
-    print(f"{isa}, drafts {DRAFTS[isa]}: {proc.stdout.strip().splitlines()[-1]}")
+    case = f"{isa}, kernels {kernels or 'native'}, drafts {drafts}"
+    assert proc.returncode == 0, f"under {case}:\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
+    print(f"{case}: {proc.stdout.strip().splitlines()[-1]}")

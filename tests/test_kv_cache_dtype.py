@@ -249,8 +249,8 @@ def test_narrower_pool_of_a_float32_model(tmp_path, kv):
 
 @pytest.mark.slow
 def test_default_model_greedy_tokens_with_a_bfloat16_pool():
-    """SmolLM2 in float32 on the GGUF's blocks (the exact kernels: int8 activations, `auto` on
-    AVX512-VNNI CPUs, would round more than the pool does), fused kernels with float32 products
+    """SmolLM2 in float32 on the GGUF's blocks (the exact kernels: int8 activations, `auto` where
+    the tiles are built, would round more than the pool does), fused kernels with float32 products
     (`auto` takes bfloat16 products over a bfloat16 pool on AVX512-BF16 CPUs, which round
     queries and probabilities too): greedy tokens of two sequences decoded in one batch,
     float32 pool vs bfloat16 pool, identical."""

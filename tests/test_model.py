@@ -113,7 +113,7 @@ def smol_greedy_reference():
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_default_model_greedy_matches_transformers(smol_greedy_reference, backend):
     """32 greedy tokens of SmolLM2 (our loader + either backend, float32; torch on the exact
-    block kernels, which `auto` trades for int8 activations on AVX512-VNNI CPUs) ==
+    block kernels, which `auto` trades for int8 activations where the tiles are built) ==
     transformers on the same GGUF."""
     from sgl_tpu import Engine
 

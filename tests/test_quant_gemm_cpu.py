@@ -204,13 +204,14 @@ def test_default_model_greedy_equals_dense_float32(caplog):
         assert first_logprob(g) < 0 and abs(first_logprob(g_a8) - first_logprob(g)) > 1e-6
 
 
-def test_auto_takes_int8_activations_on_vnni_builds():
+def test_auto_takes_int8_activations_where_the_tiles_are_built():
     """`auto` serves a GGUF with float32 activations on the int8-activation kernels exactly
-    where the build has AVX512-VNNI (llama.cpp's math, measured faster there), else on the
-    exact float32 kernels; bfloat16 activations keep torch's int4 op."""
+    where the build has their tiles (AVX512-VNNI, AVX-VNNI or AVX2: llama.cpp's math, measured
+    faster on each), else on the exact float32 kernels; bfloat16 activations keep torch's int4
+    op."""
     from sgl_tpu.backends.torch.quantize import auto_method
 
-    assert auto_method(torch.float32) == ("gguf-a8" if quant_gemm_cpu.vnni() else "gguf")
+    assert auto_method(torch.float32) == ("gguf-a8" if quant_gemm_cpu.tile_dot() else "gguf")
     assert auto_method(torch.bfloat16) == "gguf"
 
 
@@ -355,3 +356,130 @@ def test_native_build_takes_vnni_where_the_cpu_has_it():
         pytest.skip("no /proc/cpuinfo flags")
     native = quant_gemm_cpu.kernel_module()
     assert native.vnni == (native.simd == "avx512f" and {"avx512_vnni", "avx512bw"} <= flags)
+    # the tile kernels' dot product: the CPU's best (an avx2 / avx2-vnni build: that class's)
+    flavour = quant_gemm_cpu.flavour()
+    expected = ("vpdpbusd-zmm" if native.vnni else "" if native.simd != "avx2-fma"
+                else "vpmaddubsw-ymm" if flavour == "avx2"
+                else "vpdpbusd-ymm-vex" if "avx_vnni" in flags
+                else "vpdpbusd-ymm-evex" if flavour == "avx2-vnni" else "vpmaddubsw-ymm")
+    assert native.tile_dot == expected
+
+
+def _tile_flavours() -> dict:
+    """The built flavours of this source that hold tile kernels: name -> module."""
+    from sgl_tpu.backends.torch.kernels import cpu_extension
+
+    flavours = {}
+    for name in ("native", "avx2", "avx2vnni"):
+        module = cpu_extension.load_flavour(cpu_extension.QUANT_GEMM, name)
+        if module is not None and module.tile_dot:
+            flavours[name] = module
+    return flavours
+
+
+def _tile_outputs(module, x, w4, w8):
+    return (module.q4_gemm_a8_tiles(x, w4.qt, w4.st, w4.mt),
+            module.q8_gemm_a8_tiles(x, w8.qt, w8.st))
+
+
+def test_tile_kernels_give_the_same_bits_on_every_build():
+    """The 256-bit tile kernels (AVX2 vpmaddubsw; vpdpbusd ymm in the avx2-vnni build) take the
+    same exact integer dots and the same float operations per lane as the AVX512-VNNI ones: on
+    a CPU that runs several builds, every build's results are the same bits, and a row's result
+    does not depend on the rows beside it."""
+    flavours = _tile_flavours()
+    if len(flavours) < 2:
+        pytest.skip(f"one build with tile kernels here ({sorted(flavours)}): nothing to compare")
+    rng = np.random.default_rng(7)
+    for n, k in ((16, 64), (960, 576), (48, 1536)):
+        q4, q8 = _half_scales(_int4(n, k, rng)), _half_scales(_int8(n, k, rng))
+        w4 = quant_gemm_cpu.pack_q4_tiles(q4.q, q4.scale, q4.zero)
+        w8 = quant_gemm_cpu.pack_q8_tiles(q8.q, q8.scale)
+        x = torch.randn(13, k, generator=torch.Generator().manual_seed(n))
+        outs = {name: _tile_outputs(m, x, w4, w8) for name, m in flavours.items()}
+        first = next(iter(outs.values()))
+        for name, (y4, y8) in outs.items():
+            assert torch.equal(y4, first[0]) and torch.equal(y8, first[1]), (name, n, k)
+            for rows in (1, 4, 8):  # a row alone, in a short tile, in a full one
+                one = _tile_outputs(flavours[name], x[5:5 + 1].contiguous(), w4, w8)
+                part = _tile_outputs(flavours[name], x[:rows + 5].contiguous(), w4, w8)
+                assert torch.equal(one[0][0], part[0][5]) and torch.equal(one[1][0], part[1][5])
+
+
+@pytest.mark.parametrize("flavour", ("native", "avx2", "avx2vnni"))
+def test_tile_kernels_exact_at_the_int16_bounds(flavour):
+    """Adversarial codes: Q8 -128 and 127, Q4 15, activations +-127 with d = 1 (|x| = 127 in
+    every block), so every output is an integer the float32 sums hold exactly. AVX2's
+    vpmaddubsw saturates pairs at +-32767: the Q8 kernel multiplies |q| (<= 128) by the
+    activation with q's sign, a pair at most 2 * 128 * 127 = 32512 (unsigned q + 128 = 255
+    would reach 64770), and the Q4 kernel's int16 block sums reach 8 * 2 * 15 * 127 = 30480."""
+    from sgl_tpu.backends.torch.kernels import cpu_extension
+
+    module = cpu_extension.load_flavour(cpu_extension.QUANT_GEMM, flavour)
+    if module is None or not module.tile_dot:
+        pytest.skip(f"no {flavour} build with tile kernels here")
+    n, k = 32, 256
+    rng = np.random.default_rng(8)
+    signs = np.where(rng.random((6, k)) < 0.5, -1, 1)
+    signs[0], signs[1] = 1, -1  # all +127, all -127
+    x = torch.from_numpy((127 * signs).astype(np.float32))
+    q8 = np.where(rng.random((n, k)) < 0.5, -128, 127)
+    q8[:8] = -128  # with row 1: every pair 2 * 128 * 127
+    q8[8:16] = 127
+    q4 = np.full((n, k), 15)
+    ones = np.ones((n, k // 32), np.float32)
+    w8 = quant_gemm_cpu.pack_q8_tiles(q8, ones)
+    w4 = quant_gemm_cpu.pack_q4_tiles(q4, ones, 8 * ones)  # mins 0: y = the integer dots
+    y4, y8 = _tile_outputs(module, x, w4, w8)
+    np.testing.assert_array_equal(y8.numpy(), (127 * signs) @ q8.T)
+    np.testing.assert_array_equal(y4.numpy(), (127 * signs) @ q4.T)
+
+
+def test_avx2_vnni_kernels_select_their_builds(monkeypatch):
+    """SGL_TPU_CPU_KERNELS=avx2-vnni loads the avx2vnni build of the quantized GEMM (the
+    AVX2 + AVX-VNNI host class: vpdpbusd on 256-bit vectors, VEX-encoded where the CPU has
+    AVX-VNNI, else the EVEX encoding of AVX512-VNNI + VL) and the avx2 builds of the sources
+    without AVX-VNNI code; avx2 the avx2 builds (vpmaddubsw); unset, the native ones."""
+    from sgl_tpu.backends.torch.kernels import cpu_extension as ce
+
+    flags = set(ce.cpu_flags().split())
+    if not ce.has_avx2_vnni_build():
+        pytest.skip("this CPU has no AVX-512 build beside an avx2-vnni one")
+    monkeypatch.setenv(ce.KERNELS_ENV, "avx2-vnni")
+    assert ce.requested_flavours(ce.QUANT_GEMM) == ["avx2vnni"]
+    assert ce.requested_flavours(ce.LAYER_OPS) == ["avx2"]
+    assert "-mno-avx512f" in ce.flavour_flags("avx2vnni")
+    monkeypatch.setenv(ce.KERNELS_ENV, "avx2")
+    assert ce.requested_flavours(ce.QUANT_GEMM) == ["avx2"]
+    monkeypatch.delenv(ce.KERNELS_ENV)
+    assert ce.requested_flavours(ce.QUANT_GEMM) == list(ce.FLAVOURS)
+    vnni256 = ce.load_flavour(ce.QUANT_GEMM, "avx2vnni")
+    if vnni256 is None:
+        pytest.skip("the avx2vnni build is not built here")
+    assert vnni256.simd == "avx2-fma" and not vnni256.vnni
+    assert vnni256.tile_dot == ("vpdpbusd-ymm-vex" if "avx_vnni" in flags
+                                else "vpdpbusd-ymm-evex")
+    avx2 = ce.load_flavour(ce.QUANT_GEMM, "avx2")
+    assert avx2 is None or avx2.tile_dot == "vpmaddubsw-ymm"
+
+
+@pytest.mark.slow
+def test_avx_vnni_build_compiles_to_vex_vpdpbusd(tmp_path):
+    """The AVX2 + AVX-VNNI host class's native build (-mavxvnni, no AVX-512): its tile kernels
+    take VEX-encoded `vpdpbusd ymm`. Built and loaded here without running its kernels (a CPU
+    without AVX-VNNI faults on the VEX form; the avx2-vnni build runs the EVEX one there)."""
+    import shutil
+    import subprocess
+
+    from sgl_tpu.backends.torch.kernels import cpu_extension
+
+    module = cpu_extension.build_copy(cpu_extension.QUANT_GEMM.source, "sgl_tpu_qgemm_vex_test",
+                                      str(tmp_path), extra_flags=("-mno-avx512f", "-mavxvnni"))
+    assert module.simd == "avx2-fma" and module.tile_dot == "vpdpbusd-ymm-vex"
+    if shutil.which("objdump") is None:
+        pytest.skip("no objdump to read the instructions")
+    text = subprocess.run(["objdump", "-d", module.__file__], capture_output=True, text=True,
+                          check=True).stdout
+    dots = [line for line in text.splitlines() if "vpdpbusd" in line]
+    # VEX instructions start with c4 / c5, EVEX with 62
+    assert dots and all(line.split("\t")[1].startswith(("c4", "c5")) for line in dots)

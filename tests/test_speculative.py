@@ -711,7 +711,8 @@ QUESTIONS = ["Count from one to five.", "Tell a story.", "List the days of the w
 @pytest.fixture(scope="module")
 def default_engine():
     """The shipped model on the default path of the host that runs the tests (`auto`
-    quantization: int8 activations where the CPU has VNNI; the fused attention, bfloat16
+    quantization: int8 activations where the kernels have the tiles (AVX512-VNNI, AVX-VNNI,
+    AVX2); the fused attention, bfloat16
     products where it has AVX512-BF16), with drafts forced: every n-gram match is drafted."""
     from sgl_tpu.loader.default_model import default_model_path
 

@@ -190,7 +190,7 @@ def test_default_model_backends_agree_on_a_mixed_batch(smol_jax_mixed_batch, dty
     """SmolLM2: the JAX and torch runners give the same logits for a ragged EXTEND batch (one
     sequence with a cached prefix ending mid-page, one fresh) and the following DECODE batch."""
     loaded, (a, b), jax_ext, nxt, jax_dec = smol_jax_mixed_batch
-    # float32: the exact block kernels (auto takes int8 activations on AVX512-VNNI CPUs)
+    # float32: the exact block kernels (auto takes int8 activations where tiles are built)
     torch_m = TorchPaged(loaded, dtype, page_size=16,
                          quantization="gguf" if dtype == "float32" else "auto")
     ta, tb = torch_m.new_pages(46), torch_m.new_pages(21)

@@ -118,6 +118,7 @@ def main() -> None:
     from sgl_tpu.backends.torch.kernels import quant_gemm_cpu
 
     result = {"simd": quant_gemm_cpu.simd(), "vnni": quant_gemm_cpu.vnni(),
+              "tile_dot": quant_gemm_cpu.tile_dot(),
               "distinct_answers": {alg: repeats(args.model_path, alg, args.repeats,
                                                 args.max_new_tokens)
                                    for alg in ("auto", "none")},

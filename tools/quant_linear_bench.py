@@ -38,13 +38,14 @@ def layer_shapes(width: int, ffn_factor: float) -> dict[str, tuple[int, int]]:
             "gate_up": (2 * ffn, hidden), "down": (hidden, ffn)}
 
 
-def forms_of(w: np.ndarray, copies: int) -> dict[str, list]:
-    """Each form's callables x f32[M, K] -> f32[M, N], one per copy of the weight."""
+def forms_of(w: np.ndarray, copies: int, forms: list[str]) -> dict[str, list]:
+    """Each form's callables x f32[M, K] -> f32[M, N], one per copy of the weight (the bf16
+    copy only where `forms` has it: oneDNN refuses it under ONEDNN_MAX_CPU_ISA=AVX2)."""
     g = quantize_int4(w)
     blocks = [quant_gemm_cpu.pack_q4(g.q, g.scale, g.zero) for _ in range(copies)]
     a8 = [Q4A8Kernel(g) for _ in range(copies)]  # 16-feature tiles where the build takes them
     dense = [torch.from_numpy(g.dequantize()) for _ in range(copies)]
-    packed = [bf16_dense(d) for d in dense]
+    packed = [bf16_dense(d) for d in dense] if "dense-bf16" in forms else []
     return {
         "q4-a8": a8,
         "q4-f32": [lambda x, b=b: quant_gemm_cpu.q4_gemm(x, b) for b in blocks],
@@ -82,7 +83,7 @@ def main() -> None:
     per_matrix: list[dict] = []
     for name, (n, k) in layer_shapes(args.width, args.ffn_factor).items():
         w = rng.standard_normal((n, k), dtype=np.float32) * 0.02
-        calls = forms_of(w, args.copies)
+        calls = forms_of(w, args.copies, forms)
         for m in rows:
             x = torch.randn(m, k)
             repeats = args.repeats if m < 64 else max(1, args.repeats // 2)
@@ -94,6 +95,7 @@ def main() -> None:
              for m in rows}
     out = {"width": args.width, "ffn_factor": args.ffn_factor, "clock": "thread", "threads": 1,
            "simd": quant_gemm_cpu.simd(), "vnni": quant_gemm_cpu.vnni(),
+           "tile_dot": quant_gemm_cpu.tile_dot(),
            "layer_ms_by_rows": layer, "per_matrix": per_matrix}
     text = json.dumps(out, indent=1)
     print(text)

@@ -61,6 +61,31 @@
 #else
 #define SGL_QGEMM_VNNI 0
 #endif
+// The int8-activation tile kernels with 256-bit vectors (8 features per vector), on builds
+// without AVX-512 (F16C for the tiles' float16 scales). Their dot product, in order of choice:
+//   AVX-VNNI (-mavxvnni, __AVXVNNI__): VEX `vpdpbusd ymm` (_mm256_dpbusd_avx_epi32)
+//   SGL_TPU_VNNI256_EVEX (the avx2-vnni build on a CPU with AVX512-VNNI + VL but no AVX-VNNI,
+//     cpu_extension.py): EVEX `vpdpbusd ymm` (_mm256_dpbusd_epi32, the same operation), in
+//     functions compiled for that target alone; everything else stays AVX2
+//   else AVX2: `vpmaddubsw` + `vpmaddwd` (exact: the 256-bit tile kernels below say why)
+#if SGL_QGEMM_AVX2 && !SGL_QGEMM_AVX512 && defined(__F16C__)
+#define SGL_QGEMM_T256 1
+#else
+#define SGL_QGEMM_T256 0
+#endif
+#if SGL_QGEMM_T256 && defined(__AVXVNNI__)
+#define SGL_QGEMM_T256_DOT "vpdpbusd-ymm-vex"
+#define SGL_QGEMM_T256_VNNI 1
+#define SGL_QGEMM_T256_TARGET
+#elif SGL_QGEMM_T256 && defined(SGL_TPU_VNNI256_EVEX)
+#define SGL_QGEMM_T256_DOT "vpdpbusd-ymm-evex"
+#define SGL_QGEMM_T256_VNNI 1
+#define SGL_QGEMM_T256_TARGET __attribute__((target("avx512vl,avx512vnni")))
+#elif SGL_QGEMM_T256
+#define SGL_QGEMM_T256_DOT "vpmaddubsw-ymm"
+#define SGL_QGEMM_T256_VNNI 0
+#define SGL_QGEMM_T256_TARGET
+#endif
 
 namespace {
 
@@ -924,7 +949,7 @@ at::Tensor q8_gemm_a8(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
   return y;
 }
 
-#if SGL_QGEMM_VNNI
+#if SGL_QGEMM_VNNI || SGL_QGEMM_T256
 // ---- int8 activations, 16 output features per vector (AVX512-VNNI, N % 16 == 0) ------------
 //
 // The same math as q4_gemm_a8 / q8_gemm_a8, on weights stored in tiles of 16 output features
@@ -949,7 +974,12 @@ at::Tensor q8_gemm_a8(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
 //
 // The activations stay in natural order (dword j of a block = its values 4j .. 4j + 3). Every
 // row runs the same operations whatever M is; a row's result does not depend on M.
+// (Builds without AVX-512 run the same tiles with 256-bit vectors: SGL_QGEMM_T256 below.)
 constexpr int64_t kTile = 16;
+constexpr int kRowTileTiles = 8;  // rows per call of a tile kernel
+#endif
+
+#if SGL_QGEMM_VNNI
 
 // acc + the dots of the 16 lanes' codes `w` with the 4 activations of dword j of a block at
 // `a`, broadcast to every lane by the load itself (an embedded-broadcast memory operand: GCC
@@ -1029,6 +1059,156 @@ void q8a8_tile(const int8_t* xq, const float* xd, const int32_t* code_sum, int64
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * N, acc[r]);
 }
 
+#endif  // SGL_QGEMM_VNNI
+
+#if SGL_QGEMM_T256
+// ---- the tile kernels with 256-bit vectors (AVX2, AVX-VNNI; builds without AVX-512) ---------
+//
+// The same tiles, math and float operations per lane as the AVX-512 kernels above, so a row's
+// results are the same bits as theirs: each 64-byte code vector is two 256-bit ones (features
+// 0-7 and 8-15), and the kernel runs the tile's two halves one after the other (a half's codes
+// and 8 rows' accumulators share the 16 vector registers). The integer block dots are exact:
+//
+//   VNNI (SGL_QGEMM_T256_VNNI: VEX or EVEX `vpdpbusd ymm`): as above, 4 products of unsigned
+//     codes and signed activations per int32 lane, added in int32.
+//   AVX2: `vpmaddubsw` multiplies unsigned by signed bytes and adds adjacent products into
+//     int16 with signed saturation; `vpmaddwd` with ones adds adjacent int16 into int32 (exact).
+//     The activations are -127..127 (quantize_block: |x| / d <= 127).
+//     Q4 (codes 0..15): a pair is at most 2 * 15 * 127 = 3810 in magnitude, and the block's 8
+//       vectors (each int16 lane: 2 codes of each) at most 8 * 3810 = 30480 <= 32767: their
+//       `vpmaddubsw` results are added in int16 and widened once per block.
+//     Q8: the tiles hold q + 128 (0..255), whose pairs would reach 2 * 255 * 127 = 64770 and
+//       saturate. The kernel restores q (xor 0x80) and multiplies |q| (0..128, unsigned) by the
+//       activation carrying q's sign (`vpsignb`; -127..127, so the negation fits): each
+//       product is q a, a pair at most 2 * 128 * 127 = 32512 <= 32767. Each vector is widened
+//       to int32 (two vectors' pairs could exceed int16). The dot starts from 0 (the VNNI
+//       kernels start from -128 x the code sum to undo the + 128).
+
+inline __m256 load_scales8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_scales8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Dword j of a block's activations at `a` (4 values), broadcast to the 8 lanes.
+inline __m256i bcast4(const int8_t* a, int j) {
+  int32_t v;
+  std::memcpy(&v, a + 4 * j, 4);
+  return _mm256_set1_epi32(v);
+}
+
+#if SGL_QGEMM_T256_VNNI
+// acc + the 8 lanes' dots of unsigned codes `w` with signed activations `a`, 4 bytes a lane.
+SGL_QGEMM_T256_TARGET inline __m256i dpbusd8(__m256i acc, __m256i w, __m256i a) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, w, a);  // VEX
+#else
+  return _mm256_dpbusd_epi32(acc, w, a);  // EVEX (AVX512-VNNI + AVX512VL)
+#endif
+}
+#endif
+
+// The int32 dots of 8 features' Q4 codes w[0..7] (vector j: the codes of activation dword j)
+// with one row's block at `a`.
+SGL_QGEMM_T256_TARGET inline __m256i q4_dot8(const __m256i* w, const int8_t* a) {
+#if SGL_QGEMM_T256_VNNI
+  __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();
+  for (int j = 0; j < 8; j += 2) {  // two chains, as q4a8_tile's
+    d0 = dpbusd8(d0, w[j], bcast4(a, j));
+    d1 = dpbusd8(d1, w[j + 1], bcast4(a, j + 1));
+  }
+  return _mm256_add_epi32(d0, d1);
+#else
+  __m256i s0 = _mm256_maddubs_epi16(w[0], bcast4(a, 0));
+  __m256i s1 = _mm256_maddubs_epi16(w[1], bcast4(a, 1));
+  for (int j = 2; j < 8; j += 2) {  // int16 sums: at most 30480 in magnitude (above)
+    s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(w[j], bcast4(a, j)));
+    s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(w[j + 1], bcast4(a, j + 1)));
+  }
+  return _mm256_madd_epi16(_mm256_add_epi16(s0, s1), _mm256_set1_epi16(1));
+#endif
+}
+
+template <int R, typename S>
+SGL_QGEMM_T256_TARGET void q4a8_tile(const int8_t* xq, const float* xd, const float* xsum,
+                                     int64_t K, const uint8_t* qt, const S* st, const S* mt,
+                                     float* y, int64_t N) {
+  const int64_t nb = K / kGroup;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int h = 0; h < 2; ++h) {  // features 8h .. 8h + 7
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i w[8];
+      for (int i = 0; i < 4; ++i) {
+        const __m256i raw = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(qt + (b * 4 + i) * 64 + 32 * h));
+        w[i] = _mm256_and_si256(raw, low);
+        w[4 + i] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+      }
+      const __m256 s = load_scales8(st + b * kTile + 8 * h);
+      const __m256 mins = load_scales8(mt + b * kTile + 8 * h);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256i dot = q4_dot8(w, xq + r * K + b * kGroup);
+        const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(xd[r * nb + b]));
+        acc[r] = _mm256_fmadd_ps(sd, _mm256_cvtepi32_ps(dot), acc[r]);
+        acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(xsum[r * nb + b]), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * N + 8 * h, acc[r]);
+  }
+}
+
+template <int R, typename S>
+SGL_QGEMM_T256_TARGET void q8a8_tile(const int8_t* xq, const float* xd, const int32_t* code_sum,
+                                     int64_t K, const uint8_t* qt, const S* st, float* y,
+                                     int64_t N) {
+  const int64_t nb = K / kGroup;
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i w[8];
+      for (int i = 0; i < 8; ++i)
+        w[i] = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(qt + (b * 8 + i) * 64 + 32 * h));
+      const __m256 s = load_scales8(st + b * kTile + 8 * h);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int8_t* a = xq + r * K + b * kGroup;
+#if SGL_QGEMM_T256_VNNI
+        __m256i d0 = _mm256_set1_epi32(-128 * code_sum[r * nb + b]);
+        __m256i d1 = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j += 2) {
+          d0 = dpbusd8(d0, w[j], bcast4(a, j));
+          d1 = dpbusd8(d1, w[j + 1], bcast4(a, j + 1));
+        }
+#else
+        (void)code_sum;
+        // |q| x (a with q's sign): pairs <= 32512 (above). q and |q| are derived from the
+        // stored q + 128 per row: holding both for the block (16 registers) spilled, and a
+        // 1-row call over 1,728 inputs ran at a third of the VNNI build's speed.
+        auto dot = [&a](__m256i stored, int j) {
+          const __m256i q = _mm256_xor_si256(stored, _mm256_set1_epi8(static_cast<char>(0x80)));
+          return _mm256_madd_epi16(_mm256_maddubs_epi16(
+              _mm256_abs_epi8(q), _mm256_sign_epi8(bcast4(a, j), q)), _mm256_set1_epi16(1));
+        };
+        __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j += 2) {
+          d0 = _mm256_add_epi32(d0, dot(w[j], j));
+          d1 = _mm256_add_epi32(d1, dot(w[j + 1], j + 1));
+        }
+#endif
+        const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(xd[r * nb + b]));
+        acc[r] = _mm256_fmadd_ps(sd, _mm256_cvtepi32_ps(_mm256_add_epi32(d0, d1)), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * N + 8 * h, acc[r]);
+  }
+}
+#endif  // SGL_QGEMM_T256
+
+#if SGL_QGEMM_VNNI || SGL_QGEMM_T256
 // x f32[M, K], tiles u8[N / 16, K / 32, tile_bytes] and [N / 16, K / 32, 16] per scale tensor,
 // all float16 or all float32; returns K.
 int64_t check_tiles(const at::Tensor& x, const at::Tensor& qt, int64_t tile_bytes,
@@ -1070,7 +1250,7 @@ at::Tensor q4_gemm_a8_tiles(const at::Tensor& x, const at::Tensor& qt, const at:
     const auto* m = static_cast<decltype(s)>(mt.data_ptr());
     at::parallel_for(0, tiles, kTileGrain, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        for_row_tiles<kRowTileA8>(M, [&](int64_t m0, auto R) {
+        for_row_tiles<kRowTileTiles>(M, [&](int64_t m0, auto R) {
           q4a8_tile<decltype(R)::value>(a.q.data() + m0 * K, a.d.data() + m0 * nb,
                                         a.sum.data() + m0 * nb, K, q + t * nb * 256,
                                         s + t * nb * kTile, m + t * nb * kTile,
@@ -1093,7 +1273,7 @@ at::Tensor q8_gemm_a8_tiles(const at::Tensor& x, const at::Tensor& qt, const at:
   with_scales(st, [&](auto s) {
     at::parallel_for(0, tiles, kTileGrain, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        for_row_tiles<kRowTileA8>(M, [&](int64_t m0, auto R) {
+        for_row_tiles<kRowTileTiles>(M, [&](int64_t m0, auto R) {
           q8a8_tile<decltype(R)::value>(a.q.data() + m0 * K, a.d.data() + m0 * nb,
                                         a.code_sum.data() + m0 * nb, K, q + t * nb * 512,
                                         s + t * nb * kTile, yp + m0 * N + t * kTile, N);
@@ -1137,7 +1317,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                         "sgl_tpu.q4_gemm_a8(x, qs, scale, zero)");
   m.attr("q8_gemm_a8_fn") = py::capsule(reinterpret_cast<void*>(&q8_gemm_a8),
                                         "sgl_tpu.q8_gemm_a8(x, qs, scale)");
-#if SGL_QGEMM_VNNI
+#if SGL_QGEMM_VNNI || SGL_QGEMM_T256
   m.def("q4_gemm_a8_tiles", &q4_gemm_a8_tiles,
         "x f32[M, K] (quantized to int8 per 32 values) @ Q4 tiles of 16 features -> f32[M, N]");
   m.def("q8_gemm_a8_tiles", &q8_gemm_a8_tiles,
@@ -1149,4 +1329,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.attr("simd") = SGL_QGEMM_AVX512 ? "avx512f" : SGL_QGEMM_AVX2 ? "avx2-fma" : "scalar";
   m.attr("vnni") = bool(SGL_QGEMM_VNNI);  // the Q4 int8-activation kernel's vpdpbusd path
+  // the tile kernels' integer dot product ("" where the build has no tile kernels)
+#if SGL_QGEMM_VNNI
+  m.attr("tile_dot") = "vpdpbusd-zmm";
+#elif SGL_QGEMM_T256
+  m.attr("tile_dot") = SGL_QGEMM_T256_DOT;
+#else
+  m.attr("tile_dot") = "";
+#endif
 }

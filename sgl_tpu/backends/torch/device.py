@@ -97,7 +97,8 @@ def memory_read_gb_s(gib: float = 1.0, repeats: int = 5) -> float:
 
 
 # CPU feature flags that decide which kernels run (oneDNN's and the compiled ones)
-_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
+_ISA_FLAGS = ("avx2", "fma", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile",
+              "amx_bf16")
 
 
 def _onednn_verbose(run: Callable[[], object]) -> str:
@@ -149,9 +150,14 @@ def cpu_info() -> dict[str, Any]:
     for the process, so read once (every `/server_info` and `/metrics` scrape reports it)."""
     from sgl_tpu.backends.torch.kernels import cpu_extension
 
-    kernels = {ext.prefix: ({"flavour": ext.flavour(), "simd": ext.simd()} if ext.available()
-                            else {"unavailable": ext.why_unavailable()})
-               for ext in cpu_extension.EXTENSIONS}
+    def describe(ext: cpu_extension.CpuExtension) -> dict[str, Any]:
+        if not ext.available():
+            return {"unavailable": ext.why_unavailable()}
+        tile_dot = getattr(ext.module(), "tile_dot", None)  # the quantized GEMM's tiles
+        return {"flavour": ext.flavour(), "simd": ext.simd(),
+                **({} if tile_dot is None else {"tile_dot": tile_dot})}
+
+    kernels = {ext.prefix: describe(ext) for ext in cpu_extension.EXTENSIONS}
     flags = cpu_flags().split()
     return {"flags": [f for f in _ISA_FLAGS if f in flags], "onednn": onednn_info(),
             "compiled_kernels": kernels}

@@ -19,10 +19,11 @@ Kernels (N % 16 == 0 and K % 32 == 0 for the torch int4 op; K % 32 == 0 for the 
                     exact; serves the vocabulary head
     Q4A8Kernel      `--quantization gguf-a8`: the same Q4 / Q8_0 blocks, the float32
     Q8A8Kernel      activations quantized to int8 per 32 values (llama.cpp's CPU math:
-                    integer block dots, one float FMA per block); not exact. On AVX512-VNNI
-                    builds with N % 16 == 0 the weights are stored in tiles of 16 output
-                    features (kinds `q4-a8-t16`, `q8-a8-t16`), which run every row count
-                    faster than a bf16 dense copy: no dense copy is kept
+                    integer block dots, one float FMA per block); not exact. On builds with
+                    the tiles (AVX512-VNNI, AVX-VNNI, AVX2) and N % 16 == 0 the weights are
+                    stored in tiles of 16 output features (kinds `q4-a8-t16`, `q8-a8-t16`),
+                    which run every row count faster than a dense copy (bf16 on AVX512-VNNI,
+                    float32 on AVX2): no dense copy is kept
 
 `make_kernel` picks the float32 kernels (the a8 ones when asked for int8 activations) when the
 activations are float32 and the compiled module loads (torch's int4 op with float32 activations
@@ -34,7 +35,7 @@ summed (blocks.Int8Groups.split_nibbles), measured 0.76x of bf16 on the default 
 49152-row head at one row on a quiet machine but 1.33x under load, and 0.86-1.14x on layer-sized
 matrices (per-matrix timing): at most ~0.5 ms of a 25 ms batch-1 step, not taken.
 
-With int8 activations (`gguf-a8`, and `auto` where the kernels have AVX512-VNNI) on a CPU
+With int8 activations on the block layout (`gguf-a8` where the kernels have no tiles) on a CPU
 whose oneDNN computes bf16 natively (AVX512-BF16, AMX), the dense copy is bfloat16, oneDNN-
 prepacked: steps above the kernels' rows cast their float32 activations to bf16 and the result
 back (`bf16_dense_linear`), twice dense float32's rate and half its bytes.

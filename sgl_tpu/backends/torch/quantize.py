@@ -5,11 +5,12 @@ model weights with those projections swapped for `QuantizedLinear`s.
                                                 vocabulary head, served with float32 only)
     gguf-a8    the same blocks                  float32 only: kernels that quantize the
                                                 activations to int8 per 32 values; in tiles
-                                                of 16 features with AVX512-VNNI (no dense
+                                                of 16 features where the kernels have them
+                                                (AVX512-VNNI, AVX-VNNI, AVX2; no dense
                                                 copy), else a dense copy in bf16 where oneDNN
                                                 computes bf16
     auto       gguf's or gguf-a8's blocks       auto_method: gguf-a8 with float32 activations
-                                                on the kernels' AVX512-VNNI build, else gguf
+                                                where the kernels have the tiles, else gguf
     int8/int4  quantize_int8/int4(params)       from the loader's float32 params
                    ──quantize_weights(Weights)──► Weights whose wqkv / wo / w_gate_up / w_down
                                                   are QuantizedLinear(kernel, dense copy) and
@@ -19,8 +20,9 @@ Memory: each quantized projection keeps its dense copy for steps above the kerne
 (the int kernels run 1.5-2.5x slower than bf16 at prefill sizes, see bench/quant_linear.py),
 so quantization adds the kernels' bytes (about a quarter of the bf16 bytes for int4, a half
 for int8) rather than saving memory; it saves memory traffic per decode step. The tiled
-int8-activation kernels (AVX512-VNNI) are the exception: they outrun bf16 at every row count,
-so their projections keep no dense copy and the model takes the blocks' bytes only.
+int8-activation kernels are the exception: they outrun bf16 (AVX512-VNNI) and dense float32
+(AVX2) at every row count, so their projections keep no dense copy and the model takes the
+blocks' bytes only.
 """
 
 from __future__ import annotations
@@ -137,9 +139,12 @@ def quantized_matrices(method: str, params: dict, cfg: ModelConfig, model_path: 
 
 def auto_method(dtype: torch.dtype) -> str:
     """What `auto` serves a GGUF's blocks with: llama.cpp's math (int8 activations, gguf-a8)
-    where the kernels have AVX512-VNNI and the activations are float32, measured 1.7-2.3x the
-    exact float32 kernels at 1-8 rows (docs/quantization.md); else the exact gguf."""
-    return "gguf-a8" if dtype == torch.float32 and quant_gemm_cpu.vnni() else "gguf"
+    where the activations are float32 and the kernels have the int8-activation tiles
+    (`quant_gemm_cpu.tile_dot()`: AVX512-VNNI, AVX-VNNI or AVX2), each measured faster than the
+    exact float32 kernels at 1 and 8 rows on both model sizes (AVX512-VNNI 1.7-2.3x; AVX2 and
+    AVX-VNNI builds 1.4-7x a decode step's GEMMs, docs/quantization.md); else the exact gguf."""
+    a8 = dtype == torch.float32 and quant_gemm_cpu.tile_dot() != ""
+    return "gguf-a8" if a8 else "gguf"
 
 
 @dataclass(frozen=True)
@@ -168,7 +173,8 @@ class QuantizationReport:
         """`/server_info` `compute.quantization`."""
         return {"method": self.method, "kernels": list(self.kernels), "head": self.head,
                 "max_kernel_rows": self.max_rows(), "simd": quant_gemm_cpu.simd(),
-                "vnni": quant_gemm_cpu.vnni(), "dense": self.dense}
+                "vnni": quant_gemm_cpu.vnni(), "tile_dot": quant_gemm_cpu.tile_dot(),
+                "dense": self.dense}
 
     def log_line(self) -> str:
         desc = QUANTIZATION_METHODS[self.method].description

@@ -16,9 +16,17 @@ server loads only a build of exactly its own source for exactly its machine:
 
     native    -O3 -march=native   (AVX2 or AVX-512: what this CPU has), tried first
     portable  -O3                 (the compiler's baseline ISA), when the native build fails
-    avx2      -march=native -mno-avx512f, also built on AVX-512 CPUs: the code an AVX2-only
-              CPU runs, loaded instead of the native build when SGL_TPU_CPU_KERNELS=avx2
-              (reproduces an AVX2 host's kernels here; the ISA tests run under it)
+    avx2      -march=native -mno-avx512f (and -mno-avxvnni), also built on AVX-512 CPUs: the
+              code an AVX2-only CPU runs, loaded instead of the native build when
+              SGL_TPU_CPU_KERNELS=avx2 (reproduces an AVX2 host's kernels here; the ISA tests
+              run under it)
+    avx2vnni  the avx2 flags and AVX-VNNI, quant_gemm_cpu.cpp only (the other sources have no
+              AVX-VNNI code: SGL_TPU_CPU_KERNELS=avx2-vnni loads their avx2 builds): the code
+              of an AVX2 + AVX-VNNI CPU, built on AVX-512 CPUs that can run it. With -mavxvnni
+              where the CPU has AVX-VNNI (VEX `vpdpbusd ymm`); on a CPU with AVX512-VNNI + VL
+              but no AVX-VNNI, -DSGL_TPU_VNNI256_EVEX instead: the same 256-bit kernels with
+              the EVEX encoding of the same instruction, compiled for that target in those
+              functions alone (the VEX one would fault there)
 
 `load_extension(ext)` returns (module, "") or (None, why): missing or unloadable, the caller
 falls back (attention `auto` to `torch-sdpa`, float32 quantization to dense weights) and the
@@ -60,7 +68,9 @@ FLAVOURS = {
 AVX2_FLAGS = [*FLAVOURS["native"], "-mno-avx512f"]
 INSTALL_HINT = ("build it with `make install` "
                 "(or `python -m sgl_tpu.backends.torch.kernels.cpu_extension`)")
-KERNELS_ENV = "SGL_TPU_CPU_KERNELS"  # "avx2": load the avx2 builds (see the module docstring)
+KERNELS_ENV = "SGL_TPU_CPU_KERNELS"  # "avx2" / "avx2-vnni": load those builds (module docstring)
+# SGL_TPU_CPU_KERNELS value -> the flavour it loads (a module name's flavour has no "-")
+ENV_FLAVOURS = {"avx2": "avx2", "avx2-vnni": "avx2vnni"}
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,6 +84,7 @@ class CpuExtension:
     source: Path
     prefix: str
     title: str
+    avx_vnni: bool = False  # has AVX-VNNI code of its own (an avx2vnni build)
 
     def module_name(self, flavour: str) -> str:
         """`<prefix>_<flavour>_<hash>`: one name per source x torch x Python (x CPU)."""
@@ -81,7 +92,7 @@ class CpuExtension:
 
         h = hashlib.sha256(self.source.read_bytes())
         h.update(f"{torch.__version__}|{sys.version_info[:2]}|{flavour_flags(flavour)}".encode())
-        if flavour in ("native", "avx2"):
+        if flavour in ("native", "avx2", "avx2vnni"):
             h.update(cpu_flags().encode())
         return f"{self.prefix}_{flavour}_{h.hexdigest()[:16]}"
 
@@ -104,7 +115,10 @@ class CpuExtension:
     def flavour(self) -> str:
         """The build this process loads ("native", "avx2", ...; "" unbuilt), from its name."""
         module = load_extension(self)[0]
-        return "" if module is None else module.__name__.rsplit("_", 2)[1]
+        if module is None:
+            return ""
+        flavour = module.__name__.rsplit("_", 2)[1]
+        return {v: k for k, v in ENV_FLAVOURS.items()}.get(flavour, flavour)
 
     def module(self) -> ModuleType:
         """The loaded module; RuntimeError saying why when it does not load."""
@@ -117,7 +131,7 @@ class CpuExtension:
 ATTENTION = CpuExtension(CSRC / "paged_attention_cpu.cpp", "sgl_tpu_attn_cpu",
                          "fused CPU attention")
 QUANT_GEMM = CpuExtension(CSRC / "quant_gemm_cpu.cpp", "sgl_tpu_qgemm_cpu",
-                          "quantized CPU GEMM")
+                          "quantized CPU GEMM", avx_vnni=True)
 LAYER_OPS = CpuExtension(CSRC / "layer_ops_cpu.cpp", "sgl_tpu_layer_ops_cpu",
                          "fused CPU layer ops")
 INVARIANT_GEMM = CpuExtension(CSRC / "invariant_gemm_cpu.cpp", "sgl_tpu_inv_gemm_cpu",
@@ -127,12 +141,39 @@ SOURCE = ATTENTION.source  # the attention extension's (the module-level functio
 
 
 def flavour_flags(flavour: str) -> list[str]:
-    return AVX2_FLAGS if flavour == "avx2" else FLAVOURS[flavour]
+    flags = cpu_flags().split()
+    if flavour == "avx2":  # an AVX2-only CPU's code: no AVX-VNNI either, where this CPU has it
+        return AVX2_FLAGS + (["-mno-avxvnni"] if "avx_vnni" in flags else [])
+    if flavour == "avx2vnni":
+        return AVX2_FLAGS + (["-mavxvnni"] if "avx_vnni" in flags
+                             else ["-DSGL_TPU_VNNI256_EVEX"])
+    return FLAVOURS[flavour]
 
 
 def has_avx2_build() -> bool:
     """Whether `make install` also builds the avx2 flavour (the native build is AVX-512)."""
     return "avx512f" in cpu_flags().split()
+
+
+def has_avx2_vnni_build() -> bool:
+    """Whether `make install` also builds the avx2vnni flavour: the native build is AVX-512 and
+    this CPU runs 256-bit vpdpbusd (AVX-VNNI, or AVX512-VNNI + VL)."""
+    flags = set(cpu_flags().split())
+    return has_avx2_build() and ("avx_vnni" in flags or {"avx512_vnni", "avx512vl"} <= flags)
+
+
+def requested_flavours(ext: CpuExtension) -> list[str]:
+    """The flavours `load_extension` tries, in order: SGL_TPU_CPU_KERNELS's build where this CPU
+    has one (avx2-vnni: the avx2 build of a source without AVX-VNNI code), else native,
+    portable, serial."""
+    flavour = ENV_FLAVOURS.get(os.environ.get(KERNELS_ENV, ""))
+    if flavour == "avx2vnni" and not ext.avx_vnni:
+        flavour = "avx2"
+    if flavour == "avx2" and has_avx2_build():
+        return ["avx2"]
+    if flavour == "avx2vnni" and has_avx2_vnni_build():
+        return ["avx2vnni"]
+    return list(FLAVOURS)
 
 
 def link_flags(flags: list[str]) -> list[str]:
@@ -157,10 +198,7 @@ def load_extension(ext: CpuExtension) -> tuple[ModuleType | None, str]:
     except ImportError:
         return None, "torch is not installed"
     errors = []
-    flavours = list(FLAVOURS)
-    if os.environ.get(KERNELS_ENV) == "avx2" and has_avx2_build():
-        flavours = ["avx2"]
-    for flavour in flavours:
+    for flavour in requested_flavours(ext):
         path = ext.built_path(flavour)
         if not path.exists():
             continue
@@ -174,6 +212,19 @@ def load_extension(ext: CpuExtension) -> tuple[ModuleType | None, str]:
     if errors:
         return None, f"the compiled {ext.title} failed to load (" + "; ".join(errors) + ")"
     return None, f"the {ext.title} is not built for this source and machine; {INSTALL_HINT}"
+
+
+def load_flavour(ext: CpuExtension, flavour: str) -> ModuleType | None:
+    """One built flavour of `ext` ("native", "avx2", "avx2vnni", ...) whatever
+    SGL_TPU_CPU_KERNELS says, beside the one loaded (tests compare them); None when that flavour
+    is not built here."""
+    path = ext.built_path(flavour)
+    if not path.exists():
+        return None
+    spec = importlib.util.spec_from_file_location(ext.module_name(flavour), path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # The attention extension's interface (backends/torch/paged_attention.py `fused_*`,
@@ -242,6 +293,13 @@ def build_avx2(ext: CpuExtension, verbose: bool = False) -> Path | None:
     return _build_flavour(ext, "avx2", verbose) if has_avx2_build() else None
 
 
+def build_avx2_vnni(ext: CpuExtension, verbose: bool = False) -> Path | None:
+    """The avx2vnni flavour of a source with AVX-VNNI code, where this CPU can run it (else
+    None)."""
+    return (_build_flavour(ext, "avx2vnni", verbose)
+            if ext.avx_vnni and has_avx2_vnni_build() else None)
+
+
 def build_copy(source: Path, prefix: str, build_dir: str, openmp: bool = True,
                extra_flags: tuple[str, ...] = ()) -> ModuleType:
     """Compile another version of a kernel source (benchmarks' `--baseline-source`) into
@@ -272,13 +330,15 @@ def main() -> int:
             status = 1
             continue
         print(f"sgl-tpu: {ext.title} built: {path}")
-        try:
-            path = build_avx2(ext, verbose="-v" in sys.argv)
-        except Exception as e:  # optional: only SGL_TPU_CPU_KERNELS=avx2 loads it
-            print(f"sgl-tpu: the avx2 build of the {ext.title} failed ({e})", file=sys.stderr)
-            continue
-        if path is not None:
-            print(f"sgl-tpu: {ext.title} built for AVX2 CPUs: {path}")
+        for name, builder in (("AVX2", build_avx2), ("AVX2 + AVX-VNNI", build_avx2_vnni)):
+            try:
+                path = builder(ext, verbose="-v" in sys.argv)
+            except Exception as e:  # optional: only SGL_TPU_CPU_KERNELS loads them
+                print(f"sgl-tpu: the {name} build of the {ext.title} failed ({e})",
+                      file=sys.stderr)
+                continue
+            if path is not None:
+                print(f"sgl-tpu: {ext.title} built for {name} CPUs: {path}")
     return status
 
 

@@ -23,9 +23,13 @@ per block (pair) with scale * d; the Q4 zero term uses the exact float block sum
 `simd` ("avx512f", "avx2-fma", "scalar") and `vnni` attributes say which code it holds.
 `quantize_a8(x) -> (xq i8[M, K], d f32[M, nb])` is that quantization, for tests.
 
-With AVX512-VNNI (`tiles_for(n)`: the build has it and N % 16 == 0) the a8 kernels take the
-weights in tiles of 16 output features instead, one feature per 32-bit vector lane, so a
-`vpdpbusd` adds 16 features' dots of 4 broadcast activations and no lane sums are needed:
+Where the build has tile kernels (`tiles_for(n)`: N % 16 == 0 and `tile_dot()` non-empty) the
+a8 kernels take the weights in tiles of 16 output features instead, one feature per 32-bit
+vector lane, so a `vpdpbusd` adds 16 features' dots of 4 broadcast activations and no lane sums
+are needed. AVX512-VNNI builds take a tile's 16 features in one 512-bit vector; builds without
+AVX-512 take them as two 256-bit halves, with `vpdpbusd ymm` (AVX-VNNI) or AVX2's
+`vpmaddubsw` + `vpmaddwd` (exact: csrc/quant_gemm_cpu.cpp gives the bounds), the same integer
+dots and float operations per lane, so the same bits as the 512-bit kernels:
 
     pack_q4_tiles(q, scale, zero) -> Q4Tiles(qt u8[N/16, nb, 256], st, mt [N/16, nb, 16])
         256 bytes per tile block: 4 vectors x 16 features x 4 bytes; byte c of vector i,
@@ -54,6 +58,7 @@ GROUP = 32
 
 _EXT = cpu_extension.QUANT_GEMM
 available, why_unavailable, simd = _EXT.available, _EXT.why_unavailable, _EXT.simd
+flavour = _EXT.flavour
 
 
 def kernel_module():
@@ -64,6 +69,14 @@ def kernel_module():
 def vnni() -> bool:
     """Whether the loaded build holds the a8 kernels' AVX512-VNNI path (False when unbuilt)."""
     return available() and bool(getattr(kernel_module(), "vnni", False))
+
+
+def tile_dot() -> str:
+    """The tile kernels' integer dot product in the loaded build ("" without tile kernels or
+    unbuilt): "vpdpbusd-zmm" (AVX512-VNNI, 16 features per vector), "vpdpbusd-ymm-vex"
+    (AVX-VNNI), "vpdpbusd-ymm-evex" (the avx2-vnni build on a CPU with AVX512-VNNI + VL but no
+    AVX-VNNI: the same instruction, EVEX-encoded), "vpmaddubsw-ymm" (AVX2)."""
+    return getattr(kernel_module(), "tile_dot", "") if available() else ""
 
 
 @dataclass(frozen=True, eq=False)
@@ -112,8 +125,9 @@ TILE = 16  # output features per tile
 
 
 def tiles_for(n: int) -> bool:
-    """Whether the a8 kernels take N = n output features in tiles (AVX512-VNNI builds)."""
-    return n % TILE == 0 and vnni() and hasattr(kernel_module(), "q4_gemm_a8_tiles")
+    """Whether the a8 kernels take N = n output features in tiles (builds with tile kernels:
+    AVX512-VNNI, or AVX2 + F16C with 256-bit vectors)."""
+    return n % TILE == 0 and tile_dot() != ""
 
 
 def _tile_scales(*arrays: np.ndarray) -> list[torch.Tensor]:

@@ -15,13 +15,15 @@ DIR/<size>_<run>.json, all one after the other (leave the machine idle):
     agent    8 agents x 6 turns x 64 tokens on the shared prompt: auto, none, llama -np 8
     cold2k   one cold ~2k-token prompt, 16 tokens: auto, llama -np 1
 
-    faithfulness  `python -m sgl_tpu.bench.faithfulness`: perplexity and top-1 agreement with
-             the float32 reference over one text, ours (default path) and llama-perplexity's
+and `faithfulness` is `python -m sgl_tpu.bench.faithfulness` (DIR/<size>_faithfulness.json):
+perplexity and top-1 agreement with the float32 reference over one text, of our default path
+and of llama-perplexity (the one beside llama-server) on the same GGUF and tokens.
 
 `auto` is the server's defaults, `none` the same with `--speculative-algorithm none`. The
 1.4B-class model is the default one widened 3x (`tools/widen_gguf.py --factor 3 --ffn-size
-6912`), written to DIR once. On an AMX host (`amx_bf16` in /proc/cpuinfo) llama-server gets
-`--no-repack`, without which its AMX weight repacking crashes it on the first request.
+6912`), written to DIR once (or to --wide-gguf). On an AMX host (`amx_bf16` in /proc/cpuinfo)
+llama-server gets `--no-repack`, without which its AMX weight repacking crashes it on the
+first request.
 
 `--isa` runs one instruction-set level on both sides: llama-server and llama-perplexity built
 for it by tools/build_llama_server.sh (into --llama-build-dir, default $TMPDIR/llama-server-ISA,

@@ -210,8 +210,8 @@ def llama_side(binary: str, model_path: str, base: Path, ctx: int, threads: int
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True)
     text = done.stdout + done.stderr
-    out = {"command": " ".join(cmd[:1] + ["-m", Path(model_path).name] + cmd[3:4] + ["BASE"]
-                               + cmd[5:]),
+    out = {"command": " ".join([Path(binary).name, "-m", Path(model_path).name, cmd[3], "BASE",
+                                *cmd[5:]]),
            **parse_llama(text), "seconds": round(time.perf_counter() - t0, 1)}
     if done.returncode or out["top1_agreement"] is None:
         out["error"] = f"exit {done.returncode}: " + text[-600:]

@@ -14,9 +14,8 @@
 # The switches are written to OUT_DIR/build_flags.txt, which host_class records.
 #
 # LLAMA_BUILD_TREE=DIR/build keeps the cmake tree there (the source in DIR/src) instead of
-# OUT_DIR/build (OUT_DIR/src):
-# one tree for several ISAs rebuilds only ggml's CPU backend per ISA (its switches touch nothing
-# else). The binaries find their libraries beside them ($ORIGIN), so each OUT_DIR/bin stands
+# OUT_DIR/build (OUT_DIR/src): one tree for several ISAs rebuilds only ggml's CPU backend per
+# ISA (its switches touch nothing else). The binaries find their libraries beside them ($ORIGIN), so each OUT_DIR/bin stands
 # alone after the tree moves on to the next ISA.
 set -euo pipefail
 ISA=${1:?usage: build_llama_server.sh avx2|avx2-vnni|avx512|native [OUT_DIR]}

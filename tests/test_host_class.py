@@ -1,16 +1,22 @@
-"""`python -m sgl_tpu.bench.host_class`: the commands it plans per host and size, and the
+"""`python -m sgl_tpu.bench.host_class`: the commands it plans per host, size and ISA level, the
 ratios it takes from the agent-loop results (the runs themselves are the agent loop's, tested
-end to end in test_agent_loop.py and test_bench_entry_points.py)."""
+end to end in test_agent_loop.py and test_bench_entry_points.py), and `bench.faithfulness` on
+our side in a tiny size (its llama.cpp side needs a llama-perplexity build: the format it reads
+is checked here)."""
 
 from __future__ import annotations
 
+import json
+import struct
 import subprocess
 import sys
 from pathlib import Path
 
+import checkpoints as ck
+import numpy as np
 import pytest
 
-from sgl_tpu.bench import host_class
+from sgl_tpu.bench import faithfulness, host_class
 
 
 def test_cpu_info_reads_the_model_and_simd_flags(tmp_path):
@@ -44,7 +50,8 @@ def test_dry_run_lists_widening_then_every_run(tmp_path):
     out = subprocess.run([sys.executable, "-m", "sgl_tpu.bench.host_class", "--llama-server",
                           "/bin/llama", "--out-dir", str(tmp_path), "--dry-run"],
                          capture_output=True, text=True, check=True).stdout.splitlines()
-    assert "widen_gguf.py" in out[0] and len(out) == 1 + 2 * len(host_class.RUNS)
+    assert "widen_gguf.py" in out[0] and len(out) == 1 + 2 * len(host_class.RUN_NAMES)
+    assert "sgl_tpu.bench.faithfulness" in out[-1]
     assert not (tmp_path / "summary.json").exists()
     with pytest.raises(SystemExit):
         host_class.main(["--llama-server", "x", "--runs", "nope", "--dry-run"])
@@ -78,3 +85,129 @@ def test_memory_read_bandwidth_is_measured():
     from sgl_tpu.backends.torch.device import memory_read_gb_s
 
     assert memory_read_gb_s(gib=1 / 64, repeats=2) > 0.1
+
+
+def test_isa_levels_map_to_our_caps_and_refuse_what_the_cpu_lacks():
+    env = host_class.isa_env("avx2", {"PATH": "/bin", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"})
+    assert env == {"PATH": "/bin", "SGL_TPU_CPU_KERNELS": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    vnni = host_class.isa_env("avx2-vnni", {})
+    assert vnni == {"SGL_TPU_CPU_KERNELS": "avx2-vnni", "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI"}
+    wide = host_class.isa_env("avx512", {"SGL_TPU_CPU_KERNELS": "avx2"})
+    assert wide == {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
+    assert host_class.isa_env(None, {"SGL_TPU_CPU_KERNELS": "avx2"}) == {
+        "SGL_TPU_CPU_KERNELS": "avx2"}
+    zen4 = ["avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"]
+    assert host_class.isa_refusal("avx512", zen4) is None
+    assert host_class.isa_refusal("avx2", zen4) is None
+    why = host_class.isa_refusal("avx2-vnni", zen4)
+    assert "avx_vnni" in why and "SIGILL" in why
+    assert "avx512_vnni" in host_class.isa_refusal("avx512", ["avx2", "avx512f", "avx512bw",
+                                                              "avx512vl", "avx512_bf16"])
+    assert host_class.isa_refusal("avx2-vnni", ["avx2", "avx_vnni"]) is None
+
+
+def test_dry_run_plans_the_isa_build_and_caps(tmp_path):
+    flags = host_class.cpu_info()["flags"]
+    isa = "avx2" if "avx2" in flags else None
+    if isa is None:
+        pytest.skip("no AVX2 on this CPU")
+    out = subprocess.run([sys.executable, "-m", "sgl_tpu.bench.host_class", "--isa", isa,
+                          "--llama-build-dir", str(tmp_path / "llama"), "--sizes", "135m",
+                          "--runs", "single,faithfulness", "--out-dir", str(tmp_path / "o"),
+                          "--dry-run"], capture_output=True, text=True, check=True
+                         ).stdout.splitlines()
+    assert out[0] == ("# our servers' environment: SGL_TPU_CPU_KERNELS=avx2 "
+                      "ONEDNN_MAX_CPU_ISA=AVX2")
+    assert out[1].endswith(f"build_llama_server.sh avx2 {tmp_path / 'llama'}")
+    assert f"llama-server:{tmp_path / 'llama' / 'bin' / 'llama-server'}" in out[2]
+    assert out[3].endswith(f"--llama-perplexity {tmp_path / 'llama' / 'bin' / 'llama-perplexity'}")
+    if "avx_vnni" not in flags:
+        refused = subprocess.run([sys.executable, "-m", "sgl_tpu.bench.host_class", "--isa",
+                                  "avx2-vnni", "--dry-run"], capture_output=True, text=True)
+        assert refused.returncode != 0 and "avx_vnni" in refused.stderr
+    with pytest.raises(SystemExit, match="--llama-server"):
+        host_class.main(["--dry-run"])
+
+
+def test_loaded_isa_reports_whether_the_kernels_are_the_level_asked_for():
+    compute = {"cpu": {"compiled_kernels": {"a": {"flavour": "native", "simd": "avx512f"},
+                                            "b": {"unavailable": "not built"}},
+                       "onednn": {"isa": "Intel AVX2", "max_cpu_isa": "AVX2"}},
+               "quantization": {"simd": "avx512f", "vnni": True}}
+    loaded = host_class.loaded_isa(compute, "avx2")
+    assert loaded["kernel_flavours"] == {"a": "native", "b": None}
+    assert loaded["as_requested"] is False and loaded["onednn_max_cpu_isa"] == "AVX2"
+    assert host_class.loaded_isa(compute, "native")["as_requested"] is True
+    assert "as_requested" not in host_class.loaded_isa(compute, None)
+
+
+def test_bandwidth_floor_counts_the_weights_a_step_reads(tmp_path):
+    import gguf
+
+    untied = ck.make_tiny_gguf(tmp_path / "untied.gguf")
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(untied).tensors}
+    assert "output.weight" in tensors
+    assert host_class.weight_bytes(untied) == sum(tensors.values()) - tensors[
+        "token_embd.weight"]
+    tied = ck.make_tiny_gguf(tmp_path / "tied.gguf", tie_word_embeddings=True)
+    assert host_class.weight_bytes(tied) == sum(
+        int(t.n_bytes) for t in gguf.GGUFReader(tied).tensors)
+    assert host_class.floor_ratios({"auto": 5.0, "llama-server": None}, 2.5) == {
+        "auto": 2.0, "llama-server": None}
+
+
+def test_reference_logits_in_llama_perplexity_base_format(tmp_path):
+    """The reference's 16-bit log-probabilities decode to the float32 ones within a step of
+    the 16-nat range, and the file's header and tokens are llama-perplexity's."""
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal((3, 11)) * 4).astype(np.float32)
+    logits[1] = 0.0  # a flat row: scale 0
+    enc = faithfulness.encode_base(logits)
+    assert enc.shape == (3, 2 * 6 + 4) and enc.dtype == np.uint16
+    scale, min_lp = enc[:, :4].copy().view(np.float32).T
+    logp = logits - np.log(np.exp(logits.astype(np.float64)).sum(1, keepdims=True))
+    decoded = scale[:, None] * enc[:, 4:15] + min_lp[:, None]
+    shown = logp > logp.max(1, keepdims=True) - 16
+    assert np.abs(decoded - logp)[shown].max() <= 16 / 65535 + 1e-5
+    assert list(faithfulness.base_argmax(enc, 11)) == [logits[0].argmax(), 0,
+                                                       logits[2].argmax()]
+    chunks = faithfulness.chunks(list(range(20)), 8, bos=99)
+    assert chunks == [[99, *range(1, 8)], [99, *range(9, 16)]]
+    assert list(faithfulness.targets_of(chunks)) == [5, 6, 7, 13, 14, 15]
+    with pytest.raises(ValueError, match="at least 16"):
+        faithfulness.chunks(list(range(15)), 8, bos=None)
+    path = tmp_path / "base.kld"
+    faithfulness.write_base(path, 8, 11, chunks, np.zeros((6, 16), np.uint16))
+    raw = path.read_bytes()
+    assert raw[:8] == b"_logits_" and struct.unpack("<iii", raw[8:20]) == (8, 11, 2)
+    assert np.frombuffer(raw[20:84], np.int32).tolist() == [t for c in chunks for t in c]
+    assert len(raw) == 84 + 6 * 16 * 2
+
+
+def test_llama_perplexity_report_is_parsed():
+    text = ("Mean PPL(Q)                   :  80.123456 ±   1.2\n"
+            "Mean PPL(base)                :  78.300000 ±   1.1\n"
+            "Mean    KLD:   0.012345 ±   0.001\nSame top p:  92.857 ±  2.3 %\n")
+    assert faithfulness.parse_llama(text) == {"perplexity": 80.123456,
+                                              "reference_perplexity": 78.3,
+                                              "kld_mean": 0.012345, "top1_agreement": 0.9286}
+    assert faithfulness.parse_llama("crashed")["top1_agreement"] is None
+
+
+@pytest.mark.slow
+def test_faithfulness_of_our_side_on_a_tiny_gguf(tmp_path):
+    """Both runs of our side on a tiny Q4_0 GGUF: the reference agrees with itself, the
+    default path's figures are in range, and the summary keeps them."""
+    model = ck.make_tiny_gguf(tmp_path / "tiny.gguf", projection_type="Q4_0")
+    out = tmp_path / "f.json"
+    faithfulness.main(["--model-path", model, "--ctx", "8", "--chunks", "2", "--output",
+                       str(out)])
+    result = json.loads(out.read_text())
+    assert result["chunks"] == 2 and result["reference"]["positions"] == 6
+    assert result["reference"]["top1_agreement"] == 1.0
+    ours = result["ours"]
+    assert ours["positions"] == 6 and 0 <= ours["top1_agreement"] <= 1
+    assert ours["perplexity"] > 1 and "llama" not in result
+    summary = host_class.summarize_faithfulness(result)
+    assert summary["ours"]["top1_agreement"] == ours["top1_agreement"]
+    assert summary["reference"]["perplexity"] == result["reference"]["perplexity"]

@@ -9,7 +9,7 @@ Each mode is `quantization:dtype[:kv_cache_dtype[:attention_backend]]` (e.g.
 `auto:float32:bfloat16:torch-cpu-fused-f32`, the same with float32 attention products).
 Greedy agreement: for each reference prompt, the number of generated tokens identical to the
 reference's before the first difference (the full length when none differs). Perplexity: exp of
-the mean negative log-likelihood of `TEXT` (written for this bench), fed one token per step so
+the mean negative log-likelihood of `TEXT` (bench/faithfulness.py's), fed one token per step so
 that every projection runs where decode runs it (for the quantized modes: the int kernel;
 prefill-sized steps use the dense copy, see backends/torch/quant_linear.py). Prints one JSON
 object.
@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 
+from sgl_tpu.bench import faithfulness
 from sgl_tpu.bench.report import emit
 
 PROMPTS = (
@@ -33,24 +34,8 @@ PROMPTS = (
     "Explain in two sentences why the sky is blue.",
 )
 
-TEXT = (
-    "A language model reads text as a sequence of tokens and predicts, one step at a time, "
-    "which token comes next. To serve such a model quickly, an inference server keeps the "
-    "keys and values of every token it has already processed, so that the next step only "
-    "computes the newest position. Agents send the same long instructions again and again: "
-    "the description of their tools, the rules they must follow and the conversation so far. "
-    "A cache of prompt prefixes lets the server skip that repeated work and answer sooner. "
-    "When the model is small, most of the time of a decoding step goes to reading its weights "
-    "from memory, because each weight is used only once per token. Storing the weights in "
-    "four bits instead of sixteen reduces that traffic, and the step becomes faster as long as "
-    "the arithmetic stays cheap. With many requests in one batch the balance changes: the "
-    "weights are read once for all of them, the arithmetic grows with the batch, and the "
-    "plain sixteen-bit path wins again. A careful server therefore picks the representation "
-    "for each step by the number of rows it has to compute, and it measures where the two "
-    "paths cross instead of guessing. Quality matters as much as speed. A quantized model "
-    "should produce the same answers as the original for most prompts, and its perplexity on "
-    "ordinary text should stay close to the reference, so that users know what they trade."
-)
+# the perplexity text, shared with bench.faithfulness (written for these benches)
+TEXT = faithfulness.TEXT
 
 
 def _mode(spec: str) -> tuple[str, str, str, str]:

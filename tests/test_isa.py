@@ -21,7 +21,7 @@ per ISA the CPU backend can pick; an ISA this CPU lacks is skipped with the reas
 the CPU's best one, which the main run covers (it runs the same tests uncapped). Every case runs
 `test_the_process_runs_the_isa_it_is_set_to`, so a case whose knobs did not take effect fails.
 
-A case runs only the marked tests its knobs can change (`-k`, CASE_TESTS):
+A case runs only the marked tests its knobs can change (`-k`, `_case_tests`):
 
 - never the JAX backend's: no knob reaches XLA:CPU, which compiles for the host's ISA and runs
   its dots without oneDNN (with ONEDNN_VERBOSE=1 a jitted matmul prints no oneDNN line), so
@@ -36,8 +36,8 @@ A case runs only the marked tests its knobs can change (`-k`, CASE_TESTS):
   own, not oneDNN's. What the full AVX512_CORE case would add on such a CPU is the float32
   comparisons with drafts forced off, on the main run's kernels; the main run's servers start
   every batch-size bucket with plain steps (`auto`: drafting must earn its place,
-  scheduler/speculative.py), and a CPU without AVX512-BF16 (or one with AMX, where `auto`
-  serves bfloat16) runs the whole AVX512_CORE case.
+  scheduler/speculative.py). An AVX-512 CPU without BF16 runs AVX512_CORE natively, as its
+  best ISA, in its main run; one with AMX (where `auto` serves bfloat16) runs the whole case.
 """
 
 from __future__ import annotations

@@ -51,8 +51,7 @@ test: $(STAMP) cpu-kernels
 
 # The tests that compare tokens across batches, chunking, cache hits or backends (marker
 # `isa_invariance`) again as CPUs of lower ISAs run them: under ONEDNN_MAX_CPU_ISA at each ISA
-# this CPU has below its best, the AVX2 case on the AVX2 build of the compiled kernels and a
-# second AVX2 case on the avx2-vnni ones (tests/test_isa.py; `make test` runs it too). Skipped
-# ISAs say why.
+# this CPU has below its best, the AVX2 case on the AVX2 build of the compiled kernels
+# (tests/test_isa.py; `make test` runs it too). Skipped ISAs say why.
 test-isa: $(STAMP) cpu-kernels
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -rs tests/test_isa.py

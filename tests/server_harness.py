@@ -47,6 +47,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 STOP_TIMEOUT_S = 20.0
 HTTP_TIMEOUT_S = 180.0
 LOG_TAIL_CHARS = 4000
+# A launch polls /health and its log this often: a poll costs a millisecond or two, and each
+# launch waits half a period on average past its ready line (the suite launches many).
+READY_POLL_S = 0.1
 # The session's default-model servers (tests/conftest.py).
 SERVED_F32 = "smol"  # the float32 one's --served-model-name
 _DEFAULT_MODEL_COMMON = ("--skip-warmup", "--chunked-prefill-size", "512")
@@ -223,7 +226,7 @@ def launch_server(*flags: str, model_path: str | None = None, timeout: float = 3
             tail = server.log_tail()
             server.stop()
             raise RuntimeError(f"server not healthy after {timeout} s; log tail:\n{tail}")
-        time.sleep(0.5)
+        time.sleep(READY_POLL_S)
 
 
 class ServerPool:

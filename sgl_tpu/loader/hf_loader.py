@@ -5,8 +5,10 @@
     tokenizer.json + tokenizer_config.json (+ chat_template.jinja) --> Tokenizer
 
 Safetensors are parsed here rather than with `safetensors.numpy` because numpy has no bfloat16;
-`ml_dtypes.bfloat16` (shipped with jax) reads bf16 tensors without torch. HF weights are
-(out, in) with Q/K already in rotate-half order, so only a transpose is needed.
+`ml_dtypes.bfloat16` (shipped with jax) reads bf16 tensors without torch; it is imported only
+for a file that holds them (its import costs about half a CPU second, and every server process
+imports this module for the tokenizer). HF weights are (out, in) with Q/K already in
+rotate-half order, so only a transpose is needed.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import struct
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from sgl_tpu.loader.hf_families import STACKED_EXPERT_TENSORS, canonical_tensors, family_fields
@@ -32,9 +33,16 @@ HF_ARCHS = {spec.hf_model_type or arch: spec.hf_architecture for arch, spec in M
 # config.json model_type -> our arch name (they differ for Gemma 3: "gemma3_text")
 _ARCH_OF_MODEL_TYPE = {spec.hf_model_type or arch: arch for arch, spec in MODELS.items()}
 
-_SAFETENSORS_DTYPES = {
-    "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
-}
+_SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
+
+
+def _safetensors_dtype(name: str) -> Any:
+    """The numpy dtype of a safetensors dtype name; None if unsupported."""
+    if name == "BF16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return _SAFETENSORS_DTYPES.get(name)
 
 # HF per-layer name (after "model.layers.{i}.") -> canonical per-layer param name.
 _LAYER_TENSORS = {
@@ -147,7 +155,7 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
         for name, info in header.items():
             if name == "__metadata__":
                 continue
-            dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+            dtype = _safetensors_dtype(info["dtype"])
             if dtype is None:
                 raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
             start, end = info["data_offsets"]

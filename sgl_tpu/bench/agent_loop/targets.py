@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sgl_tpu.bench.agent_loop.drivers import DRIVERS, JSON_DIALECTS
-from sgl_tpu.bench.http_load import Server, free_port
+from sgl_tpu.bench.http_load import READY_POLL_S, Server, free_port
 
 KINDS = ("launch", "url", "llamacpp", "llama-server")
 PEERS = ("llamacpp", "llama-server")
@@ -117,7 +117,7 @@ def _wait_http_ok(url: str, proc: subprocess.Popen, timeout: float) -> None:
                     return
         except (urllib.error.URLError, OSError):
             pass
-        time.sleep(1)
+        time.sleep(READY_POLL_S)
     raise TimeoutError(f"{url} did not answer 200 within {timeout:.0f} s")
 
 

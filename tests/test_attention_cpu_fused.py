@@ -596,3 +596,40 @@ def test_decode_rows_are_batch_invariant(kvh, group, pool_dtype, dots):
         out = batched(shared_len)
         for b in range(len(contexts)):
             assert torch.equal(out[b], alone[b]), (shared_len, b)
+
+
+@pytest.mark.isa_invariance
+def test_int8_verify_rows_over_v_rows_of_varied_scales():
+    """An int8 pool at the default model's shapes (3 KV heads of 64, groups of 3) whose V rows
+    span three decades of magnitude: each V row's scale is folded into its probabilities, which
+    the all-heads decode items take as 16-bit integers where the build multiplies integers
+    (`q8_dots`). A speculative verify's 5 rows after a shared prefix of three whole chunks give
+    the bits of one-row decodes, and each is within the 16-bit probabilities' bound of the
+    float64 reference (float32 products' tolerance without them)."""
+    ext = cpu_extension.load()
+    kvh, group, d, scale, num_rows = 3, 3, 64, 0.125, 5
+    g = torch.Generator().manual_seed(8)
+    num_pages = 60  # of 16 slots
+    magnitude = 10.0 ** (3 * torch.rand(num_pages * 16, kvh, 1, generator=g) - 2)
+    pool = SimpleNamespace(
+        k=quantize_int8(torch.randn(num_pages * 16, kvh, d, generator=g)),
+        v=quantize_int8(torch.randn(num_pages * 16, kvh, d, generator=g) * magnitude))
+    pages = 1 + torch.randperm(num_pages - 1, generator=g)
+    slots = (pages[:, None] * 16 + torch.arange(16)).reshape(-1)
+    shared_len = 3 * sdpa.DECODE_CHUNK_KEYS
+    contexts = [slots[: shared_len + 40 + j] for j in range(num_rows)]  # row j: one key more
+    q = torch.randn(num_rows, kvh * group, d, generator=g)
+    zero, none = torch.zeros(1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    alone = torch.cat([ext.decode(q[b : b + 1], pool.k, pool.v, none, c[None].clone(), zero,
+                                  torch.tensor([len(c)]), scale, 0, 0.0, False)
+                       for b, c in enumerate(contexts)])
+    own = torch.stack([contexts[-1][shared_len:]] * num_rows)
+    verify = ext.decode(q, pool.k, pool.v, slots[:shared_len].clone(), own,
+                        torch.zeros(num_rows, dtype=torch.int64),
+                        torch.tensor([len(c) - shared_len for c in contexts]), scale, 0, 0.0,
+                        False)
+    bound = int8_probabilities_bound(pool.v) if q8_dots() else TOL[torch.float32]
+    for b, c in enumerate(contexts):
+        assert torch.equal(verify[b], alone[b]), b
+        want = reference(q[b : b + 1], pool, c, torch.tensor([len(c) - 1]), scale, group=group)
+        assert (alone[b : b + 1].double() - want).abs().max() < bound, b

@@ -65,10 +65,31 @@ def fused(name: str = "torch-cpu-fused"):
     return get_attention_backend(name)
 
 
+# float32 outputs over an int8 pool where the build multiplies integers (`q8_dots`, AVX512-
+# VNNI): decode's all-heads items take each probability times its V row's scale as a 16-bit
+# integer (int8_probabilities_bound); what these tests' random K/V then show, well within it
+TOL_INT8_POOL = 1e-4
+
+
+def int8_probabilities_bound(v_pool: torch.Tensor) -> float:
+    """The most a decode output over int8 V rows moves with its probabilities rounded to 16 bits
+    (each within 2^-16 of the largest of its chunk of 256 keys, whose sum is at least 1): 2^-8
+    of the largest |V|, as for bfloat16 probabilities."""
+    return float(widened(v_pool).abs().max()) * 2.0 ** -8
+
+
+def q8_dots() -> bool:
+    return bool(getattr(cpu_extension.load(), "q8_dots", False))
+
+
 def tol(name: str, dtype: torch.dtype, pool_dtype: torch.dtype) -> float:
-    """The output's tolerance: the query dtype's, or bfloat16's where products are bfloat16."""
+    """The output's tolerance: the query dtype's, or bfloat16's where products are bfloat16,
+    or TOL_INT8_POOL for float32 over an int8 pool."""
     pool = "bfloat16" if pool_dtype == torch.bfloat16 else "other"
-    return TOL[torch.bfloat16] if products(name, pool) == "bfloat16" else TOL[dtype]
+    if products(name, pool) == "bfloat16":
+        return TOL[torch.bfloat16]
+    int8_products = pool_dtype == torch.int8 and dtype == torch.float32 and q8_dots()
+    return TOL_INT8_POOL if int8_products else TOL[dtype]
 
 
 class Pool:
@@ -268,7 +289,8 @@ def test_decode_own_keys_over_group_sizes(kvh, group, d, window, cap, pool_dtype
         n = st.prefix_len + 1
         want = reference(q[i : i + 1], pool, sdpa.context_slots(st.pages, PS, n),
                          torch.tensor([n - 1]), scale, window, cap, group=group)
-        assert (out[i : i + 1].double() - want).abs().max() < TOL[torch.float32]
+        err = (out[i : i + 1].double() - want).abs().max()
+        assert err < tol("torch-cpu-fused", torch.float32, pool_dtype)
 
 
 @pytest.mark.parametrize("window", [None, 30])
@@ -375,6 +397,8 @@ def test_decode_verify_rows_share_their_own_keys(kvh, group, d, window, cap, poo
         torch.tensor([len(r) for r in rows]), scale, window or 0, cap or 0.0, dots)
     dots_taken = dots and pool_dtype == torch.bfloat16 and cpu_extension.load().bf16_dots
     bound = float(pool.v.abs().max().float()) * 2.0 ** -8 if dots_taken else TOL[torch.float32]
+    if pool_dtype == torch.int8 and q8_dots():
+        bound = int8_probabilities_bound(pool.v)
     for b, r in enumerate(rows):
         slots = torch.cat([shared, r])
         want = reference(q[b : b + 1], pool, slots, torch.tensor([len(slots) - 1]), scale,
@@ -572,3 +596,40 @@ def test_decode_rows_are_batch_invariant(kvh, group, pool_dtype, dots):
         out = batched(shared_len)
         for b in range(len(contexts)):
             assert torch.equal(out[b], alone[b]), (shared_len, b)
+
+
+@pytest.mark.isa_invariance
+def test_int8_verify_rows_over_v_rows_of_varied_scales():
+    """An int8 pool at the default model's shapes (3 KV heads of 64, groups of 3) whose V rows
+    span three decades of magnitude: each V row's scale is folded into its probabilities, which
+    the all-heads decode items take as 16-bit integers where the build multiplies integers
+    (`q8_dots`). A speculative verify's 5 rows after a shared prefix of three whole chunks give
+    the bits of one-row decodes, and each is within the 16-bit probabilities' bound of the
+    float64 reference (float32 products' tolerance without them)."""
+    ext = cpu_extension.load()
+    kvh, group, d, scale, num_rows = 3, 3, 64, 0.125, 5
+    g = torch.Generator().manual_seed(8)
+    num_pages = 60  # of 16 slots
+    magnitude = 10.0 ** (3 * torch.rand(num_pages * 16, kvh, 1, generator=g) - 2)
+    pool = SimpleNamespace(
+        k=quantize_int8(torch.randn(num_pages * 16, kvh, d, generator=g)),
+        v=quantize_int8(torch.randn(num_pages * 16, kvh, d, generator=g) * magnitude))
+    pages = 1 + torch.randperm(num_pages - 1, generator=g)
+    slots = (pages[:, None] * 16 + torch.arange(16)).reshape(-1)
+    shared_len = 3 * sdpa.DECODE_CHUNK_KEYS
+    contexts = [slots[: shared_len + 40 + j] for j in range(num_rows)]  # row j: one key more
+    q = torch.randn(num_rows, kvh * group, d, generator=g)
+    zero, none = torch.zeros(1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    alone = torch.cat([ext.decode(q[b : b + 1], pool.k, pool.v, none, c[None].clone(), zero,
+                                  torch.tensor([len(c)]), scale, 0, 0.0, False)
+                       for b, c in enumerate(contexts)])
+    own = torch.stack([contexts[-1][shared_len:]] * num_rows)
+    verify = ext.decode(q, pool.k, pool.v, slots[:shared_len].clone(), own,
+                        torch.zeros(num_rows, dtype=torch.int64),
+                        torch.tensor([len(c) - shared_len for c in contexts]), scale, 0, 0.0,
+                        False)
+    bound = int8_probabilities_bound(pool.v) if q8_dots() else TOL[torch.float32]
+    for b, c in enumerate(contexts):
+        assert torch.equal(verify[b], alone[b]), b
+        want = reference(q[b : b + 1], pool, c, torch.tensor([len(c) - 1]), scale, group=group)
+        assert (alone[b : b + 1].double() - want).abs().max() < bound, b

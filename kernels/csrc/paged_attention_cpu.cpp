@@ -46,8 +46,9 @@
 // of float32's bytes), or int8 head rows under either (`--kv-cache-dtype int8`, Q8 below: d
 // int8 values and their bfloat16 scale, pool [num_slots, kvh, d + 2]): the scores then take
 // int8 query products (queries quantized per row, exact integer dot products times the two
-// scales: "int8 query products" below), the same bits on every path, and V rows are widened
-// times their scale.
+// scales: "int8 query products" below), the same bits on every path; V rows are widened
+// times their scale, except in the decode items of small GQA groups of an AVX512-VNNI build,
+// which multiply them as stored by 16-bit integer probabilities ("int8 P @ V" below).
 // Written with GCC/Clang vector extensions, one register wide (16 floats with AVX-512, else
 // 8): -march=native picks the widest, a portable build gets the baseline ISA's.
 
@@ -330,6 +331,8 @@ struct Scratch {
   float qscale[kMaxRows];
   int32_t qsum[kMaxRows];
   float kscale[kTile + kTileCols];
+  // int8 P @ V (q8_probs): each row's unit of its 16-bit probabilities
+  float punit[kMaxRows];
   std::vector<float> keys8;  // [8][width]  8 keys' K rows of all heads in float32
 
   float* key_block(int64_t width) {
@@ -416,6 +419,18 @@ inline void transpose16_f32(float* dst, int64_t dst_stride, const float* src,
 }
 #endif
 
+typedef float vf4 __attribute__((vector_size(16)));
+
+inline float hsum(vf v) {
+  vf4 a = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int c = 0; c < kLanes; c += 4) {
+    vf4 part;
+    std::memcpy(&part, reinterpret_cast<const float*>(&v) + c, sizeof part);
+    a += part;
+  }
+  return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
 // ---- int8 query products (an int8 pool) ----
 // Over an int8 pool every path multiplies int8 queries by the stored int8 keys: a row's scaled
 // query x (d values) becomes q = round(x / qs) in [-127, 127], ties to even, qs = max |x| /
@@ -427,7 +442,8 @@ inline void transpose16_f32(float* dst, int64_t dst_stride, const float* src,
 // bytes offset to unsigned and the sum started at -128 sum_i q[i]) or float32 FMAs of the
 // integers as floats (every partial sum is an integer below 512 * 127^2 < 2^24), so every
 // path, ISA and chunking gives a key the same score bits. V rows stay float32 products (each
-// row's scale moved onto its probabilities in the own-key items).
+// row's scale moved onto its probabilities in the own-key items), but for the all-heads decode
+// items of an AVX512-VNNI build ("int8 P @ V").
 
 // x [d] (scaled queries) -> its int8 values as floats, in place; returns qs (0: a zero row)
 inline float quantize_query_row(float* x, int d) {
@@ -475,9 +491,9 @@ void load_rows(Scratch& s, int R, int d, float scale, bool round_q, bool quant_q
   if (quant_q)
     for (int r = 0; r < L; ++r) {
       s.qscale[r] = quantize_query_row(s.qr + r * d, d);
-      float sum = 0.0f;  // exact: |sum| <= 127 d
-      for (int i = 0; i < d; ++i) sum += s.qr[r * d + i];
-      s.qsum[r] = static_cast<int32_t>(sum);
+      vf sum = splat(0.0f);  // integers: exact in any order, |sum| <= 127 d
+      for (int i = 0; i < d; i += kLanes) sum += loadf(s.qr + r * d + i);
+      s.qsum[r] = static_cast<int32_t>(hsum(sum));
     }
 #if defined(__AVX512F__)
   for (int r0 = 0; r0 < L; r0 += 16)
@@ -556,26 +572,17 @@ inline void prefetch_row(const T* row, int d) {
 // Loads one word of each cache line of row[0 .. n): the lines start arriving while other work
 // runs (demand loads, unlike prefetch hints, keep many misses in flight here: 1.3-1.5x less
 // waiting than prefetcht0/t1 on this kernel's scattered pages).
+// Every line the row spans is touched, its last one included (an int8 pool's rows of kvh x
+// (d + 2) bytes start anywhere in a line).
 template <typename T>
 inline void touch_row(const T* row, int64_t n) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t b = 0; b < n * int64_t(sizeof(T)); b += 64) {
+  const uintptr_t first = reinterpret_cast<uintptr_t>(row) & ~uintptr_t(63);
+  const uintptr_t end = reinterpret_cast<uintptr_t>(row + n);
+  for (uintptr_t b = first; b < end; b += 64) {
     int32_t v;
-    std::memcpy(&v, p + b, sizeof v);
+    std::memcpy(&v, reinterpret_cast<const char*>(b), sizeof v);
     asm volatile("" : : "r"(v));
   }
-}
-
-typedef float vf4 __attribute__((vector_size(16)));
-
-inline float hsum(vf v) {
-  vf4 a = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int c = 0; c < kLanes; c += 4) {
-    vf4 part;
-    std::memcpy(&part, reinterpret_cast<const float*>(&v) + c, sizeof part);
-    a += part;
-  }
-  return (a[0] + a[2]) + (a[1] + a[3]);
 }
 
 // Pins a loaded vector in a register: without it GCC folds every use of a loaded row vector
@@ -1072,6 +1079,13 @@ void attend_rows(Scratch& s, int R, int d, const T* k_head, const T* v_head,
 // step of the default model from 6.91 to 6.62 ms at 1k keys and from 12.46 to 11.97 ms at 4k
 // (an in-process alternation; 2-core AVX-512 EPYC)
 constexpr int kAhead = 64;
+// an int8 pool's keys (rows of about half a bfloat16 pool's bytes): as many bytes ahead, 128
+// keys (0.95-0.96x the kernel's thread time against 64 at 8k keys, batch 1 and a verify of 5
+// rows, 30 layers of the default model's shapes on one thread)
+template <typename T>
+constexpr int keys_ahead() {
+  return std::is_same_v<T, Q8> ? 2 * kAhead : kAhead;
+}
 
 typedef float vf8 __attribute__((vector_size(32)));
 
@@ -1124,10 +1138,10 @@ struct TouchAhead {
     touch_row(vp + slots[j] * width, width);
   }
   void first() const {
-    for (int j = 0; j < std::min(n, kAhead); ++j) key(j);
+    for (int j = 0; j < std::min(n, keys_ahead<T>()); ++j) key(j);
   }
   void block(int j, int len) const {
-    for (int k = j + kAhead; k < std::min(n, j + kAhead + len); ++k) key(k);
+    for (int k = j + keys_ahead<T>(); k < std::min(n, j + keys_ahead<T>() + len); ++k) key(k);
   }
 };
 
@@ -1342,6 +1356,132 @@ inline void heads_scores_q8(Scratch& s, int kvh, int G, int d, const Q8* kp, con
   for (int r = 0; r < R; ++r)
     for (int j = n; j < padded; ++j) sc[r * kScoreStride + j] = 0.0f;
 }
+
+// ---- int8 P @ V (an int8 pool with AVX512-VNNI: the all-heads items) ----
+// The probabilities become 16-bit integers and multiply the stored int8 V values exactly
+// (`vpdpwssd`: two int16 products added per int32 lane, keys in pairs), two keys per
+// instruction with no float copy of V. Per row of an item (a chunk of at most kChunk keys),
+// each key's probability times its V row's scale, w[j] = P[j] vs[j], is rounded to
+//
+//     wq[j] = round(w[j] / u)   in [0, 32767], u = max_j w[j] / 32767 (the row's unit)
+//
+// and acc[c] = u * sum_j wq[j] v[j][c], the integer sum exact in any order (|sum| <= kChunk
+// * 32767 * 128 < 2^31). A row's result is a function of its own scores and its chunk's keys,
+// whatever rows share the item (batch invariance, decode_impl). Relative to the largest w of
+// the chunk, a probability is off by at most 2^-16 (bfloat16 pairs: 2^-9 of each).
+constexpr float kProbUnit = 32767.0f;
+static_assert(kChunk * 32767LL * 128 < (1LL << 31), "int8 P @ V: int32 sums of a chunk");
+
+// Row r's n probabilities (floats in place, padded to whole vectors with zeros) times the
+// keys' V scales vs[0 .. whole vectors) -> wq as int16, key j's in halfword j of the row, so
+// keys 2t and 2t + 1 are the 32-bit pair t that `vpdpwssd` takes (each vector of floats is
+// read before its halves are written, at or below it); its unit into s.punit[r].
+inline void q8_probs(Scratch& s, int r, int n, const float* vs, float* sc) {
+  float* row = sc + r * kScoreStride;
+  const int nv = (n + kLanes - 1) / kLanes;
+  __m512 wmax = _mm512_setzero_ps();
+  for (int v = 0; v < nv; ++v) {
+    const __m512 w = _mm512_mul_ps(_mm512_loadu_ps(row + v * kLanes),
+                                   _mm512_loadu_ps(vs + v * kLanes));
+    _mm512_storeu_ps(row + v * kLanes, w);
+    wmax = _mm512_max_ps(wmax, w);
+  }
+  const float m = _mm512_reduce_max_ps(wmax);
+  s.punit[r] = m / kProbUnit;
+  const __m512 f = _mm512_set1_ps(m > 0.0f ? kProbUnit / m : 0.0f);
+  int16_t* wq = reinterpret_cast<int16_t*>(row);
+  for (int v = 0; v < nv; ++v) {
+    const __m512i w = _mm512_min_epi32(
+        _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + v * kLanes), f),
+                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+        _mm512_set1_epi32(32767));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(wq + v * kLanes), _mm512_cvtepi32_epi16(w));
+  }
+}
+
+// The tile's n V rows of one head (int8, pool slots) -> vpair [n2][d] as int16 pairs
+// (V[2t][c], V[2t + 1][c]), a zero row past an odd n
+inline void pack_values_q8(uint32_t* vpair, const Q8* head, const int64_t* slots, int n, int d,
+                           int64_t slot_stride) {
+  for (int t = 0; 2 * t < n; ++t) {
+    const Q8* v0 = head + slots[2 * t] * slot_stride;
+    const Q8* v1 = 2 * t + 1 < n ? head + slots[2 * t + 1] * slot_stride : nullptr;
+    for (int c = 0; c < d; c += kLanes) {
+      const __m512i lo =
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v0 + c)));
+      const __m512i hi = v1 == nullptr ? _mm512_setzero_si512() : _mm512_slli_epi32(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v1 + c))), 16);
+      _mm512_storeu_si512(vpair + t * d + c,
+                          _mm512_mask_blend_epi16(0xAAAAAAAAu, lo, hi));
+    }
+  }
+}
+
+// acc[r][c0 .. c0 + NC vectors) += sum_t pair(wq[r], t) . vpair[t][c0 ..] over n2 key pairs
+// for rows r0 .. r0 + NR (int32 sums; the pairs of row r at probs + r * kScoreStride floats,
+// from pair p0)
+template <int NR, int NC>
+inline void pv_rows_q8_block(int32_t* acc, int d, const float* probs, int p0,
+                             const uint32_t* vpair, int n2, int r0, int c0) {
+  __m512i o[NR][NC];
+  for (int r = 0; r < NR; ++r)
+    for (int u = 0; u < NC; ++u) o[r][u] = _mm512_loadu_si512(acc + (r0 + r) * d + c0 + u * kLanes);
+  for (int t = 0; t < n2; ++t) {
+    __m512i v[NC];
+    for (int u = 0; u < NC; ++u) {
+      v[u] = _mm512_loadu_si512(vpair + t * d + c0 + u * kLanes);
+      asm("" : "+v"(v[u]));
+    }
+    for (int r = 0; r < NR; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, probs + (r0 + r) * kScoreStride + p0 + t, sizeof pair);
+      const __m512i b = _mm512_set1_epi32(pair);
+      for (int u = 0; u < NC; ++u) o[r][u] = _mm512_dpwssd_epi32(o[r][u], b, v[u]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int u = 0; u < NC; ++u) _mm512_storeu_si512(acc + (r0 + r) * d + c0 + u * kLanes, o[r][u]);
+}
+
+template <int NR>
+inline void pv_rows_q8(int32_t* acc, int d, const float* probs, int p0, const uint32_t* vpair,
+                       int n2, int r0) {
+  int c = 0;
+  for (; c + 4 * kLanes <= d; c += 4 * kLanes)
+    pv_rows_q8_block<NR, 4>(acc, d, probs, p0, vpair, n2, r0, c);
+  for (; c < d; c += kLanes) pv_rows_q8_block<NR, 1>(acc, d, probs, p0, vpair, n2, r0, c);
+}
+
+// s.acc [R][d] = P @ V of the item's n keys (slots) for its kvh * G rows, row r reading head
+// r / G: the rows' probabilities as q8_probs left them in sc, summed as int32 in s.acc (zero
+// at the start), then times each row's unit
+inline void pv_heads_q8(Scratch& s, int kvh, int G, int d, const float* sc, const Q8* vp,
+                        const int64_t* slots, int n) {
+  const int64_t stride = kvh * row_len<Q8>(d);
+  int32_t* acc = reinterpret_cast<int32_t*>(s.acc);
+  for (int j0 = 0; j0 < n; j0 += kTile) {
+    const int nb = std::min(kTile, n - j0), n2 = (nb + 1) / 2;
+    for (int h = 0; h < kvh; ++h) {
+      pack_values_q8(s.vpair, vp + int64_t(h) * row_len<Q8>(d), slots + j0, nb, d, stride);
+      const int p0 = j0 / 2, end = (h + 1) * G;
+      int r = h * G;
+      for (; r + 4 <= end; r += 4) pv_rows_q8<4>(acc, d, sc, p0, s.vpair, n2, r);
+      switch (end - r) {
+        case 3: pv_rows_q8<3>(acc, d, sc, p0, s.vpair, n2, r); break;
+        case 2: pv_rows_q8<2>(acc, d, sc, p0, s.vpair, n2, r); break;
+        case 1: pv_rows_q8<1>(acc, d, sc, p0, s.vpair, n2, r); break;
+        default: break;
+      }
+    }
+  }
+  for (int r = 0; r < kvh * G; ++r) {
+    const __m512 unit = _mm512_set1_ps(s.punit[r]);
+    for (int c = 0; c < d; c += kLanes) {
+      float* a = s.acc + r * d + c;
+      _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(a)), unit));
+    }
+  }
+}
 #endif
 
 // Row r's n scores (padded to whole vectors) soft-capped and turned into probabilities in
@@ -1530,16 +1670,26 @@ void attend_heads(Scratch& s, int kvh, int G, int group, int d, const T* kp, con
   const int64_t stride = kvh * row_len<T>(d);
   if constexpr (std::is_same_v<T, Q8>) {
     // each V row's scale moved onto its probabilities (l already holds their sum): P @ V then
-    // widens the int8 values as it multiplies, with no float32 copy of the rows
+    // takes the int8 values as they are stored, with no float32 copy of the rows (as 16-bit
+    // integer products with AVX512-VNNI, else widened to float32 as it multiplies)
     float* vs = s.sp;  // [kChunk + kLanes]: one head's V scales (sp is free here)
     for (int h = 0; h < kvh; ++h) {
       const int64_t off = int64_t(h) * row_len<Q8>(d);
       for (int j = 0; j < n; ++j) vs[j] = q8_scale(vp + slots[j] * stride + off, d);
       for (int j = n; j % kLanes; ++j) vs[j] = 0.0f;
-      for (int r = h * G; r < (h + 1) * G; ++r)
+      for (int r = h * G; r < (h + 1) * G; ++r) {
+#if SGL_Q8_DOTS
+        q8_probs(s, r, n, vs, sc);
+#else
         for (int j = 0; j < n; j += kLanes)
           storef(sc + r * kScoreStride + j, loadf(sc + r * kScoreStride + j) * loadf(vs + j));
+#endif
+      }
     }
+#if SGL_Q8_DOTS
+    pv_heads_q8(s, kvh, G, d, sc, vp, slots, n);
+    return;
+#endif
   }
   for (int j0 = 0; j0 < n; j0 += kTile) {
     const int nb = std::min(kTile, n - j0);
@@ -1940,6 +2090,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "scale, window, cap, bf16_dots)");
   // whether bf16_dots can take effect (AVX512-BF16 build; a bfloat16 pool)
   m.attr("bf16_dots") = kDots;
+  // whether an int8 pool's products are integer instructions (AVX512-VNNI: the scores'
+  // `vpdpbusd`, and 16-bit probabilities times V in the all-heads decode items)
+  m.attr("q8_dots") = static_cast<bool>(SGL_Q8_DOTS);
   // keys per DECODE chunk: a shared prefix of whole chunks keeps every row batch-invariant
   m.attr("decode_chunk_keys") = kChunk;
 }

@@ -162,12 +162,12 @@ def score(logits: np.ndarray, targets: np.ndarray, ref_top1: np.ndarray) -> dict
             "positions": len(x)}
 
 
-def _engine(model_path: str | None, quantization: str, dtype: str):
+def _engine(model_path: str | None, quantization: str, dtype: str, threads: int):
     from sgl_tpu import Engine
 
     return Engine(model_path, backend="torch", quantization=quantization, dtype=dtype,
-                  skip_warmup=True, max_total_tokens=4096, max_running_requests=4,
-                  grammar_backend="none")
+                  torch_threads=threads, skip_warmup=True, max_total_tokens=4096,
+                  max_running_requests=4, grammar_backend="none")
 
 
 def _add_bos(model_path: str) -> int | None:
@@ -221,16 +221,13 @@ def llama_side(binary: str, model_path: str, base: Path, ctx: int, threads: int
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-
     from sgl_tpu.loader.default_model import default_model_path
 
-    torch.set_num_threads(args.threads)
     model_path = args.model_path or default_model_path()
     result: dict[str, Any] = {"model_path": Path(model_path).name, "ctx": args.ctx,
                               "threads": args.threads, "text_chars": len(TEXT)}
     t0 = time.perf_counter()
-    engine = _engine(model_path, *REFERENCE)
+    engine = _engine(model_path, *REFERENCE, args.threads)
     ids = engine.tokenizer.encode(TEXT)
     token_chunks = chunks(ids, args.ctx, _add_bos(model_path), args.chunks)
     targets = targets_of(token_chunks)
@@ -244,7 +241,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            **score(ref_logits, targets, ref_top1),
                            "seconds": round(time.perf_counter() - t0, 1)}
     t0 = time.perf_counter()
-    engine = _engine(model_path, "auto", "auto")
+    engine = _engine(model_path, "auto", "auto", args.threads)
     logits = scored_logits(engine, token_chunks, per_token=True)
     compute = engine.scheduler.runner.compute_info()
     del engine

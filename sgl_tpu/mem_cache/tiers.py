@@ -362,8 +362,9 @@ class TieredCache(TreeListener):
         """Start reading into the host tier, on the disk tier's thread, the pages of `key`
         after `match` that the host tier lacks (no more than the pool and the host tier hold;
         those it has are refreshed, so that the pages read push other pages out first); None if
-        there is no disk tier or the first of them is not on it."""
-        if self.disk_loads is None or not self.worth_loading(key, match):
+        there is no disk tier or the first of them is not on it. Whether loading beats computing
+        is the caller's to ask first (`worth_loading`)."""
+        if self.disk_loads is None:
             return None
         ps = self.page_size
         prev = match.last_node.last_hash() or ROOT_HASH

@@ -187,6 +187,8 @@ class KVManager:
         match = self.tree.match_prefix(key, req.cache_namespace)
         if req.session_id is not None:
             match = self.tiers.load(key, match, from_disk=False)
+        if not self.tiers.worth_loading(key, match):
+            return
         load = self.tiers.start_disk_load(key, match)
         if load is not None:
             self._loads[id(req)] = PrefixLoad(key, req.cache_namespace, load, match.prefix_len)
@@ -238,7 +240,8 @@ class KVManager:
             return True
         if match.prefix_len <= load.start:
             return False
-        load.disk = self.tiers.start_disk_load(load.key, match)
+        load.disk = (self.tiers.start_disk_load(load.key, match)
+                     if self.tiers.worth_loading(load.key, match) else None)
         load.start = match.prefix_len
         return load.disk is not None
 

@@ -211,3 +211,28 @@ def test_faithfulness_of_our_side_on_a_tiny_gguf(tmp_path):
     summary = host_class.summarize_faithfulness(result)
     assert summary["ours"]["top1_agreement"] == ours["top1_agreement"]
     assert summary["reference"]["perplexity"] == result["reference"]["perplexity"]
+
+
+def test_report_reads_each_criterion_as_ours_better_by(tmp_path):
+    from sgl_tpu.bench import host_class_report
+
+    summary = {"host": {"model": "Some EPYC"}, "isa": {"name": "avx2"}, "runs": {"135m": {
+        "single": {"itl_p50_ms": {"none": 5.0, "llama-server": 10.0}, "none_over_llama": 0.5,
+                   "itl_over_floor": {"none": 2.0}},
+        "c8_256": {"itl_p50_ms": {"auto": 20.0, "llama-server": 40.0}, "auto_over_llama": 0.5},
+        "faithfulness": {"ours": {"perplexity": 80.0, "top1_agreement": 0.95},
+                         "llama": {"perplexity": 78.0, "top1_agreement": 0.95},
+                         "reference": {"perplexity": 77.0}}}}}
+    got = host_class_report.factors(summary)
+    assert got["one stream, drafts off: llama-server ITL / ours"]["135m"][0] == pytest.approx(2.0)
+    assert got["perplexity: llama.cpp's / ours"]["135m"][0] == pytest.approx(78 / 80)
+    assert got["cold 2k-token prompt: llama-server TTFT / ours"]["135m"] == (None, "-")
+    table = host_class_report.markdown(summary).splitlines()
+    assert table[0] == "| criterion (ours better by, target) | 135m |"
+    rows = {line.split(" (")[0].lstrip("| "): line for line in table[2:]}
+    assert "**2.00x** ✓" in rows["one stream, drafts off: llama-server ITL / ours"]
+    assert "**2.00x** ✗" in rows["8 streams: llama-server per-stream ITL / ours"]
+    assert "**0.50x** ✗" in rows["one stream, drafts off: bandwidth floor / ITL"]
+    assert "**1.00x** ✓" in rows["top-1 agreement with float32: ours / llama.cpp's"]
+    host_class_report.plot(summary, str(tmp_path / "t.png"))
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"

@@ -47,6 +47,9 @@ measured), and per size and run:
     ttft_s              {target: TTFT p50}         cold2k
     itl_over_floor      {target: ITL p50 / floor}  single (`auto`'s tokens include drafts)
     faithfulness        ours / reference / llama   perplexity, top1_agreement (kld_mean)
+
+and beside it summary.md and summary.png, the host class's table and plot of every criterion
+(`bench.host_class_report`, which also renders an existing summary).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from sgl_tpu.bench import host_class_report
 from sgl_tpu.bench.report import emit
 
 WIDE_GGUF = "smollm2-w3.gguf"
@@ -352,6 +356,8 @@ def main(argv: list[str] | None = None) -> None:
         if "itl_p50_ms" in single:
             single["itl_over_floor"] = floor_ratios(single["itl_p50_ms"], floor_ms)
     emit(summary, str(out_dir / "summary.json"))
+    (out_dir / "summary.md").write_text(host_class_report.markdown(summary) + "\n")
+    host_class_report.plot(summary, str(out_dir / "summary.png"))
 
 
 if __name__ == "__main__":

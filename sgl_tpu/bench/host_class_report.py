@@ -1,0 +1,181 @@
+"""One host class's table and plot from `bench.host_class`'s summary.json: every speed and
+faithfulness criterion of the host-class table, per size, as the factor by which we beat
+llama-server (higher is better) beside its target.
+
+    python -m sgl_tpu.bench.host_class_report DIR/summary.json [--plot DIR/summary.png]
+
+prints the Markdown table (the README's performance section is these tables), and with --plot
+draws the same factors as bars against their targets. `bench.host_class` writes both beside
+its summary at the end of a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+Row = tuple[str, str, float, Callable[[dict[str, Any]], tuple[float | None, str]]]
+
+
+def _inverse(x: float | None) -> float | None:
+    return 1.0 / x if x else None
+
+
+def _ms(itl: dict[str, float | None], target: str) -> str:
+    v = itl.get(target)
+    return "-" if v is None else f"{v:.1f}"
+
+
+def _single_none(runs: dict[str, Any]) -> tuple[float | None, str]:
+    s = runs.get("single", {})
+    itl = s.get("itl_p50_ms", {})
+    return (_inverse(s.get("none_over_llama")),
+            f"{_ms(itl, 'none')} / {_ms(itl, 'llama-server')} ms")
+
+
+def _single_auto(runs: dict[str, Any]) -> tuple[float | None, str]:
+    s = runs.get("single", {})
+    itl = s.get("itl_p50_ms", {})
+    return (_inverse(s.get("auto_over_llama")),
+            f"{_ms(itl, 'auto')} / {_ms(itl, 'llama-server')} ms")
+
+
+def _c8(runs: dict[str, Any]) -> tuple[float | None, str]:
+    s = runs.get("c8_256", {})
+    itl = s.get("itl_p50_ms", {})
+    return (_inverse(s.get("auto_over_llama")),
+            f"{_ms(itl, 'auto')} / {_ms(itl, 'llama-server')} ms")
+
+
+def _cold(runs: dict[str, Any]) -> tuple[float | None, str]:
+    s = runs.get("cold2k", {})
+    ttft = s.get("ttft_s", {})
+    ours, peer = ttft.get("auto"), ttft.get("llama-server")
+    detail = "-" if ours is None or peer is None else f"{ours:.2f} / {peer:.2f} s"
+    return _inverse(s.get("auto_over_llama")), detail
+
+
+def _agent(runs: dict[str, Any]) -> tuple[float | None, str]:
+    s = runs.get("agent", {})
+    pps = s.get("programs_per_s", {})
+    ours, peer = pps.get("auto"), pps.get("llama-server")
+    detail = "-" if ours is None or peer is None else f"{ours:.3f} / {peer:.3f} programs/s"
+    return s.get("auto_over_llama_programs"), detail
+
+
+def _floor(runs: dict[str, Any]) -> tuple[float | None, str]:
+    over = runs.get("single", {}).get("itl_over_floor", {}).get("none")
+    return _inverse(over), "-" if over is None else f"ITL {over:.2f}x the floor"
+
+
+def _ppl(runs: dict[str, Any]) -> tuple[float | None, str]:
+    f = runs.get("faithfulness", {})
+    ours, peer = f.get("ours", {}).get("perplexity"), f.get("llama", {}).get("perplexity")
+    ref = f.get("reference", {}).get("perplexity")
+    if ours is None or peer is None:
+        return None, "-"
+    return peer / ours, f"{ours:.2f} / {peer:.2f} (float32 {ref:.2f})"
+
+
+def _top1(runs: dict[str, Any]) -> tuple[float | None, str]:
+    f = runs.get("faithfulness", {})
+    ours, peer = f.get("ours", {}).get("top1_agreement"), f.get("llama", {}).get("top1_agreement")
+    if ours is None or peer is None:
+        return None, "-"
+    return ours / peer if peer else None, f"{ours:.3f} / {peer:.3f}"
+
+
+# (plot label, criterion, the factor it asks for, how to read it from one size's runs). Each
+# factor is "ours better by": llama-server's time over ours, our rate over its, the floor over
+# our ITL.
+ROWS: tuple[Row, ...] = (
+    ("one stream", "one stream, drafts off: llama-server ITL / ours", 1 / 0.7, _single_none),
+    ("one stream, drafts", "one stream, default (drafts): llama-server ITL / ours", 0.0,
+     _single_auto),
+    ("8 streams", "8 streams: llama-server per-stream ITL / ours", 3.0, _c8),
+    ("cold 2k", "cold 2k-token prompt: llama-server TTFT / ours", 3.0, _cold),
+    ("agents", "agent workload: our programs/s / llama-server's", 8.0, _agent),
+    ("floor", "one stream, drafts off: bandwidth floor / ITL", 1 / 1.3, _floor),
+    ("perplexity", "perplexity: llama.cpp's / ours", 1.0, _ppl),
+    ("top-1", "top-1 agreement with float32: ours / llama.cpp's", 1.0, _top1),
+)
+
+
+def factors(summary: dict[str, Any]) -> dict[str, dict[str, tuple[float | None, str]]]:
+    """{criterion: {size: (factor or None, the measured values behind it)}}."""
+    sizes = list(summary.get("runs", {}))
+    return {name: {size: read(summary["runs"][size]) for size in sizes}
+            for _, name, _, read in ROWS}
+
+
+def title(summary: dict[str, Any]) -> str:
+    host = summary.get("host", {})
+    isa = (summary.get("isa") or {}).get("name") or "native"
+    return f"{host.get('model', 'unknown CPU')}, ISA {isa}"
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    table = factors(summary)
+    sizes = list(summary.get("runs", {}))
+    lines = ["| " + " | ".join(["criterion (ours better by, target)", *sizes]) + " |",
+             "|" + "---|" * (len(sizes) + 1)]
+    for _, name, target, _ in ROWS:
+        cells = []
+        for size in sizes:
+            factor, detail = table[name][size]
+            if factor is None:
+                cells.append("-" if detail == "-" else detail)
+                continue
+            mark = "" if not target else (" ✓" if factor >= target - 1e-9 else " ✗")
+            cells.append(f"**{factor:.2f}x**{mark} ({detail})")
+        goal = f">= {target:.2f}x" if target else "reported"
+        lines.append(f"| {name} ({goal}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(summary: dict[str, Any], path: str) -> None:
+    """The factors as grouped bars (one group per criterion, one bar per size), each
+    criterion's target as a tick line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = factors(summary)
+    sizes = list(summary.get("runs", {}))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / max(1, len(sizes))
+    for i, size in enumerate(sizes):
+        xs = [j + (i - (len(sizes) - 1) / 2) * width for j in range(len(ROWS))]
+        values = [table[name][size][0] or 0.0 for _, name, _, _ in ROWS]
+        bars = ax.bar(xs, values, width, label=size)
+        ax.bar_label(bars, fmt="%.2g", fontsize=7)
+    for j, (_, _, target, _) in enumerate(ROWS):
+        if target:
+            ax.hlines(target, j - 0.45, j + 0.45, colors="black", linestyles="dashed")
+    ax.set_xticks(range(len(ROWS)), [label for label, _, _, _ in ROWS], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("ours better by (x); dashes: target")
+    ax.legend(fontsize=8)
+    ax.set_title(title(summary), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("summary", help="bench.host_class's summary.json")
+    p.add_argument("--plot", default=None, help="write the bar chart here (PNG)")
+    args = p.parse_args(argv)
+    summary = json.loads(Path(args.summary).read_text())
+    print(f"{title(summary)}\n\n{markdown(summary)}")
+    if args.plot:
+        plot(summary, args.plot)
+
+
+if __name__ == "__main__":
+    main()

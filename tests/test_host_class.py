@@ -236,3 +236,38 @@ def test_report_reads_each_criterion_as_ours_better_by(tmp_path):
     assert "**1.00x** ✓" in rows["top-1 agreement with float32: ours / llama.cpp's"]
     host_class_report.plot(summary, str(tmp_path / "t.png"))
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_resume_keeps_finished_runs_and_writes_the_table(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(host_class, "_bandwidth", lambda: 50.0)  # measured in its own test
+    single = {"runs": {"auto": {"react": _row(5)}, "none": {"react": _row(10)},
+                       "llama-server": {"react": _row(20)}}, "target_errors": {}}
+    (tmp_path / "1.4b_single.json").write_text(json.dumps(single))
+    import gguf
+
+    wide = tmp_path / "wide.gguf"  # the 1.4B-class model's stand-in: only its bytes are read
+    writer = gguf.GGUFWriter(str(wide), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    host_class.main(["--llama-server", str(tmp_path / "no-such-llama-server"), "--sizes", "1.4b",
+                     "--runs", "single", "--resume", "--out-dir", str(tmp_path),
+                     "--wide-gguf", str(wide)])
+    assert "kept" in capsys.readouterr().err
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["runs"]["1.4b"]["single"]["none_over_llama"] == pytest.approx(0.5)
+    assert "**2.00x** ✓" in (tmp_path / "summary.md").read_text()
+    assert (tmp_path / "summary.png").exists()
+
+
+def test_report_merges_one_host_class_run_per_size():
+    from sgl_tpu.bench import host_class_report
+
+    a = {"host": {"model": "A"}, "runs": {"135m": {"single": {"none_over_llama": 0.5}}}}
+    b = {"host": {"model": "B"}, "runs": {"1.4b": {"single": {"none_over_llama": 0.25}},
+                                          "135m": {"cold2k": {"auto_over_llama": 0.1}}}}
+    m = host_class_report.merged([a, b])
+    assert m["host"]["model"] == "A" and list(m["runs"]) == ["135m", "1.4b"]
+    assert set(m["runs"]["135m"]) == {"single", "cold2k"}

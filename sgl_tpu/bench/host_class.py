@@ -4,6 +4,7 @@ docs/benchmarks.md ("Both sizes against llama-server") at the default model and 
 
     python -m sgl_tpu.bench.host_class --llama-server path/to/llama-server [--out-dir DIR]
         [--sizes 135m,1.4b] [--runs single,c8_256,agent,cold2k,faithfulness] [--dry-run]
+        [--resume]
     python -m sgl_tpu.bench.host_class --isa avx2|avx2-vnni|avx512|native
         [--llama-build-dir D] ...
 
@@ -279,6 +280,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sizes", default=",".join(SIZES))
     p.add_argument("--runs", default=",".join(RUN_NAMES))
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the runs whose result is already in OUT_DIR (an interrupted run)")
     args = p.parse_args(argv)
     sizes, runs = args.sizes.split(","), args.runs.split(",")
     for bad in [s for s in sizes if s not in SIZES] + [r for r in runs if r not in RUN_NAMES]:
@@ -323,8 +326,12 @@ def main(argv: list[str] | None = None) -> None:
                                "expected_flavour": expected, "loaded": {}},
                       "llama": {"binary": Path(llama_server).name}}
     for size, run, cmd, out in plan:
-        print(f"host_class: {size} {run}: {shlex.join(cmd)}", file=sys.stderr)
-        done = subprocess.run(cmd, env=env).returncode
+        if args.resume and run not in ("build", "widen") and out.exists():
+            print(f"host_class: {size} {run}: kept {out}", file=sys.stderr)
+            done = 0
+        else:
+            print(f"host_class: {size} {run}: {shlex.join(cmd)}", file=sys.stderr)
+            done = subprocess.run(cmd, env=env).returncode
         if run in ("build", "widen"):
             if done:
                 raise SystemExit(f"{run} failed ({done}): {shlex.join(cmd)}")

@@ -2,11 +2,13 @@
 faithfulness criterion of the host-class table, per size, as the factor by which we beat
 llama-server (higher is better) beside its target.
 
-    python -m sgl_tpu.bench.host_class_report DIR/summary.json [--plot DIR/summary.png]
+    python -m sgl_tpu.bench.host_class_report DIR/summary.json [MORE/summary.json ...]
+        [--plot PNG]
 
 prints the Markdown table (the README's performance section is these tables), and with --plot
-draws the same factors as bars against their targets. `bench.host_class` writes both beside
-its summary at the end of a run.
+draws the same factors as bars against their targets. Several summaries of one host class
+(say, one run per size) merge into one table, a later file's runs replacing an earlier one's.
+`bench.host_class` writes both beside its summary at the end of a run.
 """
 
 from __future__ import annotations
@@ -166,12 +168,22 @@ def plot(summary: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def merged(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One summary from several of one host class: the first's host and ISA, every size's
+    runs (later files' runs replacing earlier ones')."""
+    out = {**summaries[0], "runs": {}}
+    for summary in summaries:
+        for size, runs in summary.get("runs", {}).items():
+            out["runs"].setdefault(size, {}).update(runs)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("summary", help="bench.host_class's summary.json")
+    p.add_argument("summaries", nargs="+", help="bench.host_class's summary.json files")
     p.add_argument("--plot", default=None, help="write the bar chart here (PNG)")
     args = p.parse_args(argv)
-    summary = json.loads(Path(args.summary).read_text())
+    summary = merged([json.loads(Path(f).read_text()) for f in args.summaries])
     print(f"{title(summary)}\n\n{markdown(summary)}")
     if args.plot:
         plot(summary, args.plot)

@@ -271,3 +271,30 @@ def test_report_merges_one_host_class_run_per_size():
     m = host_class_report.merged([a, b])
     assert m["host"]["model"] == "A" and list(m["runs"]) == ["135m", "1.4b"]
     assert set(m["runs"]["135m"]) == {"single", "cold2k"}
+
+
+def test_token_steps_score_the_next_token_alike_in_extend_and_decode_steps(tiny_model):
+    """`token_steps` forces each step's token to the next id and reports its log-prob. With
+    float32 weights and a float32 KV pool nothing is rounded to a coarser type, so a decode
+    step scores each next token as an extend step of one row does and as a prefill of the whole
+    sequence does, up to float32 sums taken in other orders (far below 1e-4 nats)."""
+    from sgl_tpu.executor.step import ForwardMode, SeqStep
+    from sgl_tpu.sampling_params import SamplingParams
+
+    engine = faithfulness.make_engine(tiny_model, "none", "float32", 1)
+    try:
+        ids = np.random.default_rng(0).integers(3, 200, 40).astype(np.int32)
+        extend = [float(r.logprobs[0]) for r in faithfulness.token_steps(engine, ids)]
+        decode = [float(r.logprobs[0]) for r in faithfulness.token_steps(engine, ids, "decode")]
+        runner = engine.scheduler.runner
+        pages = np.arange(1, 1 + -(-len(ids) // engine.server_args.page_size), dtype=np.int32)
+        prefill = runner.forward(ForwardMode.EXTEND, [SeqStep(
+            token_ids=ids, prefix_len=0, pages=pages, sampling=SamplingParams(temperature=0.0),
+            seed=0, num_output_tokens=0)])
+        whole = runner.token_logprobs(prefill.hidden, ids[1:])[0][: len(ids) - 1]
+    finally:
+        engine.shutdown()
+    assert len(decode) == len(extend) == len(ids) - 1
+    assert np.abs(np.subtract(decode, extend)).max() < 1e-4
+    assert np.abs(np.subtract(extend, whole)).max() < 1e-4
+    assert min(decode) < -1.0  # a random model's next tokens are not certain: a real score

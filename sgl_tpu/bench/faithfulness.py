@@ -38,6 +38,7 @@ import struct
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,34 @@ def write_base(path: Path, ctx: int, n_vocab: int, token_chunks: list[list[int]]
         f.write(encoded.tobytes())
 
 
+def token_steps(engine, ids: np.ndarray, mode: str = "extend") -> Iterator[Any]:
+    """Run `ids[:-1]` through the runner one token per step from an empty cache (its own
+    pages), each step's sampled token forced to the next id (a mask that allows only it), and
+    yield each step's StepResult: its log-prob is the next id's under the raw logits. `mode`:
+    "extend" (every projection where decode runs it; the result keeps its hidden states) or
+    "decode" (decode's attention kernels too, as a served request's steps after its prefill)."""
+    from sgl_tpu.executor.step import ForwardMode, SeqStep, mask_words
+    from sgl_tpu.sampling_params import SamplingParams
+
+    runner = engine.scheduler.runner
+    forward_mode = {"extend": ForwardMode.EXTEND, "decode": ForwardMode.DECODE}[mode]
+    page_size = engine.server_args.page_size
+    pages = np.arange(1, 1 + -(-len(ids) // page_size), dtype=np.int32)
+    greedy = SamplingParams(temperature=0.0)
+    mask = np.zeros(mask_words(runner.vocab_size), np.uint32)
+    for pos in range(len(ids) - 1):
+        target = int(ids[pos + 1])
+        mask[:] = 0
+        mask[target // 32] = 1 << (target % 32)
+        step = SeqStep(token_ids=ids[pos:pos + 1], prefix_len=pos, pages=pages,
+                       sampling=greedy, seed=0, num_output_tokens=pos,
+                       bitmask=mask.view(np.int32).copy())
+        result = runner.forward(forward_mode, [step])
+        if int(result.token_ids[0]) != target:
+            raise RuntimeError(f"step {pos} sampled {result.token_ids[0]}, not {target}")
+        yield result
+
+
 def scored_logits(engine, token_chunks: list[list[int]], per_token: bool) -> np.ndarray:
     """Logits [chunks * (ctx/2 - 1), V] at the scored positions, each chunk from an empty cache
     (its own pages): one token per step (`per_token`: where decode runs each projection) or
@@ -125,24 +154,19 @@ def scored_logits(engine, token_chunks: list[list[int]], per_token: bool) -> np.
 
     runner = engine.scheduler.runner
     page_size = engine.server_args.page_size
-    greedy = SamplingParams(temperature=0.0)
     rows = []
     for chunk in token_chunks:
         ids = np.asarray(chunk, np.int32)
         ctx, first = len(ids), len(ids) // 2
-        pages = np.arange(1, 1 + -(-ctx // page_size), dtype=np.int32)
-        if not per_token:
-            step = SeqStep(token_ids=ids, prefix_len=0, pages=pages, sampling=greedy, seed=0,
-                           num_output_tokens=0)
-            result = runner.forward(ForwardMode.EXTEND, [step])
-            rows.append(runner.row_logits(result.hidden, np.arange(first, ctx - 1)))
+        if per_token:
+            rows += [runner.row_logits(result.hidden, np.zeros(1, np.int64))
+                     for pos, result in enumerate(token_steps(engine, ids)) if pos >= first]
             continue
-        for pos in range(ctx - 1):
-            step = SeqStep(token_ids=ids[pos:pos + 1], prefix_len=pos, pages=pages,
-                           sampling=greedy, seed=0, num_output_tokens=0)
-            result = runner.forward(ForwardMode.EXTEND, [step])
-            if pos >= first:
-                rows.append(runner.row_logits(result.hidden, np.zeros(1, np.int64)))
+        pages = np.arange(1, 1 + -(-ctx // page_size), dtype=np.int32)
+        step = SeqStep(token_ids=ids, prefix_len=0, pages=pages,
+                       sampling=SamplingParams(temperature=0.0), seed=0, num_output_tokens=0)
+        result = runner.forward(ForwardMode.EXTEND, [step])
+        rows.append(runner.row_logits(result.hidden, np.arange(first, ctx - 1)))
     return np.concatenate(rows).astype(np.float32)
 
 
@@ -162,10 +186,13 @@ def score(logits: np.ndarray, targets: np.ndarray, ref_top1: np.ndarray) -> dict
             "positions": len(x)}
 
 
-def _engine(model_path: str | None, quantization: str, dtype: str, threads: int):
+def make_engine(model_path: str | None, quantization: str, dtype: str, threads: int,
+                kv_cache_dtype: str = "auto", attention_backend: str = "auto"):
+    """An in-process engine on the torch backend whose runner these benches step directly."""
     from sgl_tpu import Engine
 
     return Engine(model_path, backend="torch", quantization=quantization, dtype=dtype,
+                  kv_cache_dtype=kv_cache_dtype, attention_backend=attention_backend,
                   torch_threads=threads, skip_warmup=True, max_total_tokens=4096,
                   max_running_requests=4, grammar_backend="none")
 
@@ -227,7 +254,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"model_path": Path(model_path).name, "ctx": args.ctx,
                               "threads": args.threads, "text_chars": len(TEXT)}
     t0 = time.perf_counter()
-    engine = _engine(model_path, *REFERENCE, args.threads)
+    engine = make_engine(model_path, *REFERENCE, args.threads)
     ids = engine.tokenizer.encode(TEXT)
     token_chunks = chunks(ids, args.ctx, _add_bos(model_path), args.chunks)
     targets = targets_of(token_chunks)
@@ -241,7 +268,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            **score(ref_logits, targets, ref_top1),
                            "seconds": round(time.perf_counter() - t0, 1)}
     t0 = time.perf_counter()
-    engine = _engine(model_path, "auto", "auto", args.threads)
+    engine = make_engine(model_path, "auto", "auto", args.threads)
     logits = scored_logits(engine, token_chunks, per_token=True)
     compute = engine.scheduler.runner.compute_info()
     del engine
@@ -260,15 +287,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def parser(description: str, model_help: str = "default: the default model"
+           ) -> argparse.ArgumentParser:
+    """The arguments of every bench that steps an in-process engine's runner."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--model-path", default=None, help=model_help)
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--output", default=None, help="also write the JSON here")
+    return p
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-path", default=None, help="a GGUF (default: the default model)")
+    p = parser(__doc__.split("\n\n")[0], "a GGUF (default: the default model)")
     p.add_argument("--llama-perplexity", default=None,
                    help="llama.cpp's llama-perplexity binary (none: our side only)")
     p.add_argument("--ctx", type=int, default=128, help="tokens per chunk (llama's -c)")
     p.add_argument("--chunks", type=int, default=None, help="at most this many chunks")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--output", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     emit(run(args), args.output)
 

@@ -52,7 +52,7 @@ from sgl_tpu.mem_cache.disk_tier import DiskTier
 from sgl_tpu.mem_cache.host_tier import HostTier
 from sgl_tpu.mem_cache.load_cost import LoadCost
 from sgl_tpu.mem_cache.page_hash import ROOT_HASH, chain_hashes
-from sgl_tpu.mem_cache.radix_cache import MatchResult, RadixCache
+from sgl_tpu.mem_cache.radix_cache import MatchResult, PrefixPeek, RadixCache
 from sgl_tpu.mem_cache.swa_pool import SwaPageAllocator
 from sgl_tpu.mem_cache.tree_node import TreeListener, TreeNode
 
@@ -90,6 +90,15 @@ class TierCounters:
     demote_bytes: int = 0  # written into this tier (from the pool, or from the host tier)
     demote_s: float = 0.0
     skipped_tokens: int = 0  # held here, but computed: fewer than the crossover (load_cost.py)
+
+
+@dataclass(frozen=True)
+class PagesBelow:
+    """The pages of a key after its device match that the tiers below hold (`pages_below`)."""
+
+    num_pages: int  # in the host tier or on disk, in a row: what a prefetch may move
+    num_host: int  # in the host tier, in a row
+    num_disk: int  # then on disk, in a row: with `num_host`, what a load's cost weighs
 
 
 class TieredCache(TreeListener):
@@ -170,7 +179,8 @@ class TieredCache(TreeListener):
         many as are found in a row and fit; return the new match (`match` itself when nothing
         was loaded). Nothing is loaded when computing those pages is faster (`load_cost`); an
         admission's load (`from_disk`) counts them as skipped."""
-        if not self.worth_loading(key, match, from_disk, count_skipped=from_disk):
+        if not self.worth_loading(self.pages_below(key, match, from_disk),
+                                  count_skipped=from_disk):
             return match
         loaded: list[int] = []  # this load's pool pages, in order
         while True:
@@ -306,56 +316,52 @@ class TieredCache(TreeListener):
             return row, "disk"
         return row, "host"
 
-    def worth_loading(self, key: np.ndarray, match: MatchResult, from_disk: bool = True,
-                      count_skipped: bool = False) -> bool:
-        """Whether the pages of `key` after `match` that the host tier holds, then (`from_disk`)
-        the disk tier may hold, in a row, load faster than they compute (`load_cost`); no page
-        is read. `count_skipped`: count them as skipped when not."""
-        num_host, num_disk = self._count_below(key, match, from_disk)
+    def worth_loading(self, below: PagesBelow, count_skipped: bool = False) -> bool:
+        """Whether the pages a load would take (`below`: host pages, then disk pages, in a row)
+        load faster than they compute (`load_cost`). `count_skipped`: count them as skipped
+        when not."""
         ps = self.page_size
-        if not num_host + num_disk:
+        if not below.num_host + below.num_disk:
             return False
-        if self.load_cost.worth_loading(num_host * ps, num_disk * ps):
+        if self.load_cost.worth_loading(below.num_host * ps, below.num_disk * ps):
             return True
         if count_skipped:
-            self.host_counters.skipped_tokens += num_host * ps
-            self.disk_counters.skipped_tokens += num_disk * ps
+            self.host_counters.skipped_tokens += below.num_host * ps
+            self.disk_counters.skipped_tokens += below.num_disk * ps
         return False
 
-    def _count_below(self, key: np.ndarray, match: MatchResult, from_disk: bool
-                     ) -> tuple[int, int]:
-        """How many pages of `key` after `match` the host tier holds, then how many more the
-        disk tier may hold (`from_disk`), in a row (the host tier's pages first: a disk page
-        ends them)."""
+    def pages_below(self, key: np.ndarray, match: MatchResult | PrefixPeek,
+                    from_disk: bool = True) -> PagesBelow:
+        """The pages of `key` after `match` (the device tree's match of `key`, or a peek at it)
+        that the host tier holds, or (`from_disk`) the disk tier may hold; nothing is read."""
         ps = self.page_size
-        prev = match.last_node.last_hash() or ROOT_HASH
-        num_host = num_disk = 0
-        for p in range(match.prefix_len // ps, len(key) // ps):
+        node, node_len = ((match.last_node, match.prefix_len) if isinstance(match, MatchResult)
+                          else (match.node, match.node_len))
+        prev = node.last_hash() or ROOT_HASH
+        disk = self.disk if from_disk else None
+        num_pages = num_host = num_disk = 0
+        in_row = True  # host pages, then disk pages, so far
+        for p in range(node_len // ps, len(key) // ps):
             tokens = np.asarray(key[p * ps:(p + 1) * ps], dtype=np.int32)
             page_hash = chain_hashes(prev, tokens, ps)[0].tobytes()
+            prev = page_hash
+            if p < match.prefix_len // ps:
+                continue  # (a peek ending inside its node's child)
             keys = self._keys(page_hash)
-            if not num_disk and any(k in self.host for k in keys):
+            in_host = any(k in self.host for k in keys)
+            # a stat at most per page; none for a host page before the row's disk part
+            on_disk = (disk is not None and (not in_host or (in_row and num_disk > 0))
+                       and any(map(disk.may_hold, keys)))
+            if not (in_host or on_disk):
+                break
+            if in_row and in_host and not num_disk:
                 num_host += 1
-            elif from_disk and self.disk is not None and any(map(self.disk.may_hold, keys)):
+            elif in_row and on_disk:
                 num_disk += 1
             else:
-                break
-            prev = page_hash
-        return num_host, num_disk
-
-    def pages_below(self, key: np.ndarray, start: int) -> int:
-        """How many pages of `key` from token `start` (page-aligned) on the host tier holds,
-        or the disk tier may hold, in a row (a prefetch's size; nothing is read)."""
-        ps = self.page_size
-        hashes = chain_hashes(ROOT_HASH, np.asarray(key[: len(key) // ps * ps], np.int32), ps)
-        count = 0
-        for h in hashes[start // ps:]:
-            keys = self._keys(h.tobytes())
-            if not any(k in self.host or (self.disk is not None and self.disk.may_hold(k))
-                       for k in keys):
-                break
-            count += 1
-        return count
+                in_row = False
+            num_pages += 1
+        return PagesBelow(num_pages, num_host, num_disk)
 
     # ---- loads from disk off the scheduler thread (disk_loads.py) ----------------------------
     def start_disk_load(self, key: np.ndarray, match: MatchResult) -> DiskLoad | None:

@@ -187,7 +187,7 @@ class KVManager:
         match = self.tree.match_prefix(key, req.cache_namespace)
         if req.session_id is not None:
             match = self.tiers.load(key, match, from_disk=False)
-        if not self.tiers.worth_loading(key, match):
+        if not self.tiers.worth_loading(self.tiers.pages_below(key, match)):
             return
         load = self.tiers.start_disk_load(key, match)
         if load is not None:
@@ -241,7 +241,8 @@ class KVManager:
         if match.prefix_len <= load.start:
             return False
         load.disk = (self.tiers.start_disk_load(load.key, match)
-                     if self.tiers.worth_loading(load.key, match) else None)
+                     if self.tiers.worth_loading(self.tiers.pages_below(load.key, match))
+                     else None)
         load.start = match.prefix_len
         return load.disk is not None
 

@@ -193,24 +193,25 @@ class Prefetcher:
         if kv.resume_ids is None or self.kv.tiers is None:
             return "missing"
         key = np.asarray(kv.resume_ids, dtype=np.int32)
-        start = self.tree.peek_prefix(lambda: key, namespace=kv.resume_namespace).prefix_len
-        below = self.kv.tiers.pages_below(key, start)
-        if not below:
+        peek = self.tree.peek_prefix(lambda: key, namespace=kv.resume_namespace)
+        start = peek.prefix_len
+        below = self.kv.tiers.pages_below(key, peek)
+        if not below.num_pages:
             return "resident" if start else "missing"
         ps = self.kv.page_size
         room = self._room(waiting, prog.key)
         if room <= 0:
             return "deferred"
         match = self.tree.match_prefix(key, kv.resume_namespace)
-        if not self.kv.tiers.worth_loading(key, match):
+        if not self.kv.tiers.worth_loading(below):
             return "computed"
         pin_s = min(max(pin_s, PIN_MIN_S), self.max_retention_s)
         # pages the host tier no longer holds are read from disk first, off this thread
         load = PrefixLoad(key, kv.resume_namespace, self.kv.tiers.start_disk_load(key, match),
                           start)
-        kv.prefetch = Prefetch(load, start, start + min(below, room) * ps,
+        kv.prefetch = Prefetch(load, start, start + min(below.num_pages, room) * ps,
                                self.tree.clock() + pin_s)
-        self._held[prog.key] = min(below, room)
+        self._held[prog.key] = min(below.num_pages, room)
         self._moving[prog.key] = prog
         self.programs.count_kv(prog, num_prefetches=1)
         return "accepted"

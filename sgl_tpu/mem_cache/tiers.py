@@ -307,11 +307,15 @@ class TieredCache(TreeListener):
         return row, "host"
 
     def worth_loading(self, key: np.ndarray, match: MatchResult, from_disk: bool = True,
-                      count_skipped: bool = False) -> bool:
+                      count_skipped: bool = False, max_pages: int | None = None) -> bool:
         """Whether the pages of `key` after `match` that the host tier holds, then (`from_disk`)
-        the disk tier may hold, in a row, load faster than they compute (`load_cost`); no page
-        is read. `count_skipped`: count them as skipped when not."""
+        the disk tier may hold, in a row (the first `max_pages` of them), load faster than they
+        compute (`load_cost`); no page is read. `count_skipped`: count them as skipped when
+        not."""
         num_host, num_disk = self._count_below(key, match, from_disk)
+        if max_pages is not None:
+            num_host = min(num_host, max_pages)
+            num_disk = min(num_disk, max_pages - num_host)
         ps = self.page_size
         if not num_host + num_disk:
             return False

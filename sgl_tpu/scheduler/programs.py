@@ -50,6 +50,7 @@ newcomers. The reasoning and the measurements: docs/agents-at-scale.md.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import hmac
 import itertools
@@ -109,6 +110,9 @@ class KVCounters:
     num_prefetch_hits: int = 0  # done before the program came back, and still in the pool
     num_prefetch_late: int = 0  # the program came back while its prefetch was still moving
     num_prefetch_wasted: int = 0  # evicted again, or the program never came back in time
+    # not started (once per pause): the programs expected back sooner and the waiting requests
+    # would claim the room before it came back
+    num_prefetch_skipped: int = 0
 
 
 @dataclass(eq=False)
@@ -121,6 +125,7 @@ class ProgramKV:
     pause_mean_s: float = 0.0  # its own pauses, a PROGRAM_PAUSE_EWMA mean
     num_pauses: int = 0
     pause_prefetches: int = 0  # prefetches started by time in its current pause
+    pause_skipped: bool = False  # a prefetch was skipped in its current pause (counted once)
     prefetch: Any = None  # its prefetch in flight or done (prefetch.Prefetch), or None
     counters: KVCounters = field(default_factory=KVCounters)
 
@@ -186,6 +191,10 @@ class Programs:
         # as of the last sweep: the row share keeps their rows (extend_planner `_row_share`)
         self.expected_back = 0.0
         self.kv_totals = KVCounters()  # every program's, since start-up
+        # (expected back at, claim tokens) of the paused programs expected back, as of the last
+        # sweep, and of those paused since (`pausing`): what `claims_before` sums
+        self.returns: list[tuple[float, int]] = []
+        self._claims: tuple[list[float], list[int]] | None = None  # `returns` sorted, summed
         self._next_expire = 0.0
         # called with the key of each program found done after a tool pause, at most once
         # per program until it comes back
@@ -333,6 +342,8 @@ class Programs:
         back = 0.0
         turns = self.expected_turns()
         gone = []
+        self.returns = []
+        self._claims = None
         for key, prog in self.live.items():
             self.num_visits += 1
             state = self.state(prog, now)
@@ -348,6 +359,8 @@ class Programs:
                 else:
                     total += self.expected_working_set(prog)
                     back += state == "paused"
+                if state == "paused":
+                    self._add_return(prog)
                 continue
             if state == "idle":
                 gone.append(key)
@@ -361,6 +374,44 @@ class Programs:
             del self.live[key]
         self.expected_back = back
         return total
+
+    # ---- expected returns (prefetch.py) ---------------------------------------------------------
+    def expected_back_at(self, prog: Program) -> float | None:
+        """When paused `prog` is expected back (the programs' clock): its pause start plus its
+        expected pause; None if it is not paused or no pause was seen yet."""
+        expected = self.expected_pause_s(prog)
+        if prog.kv.paused_at is None or expected <= 0:
+            return None
+        return prog.kv.paused_at + expected
+
+    def return_claim_tokens(self, prog: Program) -> int:
+        """The KV `prog`'s next turn is expected to claim: its working set (the peak of its
+        in-flight contexts), times `return_rate` while it has not come back yet."""
+        share = 1.0 if prog.returned else self.return_rate
+        return int(share * prog.working_set_tokens)
+
+    def pausing(self, prog: Program) -> None:
+        """`prog`'s last request in flight ended (its `kv.paused_at` is set): it counts in
+        `claims_before` before the next sweep."""
+        if prog.admitted:
+            self._add_return(prog)
+
+    def _add_return(self, prog: Program) -> None:
+        back_at = self.expected_back_at(prog)
+        if back_at is not None:
+            self.returns.append((back_at, self.return_claim_tokens(prog)))
+            self._claims = None
+
+    def claims_before(self, back_at: float) -> int:
+        """The tokens the paused programs expected back before `back_at` will claim (as of the
+        last sweep, plus those paused since: one that came back since still counts, and its
+        request then counts twice until the next sweep). Sorts once per change."""
+        if self._claims is None:
+            ordered = sorted(self.returns)
+            self._claims = ([t for t, _ in ordered],
+                            list(itertools.accumulate((c for _, c in ordered), initial=0)))
+        times, sums = self._claims
+        return sums[bisect.bisect_left(times, back_at)]
 
     def _learn_done(self, prog: Program) -> None:
         """`prog` was found idle: a one-shot lowers `return_rate`; a returned program's peak
@@ -401,6 +452,8 @@ class Programs:
         self.expected_tokens = 0.0
         self.done_turns.clear()
         self.return_rate = 1.0
+        self.returns = []
+        self._claims = None
 
     # ---- admission control ---------------------------------------------------------------
     def resident_tokens(self, now: float) -> int:

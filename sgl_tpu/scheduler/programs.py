@@ -17,7 +17,8 @@ output the server, has seen); its state. Paused for longer than its pause window
 longest tool pause, else twice the mean pause, at least MIN_PAUSE_S) it is found idle, and
 after a tool pause reported to `on_done` (retention.py releases its session-hint pins). Per
 program also where its prompt tokens came from and what prefetching did (`KVCounters`, kept by
-prefetch.py in `Program.kv`).
+prefetch.py in `Program.kv`), and, while it pauses, when it is expected back and the KV it will
+claim then (`claims_before`: prefetch.py keeps a prefetch out of a sooner returner's room).
 
 Who is walked, so no call costs the size of the table:
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from test_scheduler import PAGE, PlusOneRunner, V, request, run_steps
 
 from sgl_tpu.config import SchedulerConfig
@@ -84,17 +85,22 @@ def test_claims_before_sums_the_working_sets_of_programs_expected_back_sooner() 
         return prog
 
     late = pause("late", 196, 0.8)  # back at 100.8, claims 200 tokens
-    soon = pause("soon", 96, 0.3)  # paused last, back first: at 100.3, claims 100
-    assert progs.expected_back_at(soon) == 100.3 and progs.return_claim_tokens(late) == 200
-    assert progs.claims_before(100.3) == 0  # only those expected back sooner
+    clock.now += 0.1
+    soon = pause("soon", 96, 0.3)  # paused last, back first: at 100.4, claims 100
+    assert progs.expected_back_at(soon, clock.now) == pytest.approx(100.4)
+    assert progs.return_claim_tokens(late) == 200
+    assert progs.claims_before(progs.expected_back_at(soon, clock.now)) == 0  # only sooner
     assert progs.claims_before(100.5) == 100
     assert progs.claims_before(101.0) == 300
-    clock.now += 0.5
-    progs.info()  # a sweep finds the same
-    assert progs.claims_before(101.0) == 300
+    clock.now = 100.6
+    progs.info()  # a sweep: paused for longer than half its expected pause, each is expected
+    # to pause as long again as it has so far
+    assert progs.expected_back_at(late, clock.now) == pytest.approx(101.2)
+    assert progs.expected_back_at(soon, clock.now) == pytest.approx(101.1)
+    assert progs.claims_before(101.15) == 100 and progs.claims_before(101.3) == 300
     clock.now += MIN_PAUSE_S  # their pause windows are over: found idle, they claim nothing
     progs.info()
-    assert progs.claims_before(101.0) == 0
+    assert progs.claims_before(101.3) == 0
 
 
 def test_programs_found_done_after_a_pause_are_reported_once() -> None:

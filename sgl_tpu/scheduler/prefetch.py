@@ -180,7 +180,7 @@ class Prefetcher:
             _, _, prog, paused_at = heapq.heappop(self._due)
             if prog.kv.paused_at != paused_at or self.programs.table.get(prog.key) is not prog:
                 continue  # it came back, or is forgotten
-            back_at = self.programs.expected_back_at(prog)
+            back_at = self.programs.expected_back_at(prog, now)
             due.append((now if back_at is None else back_at, next(self._seq), prog, paused_at))
         for _, _, prog, paused_at in sorted(due):
             if self.programs.state(prog, now) != "paused":
@@ -248,14 +248,17 @@ class Prefetcher:
 
     def _reserved(self, prog: Program) -> int:
         """Pages the programs expected back before `prog` will claim in the pool first (their
-        working sets; what their own prefetches pin `_room` counted already)."""
-        back_at = self.programs.expected_back_at(prog)
+        working sets; what their own prefetches pin `_room` counted already), as the last sweep
+        saw them."""
+        seen_at = self.programs.returns_at
+        back_at = self.programs.expected_back_at(prog, seen_at)
         if back_at is None:
             return 0
         tokens = self.programs.claims_before(back_at)
         for key, pages in self._held.items():
             other = self.programs.table.get(key)
-            other_back_at = None if other is None else self.programs.expected_back_at(other)
+            other_back_at = None if other is None else self.programs.expected_back_at(
+                other, seen_at)
             if key != prog.key and other_back_at is not None and other_back_at < back_at:
                 tokens -= min(pages * self.kv.page_size, self.programs.return_claim_tokens(other))
         return -(-max(tokens, 0) // self.kv.page_size)

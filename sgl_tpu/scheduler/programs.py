@@ -193,8 +193,9 @@ class Programs:
         self.expected_back = 0.0
         self.kv_totals = KVCounters()  # every program's, since start-up
         # (expected back at, claim tokens) of the paused programs expected back, as of the last
-        # sweep, and of those paused since (`pausing`): what `claims_before` sums
+        # sweep (at `returns_at`), and of those paused since (`pausing`): `claims_before` sums
         self.returns: list[tuple[float, int]] = []
+        self.returns_at = 0.0
         self._claims: tuple[list[float], list[int]] | None = None  # `returns` sorted, summed
         self._next_expire = 0.0
         # called with the key of each program found done after a tool pause, at most once
@@ -344,6 +345,7 @@ class Programs:
         turns = self.expected_turns()
         gone = []
         self.returns = []
+        self.returns_at = now
         self._claims = None
         for key, prog in self.live.items():
             self.num_visits += 1
@@ -361,7 +363,7 @@ class Programs:
                     total += self.expected_working_set(prog)
                     back += state == "paused"
                 if state == "paused":
-                    self._add_return(prog)
+                    self._add_return(prog, now)
                 continue
             if state == "idle":
                 gone.append(key)
@@ -377,13 +379,17 @@ class Programs:
         return total
 
     # ---- expected returns (prefetch.py) ---------------------------------------------------------
-    def expected_back_at(self, prog: Program) -> float | None:
-        """When paused `prog` is expected back (the programs' clock): its pause start plus its
-        expected pause; None if it is not paused or no pause was seen yet."""
+    def expected_back_at(self, prog: Program, now: float) -> float | None:
+        """When paused `prog` is expected back, as seen at `now` (the programs' clock): its
+        pause start plus its expected pause, or, once it has paused for longer than half that,
+        as long again as it has so far (pauses are heavy-tailed: the longer one has lasted, the
+        longer it is likely to last; the median of a Pareto tail of shape 1). None if it is not
+        paused or no pause was seen yet."""
         expected = self.expected_pause_s(prog)
-        if prog.kv.paused_at is None or expected <= 0:
+        paused_at = prog.kv.paused_at
+        if paused_at is None or expected <= 0:
             return None
-        return prog.kv.paused_at + expected
+        return paused_at + max(expected, 2 * (now - paused_at))
 
     def return_claim_tokens(self, prog: Program) -> int:
         """The KV `prog`'s next turn is expected to claim: its working set (the peak of its
@@ -395,18 +401,19 @@ class Programs:
         """`prog`'s last request in flight ended (its `kv.paused_at` is set): it counts in
         `claims_before` before the next sweep."""
         if prog.admitted:
-            self._add_return(prog)
+            self._add_return(prog, prog.kv.paused_at)
 
-    def _add_return(self, prog: Program) -> None:
-        back_at = self.expected_back_at(prog)
+    def _add_return(self, prog: Program, now: float) -> None:
+        back_at = self.expected_back_at(prog, now)
         if back_at is not None:
             self.returns.append((back_at, self.return_claim_tokens(prog)))
             self._claims = None
 
     def claims_before(self, back_at: float) -> int:
-        """The tokens the paused programs expected back before `back_at` will claim (as of the
-        last sweep, plus those paused since: one that came back since still counts, and its
-        request then counts twice until the next sweep). Sorts once per change."""
+        """The tokens the paused programs expected back before `back_at` will claim, as seen at
+        `returns_at` (the last sweep; compare a `back_at` seen then), plus those paused since
+        (one that came back since still counts, and its request then counts twice until the
+        next sweep). Sorts once per change."""
         if self._claims is None:
             ordered = sorted(self.returns)
             self._claims = ([t for t, _ in ordered],

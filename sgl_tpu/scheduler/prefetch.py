@@ -20,7 +20,7 @@ nothing starts by time; a hint still can; by time at most PREFETCHES_PER_PAUSE p
 Room: the pages free in the pool or evictable, less the pages the waiting requests' prompts
 need and those other programs' prefetches pin (prefetches never evict each other); running
 requests' KV is locked, never evicted. By time, a prefetch takes only what is left after the
-programs expected back before it (paused_at + expected pause) claim their working sets
+programs expected back before it (`Programs.expected_back_at`) claim their working sets
 (`Programs.claims_before`); with nothing left it is skipped, counted once per pause. Due
 programs are looked at in the order they are expected back. A prefetch moves only in steps
 where no waiting request's own load moved: one `TieredCache.step_pages` part per step while

@@ -70,6 +70,9 @@ PROGRAM_KV_GAUGES = (
     ("num_prefetch_late", "prefetch_late", "Prefetches still moving when the program came back"),
     ("num_prefetch_wasted", "prefetch_wasted",
      "Prefetches evicted again, or whose program did not come back within its pause window"),
+    ("num_prefetch_skipped", "prefetch_skipped",
+     "Pauses whose prefetch was not started: the programs expected back sooner and the waiting "
+     "requests would claim the room first"),
 )
 E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 

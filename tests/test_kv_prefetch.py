@@ -1,17 +1,21 @@
 """Prefetch through a real server (scheduler/prefetch.py): a small pool over a host tier, a
 paused program whose KV other traffic pushed out to the host tier is moved back before its next
 request, which then finds it in the pool; a prefetch whose program does not come back is counted
-wasted; `/kv_hints` (retain / prefetch / release) works and refuses bad hints with a 400; the
-counters appear per program in `/server_info` and `/metrics` under public ids only; with
-`--disable-kv-prefetch` the request loads its prefix itself; pages the host tier dropped are
-prefetched from the disk tier; the tier crossover (mem_cache/load_cost.py) is fitted and
-reported, and a prefix part below it is computed, neither loaded nor prefetched."""
+wasted; of two paused programs the one expected back first is prefetched, and a prefetch its
+return would evict is skipped and counted; `/kv_hints` (retain / prefetch / release) works and
+refuses bad hints with a 400; the counters appear per program in `/server_info` and
+`/metrics` under public ids only; with `--disable-kv-prefetch` the request loads its prefix
+itself; pages the host tier dropped are prefetched from the disk tier; the tier crossover
+(mem_cache/load_cost.py) is fitted and reported, and a prefix part below it is computed,
+neither loaded nor prefetched."""
 
 from __future__ import annotations
 
 import random
+import re
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -170,6 +174,61 @@ def test_no_client_key_appears_in_server_info_or_metrics(server):
     assert any(f'program="{pid}"' in metrics for pid in public_ids)
     assert 'sglang:program_prefetched_tokens{model_name=' in metrics
     assert 'program="all"' in metrics
+
+
+def _sleep_until(t: float) -> None:
+    time.sleep(max(0.0, t - time.monotonic()))
+
+
+def test_the_program_expected_back_first_is_prefetched_and_one_it_would_evict_is_skipped(
+        server):
+    """A pauses first but is expected back last (its pauses are long); B pauses after it but is
+    expected back first, and its working set (two requests at once) is the whole pool. B's KV
+    is prefetched; A's prefetch, which B's return would evict, is skipped and counted."""
+    a_key, b_key = f"agent-a-{uuid.uuid4().hex}", f"agent-b-{uuid.uuid4().hex}"
+    a_pause_s, b_pause_s = 7.0, 4.0  # A due after 3.5 s, back after 7; B back after 4
+    seen = set(server.info()["programs"]["recent"])
+    a_context = _turn(server, a_key, _ids(PREFIX_TOKENS, 20))
+    a_ended = time.monotonic()
+    (a_id,) = set(server.info()["programs"]["recent"]) - seen
+    _sleep_until(a_ended + a_pause_s - b_pause_s)
+    b_prompts = [_ids(PREFIX_TOKENS - 60, 21 + i) for i in range(2)]
+    with ThreadPoolExecutor(2) as pool:  # B's working set: two 542-token contexts > the pool
+        outs = list(pool.map(lambda ids: _generate(server, ids, b_key), b_prompts))
+    b_ended = time.monotonic()
+    (b_id,) = set(server.info()["programs"]["recent"]) - seen - {a_id}
+    b_context = b_prompts[0] + outs[0]["output_ids"]
+    _sleep_until(a_ended + a_pause_s)
+    a_context = _turn(server, a_key, a_context + _ids(40, 22))  # A pauses first
+    _sleep_until(b_ended + b_pause_s)
+    b_context = _turn(server, b_key, b_context + _ids(40, 23))  # then B
+    for i in range(2):  # other traffic pushes both out to the host tier
+        _generate(server, _ids(POOL_TOKENS - 160, 4000 + i))
+
+    def kv(public_id: str) -> dict:
+        return server.info()["programs"]["recent"][public_id]["kv"]
+
+    # (their first pauses, expected as long as other programs' so far, may have prefetched)
+    a_before, b_before = kv(a_id), kv(b_id)
+    _wait(lambda: kv(b_id)["prefetched_tokens"] - b_before["prefetched_tokens"]
+          >= PREFIX_TOKENS - 60 - 16)
+    _wait(lambda: kv(a_id)["num_prefetch_skipped"] >= 1)  # A came due while B pauses
+    a_kv, b_kv = kv(a_id), kv(b_id)
+    assert a_kv["num_prefetches"] == a_before["num_prefetches"]
+    assert a_kv["prefetched_tokens"] == a_before["prefetched_tokens"]
+    assert a_kv["num_prefetch_skipped"] == 1  # once per pause
+    assert b_kv["num_prefetches"] == b_before["num_prefetches"] + 1
+    assert b_kv["num_prefetch_skipped"] == 0
+    assert server.info()["programs"]["kv"]["num_prefetch_skipped"] >= 1
+    metrics = requests.get(server.base_url + "/metrics", timeout=60).text
+    assert re.search(rf'sglang:program_prefetch_skipped{{[^}}]*program="{a_id}"[^}}]*}} 1\.0',
+                     metrics), metrics
+    out = _generate(server, b_context + _ids(30, 24), b_key)
+    after = server.wait_idle()["programs"]["recent"][b_id]["kv"]
+    assert out["meta_info"]["cached_tokens"] >= len(b_context) // 16 * 16 - 16
+    assert after["num_prefetch_hits"] == b_kv["num_prefetch_hits"] + 1
+    assert after["loaded_tokens"] == b_kv["loaded_tokens"]
+    assert server.info()["integrity"] == "ok"
 
 
 def test_with_prefetch_off_the_returning_request_loads_its_prefix(reactive_server):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from test_scheduler import PAGE, PlusOneRunner, V, request, run_steps
 
 from sgl_tpu.config import SchedulerConfig
@@ -67,6 +68,39 @@ def test_service_states_and_ttl() -> None:
     clock.now += 60.0  # past the TTL: forgotten
     assert progs.info()["num_programs"] == 0 and progs.num_seen == 1
     assert progs.pause_window_s(prog) >= MIN_PAUSE_S
+
+
+def test_claims_before_sums_the_working_sets_of_programs_expected_back_sooner() -> None:
+    clock = Clock()
+    progs = Programs(ttl_s=60.0, capacity_tokens=10_000, admission=False, clock=clock)
+
+    def pause(key: str, prompt_len: int, pause_mean_s: float):
+        """One turn of program `key`, then a pause (as the prefetcher records it)."""
+        req = make_req(key, prompt_len=prompt_len, max_new=4)
+        prog = progs.arrive(req, key)
+        progs.count_extend(req, prompt_len)
+        progs.finish(req)
+        prog.kv.paused_at, prog.kv.pause_mean_s, prog.kv.num_pauses = clock.now, pause_mean_s, 1
+        progs.pausing(prog)
+        return prog
+
+    late = pause("late", 196, 0.8)  # back at 100.8, claims 200 tokens
+    clock.now += 0.1
+    soon = pause("soon", 96, 0.3)  # paused last, back first: at 100.4, claims 100
+    assert progs.expected_back_at(soon, clock.now) == pytest.approx(100.4)
+    assert progs.return_claim_tokens(late) == 200
+    assert progs.claims_before(progs.expected_back_at(soon, clock.now)) == 0  # only sooner
+    assert progs.claims_before(100.5) == 100
+    assert progs.claims_before(101.0) == 300
+    clock.now = 100.6
+    progs.info()  # a sweep: paused for longer than half its expected pause, each is expected
+    # to pause as long again as it has so far
+    assert progs.expected_back_at(late, clock.now) == pytest.approx(101.2)
+    assert progs.expected_back_at(soon, clock.now) == pytest.approx(101.1)
+    assert progs.claims_before(101.15) == 100 and progs.claims_before(101.3) == 300
+    clock.now += MIN_PAUSE_S  # their pause windows are over: found idle, they claim nothing
+    progs.info()
+    assert progs.claims_before(101.3) == 0
 
 
 def test_programs_found_done_after_a_pause_are_reported_once() -> None:

@@ -316,18 +316,23 @@ class TieredCache(TreeListener):
             return row, "disk"
         return row, "host"
 
-    def worth_loading(self, below: PagesBelow, count_skipped: bool = False) -> bool:
-        """Whether the pages a load would take (`below`: host pages, then disk pages, in a row)
-        load faster than they compute (`load_cost`). `count_skipped`: count them as skipped
-        when not."""
+    def worth_loading(self, below: PagesBelow, count_skipped: bool = False,
+                      max_pages: int | None = None) -> bool:
+        """Whether the pages a load would take (`below`: host pages, then disk pages, in a row;
+        the first `max_pages` of them) load faster than they compute (`load_cost`).
+        `count_skipped`: count them as skipped when not."""
+        num_host, num_disk = below.num_host, below.num_disk
+        if max_pages is not None:
+            num_host = min(num_host, max_pages)
+            num_disk = min(num_disk, max_pages - num_host)
         ps = self.page_size
-        if not below.num_host + below.num_disk:
+        if not num_host + num_disk:
             return False
-        if self.load_cost.worth_loading(below.num_host * ps, below.num_disk * ps):
+        if self.load_cost.worth_loading(num_host * ps, num_disk * ps):
             return True
         if count_skipped:
-            self.host_counters.skipped_tokens += below.num_host * ps
-            self.disk_counters.skipped_tokens += below.num_disk * ps
+            self.host_counters.skipped_tokens += num_host * ps
+            self.disk_counters.skipped_tokens += num_disk * ps
         return False
 
     def pages_below(self, key: np.ndarray, match: MatchResult | PrefixPeek,

@@ -19,10 +19,12 @@ Expected pause: the mean of the program's own pauses, else of every program's (n
 nothing starts by time; a hint still can; by time at most PREFETCHES_PER_PAUSE per pause).
 Room: the pages free in the pool or evictable, less the pages the waiting requests' prompts
 need and those other programs' prefetches pin (prefetches never evict each other); running
-requests' KV is locked, never evicted. A
-prefetch moves only in steps where no waiting request's own load moved: one
-`TieredCache.step_pages` part per step while requests run, the whole prefix while none does;
-none while the room is gone.
+requests' KV is locked, never evicted. By time, a prefetch takes only what is left after the
+programs expected back before it (`Programs.expected_back_at`) claim their working sets
+(`Programs.claims_before`); with nothing left it is skipped, counted once per pause. Due
+programs are looked at in the order they are expected back. A prefetch moves only in steps
+where no waiting request's own load moved: one `TieredCache.step_pages` part per step while
+requests run, the whole prefix while none does; none while the room is gone.
 Its pin (owner `prefetch_owner`) lasts until the program's pause window ends (at least
 PIN_MIN_S, at most --max-retention-s) and is dropped once the program's request is admitted
 (admission locks the prefix) or the prefetch is found wasted.
@@ -102,6 +104,8 @@ class Prefetcher:
         now = self.programs.clock()
         prog.kv.paused_at = now
         expected = self.programs.expected_pause_s(prog)
+        if self.enabled:
+            self.programs.pausing(prog)
         if self.enabled and expected > 0:
             heapq.heappush(self._due, (now + DUE_FRACTION * expected, next(self._seq), prog,
                                        now))
@@ -123,6 +127,7 @@ class Prefetcher:
             kv.num_pauses += 1
             kv.paused_at = None
         kv.pause_prefetches = 0
+        kv.pause_skipped = False
         prefetch = kv.prefetch
         if prefetch is None:
             return
@@ -167,11 +172,17 @@ class Prefetcher:
 
     # ---- prefetches ----------------------------------------------------------------------------
     def _start_due(self, waiting: list[Req]) -> None:
+        """Look at the due programs, the one expected back first first."""
         now = self.programs.clock()
+        self.programs.expire(now)  # at most once per EXPIRE_EVERY_S: the expected returns
+        due = []
         while self._due and self._due[0][0] <= now:
             _, _, prog, paused_at = heapq.heappop(self._due)
             if prog.kv.paused_at != paused_at or self.programs.table.get(prog.key) is not prog:
                 continue  # it came back, or is forgotten
+            back_at = self.programs.expected_back_at(prog, now)
+            due.append((now if back_at is None else back_at, next(self._seq), prog, paused_at))
+        for _, _, prog, paused_at in sorted(due):
             if self.programs.state(prog, now) != "paused":
                 self._waste(prog)  # its pause window is over: it is not coming back soon
                 continue
@@ -180,15 +191,22 @@ class Prefetcher:
                     prefetch.load) < prefetch.limit:
                 self._waste(prog)  # evicted again while it pauses: a new one may start
             if prog.kv.prefetch is None and prog.kv.pause_prefetches < PREFETCHES_PER_PAUSE:
-                if self._start(prog, paused_at + self.programs.pause_window_s(prog) - now,
-                               waiting) == "accepted":
+                status = self._start(prog, paused_at + self.programs.pause_window_s(prog) - now,
+                                     waiting, reserve=True)
+                if status == "accepted":
                     prog.kv.pause_prefetches += 1
+                elif status == "skipped" and not prog.kv.pause_skipped:
+                    prog.kv.pause_skipped = True
+                    self.programs.count_kv(prog, num_prefetch_skipped=1)
             heapq.heappush(self._due, (now + RECHECK_S, next(self._seq), prog, paused_at))
 
-    def _start(self, prog: Program, pin_s: float, waiting: list[Req]) -> str:
+    def _start(self, prog: Program, pin_s: float, waiting: list[Req], reserve: bool = False
+               ) -> str:
         """Start `prog`'s prefetch: "accepted", "resident" (nothing in a tier to move),
         "computed" (computing it is faster than loading it: below the tier crossover),
-        "deferred" (no room now) or "missing" (nothing known to resume)."""
+        "deferred" (no room now), "skipped" (`reserve`: the room left after what the programs
+        expected back sooner will claim is none, or its part there is below the crossover) or
+        "missing" (nothing known to resume)."""
         kv = prog.kv
         if kv.resume_ids is None or self.kv.tiers is None:
             return "missing"
@@ -205,6 +223,11 @@ class Prefetcher:
         match = self.tree.match_prefix(key, kv.resume_namespace)
         if not self.kv.tiers.worth_loading(below):
             return "computed"
+        if reserve:
+            room -= self._reserved(prog)
+            if room <= 0 or (room < below.num_pages and not self.kv.tiers.worth_loading(
+                    below, max_pages=room)):
+                return "skipped"
         pin_s = min(max(pin_s, PIN_MIN_S), self.max_retention_s)
         # pages the host tier no longer holds are read from disk first, off this thread
         load = PrefixLoad(key, kv.resume_namespace, self.kv.tiers.start_disk_load(key, match),
@@ -223,6 +246,23 @@ class Prefetcher:
         others = sum(pages for k, pages in self._held.items() if k != key)
         return (self.kv.available_pages() - others
                 - sum(-(-len(r.fill_ids) // ps) for r in waiting))
+
+    def _reserved(self, prog: Program) -> int:
+        """Pages the programs expected back before `prog` will claim in the pool first (their
+        working sets; what their own prefetches pin `_room` counted already), as the last sweep
+        saw them."""
+        seen_at = self.programs.returns_at
+        back_at = self.programs.expected_back_at(prog, seen_at)
+        if back_at is None:
+            return 0
+        tokens = self.programs.claims_before(back_at)
+        for key, pages in self._held.items():
+            other = self.programs.table.get(key)
+            other_back_at = None if other is None else self.programs.expected_back_at(
+                other, seen_at)
+            if key != prog.key and other_back_at is not None and other_back_at < back_at:
+                tokens -= min(pages * self.kv.page_size, self.programs.return_claim_tokens(other))
+        return -(-max(tokens, 0) // self.kv.page_size)
 
     def _move(self, busy: bool, waiting: list[Req]) -> None:
         """Move the first moving prefetch on: a step's part while requests run, else all;

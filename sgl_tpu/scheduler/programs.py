@@ -17,7 +17,8 @@ output the server, has seen); its state. Paused for longer than its pause window
 longest tool pause, else twice the mean pause, at least MIN_PAUSE_S) it is found idle, and
 after a tool pause reported to `on_done` (retention.py releases its session-hint pins). Per
 program also where its prompt tokens came from and what prefetching did (`KVCounters`, kept by
-prefetch.py in `Program.kv`).
+prefetch.py in `Program.kv`), and, while it pauses, when it is expected back and the KV it will
+claim then (`claims_before`: prefetch.py keeps a prefetch out of a sooner returner's room).
 
 Who is walked, so no call costs the size of the table:
 
@@ -50,6 +51,7 @@ newcomers. The reasoning and the measurements: docs/agents-at-scale.md.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import hmac
 import itertools
@@ -109,6 +111,9 @@ class KVCounters:
     num_prefetch_hits: int = 0  # done before the program came back, and still in the pool
     num_prefetch_late: int = 0  # the program came back while its prefetch was still moving
     num_prefetch_wasted: int = 0  # evicted again, or the program never came back in time
+    # not started (once per pause): the programs expected back sooner and the waiting requests
+    # would claim the room before it came back
+    num_prefetch_skipped: int = 0
 
 
 @dataclass(eq=False)
@@ -121,6 +126,7 @@ class ProgramKV:
     pause_mean_s: float = 0.0  # its own pauses, a PROGRAM_PAUSE_EWMA mean
     num_pauses: int = 0
     pause_prefetches: int = 0  # prefetches started by time in its current pause
+    pause_skipped: bool = False  # a prefetch was skipped in its current pause (counted once)
     prefetch: Any = None  # its prefetch in flight or done (prefetch.Prefetch), or None
     counters: KVCounters = field(default_factory=KVCounters)
 
@@ -186,6 +192,11 @@ class Programs:
         # as of the last sweep: the row share keeps their rows (extend_planner `_row_share`)
         self.expected_back = 0.0
         self.kv_totals = KVCounters()  # every program's, since start-up
+        # (expected back at, claim tokens) of the paused programs expected back, as of the last
+        # sweep (at `returns_at`), and of those paused since (`pausing`): `claims_before` sums
+        self.returns: list[tuple[float, int]] = []
+        self.returns_at = 0.0
+        self._claims: tuple[list[float], list[int]] | None = None  # `returns` sorted, summed
         self._next_expire = 0.0
         # called with the key of each program found done after a tool pause, at most once
         # per program until it comes back
@@ -333,6 +344,9 @@ class Programs:
         back = 0.0
         turns = self.expected_turns()
         gone = []
+        self.returns = []
+        self.returns_at = now
+        self._claims = None
         for key, prog in self.live.items():
             self.num_visits += 1
             state = self.state(prog, now)
@@ -348,6 +362,8 @@ class Programs:
                 else:
                     total += self.expected_working_set(prog)
                     back += state == "paused"
+                if state == "paused":
+                    self._add_return(prog, now)
                 continue
             if state == "idle":
                 gone.append(key)
@@ -361,6 +377,49 @@ class Programs:
             del self.live[key]
         self.expected_back = back
         return total
+
+    # ---- expected returns (prefetch.py) ---------------------------------------------------------
+    def expected_back_at(self, prog: Program, now: float) -> float | None:
+        """When paused `prog` is expected back, as seen at `now` (the programs' clock): its
+        pause start plus its expected pause, or, once it has paused for longer than half that,
+        as long again as it has so far (pauses are heavy-tailed: the longer one has lasted, the
+        longer it is likely to last; the median of a Pareto tail of shape 1). None if it is not
+        paused or no pause was seen yet."""
+        expected = self.expected_pause_s(prog)
+        paused_at = prog.kv.paused_at
+        if paused_at is None or expected <= 0:
+            return None
+        return paused_at + max(expected, 2 * (now - paused_at))
+
+    def return_claim_tokens(self, prog: Program) -> int:
+        """The KV `prog`'s next turn is expected to claim: its working set (the peak of its
+        in-flight contexts), times `return_rate` while it has not come back yet."""
+        share = 1.0 if prog.returned else self.return_rate
+        return int(share * prog.working_set_tokens)
+
+    def pausing(self, prog: Program) -> None:
+        """`prog`'s last request in flight ended (its `kv.paused_at` is set): it counts in
+        `claims_before` before the next sweep."""
+        if prog.admitted:
+            self._add_return(prog, prog.kv.paused_at)
+
+    def _add_return(self, prog: Program, now: float) -> None:
+        back_at = self.expected_back_at(prog, now)
+        if back_at is not None:
+            self.returns.append((back_at, self.return_claim_tokens(prog)))
+            self._claims = None
+
+    def claims_before(self, back_at: float) -> int:
+        """The tokens the paused programs expected back before `back_at` will claim, as seen at
+        `returns_at` (the last sweep; compare a `back_at` seen then), plus those paused since
+        (one that came back since still counts, and its request then counts twice until the
+        next sweep). Sorts once per change."""
+        if self._claims is None:
+            ordered = sorted(self.returns)
+            self._claims = ([t for t, _ in ordered],
+                            list(itertools.accumulate((c for _, c in ordered), initial=0)))
+        times, sums = self._claims
+        return sums[bisect.bisect_left(times, back_at)]
 
     def _learn_done(self, prog: Program) -> None:
         """`prog` was found idle: a one-shot lowers `return_rate`; a returned program's peak
@@ -401,6 +460,8 @@ class Programs:
         self.expected_tokens = 0.0
         self.done_turns.clear()
         self.return_rate = 1.0
+        self.returns = []
+        self._claims = None
 
     # ---- admission control ---------------------------------------------------------------
     def resident_tokens(self, now: float) -> int:

@@ -267,8 +267,9 @@ def _half_scales(m: Int4Groups | Int8Groups) -> Int4Groups | Int8Groups:
 @pytest.mark.parametrize("shape", SHAPES)
 def test_a8_kernel_matches_integer_reference(fmt, shape, scales, build):
     """y = sum_b scale d (integer dot of codes and quantized activations) [+ Q4 zero terms on
-    the exact block sums], in float64 from the reference quantization. Where the weights take
-    16-feature tiles, their scales are float16 exactly when every value is one."""
+    the quantized block sums d * sum(codes), llama.cpp's Q8_1 s], in float64 from the reference
+    quantization: the dot of the stored weights with the quantized activations. Where the
+    weights take 16-feature tiles, their scales are float16 exactly when every value is one."""
     rng = np.random.default_rng(sum(shape) + 1)
     n, k = shape
     m = _int4(n, k, rng) if fmt == "q4" else _int8(n, k, rng)
@@ -286,7 +287,7 @@ def test_a8_kernel_matches_integer_reference(fmt, shape, scales, build):
     scaled = dots * m.scale.astype(np.float64)[None] * d.astype(np.float64)[:, None]
     ref = scaled.sum(-1)  # [M, N]
     if fmt == "q4":
-        xsum = x.numpy().reshape(8, -1, 32).astype(np.float64).sum(-1)  # [M, nb]
+        xsum = d.astype(np.float64) * xq.astype(np.int64).reshape(8, -1, 32).sum(-1)  # [M, nb]
         ref += xsum @ (m.zero.astype(np.float64) - 8 * m.scale.astype(np.float64)).T
     for rows in (1, 3, 8):
         out = kernel(x[:rows])

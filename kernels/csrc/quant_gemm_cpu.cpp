@@ -447,7 +447,7 @@ at::Tensor q8_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
 //
 //     d[m, b] = max_j |x[m, bG + j]| / 127      id = 1 / d (0 when d = 0)     (float32)
 //     xq[m, bG + j] = round_half_even(x[m, bG + j] * id)   in -127..127       (int8)
-//     xsum[m, b] = sum_j x[m, bG + j]     (float32, exact activations: the Q4 zero term)
+//     xsum[m, b] = d[m, b] sum_j xq[m, bG + j]   (float32: the Q4 zero term; Q8_1's s)
 //
 // and each block's dot is an integer one (exact in int32: |q xq| <= 128 * 127 per product):
 //
@@ -455,8 +455,12 @@ at::Tensor q8_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
 //                 + sum_b (zero[n, b] - 8 scale[n, b]) xsum[m, b]
 //     Q8: y[m, n] = sum_b scale[n, b] d[m, b] sum_j q[n, bG + j] xq[m, bG + j]      (q signed)
 //
-// The weights are the stored ones; the error is the activations' rounding (|x - d xq| <= d/2
-// per value) in the scaled part only: the zero term uses the exact block sums. AVX2:
+// which is the dot of the stored weights with the dequantized activations d xq: the error is
+// the activations' rounding (|x - d xq| <= d/2 per value) times the weights. The zero term must
+// take the quantized sums too (as llama.cpp's Q8_1 does): with the exact sums x's rounding
+// errors meet the codes 0..15 alone, not the centred weights q scale + min: on the default
+// model's Q4_1 the mean KL divergence from the float32 model was 4x llama.cpp's, now within 5%
+// of it (docs/benchmarks.md, "Instruction-set levels, faithfulness"). AVX2:
 // `maddubs` multiplies unsigned by signed bytes and adds pairs to int16 (Q4: 15 * 127 * 2, Q8
 // after moving the weight's sign onto the activation: 128 * 127 * 2, both < 2^15, no
 // saturation), `madd` with ones widens to 8 int32 sums; the dots of 8 consecutive blocks are
@@ -472,23 +476,15 @@ at::Tensor q8_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
 struct ActQ8 {
   std::vector<int8_t> q;    // [M, K]
   std::vector<float> d;     // [M, nb]
-  std::vector<float> sum;   // [M, nb] (Q4 only)
+  std::vector<float> sum;   // [M, nb] d * the block's sum of codes (Q4 only)
   std::vector<int32_t> code_sum;  // [M, nb] each block's sum of codes (Q8 tiles only)
   std::vector<float> dpair;  // [M, ceil(nb / 2), 16] (with VNNI: pair_scales)
   std::vector<float> dgroup;  // [M, nb / 16, 16] (Q4 with VNNI: group_scales)
   std::vector<int32_t> bias;  // [M, ceil(nb / 2), 16] (Q8 with VNNI: q8_pair_bias)
 };
 
-// The block's values summed left to right, as the scalar loop always has: a row's results stay
-// the same bits whichever loop quantized it (a new order moved near-tied greedy tokens).
-inline float block_sum(const float* xb) {
-  float s = 0.0f;
-  for (int64_t j = 0; j < kGroup; ++j) s += xb[j];
-  return s;
-}
-
 // One block of kGroup values at `xb` -> its codes at `qb` (`split`: the Q4 order above), its d,
-// and its value and code sums where asked (null: not). Every loop below gives the same codes,
+// and where asked (null: not) its sum d * sum(codes) and its code sum. Every loop below gives the same codes,
 // d and sums: the vector conversions round half to even, as nearbyint does in the default
 // mode.
 inline void quantize_block(const float* xb, int8_t* qb, float* d, float* sum, int32_t* code_sum,
@@ -510,8 +506,7 @@ inline void quantize_block(const float* xb, int8_t* qb, float* d, float* sum, in
   }
   _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(q0));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(q1));
-  if (sum) *sum = block_sum(xb);
-  if (code_sum) *code_sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  const int32_t code_total = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
 #elif SGL_QGEMM_AVX2
   __m256 v[4];
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
@@ -538,33 +533,30 @@ inline void quantize_block(const float* xb, int8_t* qb, float* d, float* sum, in
     codes = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(codes, evens_odds), 0xD8);
   }
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), codes);
-  if (sum) *sum = block_sum(xb);
-  if (code_sum) {
-    const __m256i t = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]),
-                                       _mm256_add_epi32(q[2], q[3]));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-    s4 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
-    *code_sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 1)));
-  }
+  const __m256i t = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]),
+                                     _mm256_add_epi32(q[2], q[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+  s4 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+  const int32_t code_total = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 1)));
 #else
   float amax = 0.0f;
   for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(xb[j]));
   const float dv = amax / 127.0f;
   const float id = dv != 0.0f ? 1.0f / dv : 0.0f;
-  int32_t codes = 0;
+  int32_t code_total = 0;
   for (int64_t j = 0; j < kGroup; ++j) {
     const int64_t to = split ? (j & 1) * (kGroup / 2) + j / 2 : j;
     qb[to] = static_cast<int8_t>(std::nearbyint(xb[j] * id));
-    codes += qb[to];
+    code_total += qb[to];
   }
-  if (sum) *sum = block_sum(xb);
-  if (code_sum) *code_sum = codes;
 #endif
+  if (sum) *sum = dv * float(code_total);
+  if (code_sum) *code_sum = code_total;
   *d = dv;
 }
 
 // Row-by-row (each row's values depend on that row only); `split`: the Q4 order above; `sums`:
-// the value sums (Q4), `code_sums`: the code sums (the Q8 tiles).
+// the sums d * sum(codes) (Q4), `code_sums`: the code sums (the Q8 tiles).
 ActQ8 quantize_rows(const float* x, int64_t M, int64_t K, bool split, bool sums,
                     bool code_sums = false) {
   const int64_t nb = K / kGroup;
@@ -970,7 +962,7 @@ at::Tensor q8_gemm_a8(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
 // Scales (and mins) are float16 where every value is one (a GGUF's are: Q4_1 stores d and m,
 // Q4_0 and Q8_0 d, all float16), else float32: 20 bytes per Q4 block of 32 weights instead of
 // 24, what a batch-1 step streams from memory. The Q4 term is sum_b min[b] xsum[m, b] on the
-// exact block sums, as above.
+// quantized block sums, as above.
 //
 // The activations stay in natural order (dword j of a block = its values 4j .. 4j + 3). Every
 // row runs the same operations whatever M is; a row's result does not depend on M.

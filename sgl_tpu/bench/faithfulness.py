@@ -3,12 +3,12 @@ over the same tokens, for this server's default path and for llama.cpp (`llama-p
 the same GGUF.
 
     python -m sgl_tpu.bench.faithfulness [--model-path M.gguf] [--llama-perplexity BIN]
-        [--ctx 128] [--chunks N] [--threads 2] [--output OUT.json]
+        [--text-file FILE] [--ctx 128] [--chunks N] [--threads 2] [--output OUT.json]
 
-The tokens: `TEXT` through the model's tokenizer, cut into chunks of `--ctx` tokens (the
-chunk's first token replaced by BOS where the GGUF adds one), scored as llama-perplexity scores
-them: each chunk from an empty cache, the positions from ctx/2 on predicting the next token
-(the first half is context only), so ctx/2 - 1 positions per chunk.
+The tokens: `TEXT` (or `--text-file`'s text) through the model's tokenizer, cut into chunks of
+`--ctx` tokens (the chunk's first token replaced by BOS where the GGUF adds one), scored as
+llama-perplexity scores them: each chunk from an empty cache, the positions from ctx/2 on
+predicting the next token (the first half is context only), so ctx/2 - 1 positions per chunk.
 
 Our side runs the model twice in this process: the reference (`--quantization none --dtype
 float32`: the GGUF's weights dequantized to float32), each chunk in one step, and the default
@@ -25,6 +25,8 @@ takes it), so both compare with one reference:
     ours.perplexity / reference.perplexity   exp(mean NLL) over the scored positions
     ours.top1_agreement                      fraction of positions whose argmax equals the
                                              reference's
+    ours.kld_mean                            mean KL divergence from the reference's float32
+                                             log-probabilities (not their 16-bit encoding)
     llama.perplexity, llama.top1_agreement   llama-perplexity's "Mean PPL(Q)", "Same top p"
     llama.kld_mean                           its "Mean KLD" against the reference
 """
@@ -175,15 +177,25 @@ def targets_of(token_chunks: list[list[int]]) -> np.ndarray:
     return np.concatenate([np.asarray(c[len(c) // 2 + 1:], np.int64) for c in token_chunks])
 
 
-def score(logits: np.ndarray, targets: np.ndarray, ref_top1: np.ndarray) -> dict[str, Any]:
-    """Perplexity over the scored positions and top-1 agreement with `ref_top1`."""
+def log_softmax(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float64)
-    mx = x.max(axis=1)
-    lse = mx + np.log(np.exp(x - mx[:, None]).sum(axis=1))
-    nll = lse - x[np.arange(len(x)), targets]
-    return {"perplexity": round(math.exp(float(nll.mean())), 4),
-            "top1_agreement": round(float((x.argmax(axis=1) == ref_top1).mean()), 4),
-            "positions": len(x)}
+    mx = x.max(axis=1, keepdims=True)
+    return x - mx - np.log(np.exp(x - mx).sum(axis=1, keepdims=True))
+
+
+def score(logits: np.ndarray, targets: np.ndarray, ref_top1: np.ndarray,
+          ref_logits: np.ndarray | None = None) -> dict[str, Any]:
+    """Perplexity over the scored positions, top-1 agreement with `ref_top1` and, given the
+    reference's logits, the mean KL divergence from them."""
+    lp = log_softmax(logits)
+    nll = -lp[np.arange(len(lp)), targets]
+    out = {"perplexity": round(math.exp(float(nll.mean())), 4),
+           "top1_agreement": round(float((lp.argmax(axis=1) == ref_top1).mean()), 4),
+           "positions": len(lp)}
+    if ref_logits is not None:
+        ref = log_softmax(ref_logits)
+        out["kld_mean"] = round(float((np.exp(ref) * (ref - lp)).sum(axis=1).mean()), 6)
+    return out
 
 
 def make_engine(model_path: str | None, quantization: str, dtype: str, threads: int,
@@ -251,11 +263,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from sgl_tpu.loader.default_model import default_model_path
 
     model_path = args.model_path or default_model_path()
+    text = TEXT if args.text_file is None else Path(args.text_file).read_text()
     result: dict[str, Any] = {"model_path": Path(model_path).name, "ctx": args.ctx,
-                              "threads": args.threads, "text_chars": len(TEXT)}
+                              "threads": args.threads,
+                              "text": "built-in" if args.text_file is None else args.text_file,
+                              "text_chars": len(text)}
     t0 = time.perf_counter()
     engine = make_engine(model_path, *REFERENCE, args.threads)
-    ids = engine.tokenizer.encode(TEXT)
+    ids = engine.tokenizer.encode(text)
     token_chunks = chunks(ids, args.ctx, _add_bos(model_path), args.chunks)
     targets = targets_of(token_chunks)
     ref_logits = scored_logits(engine, token_chunks, per_token=False)
@@ -276,7 +291,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["ours"] = {"dtype": compute["dtype"], "gemm": compute["gemm"],
                       "quantization": compute.get("quantization"),
                       "kernel_flavours": {k: v.get("flavour") for k, v in kernels.items()},
-                      **score(logits, targets, ref_top1),
+                      **score(logits, targets, ref_top1, ref_logits),
                       "seconds": round(time.perf_counter() - t0, 1)}
     if args.llama_perplexity:
         with tempfile.TemporaryDirectory() as tmp:
@@ -301,6 +316,8 @@ def main(argv: list[str] | None = None) -> None:
     p = parser(__doc__.split("\n\n")[0], "a GGUF (default: the default model)")
     p.add_argument("--llama-perplexity", default=None,
                    help="llama.cpp's llama-perplexity binary (none: our side only)")
+    p.add_argument("--text-file", default=None,
+                   help="score this file's text instead of the built-in 273-token one")
     p.add_argument("--ctx", type=int, default=128, help="tokens per chunk (llama's -c)")
     p.add_argument("--chunks", type=int, default=None, help="at most this many chunks")
     args = p.parse_args(argv)

@@ -19,7 +19,8 @@ the weights are exactly the stored ones (no activation quantization), float32 ac
 quantize each activation row per block of 32 to int8 first (llama.cpp's Q8_0: d = max|x| / 127,
 xq = round_half_even(x / d)) and take integer block dots (exact in int32: AVX512-VNNI vpdpbusd,
 a block pair per instruction, where the build has it, else AVX2 maddubs/madd), one float FMA
-per block (pair) with scale * d; the Q4 zero term uses the exact float block sums. The module's
+per block (pair) with scale * d; the Q4 zero term uses the quantized block sums d * sum(xq)
+(llama.cpp's Q8_1 s), so a block computes the stored weights times d * xq. The module's
 `simd` ("avx512f", "avx2-fma", "scalar") and `vnni` attributes say which code it holds.
 `quantize_a8(x) -> (xq i8[M, K], d f32[M, nb])` is that quantization, for tests.
 
@@ -38,8 +39,8 @@ dots and float operations per lane, so the same bits as the 512-bit kernels:
     pack_q8_tiles(q, scale) -> Q8Tiles(qt u8[N/16, nb, 512], st)    byte = code + 128
 
 Scales are float16 where every value is one (a GGUF's: its d and m are float16), else float32.
-The same math (integer block dots, one FMA per block, the Q4 min term on the exact block sums);
-the float32 summation order differs from the block layout's kernels, and the Q4 term is
+The same math (integer block dots, one FMA per block, the Q4 min term on the quantized block
+sums); the float32 summation order differs from the block layout's kernels, and the Q4 term is
 min * xsum, one product, where they take zero * xsum - 8 scale * xsum.
 `available()` / `why_unavailable()` say whether the compiled module loads.
 """

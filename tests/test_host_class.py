@@ -220,8 +220,8 @@ def test_report_reads_each_criterion_as_ours_better_by(tmp_path):
         "single": {"itl_p50_ms": {"none": 5.0, "llama-server": 10.0}, "none_over_llama": 0.5,
                    "itl_over_floor": {"none": 2.0}},
         "c8_256": {"itl_p50_ms": {"auto": 20.0, "llama-server": 40.0}, "auto_over_llama": 0.5},
-        "faithfulness": {"ours": {"perplexity": 80.0, "top1_agreement": 0.95},
-                         "llama": {"perplexity": 78.0, "top1_agreement": 0.95},
+        "faithfulness": {"ours": {"perplexity": 80.0, "top1_agreement": 0.95, "kld_mean": 0.004},
+                         "llama": {"perplexity": 78.0, "top1_agreement": 0.95, "kld_mean": 0.002},
                          "reference": {"perplexity": 77.0}}}}}
     got = host_class_report.factors(summary)
     assert got["one stream, drafts off: llama-server ITL / ours"]["135m"][0] == pytest.approx(2.0)
@@ -234,6 +234,8 @@ def test_report_reads_each_criterion_as_ours_better_by(tmp_path):
     assert "**2.00x** ✗" in rows["8 streams: llama-server per-stream ITL / ours"]
     assert "**0.50x** ✗" in rows["one stream, drafts off: bandwidth floor / ITL"]
     assert "**1.00x** ✓" in rows["top-1 agreement with float32: ours / llama.cpp's"]
+    assert "**0.50x** (0.0040 / 0.0020)" in rows[
+        "mean KL divergence from float32: llama.cpp's / ours"]
     host_class_report.plot(summary, str(tmp_path / "t.png"))
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
 

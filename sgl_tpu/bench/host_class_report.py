@@ -90,6 +90,14 @@ def _top1(runs: dict[str, Any]) -> tuple[float | None, str]:
     return ours / peer if peer else None, f"{ours:.3f} / {peer:.3f}"
 
 
+def _kld(runs: dict[str, Any]) -> tuple[float | None, str]:
+    f = runs.get("faithfulness", {})
+    ours, peer = f.get("ours", {}).get("kld_mean"), f.get("llama", {}).get("kld_mean")
+    if ours is None or peer is None:
+        return None, "-"
+    return peer / ours if ours else None, f"{ours:.4f} / {peer:.4f}"
+
+
 # (plot label, criterion, the factor it asks for, how to read it from one size's runs). Each
 # factor is "ours better by": llama-server's time over ours, our rate over its, the floor over
 # our ITL.
@@ -103,6 +111,7 @@ ROWS: tuple[Row, ...] = (
     ("floor", "one stream, drafts off: bandwidth floor / ITL", 1 / 1.3, _floor),
     ("perplexity", "perplexity: llama.cpp's / ours", 1.0, _ppl),
     ("top-1", "top-1 agreement with float32: ours / llama.cpp's", 1.0, _top1),
+    ("KL divergence", "mean KL divergence from float32: llama.cpp's / ours", 0.0, _kld),
 )
 
 
@@ -145,6 +154,7 @@ def plot(summary: dict[str, Any], path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     table = factors(summary)
     sizes = list(summary.get("runs", {}))
@@ -160,6 +170,8 @@ def plot(summary: dict[str, Any], path: str) -> None:
             ax.hlines(target, j - 0.45, j + 0.45, colors="black", linestyles="dashed")
     ax.set_xticks(range(len(ROWS)), [label for label, _, _, _ in ROWS], fontsize=8)
     ax.set_yscale("log")
+    for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+        axis(matplotlib.ticker.FormatStrFormatter("%g"))
     ax.set_ylabel("ours better by (x); dashes: target")
     ax.legend(fontsize=8)
     ax.set_title(title(summary), fontsize=10)

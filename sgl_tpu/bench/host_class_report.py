@@ -19,7 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-Row = tuple[str, str, float, Callable[[dict[str, Any]], tuple[float | None, str]]]
+# one size's runs -> (the factor or None, the measured values behind it)
+Reader = Callable[[dict[str, Any]], tuple[float | None, str]]
+Row = tuple[str, str, float, Reader]
 
 
 def _inverse(x: float | None) -> float | None:
@@ -31,25 +33,16 @@ def _ms(itl: dict[str, float | None], target: str) -> str:
     return "-" if v is None else f"{v:.1f}"
 
 
-def _single_none(runs: dict[str, Any]) -> tuple[float | None, str]:
-    s = runs.get("single", {})
-    itl = s.get("itl_p50_ms", {})
-    return (_inverse(s.get("none_over_llama")),
-            f"{_ms(itl, 'none')} / {_ms(itl, 'llama-server')} ms")
+def _itl(run: str, target: str, ratio: str) -> Reader:
+    """A run's ITL criterion: llama-server's ITL over `target`'s (the summary's `ratio`)."""
 
+    def read(runs: dict[str, Any]) -> tuple[float | None, str]:
+        s = runs.get(run, {})
+        itl = s.get("itl_p50_ms", {})
+        return (_inverse(s.get(ratio)),
+                f"{_ms(itl, target)} / {_ms(itl, 'llama-server')} ms")
 
-def _single_auto(runs: dict[str, Any]) -> tuple[float | None, str]:
-    s = runs.get("single", {})
-    itl = s.get("itl_p50_ms", {})
-    return (_inverse(s.get("auto_over_llama")),
-            f"{_ms(itl, 'auto')} / {_ms(itl, 'llama-server')} ms")
-
-
-def _c8(runs: dict[str, Any]) -> tuple[float | None, str]:
-    s = runs.get("c8_256", {})
-    itl = s.get("itl_p50_ms", {})
-    return (_inverse(s.get("auto_over_llama")),
-            f"{_ms(itl, 'auto')} / {_ms(itl, 'llama-server')} ms")
+    return read
 
 
 def _cold(runs: dict[str, Any]) -> tuple[float | None, str]:
@@ -102,10 +95,12 @@ def _kld(runs: dict[str, Any]) -> tuple[float | None, str]:
 # factor is "ours better by": llama-server's time over ours, our rate over its, the floor over
 # our ITL.
 ROWS: tuple[Row, ...] = (
-    ("one stream", "one stream, drafts off: llama-server ITL / ours", 1 / 0.7, _single_none),
+    ("one stream", "one stream, drafts off: llama-server ITL / ours", 1 / 0.7,
+     _itl("single", "none", "none_over_llama")),
     ("one stream, drafts", "one stream, default (drafts): llama-server ITL / ours", 0.0,
-     _single_auto),
-    ("8 streams", "8 streams: llama-server per-stream ITL / ours", 3.0, _c8),
+     _itl("single", "auto", "auto_over_llama")),
+    ("8 streams", "8 streams: llama-server per-stream ITL / ours", 3.0,
+     _itl("c8_256", "auto", "auto_over_llama")),
     ("cold 2k", "cold 2k-token prompt: llama-server TTFT / ours", 3.0, _cold),
     ("agents", "agent workload: our programs/s / llama-server's", 8.0, _agent),
     ("floor", "one stream, drafts off: bandwidth floor / ITL", 1 / 1.3, _floor),

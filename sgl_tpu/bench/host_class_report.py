@@ -66,29 +66,23 @@ def _floor(runs: dict[str, Any]) -> tuple[float | None, str]:
     return _inverse(over), "-" if over is None else f"ITL {over:.2f}x the floor"
 
 
-def _ppl(runs: dict[str, Any]) -> tuple[float | None, str]:
-    f = runs.get("faithfulness", {})
-    ours, peer = f.get("ours", {}).get("perplexity"), f.get("llama", {}).get("perplexity")
-    ref = f.get("reference", {}).get("perplexity")
-    if ours is None or peer is None:
-        return None, "-"
-    return peer / ours, f"{ours:.2f} / {peer:.2f} (float32 {ref:.2f})"
+def _faith(key: str, lower_is_better: bool, digits: int, with_reference: bool = False
+           ) -> Reader:
+    """A faithfulness criterion: our `key` against llama.cpp's (and, `with_reference`, the
+    float32 reference's beside them)."""
 
+    def read(runs: dict[str, Any]) -> tuple[float | None, str]:
+        f = runs.get("faithfulness", {})
+        ours, peer = f.get("ours", {}).get(key), f.get("llama", {}).get(key)
+        if ours is None or peer is None:
+            return None, "-"
+        detail = f"{ours:.{digits}f} / {peer:.{digits}f}"
+        if with_reference:
+            detail += f" (float32 {f.get('reference', {}).get(key, float('nan')):.{digits}f})"
+        better, worse = (peer, ours) if lower_is_better else (ours, peer)
+        return better / worse if worse else None, detail
 
-def _top1(runs: dict[str, Any]) -> tuple[float | None, str]:
-    f = runs.get("faithfulness", {})
-    ours, peer = f.get("ours", {}).get("top1_agreement"), f.get("llama", {}).get("top1_agreement")
-    if ours is None or peer is None:
-        return None, "-"
-    return ours / peer if peer else None, f"{ours:.3f} / {peer:.3f}"
-
-
-def _kld(runs: dict[str, Any]) -> tuple[float | None, str]:
-    f = runs.get("faithfulness", {})
-    ours, peer = f.get("ours", {}).get("kld_mean"), f.get("llama", {}).get("kld_mean")
-    if ours is None or peer is None:
-        return None, "-"
-    return peer / ours if ours else None, f"{ours:.4f} / {peer:.4f}"
+    return read
 
 
 # (plot label, criterion, the factor it asks for, how to read it from one size's runs). Each
@@ -104,9 +98,12 @@ ROWS: tuple[Row, ...] = (
     ("cold 2k", "cold 2k-token prompt: llama-server TTFT / ours", 3.0, _cold),
     ("agents", "agent workload: our programs/s / llama-server's", 8.0, _agent),
     ("floor", "one stream, drafts off: bandwidth floor / ITL", 1 / 1.3, _floor),
-    ("perplexity", "perplexity: llama.cpp's / ours", 1.0, _ppl),
-    ("top-1", "top-1 agreement with float32: ours / llama.cpp's", 1.0, _top1),
-    ("KL divergence", "mean KL divergence from float32: llama.cpp's / ours", 0.0, _kld),
+    ("perplexity", "perplexity: llama.cpp's / ours", 1.0,
+     _faith("perplexity", True, 2, with_reference=True)),
+    ("top-1", "top-1 agreement with float32: ours / llama.cpp's", 1.0,
+     _faith("top1_agreement", False, 3)),
+    ("KL divergence", "mean KL divergence from float32: llama.cpp's / ours", 0.0,
+     _faith("kld_mean", True, 4)),
 )
 
 
